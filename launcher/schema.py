@@ -1,0 +1,239 @@
+"""Strict conversion of plain data (parsed YAML/JSON) into frozen dataclasses.
+
+Torch-free and stdlib-only: both sides use it, the launcher to read the run spec
+and `submit` to load cluster profiles and job specs. Every error names the key
+path, the bad value and the fix, because the user meets these messages first.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from typing import Any, Literal, Mapping, Union, get_args, get_origin, get_type_hints
+
+_CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
+
+
+class SchemaError(ValueError):
+    """Bad input: names the key, the value and the fix."""
+
+    def __init__(self, key: str, value: Any, fix: str) -> None:
+        self.key, self.value, self.fix = key, value, fix
+        super().__init__(f"{key or '<top>'}: {_show(value)}: {fix}")
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def closest(name: str, choices: typing.Iterable[str]) -> str:
+    """' (did you mean X?)' for the nearest valid name, or ''."""
+    match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def check_text(key: str, value: str) -> str:
+    """Reject newlines and control characters: they break scripts and logs."""
+    if _CONTROL_CHARS.search(value):
+        raise SchemaError(key, value, "newlines and control characters are not allowed here; use one plain line")
+    return value
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def load(cls: type, data: Any, path: str = "") -> Any:
+    """Build dataclass `cls` from `data`, strictly: unknown keys and wrong types are errors."""
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise SchemaError(path, data, f"expected a mapping of {cls.__name__} keys")
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for key in data:
+        if key not in fields:
+            valid = ", ".join(sorted(fields))
+            raise SchemaError(_join(path, str(key)), data[key],
+                              f"unknown key{closest(str(key), fields)}; valid keys: {valid}")
+    kwargs = {}
+    for name, field in fields.items():
+        key = _join(path, name)
+        if name in data:
+            kwargs[name] = convert(hints[name], data[name], key)
+        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            raise SchemaError(key, None, "this key is required")
+    try:
+        return cls(**kwargs)
+    except SchemaError:
+        raise
+    except (TypeError, ValueError) as exc:  # a __post_init__ check that forgot to name its key
+        raise SchemaError(path, data, str(exc)) from None
+
+
+def _is_optional(tp: Any) -> bool:
+    return get_origin(tp) in (Union, types.UnionType) and type(None) in get_args(tp)
+
+
+def convert(tp: Any, value: Any, key: str) -> Any:
+    """Convert one value to type `tp` or raise SchemaError naming `key`."""
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in get_args(tp):
+            return None
+        options = [a for a in get_args(tp) if a is not type(None)]
+        errors = []
+        for option in options:
+            try:
+                return convert(option, value, key)
+            except SchemaError as exc:
+                errors.append(exc.fix)
+        raise SchemaError(key, value, " or ".join(errors))
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            raise SchemaError(key, value, f"must be one of {', '.join(map(str, choices))}"
+                                          f"{closest(str(value), map(str, choices))}")
+        return value
+    if origin in (tuple, list):
+        (item,) = get_args(tp)[:1]
+        if not isinstance(value, (list, tuple)):
+            raise SchemaError(key, value, "expected a list")
+        return tuple(convert(item, v, f"{key}[{i}]") for i, v in enumerate(value))
+    if origin in (dict, Mapping, typing.Mapping):
+        ktype, vtype = get_args(tp)
+        if not isinstance(value, Mapping):
+            raise SchemaError(key, value, "expected a mapping")
+        return types.MappingProxyType(
+            {convert(ktype, k, f"{key}.{k}"): convert(vtype, v, f"{key}.{k}") for k, v in value.items()})
+    if dataclasses.is_dataclass(tp):
+        return load(tp, value, key)
+    return _scalar(tp, value, key)
+
+
+def _scalar(tp: Any, value: Any, key: str) -> Any:
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise SchemaError(key, value, "expected true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise SchemaError(key, value, "expected a whole number")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise SchemaError(key, value, "expected a number")
+    if tp is str:
+        if isinstance(value, str):
+            return check_text(key, value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return check_text(key, str(value))  # YAML reads `time: 10` or `qos: 1` as numbers
+        raise SchemaError(key, value, "expected a string")
+    if tp is Any:
+        return value
+    raise TypeError(f"schema: unsupported field type {tp!r} at {key}")
+
+
+# ----------------------------------------------------------------- --set overrides
+
+def field_type(cls: type, dotted: str) -> Any:
+    """The declared type at `a.b.c` inside dataclass `cls` (mapping fields accept any key)."""
+    tp: Any = cls
+    walked = ""
+    for part in dotted.split("."):
+        walked = _join(walked, part)
+        tp = _strip_optional(tp)
+        if dataclasses.is_dataclass(tp):
+            names = {f.name for f in dataclasses.fields(tp)}
+            if part not in names:
+                raise SchemaError(walked, None, f"unknown key{closest(part, names)}; valid keys: "
+                                                f"{', '.join(sorted(names))}")
+            tp = get_type_hints(tp)[part]
+        elif get_origin(tp) in (dict, Mapping, typing.Mapping):
+            tp = get_args(tp)[1]
+        else:
+            raise SchemaError(walked, None, "this key holds a single value and has no sub-keys")
+    return tp
+
+
+def _strip_optional(tp: Any) -> Any:
+    if _is_optional(tp):
+        rest = [a for a in get_args(tp) if a is not type(None)]
+        return rest[0] if len(rest) == 1 else tp
+    return tp
+
+
+def parse_text(tp: Any, text: str, key: str) -> Any:
+    """Turn `--set` text into a plain value of the field's type (validated later by load)."""
+    if text in ("null", "none", "~") and _is_optional(tp):
+        return None
+    base = _strip_optional(tp)
+    origin = get_origin(base)
+    if origin in (tuple, list):
+        item = get_args(base)[0]
+        return [parse_text(item, part, key) for part in text.split(",")] if text else []
+    if base is bool:
+        lowered = text.lower()
+        if lowered in ("true", "yes", "1", "on"):
+            return True
+        if lowered in ("false", "no", "0", "off"):
+            return False
+        raise SchemaError(key, text, "expected true or false")
+    if base is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise SchemaError(key, text, "expected a whole number") from None
+    if base is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise SchemaError(key, text, "expected a number") from None
+    if dataclasses.is_dataclass(base) or origin in (dict, Mapping, typing.Mapping):
+        raise SchemaError(key, text, "this key is a section; set one of its keys, e.g. "
+                                     f"--set {key}.<key>=VALUE")
+    return text
+
+
+def apply_overrides(cls: type, data: Mapping[str, Any], overrides: typing.Sequence[str]) -> dict:
+    """Apply `a.b=value` overrides to a raw mapping, each cast to the field's declared type."""
+    result = _deep_copy(data)
+    for item in overrides:
+        if "=" not in item:
+            raise SchemaError(item, item, "write overrides as --set KEY=VALUE, e.g. --set train.steps=100")
+        dotted, text = item.split("=", 1)
+        dotted = dotted.strip()
+        value = parse_text(field_type(cls, dotted), text, dotted)
+        node = result
+        parts = dotted.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = {}
+                node[part] = child
+            node = child
+        node[parts[-1]] = value
+    return result
+
+
+def _deep_copy(data: Any) -> Any:
+    if isinstance(data, Mapping):
+        return {k: _deep_copy(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_deep_copy(v) for v in data]
+    return data
+
+
+def to_plain(obj: Any) -> Any:
+    """Dataclass -> JSON-ready plain data (the inverse of `load`)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, Mapping):
+        return {k: to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_plain(v) for v in obj]
+    return obj

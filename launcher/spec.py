@@ -1,0 +1,196 @@
+"""The job spec: the one contract between `submit` (which validates and plans it)
+and the launcher (which runs it). Torch-free and stdlib-only.
+
+A job spec never names a host; a cluster profile never names a model.
+The planner writes the resolved spec as `spec.json` into the run dir, together
+with a `RunInfo` section that carries what the ranks need from the cluster.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Mapping, Optional
+
+from launcher.schema import SchemaError, load, to_plain
+
+ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
+SPEC_FILE = "spec.json"
+
+Precision = Literal["fp32", "bf16", "fp16"]
+
+
+@dataclass(frozen=True)
+class Resources:
+    nodes: int = 1
+    """Number of nodes."""
+    gpus_per_node: int = 0
+    """GPUs per node; 0 trains on CPU ranks (gloo)."""
+    tasks_per_node: Optional[int] = None
+    """Ranks per node; defaults to gpus_per_node (one rank per GPU). Required for CPU jobs."""
+    cpus_per_task: int = 1
+    """CPU cores per rank (data loading threads, the CPU math of CPU jobs)."""
+    time: str = "01:00:00"
+    """Wall-clock limit, in Slurm's syntax: MM, HH:MM:SS or D-HH:MM:SS."""
+    partition: Optional[str] = None
+    """Partition; the cluster's default partition when unset."""
+    memory_gb: Optional[int] = None
+    """Memory per node in GiB; the partition's default when unset."""
+
+
+@dataclass(frozen=True)
+class Parallel:
+    dp: int = 1
+    """Data-parallel degree."""
+    tp: int = 1
+    """Tensor-parallel degree (kept inside one NVLink/NVSwitch domain)."""
+    pp: int = 1
+    """Pipeline-parallel degree (must divide the number of layers)."""
+    dp_mode: Literal["fsdp", "ddp"] = "fsdp"
+    """How data parallelism keeps parameters: fsdp (FSDP2 fully_shard, ZeRO-3-like) or ddp (replicated)."""
+
+
+@dataclass(frozen=True)
+class Model:
+    n_layers: int = 4
+    """Transformer blocks."""
+    d_model: int = 128
+    """Hidden size."""
+    n_heads: int = 4
+    """Attention heads (d_model must be divisible by it, and it by tp)."""
+    vocab_size: int = 256
+    """Vocabulary size; 256 for the byte-level corpus `meshrun data` builds."""
+    seq_len: int = 128
+    """Tokens per training sequence."""
+    ffn_mult: float = 2.6667
+    """SwiGLU hidden size as a multiple of d_model (rounded up to a multiple of 64)."""
+
+
+@dataclass(frozen=True)
+class Train:
+    model: Model = field(default_factory=Model)
+    """The GPT-style model to train."""
+    steps: int = 100
+    """Optimizer steps."""
+    precision: Precision = "fp32"
+    """fp32, bf16 or fp16 (mixed precision on GPUs; CPU runs use fp32 math)."""
+    global_batch: int = 8
+    """Sequences per optimizer step, across all data-parallel ranks (as in Megatron)."""
+    micro_batch: int = 2
+    """Sequences per forward/backward on one data-parallel rank; accumulation = global/(micro*dp)."""
+    lr: float = 3e-4
+    """Peak learning rate."""
+    min_lr: float = 3e-5
+    """Learning rate at the end of the cosine schedule."""
+    warmup_steps: int = 10
+    """Linear warmup steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (never applied to norms and biases)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    log_every: int = 1
+    """Write a metrics.jsonl line every N steps."""
+    eval_every: int = 0
+    """Validation loss every N steps; 0 disables."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward to save memory."""
+    seed: int = 0
+    """Random seed (model init, data order)."""
+
+
+@dataclass(frozen=True)
+class Data:
+    path: str = "~/.cache/meshrun/data/stdlib.u16"
+    """Token file as seen by the ranks (uint16 tokens); build one with `meshrun data`."""
+    val_fraction: float = 0.05
+    """Tail fraction of the file held out for validation."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    every: int = 0
+    """Save every N steps; 0 saves only at the end and on preemption."""
+    keep: int = 3
+    """Keep the newest K complete checkpoints."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    name: str
+    """Job name, shown by Slurm and meshrun (letters, digits, . _ + -)."""
+    resources: Resources = field(default_factory=Resources)
+    """What to ask the scheduler for."""
+    parallel: Parallel = field(default_factory=Parallel)
+    """How the ranks split the model and the data: dp x tp x pp must equal the rank count."""
+    train: Optional[Train] = None
+    """The built-in GPT trainer's settings (exclusive with `command`)."""
+    command: Optional[tuple[str, ...]] = None
+    """Your own program as an argv list, run on every rank with torchrun-compatible variables."""
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    """Checkpoint cadence and retention."""
+    data: Data = field(default_factory=Data)
+    """Training data."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Extra environment variables for every rank (never put secrets here: scripts are readable)."""
+
+    def __post_init__(self) -> None:
+        if not JOB_NAME.match(self.name):
+            raise SchemaError("name", self.name, "use 1-128 letters, digits, '.', '_', '+' or '-', "
+                                                 "starting with a letter or digit")
+        for key in self.env:
+            if not ENV_KEY.match(key):
+                raise SchemaError(f"env.{key}", key, "environment variable names match "
+                                                     "[A-Za-z_][A-Za-z0-9_]*")
+        if self.train is not None and self.command is not None:
+            raise SchemaError("command", list(self.command), "give either `train` or `command`, not both")
+        if self.command is not None and not self.command:
+            raise SchemaError("command", [], "give the program and its arguments, e.g. [python, train.py]")
+
+    @property
+    def trainer(self) -> Train:
+        """The trainer settings; the defaults when a spec gives neither train nor command."""
+        return self.train if self.train is not None else Train()
+
+    @property
+    def tasks_per_node(self) -> int:
+        r = self.resources
+        return r.tasks_per_node if r.tasks_per_node is not None else max(r.gpus_per_node, 1)
+
+    @property
+    def world_size(self) -> int:
+        return self.resources.nodes * self.tasks_per_node
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What the planner adds for the ranks: filled on the caller's machine, read on the cluster."""
+    cluster: str
+    """Cluster profile name."""
+    scheduler: Literal["slurm", "local"]
+    """How the job was started."""
+    run_dir: str
+    """The run dir on the cluster (logs, metrics, checkpoints)."""
+    nccl_env: Mapping[str, str] = field(default_factory=dict)
+    """The cluster's NCCL/network preset, applied by each rank before init unless already set."""
+    checkpoint_dir: str = ""
+    """Where checkpoints go (the cluster's shared checkpoint root, or run_dir/checkpoints)."""
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """The file `spec.json` in a run dir: the job as planned plus the run info."""
+    job: JobSpec
+    run: RunInfo
+
+
+def write_run_spec(run_spec: RunSpec, run_dir: Path) -> Path:
+    path = Path(run_dir) / SPEC_FILE
+    path.write_text(json.dumps(to_plain(run_spec), indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def read_run_spec(run_dir: Path) -> RunSpec:
+    path = Path(run_dir) / SPEC_FILE
+    return load(RunSpec, json.loads(path.read_text()))
