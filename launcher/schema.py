@@ -6,6 +6,7 @@ path, the bad value and the fix, because the user meets these messages first.
 """
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import difflib
 import re
@@ -103,12 +104,11 @@ def convert(tp: Any, value: Any, key: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise SchemaError(key, value, "expected a list")
         return tuple(convert(item, v, f"{key}[{i}]") for i, v in enumerate(value))
-    if origin in (dict, Mapping, typing.Mapping):
+    if origin in (dict, collections.abc.Mapping):
         ktype, vtype = get_args(tp)
         if not isinstance(value, Mapping):
             raise SchemaError(key, value, "expected a mapping")
-        return types.MappingProxyType(
-            {convert(ktype, k, f"{key}.{k}"): convert(vtype, v, f"{key}.{k}") for k, v in value.items()})
+        return {convert(ktype, k, f"{key}.{k}"): convert(vtype, v, f"{key}.{k}") for k, v in value.items()}
     if dataclasses.is_dataclass(tp):
         return load(tp, value, key)
     return _scalar(tp, value, key)
@@ -153,7 +153,7 @@ def field_type(cls: type, dotted: str) -> Any:
                 raise SchemaError(walked, None, f"unknown key{closest(part, names)}; valid keys: "
                                                 f"{', '.join(sorted(names))}")
             tp = get_type_hints(tp)[part]
-        elif get_origin(tp) in (dict, Mapping, typing.Mapping):
+        elif get_origin(tp) in (dict, collections.abc.Mapping):
             tp = get_args(tp)[1]
         else:
             raise SchemaError(walked, None, "this key holds a single value and has no sub-keys")
@@ -193,7 +193,7 @@ def parse_text(tp: Any, text: str, key: str) -> Any:
             return float(text)
         except ValueError:
             raise SchemaError(key, text, "expected a number") from None
-    if dataclasses.is_dataclass(base) or origin in (dict, Mapping, typing.Mapping):
+    if dataclasses.is_dataclass(base) or origin in (dict, collections.abc.Mapping):
         raise SchemaError(key, text, "this key is a section; set one of its keys, e.g. "
                                      f"--set {key}.<key>=VALUE")
     return text
@@ -207,7 +207,11 @@ def apply_overrides(cls: type, data: Mapping[str, Any], overrides: typing.Sequen
             raise SchemaError(item, item, "write overrides as --set KEY=VALUE, e.g. --set train.steps=100")
         dotted, text = item.split("=", 1)
         dotted = dotted.strip()
-        value = parse_text(field_type(cls, dotted), text, dotted)
+        try:
+            tp = field_type(cls, dotted)
+        except SchemaError as exc:
+            raise SchemaError(exc.key, text, exc.fix) from None
+        value = parse_text(tp, text, dotted)
         node = result
         parts = dotted.split(".")
         for part in parts[:-1]:

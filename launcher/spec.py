@@ -16,7 +16,6 @@ from typing import Literal, Mapping, Optional
 from launcher.schema import SchemaError, load, to_plain
 
 ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
 SPEC_FILE = "spec.json"
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -119,7 +118,7 @@ class Checkpoint:
 @dataclass(frozen=True)
 class JobSpec:
     name: str
-    """Job name, shown by Slurm and meshrun (letters, digits, . _ + -)."""
+    """Job name, shown by Slurm and meshrun; any printable text (it is quoted, never executed)."""
     resources: Resources = field(default_factory=Resources)
     """What to ask the scheduler for."""
     parallel: Parallel = field(default_factory=Parallel)
@@ -136,9 +135,8 @@ class JobSpec:
     """Extra environment variables for every rank (never put secrets here: scripts are readable)."""
 
     def __post_init__(self) -> None:
-        if not JOB_NAME.match(self.name):
-            raise SchemaError("name", self.name, "use 1-128 letters, digits, '.', '_', '+' or '-', "
-                                                 "starting with a letter or digit")
+        if not self.name.strip() or len(self.name) > 128:
+            raise SchemaError("name", self.name, "give the job a name of 1-128 characters")
         for key in self.env:
             if not ENV_KEY.match(key):
                 raise SchemaError(f"env.{key}", key, "environment variable names match "
@@ -185,9 +183,13 @@ class RunSpec:
     run: RunInfo
 
 
+def dumps_run_spec(run_spec: RunSpec) -> str:
+    return json.dumps(to_plain(run_spec), indent=2, sort_keys=True) + "\n"
+
+
 def write_run_spec(run_spec: RunSpec, run_dir: Path) -> Path:
     path = Path(run_dir) / SPEC_FILE
-    path.write_text(json.dumps(to_plain(run_spec), indent=2, sort_keys=True) + "\n")
+    path.write_text(dumps_run_spec(run_spec))
     return path
 
 

@@ -1,0 +1,249 @@
+"""Planning: job spec + cluster profile + --set overrides -> a validated, resolved job.
+
+Pure: reads files, touches no cluster. Every check here runs before anything is
+submitted, and each error names the key, the value and the fix.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import re
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from launcher import schema
+from launcher.parallel_dims import ParallelDims
+from launcher.schema import SchemaError
+from launcher.spec import JobSpec, RunInfo, RunSpec
+from submit.cluster import ClusterProfile, Partition
+from submit.errors import InputError
+from submit.yamlfile import YamlDoc
+
+_TIME = re.compile(r"^(?:(?P<d>\d+)-)?(?P<rest>\d+(?::\d+){0,2})$")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A job ready to render and submit."""
+    spec: JobSpec
+    """The validated spec."""
+    submitted: dict
+    """The spec as the user wrote it, overrides applied (saved as job.yaml)."""
+    cluster: ClusterProfile
+    """Where it runs."""
+    partition: Optional[Partition]
+    """The partition (None on the local cluster)."""
+    run_dir: str
+    """The run dir on the cluster."""
+    time_seconds: int
+    """The time limit in seconds."""
+    run_spec: RunSpec
+    """What the ranks read (spec.json)."""
+
+    @property
+    def spec_hash(self) -> str:
+        text = json.dumps(schema.to_plain(self.spec), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def load_job(path: Path, overrides: Sequence[str] = ()) -> tuple[JobSpec, dict]:
+    """Read a job spec file strictly and apply `--set` overrides."""
+    doc = YamlDoc(path)
+    if not isinstance(doc.data, dict):
+        raise InputError(str(path), doc.data, "a job spec is a mapping with at least `name:`")
+    try:
+        data = schema.apply_overrides(JobSpec, doc.data, overrides)
+    except SchemaError as exc:
+        raise InputError(f"--set {exc.key}", exc.value, exc.fix) from None
+    try:
+        return schema.load(JobSpec, data), data
+    except SchemaError as exc:
+        raise doc.error(exc) from None
+
+
+def parse_time(text: str, key: str = "resources.time") -> int:
+    """Slurm's time syntax (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S) -> seconds."""
+    match = _TIME.match(text.strip())
+    if not match:
+        raise InputError(key, text, "use Slurm's time syntax: MINUTES, HH:MM:SS or D-HH:MM:SS")
+    days = int(match["d"] or 0)
+    parts = [int(p) for p in match["rest"].split(":")]
+    if match["d"] is not None:
+        h, m, s = (parts + [0, 0])[:3]
+    elif len(parts) == 1:
+        h, m, s = 0, parts[0], 0
+    elif len(parts) == 2:
+        h, m, s = 0, parts[0], parts[1]
+    else:
+        h, m, s = parts
+    total = ((days * 24 + h) * 60 + m) * 60 + s
+    if total <= 0:
+        raise InputError(key, text, "the time limit must be positive")
+    return total
+
+
+def format_time(seconds: int) -> str:
+    """Seconds -> D-HH:MM:SS (what sbatch --time accepts)."""
+    minutes, s = divmod(seconds, 60)
+    hours, m = divmod(minutes, 60)
+    days, h = divmod(hours, 24)
+    return f"{days}-{h:02d}:{m:02d}:{s:02d}" if days else f"{h:02d}:{m:02d}:{s:02d}"
+
+
+def _positive(key: str, value: float, minimum: float = 1) -> None:
+    if value < minimum:
+        raise InputError(key, value, f"must be at least {minimum:g}")
+
+
+def check_ranges(spec: JobSpec) -> None:
+    res = spec.resources
+    for key, value in (("resources.nodes", res.nodes), ("resources.cpus_per_task", res.cpus_per_task),
+                       ("parallel.dp", spec.parallel.dp), ("parallel.tp", spec.parallel.tp),
+                       ("parallel.pp", spec.parallel.pp), ("checkpoint.keep", spec.checkpoint.keep)):
+        _positive(key, value)
+    _positive("resources.gpus_per_node", res.gpus_per_node, 0)
+    _positive("checkpoint.every", spec.checkpoint.every, 0)
+    if res.tasks_per_node is not None:
+        _positive("resources.tasks_per_node", res.tasks_per_node)
+    if not 0 <= spec.data.val_fraction < 1:
+        raise InputError("data.val_fraction", spec.data.val_fraction, "use a fraction in [0, 1), e.g. 0.05")
+    if spec.command is None:
+        _check_train_ranges(spec)
+
+
+def _check_train_ranges(spec: JobSpec) -> None:
+    t, m = spec.trainer, spec.trainer.model
+    for key, value in (("train.steps", t.steps), ("train.global_batch", t.global_batch),
+                       ("train.micro_batch", t.micro_batch), ("train.log_every", t.log_every),
+                       ("train.model.n_layers", m.n_layers), ("train.model.d_model", m.d_model),
+                       ("train.model.n_heads", m.n_heads), ("train.model.vocab_size", m.vocab_size),
+                       ("train.model.seq_len", m.seq_len)):
+        _positive(key, value)
+    for key, value in (("train.warmup_steps", t.warmup_steps), ("train.eval_every", t.eval_every),
+                       ("train.weight_decay", t.weight_decay), ("train.grad_clip", t.grad_clip),
+                       ("train.min_lr", t.min_lr)):
+        _positive(key, value, 0)
+    if t.lr <= 0:
+        raise InputError("train.lr", t.lr, "the learning rate must be positive, e.g. 3e-4")
+    if m.d_model % m.n_heads:
+        raise InputError("train.model.d_model", m.d_model,
+                         f"must be divisible by train.model.n_heads ({m.n_heads}): "
+                         f"{m.d_model} % {m.n_heads} = {m.d_model % m.n_heads}")
+    if (m.d_model // m.n_heads) % 2:
+        raise InputError("train.model.d_model", m.d_model,
+                         f"head size d_model/n_heads = {m.d_model // m.n_heads} must be even for rotary embeddings")
+
+
+def check_resources(spec: JobSpec, cluster: ClusterProfile) -> Optional[Partition]:
+    """The resources against the cluster: partition, GPUs, CPUs, nodes, time."""
+    res = spec.resources
+    if res.gpus_per_node and res.tasks_per_node is not None and res.tasks_per_node != res.gpus_per_node:
+        raise InputError("resources.tasks_per_node", res.tasks_per_node,
+                         f"GPU jobs run one rank per GPU: set it to resources.gpus_per_node "
+                         f"({res.gpus_per_node}) or leave it unset")
+    if cluster.scheduler == "local" and res.nodes != 1:
+        raise InputError("resources.nodes", res.nodes, "the local cluster is this one machine: use 1")
+    part = cluster.partition(res.partition)
+    seconds = parse_time(res.time)
+    if res.gpus_per_node > part.gpus_per_node:
+        raise InputError("resources.gpus_per_node", res.gpus_per_node,
+                         f"a node of partition {part.name!r} has {part.gpus_per_node} GPUs; ask for at most that")
+    cpus = spec.tasks_per_node * res.cpus_per_task
+    if cpus > part.cpus_per_node:
+        raise InputError("resources.cpus_per_task", res.cpus_per_task,
+                         f"tasks_per_node({spec.tasks_per_node})*cpus_per_task({res.cpus_per_task})={cpus} "
+                         f"> {part.cpus_per_node} CPUs per node of {part.name!r}; lower one of them")
+    if part.max_nodes is not None and res.nodes > part.max_nodes:
+        raise InputError("resources.nodes", res.nodes, f"partition {part.name!r} allows at most {part.max_nodes} nodes")
+    if part.memory_gb is not None and res.memory_gb is not None and res.memory_gb > part.memory_gb:
+        raise InputError("resources.memory_gb", res.memory_gb,
+                         f"a node of {part.name!r} has {part.memory_gb} GiB; ask for at most that")
+    if part.max_time is not None:
+        limit = parse_time(part.max_time, f"partitions[{part.name}].max_time")
+        if seconds > limit:
+            raise InputError("resources.time", res.time,
+                             f"partition {part.name!r} allows at most {part.max_time}; ask for less or "
+                             f"pick another partition")
+    return part
+
+
+def check_parallel(spec: JobSpec, cluster: ClusterProfile) -> None:
+    """dp x tp x pp against the ranks, the NVLink domain and the model shape."""
+    if spec.command is not None:
+        return  # the user's own program decides its parallelism
+    p, m, t = spec.parallel, spec.trainer.model, spec.trainer
+    dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp)
+    problem = dims.problem(world_size=spec.world_size, n_layers=m.n_layers, n_heads=m.n_heads,
+                           ranks_per_node=spec.tasks_per_node)
+    if problem:
+        raise InputError(problem.key, problem.value, problem.fix)
+    domain = cluster.interconnect.nvlink_domain
+    if spec.resources.gpus_per_node and p.tp > domain:
+        raise InputError("parallel.tp", p.tp, f"tensor parallelism must stay inside one NVLink/NVSwitch domain "
+                                              f"of {domain} GPUs on {cluster.name!r}; use tp <= {domain}")
+    per_step = t.micro_batch * p.dp
+    if t.global_batch % per_step:
+        raise InputError("train.global_batch", t.global_batch,
+                         f"must be a multiple of micro_batch({t.micro_batch})*dp({p.dp})={per_step}; "
+                         f"e.g. {max(per_step, t.global_batch // per_step * per_step)}")
+    if not spec.resources.gpus_per_node and t.precision != "fp32":
+        raise InputError("train.precision", t.precision,
+                         "CPU ranks train in fp32; set train.precision=fp32 or ask for GPUs")
+
+
+def expand_home(path: str, home: str) -> str:
+    """`~` and `~/x` -> the cluster user's home (resolved by the transport, not this machine's)."""
+    if path == "~" or path.startswith("~/"):
+        return home.rstrip("/") + path[1:]
+    return path
+
+
+def run_dir_for(spec: JobSpec, cluster: ClusterProfile, home: str, now: Optional[_dt.datetime] = None) -> str:
+    """<work_dir>/runs/<name>-<UTC time>-<random>: unique, sortable, readable."""
+    now = now or _dt.datetime.now(_dt.timezone.utc)
+    stamp = now.strftime("%Y%m%d-%H%M%S")
+    base = expand_home(cluster.paths.work_dir, home).rstrip("/")
+    return f"{base}/runs/{_slug(spec.name)}-{stamp}-{secrets.token_hex(2)}"
+
+
+def _slug(name: str) -> str:
+    """A file-name-safe form of the job name (the name itself may hold any text)."""
+    return re.sub(r"[^A-Za-z0-9._+-]", "_", name).strip("._")[:64] or "job"
+
+
+def make_plan(spec: JobSpec, submitted: dict, cluster: ClusterProfile, run_dir: Optional[str] = None,
+              home: Optional[str] = None) -> Plan:
+    """Validate everything, then resolve the run dir. `home` is the cluster user's home."""
+    check_ranges(spec)
+    part = check_resources(spec, cluster)
+    check_parallel(spec, cluster)
+    home = home or os.path.expanduser("~")
+    run_dir = run_dir or run_dir_for(spec, cluster, home)
+    ckpt_root = cluster.paths.checkpoint_root and expand_home(cluster.paths.checkpoint_root, home)
+    ckpt_dir = f"{ckpt_root.rstrip('/')}/{Path(run_dir).name}" if ckpt_root else f"{run_dir}/checkpoints"
+    info = RunInfo(cluster=cluster.name, scheduler=cluster.scheduler, run_dir=run_dir,
+                   nccl_env=dict(cluster.interconnect.nccl), checkpoint_dir=ckpt_dir)
+    return Plan(spec=spec, submitted=submitted, cluster=cluster, partition=part, run_dir=run_dir,
+                time_seconds=parse_time(spec.resources.time), run_spec=RunSpec(job=spec, run=info))
+
+
+def plan_file(path: Path, cluster: ClusterProfile, overrides: Sequence[str] = (),
+              run_dir: Optional[str] = None, home: Optional[str] = None) -> Plan:
+    spec, submitted = load_job(path, overrides)
+    return make_plan(spec, submitted, cluster, run_dir, home)
+
+
+def describe(plan: Plan) -> dict[str, Any]:
+    """A short summary for humans and --dry-run."""
+    spec = plan.spec
+    out: dict[str, Any] = {"name": spec.name, "cluster": plan.cluster.name, "run_dir": plan.run_dir,
+                           "nodes": spec.resources.nodes, "tasks_per_node": spec.tasks_per_node,
+                           "gpus_per_node": spec.resources.gpus_per_node}
+    if spec.command is None:
+        t, p = spec.trainer, spec.parallel
+        out.update(dp=p.dp, tp=p.tp, pp=p.pp, accumulation=t.global_batch // (t.micro_batch * p.dp))
+    return out

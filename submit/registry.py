@@ -1,0 +1,104 @@
+"""The local record of submitted jobs (sqlite under $XDG_STATE_HOME/meshrun).
+
+`status`, `logs` and `cancel` find a job here by its id, then ask its cluster.
+"""
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+from submit.errors import InputError, JobNotFound
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id TEXT NOT NULL,
+    cluster TEXT NOT NULL,
+    name TEXT NOT NULL,
+    run_dir TEXT NOT NULL,
+    scheduler TEXT NOT NULL,
+    submitted_at REAL NOT NULL,
+    git_sha TEXT,
+    spec_hash TEXT NOT NULL,
+    last_state TEXT NOT NULL DEFAULT 'SUBMITTED',
+    PRIMARY KEY (cluster, job_id)
+)
+"""
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    job_id: str
+    """The scheduler's job id (Slurm's number, or local-… on the local cluster)."""
+    cluster: str
+    """Cluster profile name."""
+    name: str
+    """Job name."""
+    run_dir: str
+    """The run dir on the cluster."""
+    scheduler: str
+    """slurm or local."""
+    submitted_at: float
+    """Unix time of submission."""
+    git_sha: Optional[str]
+    """The submitting checkout's commit, if it was a git checkout."""
+    spec_hash: str
+    """Hash of the validated spec."""
+    last_state: str = "SUBMITTED"
+    """The last state meshrun saw."""
+
+
+def default_path() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return Path(base) / "meshrun" / "registry.sqlite"
+
+
+class Registry:
+    def __init__(self, path: Optional[Path] = None) -> None:
+        self.path = Path(path) if path else default_path()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path, timeout=10)
+        self._db.execute(_SCHEMA)
+        self._db.commit()
+
+    def add(self, record: JobRecord) -> None:
+        with self._db:
+            self._db.execute("INSERT OR REPLACE INTO jobs VALUES (?,?,?,?,?,?,?,?,?)",
+                             (record.job_id, record.cluster, record.name, record.run_dir, record.scheduler,
+                              record.submitted_at, record.git_sha, record.spec_hash, record.last_state))
+
+    def set_state(self, record: JobRecord, state: str) -> None:
+        with self._db:
+            self._db.execute("UPDATE jobs SET last_state=? WHERE cluster=? AND job_id=?",
+                             (state, record.cluster, record.job_id))
+
+    def _rows(self, where: str = "", args: tuple = ()) -> Iterator[JobRecord]:
+        query = f"SELECT * FROM jobs {where} ORDER BY submitted_at DESC"
+        for row in self._db.execute(query, args):
+            yield JobRecord(*row)
+
+    def find(self, job_id: str, cluster: Optional[str] = None) -> JobRecord:
+        """The one job with this id (on this cluster, if given)."""
+        where, args = ("WHERE job_id=? AND cluster=?", (job_id, cluster)) if cluster else ("WHERE job_id=?", (job_id,))
+        found = list(self._rows(where, args))
+        if not found:
+            raise JobNotFound("JOB", job_id, "no job with this id in the local registry; `meshrun status` "
+                                             "lists the known ones")
+        if len(found) > 1:
+            raise InputError("JOB", job_id, f"this id exists on clusters {', '.join(r.cluster for r in found)}; "
+                                            f"add -c CLUSTER")
+        return found[0]
+
+    def recent(self, limit: int = 20, cluster: Optional[str] = None) -> list[JobRecord]:
+        where, args = ("WHERE cluster=?", (cluster,)) if cluster else ("", ())
+        return list(self._rows(where, args))[:limit]
+
+    def close(self) -> None:
+        self._db.close()
+
+
+def now() -> float:
+    return time.time()

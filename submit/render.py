@@ -1,0 +1,132 @@
+"""Rendering: a plan -> the sbatch script, through templates/ (Jinja2).
+
+Quote by default: every `{{ value }}` is shell-quoted by the environment's
+finalize hook and refused if it holds a newline or a control character. Only
+values wrapped in `Verbatim` (the cluster profile's trusted setup lines) pass
+through as written.
+"""
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+
+from launcher.spec import dumps_run_spec
+from submit.cluster import REPO_ROOT
+from submit.errors import InputError
+from submit.plan import Plan, format_time
+
+TEMPLATE_DIR = REPO_ROOT / "templates"
+VERSION = "0.1.0"
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_LABEL_UNSAFE = re.compile(r"[^A-Za-z0-9._+-]")
+
+
+class Verbatim(str):
+    """A trusted string rendered as written (cluster setup lines only)."""
+
+
+def _finalize(value: Any) -> str:
+    if isinstance(value, Verbatim):
+        return value
+    if value is None or isinstance(value, (dict, list, tuple)):
+        raise InputError("template", value, "internal: only scalars are rendered; this is a meshrun bug")
+    text = str(value)
+    if _CONTROL.search(text):
+        raise InputError("template", text, "newlines and control characters are refused in scripts")
+    return shlex.quote(text)
+
+
+@lru_cache(maxsize=1)
+def environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+        undefined=jinja2.StrictUndefined,
+        finalize=_finalize,
+        autoescape=False,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+
+
+def sbatch_label(name: str) -> str:
+    """A #SBATCH-safe job name: sbatch's own directive parser knows no shell quoting,
+    so the literal name travels as an argv `--job-name` (see slurm.sbatch_argv)."""
+    return _LABEL_UNSAFE.sub("_", name)[:128] or "meshrun"
+
+
+def _setup_lines(plan: Plan) -> list[Verbatim]:
+    lines = []
+    for i, line in enumerate(plan.cluster.setup):
+        if _CONTROL.search(line):
+            raise InputError(f"setup[{i}]", line, "one shell line per list item; no newlines or control characters")
+        lines.append(Verbatim(line))
+    return lines
+
+
+def _rank_command(plan: Plan) -> tuple[list[str], list[str]]:
+    """(srun flags, the command words before the run dir) for the container runtime, if any."""
+    python = [plan.cluster.python, "-m", "launcher"]
+    box = plan.cluster.container
+    if box is None:
+        return [], python
+    if box.runtime == "pyxis":
+        flags = [f"--container-image={box.image}"]
+        if box.mounts:
+            flags.append(f"--container-mounts={','.join(box.mounts)}")
+        return flags, python
+    binds = [word for mount in box.mounts for word in ("--bind", mount)]
+    gpu = ["--nv"] if plan.spec.resources.gpus_per_node else []
+    return [], ["apptainer", "exec", *gpu, *binds, box.image, *python]
+
+
+def context(plan: Plan) -> dict[str, Any]:
+    spec, cluster, res = plan.spec, plan.cluster, plan.spec.resources
+    srun_flags, rank_command = _rank_command(plan)
+    return {
+        "version": VERSION,
+        "cluster_name": cluster.name,
+        "job_name": spec.name,
+        "sbatch_job_name": sbatch_label(spec.name),
+        "nodes": res.nodes,
+        "tasks_per_node": spec.tasks_per_node,
+        "gpus_per_node": res.gpus_per_node,
+        "cpus_per_task": res.cpus_per_task,
+        "time": format_time(plan.time_seconds),
+        "partition": plan.partition.name if plan.partition else None,
+        "account": cluster.defaults.account,
+        "qos": cluster.defaults.qos,
+        "constraint": cluster.defaults.constraint,
+        "exclusive": cluster.defaults.exclusive,
+        "memory_gb": res.memory_gb,
+        "signal_seconds": min(cluster.defaults.signal_seconds, max(plan.time_seconds // 2, 1)),
+        "run_dir": plan.run_dir,
+        "spec_json": Verbatim(dumps_run_spec(plan.run_spec).rstrip("\n")),
+        "setup": _setup_lines(plan),
+        # Keys are checked environment names (ClusterProfile), so the test may be verbatim.
+        "nccl_env": [(key, Verbatim(f'"${{{key}+x}}"'), value)
+                     for key, value in sorted(cluster.interconnect.nccl.items())],
+        "job_env": sorted(spec.env.items()),
+        "sidecar": False,  # the sidecar issue turns this on; the template block is the seam
+        # The local cluster runs its supervisor with the interpreter running meshrun now.
+        "python": sys.executable if cluster.scheduler == "local" else cluster.python,
+        "srun_flags": srun_flags,
+        "rank_command": rank_command,
+    }
+
+
+SCRIPT_NAMES = {"slurm": "job.sbatch", "local": "run.sh"}
+
+
+def render(plan: Plan) -> str:
+    """The job's script for its scheduler (sbatch script, or the local run.sh). Pure."""
+    template = "slurm.sbatch.j2" if plan.cluster.scheduler == "slurm" else "local.sh.j2"
+    try:
+        return environment().get_template(template).render(**context(plan))
+    except jinja2.UndefinedError as exc:
+        raise InputError("template", template, f"internal: {exc}; this is a meshrun bug") from None

@@ -1,0 +1,151 @@
+"""Slurm, as argv builders and pure parsers of its stable output.
+
+Only stable formats are parsed: `sbatch --parsable`, `sacct --parsable2` with a
+fixed field list, and `squeue` with a fixed `-o` format. Nothing here runs a
+command; the transport does.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+from submit.errors import ClusterError
+
+SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "Timelimit", "NodeList", "Restarts")
+SQUEUE_FORMAT = "%i|%T|%M|%l|%N|%r"
+_JOB_ID = re.compile(r"^\d+(_\d+)?$")
+
+# Slurm's job states (squeue long names, sacct names), grouped by what they mean for a user.
+ACTIVE = frozenset({"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD",
+                    "REQUEUE_FED", "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT",
+                    "RESV_DEL_HOLD", "SPECIAL_EXIT"})
+SUCCESS = frozenset({"COMPLETED"})
+FAILURE = frozenset({"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
+                     "BOOT_FAIL", "DEADLINE", "REVOKED"})
+
+
+@dataclass(frozen=True)
+class JobState:
+    job_id: str
+    state: str
+    """One word: PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, TIMEOUT, ..."""
+    exit_code: Optional[str] = None
+    elapsed: Optional[str] = None
+    time_limit: Optional[str] = None
+    nodes: Optional[str] = None
+    restarts: int = 0
+    reason: Optional[str] = None
+
+    @property
+    def done(self) -> bool:
+        return self.state in SUCCESS or self.state in FAILURE
+
+    @property
+    def succeeded(self) -> bool:
+        return self.state in SUCCESS
+
+
+def check_job_id(job_id: str) -> str:
+    if not _JOB_ID.match(job_id):
+        raise ClusterError(f"job id {job_id!r} is not a Slurm job id (digits, or digits_digits for arrays)")
+    return job_id
+
+
+def sbatch_argv(script: str, job_name: str, chdir: str) -> list[str]:
+    # The literal job name travels here, as one argv word: sbatch's #SBATCH parser knows
+    # no shell quoting, so the script carries only a sanitized label (render.sbatch_label).
+    return ["sbatch", "--parsable", f"--job-name={job_name}", f"--chdir={chdir}", script]
+
+
+def parse_sbatch(output: str) -> str:
+    """`sbatch --parsable` prints `ID` or `ID;CLUSTER`."""
+    line = output.strip().splitlines()[-1] if output.strip() else ""
+    job_id = line.split(";", 1)[0].strip()
+    if not job_id.isdigit():
+        raise ClusterError(f"sbatch printed no job id (got {output.strip()!r}); check the script and the partition")
+    return job_id
+
+
+def sacct_argv(job_ids: Sequence[str]) -> list[str]:
+    ids = ",".join(check_job_id(j) for j in job_ids)
+    return ["sacct", "--allocations", "--parsable2", "--noheader", "--jobs", ids,
+            "--format", ",".join(SACCT_FIELDS)]
+
+
+def squeue_argv(job_ids: Sequence[str]) -> list[str]:
+    ids = ",".join(check_job_id(j) for j in job_ids)
+    return ["squeue", "--noheader", "--states=all", "--jobs", ids, "--format", SQUEUE_FORMAT]
+
+
+def scancel_argv(job_id: str, signal: Optional[str] = None) -> list[str]:
+    argv = ["scancel"]
+    if signal:
+        if not re.match(r"^[A-Z0-9]+$", signal):
+            raise ClusterError(f"signal {signal!r} is not a signal name like USR1")
+        argv.append(f"--signal={signal}")
+    return argv + [check_job_id(job_id)]
+
+
+def _state_word(text: str) -> str:
+    # sacct writes "CANCELLED by 0"; squeue can append a '+' on some versions.
+    return text.split()[0].rstrip("+").upper() if text.strip() else "UNKNOWN"
+
+
+def parse_sacct(output: str) -> dict[str, JobState]:
+    """One JobState per job id from `sacct --allocations --parsable2` with SACCT_FIELDS."""
+    states: dict[str, JobState] = {}
+    for line in output.splitlines():
+        cols = line.split("|")
+        if len(cols) < len(SACCT_FIELDS):
+            continue
+        job_id, _name, state, exit_code, elapsed, limit, nodes, restarts = cols[:len(SACCT_FIELDS)]
+        if "." in job_id:  # a step row; --allocations should have removed it
+            continue
+        states[job_id] = JobState(job_id=job_id, state=_state_word(state), exit_code=exit_code or None,
+                                  elapsed=elapsed or None, time_limit=limit or None,
+                                  nodes=nodes or None, restarts=int(restarts or 0))
+    return states
+
+
+def parse_squeue(output: str) -> dict[str, JobState]:
+    """One JobState per job id from `squeue -o SQUEUE_FORMAT`."""
+    states: dict[str, JobState] = {}
+    for line in output.splitlines():
+        cols = line.strip().split("|")
+        if len(cols) != 6:
+            continue
+        job_id, state, elapsed, limit, nodes, reason = cols
+        states[job_id] = JobState(job_id=job_id, state=_state_word(state), elapsed=elapsed or None,
+                                  time_limit=limit or None, nodes=nodes or None,
+                                  reason=None if reason in ("None", "") else reason)
+    return states
+
+
+def merge_states(job_ids: Iterable[str], sacct: dict[str, JobState],
+                 squeue: dict[str, JobState]) -> dict[str, JobState]:
+    """Accounting is the record, but it trails squeue by seconds: a live squeue row wins
+    while sacct has not caught up, and a job neither knows is UNKNOWN."""
+    merged: dict[str, JobState] = {}
+    for job_id in job_ids:
+        acct, live = sacct.get(job_id), squeue.get(job_id)
+        if acct and (acct.done or not live):
+            merged[job_id] = acct
+        elif live:
+            merged[job_id] = live if not acct else JobState(**{**acct.__dict__, "state": live.state,
+                                                               "reason": live.reason})
+        else:
+            merged[job_id] = JobState(job_id=job_id, state="UNKNOWN")
+    return merged
+
+
+def seconds(text: Optional[str]) -> Optional[int]:
+    """Slurm durations ([D-]HH:MM:SS, MM:SS) -> seconds; None for UNLIMITED or unknown."""
+    if not text or not re.match(r"^(\d+-)?\d+(:\d+){0,2}$", text):
+        return None
+    days, _, rest = text.rpartition("-")
+    parts = [int(p) for p in rest.split(":")]
+    while len(parts) < 3:
+        parts.insert(0, 0)
+    h, m, s = parts
+    return ((int(days or 0) * 24 + h) * 60 + m) * 60 + s
