@@ -283,7 +283,7 @@ def cmd_data(args: argparse.Namespace) -> int:
         if not folder.is_dir():
             raise InputError("--source", str(folder), "not a folder; give a folder of text files")
     stats = build_corpus(args.out.expanduser(), roots=args.source, max_bytes=int(args.max_mb * 1e6))
-    print(f"wrote {args.out} ({stats.tokens:,} tokens from {stats.files:,} files)")
+    print(f"wrote {args.out} ({stats.tokens:,} tokens from {stats.sources:,} files)")
     return 0
 
 

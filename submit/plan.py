@@ -176,15 +176,15 @@ def check_parallel(spec: JobSpec, cluster: ClusterProfile) -> None:
     if spec.command is not None:
         return  # the user's own program decides its parallelism
     p, m, t = spec.parallel, spec.trainer.model, spec.trainer
+    domain = cluster.interconnect.nvlink_domain
+    if spec.resources.gpus_per_node and p.tp > domain:
+        raise InputError("parallel.tp", p.tp, f"tensor parallelism must stay inside one NVLink/NVSwitch domain "
+                                              f"of {domain} GPUs on {cluster.name!r}; use tp <= {domain}")
     dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp)
     problem = dims.problem(world_size=spec.world_size, n_layers=m.n_layers, n_heads=m.n_heads,
                            ranks_per_node=spec.tasks_per_node)
     if problem:
         raise InputError(problem.key, problem.value, problem.fix)
-    domain = cluster.interconnect.nvlink_domain
-    if spec.resources.gpus_per_node and p.tp > domain:
-        raise InputError("parallel.tp", p.tp, f"tensor parallelism must stay inside one NVLink/NVSwitch domain "
-                                              f"of {domain} GPUs on {cluster.name!r}; use tp <= {domain}")
     per_step = t.micro_batch * p.dp
     if t.global_batch % per_step:
         raise InputError("train.global_batch", t.global_batch,
@@ -212,7 +212,7 @@ def run_dir_for(spec: JobSpec, cluster: ClusterProfile, home: str, now: Optional
 
 def _slug(name: str) -> str:
     """A file-name-safe form of the job name (the name itself may hold any text)."""
-    return re.sub(r"[^A-Za-z0-9._+-]", "_", name).strip("._")[:64] or "job"
+    return re.sub(r"[^A-Za-z0-9_+-]", "_", name).strip("_")[:64] or "job"
 
 
 def make_plan(spec: JobSpec, submitted: dict, cluster: ClusterProfile, run_dir: Optional[str] = None,

@@ -1,0 +1,58 @@
+"""CLI start-up against `python -c pass`, measured in the same run.
+
+    .venv/bin/python bench/cli_startup.py [--runs N]
+
+Prints milliseconds (median of N) and the ratio to the bare interpreter, and
+checks that neither verb imported torch.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def median_ms(argv: list[str], runs: int, env: dict[str, str]) -> float:
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, env=env, cwd=REPO)
+        times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times)
+
+
+def imports_torch(argv: list[str], env: dict[str, str]) -> bool:
+    out = subprocess.run([sys.executable, "-X", "importtime", *argv[1:]], capture_output=True, text=True,
+                         env=env, cwd=REPO)
+    return any(line.rstrip().endswith(("| torch", "| numpy")) for line in out.stderr.splitlines())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=15)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as state:
+        env = dict(os.environ, XDG_STATE_HOME=state)
+        cases = {
+            "python -c pass": [sys.executable, "-c", "pass"],
+            "meshrun --help": [sys.executable, "-m", "submit.cli", "--help"],
+            "meshrun render": [sys.executable, "-m", "submit.cli", "render", "examples/h100-8node.yaml",
+                               "-c", "h100-ndr"],
+        }
+        base = median_ms(cases["python -c pass"], args.runs, env)
+        print(f"{'case':<18} {'median ms':>10} {'x python':>9}  torch imported")
+        for name, argv in cases.items():
+            ms = base if name == "python -c pass" else median_ms(argv, args.runs, env)
+            torch = "-" if name == "python -c pass" else ("YES" if imports_torch(argv, env) else "no")
+            print(f"{name:<18} {ms:>10.1f} {ms / base:>9.2f}  {torch}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""The caller's side stays torch-free, fast and traceback-free."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(args: list[str], tmp_path: Path, block_torch: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"), XDG_CONFIG_HOME=str(tmp_path / "config"))
+    if block_torch:
+        # A `torch` that cannot be imported: the laptop without torch installed.
+        fake = tmp_path / "notorch" / "torch"
+        fake.mkdir(parents=True, exist_ok=True)
+        (fake / "__init__.py").write_text("raise ImportError('torch is not installed on this laptop')\n")
+        env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "notorch"), str(REPO)])
+    return subprocess.run([sys.executable, "-m", "submit.cli", *args], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=60)
+
+
+def test_help_and_render_work_without_torch(tmp_path: Path) -> None:
+    assert _run(["--help"], tmp_path).returncode == 0
+    out = _run(["render", "examples/two-node.yaml", "-c", "testbed"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("#!/bin/bash") and "srun --kill-on-bad-exit=1" in out.stdout
+
+
+def test_submit_side_modules_never_import_torch() -> None:
+    code = ("import sys; import submit.cli, submit.api, submit.render, submit.plan, submit.local, "
+            "submit.registry, submit.slurm, submit.transport, launcher.spec, launcher.entry; "
+            "bad = [m for m in ('torch', 'numpy', 'paramiko') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_bad_input_is_one_line_exit_2_no_traceback(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nresources: {nodes: 1, tasks_per_nod: 2}\n")
+    for args in (["render", str(bad)], ["submit", str(bad), "--dry-run"],
+                 ["render", "examples/tiny.yaml", "--set", "parallel.dp=3"],
+                 ["render", "examples/tiny.yaml", "-c", "nosuchcluster"],
+                 ["submit", "examples/tiny.yaml", "--set", "train.steps=x"],
+                 ["status", "12345"], ["logs", "12345"], ["cancel", "12345"]):
+        out = _run(args, tmp_path)
+        assert out.returncode == 2, (args, out.stderr)
+        assert "Traceback" not in out.stderr and out.stderr.count("\n") == 1, out.stderr
+        assert out.stderr.startswith("meshrun: error: ")
+
+
+def test_dry_run_touches_nothing(tmp_path: Path) -> None:
+    out = _run(["submit", "examples/tiny.yaml", "--dry-run"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert '"accumulation": 2' in out.stdout
+    assert not (tmp_path / "state").exists()

@@ -1,0 +1,131 @@
+"""Every validation error names the key, the value and the fix, before anything touches a cluster."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launcher.parallel_dims import ParallelDims
+from submit.cluster import load_profile
+from submit.errors import InputError
+from submit.plan import format_time, load_job, parse_time, plan_file
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "examples" / "tiny.yaml"
+BIG = REPO / "examples" / "h100-8node.yaml"
+
+
+def _plan(spec: Path, cluster: str, *overrides: str):
+    return plan_file(spec, load_profile(cluster), list(overrides), home="/home/u", run_dir="/r")
+
+
+@pytest.mark.parametrize("cluster, spec, overrides, key, message", [
+    ("local", TINY, ["parallel.dp=3"], "parallel", r"dp\(3\)\*tp\(1\)\*pp\(1\)=3 != world size 2"),
+    ("h100-ndr", BIG, ["parallel.tp=16", "parallel.dp=4"], "parallel.tp", "one NVLink/NVSwitch domain of 8"),
+    ("h100-ndr", BIG, ["parallel.pp=5", "parallel.dp=4", "parallel.tp=4", "resources.nodes=10"],
+     "parallel.pp", r"pp\(5\) must divide train.model.n_layers\(24\)"),
+    ("h100-ndr", BIG, ["train.model.n_heads=12", "train.model.d_model=1536", "parallel.tp=8",
+                       "parallel.dp=8"], "parallel.tp", r"n_heads\(12\) must be divisible by tp\(8\)"),
+    ("h100-ndr", BIG, ["resources.time=3-00:00:00"], "resources.time", "at most 2-00:00:00"),
+    ("h100-ndr", BIG, ["resources.partition=gpus"], "resources.partition", "did you mean 'gpu'"),
+    ("h100-ndr", BIG, ["resources.gpus_per_node=16"], "resources.gpus_per_node", "has 8 GPUs"),
+    ("h100-ndr", BIG, ["resources.nodes=65", "parallel.dp=130"], "resources.nodes", "at most 64 nodes"),
+    ("h100-ndr", BIG, ["train.global_batch=500"], "train.global_batch", r"micro_batch\(4\)\*dp\(16\)=64"),
+    ("local", TINY, ["train.model.d_model=130"], "train.model.d_model", r"130 % 4 = 2"),
+    ("local", TINY, ["resources.nodes=2"], "resources.nodes", "one machine"),
+    ("local", TINY, ["train.precision=bf16"], "train.precision", "CPU ranks train in fp32"),
+    ("local", TINY, ["train.steps=0"], "train.steps", "at least 1"),
+    ("local", TINY, ["train.lr=-1"], "train.lr", "must be positive"),
+    ("local", TINY, ["resources.time=soon"], "resources.time", "Slurm's time syntax"),
+    ("local", TINY, ["data.val_fraction=1.5"], "data.val_fraction", r"\[0, 1\)"),
+    ("testbed", TINY, ["resources.tasks_per_node=3", "resources.gpus_per_node=2"], "resources.tasks_per_node",
+     "one rank per GPU"),
+    ("testbed", TINY, ["resources.cpus_per_task=3"], "resources.cpus_per_task", r"=6 > 4 CPUs"),
+])
+def test_errors_name_key_value_and_fix(cluster, spec, overrides, key, message) -> None:
+    with pytest.raises(InputError, match=message) as info:
+        _plan(spec, cluster, *overrides)
+    assert info.value.key.endswith(key)
+    assert info.value.fix
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.stepz=3", r"unknown key \(did you mean 'steps'\?\)"),
+    ("train.steps=many", "expected a whole number"),
+    ("train.activation_checkpointing=maybe", "expected true or false"),
+    ("train.precision=fp8", "must be one of fp32, bf16, fp16"),
+    ("train.model=big", "this key is a section"),
+    ("train.steps.x=1", "has no sub-keys"),
+    ("noequals", "KEY=VALUE"),
+])
+def test_set_overrides_are_checked(override: str, message: str) -> None:
+    with pytest.raises(InputError, match=message):
+        _plan(TINY, "local", override)
+
+
+def test_set_casts_to_the_field_type() -> None:
+    spec, submitted = load_job(TINY, ["train.steps=7", "train.lr=0.01", "train.activation_checkpointing=true",
+                                      "resources.partition=local", "env.FOO=1", "command=python,x.py",
+                                      "train=null"])
+    assert spec.trainer.steps == 60 or spec.train is None  # train cleared, command set
+    assert spec.command == ("python", "x.py") and spec.env["FOO"] == "1"
+    spec, _ = load_job(TINY, ["train.steps=7", "train.lr=0.01", "train.activation_checkpointing=true"])
+    assert (spec.trainer.steps, spec.trainer.lr, spec.trainer.activation_checkpointing) == (7, 0.01, True)
+
+
+def test_unknown_key_in_file_points_at_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text("name: x\nresources:\n  nodes: 1\n  tasks_per_nod: 2\n")
+    with pytest.raises(InputError) as info:
+        load_job(path)
+    assert str(info.value).startswith(f"{path}:4: resources.tasks_per_nod: 2: unknown key (did you mean "
+                                      f"'tasks_per_node'?)")
+
+
+@pytest.mark.parametrize("text, line", [("name: x\nresources: [\n  nodes: 1\n", 4), ("name: x\n  bad: 1\n", 2),
+                                        ("name: x\nname: y\n", 2)])
+def test_bad_yaml_is_one_line_with_file_and_line(tmp_path: Path, text: str, line: int) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    with pytest.raises(InputError) as info:
+        load_job(path)
+    assert str(info.value).startswith(f"{path}:{line}:") and "\n" not in str(info.value)
+
+
+def test_train_and_command_are_exclusive(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text("name: x\ntrain: {steps: 1}\ncommand: [python, a.py]\n")
+    with pytest.raises(InputError, match="either `train` or `command`"):
+        load_job(path)
+
+
+def test_missing_spec_file() -> None:
+    with pytest.raises(InputError, match="cannot read"):
+        load_job(Path("/nonexistent/job.yaml"))
+
+
+@pytest.mark.parametrize("text, seconds", [("30", 1800), ("1:30", 90), ("01:00:00", 3600), ("2-00", 172800),
+                                           ("1-02:03", 93780), ("1-02:03:04", 93784)])
+def test_slurm_time_syntax(text: str, seconds: int) -> None:
+    assert parse_time(text) == seconds
+    assert parse_time(format_time(seconds)) == seconds
+
+
+def test_parallel_dims_message_carries_the_arithmetic() -> None:
+    with pytest.raises(ValueError, match=r"dp\(2\)\*tp\(4\)\*pp\(2\)=16 != world size 8"):
+        ParallelDims(2, 4, 2).validate(world_size=8, n_layers=4, n_heads=4, ranks_per_node=8)
+
+
+def test_plan_resolves_home_and_checkpoint_root() -> None:
+    plan = plan_file(TINY, load_profile("local"), home="/home/u")
+    assert plan.run_dir.startswith("/home/u/.local/share/meshrun/runs/tiny-gpt-")
+    assert plan.run_spec.run.checkpoint_dir == f"{plan.run_dir}/checkpoints"
+    big = _plan(BIG, "h100-ndr")
+    assert big.run_spec.run.checkpoint_dir == "/lustre/alice/checkpoints/r"
+    assert big.run_spec.run.nccl_env["NCCL_IB_HCA"].startswith("=mlx5_0")
+
+
+def test_hostile_name_gives_a_safe_run_dir() -> None:
+    plan = plan_file(TINY, load_profile("local"), ["name=$(rm -rf ~) x/../y"], home="/home/u")
+    leaf = plan.run_dir.rsplit("/", 1)[1]
+    assert "/" not in leaf and "$" not in leaf and " " not in leaf and ".." not in plan.run_dir

@@ -1,0 +1,112 @@
+"""Rendering: golden files for every shipped cluster x example, and quoting that executes nothing."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from submit.cluster import load_profile, profile_files
+from submit.errors import InputError
+from submit.plan import plan_file
+from submit.render import render, sbatch_label
+
+REPO = Path(__file__).resolve().parents[2]
+GOLDEN = REPO / "tests" / "golden"
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+SHIPPED = sorted(p.stem for p in (REPO / "cluster_configs").glob("*.yaml"))
+HOME = "/home/user"
+
+
+def _golden_text(cluster: str, example: Path) -> str:
+    """The script, or the one-line error a pair that does not fit must give."""
+    profile = load_profile(cluster)
+    run_dir = f"/shared/runs/{example.stem}-golden"
+    try:
+        plan = plan_file(example, profile, home=HOME, run_dir=run_dir)
+    except InputError as exc:
+        return f"ERROR: {exc}\n"
+    return render(plan).replace(sys.executable, "<python>")
+
+
+@pytest.mark.parametrize("cluster", SHIPPED)
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_golden(cluster: str, example: Path) -> None:
+    text = _golden_text(cluster, example)
+    golden = GOLDEN / f"{cluster}__{example.stem}.txt"
+    if os.environ.get("MESHRUN_UPDATE_GOLDEN"):
+        golden.write_text(text)
+    assert golden.exists(), f"no golden file {golden.name}: run with MESHRUN_UPDATE_GOLDEN=1 and review it"
+    assert text == golden.read_text(), f"{golden.name} changed: review, then MESHRUN_UPDATE_GOLDEN=1"
+
+
+def test_every_golden_file_has_a_pair() -> None:
+    expected = {f"{c}__{e.stem}.txt" for c in SHIPPED for e in EXAMPLES}
+    assert {p.name for p in GOLDEN.glob("*.txt")} == expected
+
+
+def test_main_example_renders_on_every_shipped_cluster_that_fits() -> None:
+    fits = [c for c in SHIPPED if not _golden_text(c, REPO / "examples" / "tiny.yaml").startswith("ERROR")]
+    assert set(fits) == set(SHIPPED)
+
+
+HOSTILE = "$(touch /tmp/meshrun-pwned) `touch /tmp/meshrun-pwned` 'single' \"double\" spaces ; rm -rf /"
+
+
+def _plan_with(tmp_path: Path, *overrides: str):
+    return plan_file(REPO / "examples" / "tiny.yaml", load_profile("testbed"), list(overrides),
+                     home=HOME, run_dir=str(tmp_path / "run"))
+
+
+def test_hostile_values_are_quoted_and_reach_bash_literally(tmp_path: Path) -> None:
+    script = render(_plan_with(tmp_path, f"name={HOSTILE}", f"env.HOSTILE={HOSTILE}"))
+    # Run the environment part of the script in bash and read the values back.
+    lines = [l for l in script.splitlines() if l.startswith(("export MESHRUN_JOB_NAME=", "export HOSTILE="))]
+    probe = "\n".join(lines + ['printf "%s\\n%s\\n" "$MESHRUN_JOB_NAME" "$HOSTILE"'])
+    out = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == [HOSTILE, HOSTILE]
+    assert not Path("/tmp/meshrun-pwned").exists()
+
+
+def test_sbatch_directives_carry_only_a_safe_label(tmp_path: Path) -> None:
+    script = render(_plan_with(tmp_path, f"name={HOSTILE}"))
+    directive = next(l for l in script.splitlines() if l.startswith("#SBATCH --job-name="))
+    assert directive == f"#SBATCH --job-name={sbatch_label(HOSTILE)}"
+    assert all(c.isalnum() or c in "._+-" for c in directive.split("=", 1)[1])
+
+
+@pytest.mark.parametrize("override", ["name=a\nb", "env.X=line1\nline2", "env.Y=tab\there", "name=bell\x07"])
+def test_newlines_and_control_characters_are_refused(tmp_path: Path, override: str) -> None:
+    with pytest.raises(InputError, match="newlines and control characters"):
+        _plan_with(tmp_path, override)
+
+
+def test_bad_env_key_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="environment variable names"):
+        _plan_with(tmp_path, "env.BAD-KEY=1")
+
+
+def test_setup_lines_with_newlines_are_refused(tmp_path: Path) -> None:
+    profile = tmp_path / "c.yaml"
+    profile.write_text("name: c\nscheduler: slurm\npaths: {work_dir: /w}\nsetup: [\"echo a\\necho b\"]\n"
+                       "partitions: [{name: p, cpus_per_node: 8}]\n")
+    with pytest.raises(InputError, match=r"c.yaml:4: setup\[0\].*newlines"):
+        load_profile(str(profile))
+
+
+def test_script_is_valid_bash(tmp_path: Path) -> None:
+    for cluster in SHIPPED:
+        for example in EXAMPLES:
+            text = _golden_text(cluster, example)
+            if text.startswith("ERROR"):
+                continue
+            path = tmp_path / "s.sh"
+            path.write_text(text)
+            subprocess.run(["bash", "-n", str(path)], check=True)
+
+
+def test_shipped_profiles_are_all_found() -> None:
+    assert set(SHIPPED) <= set(profile_files())
+    assert {"local", "testbed"} <= set(SHIPPED)

@@ -1,0 +1,64 @@
+"""Pure parsers of Slurm's stable output, on output recorded from slurm-wlm 22.05."""
+from __future__ import annotations
+
+import pytest
+
+from submit import slurm
+from submit.errors import ClusterError
+
+# sacct --allocations --parsable2 --noheader --jobs 11,12,13,14 --format JobID,JobName,State,ExitCode,...
+SACCT = """\
+11|two-node-gpt|COMPLETED|0:0|00:00:21|00:20:00|n[1-2]|0
+12|tiny|CANCELLED by 0|0:15|00:00:04|00:30:00|n1|0
+13|tiny|RUNNING|0:0|00:00:09|00:30:00|n[1-2]|1
+14|x|PENDING|0:0|00:00:00|00:30:00|None assigned|0
+"""
+# squeue --noheader --states=all --jobs 13,15 --format %i|%T|%M|%l|%N|%r
+SQUEUE = """\
+13|RUNNING|0:09|30:00|n[1-2]|None
+15|PENDING|0:00|30:00||Resources
+"""
+
+
+def test_parse_sacct() -> None:
+    states = slurm.parse_sacct(SACCT)
+    assert states["11"].state == "COMPLETED" and states["11"].succeeded and states["11"].done
+    assert states["12"].state == "CANCELLED" and states["12"].done and not states["12"].succeeded
+    assert states["13"].state == "RUNNING" and not states["13"].done and states["13"].restarts == 1
+    assert slurm.seconds(states["11"].elapsed) == 21 and slurm.seconds(states["11"].time_limit) == 1200
+
+
+def test_parse_squeue_and_merge_prefers_live_rows_until_accounting_catches_up() -> None:
+    live = slurm.parse_squeue(SQUEUE)
+    assert live["15"].reason == "Resources" and live["13"].reason is None
+    merged = slurm.merge_states(["11", "13", "15", "99"], slurm.parse_sacct(SACCT), live)
+    assert merged["11"].state == "COMPLETED"          # done in accounting: the record
+    assert merged["13"].state == "RUNNING" and merged["13"].restarts == 1
+    assert merged["15"].state == "PENDING"            # not yet in accounting: squeue
+    assert merged["99"].state == "UNKNOWN"
+
+
+@pytest.mark.parametrize("out, job_id", [("123\n", "123"), ("456;testbed\n", "456")])
+def test_parse_sbatch(out: str, job_id: str) -> None:
+    assert slurm.parse_sbatch(out) == job_id
+
+
+def test_parse_sbatch_without_an_id_is_an_error() -> None:
+    with pytest.raises(ClusterError, match="no job id"):
+        slurm.parse_sbatch("sbatch: error: Batch job submission failed\n")
+
+
+def test_argv_builders_reject_anything_but_job_ids() -> None:
+    with pytest.raises(ClusterError):
+        slurm.scancel_argv("1; rm -rf /")
+    with pytest.raises(ClusterError):
+        slurm.sacct_argv(["12", "$(x)"])
+    assert slurm.scancel_argv("12", "USR1") == ["scancel", "--signal=USR1", "12"]
+    argv = slurm.sbatch_argv("/r/job.sbatch", "a 'b' $(c)", "/r")
+    assert argv == ["sbatch", "--parsable", "--job-name=a 'b' $(c)", "--chdir=/r", "/r/job.sbatch"]
+
+
+@pytest.mark.parametrize("text, seconds", [("1-02:03:04", 93784), ("10:00", 600), ("00:00:05", 5),
+                                           ("UNLIMITED", None), ("", None), (None, None)])
+def test_seconds(text, seconds) -> None:
+    assert slurm.seconds(text) == seconds
