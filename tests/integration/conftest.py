@@ -1,0 +1,58 @@
+"""Integration-test fixtures: the real Slurm cluster + sshd testbed of tests/testbed/testbed.py.
+
+A test that needs the cluster requests the `testbed` fixture; it is then marked `slurm` too, so
+`pytest -m "not slurm"` deselects it. The testbed is started once per session and stopped at its
+end, unless MESHRUN_TESTBED_KEEP=1 (handy while iterating: the next session's up() takes ~0.3 s).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from tests.testbed import testbed as tb
+
+
+@pytest.fixture(scope="session")
+def testbed() -> Iterator[dict[str, object]]:
+    """Start the testbed (or find it running), export SLURM_CONF, yield testbed.info()."""
+    missing = tb.missing_binaries()
+    if missing:
+        # Fail, never skip: a skipped integration suite looks green while testing nothing.
+        pytest.fail(f"the Slurm testbed needs {', '.join(missing)}: run "
+                    "`sh tests/testbed/install.sh` as root first", pytrace=False)
+    try:
+        info = tb.up()
+    except tb.TestbedError as e:
+        pytest.fail(str(e), pytrace=False)
+    with pytest.MonkeyPatch.context() as mp:
+        # Code under test (sbatch, submitit...) finds the cluster the way it would on a real one.
+        for key, value in tb.client_env().items():
+            mp.setenv(key, value)
+        # cluster_configs/testbed.yaml activates this venv on the nodes (its `setup` line).
+        mp.setenv("MESHRUN_TESTBED_VENV", sys.prefix)
+        try:
+            yield info
+        finally:
+            if os.environ.get("MESHRUN_TESTBED_KEEP") != "1":
+                tb.down()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "testbed" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slurm)
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small byte-level token file (a slice of the standard library), built once per session."""
+    from launcher.corpus import build_corpus
+
+    out = tmp_path_factory.mktemp("corpus") / "tokens.u16"
+    build_corpus(out, max_bytes=1_000_000)
+    return out

@@ -1,0 +1,74 @@
+"""The embedded `local` cluster, end to end through the real CLI: real processes, real gloo, real files."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from tests.integration.cli import meshrun, metrics, status, submitted
+
+TINY = [ "examples/tiny.yaml", "-c", "local", "--set", "train.model.n_layers=2", "--set", "train.model.d_model=64",
+         "--set", "train.model.seq_len=64", "--set", "train.eval_every=0", "--set", "train.log_every=1"]
+
+
+def _tiny(corpus: Path, *extra: str) -> list[str]:
+    return [*TINY, "--set", f"data.path={corpus}", *extra]
+
+
+def test_submit_wait_trains_and_records(tmp_path: Path, corpus: Path) -> None:
+    out = meshrun(tmp_path, "submit", *_tiny(corpus, "--set", "train.steps=12"), "--wait", check=True)
+    job_id, run_dir = submitted(out)
+    assert job_id.startswith("local-") and f"job {job_id} COMPLETED" in out.stdout
+    assert f"metrics: {run_dir}/metrics.jsonl" in out.stdout
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    # The run dir holds the spec as submitted, the resolved spec, the script and per-rank logs.
+    assert {"job.yaml", "spec.json", "run.sh", "state.json", "logs"} <= {p.name for p in run_dir.iterdir()}
+    assert json.loads((run_dir / "spec.json").read_text())["job"]["train"]["steps"] == 12
+    row = status(tmp_path, job_id)
+    assert row["state"] == "COMPLETED" and row["cluster"] == "local" and row["run_dir"] == str(run_dir)
+    assert row["progress"]["step"] == 12
+    log = meshrun(tmp_path, "logs", job_id, "--rank", "0", check=True).stdout
+    assert "step 12" in log
+    assert meshrun(tmp_path, "logs", job_id, "--batch", check=True).stdout.count("COMPLETED") == 1
+
+
+def test_wait_shows_progress_as_plain_lines_when_piped(tmp_path: Path, corpus: Path) -> None:
+    out = meshrun(tmp_path, "submit", *_tiny(corpus, "--set", "train.steps=30"), "--wait", check=True)
+    progress = [l for l in out.stderr.splitlines() if l.startswith("[")]
+    assert progress and progress[-1].startswith("[COMPLETED]")
+    assert any("step " in l and "loss " in l and "left " in l for l in progress), progress
+    assert "\r" not in out.stderr
+
+
+def test_failed_job_exits_1_and_shows_failed(tmp_path: Path) -> None:
+    out = meshrun(tmp_path, "submit", *TINY, "--set", "data.path=/nonexistent/tokens.u16", "--wait")
+    assert out.returncode == 1, out.stdout + out.stderr
+    job_id, _ = submitted(out)
+    assert status(tmp_path, job_id)["state"] == "FAILED"
+    assert "meshrun data" in meshrun(tmp_path, "logs", job_id, check=True).stdout
+
+
+def test_cancel_a_running_job(tmp_path: Path, corpus: Path) -> None:
+    out = meshrun(tmp_path, "submit", *_tiny(corpus, "--set", "train.steps=100000"), check=True)
+    job_id, run_dir = submitted(out)
+    deadline = time.monotonic() + 120
+    while status(tmp_path, job_id)["state"] != "RUNNING" or not (run_dir / "metrics.jsonl").exists():
+        assert time.monotonic() < deadline, "the job never started training"
+        time.sleep(0.5)
+    assert meshrun(tmp_path, "cancel", job_id, check=True).stdout.startswith(f"cancelled job {job_id}")
+    deadline = time.monotonic() + 60
+    while (state := status(tmp_path, job_id)["state"]) not in ("CANCELLED", "FAILED"):
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    assert state == "CANCELLED"
+    second = meshrun(tmp_path, "cancel", job_id)
+    assert second.returncode == 1 and "not running" in second.stderr
+
+
+def test_command_job_gets_torchrun_variables(tmp_path: Path) -> None:
+    out = meshrun(tmp_path, "submit", "examples/command.yaml", "-c", "local", "--wait", check=True)
+    job_id, _ = submitted(out)
+    logs = [meshrun(tmp_path, "logs", job_id, "--rank", str(r), check=True).stdout for r in (0, 1)]
+    assert "rank 0 of 2" in logs[0] and "rank 1 of 2" in logs[1]
