@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TextIO
 
 from launcher.schema import SchemaError
-from submit.errors import EXIT_INPUT, ClusterError, InputError, MeshrunError
+from submit.errors import EXIT_INPUT, InputError, MeshrunError
 
 DEFAULT_CLUSTER = "local"
 

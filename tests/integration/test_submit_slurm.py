@@ -59,9 +59,10 @@ def test_hostile_name_and_env_reach_the_job_literally(testbed: dict, tmp_path: P
     job_id, run_dir = submitted(out)
     text = (run_dir / "logs" / "rank-0.log").read_text()
     assert f"NAME={HOSTILE}" in text and f"VALUE={HOSTILE}" in text
-    acct = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "JobName"], capture_output=True,
-                          text=True, check=True).stdout.strip()
-    assert acct == HOSTILE
+    # slurmctld keeps the literal name (slurmdbd itself rewrites '"' as '`' in sacct's JobName).
+    queued = subprocess.run(["squeue", "--states=all", "-h", "-j", job_id, "-o", "%j"], capture_output=True,
+                            text=True, check=True).stdout.rstrip("\n")
+    assert queued == HOSTILE
     assert not Path("/tmp/meshrun-pwned").exists()
 
 

@@ -1,0 +1,25 @@
+"""`python -m launcher RUN_DIR`: run this rank of the job whose spec.json is in RUN_DIR."""
+from __future__ import annotations
+
+import sys
+
+from launcher.schema import SchemaError
+
+USAGE = "usage: python -m launcher RUN_DIR"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[1].startswith("-"):
+        print(USAGE, file=sys.stderr)
+        return 2
+    from launcher.entry import run_rank
+    try:
+        return run_rank(argv[1])
+    except (SchemaError, FileNotFoundError) as exc:
+        # User errors (a bad spec, a missing data file): one line that says the fix, no traceback.
+        print(f"meshrun launcher: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

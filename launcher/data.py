@@ -1,0 +1,159 @@
+"""Memory-mapped token data, sampled disjointly across data-parallel ranks, resumable.
+
+The token file is split into non-overlapping windows of seq_len+1 tokens (inputs
+plus the shifted targets); the tail `val_fraction` is held out for validation.
+Every optimizer step draws `global_batch` windows from a per-epoch permutation
+seeded by (seed, epoch); dp rank r takes the r-th contiguous slice of them. The
+only state is how many windows have been consumed, counted globally, so a resume
+continues exactly, even with a different dp degree, as long as the global batch
+is unchanged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Literal, Optional
+
+import torch
+
+from launcher.corpus import read_sidecar
+
+Split = Literal["train", "val"]
+_DTYPES = {"uint16": torch.uint16, "uint32": torch.uint32}
+_SUFFIX_DTYPES = {".u16": "uint16", ".u32": "uint32", ".bin": "uint16"}
+
+
+def token_dtype(path: Path) -> str:
+    """The file's token dtype: from its `.json` sidecar, else from the suffix (.u32), else uint16."""
+    meta = read_sidecar(path)
+    if meta and "dtype" in meta:
+        if meta["dtype"] not in _DTYPES:
+            raise ValueError(f"{path}.json: dtype {meta['dtype']!r}: expected one of {', '.join(_DTYPES)}")
+        return meta["dtype"]
+    return _SUFFIX_DTYPES.get(path.suffix, "uint16")
+
+
+def open_tokens(path: str | Path) -> torch.Tensor:
+    """Memory-map a token file as a 1-D integer tensor (private mapping: never written back)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"data.path: {str(path)!r}: no token file there; build it with "
+                                f"`meshrun data` (or point data.path at a uint16 token file)")
+    dtype = token_dtype(path)
+    itemsize = 2 if dtype == "uint16" else 4
+    size = path.stat().st_size
+    if size % itemsize:
+        raise ValueError(f"data.path: {str(path)!r}: {size} bytes is not a whole number of {dtype} tokens")
+    return torch.from_file(str(path), shared=False, size=size // itemsize, dtype=_DTYPES[dtype])
+
+
+class TokenDataset:
+    """Train/val windows of `seq_len + 1` tokens over one memory-mapped token file."""
+
+    def __init__(self, path: str | Path, seq_len: int, val_fraction: float = 0.05) -> None:
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"data.val_fraction: {val_fraction}: use a fraction in [0, 1)")
+        self.path = Path(path).expanduser()
+        self.tokens = open_tokens(self.path)
+        self.seq_len = seq_len
+        self.window = seq_len + 1  # non-overlapping: the windows of two ranks never share a token
+        n_val = int(len(self.tokens) * val_fraction)
+        self.val_start = len(self.tokens) - n_val
+        self.num_windows = {"train": self.val_start // self.window, "val": n_val // self.window}
+        if self.num_windows["train"] == 0:
+            raise ValueError(f"data.path: {str(self.path)!r}: {self.val_start} training tokens are fewer than "
+                             f"one window of seq_len+1={self.window}; use a bigger file or a shorter seq_len")
+
+    def sample(self, split: Split, index: int) -> torch.Tensor:
+        """Window `index` of `split` as int64 tokens, shape (seq_len + 1,)."""
+        if not 0 <= index < self.num_windows[split]:
+            raise IndexError(f"{split} window {index} out of range 0..{self.num_windows[split] - 1}")
+        start = (0 if split == "train" else self.val_start) + index * self.window
+        return self.tokens[start:start + self.window].to(torch.int64)
+
+    def batch(self, split: Split, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets, each (len(indices), seq_len)."""
+        rows = torch.stack([self.sample(split, i) for i in indices])
+        return rows[:, :-1], rows[:, 1:]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one optimizer step's windows are split over ranks and micro batches."""
+    global_batch: int
+    micro_batch: int
+    dp_rank: int
+    dp_size: int
+
+    def __post_init__(self) -> None:
+        per_rank = self.micro_batch * self.dp_size
+        if self.global_batch % per_rank:
+            raise ValueError(f"train.global_batch: {self.global_batch}: must be divisible by "
+                             f"micro_batch({self.micro_batch})*dp({self.dp_size})={per_rank}")
+
+    @property
+    def accumulation(self) -> int:
+        return self.global_batch // (self.micro_batch * self.dp_size)
+
+    @property
+    def per_rank(self) -> int:
+        return self.global_batch // self.dp_size
+
+
+class TrainStream:
+    """This rank's micro batches, step by step, deterministic from (seed, consumed windows)."""
+
+    def __init__(self, dataset: TokenDataset, layout: Layout, seed: int) -> None:
+        self.dataset, self.layout, self.seed = dataset, layout, seed
+        self.consumed = 0  # windows drawn by all ranks together: the whole resumable position
+        self._perm: tuple[int, Optional[torch.Tensor]] = (-1, None)
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        # One cached permutation: steps walk epochs forward, so at most one is live.
+        if self._perm[0] != epoch:
+            gen = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) & 0x7FFF_FFFF_FFFF_FFFF)
+            self._perm = (epoch, torch.randperm(self.dataset.num_windows["train"], generator=gen))
+        return self._perm[1]
+
+    def window_index(self, k: int) -> int:
+        """Train window of global sample k (epochs reshuffle with a new permutation)."""
+        n = self.dataset.num_windows["train"]
+        return int(self._permutation(k // n)[k % n])
+
+    def step_indices(self) -> list[int]:
+        """Windows this rank reads in the next optimizer step, without advancing."""
+        first = self.consumed + self.layout.dp_rank * self.layout.per_rank
+        return [self.window_index(k) for k in range(first, first + self.layout.per_rank)]
+
+    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro batches (inputs, targets) for one optimizer step; advances the position."""
+        indices = self.step_indices()
+        self.consumed += self.layout.global_batch
+        m = self.layout.micro_batch
+        return [self.dataset.batch("train", indices[i:i + m]) for i in range(0, len(indices), m)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"consumed": self.consumed, "seed": self.seed, "window": self.dataset.window,
+                "train_windows": self.dataset.num_windows["train"]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a saved position; refuses one taken over different data or windows."""
+        mine = self.state_dict()
+        for key in ("seed", "window", "train_windows"):
+            if state[key] != mine[key]:
+                raise ValueError(f"data state: {key} was {state[key]} when saved but is {mine[key]} now; "
+                                 "resume with the same data file, seq_len and seed")
+        self.consumed = int(state["consumed"])
+
+
+def val_batches(dataset: TokenDataset, layout: Layout, max_windows: int
+                ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's share of a fixed validation set, in micro batches.
+
+    The set is the first min(val windows, max_windows) windows, cut to a multiple of dp
+    and dealt round-robin, so it is the same set whatever the dp degree or micro batch.
+    """
+    count = min(dataset.num_windows["val"], max_windows) // layout.dp_size * layout.dp_size
+    mine = list(range(layout.dp_rank, count, layout.dp_size))
+    for i in range(0, len(mine), layout.micro_batch):
+        yield dataset.batch("val", mine[i:i + layout.micro_batch])

@@ -1,0 +1,71 @@
+"""What every rank runs: read the run spec and the environment, then train or run the user's program.
+
+Torch-free at import time: submitit pickles `run_rank` by reference, and a
+`command:` job should not pay for importing torch it may not use.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Mapping, MutableMapping, Optional, Sequence
+
+from launcher.env import RankEnv, rank_env, setdefault_env, torchrun_vars
+from launcher.spec import RunSpec, read_run_spec
+
+
+def prepare_env(run_spec: RunSpec, environ: MutableMapping[str, str]) -> None:
+    """Apply job.env (explicit: it wins), then fill in the torchrun-compatible variables."""
+    # job.env first, so a key the user set on purpose (say MASTER_PORT) is what the rank
+    # view below is built from, and setdefault_env then leaves it alone.
+    environ.update(run_spec.job.env)
+    setdefault_env(torchrun_vars(rank_env(environ)), environ)
+
+
+def run_rank(run_dir: str, replace_process: Optional[bool] = None) -> int:
+    """Run this rank of the job in `run_dir`; returns its exit code.
+
+    A `command:` job replaces this process with the user's program (signals from
+    Slurm then reach it directly) unless running inside submitit, whose worker must
+    return to record the result; there the program runs as a child instead.
+    """
+    run_spec = read_run_spec(Path(run_dir))
+    prepare_env(run_spec, os.environ)
+    env = rank_env(os.environ)
+    print(rank_banner(env, os.environ), flush=True)
+    command = run_spec.job.command
+    if command is not None:
+        setdefault_env(run_spec.run.nccl_env, os.environ)  # the user's NCCL gets the cluster preset too
+        if replace_process is None:
+            replace_process = "SUBMITIT_EXECUTOR" not in os.environ
+        return run_command(command, os.environ, replace_process)
+    from launcher.train import train  # lazy: torch is imported only by ranks that train
+    return train(run_spec, env)
+
+
+def rank_banner(env: RankEnv, environ: Mapping[str, str]) -> str:
+    """One line per rank at start: which rank, where, and which restart (logs append across requeues)."""
+    host = environ.get("SLURMD_NODENAME") or os.uname().nodename
+    return (f"[meshrun] rank {env.rank}/{env.world_size} local {env.local_rank}/{env.local_world_size} "
+            f"node {env.node_rank}/{env.num_nodes} ({host}) job {env.job_id or '-'} restart {env.restart_count} "
+            f"master {env.master_addr}:{env.master_port}")
+
+
+def run_command(argv: Sequence[str], environ: Mapping[str, str], replace_process: bool) -> int:
+    """exec the user's argv with `environ`, or run it as a child and return its exit code."""
+    sys.stdout.flush()
+    sys.stderr.flush()  # exec drops Python's buffers: flush what this rank already printed
+    try:
+        if replace_process:
+            os.execvpe(argv[0], list(argv), dict(environ))
+        return _exit_code(subprocess.call(list(argv), env=dict(environ)))
+    except FileNotFoundError:
+        print(f"meshrun launcher: command: {argv[0]!r} not found on PATH; give an absolute path "
+              "or install it on the cluster", file=sys.stderr, flush=True)
+        return 127
+
+
+def _exit_code(returncode: int) -> int:
+    """A child killed by signal N reports -N; shells report 128+N, which is what Slurm expects."""
+    return 128 - returncode if returncode < 0 else returncode

@@ -1,0 +1,213 @@
+"""The reference model, the token data and the corpus builder, in one process."""
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from launcher.corpus import build_corpus, iter_sources
+from launcher.data import Layout, TokenDataset, TrainStream, val_batches
+from launcher.model import GPT, ffn_hidden, loss_fn
+from launcher.spec import Model
+
+TINY = Model(n_layers=2, d_model=64, n_heads=4, vocab_size=256, seq_len=32, ffn_mult=2.6667)
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    """A small token file (~48k tokens) from the stdlib's json package: present everywhere, stable."""
+    out = tmp_path / "tokens.u16"
+    build_corpus(out, roots=[Path(sysconfig.get_paths()["stdlib"]) / "json"])
+    return out
+
+
+# ------------------------------------------------------------------ model
+
+def test_shapes_and_layout() -> None:
+    model = GPT(TINY)
+    logits = model(torch.randint(0, 256, (3, 32)))
+    assert logits.shape == (3, 32, 256)
+    assert list(model.layers.keys()) == ["0", "1"]
+    assert ffn_hidden(TINY) == 192  # 2.6667 * 64 = 170.7 -> next multiple of 64
+    assert model.output.weight.data_ptr() != model.tok_embeddings.weight.data_ptr()  # untied
+
+
+def test_param_count_and_flops() -> None:
+    model = GPT(TINY)
+    d, h, v, n = 64, 192, 256, 2
+    per_block = 4 * d * d + 3 * d * h + 2 * d
+    assert model.num_params() == v * d + n * per_block + d + d * v
+    assert model.num_params(exclude_embedding=True) == model.num_params() - v * d
+    assert model.flops_per_token() == 6 * model.num_params(exclude_embedding=True) + 12 * n * d * 32
+
+
+def test_causal_future_tokens_do_not_change_earlier_logits() -> None:
+    model = GPT(TINY).eval()
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    changed = tokens.clone()
+    changed[:, 20:] = (changed[:, 20:] + 7) % 256
+    with torch.no_grad():
+        a, b = model(tokens), model(changed)
+    torch.testing.assert_close(a[:, :20], b[:, :20], rtol=0, atol=1e-6)
+    assert not torch.allclose(a[:, 20:], b[:, 20:])
+
+
+def test_init_is_deterministic_by_seed_and_leaves_global_rng_alone() -> None:
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    torch.manual_seed(123)
+    a, b, c = GPT(TINY, seed=5), GPT(TINY, seed=5), GPT(TINY, seed=6)
+    assert torch.equal(torch.rand(1), before)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), name
+        if pa.ndim == 2:
+            assert not torch.equal(pa, pc), name
+
+
+def test_activation_checkpointing_gives_the_same_gradients() -> None:
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2))
+    grads = []
+    for ckpt in (False, True):
+        model = GPT(TINY, seed=3, activation_checkpointing=ckpt)
+        loss_fn(model(x[:, :-1]), x[:, 1:]).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for g0, g1 in zip(*grads):
+        torch.testing.assert_close(g0, g1)
+
+
+def test_initial_loss_is_near_uniform() -> None:
+    x = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
+    loss = loss_fn(GPT(TINY)(x[:, :-1]), x[:, 1:])
+    assert abs(loss.item() - torch.log(torch.tensor(256.0)).item()) < 0.1
+
+
+# ------------------------------------------------------------------ corpus
+
+def test_corpus_is_deterministic_and_byte_level(tmp_path: Path) -> None:
+    root = tmp_path / "src"
+    (root / "pkg" / "__pycache__").mkdir(parents=True)
+    (root / "b.py").write_text("print('b')\n")
+    (root / "pkg" / "a.py").write_text("x = 'é'\n")
+    (root / "pkg" / "__pycache__" / "c.py").write_text("skipped\n")
+    (root / "notes.txt").write_text("not python\n")
+    first = build_corpus(tmp_path / "one.u16", roots=[root])
+    second = build_corpus(tmp_path / "two.u16", roots=[root])
+    assert first.sha256 == second.sha256 and first.sources == 2
+    raw = (tmp_path / "one.u16").read_bytes()
+    assert raw == (tmp_path / "two.u16").read_bytes()
+    expected = "print('b')\nx = 'é'\n".encode()  # sorted: b.py before pkg/a.py
+    assert torch.frombuffer(bytearray(raw), dtype=torch.int16).tolist() == list(expected)
+    meta = json.loads((tmp_path / "one.u16.json").read_text())
+    assert meta["tokens"] == len(expected) == first.tokens and meta["sha256"] == first.sha256
+    assert not list(tmp_path.glob("*.tmp.*"))
+
+
+def test_corpus_max_bytes_and_default_roots_exclude_site_packages(tmp_path: Path) -> None:
+    stats = build_corpus(tmp_path / "std.u16", max_bytes=50_000)
+    assert stats.tokens == 50_000
+    assert (tmp_path / "std.u16").stat().st_size == 100_000
+    first = next(iter_sources([Path(sysconfig.get_paths()["stdlib"])]))
+    assert "site-packages" not in first.parts
+
+
+def test_corpus_without_text_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no .py text"):
+        build_corpus(tmp_path / "x.u16", roots=[tmp_path])
+    assert not (tmp_path / "x.u16").exists()
+
+
+# ------------------------------------------------------------------ data
+
+def test_missing_file_says_how_to_build_it(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="meshrun data"):
+        TokenDataset(tmp_path / "nope.u16", seq_len=32)
+
+
+def test_split_and_windows(corpus: Path) -> None:
+    ds = TokenDataset(corpus, seq_len=32, val_fraction=0.1)
+    n = len(ds.tokens)
+    assert ds.val_start == n - int(n * 0.1)
+    x, y = ds.batch("train", [0, 1])
+    assert x.shape == y.shape == (2, 32) and x.dtype == torch.int64
+    assert torch.equal(x[0, 1:], y[0, :-1])  # targets are inputs shifted by one
+    last_val = ds.sample("val", ds.num_windows["val"] - 1)
+    assert ds.val_start + ds.num_windows["val"] * 33 <= n and last_val.shape == (33,)
+    with pytest.raises(IndexError):
+        ds.sample("train", ds.num_windows["train"])
+
+
+def _streams(ds: TokenDataset, dp: int, micro: int, seed: int = 0) -> list[TrainStream]:
+    return [TrainStream(ds, Layout(8, micro, r, dp), seed) for r in range(dp)]
+
+
+def test_dp_ranks_read_disjoint_windows_that_cover_the_global_batch(corpus: Path) -> None:
+    ds = TokenDataset(corpus, seq_len=32)
+    single = _streams(ds, 1, 4)[0]
+    ranks = _streams(ds, 2, 2)
+    for _ in range(5):
+        want = single.step_indices()
+        got = [s.step_indices() for s in ranks]
+        assert not set(got[0]) & set(got[1])
+        assert got[0] + got[1] == want  # same global batch as one process, split in rank order
+        single.next_step()
+        for s in ranks:
+            assert len(s.next_step()) == 2  # accumulation 8 / (2 * 2)
+
+
+def test_epochs_reshuffle_and_seed_changes_order(corpus: Path) -> None:
+    ds = TokenDataset(corpus, seq_len=32)
+    n = ds.num_windows["train"]
+    s = _streams(ds, 1, 4)[0]
+    epoch0 = [s.window_index(k) for k in range(n)]
+    epoch1 = [s.window_index(k) for k in range(n, 2 * n)]
+    assert sorted(epoch0) == sorted(epoch1) == list(range(n)) and epoch0 != epoch1
+    assert _streams(ds, 1, 4, seed=1)[0].step_indices() != s.step_indices()
+
+
+def test_position_resumes_exactly_even_with_another_dp(corpus: Path) -> None:
+    ds = TokenDataset(corpus, seq_len=32)
+    run = _streams(ds, 1, 4)[0]
+    for _ in range(3):
+        run.next_step()
+    state = json.loads(json.dumps(run.state_dict()))  # what a checkpoint stores
+    expected = [run.next_step() for _ in range(2)]
+    resumed = _streams(ds, 1, 4)[0]
+    resumed.load_state_dict(state)
+    for want in [resumed.next_step() for _ in range(2)]:
+        got = expected.pop(0)
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(want, got))
+    halves = _streams(ds, 2, 4)
+    for h in halves:
+        h.load_state_dict(state)
+    assert halves[0].step_indices() + halves[1].step_indices() == _after(ds, state)
+
+
+def _after(ds: TokenDataset, state: dict) -> list[int]:
+    s = _streams(ds, 1, 4)[0]
+    s.load_state_dict(state)
+    return s.step_indices()
+
+
+def test_resume_refuses_other_data(corpus: Path) -> None:
+    state = _streams(TokenDataset(corpus, seq_len=32), 1, 4)[0].state_dict()
+    other = _streams(TokenDataset(corpus, seq_len=16), 1, 4)[0]
+    with pytest.raises(ValueError, match="window"):
+        other.load_state_dict(state)
+
+
+def test_val_batches_are_disjoint_across_ranks(corpus: Path) -> None:
+    ds = TokenDataset(corpus, seq_len=32, val_fraction=0.2)
+    seen = [torch.cat([x for x, _ in val_batches(ds, Layout(8, 2, r, 2), 9)]) for r in range(2)]
+    assert seen[0].shape == seen[1].shape == (4, 32)  # 9 windows -> 8, 4 per rank
+    rows = [{tuple(r.tolist()) for r in s} for s in seen]
+    assert not rows[0] & rows[1]
+    one = torch.cat([x for x, _ in val_batches(ds, Layout(8, 8, 0, 1), 8)])
+    assert rows[0] | rows[1] == {tuple(r.tolist()) for r in one}  # the same set whatever the dp
+
+
+def test_batch_must_divide(corpus: Path) -> None:
+    with pytest.raises(ValueError, match=r"micro_batch\(3\)\*dp\(2\)=6"):
+        Layout(8, 3, 0, 2)
