@@ -182,16 +182,18 @@ def wait_for(record: Any, clusters: Any, registry: Any, total_steps: Optional[in
     """Poll until the job ends, showing progress (one rewritten line on a terminal, plain lines piped)."""
     from submit import api
 
-    tty, last, started = out.isatty(), "", time.monotonic()
+    tty, last, started = out.isatty(), None, time.monotonic()
     while True:
         status = api.statuses([record], clusters, registry)[0]
         line = progress_line(status, total_steps)
+        # Piped output gets a line only when the state or the step changes, not every tick.
+        changed = (status.state, status.progress.get("step")) != last
         if tty:
             out.write("\r\x1b[2K" + line)
-        elif line != last:
+        elif changed:
             out.write(line + "\n")
         out.flush()
-        last = line
+        last = (status.state, status.progress.get("step"))
         if status.done:
             if tty:
                 out.write("\n")

@@ -118,12 +118,13 @@ def range_item(rng: random.Random, max_span: int) -> str:
     if quirk < 0.10:
         return f"{lo_s}-"             # no high bound: just lo
     if quirk < 0.13:
-        return f"{lo_s}x"[:-1] + f"q-{hi_s}"  # junk before '-' goes unnoticed once hi parses
+        return f"{lo_s}q-{hi_s}"      # junk before '-' goes unnoticed once hi parses
     return lo_s if hi == lo and rng.random() < 0.5 else f"{lo_s}-{hi_s}"
 
 
 def bracket(rng: random.Random, max_span: int) -> str:
-    return "[" + ",".join(range_item(rng, max_span) for _ in range(rng.choice([1, 1, 2, 3, 4]))) + "]"
+    items = [range_item(rng, max_span) for _ in range(rng.choice([1, 1, 2, 3, 4]))]
+    return "[" + ",".join(items) + "]"
 
 
 def bare_name(rng: random.Random) -> str:
@@ -172,7 +173,7 @@ INVALID_MUTATIONS: list[Callable[[random.Random], str]] = [
     lambda r: r.choice(["a", "a-3", "x", "1x2", "0x1F", "-", "-4", "1--3", "1-3-5", "1-+-3"]),
     lambda r: f"{r.randrange(9)}-{r.randrange(65536, 99999)}",      # more than 65536 hosts
     lambda r: "[1-2]",                                              # nested brackets
-    lambda r: f"{r.randrange(9)}-{r.randrange(10, 20)}]x[1",        # stray brackets inside
+    lambda r: f"{r.randrange(9)}]",                                 # a stray ']'
 ]
 
 
@@ -183,8 +184,9 @@ def invalid_hostlist(rng: random.Random) -> str:
     bad = rng.choice(NAMES) + "[" + ",".join(items) + "]"
     if rng.random() < 0.3:  # the bad group before another bracket
         bad += rng.choice(["b", "-", ""]) + bracket(rng, 3)
-    return hostlist(rng, lambda r: bad if r.random() < 0.5 else token(r)) if rng.random() < 0.5 \
-        else bad
+    tokens = [token(rng) for _ in range(rng.choice([0, 0, 1, 3]))]
+    tokens.insert(rng.randrange(len(tokens) + 1), bad)
+    return join(rng, tokens)
 
 
 def junk(rng: random.Random) -> str:

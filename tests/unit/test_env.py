@@ -6,8 +6,6 @@ printed; tests/integration/test_hostlist_scontrol.py checks many more against th
 from __future__ import annotations
 
 import dataclasses
-import time
-from typing import Callable
 
 import pytest
 
@@ -124,6 +122,21 @@ def test_torchrun_inside_a_slurm_step_wins_and_keeps_slurm_job_facts() -> None:
     assert (r.job_id, r.restart_count, r.hosts) == ("4242", 2, ("gpu07", "gpu08"))
 
 
+@pytest.mark.parametrize("base, exported, expected", [
+    # `srun bash -c 'RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS MASTER_ADDR=... python ...'`
+    (SLURM_STEP, {"RANK": "5", "WORLD_SIZE": "8", "MASTER_ADDR": "gpu07"}, (1, 4, 1, 2)),
+    (LOCAL_TASK, {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}, (1, 2, 0, 1)),
+    # The scheduler counts other ranks (torchrun under srun -n1): it fills nothing.
+    (with_(SLURM_STEP, SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0"),
+     {"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "gpu07"}, (0, 1, 3, 4)),
+])
+def test_hand_exported_torchrun_variables_take_the_rest_from_the_scheduler(
+        base: dict[str, str], exported: dict[str, str], expected: tuple[int, int, int, int]) -> None:
+    r = rank_env({**base, **exported})
+    assert r.source == "torchrun"
+    assert (r.local_rank, r.local_world_size, r.node_rank, r.num_nodes) == expected
+
+
 def test_torchrun_minimal_user_set() -> None:
     r = rank_env({"RANK": "2", "WORLD_SIZE": "3", "MASTER_ADDR": "box"})
     assert (r.local_rank, r.local_world_size, r.node_rank, r.num_nodes) == (0, 1, 2, 3)
@@ -170,7 +183,8 @@ def test_exported_variables_read_back_the_same(env: dict[str, str]) -> None:
     ({"SLURMD_NODENAME": "gpu99"}, "SLURMD_NODENAME='gpu99' is not in SLURM_STEP_NODELIST"),
     ({"SLURM_STEP_TASKS_PER_NODE": "4(x3)"}, "SLURM_STEP_TASKS_PER_NODE='4(x3)' does not describe "
                                              "8 tasks on 2 nodes"),
-    ({"SLURM_STEP_TASKS_PER_NODE": "4x2"}, "SLURM_STEP_TASKS_PER_NODE='4x2': '4x2' is not N or N(xM)"),
+    ({"SLURM_STEP_TASKS_PER_NODE": "4x2"},
+     "SLURM_STEP_TASKS_PER_NODE='4x2': '4x2' is not N or N(xM)"),
     ({"SLURM_STEP_NUM_TASKS": None, "SLURM_NTASKS": None, "SLURM_NPROCS": None},
      "none of SLURM_STEP_NUM_TASKS, SLURM_NTASKS, SLURM_NPROCS is"),
     ({"SLURM_JOB_ID": None, "SLURM_JOBID": None}, "none of SLURM_JOB_ID, SLURM_JOBID is"),
@@ -246,7 +260,8 @@ def test_master_port_is_stable() -> None:
 def test_master_port_range() -> None:
     ids = [str(i) for i in range(0, 200_000, 7)] + [f"job-{i}" for i in range(5000)]
     ports = {master_port(j) for j in ids}
-    assert min(ports) >= PORT_LOW and max(ports) <= PORT_HIGH < 32768  # below Linux's ephemeral range
+    assert min(ports) >= PORT_LOW and max(ports) <= PORT_HIGH
+    assert PORT_HIGH < 32768  # Linux's default ephemeral range starts there
     assert 29500 not in ports  # torchrun's default
 
 
@@ -355,22 +370,13 @@ def test_expand_hostlist_limits_that_pass() -> None:
     assert len(expand_hostlist("n[" + ",".join(["7"] * 65536) + "]")) == 65536
 
 
-def _best_ms(fn: Callable[[], object], repeat: int = 5) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1000
-
-
 @pytest.mark.parametrize("text", [
     ",".join(f"node{i:05d}" for i in range(10_000)),                  # uncompressed
     "gpu[00001-10000]",                                               # one range
     "n[" + ",".join(str(i) for i in range(0, 20_000, 2)) + "]",      # fragmented allocation
     ",".join(f"r{i:03d}n[01-10]" for i in range(1000)),               # 1000 racks
 ], ids=["plain", "range", "fragmented", "racks"])
-def test_expand_hostlist_10k_hosts_is_fast(text: str) -> None:
-    assert len(expand_hostlist(text)) == 10_000
-    # Typically 2-10 ms; the bound leaves room for a loaded CI machine.
-    assert _best_ms(lambda: expand_hostlist(text)) < 100
+def test_expand_hostlist_10k_hosts(text: str) -> None:
+    # Speed is measured in bench/plan_scale.py, not here.
+    hosts = expand_hostlist(text)
+    assert len(hosts) == len(set(hosts)) == 10_000
