@@ -1,0 +1,77 @@
+"""The local cluster's state file and the --wait display, without starting processes."""
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+from pathlib import Path
+
+from submit import local
+from submit.api import Status
+from submit.cli import _poll_interval, progress_line
+from submit.registry import JobRecord, Registry
+
+
+def _status(**kw) -> Status:
+    base = dict(job_id="1", cluster="c", name="n", state="RUNNING", run_dir="/r", submitted_at=0.0, done=False,
+                succeeded=False, elapsed_s=75, time_limit_s=600, progress={"step": 20, "loss": 3.14159})
+    return Status(**{**base, **kw})
+
+
+def test_progress_line_shows_state_step_loss_and_time_left() -> None:
+    assert progress_line(_status(), 60) == "[RUNNING] step 20/60 loss 3.1416 elapsed 0:01:15 left 0:08:45"
+    assert progress_line(_status(state="PENDING", progress={}, elapsed_s=None, reason="Resources"), 60) \
+        == "[PENDING] (Resources)"
+
+
+def test_polling_backs_off_on_slurm() -> None:
+    assert [_poll_interval(t, "slurm") for t in (0, 29, 31, 299, 301)] == [2.0, 2.0, 5.0, 5.0, 10.0]
+    assert _poll_interval(1000, "local") == 0.5
+
+
+def test_a_dead_supervisor_reads_as_failed(tmp_path: Path) -> None:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    (tmp_path / local.STATE_FILE).write_text(json.dumps({"state": "RUNNING", "supervisor_pid": proc.pid}))
+    state = local.current_state(tmp_path)
+    assert state["state"] == "FAILED" and "supervisor" in state["message"]
+    assert local.cancel(tmp_path) is False
+
+
+def test_a_finished_state_is_kept(tmp_path: Path) -> None:
+    local.write_state(tmp_path, state="COMPLETED", supervisor_pid=1)
+    local.write_state(tmp_path, exit_codes=[0, 0])
+    assert local.current_state(tmp_path) == {"state": "COMPLETED", "supervisor_pid": 1, "exit_codes": [0, 0]}
+
+
+def test_registry_finds_by_id_and_refuses_ambiguity(tmp_path: Path) -> None:
+    reg = Registry(tmp_path / "r.sqlite")
+    for cluster in ("a", "b"):
+        reg.add(JobRecord("7", cluster, "n", f"/{cluster}", "slurm", 1.0, None, "h"))
+    reg.add(JobRecord("8", "a", "n", "/a8", "slurm", 2.0, None, "h"))
+    assert reg.find("8").run_dir == "/a8" and reg.find("7", "b").run_dir == "/b"
+    assert [r.job_id for r in reg.recent()] == ["8", "7", "7"]
+    try:
+        reg.find("7")
+    except Exception as exc:
+        assert "-c CLUSTER" in str(exc)
+    else:
+        raise AssertionError("an ambiguous id must be refused")
+    reg.set_state(reg.find("8"), "COMPLETED")
+    assert Registry(tmp_path / "r.sqlite").find("8").last_state == "COMPLETED"
+
+
+def test_wait_prints_plain_lines_only_on_change(monkeypatch) -> None:
+    from submit import api, cli
+
+    seq = iter([_status(progress={"step": 1, "loss": 5.0}), _status(progress={"step": 1, "loss": 5.0}),
+                _status(progress={"step": 2, "loss": 4.0}),
+                _status(state="COMPLETED", done=True, succeeded=True, progress={"step": 2, "loss": 4.0})])
+    monkeypatch.setattr(api, "statuses", lambda records, clusters, registry=None: [next(seq)])
+    monkeypatch.setattr(cli.time, "sleep", lambda s: None)
+    out = io.StringIO()
+    record = JobRecord("1", "c", "n", "/r", "local", 0.0, None, "h")
+    final = cli.wait_for(record, None, None, total_steps=2, out=out)
+    assert final.succeeded
+    assert [l.split(" loss")[0] for l in out.getvalue().splitlines()] == [
+        "[RUNNING] step 1/2", "[RUNNING] step 2/2", "[COMPLETED] step 2/2"]
