@@ -51,6 +51,16 @@ class ParallelDims:
                            f"{n_heads} % {self.tp} = {n_heads % self.tp}")
         return None
 
+    def batch_problem(self, global_batch: int, micro_batch: int) -> Optional[Problem]:
+        """Megatron's rule: the global batch splits into micro-batches on every dp rank."""
+        per_step = micro_batch * self.dp
+        if global_batch % per_step:
+            return Problem("train.global_batch", global_batch,
+                           f"must be a multiple of micro_batch({micro_batch})*dp({self.dp})={per_step} "
+                           f"(accumulation = global_batch / (micro_batch*dp)); e.g. "
+                           f"{max(per_step, global_batch // per_step * per_step)}")
+        return None
+
     def validate(self, world_size: int, n_layers: int, n_heads: int, ranks_per_node: int) -> None:
         """Raise ValueError with the arithmetic when the layout does not fit."""
         found = self.problem(world_size, n_layers, n_heads, ranks_per_node)

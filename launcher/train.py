@@ -53,15 +53,11 @@ def check_layout(job: JobSpec, env: RankEnv) -> Layout:
         if value != 1:
             raise SchemaError(key, value, "tensor and pipeline parallelism come with the 3D trainer in a later "
                                           "version; this trainer is data parallel only: set tp=1 and pp=1")
-    problem = ParallelDims(par.dp, par.tp, par.pp).problem(
-        env.world_size, cfg.model.n_layers, cfg.model.n_heads, env.local_world_size)
+    dims = ParallelDims(par.dp, par.tp, par.pp)
+    problem = (dims.problem(env.world_size, cfg.model.n_layers, cfg.model.n_heads, env.local_world_size)
+               or dims.batch_problem(cfg.global_batch, cfg.micro_batch))
     if problem:
         raise SchemaError(problem.key, problem.value, problem.fix)
-    per_step = cfg.micro_batch * par.dp
-    if cfg.global_batch % per_step:
-        raise SchemaError("train.global_batch", cfg.global_batch,
-                          f"must be divisible by micro_batch({cfg.micro_batch})*dp({par.dp})={per_step} "
-                          "(accumulation = global_batch / (micro_batch*dp))")
     # tp = pp = 1, so the dp rank is the global rank.
     return Layout(cfg.global_batch, cfg.micro_batch, dp_rank=env.rank, dp_size=par.dp)
 

@@ -185,11 +185,9 @@ def check_parallel(spec: JobSpec, cluster: ClusterProfile) -> None:
                            ranks_per_node=spec.tasks_per_node)
     if problem:
         raise InputError(problem.key, problem.value, problem.fix)
-    per_step = t.micro_batch * p.dp
-    if t.global_batch % per_step:
-        raise InputError("train.global_batch", t.global_batch,
-                         f"must be a multiple of micro_batch({t.micro_batch})*dp({p.dp})={per_step}; "
-                         f"e.g. {max(per_step, t.global_batch // per_step * per_step)}")
+    problem = dims.batch_problem(t.global_batch, t.micro_batch)
+    if problem:
+        raise InputError(problem.key, problem.value, problem.fix)
     if not spec.resources.gpus_per_node and t.precision != "fp32":
         raise InputError("train.precision", t.precision,
                          "CPU ranks train in fp32; set train.precision=fp32 or ask for GPUs")
