@@ -25,6 +25,9 @@ def testbed() -> Iterator[dict[str, object]]:
         # Fail, never skip: a skipped integration suite looks green while testing nothing.
         pytest.fail(f"the Slurm testbed needs {', '.join(missing)}: run "
                     "`sh tests/testbed/install.sh` as root first", pytrace=False)
+    # A testbed someone else started (another pytest session, a developer's `up`) is theirs
+    # to stop: this session only stops what it started.
+    already_up = all(pid is not None for pid in tb.status().values())
     try:
         info = tb.up()
     except tb.TestbedError as e:
@@ -38,7 +41,7 @@ def testbed() -> Iterator[dict[str, object]]:
         try:
             yield info
         finally:
-            if os.environ.get("MESHRUN_TESTBED_KEEP") != "1":
+            if os.environ.get("MESHRUN_TESTBED_KEEP") != "1" and not already_up:
                 tb.down()
 
 
