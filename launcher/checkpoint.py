@@ -1,0 +1,229 @@
+"""Checkpoints that are either complete or ignored.
+
+A save writes `step-N.tmp/` with torch.distributed.checkpoint (sharded, each rank its
+own part; async: training waits only for staging to CPU memory). When every rank's
+part is written (DCP's coordinator gathers the write results before it writes its
+metadata, so its future completes last), the coordinator writes the completeness
+marker last, fsyncs it and the directory, and renames `step-N.tmp` to `step-N`.
+Resume takes the newest directory that has the marker; an unmarked one is never
+loaded. At most one save is in flight. Retention keeps the newest K (and every
+M-th step if asked) and never deletes the newest complete checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+MARKER = "meshrun-complete.json"
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_TMP_DIR = re.compile(r"^step-(\d{8,})\.tmp$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used: names it and says what to do."""
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}"
+
+
+def complete_steps(root: Path) -> list[int]:
+    """Steps of the complete (marked) checkpoints under root, ascending."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    steps = []
+    for entry in root.iterdir():
+        match = _STEP_DIR.match(entry.name)
+        if match and (entry / MARKER).is_file():
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def latest(root: Path) -> Optional[Path]:
+    steps = complete_steps(root)
+    return step_dir(root, steps[-1]) if steps else None
+
+
+def resolve(root: Path, step: Optional[int] = None) -> Optional[Path]:
+    """The checkpoint to resume from: the newest complete one, or exactly `step` (which must be complete)."""
+    if step is None:
+        return latest(root)
+    path = step_dir(root, step)
+    if step not in complete_steps(root):
+        state = "is incomplete (an interrupted save)" if (path.exists() or path.with_name(path.name + ".tmp")
+                                                           .exists()) else "does not exist"
+        have = ", ".join(map(str, complete_steps(root))) or "none"
+        raise CheckpointError(f"checkpoint step {step} under {root} {state}; complete ones: {have}")
+    return path
+
+
+def read_marker(path: Path) -> dict[str, Any]:
+    return json.loads((Path(path) / MARKER).read_text())
+
+
+def retention_victims(steps: list[int], keep: int, keep_every: int = 0) -> list[int]:
+    """Which complete checkpoints retention deletes: all but the newest `keep` and the
+    multiples of `keep_every`; never the newest one."""
+    if not steps:
+        return []
+    kept = set(sorted(steps)[-max(keep, 1):])
+    if keep_every > 0:
+        kept |= {s for s in steps if s % keep_every == 0}
+    return [s for s in sorted(steps) if s not in kept]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(tmp: Path, final: Path, info: dict[str, Any]) -> None:
+    """Marker last, fsync, rename: after this returns the checkpoint is durable and complete."""
+    marker = tmp / MARKER
+    with open(marker, "w") as handle:
+        json.dump({**info, "committed_at": time.time()}, handle, sort_keys=True)
+        handle.flush()
+        os.fsync(handle.fileno())
+    _fsync_dir(tmp)
+    if (final / MARKER).is_file():
+        # A complete twin from an earlier life of the job at the same step: keep it (replacing
+        # it would leave a moment with no complete newest checkpoint).
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    if final.exists():  # an unmarked leftover cannot be loaded anyway
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def remove_stale(root: Path) -> list[Path]:
+    """Delete leftover `*.tmp` saves. Only call when no save is in flight (start-up)."""
+    removed = []
+    if Path(root).is_dir():
+        for entry in Path(root).iterdir():
+            if _TMP_DIR.match(entry.name) and entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry)
+    return removed
+
+
+def apply_retention(root: Path, keep: int, keep_every: int = 0) -> list[int]:
+    victims = retention_victims(complete_steps(root), keep, keep_every)
+    for step in victims:
+        path = step_dir(root, step)
+        # Unmark first: a half-deleted directory must never look complete.
+        (path / MARKER).unlink(missing_ok=True)
+        shutil.rmtree(path, ignore_errors=True)
+    return victims
+
+
+@dataclass
+class _Pending:
+    step: int
+    tmp: Path
+    future: Optional[Future]
+    info: dict[str, Any]
+    started: float
+
+
+class Checkpointer:
+    """Saves and loads a DCP state dict under `root`. Every rank calls save/poll/wait/load."""
+
+    def __init__(self, root: Path, keep: int, keep_every: int = 0, async_save: bool = True,
+                 process_group: Any = None, coordinator: bool = True) -> None:
+        self.root = Path(root)
+        self.keep, self.keep_every = keep, keep_every
+        self.async_save = async_save
+        self.group = process_group
+        self.coordinator = coordinator
+        self._pending: Optional[_Pending] = None
+        self.last_save_stall_s = 0.0
+        self.last_committed: Optional[int] = None
+
+    def prepare(self) -> None:
+        """Start-up, on every rank: the coordinator clears interrupted saves; all agree after."""
+        if self.coordinator:
+            self.root.mkdir(parents=True, exist_ok=True)
+            remove_stale(self.root)
+        self._barrier()
+
+    def _barrier(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier(group=self.group)
+
+    def save(self, step: int, state: dict[str, Any], info: dict[str, Any]) -> None:
+        """Start saving `state` as step N (waits for a save still in flight first)."""
+        import torch.distributed.checkpoint as dcp
+
+        self.wait()
+        tmp = self.root / f"step-{step:08d}.tmp"
+        if self.coordinator:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self._barrier()
+        began = time.perf_counter()
+        if self.async_save:
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
+            future = getattr(future, "upload_completion", future)  # AsyncSaveResponse on newer torch
+            self._pending = _Pending(step, tmp, future, info, began)
+        else:
+            dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
+            self._pending = _Pending(step, tmp, None, info, began)
+        self.last_save_stall_s = time.perf_counter() - began
+        if not self.async_save:
+            self._finish()
+
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None
+
+    def poll(self) -> None:
+        """Commit a finished async save (cheap; call at step boundaries)."""
+        if self._pending and self._pending.future is not None and self._pending.future.done():
+            self._finish()
+
+    def wait(self) -> None:
+        """Block until the save in flight is written and committed (before the next save, before exit)."""
+        if self._pending:
+            self._finish()
+
+    def _finish(self) -> None:
+        pending, self._pending = self._pending, None
+        assert pending is not None
+        if pending.future is not None:
+            pending.future.result()  # re-raises a failed write: the .tmp stays unmarked, so ignored
+        if self.coordinator:
+            info = {**pending.info, "step": pending.step,
+                    "save_seconds": round(time.perf_counter() - pending.started, 3)}
+            commit(pending.tmp, step_dir(self.root, pending.step), info)
+            apply_retention(self.root, self.keep, self.keep_every)
+        self.last_committed = pending.step
+
+    def load(self, state: dict[str, Any], path: Path) -> dict[str, Any]:
+        """Load `state` in place from a complete checkpoint; returns its marker."""
+        import torch.distributed.checkpoint as dcp
+
+        if not (Path(path) / MARKER).is_file():
+            raise CheckpointError(f"{path} has no completeness marker: it is a partial save and is never loaded")
+        dcp.load(state, checkpoint_id=str(path), process_group=self.group)
+        return read_marker(path)
+
+
+def saved_keys(path: Path) -> set[str]:
+    """The state-dict keys a checkpoint holds (for optional per-rank entries such as RNG states)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)

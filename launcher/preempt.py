@@ -1,0 +1,72 @@
+"""Preemption and time limits: a signal sets a flag, the ranks agree at a step boundary.
+
+The handler does nothing but set a flag: no I/O, no collectives, no locks, which is
+what makes signal handlers deadlock (a rank stuck in NCCL while its handler waits
+on a save). Every step the ranks all-reduce the flag (MAX), so every rank stops
+after the same step, saves a normal checkpoint, and exits with EXIT_REQUEUE. The
+batch script, not the rank, decides whether to requeue.
+"""
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Iterable, Optional
+
+EXIT_FINISHED = 0
+"""Training reached its last step."""
+EXIT_FAILED = 1
+"""An error: do not requeue blindly."""
+EXIT_INPUT = 2
+"""Bad spec or environment: requeueing cannot help."""
+EXIT_REQUEUE = 75
+"""Stopped on a signal after saving a checkpoint: requeue to continue (sysexits' EX_TEMPFAIL)."""
+EXIT_NO_PROGRESS = 76
+"""The watchdog saw no step finish in time (a hang): requeue from the last checkpoint, or stop."""
+
+EXIT_NAMES = {EXIT_FINISHED: "finished", EXIT_FAILED: "failed", EXIT_INPUT: "bad input",
+              EXIT_REQUEUE: "saved for requeue", EXIT_NO_PROGRESS: "no progress"}
+
+DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+@dataclass
+class StopFlag:
+    """Set by a signal; read at step boundaries. Only ever assigned in the handler."""
+    signum: Optional[int] = None
+    at: Optional[float] = None
+    _previous: dict = field(default_factory=dict)
+
+    @property
+    def raised(self) -> bool:
+        return self.signum is not None
+
+    def _handler(self, signum: int, _frame: Optional[FrameType]) -> None:
+        if self.signum is None:
+            self.signum, self.at = signum, time.time()
+
+    def install(self, signals: Iterable[int] = DEFAULT_SIGNALS) -> "StopFlag":
+        for sig in signals:
+            self._previous[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+    def describe(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else "none"
+
+
+def agree(local: bool, group: object = None, device: object = None) -> bool:
+    """True on every rank if any rank's flag is up: one tiny all-reduce per step."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return local
+    flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())

@@ -1,0 +1,124 @@
+"""Checkpoint rules: complete or ignored, retention, and a real DCP round trip in one process."""
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from launcher import checkpoint as ckpt
+from launcher.preempt import StopFlag, agree
+
+
+def _fake_complete(root: Path, step: int) -> Path:
+    path = ckpt.step_dir(root, step)
+    path.mkdir(parents=True)
+    (path / ckpt.MARKER).write_text('{"step": %d}' % step)
+    return path
+
+
+@pytest.mark.parametrize("steps, keep, every, victims", [
+    ([10, 20, 30, 40], 2, 0, [10, 20]),
+    ([10, 20, 30, 40], 1, 20, [10, 30]),
+    ([10], 1, 0, []),
+    ([], 3, 0, []),
+    ([5, 10, 15], 0, 0, [5, 10]),            # keep 0 still keeps the newest complete
+])
+def test_retention_never_deletes_the_newest(steps, keep, every, victims) -> None:
+    assert ckpt.retention_victims(steps, keep, every) == victims
+
+
+def test_unmarked_saves_are_ignored_and_asking_for_one_is_an_error(tmp_path: Path) -> None:
+    _fake_complete(tmp_path, 10)
+    (tmp_path / "step-00000020.tmp").mkdir()           # interrupted save
+    ckpt.step_dir(tmp_path, 30).mkdir()                 # renamed but unmarked (impossible, still ignored)
+    assert ckpt.complete_steps(tmp_path) == [10]
+    assert ckpt.latest(tmp_path) == ckpt.step_dir(tmp_path, 10)
+    assert ckpt.resolve(tmp_path, 10) == ckpt.step_dir(tmp_path, 10)
+    with pytest.raises(ckpt.CheckpointError, match="step 20 .* incomplete"):
+        ckpt.resolve(tmp_path, 20)
+    with pytest.raises(ckpt.CheckpointError, match="step 99 .* does not exist"):
+        ckpt.resolve(tmp_path, 99)
+    assert [p.name for p in ckpt.remove_stale(tmp_path)] == ["step-00000020.tmp"]
+
+
+def test_commit_keeps_an_existing_complete_twin(tmp_path: Path) -> None:
+    final = _fake_complete(tmp_path, 10)
+    tmp = tmp_path / "step-00000010.tmp"
+    tmp.mkdir()
+    ckpt.commit(tmp, final, {"step": 10})
+    assert not tmp.exists() and ckpt.read_marker(final) == {"step": 10}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+
+
+def _train_one(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    opt.zero_grad()
+    model(torch.ones(2, 8)).square().sum().backward()
+    opt.step()
+
+
+@pytest.fixture
+def group(tmp_path: Path):
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_dcp_round_trip_commits_and_retains(tmp_path: Path, group, async_save: bool) -> None:
+    model, root = _model(), tmp_path / "ckpt"
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    saver = ckpt.Checkpointer(root, keep=2, async_save=async_save)
+    saver.prepare()
+    for step in (1, 2, 3):
+        _train_one(model, opt)
+        msd, osd = get_state_dict(model, opt)
+        saver.save(step, {"model": msd, "optim": osd, "step": step}, {"layout": "1x1x1"})
+        # Async: training goes on while the save is in flight, and it is not complete until
+        # committed (by the next poll/save/wait). Sync: complete on return.
+        assert saver.in_flight is async_save
+        assert (step in ckpt.complete_steps(root)) is not async_save
+    saver.wait()
+    assert ckpt.complete_steps(root) == [2, 3] and not list(root.glob("*.tmp"))
+    assert ckpt.read_marker(ckpt.latest(root))["layout"] == "1x1x1"
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+
+    fresh = _model()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    msd, osd = get_state_dict(fresh, fresh_opt)
+    state = {"model": msd, "optim": osd, "step": 0}
+    marker = saver.load(state, ckpt.latest(root))
+    set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert marker["step"] == 3 and state["step"] == 3
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+    # The optimizer continues identically: one more step on both gives the same parameters.
+    _train_one(model, opt)
+    _train_one(fresh, fresh_opt)
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_loading_an_unmarked_directory_is_refused(tmp_path: Path, group) -> None:
+    (tmp_path / "step-00000005").mkdir()
+    with pytest.raises(ckpt.CheckpointError, match="no completeness marker"):
+        ckpt.Checkpointer(tmp_path, keep=1).load({}, tmp_path / "step-00000005")
+
+
+def test_signal_only_sets_a_flag_and_ranks_agree(group) -> None:
+    flag = StopFlag().install([signal.SIGUSR1])
+    try:
+        assert not agree(flag.raised)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert flag.raised and flag.describe() == "SIGUSR1" and agree(flag.raised)
+    finally:
+        flag.uninstall()
