@@ -6,10 +6,14 @@ Every optimizer step draws `global_batch` windows from a per-epoch permutation
 seeded by (seed, epoch); dp rank r takes the r-th contiguous slice of them. The
 only state is how many windows have been consumed, counted globally, so a resume
 continues exactly, even with a different dp degree, as long as the global batch
-is unchanged.
+is unchanged. Ranks of one tp group and of one pipeline (the same dp rank) read the
+same windows; `Prefetcher` reads the next steps in a background thread.
 """
 from __future__ import annotations
 
+import queue
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Literal, Optional
@@ -17,8 +21,11 @@ from typing import Any, Iterator, Literal, Optional
 import torch
 
 from launcher.corpus import read_sidecar
+from launcher.schema import SchemaError
 
 Split = Literal["train", "val"]
+MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
+"""One optimizer step's micro batches on one rank: (inputs, targets), each (micro_batch, seq_len)."""
 _DTYPES = {"uint16": torch.uint16, "uint32": torch.uint32}
 _SUFFIX_DTYPES = {".u16": "uint16", ".u32": "uint32", ".bin": "uint16"}
 
@@ -28,7 +35,7 @@ def token_dtype(path: Path) -> str:
     meta = read_sidecar(path)
     if meta and "dtype" in meta:
         if meta["dtype"] not in _DTYPES:
-            raise ValueError(f"{path}.json: dtype {meta['dtype']!r}: expected one of {', '.join(_DTYPES)}")
+            raise SchemaError(f"{path}.json dtype", meta["dtype"], f"expected one of {', '.join(_DTYPES)}")
         return meta["dtype"]
     return _SUFFIX_DTYPES.get(path.suffix, "uint16")
 
@@ -43,7 +50,8 @@ def open_tokens(path: str | Path) -> torch.Tensor:
     itemsize = 2 if dtype == "uint16" else 4
     size = path.stat().st_size
     if size % itemsize:
-        raise ValueError(f"data.path: {str(path)!r}: {size} bytes is not a whole number of {dtype} tokens")
+        raise SchemaError("data.path", str(path), f"{size} bytes is not a whole number of {dtype} tokens; "
+                                                  "is it a token file of that dtype?")
     return torch.from_file(str(path), shared=False, size=size // itemsize, dtype=_DTYPES[dtype])
 
 
@@ -52,7 +60,7 @@ class TokenDataset:
 
     def __init__(self, path: str | Path, seq_len: int, val_fraction: float = 0.05) -> None:
         if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"data.val_fraction: {val_fraction}: use a fraction in [0, 1)")
+            raise SchemaError("data.val_fraction", val_fraction, "use a fraction in [0, 1)")
         self.path = Path(path).expanduser()
         self.tokens = open_tokens(self.path)
         self.seq_len = seq_len
@@ -61,8 +69,8 @@ class TokenDataset:
         self.val_start = len(self.tokens) - n_val
         self.num_windows = {"train": self.val_start // self.window, "val": n_val // self.window}
         if self.num_windows["train"] == 0:
-            raise ValueError(f"data.path: {str(self.path)!r}: {self.val_start} training tokens are fewer than "
-                             f"one window of seq_len+1={self.window}; use a bigger file or a shorter seq_len")
+            raise SchemaError("data.path", str(self.path), f"{self.val_start} training tokens are fewer than one "
+                              f"window of seq_len+1={self.window}; use a bigger file or a shorter seq_len")
 
     def sample(self, split: Split, index: int) -> torch.Tensor:
         """Window `index` of `split` as int64 tokens, shape (seq_len + 1,)."""
@@ -120,17 +128,23 @@ class TrainStream:
         n = self.dataset.num_windows["train"]
         return int(self._permutation(k // n)[k % n])
 
-    def step_indices(self) -> list[int]:
-        """Windows this rank reads in the next optimizer step, without advancing."""
-        first = self.consumed + self.layout.dp_rank * self.layout.per_rank
+    def step_indices(self, consumed: Optional[int] = None) -> list[int]:
+        """Windows this rank reads in the step that starts at position `consumed` (default: the next)."""
+        consumed = self.consumed if consumed is None else consumed
+        first = consumed + self.layout.dp_rank * self.layout.per_rank
         return [self.window_index(k) for k in range(first, first + self.layout.per_rank)]
 
-    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's micro batches (inputs, targets) for one optimizer step; advances the position."""
-        indices = self.step_indices()
-        self.consumed += self.layout.global_batch
+    def batches_at(self, consumed: int) -> MicroBatches:
+        """This rank's micro batches for the step starting at `consumed`; changes no position."""
+        indices = self.step_indices(consumed)
         m = self.layout.micro_batch
         return [self.dataset.batch("train", indices[i:i + m]) for i in range(0, len(indices), m)]
+
+    def next_step(self) -> MicroBatches:
+        """This rank's micro batches (inputs, targets) for one optimizer step; advances the position."""
+        batches = self.batches_at(self.consumed)
+        self.consumed += self.layout.global_batch
+        return batches
 
     def state_dict(self) -> dict[str, Any]:
         return {"consumed": self.consumed, "seed": self.seed, "window": self.dataset.window,
@@ -146,14 +160,73 @@ class TrainStream:
         self.consumed = int(state["consumed"])
 
 
-def val_batches(dataset: TokenDataset, layout: Layout, max_windows: int
-                ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's share of a fixed validation set, in micro batches.
+def val_steps(dataset: TokenDataset, layout: Layout, max_windows: int) -> Iterator[MicroBatches]:
+    """This rank's share of a fixed validation set, one global batch at a time, in micro batches.
 
-    The set is the first min(val windows, max_windows) windows, cut to a multiple of dp
-    and dealt round-robin, so it is the same set whatever the dp degree or micro batch.
+    The set is the first min(val windows, max_windows) windows cut to a multiple of
+    global_batch, and each global batch is split over dp ranks and micro batches exactly
+    as a training step is: the same set, and equal-sized micro batches, whatever the layout
+    (a pipeline needs its micro-batch count and shape fixed).
     """
-    count = min(dataset.num_windows["val"], max_windows) // layout.dp_size * layout.dp_size
-    mine = list(range(layout.dp_rank, count, layout.dp_size))
-    for i in range(0, len(mine), layout.micro_batch):
-        yield dataset.batch("val", mine[i:i + layout.micro_batch])
+    count = min(dataset.num_windows["val"], max_windows) // layout.global_batch * layout.global_batch
+    m = layout.micro_batch
+    for start in range(0, count, layout.global_batch):
+        first = start + layout.dp_rank * layout.per_rank
+        mine = list(range(first, first + layout.per_rank))
+        yield [dataset.batch("val", mine[i:i + m]) for i in range(0, len(mine), m)]
+
+
+class Prefetcher:
+    """Reads the next steps' micro batches in a background thread, so steps rarely wait for data.
+
+    The stream's position advances only when the trainer takes a step's batches, so
+    `stream.state_dict()` is always the position of the next step to train: a checkpoint
+    never records batches that were read ahead but not trained on.
+    """
+
+    def __init__(self, stream: TrainStream, depth: int = 2, pin_memory: bool = False) -> None:
+        self.stream, self.pin_memory = stream, pin_memory
+        self._queue: queue.Queue[tuple[int, MicroBatches] | BaseException] = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(stream.consumed,), name="meshrun-prefetch",
+                                        daemon=True)  # daemon: a crashed trainer must not hang on it
+        self._thread.start()
+
+    def _run(self, consumed: int) -> None:
+        try:
+            while not self._stop.is_set():
+                batches = self.stream.batches_at(consumed)
+                if self.pin_memory:  # page-locked: the copy to the GPU can overlap compute
+                    batches = [(x.pin_memory(), y.pin_memory()) for x, y in batches]
+                if not self._put((consumed, batches)):
+                    return
+                consumed += self.stream.layout.global_batch
+        except BaseException as exc:  # handed to the trainer, which re-raises it in the main thread
+            self._put(exc)
+
+    def _put(self, item: tuple[int, MicroBatches] | BaseException) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def next_step(self) -> tuple[MicroBatches, float]:
+        """The next step's micro batches and the seconds this call waited for them."""
+        start = time.perf_counter()
+        item = self._queue.get()
+        waited = time.perf_counter() - start
+        if isinstance(item, BaseException):
+            raise item
+        consumed, batches = item
+        if consumed != self.stream.consumed:
+            raise RuntimeError(f"prefetch read position {consumed} but the stream is at {self.stream.consumed}; "
+                               "load a data state only before starting the Prefetcher")
+        self.stream.consumed = consumed + self.stream.layout.global_batch
+        return batches, waited
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

@@ -1,15 +1,21 @@
 """GPT reference model, Llama-style: RMSNorm, rotary embeddings, causal SDPA, SwiGLU, untied head.
 
-Laid out for the parallel code that comes later (torchtitan's shape): blocks live in
-`layers`, an nn.ModuleDict keyed "0".."n-1", so a pipeline stage can delete the
-blocks it does not own and keep stable parameter names (checkpoints load across
-layouts); the stage that lacks the embedding or the head sets it to None and the
+Laid out for the parallel code (torchtitan's shape): blocks live in `layers`, an
+nn.ModuleDict keyed by their global index, so a pipeline stage builds only the
+blocks it owns (`ModelPart`) with stable parameter names (checkpoints load across
+layouts); the stage that lacks the embedding or the head holds None there and the
 forward passes hidden states through. Q/K/V and the MLP projections are separate
 Linear layers so tensor parallelism can shard them column/row-wise.
+
+Every parameter draws its initial values from its own generator, seeded by (seed,
+parameter name): a stage that builds two of eight blocks gets exactly the values the
+whole model has there, so any layout starts from the same weights.
 """
 from __future__ import annotations
 
 import math
+import zlib
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -26,6 +32,46 @@ ROPE_THETA = 10000.0
 def ffn_hidden(cfg: ModelConfig) -> int:
     """SwiGLU hidden size: ffn_mult * d_model rounded up to a multiple of 64 (tensor-core friendly)."""
     return int(math.ceil(cfg.ffn_mult * cfg.d_model / 64) * 64)
+
+
+def param_count(cfg: ModelConfig, exclude_embedding: bool = False) -> int:
+    """Parameters of the whole model, from the config alone (no model needed: MFU, planning)."""
+    d, h, v = cfg.d_model, ffn_hidden(cfg), cfg.vocab_size
+    per_block = 4 * d * d + 3 * d * h + 2 * d  # q, k, v, o; w1, w2, w3; two norms
+    embedding = 0 if exclude_embedding else v * d
+    return embedding + cfg.n_layers * per_block + d + d * v  # + final norm + untied head
+
+
+def flops_per_token(cfg: ModelConfig) -> int:
+    """Training FLOPs per token (forward + backward): 6N + 12*L*d*T (PaLM/Megatron).
+
+    N excludes the embedding table (a lookup, not a matmul) but keeps the untied
+    head; the second term is attention's QK^T and AV over the full sequence.
+    """
+    return 6 * param_count(cfg, exclude_embedding=True) + 12 * cfg.n_layers * cfg.d_model * cfg.seq_len
+
+
+@dataclass(frozen=True)
+class ModelPart:
+    """Which pieces of the model one rank builds: a pipeline stage, or the whole model."""
+    first_layer: int
+    """Global index of the first block built."""
+    end_layer: int
+    """One past the last block built."""
+    embed: bool = True
+    """Build the token embedding (the first stage)."""
+    head: bool = True
+    """Build the final norm and the output head (the last stage)."""
+
+    @staticmethod
+    def whole(cfg: ModelConfig) -> "ModelPart":
+        return ModelPart(0, cfg.n_layers)
+
+    @staticmethod
+    def stage(cfg: ModelConfig, stage: int, stages: int) -> "ModelPart":
+        """Stage `stage` of `stages` equal stages (stages divides n_layers; ParallelDims checks)."""
+        per = cfg.n_layers // stages
+        return ModelPart(stage * per, (stage + 1) * per, embed=stage == 0, head=stage == stages - 1)
 
 
 class RMSNorm(nn.Module):
@@ -107,20 +153,25 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, seed: int = 0, activation_checkpointing: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, seed: int = 0, activation_checkpointing: bool = False,
+                 part: Optional[ModelPart] = None) -> None:
         super().__init__()
         if cfg.d_model % cfg.n_heads or (cfg.d_model // cfg.n_heads) % 2:
             raise ValueError(f"train.model.d_model: {cfg.d_model}: must split into n_heads({cfg.n_heads}) "
                              "heads of an even size (rotary embeddings rotate pairs)")
         self.cfg = cfg
+        self.part = part or ModelPart.whole(cfg)
         self.activation_checkpointing = activation_checkpointing
         # The layers' default init draws from the global RNG; fork it so building a model
         # never shifts what later code (data order, dropout) draws. init_weights sets the values.
         with torch.random.fork_rng(devices=[]):
-            self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(cfg.vocab_size, cfg.d_model)
-            self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
-            self.norm: Optional[RMSNorm] = RMSNorm(cfg.d_model)
-            self.output: Optional[nn.Linear] = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+            self.tok_embeddings: Optional[nn.Embedding] = (
+                nn.Embedding(cfg.vocab_size, cfg.d_model) if self.part.embed else None)
+            self.layers = nn.ModuleDict({str(i): Block(cfg)
+                                         for i in range(self.part.first_layer, self.part.end_layer)})
+            self.norm: Optional[RMSNorm] = RMSNorm(cfg.d_model) if self.part.head else None
+            self.output: Optional[nn.Linear] = (
+                nn.Linear(cfg.d_model, cfg.vocab_size, bias=False) if self.part.head else None)
         cos, sin = rope_tables(cfg.seq_len, cfg.d_model // cfg.n_heads)
         # Not persistent: derived from the config, so checkpoints need not carry them.
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -129,18 +180,18 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Seeded init from a private generator, so it never depends on (or moves) the global RNG."""
-        gen = torch.Generator().manual_seed(seed)
+        """Seeded init, one private generator per parameter (by name): layout-independent values."""
         # Residual projections scaled by depth (GPT-2): keeps the residual stream's variance flat.
         residual_std = INIT_STD / math.sqrt(2 * max(self.cfg.n_layers, 1))
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                std = residual_std if name.endswith(("wo", "w2")) else INIT_STD
-                nn.init.normal_(module.weight, std=std, generator=gen)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, std=INIT_STD, generator=gen)
-            elif isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+                continue
+            std = residual_std if name.endswith(("wo.weight", "w2.weight")) else INIT_STD
+            # crc32, not hash(): str hashes are salted per process, and every rank must agree.
+            key = (seed * 1_000_003 + zlib.crc32(name.encode())) & 0x7FFF_FFFF_FFFF_FFFF
+            gen = torch.Generator(param.device).manual_seed(key)
+            nn.init.normal_(param, std=std, generator=gen)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, vocab); a middle pipeline stage takes and gives hidden states."""
@@ -156,20 +207,15 @@ class GPT(nn.Module):
         return self.output(h) if self.output is not None else h
 
     def num_params(self, exclude_embedding: bool = False) -> int:
-        """Parameter count (global, also after sharding)."""
+        """Parameters this module holds (its stage's share under pipelining; global sizes under TP/FSDP)."""
         n = sum(p.numel() for p in self.parameters())
         if exclude_embedding and self.tok_embeddings is not None:
             n -= self.tok_embeddings.weight.numel()
         return n
 
     def flops_per_token(self) -> int:
-        """Training FLOPs per token (forward + backward): 6N + 12*L*d*T (PaLM/Megatron).
-
-        N excludes the embedding table (a lookup, not a matmul) but keeps the untied
-        head; the second term is attention's QK^T and AV over the full sequence.
-        """
-        c = self.cfg
-        return 6 * self.num_params(exclude_embedding=True) + 12 * c.n_layers * c.d_model * c.seq_len
+        """Training FLOPs per token of the whole model (see `flops_per_token`)."""
+        return flops_per_token(self.cfg)
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from launcher.corpus import build_corpus, iter_sources
-from launcher.data import Layout, TokenDataset, TrainStream, val_batches
-from launcher.model import GPT, ffn_hidden, loss_fn
+from launcher.data import Layout, Prefetcher, TokenDataset, TrainStream, val_steps
+from launcher.model import GPT, ModelPart, ffn_hidden, flops_per_token, loss_fn, param_count
+from launcher.parallel_dims import ParallelDims
 from launcher.spec import Model
 
 TINY = Model(n_layers=2, d_model=64, n_heads=4, vocab_size=256, seq_len=32, ffn_mult=2.6667)
@@ -42,6 +43,23 @@ def test_param_count_and_flops() -> None:
     assert model.num_params() == v * d + n * per_block + d + d * v
     assert model.num_params(exclude_embedding=True) == model.num_params() - v * d
     assert model.flops_per_token() == 6 * model.num_params(exclude_embedding=True) + 12 * n * d * 32
+    assert param_count(TINY) == model.num_params() and flops_per_token(TINY) == model.flops_per_token()
+
+
+def test_pipeline_stages_hold_exactly_the_whole_models_weights() -> None:
+    cfg = Model(n_layers=4, d_model=64, n_heads=4, vocab_size=256, seq_len=32)
+    whole = dict(GPT(cfg, seed=3).named_parameters())
+    stages = [GPT(cfg, seed=3, part=ModelPart.stage(cfg, s, 2)) for s in range(2)]
+    assert list(stages[0].layers) == ["0", "1"] and list(stages[1].layers) == ["2", "3"]
+    assert stages[0].output is None and stages[1].tok_embeddings is None
+    names = [n for stage in stages for n, _ in stage.named_parameters()]
+    assert sorted(names) == sorted(whole)  # stable names: checkpoints load across layouts
+    for stage in stages:
+        for name, p in stage.named_parameters():
+            assert torch.equal(p, whole[name]), name  # same init whatever the layout
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(stages[1](stages[0](x)), GPT(cfg, seed=3)(x), rtol=0, atol=0)
 
 
 def test_causal_future_tokens_do_not_change_earlier_logits() -> None:
@@ -198,14 +216,56 @@ def test_resume_refuses_other_data(corpus: Path) -> None:
         other.load_state_dict(state)
 
 
-def test_val_batches_are_disjoint_across_ranks(corpus: Path) -> None:
+def test_val_steps_are_the_same_set_whatever_the_layout(corpus: Path) -> None:
     ds = TokenDataset(corpus, seq_len=32, val_fraction=0.2)
-    seen = [torch.cat([x for x, _ in val_batches(ds, Layout(8, 2, r, 2), 9)]) for r in range(2)]
-    assert seen[0].shape == seen[1].shape == (4, 32)  # 9 windows -> 8, 4 per rank
-    rows = [{tuple(r.tolist()) for r in s} for s in seen]
-    assert not rows[0] & rows[1]
-    one = torch.cat([x for x, _ in val_batches(ds, Layout(8, 8, 0, 1), 8)])
-    assert rows[0] | rows[1] == {tuple(r.tolist()) for r in one}  # the same set whatever the dp
+    one = [mbs for mbs in val_steps(ds, Layout(8, 8, 0, 1), 20)]
+    assert len(one) == 2 and one[0][0][0].shape == (8, 32)  # 20 windows -> 16: two global batches
+    ranks = [list(val_steps(ds, Layout(8, 2, r, 2), 20)) for r in range(2)]
+    for step in range(2):
+        mine = [torch.cat([x for x, _ in ranks[r][step]]) for r in range(2)]
+        assert all(len(mbs) == 2 and mbs[0][0].shape == (2, 32) for mbs in (ranks[0][step], ranks[1][step]))
+        torch.testing.assert_close(torch.cat(mine), one[step][0][0], rtol=0, atol=0)  # disjoint, in rank order
+
+
+def test_ranks_of_one_tp_and_pp_group_read_the_same_windows(corpus: Path) -> None:
+    ds = TokenDataset(corpus, seq_len=32)
+    dims = ParallelDims(dp=2, tp=2, pp=2)
+    seen: dict[int, list[int]] = {}
+    for rank in range(8):
+        c = dims.coordinates(rank)
+        indices = TrainStream(ds, Layout(8, 2, c.dp, dims.dp), 0).step_indices()
+        assert seen.setdefault(c.dp, indices) == indices
+    assert not set(seen[0]) & set(seen[1])
+
+
+def test_prefetcher_gives_the_streams_batches_and_keeps_the_position(corpus: Path) -> None:
+    ds = TokenDataset(corpus, seq_len=32)
+    plain, streamed = _streams(ds, 1, 4)[0], _streams(ds, 1, 4)[0]
+    streamed.consumed = plain.consumed = 16  # a resumed position
+    prefetch = Prefetcher(streamed, depth=2)
+    try:
+        for step in range(3):
+            got, waited = prefetch.next_step()
+            want = plain.next_step()
+            assert waited >= 0.0 and len(got) == len(want) == 2
+            assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want))
+            # Read-ahead batches are not counted: a checkpoint resumes at the next untrained step.
+            assert streamed.state_dict() == plain.state_dict()
+    finally:
+        prefetch.close()
+    assert not prefetch._thread.is_alive()
+
+
+def test_prefetcher_raises_read_errors_in_the_trainer(corpus: Path) -> None:
+    ds = TokenDataset(corpus, seq_len=32)
+    stream = _streams(ds, 1, 4)[0]
+    stream.batches_at = lambda consumed: (_ for _ in ()).throw(OSError("disk gone"))  # type: ignore[method-assign]
+    prefetch = Prefetcher(stream)
+    try:
+        with pytest.raises(OSError, match="disk gone"):
+            prefetch.next_step()
+    finally:
+        prefetch.close()
 
 
 def test_batch_must_divide(corpus: Path) -> None:

@@ -1,0 +1,51 @@
+"""On a CUDA GPU: the trainer in one process with mixed precision (NCCL, bf16 / fp16 with loss scaling).
+
+Skips cleanly where there is no CUDA device (CI, the CPU dev machines); run on a GPU machine
+with `pytest -q tests/gpu`.
+"""
+from __future__ import annotations
+
+import math
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from launcher.corpus import build_corpus
+from launcher.spec import Data, JobSpec, Model, Parallel, Resources, RunInfo, RunSpec, write_run_spec
+from tests.integration.ranks import finish, metrics, start, tiny_train
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+STEPS = 12
+
+
+def gpu_run(root: Path, precision: str) -> Path:
+    corpus = root / "logging.u16"
+    build_corpus(corpus, roots=[Path(sysconfig.get_paths()["stdlib"]) / "logging"])
+    run_dir = root / precision
+    run_dir.mkdir()
+    train = tiny_train(model=Model(n_layers=4, d_model=256, n_heads=4, seq_len=256), steps=STEPS,
+                       precision=precision, global_batch=16, micro_batch=8, eval_every=STEPS, eval_sequences=32,
+                       activation_checkpointing=True)
+    job = JobSpec(name=f"gpu-{precision}", resources=Resources(gpus_per_node=1), parallel=Parallel(),
+                  train=train, data=Data(path=str(corpus)))
+    write_run_spec(RunSpec(job, RunInfo(cluster="local", scheduler="local", run_dir=str(run_dir))), run_dir)
+    return run_dir
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_training_on_one_gpu(tmp_path: Path, precision: str) -> None:
+    run_dir = gpu_run(tmp_path, precision)
+    (out,) = finish(start(run_dir, 1))
+    assert "nccl on cuda" in out and f"precision {precision}" in out, out
+    rows = metrics(run_dir)
+    losses = [r["loss"] for r in rows]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert all(isinstance(x, float) and math.isfinite(x) for x in losses), losses
+    assert losses[-1] < losses[0] - 0.5, losses
+    assert math.isfinite(rows[-1]["val_loss"]) and rows[-1]["val_ppl"] > 1.0
+    if precision == "fp16":
+        assert rows[-1]["loss_scale"] > 0
