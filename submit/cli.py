@@ -1,4 +1,4 @@
-"""The `meshrun` command: clusters, render, submit, status, logs, cancel, data.
+"""The `meshrun` command: clusters, render, submit, status, logs, cancel, tb, trust, data.
 
 Bad input exits 2 with one line on stderr naming the key, the value and the fix;
 a cluster problem exits 1 with one line. Never a traceback for either.
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TextIO
 
 from launcher.schema import SchemaError
+from submit import cli_jobs
 from submit.errors import EXIT_INPUT, InputError, MeshrunError
 
 DEFAULT_CLUSTER = "local"
@@ -31,6 +32,9 @@ def _spec_args(parser: argparse.ArgumentParser) -> None:
     _cluster_arg(parser)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a spec key, e.g. --set train.steps=100 (repeatable)")
+    parser.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
+                        help="a Slurm job array with one task per value (repeatable: every combination); "
+                             "each task reads its own spec")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,24 +52,40 @@ def build_parser() -> argparse.ArgumentParser:
     _spec_args(p)
     p.add_argument("--dry-run", action="store_true", help="validate and render only; submit nothing")
     p.add_argument("--wait", action="store_true", help="wait for the end; exit 0 only if it succeeded")
+    p.add_argument("--after", action="append", default=[], metavar="[KIND:]JOB",
+                   help="start only after JOB succeeded (KIND: ok, any, notok, start; repeatable)")
 
     p = verbs.add_parser("status", help="the state of submitted jobs")
-    p.add_argument("jobs", nargs="*", help="job ids (default: the most recent jobs)")
-    p.add_argument("--json", action="store_true", help="print a JSON list")
+    p.add_argument("jobs", nargs="*", help="job ids, or a job array's id (default: the most recent jobs)")
+    p.add_argument("--json", action="store_true", help="print a JSON list (one per refresh with --watch)")
+    p.add_argument("--watch", action="store_true", help="refresh until every job is done (backing off)")
     p.add_argument("-n", "--limit", type=int, default=20, help="how many recent jobs without ids")
     p.add_argument("-c", "--cluster", help="only this cluster")
 
     p = verbs.add_parser("logs", help="print (or follow) a job's logs")
     p.add_argument("job")
-    p.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends (survives a "
+                   "dropped connection)")
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--rank", type=int, default=0, help="this rank's log (default 0)")
+    which.add_argument("--rank", default="0", help="this rank's log (default 0); 0,3 or all: merged, each line "
+                       "prefixed [rank N]")
     which.add_argument("--batch", action="store_true", help="the batch shell's (or local supervisor's) log")
     p.add_argument("-c", "--cluster", help="the job's cluster, if the id is ambiguous")
 
-    p = verbs.add_parser("cancel", help="cancel a job")
+    p = verbs.add_parser("cancel", help="cancel a job (or a whole job array)")
     p.add_argument("job")
     p.add_argument("-c", "--cluster", help="the job's cluster, if the id is ambiguous")
+
+    p = verbs.add_parser("tb", help="TensorBoard of a job, on the login node, forwarded here; Ctrl-C stops it")
+    p.add_argument("job")
+    p.add_argument("--port", type=int, default=0, help="local port (default: any free one)")
+    p.add_argument("-c", "--cluster", help="the job's cluster, if the id is ambiguous")
+
+    p = verbs.add_parser("trust", help="show a cluster's SSH host key fingerprint and record it on your word")
+    p.add_argument("cluster", help="cluster profile name or YAML file")
+    p.add_argument("--fingerprint", help="record without asking if the key has this fingerprint (SHA256:...)")
+    p.add_argument("--replace", action="store_true", help="replace a CHANGED key (only after the admins "
+                   "confirmed the change)")
 
     p = verbs.add_parser("data", help="build the byte-level token corpus from text on this machine")
     p.add_argument("--out", type=Path, default=Path("~/.cache/meshrun/data/stdlib.u16").expanduser(),
@@ -103,6 +123,13 @@ def _plan(args: argparse.Namespace, home: Optional[str] = None, profile: Any = N
     if home is None:
         # Rendering touches no cluster: an SSH cluster's `~` is shown as its user's usual home.
         home = os.path.expanduser("~") if profile.ssh is None else f"/home/{profile.ssh.user or getpass.getuser()}"
+    if args.sweep:
+        from submit.sweep import plan_sweep
+
+        if profile.scheduler != "slurm":
+            raise InputError("--sweep", args.sweep[0], "sweeps run as Slurm job arrays; the local cluster runs "
+                                                       "one job at a time")
+        return plan_sweep(args.spec, profile, args.overrides, args.sweep, home=home)
     return plan_file(args.spec, profile, args.overrides, home=home)
 
 
@@ -118,40 +145,87 @@ def cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
+def _profile_path(cluster: str) -> Optional[str]:
+    """The profile file's absolute path when -c named a file (the registry keeps it for later verbs)."""
+    from submit.cluster import is_profile_path
+
+    return str(Path(cluster).resolve()) if is_profile_path(cluster) else None
+
+
+def _check_submit_flags(args: argparse.Namespace, scheduler: str) -> None:
+    from submit.slurm import dependency
+
+    dependency(args.after)
+    if scheduler != "slurm" and args.after:
+        raise InputError("--after", args.after[0], "dependencies are Slurm's; the local cluster has none")
+    if args.sweep and args.wait:
+        raise InputError("--wait", "--sweep", "a sweep is several jobs: follow them with `meshrun status ID --watch`")
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
-    from submit import api
+    from submit import snapshot
+    from submit.cluster import load_profile
     from submit.plan import describe
-    from submit.registry import Registry
     from submit.render import render
 
+    profile = load_profile(args.cluster)
+    _check_submit_flags(args, profile.scheduler)
+    plan = _plan(args, profile=profile)  # every input error surfaces before any connection
+    render(plan)
+    snap = snapshot.collect(args.spec.parent, plan.spec.code) if profile.scheduler == "slurm" else None
     if args.dry_run:
-        plan = _plan(args)
-        render(plan)
-        print(json.dumps({"dry_run": True, **describe(plan)}, indent=2))
+        code = {"root": str(snap.root), "files": len(snap.files), "bytes": snap.size, "digest": snap.digest} \
+            if snap else None
+        print(json.dumps({"dry_run": True, **describe(plan), "code": code}, indent=2))
         return 0
-    from submit.cluster import load_profile
+    return _submit(args, profile, plan, snap)
+
+
+def _submit(args: argparse.Namespace, profile: Any, plan: Any, snap: Any) -> int:
+    from submit import api, snapshot
+    from submit.progress import ProgressBar
+    from submit.registry import Registry
     from submit.transport import connect
 
-    profile = load_profile(args.cluster)
-    plan = _plan(args, profile=profile)  # every input error surfaces before any connection
     clusters = api.Clusters()
     try:
-        transport = connect(profile.ssh)
-        clusters.adopt(profile, transport)
-        if profile.ssh is not None:
-            plan = _plan(args, home=transport.home(), profile=profile)
+        transport = connect(profile.ssh, args.cluster)
+        clusters.adopt(profile, transport, _profile_path(args.cluster))
+        present = None
+        if profile.ssh is not None:  # the remote home (for `~`) and the snapshot's presence: one round trip
+            home, present = snapshot.probe(transport, profile.paths.work_dir, snap)
+            plan = _plan(args, home=home, profile=profile)
+        bar = ProgressBar(f"uploading code ({len(snap.files)} files)" if snap else "")
+        plan, uploaded = api.sync_code(plan, transport, snap, progress=bar, present=present)
+        if uploaded:
+            bar.done()
+        elif snap is not None:
+            print(f"code: unchanged, snapshot {snap.digest} already on {profile.name}", file=sys.stderr)
         registry = Registry()
-        record = api.submit(plan, registry, transport, spec_dir=args.spec.parent)
-        print(f"submitted job {record.job_id} on {record.cluster}")
-        print(f"run dir: {record.run_dir}")
+        records = api.submit(plan, registry, transport, spec_dir=args.spec.parent, after=args.after,
+                             profile_path=_profile_path(args.cluster))
+        _print_submitted(plan, records)
         if not args.wait:
             return 0
+        record = records[0]
         status = wait_for(record, clusters, registry, total_steps=None if plan.spec.command else plan.spec.trainer.steps)
         print(f"job {record.job_id} {status.state}" + (f" ({status.reason})" if status.reason else ""))
         print(f"logs: {record.run_dir}/logs   metrics: {record.run_dir}/{api.METRICS_FILE}")
         return 0 if status.succeeded else 1
     finally:
         clusters.close()
+
+
+def _print_submitted(plan: Any, records: Sequence[Any]) -> None:
+    if not plan.tasks:
+        print(f"submitted job {records[0].job_id} on {records[0].cluster}")
+    else:
+        print(f"submitted job array {records[0].job_id.split('_')[0]} ({len(records)} tasks) on {records[0].cluster}")
+        for task, record in zip(plan.tasks, records):
+            print(f"  {record.job_id}  {task.label}")
+    print(f"run dir: {plan.run_dir}")
+    if plan.code_dir:
+        print(f"code: {plan.code_dir}")
 
 
 def _poll_interval(elapsed: float, scheduler: str) -> float:
@@ -182,9 +256,16 @@ def wait_for(record: Any, clusters: Any, registry: Any, total_steps: Optional[in
     """Poll until the job ends, showing progress (one rewritten line on a terminal, plain lines piped)."""
     from submit import api
 
+    from submit.transport import ConnectionLost
+
     tty, last, started = out.isatty(), None, time.monotonic()
     while True:
-        status = api.statuses([record], clusters, registry)[0]
+        try:
+            status = api.statuses([record], clusters, registry)[0]
+        except ConnectionLost:
+            clusters.close()  # the job runs on regardless: reconnect at the next poll
+            time.sleep(_poll_interval(time.monotonic() - started, record.scheduler))
+            continue
         line = progress_line(status, total_steps)
         # Piped output gets a line only when the state or the step changes, not every tick.
         changed = (status.state, status.progress.get("step")) != last
@@ -199,81 +280,6 @@ def wait_for(record: Any, clusters: Any, registry: Any, total_steps: Optional[in
                 out.write("\n")
             return status
         time.sleep(_poll_interval(time.monotonic() - started, record.scheduler))
-
-
-def cmd_status(args: argparse.Namespace) -> int:
-    from submit import api
-    from submit.registry import Registry
-
-    registry = Registry()
-    records = ([registry.find(j, args.cluster) for j in args.jobs] if args.jobs
-               else registry.recent(args.limit, args.cluster))
-    clusters = api.Clusters()
-    try:
-        found = api.statuses(records, clusters, registry)
-    finally:
-        clusters.close()
-    if args.json:
-        print(json.dumps([s.as_json() for s in found], indent=2))
-        return 0
-    rows = [("JOB", "CLUSTER", "NAME", "STATE", "STEP", "LOSS", "ELAPSED", "RUN DIR")]
-    for s in found:
-        loss = s.progress.get("loss")
-        rows.append((s.job_id, s.cluster, s.name, s.state, str(s.progress.get("step", "-")),
-                     f"{loss:.4f}" if isinstance(loss, (int, float)) else "-",
-                     _clock(s.elapsed_s) if s.elapsed_s is not None else "-", s.run_dir))
-    _table(rows)
-    return 0
-
-
-def cmd_logs(args: argparse.Namespace) -> int:
-    from submit import api
-    from submit.registry import Registry
-
-    registry = Registry()
-    record = registry.find(args.job, args.cluster)
-    path = api.log_path(record, None if args.batch else args.rank)
-    clusters = api.Clusters()
-    try:
-        transport = clusters.transport(record.cluster)
-        offset = _copy_new(transport, path, 0)
-        while args.follow:
-            done = api.statuses([record], clusters)[0].done
-            offset = _copy_new(transport, path, offset)
-            if done:
-                break
-            time.sleep(0.5)
-        if offset == 0 and not transport.exists(path):
-            print(f"meshrun: no log yet at {path}" + ("" if args.batch else " (try --batch for the job's own log)"),
-                  file=sys.stderr)
-    finally:
-        clusters.close()
-    return 0
-
-
-def _copy_new(transport: Any, path: str, offset: int) -> int:
-    """Print what the file gained since `offset`; returns the new offset (byte-exact, no line lost)."""
-    while True:
-        chunk = transport.read_bytes(path, offset, 1 << 20)
-        if not chunk:
-            return offset
-        sys.stdout.buffer.write(chunk)
-        sys.stdout.flush()
-        offset += len(chunk)
-
-
-def cmd_cancel(args: argparse.Namespace) -> int:
-    from submit import api
-    from submit.registry import Registry
-
-    record = Registry().find(args.job, args.cluster)
-    clusters = api.Clusters()
-    try:
-        api.cancel(record, clusters)
-    finally:
-        clusters.close()
-    print(f"cancelled job {record.job_id} on {record.cluster}")
-    return 0
 
 
 def cmd_data(args: argparse.Namespace) -> int:
@@ -299,14 +305,13 @@ def _clock(seconds: Optional[int]) -> str:
 
 
 def _table(rows: Sequence[Sequence[str]]) -> None:
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+    sys.stdout.write(cli_jobs.table(rows))
 
 
 VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "clusters": cmd_clusters, "render": cmd_render, "submit": cmd_submit, "status": cmd_status,
-    "logs": cmd_logs, "cancel": cmd_cancel, "data": cmd_data,
+    "clusters": cmd_clusters, "render": cmd_render, "submit": cmd_submit, "status": cli_jobs.cmd_status,
+    "logs": cli_jobs.cmd_logs, "cancel": cli_jobs.cmd_cancel, "tb": cli_jobs.cmd_tb, "trust": cli_jobs.cmd_trust,
+    "data": cmd_data,
 }
 
 

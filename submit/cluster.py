@@ -37,6 +37,8 @@ class Ssh:
     """Bastion as user@host[:port], like ssh -J."""
     known_hosts: str = "~/.ssh/known_hosts"
     """Host keys are verified against this file; unknown hosts are refused (see `meshrun trust`)."""
+    timeout_s: float = 15.0
+    """Seconds to wait for the connection (TCP, banner, authentication) before giving up."""
 
 
 @dataclass(frozen=True)
@@ -188,9 +190,14 @@ def load_profile_file(path: Path) -> ClusterProfile:
         raise doc.error(exc) from None
 
 
+def is_profile_path(name_or_path: str) -> bool:
+    """-c took a file (my.yaml, ./x/y) rather than a profile name."""
+    return name_or_path.endswith((".yaml", ".yml")) or os.sep in name_or_path
+
+
 def load_profile(name_or_path: str) -> ClusterProfile:
     """A profile by name (shipped or the user's) or by path to a YAML file."""
-    if name_or_path.endswith((".yaml", ".yml")) or os.sep in name_or_path:
+    if is_profile_path(name_or_path):
         return load_profile_file(Path(name_or_path))
     files = profile_files()
     if name_or_path not in files:

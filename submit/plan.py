@@ -43,11 +43,36 @@ class Plan:
     """The time limit in seconds."""
     run_spec: RunSpec
     """What the ranks read (spec.json)."""
+    work_dir: str = ""
+    """The cluster's work dir with `~` resolved: run dirs and code snapshots live under it."""
+    code_dir: Optional[str] = None
+    """The project's code snapshot on the cluster, once synced: the ranks' PYTHONPATH and cwd."""
+    tasks: tuple["Task", ...] = ()
+    """A sweep's array tasks, each with its own run dir and spec (empty for a single job)."""
 
     @property
     def spec_hash(self) -> str:
         text = json.dumps(schema.to_plain(self.spec), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task of a sweep (a Slurm job array): its overrides, run dir and spec."""
+    index: int
+    """SLURM_ARRAY_TASK_ID."""
+    overrides: tuple[tuple[str, str], ...]
+    """The swept keys and this task's values."""
+    run_dir: str
+    """<run dir>/tasks/<index>: the task's own spec.json, logs, metrics."""
+    run_spec: RunSpec
+    """What the task's ranks read."""
+    spec_hash: str
+    """Hash of the task's validated spec."""
+
+    @property
+    def label(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.overrides)
 
 
 def load_job(path: Path, overrides: Sequence[str] = ()) -> tuple[JobSpec, dict]:
@@ -226,7 +251,8 @@ def make_plan(spec: JobSpec, submitted: dict, cluster: ClusterProfile, run_dir: 
     info = RunInfo(cluster=cluster.name, scheduler=cluster.scheduler, run_dir=run_dir,
                    nccl_env=dict(cluster.interconnect.nccl), checkpoint_dir=ckpt_dir)
     return Plan(spec=spec, submitted=submitted, cluster=cluster, partition=part, run_dir=run_dir,
-                time_seconds=parse_time(spec.resources.time), run_spec=RunSpec(job=spec, run=info))
+                time_seconds=parse_time(spec.resources.time), run_spec=RunSpec(job=spec, run=info),
+                work_dir=expand_home(cluster.paths.work_dir, home).rstrip("/") or "/")
 
 
 def plan_file(path: Path, cluster: ClusterProfile, overrides: Sequence[str] = (),
@@ -244,4 +270,7 @@ def describe(plan: Plan) -> dict[str, Any]:
     if spec.command is None:
         t, p = spec.trainer, spec.parallel
         out.update(dp=p.dp, tp=p.tp, pp=p.pp, accumulation=t.global_batch // (t.micro_batch * p.dp))
+    if plan.tasks:
+        out["tasks"] = [{"index": task.index, "overrides": dict(task.overrides), "run_dir": task.run_dir}
+                        for task in plan.tasks]
     return out

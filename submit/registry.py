@@ -24,9 +24,12 @@ CREATE TABLE IF NOT EXISTS jobs (
     git_sha TEXT,
     spec_hash TEXT NOT NULL,
     last_state TEXT NOT NULL DEFAULT 'SUBMITTED',
+    profile TEXT,
     PRIMARY KEY (cluster, job_id)
 )
 """
+_COLUMNS = ("job_id", "cluster", "name", "run_dir", "scheduler", "submitted_at", "git_sha", "spec_hash",
+            "last_state", "profile")
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,9 @@ class JobRecord:
     """Hash of the validated spec."""
     last_state: str = "SUBMITTED"
     """The last state meshrun saw."""
+    profile: Optional[str] = None
+    """The profile file's absolute path when it was given as a file (-c my.yaml); None for a named one.
+    status/logs/cancel/tb reload the profile from here, so a profile outside the profile folders works too."""
 
 
 def default_path() -> Path:
@@ -62,13 +68,15 @@ class Registry:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(self.path, timeout=10)
         self._db.execute(_SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
+        if "profile" not in columns:  # a registry written before profiles were remembered
+            self._db.execute("ALTER TABLE jobs ADD COLUMN profile TEXT")
         self._db.commit()
 
     def add(self, record: JobRecord) -> None:
         with self._db:
-            self._db.execute("INSERT OR REPLACE INTO jobs VALUES (?,?,?,?,?,?,?,?,?)",
-                             (record.job_id, record.cluster, record.name, record.run_dir, record.scheduler,
-                              record.submitted_at, record.git_sha, record.spec_hash, record.last_state))
+            self._db.execute(f"INSERT OR REPLACE INTO jobs ({','.join(_COLUMNS)}) VALUES "
+                             f"({','.join('?' * len(_COLUMNS))})", tuple(getattr(record, c) for c in _COLUMNS))
 
     def set_state(self, record: JobRecord, state: str) -> None:
         with self._db:
@@ -76,7 +84,7 @@ class Registry:
                              (state, record.cluster, record.job_id))
 
     def _rows(self, where: str = "", args: tuple = ()) -> Iterator[JobRecord]:
-        query = f"SELECT * FROM jobs {where} ORDER BY submitted_at DESC"
+        query = f"SELECT {','.join(_COLUMNS)} FROM jobs {where} ORDER BY submitted_at DESC, job_id"
         for row in self._db.execute(query, args):
             yield JobRecord(*row)
 
@@ -91,6 +99,20 @@ class Registry:
             raise InputError("JOB", job_id, f"this id exists on clusters {', '.join(r.cluster for r in found)}; "
                                             f"add -c CLUSTER")
         return found[0]
+
+    def find_all(self, job_id: str, cluster: Optional[str] = None) -> list[JobRecord]:
+        """The job with this id, or, for a job array's id, all its tasks (ID_0, ID_1, ...)."""
+        try:
+            return [self.find(job_id, cluster)]
+        except JobNotFound:
+            where = "WHERE job_id LIKE ? ESCAPE '!'" + (" AND cluster=?" if cluster else "")
+            pattern = job_id.replace("!", "!!").replace("_", "!_").replace("%", "!%") + "!_%"
+            tasks = list(self._rows(where, (pattern, cluster) if cluster else (pattern,)))
+            if not tasks:
+                raise
+            if len({t.cluster for t in tasks}) > 1:
+                raise InputError("JOB", job_id, "this array id exists on several clusters; add -c CLUSTER") from None
+            return sorted(tasks, key=lambda t: int(t.job_id.rsplit("_", 1)[1]))
 
     def recent(self, limit: int = 20, cluster: Optional[str] = None) -> list[JobRecord]:
         where, args = ("WHERE cluster=?", (cluster,)) if cluster else ("", ())

@@ -117,6 +117,8 @@ def context(plan: Plan) -> dict[str, Any]:
         "python": sys.executable if cluster.scheduler == "local" else cluster.python,
         "srun_flags": srun_flags,
         "rank_command": rank_command,
+        "code_dir": plan.code_dir,
+        "array_size": len(plan.tasks),
     }
 
 

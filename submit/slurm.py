@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
-from submit.errors import ClusterError
+from submit.errors import ClusterError, InputError
 
 SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "Timelimit", "NodeList", "Restarts")
 SQUEUE_FORMAT = "%i|%T|%M|%l|%N|%r"
@@ -52,10 +52,29 @@ def check_job_id(job_id: str) -> str:
     return job_id
 
 
-def sbatch_argv(script: str, job_name: str, chdir: str) -> list[str]:
+DEPENDENCY_KINDS = ("ok", "any", "notok", "start")
+
+
+def dependency(after: Sequence[str]) -> Optional[str]:
+    """`--after [KIND:]JOB` values -> sbatch's --dependency (afterok unless KIND says otherwise)."""
+    parts = []
+    for item in after:
+        kind, _, job_id = item.rpartition(":")
+        kind = kind or "ok"
+        if kind not in DEPENDENCY_KINDS or not _JOB_ID.match(job_id):
+            raise InputError("--after", item, f"give a Slurm job id, or KIND:JOB with KIND one of "
+                                              f"{', '.join(DEPENDENCY_KINDS)} (default ok)")
+        slurm_kind = "after" if kind == "start" else f"after{kind}"
+        parts.append(f"{slurm_kind}:{job_id}")
+    return ",".join(parts) or None
+
+
+def sbatch_argv(script: str, job_name: str, chdir: str, after: Sequence[str] = ()) -> list[str]:
     # The literal job name travels here, as one argv word: sbatch's #SBATCH parser knows
     # no shell quoting, so the script carries only a sanitized label (render.sbatch_label).
-    return ["sbatch", "--parsable", f"--job-name={job_name}", f"--chdir={chdir}", script]
+    depends = dependency(after)
+    return ["sbatch", "--parsable", f"--job-name={job_name}", f"--chdir={chdir}",
+            *([f"--dependency={depends}"] if depends else []), script]
 
 
 def parse_sbatch(output: str) -> str:
@@ -75,7 +94,8 @@ def sacct_argv(job_ids: Sequence[str]) -> list[str]:
 
 def squeue_argv(job_ids: Sequence[str]) -> list[str]:
     ids = ",".join(check_job_id(j) for j in job_ids)
-    return ["squeue", "--noheader", "--states=all", "--jobs", ids, "--format", SQUEUE_FORMAT]
+    # --array: one row per array task (12_3), not one folded row (12_[3-9]) for the pending ones.
+    return ["squeue", "--noheader", "--array", "--states=all", "--jobs", ids, "--format", SQUEUE_FORMAT]
 
 
 def scancel_argv(job_id: str, signal: Optional[str] = None) -> list[str]:

@@ -6,17 +6,28 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def meshrun(home: Path, *args: str, timeout: float = 300, check: bool = False) -> subprocess.CompletedProcess:
-    """`meshrun ARGS` with HOME and the XDG dirs inside `home` (its own registry and run dirs)."""
+# What only the testbed's login node has: a "laptop" that reaches it over SSH must not see them.
+CLUSTER_ONLY = ("SLURM_CONF", "MESHRUN_TESTBED_VENV")
+
+
+def env_for(home: Path, laptop: bool = False) -> dict[str, str]:
+    """The environment of a user whose HOME (and so ~/.ssh/config, the registry...) is `home`;
+    a laptop's has no Slurm configuration, so nothing can reach the cluster but SSH."""
     env = dict(os.environ, HOME=str(home), XDG_STATE_HOME=str(home / "state"),
                XDG_CONFIG_HOME=str(home / "config"), PYTHONUNBUFFERED="1")
+    return {k: v for k, v in env.items() if not (laptop and k in CLUSTER_ONLY)}
+
+
+def meshrun(home: Path, *args: str, timeout: float = 300, check: bool = False, input: str = "",
+            laptop: bool = False, env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
+    """`meshrun ARGS` with HOME and the XDG dirs inside `home` (its own registry and run dirs); `env` adds to it."""
     done = subprocess.run([sys.executable, "-m", "submit.cli", *args], capture_output=True, text=True,
-                          env=env, cwd=REPO, timeout=timeout)
+                          env={**env_for(home, laptop), **(env or {})}, cwd=REPO, timeout=timeout, input=input)
     if check:
         assert done.returncode == 0, f"meshrun {' '.join(args)} -> {done.returncode}\n{done.stdout}\n{done.stderr}"
     return done
@@ -30,8 +41,8 @@ def submitted(out: subprocess.CompletedProcess) -> tuple[str, Path]:
     return job_id, run_dir
 
 
-def status(home: Path, job_id: str) -> dict[str, Any]:
-    out = meshrun(home, "status", job_id, "--json", check=True)
+def status(home: Path, job_id: str, env: Optional[dict[str, str]] = None) -> dict[str, Any]:
+    out = meshrun(home, "status", job_id, "--json", check=True, env=env)
     (row,) = json.loads(out.stdout)
     return row
 

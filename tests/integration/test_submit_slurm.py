@@ -1,6 +1,7 @@
 """meshrun against the real Slurm testbed (slurmctld, two slurmd, slurmdbd): submit, status, logs, cancel."""
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -89,3 +90,24 @@ def test_status_and_cancel_of_a_running_job(testbed: dict, tmp_path: Path) -> No
         assert time.monotonic() < deadline, row
         time.sleep(0.5)
     assert row["done"] is True and row["succeeded"] is False
+
+
+def test_status_without_accounting_falls_back_to_squeue(testbed: dict, tmp_path: Path) -> None:
+    """sacct failing as it does without slurmdbd: squeue --states=all still tells the state, in one round trip."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "sacct").write_text("#!/bin/sh\necho 'sacct: error: Slurm accounting storage is disabled' >&2\nexit 1\n")
+    (fake / "sacct").chmod(0o755)
+    out = meshrun(tmp_path, "submit", "examples/command.yaml", "-c", "testbed", "--set", "command=sleep,300",
+                  "--set", "resources.tasks_per_node=1", check=True)
+    job_id, _ = submitted(out)
+    no_accounting = {"PATH": f"{fake}:{os.environ['PATH']}"}
+    deadline = time.monotonic() + 60
+    while (row := status(tmp_path, job_id, env=no_accounting))["state"] != "RUNNING":
+        assert time.monotonic() < deadline and row["state"] in ("PENDING", "UNKNOWN"), row
+        time.sleep(0.5)
+    meshrun(tmp_path, "cancel", job_id, check=True)
+    while (row := status(tmp_path, job_id, env=no_accounting))["state"] != "CANCELLED":
+        assert time.monotonic() < deadline + 60, row
+        time.sleep(0.5)
+    assert row["done"] and not row["succeeded"]

@@ -1,0 +1,209 @@
+"""The verbs on submitted jobs (status, logs, cancel, tb) and `trust`: registry first, then the job's cluster.
+
+Each reaches a cluster through one `api.Clusters` connection for the whole command.
+Heavy imports (paramiko, the follower) happen inside the verbs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from typing import Any, NoReturn, Sequence
+
+from submit.errors import InputError
+
+WATCH_FIRST_S, WATCH_MAX_S = 2.0, 30.0
+
+
+def _clock(seconds: Any) -> str:
+    seconds = int(seconds or 0)
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}"
+
+
+def table(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    return "".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() + "\n" for row in rows)
+
+
+def status_table(found: Sequence[Any]) -> str:
+    rows = [("JOB", "CLUSTER", "NAME", "STATE", "STEP", "LOSS", "ELAPSED", "RUN DIR")]
+    for s in found:
+        loss = s.progress.get("loss")
+        rows.append((s.job_id, s.cluster, s.name, s.state, str(s.progress.get("step", "-")),
+                     f"{loss:.4f}" if isinstance(loss, (int, float)) else "-",
+                     _clock(s.elapsed_s) if s.elapsed_s is not None else "-", s.run_dir))
+    return table(rows)
+
+
+def _records(args: argparse.Namespace, registry: Any) -> list[Any]:
+    if not args.jobs:
+        return registry.recent(args.limit, args.cluster)
+    return [r for job in args.jobs for r in registry.find_all(job, args.cluster)]
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from submit import api
+    from submit.registry import Registry
+
+    registry = Registry()
+    records = _records(args, registry)
+    clusters = api.Clusters()
+    try:
+        if args.watch:
+            return watch(records, clusters, registry, args.json)
+        found = api.statuses(records, clusters, registry)
+    finally:
+        clusters.close()
+    sys.stdout.write(json.dumps([s.as_json() for s in found], indent=2) + "\n" if args.json else status_table(found))
+    return 0
+
+
+def watch(records: Sequence[Any], clusters: Any, registry: Any, as_json: bool) -> int:
+    """Refresh until every job is done: one round trip per cluster each time, backing off
+    (2 s, growing to 30 s) while nothing changes; a terminal is redrawn, a pipe gets changes only."""
+    from submit import api
+    from submit.transport import ConnectionLost
+
+    tty, interval, last = sys.stdout.isatty(), WATCH_FIRST_S, None
+    while True:
+        try:
+            found = api.statuses(records, clusters, registry)
+        except ConnectionLost:
+            clusters.close()  # the next refresh reconnects
+            time.sleep(interval)
+            continue
+        key = [(s.job_id, s.state, s.progress.get("step")) for s in found]
+        changed, last = key != last, key
+        interval = WATCH_FIRST_S if changed else min(interval * 1.5, WATCH_MAX_S)
+        if as_json and changed:
+            sys.stdout.write(json.dumps([s.as_json() for s in found]) + "\n")
+        elif tty:
+            sys.stdout.write("\x1b[H\x1b[2J" + status_table(found) + f"\n(refresh in {interval:.0f} s; Ctrl-C stops)\n")
+        elif changed:
+            sys.stdout.write(status_table(found) + "\n")
+        sys.stdout.flush()
+        if all(s.done for s in found):
+            return 0
+        time.sleep(interval)
+
+
+def _one_job(registry: Any, job: str, cluster: Any) -> Any:
+    records = registry.find_all(job, cluster)
+    if len(records) > 1:
+        raise InputError("JOB", job, f"a job array of {len(records)} tasks; pick one, e.g. {records[0].job_id} "
+                                     f"(`meshrun status {job}` lists them)")
+    return records[0]
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from submit import api, logs
+    from submit.registry import Registry
+
+    record = _one_job(Registry(), args.job, args.cluster)
+    clusters = api.Clusters()
+    try:
+        transport = clusters.transport_for(record)
+        if args.batch:
+            sources = [logs.Source(api.log_path(record, None))]
+        else:
+            size = None if args.rank.isdigit() else logs.world_size(transport, record)
+            ranks = logs.parse_ranks(args.rank, size)
+            labels = len(ranks) > 1
+            sources = [logs.Source(api.log_path(record, r), f"[rank {r}] ".encode() if labels else b"")
+                       for r in ranks]
+        printer = logs.Printer(sys.stdout.buffer, merged=len(sources) > 1)
+        if args.follow:
+            logs.Follower(record, clusters, sources, printer, sys.stderr).run()
+        else:
+            logs.print_once(transport, sources, printer)
+        transport = clusters.transport_for(record)  # after a reconnect, the new connection
+        if all(s.offset == 0 for s in sources) and not any(transport.exists(s.path) for s in sources):
+            print(f"meshrun: no log yet at {sources[0].path}" + ("" if args.batch else
+                  " (try --batch for the job's own log)"), file=sys.stderr)
+    finally:
+        clusters.close()
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    from submit import api
+    from submit.registry import Registry
+
+    records = Registry().find_all(args.job, args.cluster)
+    clusters = api.Clusters()
+    try:
+        api.cancel(records, clusters)
+    finally:
+        clusters.close()
+    what = f"job array {args.job} ({len(records)} tasks)" if len(records) > 1 else f"job {records[0].job_id}"
+    print(f"cancelled {what} on {records[0].cluster}")
+    return 0
+
+
+def _raise_interrupt(signum: int, frame: Any) -> NoReturn:
+    raise KeyboardInterrupt
+
+
+def cmd_tb(args: argparse.Namespace) -> int:
+    from submit import api, tensorboard
+    from submit.registry import Registry
+
+    record = _one_job(Registry(), args.job, args.cluster)
+    clusters = api.Clusters()
+    board, forward = None, None
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # a kill tears down like Ctrl-C
+    try:
+        transport = clusters.transport_for(record)
+        board = tensorboard.start(transport, clusters.profile(record.cluster), record.run_dir)
+        forward = transport.forward(board.port, args.port)
+        url = f"http://127.0.0.1:{forward.local_port}/"
+        print(f"TensorBoard for job {record.job_id}: {url}" + (" (already running)" if board.reused else ""))
+        if tensorboard.is_local(transport):
+            print(f"from your laptop: {tensorboard.ssh_hint(board.port, args.port or None)} "
+                  f"then open http://127.0.0.1:{args.port or board.port}/")
+        print("Ctrl-C " + ("closes the tunnel (TensorBoard keeps running)" if board.reused else "stops it"),
+              flush=True)
+        while True:
+            time.sleep(1.0)
+            if not getattr(transport, "is_active", lambda: True)():
+                forward.close()  # the connection dropped: a new one, same local port
+                transport = clusters.reconnect(record.cluster)
+                forward = transport.forward(board.port, forward.local_port)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if forward is not None:
+            forward.close()
+        if board is not None and not board.reused:
+            _stop_board(clusters, record, board)
+        clusters.close()
+
+
+def _stop_board(clusters: Any, record: Any, board: Any) -> None:
+    from submit import tensorboard
+    from submit.errors import MeshrunError
+
+    try:
+        try:
+            tensorboard.stop(clusters.transport_for(record), board)
+        except MeshrunError:
+            tensorboard.stop(clusters.reconnect(record.cluster), board)  # the connection had dropped
+        print(f"stopped TensorBoard of job {record.job_id}", file=sys.stderr)
+    except MeshrunError as exc:
+        print(f"meshrun: could not stop TensorBoard (pid {board.pid} on the login node): {exc}", file=sys.stderr)
+
+
+def cmd_trust(args: argparse.Namespace) -> int:
+    from submit.cluster import load_profile
+    from submit.trust import trust
+
+    profile = load_profile(args.cluster)
+    if profile.ssh is None:
+        raise InputError("CLUSTER", args.cluster, "this profile has no `ssh:` section: there is no host to trust")
+    trust(profile.ssh, args.cluster, args.fingerprint, args.replace)
+    return 0

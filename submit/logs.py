@@ -1,0 +1,187 @@
+"""`meshrun logs`: print or follow a job's log files, exactly, across dropped connections.
+
+Each file is a Source with a byte offset. Following runs one `tail -c +OFFSET -F`
+per file, all on the command's one connection, and counts the bytes that arrive.
+If the connection drops, it reconnects and restarts every tail at its offset, so
+no byte is lost or repeated. When the job has ended (checked with backoff, one
+round trip each), what is left past each offset is read once more and it stops.
+With several ranks each line is prefixed `[rank N] `; partial lines wait for their end.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import BinaryIO, Optional, Sequence, TextIO
+
+from submit import api
+from submit.errors import ClusterError, InputError
+from submit.registry import JobRecord
+from submit.transport import ConnectionLost, Stream, Transport
+
+RECONNECT_ATTEMPTS = 8
+
+
+@dataclass
+class Source:
+    """One log file being printed (mutable: its offset advances as bytes are printed)."""
+    path: str
+    label: bytes = b""
+    offset: int = 0
+    partial: bytes = b""
+
+
+def parse_ranks(text: str, world_size: Optional[int]) -> list[int]:
+    """'3' -> [3]; '0,2' -> [0, 2]; 'all' -> every rank (needs the world size)."""
+    if text == "all":
+        if not world_size:
+            raise InputError("--rank", text, "the job's size is unknown (no spec.json yet); give rank numbers")
+        return list(range(world_size))
+    try:
+        ranks = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise InputError("--rank", text, "give a rank number, a list like 0,3, or all") from None
+    if any(r < 0 for r in ranks) or (world_size and any(r >= world_size for r in ranks)):
+        raise InputError("--rank", text, f"ranks are numbered 0..{(world_size or 1) - 1}")
+    return ranks
+
+
+def world_size(transport: Transport, record: JobRecord) -> Optional[int]:
+    try:
+        spec = json.loads(transport.read_bytes(f"{record.run_dir}/spec.json"))["job"]["resources"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    gpus = spec.get("gpus_per_node") or 0
+    return int(spec.get("nodes", 1)) * int(spec.get("tasks_per_node") or max(gpus, 1))
+
+
+class Printer:
+    """Writes chunks to `out`: as they are (one source) or line by line with each source's label."""
+
+    def __init__(self, out: BinaryIO, merged: bool) -> None:
+        self.out, self.merged = out, merged
+
+    def emit(self, source: Source, chunk: bytes) -> None:
+        source.offset += len(chunk)
+        if not self.merged:
+            self.out.write(chunk)
+        else:
+            lines = (source.partial + chunk).split(b"\n")
+            source.partial = lines.pop()
+            self.out.write(b"".join(source.label + line + b"\n" for line in lines))
+        self.out.flush()
+
+    def finish(self, sources: Sequence[Source]) -> None:
+        for source in sources:
+            if self.merged and source.partial:
+                self.out.write(source.label + source.partial + b"\n")
+                source.partial = b""
+        self.out.flush()
+
+
+def _tail(source: Source, follow: bool) -> list[str]:
+    return ["tail", "-c", f"+{source.offset + 1}", *(["-F"] if follow else []), "--", source.path]
+
+
+def print_once(transport: Transport, sources: Sequence[Source], printer: Printer) -> None:
+    """Print each file from its offset to its current end (one stream per file)."""
+    for source in sources:
+        stream = transport.stream(_tail(source, follow=False))
+        try:
+            for chunk in stream:
+                printer.emit(source, chunk)
+        finally:
+            stream.close()
+    printer.finish(sources)
+
+
+def _pump(index: int, stream: Stream, inbox: "queue.Queue[tuple[int, bytes, Optional[BaseException]]]") -> None:
+    try:
+        for chunk in stream:
+            inbox.put((index, chunk, None))
+        inbox.put((index, b"", None))  # ended by itself: restarted at its offset
+    except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+        inbox.put((index, b"", exc))
+
+
+class Follower:
+    """`logs -f`: follow sources until the job ends, reconnecting when the connection drops."""
+
+    def __init__(self, record: JobRecord, clusters: "api.Clusters", sources: Sequence[Source], printer: Printer,
+                 err: TextIO) -> None:
+        self.record, self.clusters, self.sources, self.printer, self.err = record, clusters, sources, printer, err
+
+    def run(self) -> None:
+        while True:
+            try:
+                transport = self.clusters.transport_for(self.record)
+                if self._follow(transport):
+                    print_once(transport, self.sources, self.printer)  # what arrived after the last chunk
+                    return
+            except ConnectionLost:
+                self._reconnect()
+
+    def _job_done(self) -> bool:
+        return api.statuses([self.record], self.clusters)[0].done
+
+    def _follow(self, transport: Transport) -> bool:
+        """Stream until the job is done (True) or a stream ended by itself (False: restart)."""
+        inbox: "queue.Queue[tuple[int, bytes, Optional[BaseException]]]" = queue.Queue()
+        streams = [transport.stream(_tail(s, follow=True)) for s in self.sources]
+        threads = [threading.Thread(target=_pump, args=(i, st, inbox), daemon=True) for i, st in enumerate(streams)]
+        for thread in threads:
+            thread.start()
+        interval, next_check = 1.0, time.monotonic()
+        try:
+            while True:
+                try:
+                    index, chunk, exc = inbox.get(timeout=max(0.0, next_check - time.monotonic()))
+                except queue.Empty:
+                    if self._job_done():
+                        return True
+                    interval = min(interval * 1.5, 5.0)  # a long job is not polled every second
+                    next_check = time.monotonic() + interval
+                    continue
+                if exc is not None:
+                    raise exc
+                if not chunk:
+                    time.sleep(1.0)
+                    return False
+                self.printer.emit(self.sources[index], chunk)
+        finally:
+            for stream in streams:
+                stream.close()
+            for thread in threads:
+                thread.join(10)
+            self._drain(inbox)
+
+    def _drain(self, inbox: "queue.Queue[tuple[int, bytes, Optional[BaseException]]]") -> None:
+        """Print what arrived before the streams were closed: it is counted in the offsets."""
+        while True:
+            try:
+                index, chunk, _ = inbox.get_nowait()
+            except queue.Empty:
+                return
+            if chunk:
+                self.printer.emit(self.sources[index], chunk)
+
+    def _reconnect(self) -> None:
+        self.err.write(f"meshrun: the connection to {self.record.cluster} was lost; reconnecting\n")
+        self.err.flush()
+        delay, last = 1.0, None
+        for _ in range(RECONNECT_ATTEMPTS):
+            try:
+                self.clusters.reconnect(self.record.cluster)
+                self.err.write("meshrun: reconnected; resuming where the output stopped\n")
+                self.err.flush()
+                return
+            except ClusterError as exc:
+                if not getattr(exc, "retry", True):
+                    raise
+                last = exc
+                time.sleep(delay)
+                delay = min(delay * 2, 15.0)
+        raise ClusterError(f"lost the connection to {self.record.cluster} and could not reconnect "
+                           f"({RECONNECT_ATTEMPTS} tries): {last}")

@@ -1,0 +1,77 @@
+"""`meshrun tb JOB`: TensorBoard for a run, on the login node, reached through the SSH connection.
+
+One round trip starts it: the standalone helper (tbserve.py) travels as the
+command's input, is written into RUN_DIR/tensorboard/ and run with the cluster's
+setup lines and python; it reuses a live server of the run or starts one bound
+to 127.0.0.1. The local end is a port forward on this machine's 127.0.0.1. On
+Ctrl-C the forward closes and, if this command started the server, so does it.
+On the login node itself (local transport) there is nothing to forward: it
+prints the URL and the `ssh -L` line a user on a laptop would need.
+"""
+from __future__ import annotations
+
+import getpass
+import json
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from submit.cluster import ClusterProfile
+from submit.errors import ClusterError
+from submit.transport import LocalTransport, Transport
+
+HELPER = Path(__file__).with_name("tbserve.py")
+_INSTALL = ('d="$2/tensorboard" && mkdir -p -m 0700 "$d" && cat > "$d/.tbserve.py.tmp" && '
+            'mv -f "$d/.tbserve.py.tmp" "$d/tbserve.py" && exec "$1" "$d/tbserve.py" start "$2"')
+_STOP = 'grep -q tbserve "/proc/$1/cmdline" 2>/dev/null && kill "$1"'
+
+
+@dataclass(frozen=True)
+class Board:
+    port: int
+    """Its port on the login node (127.0.0.1)."""
+    pid: int
+    reused: bool
+    """Already running before this command (then this command leaves it running)."""
+
+
+def start_argv(profile: ClusterProfile, run_dir: str) -> list[str]:
+    """bash -c 'SETUP; install the helper; run it' sh PYTHON RUN_DIR: setup lines are the profile's trusted,
+    verbatim bash (as in the batch script); python and the run dir arrive as positional values."""
+    python = sys.executable if profile.scheduler == "local" else profile.python
+    script = "\n".join([*profile.setup, _INSTALL])
+    return ["bash", "-c", script, "meshrun-tb", python, run_dir]
+
+
+def parse_start(stdout: str) -> Board:
+    for line in reversed(stdout.strip().splitlines()):
+        if line.startswith("{"):
+            data = json.loads(line)
+            return Board(port=int(data["port"]), pid=int(data["pid"]), reused=bool(data["reused"]))
+    raise ClusterError(f"tensorboard helper printed no port (got {stdout.strip()[-200:]!r})")
+
+
+def start(transport: Transport, profile: ClusterProfile, run_dir: str) -> Board:
+    done = transport.run(start_argv(profile, run_dir), timeout=180, stdin=HELPER.read_bytes())
+    if done.returncode != 0:
+        detail = (done.stderr or done.stdout).strip().splitlines()
+        last = detail[-1] if detail else f"exit code {done.returncode}"
+        raise ClusterError(f"could not start TensorBoard on {profile.name}: {last} (is tensorboard installed in "
+                           f"the environment the profile's setup lines activate?)")
+    return parse_start(done.stdout)
+
+
+def stop(transport: Transport, board: Board) -> None:
+    transport.run(["sh", "-c", _STOP, "sh", str(board.pid)], timeout=30)
+
+
+def ssh_hint(port: int, local_port: Optional[int] = None) -> str:
+    """What a user on a laptop runs to reach a TensorBoard on this login node."""
+    host = socket.getfqdn() or socket.gethostname()
+    return f"ssh -N -L {local_port or port}:127.0.0.1:{port} {getpass.getuser()}@{host}"
+
+
+def is_local(transport: Transport) -> bool:
+    return isinstance(transport, LocalTransport)

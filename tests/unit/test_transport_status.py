@@ -1,0 +1,145 @@
+"""The transport helpers (batch, put, stream) on this machine, the one-round-trip status merge, the
+log printer, the registry's profile column and array lookups: no cluster needed."""
+from __future__ import annotations
+
+import io
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from submit import slurm
+from submit.errors import InputError, JobNotFound
+from submit.logs import Printer, Source, parse_ranks, print_once
+from submit.registry import JobRecord, Registry
+from submit.status import parse_metrics_tail, query_argvs, states_from
+from submit.transport import LocalTransport, Result, Upload, batch, tar_bytes
+
+HOSTILE = "$(touch /tmp/meshrun-pwned) `x` 'q' \"d\" a b;c"
+
+
+def test_batch_keeps_each_commands_output_code_and_quotes_everything() -> None:
+    out = batch(LocalTransport(), [["printf", "%s", HOSTILE], ["sh", "-c", "echo out; echo err >&2; exit 3"],
+                                   ["printf", "a\n\nb\n"], ["true"]])
+    assert [(r.returncode, r.stdout, r.stderr) for r in out] == [
+        (0, HOSTILE, ""), (3, "out\n", "err\n"), (0, "a\n\nb\n", ""), (0, "", "")]
+    assert not Path("/tmp/meshrun-pwned").exists()
+
+
+def test_put_writes_modes_folders_and_runs_then(tmp_path: Path) -> None:
+    files = {"a/b.txt": Upload(b"hi"), "run.sh": Upload(b"#!/bin/sh\n", 0o700), "logs/": Upload(b"", 0o700),
+             HOSTILE: Upload(b"odd")}
+    done = LocalTransport().put(files, str(tmp_path / "d"), then=["ls", str(tmp_path / "d")])
+    assert done is not None and "logs" in done.stdout.split()
+    assert (tmp_path / "d" / HOSTILE).read_bytes() == b"odd"
+    assert (tmp_path / "d" / "run.sh").stat().st_mode & 0o777 == 0o700
+    assert (tmp_path / "d").stat().st_mode & 0o777 == 0o700
+
+
+def test_the_ssh_put_script_unpacks_the_same_tar(tmp_path: Path) -> None:
+    from submit.transport import PUT_SCRIPT
+
+    files = {"a/b.txt": Upload(b"hi"), "x/": Upload(b"", 0o700), HOSTILE: Upload(b"odd", 0o600)}
+    done = LocalTransport().run(["sh", "-c", PUT_SCRIPT, "sh", str(tmp_path / "d"), "cat", str(tmp_path / "d/a/b.txt")],
+                                stdin=tar_bytes(files))
+    assert done.returncode == 0 and done.stdout == "hi", done.stderr
+    assert (tmp_path / "d" / HOSTILE).read_bytes() == b"odd" and (tmp_path / "d" / "x").is_dir()
+
+
+def _record(job_id: str, last_state: str = "SUBMITTED") -> JobRecord:
+    return JobRecord(job_id, "c", "n", f"/r/{job_id}", "slurm", 0.0, None, "h", last_state)
+
+
+def test_one_round_trip_queries_squeue_sacct_and_every_metrics_tail() -> None:
+    argvs = query_argvs([_record("1"), _record("2_3")])
+    assert argvs[0][:4] == ["squeue", "--noheader", "--array", "--states=all"] and argvs[1][0] == "sacct"
+    assert argvs[2:] == [["tail", "-n", "2", "--", "/r/1/metrics.jsonl"], ["tail", "-n", "2", "--", "/r/2_3/metrics.jsonl"]]
+
+
+def test_accounting_off_falls_back_to_squeue_and_the_last_seen_state() -> None:
+    records = [_record("5"), _record("6", "COMPLETED"), _record("7")]
+    squeue = Result((), 0, "5|RUNNING|0:09|30:00|n1|None\n", "")
+    sacct = Result((), 1, "", "sacct: error: Slurm accounting storage is disabled\n")
+    states = states_from(records, squeue, sacct)
+    assert [states[j].state for j in ("5", "6", "7")] == ["RUNNING", "COMPLETED", "UNKNOWN"]
+    with pytest.raises(Exception, match="accounting storage is disabled"):
+        states_from(records, Result((), 1, "", "slurm_load_jobs error: Unable to contact"), sacct)
+
+
+def test_metrics_tail_skips_a_line_being_written() -> None:
+    assert parse_metrics_tail('{"step": 4, "loss": 2.5}\n{"step": 5, "lo') == {"step": 4, "loss": 2.5}
+    assert parse_metrics_tail("") == {}
+
+
+def test_merged_printer_prefixes_whole_lines_and_counts_bytes() -> None:
+    out = io.BytesIO()
+    printer, a, b = Printer(out, merged=True), Source("a", b"[rank 0] "), Source("b", b"[rank 1] ")
+    for source, chunk in ((a, b"one\ntw"), (b, b"x\n"), (a, b"o\nthr"), (b, b"y")):
+        printer.emit(source, chunk)
+    printer.finish([a, b])
+    assert out.getvalue() == b"[rank 0] one\n[rank 1] x\n[rank 0] two\n[rank 0] thr\n[rank 1] y\n"
+    assert (a.offset, b.offset) == (11, 3)
+
+
+def test_print_once_resumes_at_the_offset(tmp_path: Path) -> None:
+    log = tmp_path / "rank-0.log"
+    log.write_bytes(b"0123456789\xff\n")
+    out, source = io.BytesIO(), Source(str(log), offset=4)
+    print_once(LocalTransport(), [source], Printer(out, merged=False))
+    assert out.getvalue() == b"456789\xff\n" and source.offset == log.stat().st_size
+
+
+def test_rank_selection() -> None:
+    assert parse_ranks("3", None) == [3] and parse_ranks("0,2", 4) == [0, 2] and parse_ranks("all", 3) == [0, 1, 2]
+    for bad in ("x", "-1", "4"):
+        with pytest.raises(InputError):
+            parse_ranks(bad, 4)
+
+
+def test_dependencies() -> None:
+    assert slurm.dependency(["12", "any:13", "start:14_2"]) == "afterok:12,afterany:13,after:14_2"
+    assert slurm.sbatch_argv("/s", "n", "/d", ["12"])[-2:] == ["--dependency=afterok:12", "/s"]
+    for bad in ("$(x)", "maybe:12", "12;rm"):
+        with pytest.raises(InputError, match="--after"):
+            slurm.dependency([bad])
+
+
+def test_registry_remembers_profiles_finds_arrays_and_migrates(tmp_path: Path) -> None:
+    old = tmp_path / "old.sqlite"
+    db = sqlite3.connect(old)  # a registry from before the profile column
+    db.execute("CREATE TABLE jobs (job_id TEXT NOT NULL, cluster TEXT NOT NULL, name TEXT NOT NULL, run_dir TEXT "
+               "NOT NULL, scheduler TEXT NOT NULL, submitted_at REAL NOT NULL, git_sha TEXT, spec_hash TEXT NOT NULL,"
+               " last_state TEXT NOT NULL DEFAULT 'SUBMITTED', PRIMARY KEY (cluster, job_id))")
+    db.execute("INSERT INTO jobs VALUES ('1','c','n','/r','slurm',1.0,NULL,'h','COMPLETED')")
+    db.commit()
+    db.close()
+    reg = Registry(old)
+    assert reg.find("1").profile is None and reg.find("1").last_state == "COMPLETED"
+    for i in (10, 2, 0, 1):
+        reg.add(JobRecord(f"40_{i}", "c", "n", f"/r/{i}", "slurm", 2.0, None, "h", profile="/p/c.yaml"))
+    assert [r.job_id for r in reg.find_all("40")] == ["40_0", "40_1", "40_2", "40_10"]
+    assert reg.find_all("40_2")[0].profile == "/p/c.yaml"
+    with pytest.raises(JobNotFound):
+        reg.find_all("4")
+
+
+def test_both_transports_implement_the_whole_interface() -> None:
+    from submit.ssh import SshTransport
+    from submit.transport import Transport
+
+    wanted = {name for name in vars(Transport) if not name.startswith("_")}
+    assert {"run", "put", "stream", "forward", "home"} <= wanted
+    for cls in (LocalTransport, SshTransport):
+        assert wanted <= set(dir(cls)), (cls, wanted - set(dir(cls)))
+
+
+def test_new_caller_side_modules_stay_light() -> None:
+    """paramiko loads only when a cluster needs SSH; tensorboard only on the login node."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import submit.cli, submit.cli_jobs, submit.snapshot, submit.sweep, submit.status, "
+            "submit.logs, submit.tensorboard, submit.sshconfig, submit.progress, submit.forward; "
+            "bad = [m for m in ('torch', 'numpy', 'paramiko', 'tensorboard') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
