@@ -24,9 +24,12 @@ EXIT_REQUEUE = 75
 """Stopped on a signal after saving a checkpoint: requeue to continue (sysexits' EX_TEMPFAIL)."""
 EXIT_NO_PROGRESS = 76
 """The watchdog saw no step finish in time (a hang): requeue from the last checkpoint, or stop."""
+EXIT_GAVE_UP = 77
+"""The crash-loop guard stopped the job: the same checkpoints kept failing. Never requeued."""
 
 EXIT_NAMES = {EXIT_FINISHED: "finished", EXIT_FAILED: "failed", EXIT_INPUT: "bad input",
-              EXIT_REQUEUE: "saved for requeue", EXIT_NO_PROGRESS: "no progress"}
+              EXIT_REQUEUE: "saved for requeue", EXIT_NO_PROGRESS: "no progress",
+              EXIT_GAVE_UP: "gave up (crash loop)"}
 
 DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 

@@ -48,7 +48,12 @@ class Parallel:
     pp: int = 1
     """Pipeline-parallel degree (must divide the number of layers)."""
     dp_mode: Literal["fsdp", "ddp"] = "fsdp"
-    """How data parallelism keeps parameters: fsdp (FSDP2 fully_shard, ZeRO-3-like) or ddp (replicated)."""
+    """How data parallelism keeps parameters: fsdp (FSDP2 fully_shard, ZeRO-3-like) or ddp (replicated:
+    torch DDP, or FSDP2's replicate when tp or pp > 1)."""
+    sequence_parallel: bool = False
+    """With tp > 1, also split norms and the residual stream over the sequence (seq_len must divide by tp)."""
+    pp_schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    """Pipeline schedule when pp > 1; its micro-batches are the step's accumulation micro-batches."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,8 @@ class Train:
     """Write a metrics.jsonl line every N steps."""
     eval_every: int = 0
     """Validation loss every N steps; 0 disables."""
+    eval_sequences: int = 128
+    """Validation sequences per evaluation: the first ones of the held-out split, cut to a multiple of global_batch."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward to save memory."""
     seed: int = 0
@@ -113,6 +120,28 @@ class Checkpoint:
     """Save every N steps; 0 saves only at the end and on preemption."""
     keep: int = 3
     """Keep the newest K complete checkpoints."""
+    keep_every: int = 0
+    """Also keep every checkpoint whose step is a multiple of this (0: none beyond `keep`)."""
+    async_save: bool = True
+    """Save in the background: training waits only while the state is copied to CPU memory."""
+    resume_step: Optional[int] = None
+    """Resume from exactly this step (it must be complete); the newest complete one when unset."""
+    max_restarts: int = 20
+    """Requeue at most this many times (preemption, time limit, failure) before stopping."""
+
+
+@dataclass(frozen=True)
+class Code:
+    """The project code shipped with the job (read by `submit` only; the ranks just run it)."""
+    sync: bool = True
+    """Ship a content-addressed snapshot of the project to the cluster's work dir (Slurm clusters)."""
+    root: Optional[str] = None
+    """Project folder, relative to the job spec's folder; default: the git work tree holding the spec
+    (no snapshot when the spec is in none)."""
+    include: tuple[str, ...] = ()
+    """Extra files to ship, as globs relative to the root (in a git tree: on top of git's files)."""
+    exclude: tuple[str, ...] = ()
+    """Files never shipped, as globs relative to the root (`*` crosses folders; `data` drops a folder)."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +162,8 @@ class JobSpec:
     """Training data."""
     env: Mapping[str, str] = field(default_factory=dict)
     """Extra environment variables for every rank (never put secrets here: scripts are readable)."""
+    code: Code = field(default_factory=Code)
+    """Which project files are shipped to the cluster with the job."""
 
     def __post_init__(self) -> None:
         if not self.name.strip() or len(self.name) > 128:

@@ -1,297 +1,320 @@
 """The built-in trainer: one short linear loop (torchtitan's shape) that always tears down.
 
-Data parallel only for now: FSDP2 `fully_shard` (dp_mode fsdp) or DDP (dp_mode ddp).
-Tensor and pipeline parallelism arrive with the 3D trainer; until then tp and pp
-must be 1. Rank 0 appends one JSON line per logged step to RUN_DIR/metrics.jsonl
-(the sidecar and `meshrun status` read it) and prints a human line to stdout.
+3D parallel: data (FSDP2 / replicate / DDP) x tensor (DTensor, optionally sequence
+parallel) x pipeline (GPipe / 1F1B) on a ("pp", "dp", "tp") mesh. Batch sizes are
+global (Megatron): accumulation = global_batch / (micro_batch * dp), and with pp > 1
+those micro-batches are the pipeline's, so changing only the layout changes no number.
+Rank 0 appends one JSON line per logged step to RUN_DIR/metrics.jsonl (see metrics.py).
 """
 from __future__ import annotations
 
-import contextlib
-import json
-import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ContextManager, Optional, TextIO
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from launcher.data import Layout, TokenDataset, TrainStream, val_batches
+from launcher import resume, trainstate
+from launcher.checkpoint import Checkpointer
+from launcher.checkpoint import step_dir as ckpt_step_dir
+from launcher.data import Layout, MicroBatches, Prefetcher, TokenDataset, TrainStream, val_steps
 from launcher.env import RankEnv, setdefault_env
-from launcher.model import GPT, loss_fn
-from launcher.parallel_dims import ParallelDims
+from launcher.metrics import MetricsLog, perplexity
+from launcher.model import GPT, ModelPart, param_count
+from launcher.optim import (LossScaler, build_optimizer, clip_factor, global_grad_norm, lr_at, scale_grads_)
+from launcher.parallel import apply_data_parallel, apply_tensor_parallel, build_mesh, uses_fsdp_precision
+from launcher.parallel_dims import Coordinates, ParallelDims
+from launcher.preempt import EXIT_FINISHED, EXIT_GAVE_UP, EXIT_REQUEUE, StopFlag, agree
+from launcher.pipeline import Executor, PipelineExecutor, PlainExecutor, StepLoss
+from launcher.runtime import Runtime, check_tasks, init_distributed, pick_runtime
 from launcher.schema import SchemaError
 from launcher.spec import JobSpec, RunSpec, Train
 
-METRICS_FILE = "metrics.jsonl"
-EVAL_WINDOWS = 128
-"""Validation sequences per evaluation, over all ranks (a fixed set: the first val windows)."""
 
+# ------------------------------------------------------------------ checks before any collective
 
-@dataclass(frozen=True)
-class Runtime:
-    """Where and how this rank computes."""
-    device: torch.device
-    backend: str
-    amp_dtype: Optional[torch.dtype]  # None: plain fp32
-
-    @property
-    def cuda(self) -> bool:
-        return self.device.type == "cuda"
-
-
-# ------------------------------------------------------------------ checks and setup
-
-def check_layout(job: JobSpec, env: RankEnv) -> Layout:
+def check_layout(job: JobSpec, env: RankEnv) -> ParallelDims:
     """Validate the parallel layout and the batch arithmetic before any collective can hang on it."""
     par, cfg = job.parallel, job.trainer
-    for key, value in (("parallel.tp", par.tp), ("parallel.pp", par.pp)):
-        if value != 1:
-            raise SchemaError(key, value, "tensor and pipeline parallelism come with the 3D trainer in a later "
-                                          "version; this trainer is data parallel only: set tp=1 and pp=1")
     dims = ParallelDims(par.dp, par.tp, par.pp)
-    problem = (dims.problem(env.world_size, cfg.model.n_layers, cfg.model.n_heads, env.local_world_size)
+    problem = (dims.problem(env.world_size, cfg.model.n_layers, cfg.model.n_heads, env.local_world_size,
+                            vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len,
+                            sequence_parallel=par.sequence_parallel)
                or dims.batch_problem(cfg.global_batch, cfg.micro_batch))
     if problem:
         raise SchemaError(problem.key, problem.value, problem.fix)
-    # tp = pp = 1, so the dp rank is the global rank.
-    return Layout(cfg.global_batch, cfg.micro_batch, dp_rank=env.rank, dp_size=par.dp)
+    return dims
 
 
-def pick_runtime(job: JobSpec, env: RankEnv) -> Runtime:
-    """NCCL on this rank's GPU when the job asked for GPUs and has them, else gloo on CPU (fp32 math)."""
-    if job.resources.gpus_per_node > 0 and torch.cuda.is_available():
-        # Modulo: a task may see all the node's GPUs (index = local rank) or only its own (index 0).
-        device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(job.trainer.precision)
-        return Runtime(device, "nccl", amp)
-    return Runtime(torch.device("cpu"), "gloo", None)
+def check_eval_data(job: JobSpec, dataset: TokenDataset) -> None:
+    cfg = job.trainer
+    usable = min(dataset.num_windows["val"], cfg.eval_sequences)
+    if cfg.eval_every > 0 and usable < cfg.global_batch:
+        raise SchemaError("train.eval_sequences", cfg.eval_sequences,
+                          f"validation uses whole global batches, but min(eval_sequences, "
+                          f"{dataset.num_windows['val']} held-out windows) = {usable} < global_batch "
+                          f"({cfg.global_batch}); raise eval_sequences or data.val_fraction, or set eval_every: 0")
 
 
-def init_distributed(env: RankEnv, runtime: Runtime) -> None:
-    """Join the process group from the RankEnv (not os.environ: one place reads the environment)."""
-    device_id = runtime.device if runtime.cuda else None
-    if env.world_size == 1:
-        # No rendezvous needed: a private store cannot collide with a busy port.
-        dist.init_process_group(runtime.backend, store=dist.HashStore(), rank=0, world_size=1,
-                                device_id=device_id)
-        return
-    dist.init_process_group(runtime.backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                            rank=env.rank, world_size=env.world_size, device_id=device_id)
+# ------------------------------------------------------------------ the trainer's objects
+
+@dataclass
+class Trainer:
+    """Everything one rank trains with; built by `build_trainer` (the benches build it too)."""
+    job: JobSpec
+    dims: ParallelDims
+    coords: Coordinates
+    runtime: Runtime
+    layout: Layout
+    dataset: TokenDataset
+    stream: TrainStream
+    model: GPT
+    """This rank's part of the model (a pipeline stage or the whole), sharded in place."""
+    executor: Executor
+    optimizer: torch.optim.Optimizer
+    scaler: LossScaler
+    params: list[nn.Parameter]
+    pp_group: Optional[dist.ProcessGroup]
+
+    @property
+    def cfg(self) -> Train:
+        return self.job.trainer
 
 
-def build_model(cfg: Train, runtime: Runtime) -> GPT:
-    model = GPT(cfg.model, seed=cfg.seed, activation_checkpointing=cfg.activation_checkpointing)
-    return model.to(runtime.device)
+@dataclass(frozen=True)
+class StepResult:
+    loss: StepLoss
+    grad_norm: torch.Tensor
+    """The true global gradient norm before clipping (0-dim; read it only when logging: a host sync)."""
+    lr: float
 
 
-def wrap_data_parallel(model: GPT, mode: str, runtime: Runtime, dp: int) -> nn.Module:
-    """FSDP2 (each block its own unit, then the root) or DDP over all ranks."""
-    if mode == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-        return DistributedDataParallel(model, device_ids=[runtime.device.index] if runtime.cuda else None)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    mesh = init_device_mesh(runtime.device.type, (dp,), mesh_dim_names=("dp",))
-    for block in model.layers.values():
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+def build_trainer(job: JobSpec, env: RankEnv, runtime: Runtime, dataset: TokenDataset) -> Trainer:
+    """Mesh -> model part -> tensor parallel -> data parallel -> executor -> optimizer (needs a process group)."""
+    cfg, par = job.trainer, job.parallel
+    dims = ParallelDims(par.dp, par.tp, par.pp)
+    coords = dims.coordinates(env.rank)
+    layout = Layout(cfg.global_batch, cfg.micro_batch, dp_rank=coords.dp, dp_size=dims.dp)
+    mesh = build_mesh(dims, runtime)
+    with torch.device(runtime.device):  # built where it runs: no full-size copy on the host for GPUs
+        model = GPT(cfg.model, seed=cfg.seed, activation_checkpointing=cfg.activation_checkpointing,
+                    part=ModelPart.stage(cfg.model, coords.pp, dims.pp))
+    if dims.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"], par.sequence_parallel)
+    module = apply_data_parallel(model, par.dp_mode, dims, mesh["dp"], runtime)
+    autocast_dtype = None if uses_fsdp_precision(par.dp_mode, dims) else runtime.amp_dtype
+    scaler = LossScaler(enabled=runtime.amp_dtype == torch.float16)
+    executor: Executor
+    if dims.pp > 1:
+        executor = PipelineExecutor(module, coords.pp, dims.pp, mesh["pp"], runtime.device, layout.accumulation,
+                                    par.pp_schedule, autocast_dtype, scaler)
+    else:
+        executor = PlainExecutor(module, runtime.device, autocast_dtype, scaler)
+    params = [p for p in model.parameters() if p.requires_grad]  # after wrapping: the sharded ones
+    return Trainer(job=job, dims=dims, coords=coords, runtime=runtime, layout=layout, dataset=dataset,
+                   stream=TrainStream(dataset, layout, cfg.seed), model=model, executor=executor,
+                   optimizer=build_optimizer(params, cfg), scaler=scaler, params=params,
+                   pp_group=mesh["pp"].get_group() if dims.pp > 1 else None)
 
 
-def build_optimizer(model: nn.Module, cfg: Train) -> torch.optim.AdamW:
-    """AdamW; weight decay only on matrices (never on norms or biases, which are 1-D)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+# ------------------------------------------------------------------ one step, evaluation
 
-
-def lr_at(step: int, cfg: Train) -> float:
-    """LR for 1-based `step`: linear warmup to lr, then cosine down to min_lr at the last step."""
-    if cfg.warmup_steps > 0 and step <= cfg.warmup_steps:
-        return cfg.lr * step / cfg.warmup_steps
-    decay_steps = max(cfg.steps - cfg.warmup_steps, 1)
-    progress = min(max(step - cfg.warmup_steps, 0) / decay_steps, 1.0)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
-
-
-def autocast(runtime: Runtime) -> ContextManager[Any]:
-    if runtime.amp_dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type="cuda", dtype=runtime.amp_dtype)
-
-
-# ------------------------------------------------------------------ one step
-
-def grad_norm_and_clip(model: nn.Module, max_norm: float) -> float:
-    """Global gradient norm (all shards), clipping to max_norm when it is > 0."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
-    if hasattr(total, "full_tensor"):  # FSDP2: a DTensor of per-shard partial norms
-        total = total.full_tensor()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return float(total)
-
-
-def no_sync(model: nn.Module, last: bool) -> ContextManager[Any]:
-    # DDP: all-reduce only on the last micro batch. FSDP2 keeps reduce-scattering every
-    # micro batch: skipping it would keep unsharded gradients and give back ZeRO's memory win.
-    if not last and hasattr(model, "no_sync"):
-        return model.no_sync()
-    return contextlib.nullcontext()
-
-
-def train_step(model: nn.Module, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-               runtime: Runtime, scaler: torch.amp.GradScaler) -> torch.Tensor:
-    """Forward/backward over this rank's micro batches; returns the summed (detached) micro losses."""
-    total = torch.zeros((), device=runtime.device)
-    for i, (x, y) in enumerate(micro_batches):
-        x, y = x.to(runtime.device, non_blocking=True), y.to(runtime.device, non_blocking=True)
-        with no_sync(model, last=i == len(micro_batches) - 1):
-            with autocast(runtime):
-                loss = loss_fn(model(x), y)
-            # Dividing by the micro-batch count makes the accumulated gradient the batch mean.
-            scaler.scale(loss / len(micro_batches)).backward()
-        total += loss.detach()
-    return total
+def train_step(t: Trainer, step: int, micro_batches: MicroBatches) -> StepResult:
+    """Forward/backward over the step's micro batches, true global norm, clip, optimizer step."""
+    lr = lr_at(step, t.cfg)
+    for group in t.optimizer.param_groups:
+        group["lr"] = lr
+    loss = t.executor.train_step(micro_batches)
+    inv_scale = 1.0 / t.scaler.loss_multiplier()
+    norm = global_grad_norm(t.params, t.runtime.device, t.pp_group) * inv_scale
+    # The norm is global, so every rank takes the same decision (fp16 only: it is a host sync).
+    if t.scaler.update(bool(torch.isfinite(norm)) if t.scaler.enabled else True):
+        scale_grads_(t.params, clip_factor(norm, t.cfg.grad_clip) * inv_scale)
+        t.optimizer.step()
+    t.optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss, norm, lr)
 
 
 def mean_over_ranks(total: torch.Tensor, count: int) -> float:
-    """sum(totals) / sum(counts) over all ranks (gloo has no AVG op, so SUM both, then divide)."""
+    """sum(totals) / sum(counts) over all ranks (gloo has no AVG op, so SUM both, then divide).
+
+    Ranks without a loss (pipeline stages before the last) add 0/0; the tp ranks of the
+    last stage all add the same loss and count, which leaves the mean unchanged.
+    """
     packed = torch.stack([total.float(), torch.tensor(float(count), device=total.device)])
     dist.all_reduce(packed, op=dist.ReduceOp.SUM)
     return float(packed[0] / packed[1])
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, dataset: TokenDataset, layout: Layout, runtime: Runtime) -> float:
-    model.eval()
-    total, count = torch.zeros((), device=runtime.device), 0
-    for x, y in val_batches(dataset, layout, EVAL_WINDOWS):
-        with autocast(runtime):
-            # Weighted by sequences: the last micro batch may be short.
-            total += loss_fn(model(x.to(runtime.device)), y.to(runtime.device)) * len(x)
-        count += len(x)
-    model.train()
+def evaluate(t: Trainer) -> float:
+    """Mean loss over the fixed validation set (the same set and micro batches whatever the layout)."""
+    t.model.eval()
+    total, count = torch.zeros((), device=t.runtime.device), 0
+    for micro_batches in val_steps(t.dataset, t.layout, t.cfg.eval_sequences):
+        part = t.executor.eval_step(micro_batches)
+        total, count = total + part.total, count + part.count
+    t.model.train()
     return mean_over_ranks(total, count)
-
-
-# ------------------------------------------------------------------ metrics
-
-class MetricsLog:
-    """Rank 0's metrics.jsonl (appended: restarts add to it) and its human log line."""
-
-    def __init__(self, run_dir: str, enabled: bool, steps: int) -> None:
-        self.steps = steps
-        self.file: Optional[TextIO] = None
-        if enabled:
-            Path(run_dir).mkdir(parents=True, exist_ok=True)
-            self.file = open(Path(run_dir) / METRICS_FILE, "a", encoding="utf-8")
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self.file is None:
-            return
-        # Non-finite floats become null: strict JSON readers reject NaN/Infinity.
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-        self.file.write(json.dumps(clean) + "\n")
-        self.file.flush()
-        print(self.line(record), flush=True)
-
-    def line(self, r: dict[str, Any]) -> str:
-        text = (f"step {r['step']}/{self.steps} loss {r['loss']:.4f} lr {r['lr']:.2e} "
-                f"grad_norm {r['grad_norm']:.3f} tok/s {r['tokens_per_s']:,.0f} step_time {r['step_time_s']:.3f}s")
-        return text + (f" val_loss {r['val_loss']:.4f}" if "val_loss" in r else "")
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-
-
-def announce(model: GPT, job: JobSpec, runtime: Runtime, layout: Layout, env: RankEnv) -> None:
-    if env.rank != 0:
-        return
-    cfg = job.trainer
-    note = f" (precision {cfg.precision} requested; CPU ranks compute in fp32)" \
-        if not runtime.cuda and cfg.precision != "fp32" else ""
-    print(f"meshrun: GPT {model.num_params() / 1e6:.2f}M params, {env.world_size} rank(s), "
-          f"dp={layout.dp_size} {job.parallel.dp_mode}, {runtime.backend} on {runtime.device.type}, "
-          f"global batch {cfg.global_batch} = micro {cfg.micro_batch} x dp {layout.dp_size} "
-          f"x accumulation {layout.accumulation}, precision {cfg.precision if runtime.cuda else 'fp32'}{note}",
-          flush=True)
 
 
 # ------------------------------------------------------------------ the loop
 
+def announce(t: Trainer, env: RankEnv) -> None:
+    if env.rank != 0:
+        return
+    cfg, par, rt = t.cfg, t.job.parallel, t.runtime
+    note = f" (precision {cfg.precision} requested; CPU ranks compute in fp32)" \
+        if not rt.cuda and cfg.precision != "fp32" else ""
+    extras = [par.dp_mode] + ([par.pp_schedule] if t.dims.pp > 1 else []) \
+        + (["sequence parallel"] if par.sequence_parallel and t.dims.tp > 1 else [])
+    print(f"meshrun: GPT {param_count(cfg.model) / 1e6:.2f}M params, {env.world_size} rank(s), "
+          f"dp={t.dims.dp} tp={t.dims.tp} pp={t.dims.pp} ({', '.join(extras)}), {rt.backend} on {rt.device.type}, "
+          f"global batch {cfg.global_batch} = micro {cfg.micro_batch} x dp {t.dims.dp} "
+          f"x accumulation {t.layout.accumulation}, precision {rt.precision}{note}", flush=True)
+
+
 def train(run_spec: RunSpec, env: RankEnv) -> int:
-    """Train the reference GPT as the spec says; returns the process exit code (0: done)."""
-    job, cfg = run_spec.job, run_spec.job.trainer
-    layout = check_layout(job, env)
-    dataset = TokenDataset(job.data.path, cfg.model.seq_len, job.data.val_fraction)
-    if cfg.eval_every > 0 and dataset.num_windows["val"] < layout.dp_size:
-        raise SchemaError("data.val_fraction", job.data.val_fraction,
-                          f"holds {dataset.num_windows['val']} validation windows, fewer than dp({layout.dp_size}); "
-                          "raise it or set train.eval_every=0")
+    """Train the reference GPT as the spec says; returns the process exit code (see preempt.py)."""
+    job = run_spec.job
+    check_tasks(job, env)
+    check_layout(job, env)
+    dataset = TokenDataset(job.data.path, job.trainer.model.seq_len, job.data.val_fraction)
+    check_eval_data(job, dataset)
     setdefault_env(run_spec.run.nccl_env, os.environ)  # the cluster preset, unless the user set a key
-    torch.manual_seed(cfg.seed)
-    runtime = pick_runtime(job, env)
+    runtime = pick_runtime(job, env, os.environ)
+    torch.manual_seed(job.trainer.seed)
+    flag = StopFlag().install()  # before init: a signal during start-up still ends in a clean stop
     init_distributed(env, runtime)
-    metrics = MetricsLog(run_spec.run.run_dir, enabled=env.rank == 0, steps=cfg.steps)
+    metrics = MetricsLog(run_spec.run.run_dir, enabled=env.rank == 0, steps=job.trainer.steps)
     try:
-        base = build_model(cfg, runtime)
-        announce(base, job, runtime, layout, env)
-        model = wrap_data_parallel(base, job.parallel.dp_mode, runtime, layout.dp_size)
-        run_loop(model, base, cfg, dataset, layout, runtime, env, metrics)
+        trainer = build_trainer(job, env, runtime, dataset)
+        saver = make_checkpointer(run_spec, env)
+        first = start_step(trainer, saver, run_spec, env)
+        if first is None:
+            return EXIT_GAVE_UP
+        announce(trainer, env)
+        return run_loop(trainer, env, metrics, first, saver=saver, flag=flag, run_spec=run_spec)
     finally:
+        flag.uninstall()
         metrics.close()
         dist.destroy_process_group()
-    return 0
 
 
-def run_loop(model: nn.Module, base: GPT, cfg: Train, dataset: TokenDataset, layout: Layout,
-             runtime: Runtime, env: RankEnv, metrics: MetricsLog) -> None:
-    optimizer = build_optimizer(model, cfg)
-    scaler = torch.amp.GradScaler("cuda", enabled=runtime.amp_dtype == torch.float16)
-    stream = TrainStream(dataset, layout, cfg.seed)
+def make_checkpointer(run_spec: RunSpec, env: RankEnv) -> Checkpointer:
+    """Checkpoints get their own gloo group: an async save's collectives run in a background
+    thread and must never interleave with the training thread's on the default group."""
+    policy = run_spec.job.checkpoint
+    group = dist.new_group(backend="gloo") if env.world_size > 1 else None
+    root = Path(run_spec.run.checkpoint_dir or Path(run_spec.run.run_dir) / "checkpoints")
+    saver = Checkpointer(root, keep=policy.keep, keep_every=policy.keep_every,
+                         async_save=policy.async_save, process_group=group, coordinator=env.rank == 0)
+    saver.prepare()
+    return saver
+
+
+def start_step(t: Trainer, saver: Checkpointer, run_spec: RunSpec, env: RankEnv) -> Optional[int]:
+    """Resume from the newest complete checkpoint (or the requested one); None: the guard gave up."""
+    choice = trainstate.choose_start(saver.root, run_spec.job.checkpoint.resume_step, env)
+    if env.rank == 0:
+        print(f"[meshrun] {choice.note}", flush=True)
+    if choice.gave_up:
+        return None
+    if choice.step is None:
+        return 1
+    step = trainstate.load(saver, t, ckpt_step_dir(saver.root, choice.step), env)
+    return step + 1
+
+
+def run_loop(t: Trainer, env: RankEnv, metrics: MetricsLog, first: int = 1, last: Optional[int] = None,
+             saver: Optional[Checkpointer] = None, flag: Optional[StopFlag] = None,
+             run_spec: Optional[RunSpec] = None) -> int:
+    """Steps first..last (default: to train.steps); logs every log_every steps and at the last one.
+
+    With a saver: checkpoints every checkpoint.every steps and at the end; with a flag: every
+    step the ranks agree whether any of them was signalled, and if so all save after the same
+    step and return EXIT_REQUEUE.
+    """
+    cfg = t.cfg
+    last = cfg.steps if last is None else last
+    every = run_spec.job.checkpoint.every if run_spec else 0
+    prefetch = Prefetcher(t.stream, pin_memory=t.runtime.cuda)
+    clock = _Clock(first - 1)
+    try:
+        for step in range(first, last + 1):
+            micro_batches, wait = prefetch.next_step()
+            clock.waited += wait
+            result = train_step(t, step, micro_batches)
+            if step % cfg.log_every == 0 or step == last:
+                log_step(t, env, metrics, step, result, clock)
+            if saver is None or run_spec is None:
+                continue
+            _poll(saver, env)
+            if flag is not None and agree(flag.raised, device=t.runtime.device):
+                _save_now(saver, t, step, env, run_spec)
+                if env.rank == 0:
+                    print(f"[meshrun] stopping after step {step} on {flag.describe() if flag.raised else 'a peer'}"
+                          f"'s signal: checkpoint saved, exit {EXIT_REQUEUE} (requeue)", flush=True)
+                return EXIT_REQUEUE
+            if step == last or (every and step % every == 0):
+                trainstate.save(saver, t, step, env, run_spec)
+        if saver is not None:
+            saver.wait()
+            if env.rank == 0:
+                resume.progress_made(saver.root)
+        return EXIT_FINISHED
+    finally:
+        prefetch.close()
+
+
+@dataclass
+class _Clock:
+    last_step: int
+    waited: float = 0.0
+    start: float = field(default_factory=time.perf_counter)
+    last_time: float = field(default_factory=time.perf_counter)
+
+
+def _poll(saver: Checkpointer, env: RankEnv) -> None:
+    before = saver.last_committed
+    saver.poll()
+    if env.rank == 0 and saver.last_committed != before:
+        resume.progress_made(saver.root)  # a newer checkpoint: earlier failed resumes stop counting
+
+
+def _save_now(saver: Checkpointer, t: Trainer, step: int, env: RankEnv, run_spec: RunSpec) -> None:
+    if saver.last_committed != step:
+        trainstate.save(saver, t, step, env, run_spec)
+    saver.wait()
+    if env.rank == 0:
+        resume.progress_made(saver.root)
+
+
+def log_step(t: Trainer, env: RankEnv, metrics: MetricsLog, step: int, result: StepResult, clock: _Clock) -> None:
+    """One metrics.jsonl record (and human line) covering the steps since the last one."""
+    cfg = t.cfg
     tokens_per_step = cfg.global_batch * cfg.model.seq_len
-    flops_per_token = base.flops_per_token()
-    start = last_time = time.perf_counter()
-    last_step = 0
-    for step in range(1, cfg.steps + 1):
-        lr = lr_at(step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        micro_batches = stream.next_step()
-        loss_sum = train_step(model, micro_batches, runtime, scaler)
-        scaler.unscale_(optimizer)  # clip and report the true norm, not the loss-scaled one
-        grad_norm = grad_norm_and_clip(model, cfg.grad_clip)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        if step % cfg.log_every and step != cfg.steps:
-            continue
-        loss = mean_over_ranks(loss_sum, len(micro_batches))  # also syncs: timings below are real
-        now = time.perf_counter()
-        interval, done = now - last_time, step - last_step
-        record: dict[str, Any] = {
-            "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-            "tokens": step * tokens_per_step,
-            "tokens_per_s": tokens_per_step * done / interval,
-            "step_time_s": interval / done,
-            "elapsed_s": now - start,
-            "tflops_per_rank": flops_per_token * tokens_per_step * done / interval / env.world_size / 1e12,
-            "restart_count": env.restart_count,
-            "time": time.time(),
-        }
-        if runtime.amp_dtype == torch.float16:
-            record["loss_scale"] = float(scaler.get_scale())
-        if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.steps):
-            record["val_loss"] = evaluate(model, dataset, layout, runtime)
-        metrics.write(record)
-        last_time, last_step = time.perf_counter(), step
+    loss = mean_over_ranks(result.loss.total, result.loss.count)  # also syncs: timings are real
+    now = time.perf_counter()
+    interval, done = now - clock.last_time, step - clock.last_step
+    record: dict[str, Any] = {
+        "step": step, "loss": loss, "lr": result.lr, "grad_norm": float(result.grad_norm),
+        "tokens": step * tokens_per_step,
+        "tokens_per_s": tokens_per_step * done / interval,
+        "step_time_s": interval / done,
+        "data_wait_s": clock.waited / done,
+        "elapsed_s": now - clock.start,
+        "tflops_per_rank": t.model.flops_per_token() * tokens_per_step * done / interval / env.world_size / 1e12,
+        "restart_count": env.restart_count,
+        "time": time.time(),
+    }
+    if t.scaler.enabled:
+        record["loss_scale"] = t.scaler.scale
+    if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.steps):
+        record["val_loss"] = evaluate(t)
+        record["val_ppl"] = perplexity(record["val_loss"])
+    metrics.write(record)
+    clock.last_time, clock.last_step, clock.waited = time.perf_counter(), step, 0.0

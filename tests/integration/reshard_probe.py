@@ -1,0 +1,41 @@
+"""One rank of a resharding probe: build the trainer for RUN_DIR's layout, load a checkpoint
+saved under another layout, and write this rank's full (unsharded) parameters to
+RUN_DIR/probe-<rank>.pt. Run by tests/integration/test_checkpoint_resume.py."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from launcher.checkpoint import Checkpointer
+from launcher.data import TokenDataset
+from launcher.env import rank_env
+from launcher.runtime import init_distributed, pick_runtime
+from launcher.spec import read_run_spec
+from launcher import trainstate
+from launcher.train import build_trainer
+
+
+def main(run_dir: Path, checkpoint: Path) -> None:
+    job = read_run_spec(run_dir).job
+    env = rank_env(os.environ)
+    runtime = pick_runtime(job, env, os.environ)
+    init_distributed(env, runtime)
+    try:
+        dataset = TokenDataset(job.data.path, job.trainer.model.seq_len, job.data.val_fraction)
+        t = build_trainer(job, env, runtime, dataset)
+        trainstate.load(Checkpointer(checkpoint.parent, keep=1, coordinator=False), t, checkpoint, env)
+        full = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                for name, p in t.model.state_dict().items()}
+        if t.coords.dp == 0 and t.coords.tp == 0:  # one writer per pipeline stage
+            torch.save(full, run_dir / f"probe-{env.rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]))
