@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Mapping, MutableMapping, Optional, Sequence
 
 from launcher.env import RankEnv, rank_env, setdefault_env, torchrun_vars
+from launcher.preempt import StopFlag
 from launcher.spec import RunSpec, read_run_spec
 
 
@@ -40,8 +41,28 @@ def run_rank(run_dir: str, replace_process: Optional[bool] = None) -> int:
         if replace_process is None:
             replace_process = "SUBMITIT_EXECUTOR" not in os.environ
         return run_command(command, os.environ, replace_process)
-    from launcher.train import train  # lazy: torch is imported only by ranks that train
-    return train(run_spec, env)
+    # The stop flag goes up before torch is even imported: a preemption signal that arrives
+    # while the rank starts must not kill it (SIGUSR1's default action) but stop it cleanly.
+    flag = StopFlag().install()
+    try:
+        from launcher.train import train  # lazy: torch is imported only by ranks that train
+        code = train(run_spec, env, flag)
+    finally:
+        flag.uninstall()
+    if env.rank == 0:
+        record_exit(Path(run_spec.run.run_dir), code)
+    return code
+
+
+EXIT_FILE = "ranks-exit-code"
+
+
+def record_exit(run_dir: Path, code: int) -> None:
+    """The code every rank agreed on, for the batch script: srun's own status is not it when
+    kill-on-bad-exit signals ranks still tearing down after the first one exited."""
+    tmp = run_dir / f".{EXIT_FILE}.tmp"
+    tmp.write_text(f"{code}\n")
+    os.replace(tmp, run_dir / EXIT_FILE)
 
 
 def rank_banner(env: RankEnv, environ: Mapping[str, str]) -> str:

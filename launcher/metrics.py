@@ -33,6 +33,12 @@ class MetricsLog:
         self.file.flush()
         print(self.line(record), flush=True)
 
+    def event(self, record: dict[str, Any]) -> None:
+        """A non-step line (a committed checkpoint): readers take `step`/`loss` from step lines only."""
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
     def line(self, r: dict[str, Any]) -> str:
         text = (f"step {r['step']}/{self.steps} loss {r['loss']:.4f} lr {r['lr']:.2e} "
                 f"grad_norm {r['grad_norm']:.3f} tok/s {r['tokens_per_s']:,.0f} step_time {r['step_time_s']:.3f}s "

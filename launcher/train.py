@@ -177,8 +177,11 @@ def announce(t: Trainer, env: RankEnv) -> None:
           f"x accumulation {t.layout.accumulation}, precision {rt.precision}{note}", flush=True)
 
 
-def train(run_spec: RunSpec, env: RankEnv) -> int:
-    """Train the reference GPT as the spec says; returns the process exit code (see preempt.py)."""
+def train(run_spec: RunSpec, env: RankEnv, flag: Optional[StopFlag] = None) -> int:
+    """Train the reference GPT as the spec says; returns the process exit code (see preempt.py).
+
+    `flag` is the stop flag the caller installed (launcher.entry does, before importing torch).
+    """
     job = run_spec.job
     check_tasks(job, env)
     check_layout(job, env)
@@ -187,7 +190,8 @@ def train(run_spec: RunSpec, env: RankEnv) -> int:
     setdefault_env(run_spec.run.nccl_env, os.environ)  # the cluster preset, unless the user set a key
     runtime = pick_runtime(job, env, os.environ)
     torch.manual_seed(job.trainer.seed)
-    flag = StopFlag().install()  # before init: a signal during start-up still ends in a clean stop
+    own_flag = flag is None
+    flag = StopFlag().install() if flag is None else flag
     init_distributed(env, runtime)
     metrics = MetricsLog(run_spec.run.run_dir, enabled=env.rank == 0, steps=job.trainer.steps)
     try:
@@ -199,7 +203,8 @@ def train(run_spec: RunSpec, env: RankEnv) -> int:
         announce(trainer, env)
         return run_loop(trainer, env, metrics, first, saver=saver, flag=flag, run_spec=run_spec)
     finally:
-        flag.uninstall()
+        if own_flag:
+            flag.uninstall()
         metrics.close()
         dist.destroy_process_group()
 
@@ -249,12 +254,12 @@ def run_loop(t: Trainer, env: RankEnv, metrics: MetricsLog, first: int = 1, last
             clock.waited += wait
             result = train_step(t, step, micro_batches)
             if step % cfg.log_every == 0 or step == last:
-                log_step(t, env, metrics, step, result, clock)
+                log_step(t, env, metrics, step, result, clock, saver.last_committed if saver else None)
             if saver is None or run_spec is None:
                 continue
-            _poll(saver, env)
+            _poll(saver, env, metrics)
             if flag is not None and agree(flag.raised, device=t.runtime.device):
-                _save_now(saver, t, step, env, run_spec)
+                _save_now(saver, t, step, env, run_spec, metrics)
                 if env.rank == 0:
                     print(f"[meshrun] stopping after step {step} on {flag.describe() if flag.raised else 'a peer'}"
                           f"'s signal: checkpoint saved, exit {EXIT_REQUEUE} (requeue)", flush=True)
@@ -262,9 +267,7 @@ def run_loop(t: Trainer, env: RankEnv, metrics: MetricsLog, first: int = 1, last
             if step == last or (every and step % every == 0):
                 trainstate.save(saver, t, step, env, run_spec)
         if saver is not None:
-            saver.wait()
-            if env.rank == 0:
-                resume.progress_made(saver.root)
+            _poll(saver, env, metrics, wait=True)
         return EXIT_FINISHED
     finally:
         prefetch.close()
@@ -278,22 +281,25 @@ class _Clock:
     last_time: float = field(default_factory=time.perf_counter)
 
 
-def _poll(saver: Checkpointer, env: RankEnv) -> None:
+def _poll(saver: Checkpointer, env: RankEnv, metrics: MetricsLog, wait: bool = False) -> None:
+    """Commit a finished save (or wait for it); on a new commit, tell metrics.jsonl and the guard."""
     before = saver.last_committed
-    saver.poll()
+    saver.wait() if wait else saver.poll()
     if env.rank == 0 and saver.last_committed != before:
         resume.progress_made(saver.root)  # a newer checkpoint: earlier failed resumes stop counting
+        metrics.event({"event": "checkpoint", "checkpoint_step": saver.last_committed,
+                       "save_stall_s": round(saver.last_save_stall_s, 4), "time": time.time()})
 
 
-def _save_now(saver: Checkpointer, t: Trainer, step: int, env: RankEnv, run_spec: RunSpec) -> None:
+def _save_now(saver: Checkpointer, t: Trainer, step: int, env: RankEnv, run_spec: RunSpec,
+              metrics: MetricsLog) -> None:
     if saver.last_committed != step:
         trainstate.save(saver, t, step, env, run_spec)
-    saver.wait()
-    if env.rank == 0:
-        resume.progress_made(saver.root)
+    _poll(saver, env, metrics, wait=True)
 
 
-def log_step(t: Trainer, env: RankEnv, metrics: MetricsLog, step: int, result: StepResult, clock: _Clock) -> None:
+def log_step(t: Trainer, env: RankEnv, metrics: MetricsLog, step: int, result: StepResult, clock: _Clock,
+             checkpoint_step: Optional[int] = None) -> None:
     """One metrics.jsonl record (and human line) covering the steps since the last one."""
     cfg = t.cfg
     tokens_per_step = cfg.global_batch * cfg.model.seq_len
@@ -311,6 +317,8 @@ def log_step(t: Trainer, env: RankEnv, metrics: MetricsLog, step: int, result: S
         "restart_count": env.restart_count,
         "time": time.time(),
     }
+    if checkpoint_step is not None:
+        record["checkpoint_step"] = checkpoint_step
     if t.scaler.enabled:
         record["loss_scale"] = t.scaler.scale
     if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.steps):

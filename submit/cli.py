@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TextIO
 
 from launcher.schema import SchemaError
-from submit import cli_jobs
+from submit import cli_ckpt, cli_jobs
 from submit.errors import EXIT_INPUT, InputError, MeshrunError
 
 DEFAULT_CLUSTER = "local"
@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fingerprint", help="record without asking if the key has this fingerprint (SHA256:...)")
     p.add_argument("--replace", action="store_true", help="replace a CHANGED key (only after the admins "
                    "confirmed the change)")
+
+    cli_ckpt.add_parsers(verbs)
 
     p = verbs.add_parser("data", help="build the byte-level token corpus from text on this machine")
     p.add_argument("--out", type=Path, default=Path("~/.cache/meshrun/data/stdlib.u16").expanduser(),
@@ -311,7 +313,7 @@ def _table(rows: Sequence[Sequence[str]]) -> None:
 VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
     "clusters": cmd_clusters, "render": cmd_render, "submit": cmd_submit, "status": cli_jobs.cmd_status,
     "logs": cli_jobs.cmd_logs, "cancel": cli_jobs.cmd_cancel, "tb": cli_jobs.cmd_tb, "trust": cli_jobs.cmd_trust,
-    "data": cmd_data,
+    "data": cmd_data, "resume": cli_ckpt.cmd_resume, "export": cli_ckpt.cmd_export,
 }
 
 

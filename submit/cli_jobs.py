@@ -30,11 +30,12 @@ def table(rows: Sequence[Sequence[str]]) -> str:
 
 
 def status_table(found: Sequence[Any]) -> str:
-    rows = [("JOB", "CLUSTER", "NAME", "STATE", "STEP", "LOSS", "ELAPSED", "RUN DIR")]
+    rows = [("JOB", "CLUSTER", "NAME", "STATE", "STEP", "LOSS", "RESTARTS", "CKPT", "ELAPSED", "RUN DIR")]
     for s in found:
         loss = s.progress.get("loss")
         rows.append((s.job_id, s.cluster, s.name, s.state, str(s.progress.get("step", "-")),
-                     f"{loss:.4f}" if isinstance(loss, (int, float)) else "-",
+                     f"{loss:.4f}" if isinstance(loss, (int, float)) else "-", str(s.restarts),
+                     str(s.progress.get("checkpoint_step", "-")),
                      _clock(s.elapsed_s) if s.elapsed_s is not None else "-", s.run_dir))
     return table(rows)
 

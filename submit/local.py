@@ -21,7 +21,12 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from launcher.preempt import EXIT_REQUEUE
+
 STATE_FILE = "state.json"
+STOP_GRACE_S = 60
+"""How long ranks may take to save and exit after a cancel or the time limit before they are killed."""
+
 SUPERVISOR_LOG = "logs/supervisor.log"
 
 
@@ -64,6 +69,11 @@ def current_state(run_dir: Path) -> dict[str, Any]:
         if state.get("state") in ("PENDING", "RUNNING"):
             state.update(state="FAILED", message="the local supervisor process died (killed?)")
     return state
+
+
+def reset_state(run_dir: Path) -> None:
+    """Forget an ended run's state before it starts again (`meshrun resume`)."""
+    (Path(run_dir) / STATE_FILE).unlink(missing_ok=True)
 
 
 def start(run_dir: Path, script: Path, job_id: str) -> int:
@@ -139,21 +149,34 @@ class _Supervisor:
                     time_limit_s=limit_s)
         self._link_rank_logs(job.job_id)
         print(f"[meshrun] local job started {self.spec.tasks_per_node} ranks (controller {job.job_id})", flush=True)
+        self.timed_out = False
+        deadline: Optional[float] = None
         while not job.done():
-            if self.cancelled or time.time() - started > limit_s:
+            now = time.time()
+            if deadline is None and (self.cancelled or now - started > limit_s):
+                # The ranks got (cancel) or now get (time limit) a signal that makes them save a
+                # checkpoint and exit at the next step; they have a grace period to do it.
+                self.timed_out = not self.cancelled
+                if self.timed_out:
+                    _signal_children(int(job.job_id), signal.SIGUSR1)
+                deadline = now + STOP_GRACE_S
+            if deadline is not None and now > deadline:
                 break
             time.sleep(0.25)
         return self._finish(job, started, limit_s)
 
     def _finish(self, job: Any, started: float, limit_s: int) -> int:
         final, codes, message = "COMPLETED", None, ""
+        stopped = "CANCELLED" if self.cancelled else "TIMEOUT" if self.timed_out else None
         if not job.done():
-            final = "CANCELLED" if self.cancelled else "TIMEOUT"
+            final = stopped or "TIMEOUT"
             job.cancel(check=False)
         else:
             try:
                 codes = list(job.results())
-                if any(codes):
+                if codes and all(c == EXIT_REQUEUE for c in codes):
+                    final, message = stopped or "PREEMPTED", "checkpoint saved: `meshrun resume` continues it"
+                elif any(codes):
                     final, message = "FAILED", f"rank exit codes {codes}"
             except Exception as exc:  # submitit re-raises a rank's exception
                 final = "CANCELLED" if self.cancelled else "FAILED"
@@ -162,6 +185,20 @@ class _Supervisor:
                     elapsed_s=round(time.time() - started, 3))
         print(f"[meshrun] local job {final} {message}".rstrip(), flush=True)
         return 0 if final == "COMPLETED" else 1
+
+
+def _signal_children(parent: int, sig: int) -> None:
+    """Signal the rank processes (the submitit controller's children), not this supervisor."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                ppid = int(handle.read().rsplit(")", 1)[1].split()[1])
+            if ppid == parent:
+                os.kill(int(entry), sig)
+        except (OSError, IndexError, ValueError):
+            continue
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -15,6 +15,8 @@ from typing import Any
 
 import jinja2
 
+from launcher import preempt
+from launcher.entry import EXIT_FILE
 from launcher.spec import dumps_run_spec
 from submit.cluster import REPO_ROOT
 from submit.errors import InputError
@@ -117,6 +119,9 @@ def context(plan: Plan) -> dict[str, Any]:
         "python": sys.executable if cluster.scheduler == "local" else cluster.python,
         "srun_flags": srun_flags,
         "rank_command": rank_command,
+        "max_restarts": spec.checkpoint.max_restarts,
+        "exit_requeue": preempt.EXIT_REQUEUE, "exit_no_progress": preempt.EXIT_NO_PROGRESS,
+        "exit_file": EXIT_FILE, "exit_input": preempt.EXIT_INPUT, "exit_gave_up": preempt.EXIT_GAVE_UP,
         "code_dir": plan.code_dir,
         "array_size": len(plan.tasks),
     }

@@ -12,7 +12,8 @@ from typing import Iterable, Optional, Sequence
 
 from submit.errors import ClusterError, InputError
 
-SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "Timelimit", "NodeList", "Restarts")
+# Slurm 22.05's sacct has no restart count field: the ranks report SLURM_RESTART_COUNT in metrics.jsonl.
+SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "Timelimit", "NodeList")
 SQUEUE_FORMAT = "%i|%T|%M|%l|%N|%r"
 _JOB_ID = re.compile(r"^\d+(_\d+)?$")
 
@@ -119,12 +120,12 @@ def parse_sacct(output: str) -> dict[str, JobState]:
         cols = line.split("|")
         if len(cols) < len(SACCT_FIELDS):
             continue
-        job_id, _name, state, exit_code, elapsed, limit, nodes, restarts = cols[:len(SACCT_FIELDS)]
+        job_id, _name, state, exit_code, elapsed, limit, nodes = cols[:len(SACCT_FIELDS)]
         if "." in job_id:  # a step row; --allocations should have removed it
             continue
         states[job_id] = JobState(job_id=job_id, state=_state_word(state), exit_code=exit_code or None,
                                   elapsed=elapsed or None, time_limit=limit or None,
-                                  nodes=nodes or None, restarts=int(restarts or 0))
+                                  nodes=nodes or None)
     return states
 
 

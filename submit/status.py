@@ -51,15 +51,26 @@ class TransportSource(Protocol):
 
 
 def parse_metrics_tail(text: str) -> dict[str, Any]:
-    """The newest complete JSON line of a metrics.jsonl tail (a line being written is skipped)."""
+    """The newest step line of a metrics.jsonl tail (a line being written is skipped), with the
+    newest `checkpoint_step` from any line (checkpoint events are lines of their own)."""
+    found: dict[str, Any] = {}
+    checkpoint = None
     for line in reversed(text.splitlines()):
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(row, dict):
-            return row
-    return {}
+        if not isinstance(row, dict):
+            continue
+        if checkpoint is None and row.get("checkpoint_step") is not None:
+            checkpoint = row["checkpoint_step"]
+        if not found and "event" not in row:
+            found = row
+        if found and checkpoint is not None:
+            break
+    if checkpoint is not None:
+        found = {**found, "checkpoint_step": checkpoint}
+    return found
 
 
 def last_metrics(transport: Transport, run_dir: str) -> dict[str, Any]:
@@ -86,7 +97,7 @@ def _local_status(record: JobRecord, transport: Transport) -> Status:
 def query_argvs(records: Sequence[JobRecord]) -> list[list[str]]:
     """squeue, sacct, then one metrics tail per job: what the single round trip runs."""
     ids = [r.job_id for r in records]
-    tails = [["tail", "-n", "2", "--", f"{r.run_dir}/{METRICS_FILE}"] for r in records]
+    tails = [["tail", "-n", "4", "--", f"{r.run_dir}/{METRICS_FILE}"] for r in records]
     return [slurm.squeue_argv(ids), slurm.sacct_argv(ids), *tails]
 
 
@@ -113,11 +124,13 @@ def slurm_statuses(records: Sequence[JobRecord], transport: Transport) -> list[S
     out = []
     for record, tail in zip(records, results[2:]):
         job = states[record.job_id]
+        progress = parse_metrics_tail(tail.stdout) if tail.returncode == 0 else {}
         out.append(Status(job_id=record.job_id, cluster=record.cluster, name=record.name, state=job.state,
                           run_dir=record.run_dir, submitted_at=record.submitted_at, done=job.done,
                           succeeded=job.succeeded, elapsed_s=slurm.seconds(job.elapsed),
-                          time_limit_s=slurm.seconds(job.time_limit), restarts=job.restarts, reason=job.reason,
-                          progress=parse_metrics_tail(tail.stdout) if tail.returncode == 0 else {}))
+                          time_limit_s=slurm.seconds(job.time_limit),
+                          restarts=max(job.restarts, int(progress.get("restart_count") or 0)),
+                          reason=job.reason, progress=progress))
     return out
 
 

@@ -48,5 +48,8 @@ def status(home: Path, job_id: str, env: Optional[dict[str, str]] = None) -> dic
 
 
 def metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """Complete lines of metrics.jsonl ([] before the first; a line being written is skipped)."""
     path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip() and line.endswith("}")]

@@ -8,10 +8,10 @@ from submit.errors import ClusterError
 
 # sacct --allocations --parsable2 --noheader --jobs 11,12,13,14 --format JobID,JobName,State,ExitCode,...
 SACCT = """\
-11|two-node-gpt|COMPLETED|0:0|00:00:21|00:20:00|n[1-2]|0
-12|tiny|CANCELLED by 0|0:15|00:00:04|00:30:00|n1|0
-13|tiny|RUNNING|0:0|00:00:09|00:30:00|n[1-2]|1
-14|x|PENDING|0:0|00:00:00|00:30:00|None assigned|0
+11|two-node-gpt|COMPLETED|0:0|00:00:21|00:20:00|n[1-2]
+12|tiny|CANCELLED by 0|0:15|00:00:04|00:30:00|n1
+13|tiny|RUNNING|0:0|00:00:09|00:30:00|n[1-2]
+14|a $(b) `c` d|PENDING|0:0|00:00:00|UNLIMITED|None assigned
 """
 # squeue --noheader --states=all --jobs 13,15 --format %i|%T|%M|%l|%N|%r
 SQUEUE = """\
@@ -24,7 +24,7 @@ def test_parse_sacct() -> None:
     states = slurm.parse_sacct(SACCT)
     assert states["11"].state == "COMPLETED" and states["11"].succeeded and states["11"].done
     assert states["12"].state == "CANCELLED" and states["12"].done and not states["12"].succeeded
-    assert states["13"].state == "RUNNING" and not states["13"].done and states["13"].restarts == 1
+    assert states["13"].state == "RUNNING" and not states["13"].done and states["13"].time_limit == "00:30:00"
     assert slurm.seconds(states["11"].elapsed) == 21 and slurm.seconds(states["11"].time_limit) == 1200
 
 
@@ -33,7 +33,7 @@ def test_parse_squeue_and_merge_prefers_live_rows_until_accounting_catches_up() 
     assert live["15"].reason == "Resources" and live["13"].reason is None
     merged = slurm.merge_states(["11", "13", "15", "99"], slurm.parse_sacct(SACCT), live)
     assert merged["11"].state == "COMPLETED"          # done in accounting: the record
-    assert merged["13"].state == "RUNNING" and merged["13"].restarts == 1
+    assert merged["13"].state == "RUNNING" and merged["13"].nodes == "n[1-2]"
     assert merged["15"].state == "PENDING"            # not yet in accounting: squeue
     assert merged["99"].state == "UNKNOWN"
 

@@ -53,7 +53,7 @@ def _record(job_id: str, last_state: str = "SUBMITTED") -> JobRecord:
 def test_one_round_trip_queries_squeue_sacct_and_every_metrics_tail() -> None:
     argvs = query_argvs([_record("1"), _record("2_3")])
     assert argvs[0][:4] == ["squeue", "--noheader", "--array", "--states=all"] and argvs[1][0] == "sacct"
-    assert argvs[2:] == [["tail", "-n", "2", "--", "/r/1/metrics.jsonl"], ["tail", "-n", "2", "--", "/r/2_3/metrics.jsonl"]]
+    assert argvs[2:] == [["tail", "-n", "4", "--", "/r/1/metrics.jsonl"], ["tail", "-n", "4", "--", "/r/2_3/metrics.jsonl"]]
 
 
 def test_accounting_off_falls_back_to_squeue_and_the_last_seen_state() -> None:
@@ -143,3 +143,15 @@ def test_new_caller_side_modules_stay_light() -> None:
             "bad = [m for m in ('torch', 'numpy', 'paramiko', 'tensorboard') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
+
+
+def test_metrics_tail_takes_the_step_line_and_the_newest_checkpoint() -> None:
+    from submit.status import parse_metrics_tail
+
+    tail = ('{"step": 9, "loss": 2.5, "checkpoint_step": 5}\n'
+            '{"step": 10, "loss": 2.4, "checkpoint_step": 5}\n'
+            '{"event": "checkpoint", "checkpoint_step": 10, "time": 1}\n'
+            '{"step": 11, "lo')  # a line being written
+    assert parse_metrics_tail(tail) == {"step": 10, "loss": 2.4, "checkpoint_step": 10}
+    assert parse_metrics_tail('{"step": 1, "loss": 5.0}\n') == {"step": 1, "loss": 5.0}
+    assert parse_metrics_tail("") == {}

@@ -1,0 +1,61 @@
+"""The checkpoint verbs: `meshrun resume JOB [--wait]` and `meshrun export JOB -o FILE`."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_parsers(verbs: argparse._SubParsersAction) -> None:
+    p = verbs.add_parser("resume", help="continue a stopped, failed or killed job from its newest complete "
+                                        "checkpoint, in the same run dir")
+    p.add_argument("job")
+    p.add_argument("--wait", action="store_true", help="wait for the end; exit 0 only if it succeeded")
+    p.add_argument("-c", "--cluster", help="the job's cluster, if the id is ambiguous")
+
+    p = verbs.add_parser("export", help="write a job's checkpoint as one consolidated safetensors file")
+    p.add_argument("job")
+    p.add_argument("-o", "--output", type=Path, required=True, help="the .safetensors file to write")
+    p.add_argument("--step", type=int, help="this checkpoint step (default: the newest complete one)")
+    p.add_argument("-c", "--cluster", help="the job's cluster, if the id is ambiguous")
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    from submit import api, checkpoints
+    from submit.cli import wait_for
+    from submit.registry import Registry
+
+    registry = Registry()
+    record = registry.find(args.job, args.cluster)
+    clusters = api.Clusters()
+    try:
+        transport = clusters.transport_for(record)
+        status = api.statuses([record], clusters, registry)[0]
+        new = checkpoints.resume(record, transport, registry, status.done)
+        print(f"resumed job {record.job_id} as job {new.job_id} on {new.cluster}")
+        print(f"run dir: {new.run_dir}")
+        if not args.wait:
+            return 0
+        final = wait_for(new, clusters, registry, total_steps=None)
+        print(f"job {new.job_id} {final.state}" + (f" ({final.reason})" if final.reason else ""))
+        return 0 if final.succeeded else 1
+    finally:
+        clusters.close()
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from submit import api, checkpoints
+    from submit.registry import Registry
+
+    record = Registry().find(args.job, args.cluster)
+    clusters = api.Clusters()
+    try:
+        transport = clusters.transport_for(record)
+        tty = sys.stderr.isatty()
+        ckpt = checkpoints.export(record, transport, clusters.profile(record.cluster), args.output, args.step,
+                                  progress=(lambda line: print(f"\r{line}", end="", file=sys.stderr)) if tty
+                                  else (lambda line: None))
+    finally:
+        clusters.close()
+    print(f"wrote {args.output} from {ckpt}")
+    return 0

@@ -1,0 +1,117 @@
+"""Preemption, time limits, requeue and resume through the real CLI: on the real Slurm testbed and on `local`."""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from launcher import checkpoint as ckpt
+from launcher.export import consolidated_state
+from submit import slurm
+from tests.integration.cli import meshrun, metrics, status, submitted
+
+STEPS = 150
+
+
+def _train_args(corpus: Path, steps: int = STEPS) -> list[str]:
+    return ["--set", f"data.path={corpus}", "--set", f"train.steps={steps}", "--set", "train.log_every=1",
+            "--set", "train.eval_every=0", "--set", "checkpoint.every=50"]
+
+
+def _two_ranks_on_two_nodes(corpus: Path, *extra: str) -> list[str]:
+    return ["examples/two-node.yaml", "-c", "testbed", "--set", "resources.tasks_per_node=1",
+            "--set", "parallel.dp=2", *_train_args(corpus), *extra]
+
+
+def _wait(home: Path, job_id: str, want: set[str], timeout: float = 240) -> dict:
+    deadline = time.monotonic() + timeout
+    while (row := status(home, job_id))["state"] not in want:
+        assert time.monotonic() < deadline, row
+        time.sleep(1)
+    return row
+
+
+def _wait_for_step(run_dir: Path, step: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while max((r.get("step", 0) for r in metrics(run_dir)), default=0) < step:
+        assert time.monotonic() < deadline, f"step {step} not reached in {run_dir}"
+        time.sleep(0.2)
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    root = Path(json.loads((run_dir / "spec.json").read_text())["run"]["checkpoint_dir"])
+    tensors, meta = consolidated_state(ckpt.latest(root))
+    assert meta["step"] == str(STEPS)
+    return tensors
+
+
+def _step_rows(run_dir: Path) -> list[dict]:
+    return [r for r in metrics(run_dir) if "event" not in r]
+
+
+def test_preempted_slurm_job_requeues_with_the_same_id_and_matches_an_uninterrupted_run(
+        testbed: dict, tmp_path: Path, corpus: Path) -> None:
+    ref_id, ref_dir = submitted(meshrun(tmp_path, "submit", *_two_ranks_on_two_nodes(corpus), check=True))
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *_two_ranks_on_two_nodes(corpus), check=True))
+    _wait_for_step(run_dir, 3)
+    # What a preemption (or the pre-timeout signal) does: USR1 to the batch shell.
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)
+    row = _wait(tmp_path, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
+    assert row["state"] == "COMPLETED" and row["restarts"] == 1, row
+    assert row["progress"]["checkpoint_step"] == STEPS
+    _wait(tmp_path, ref_id, {"COMPLETED"})
+    # Status came from accounting itself (one batched sacct), not only from a fallback.
+    acct = subprocess.run(slurm.sacct_argv([ref_id, job_id]), capture_output=True, text=True)
+    assert acct.returncode == 0, acct.stderr
+    assert {s.state for s in slurm.parse_sacct(acct.stdout).values()} == {"COMPLETED"}
+    batch = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    assert "ranks exited with status 75" in batch and "requeueing: restart 1" in batch
+    assert f"[meshrun] job {job_id} restart 1" in batch  # the same job id came back
+    rank0 = (run_dir / "logs" / "rank-0.log").read_text()
+    assert "restart 0" in rank0 and "restart 1" in rank0 and "resuming from step" in rank0  # appended
+    pre, ref = _step_rows(run_dir), _step_rows(ref_dir)
+    assert [r["step"] for r in pre] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in pre] == [r["loss"] for r in ref]  # bit-identical
+    a, b = _weights(ref_dir), _weights(run_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_time_limit_ends_in_a_checkpoint_and_a_requeue(testbed: dict, tmp_path: Path, corpus: Path) -> None:
+    # Two minutes, signalled 60 s ahead (testbed profile): training never ends by itself here.
+    args = _two_ranks_on_two_nodes(corpus, "--set", "resources.time=2", "--set", "train.steps=1000000",
+                                   "--set", "checkpoint.every=0")
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, check=True))
+    deadline = time.monotonic() + 200
+    log = run_dir / "logs" / "rank-0.log"
+    while not (log.exists() and "restart 1" in log.read_text() and "resuming from step" in log.read_text()):
+        assert time.monotonic() < deadline, (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+        time.sleep(1)
+    meshrun(tmp_path, "cancel", job_id, check=True)
+    batch = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    assert "SIGUSR1: passing it to the ranks" in batch and "ranks exited with status 75" in batch
+    text = log.read_text()
+    stopped = int(text.split("stopping after step ")[1].split()[0])
+    assert f"resuming from step {stopped}" in text
+
+
+def test_local_cancel_saves_then_resume_finishes_and_export_writes_safetensors(
+        tmp_path: Path, corpus: Path) -> None:
+    args = ["examples/tiny.yaml", "-c", "local", "--set", "train.model.n_layers=2", "--set",
+            "train.model.d_model=64", "--set", "train.model.seq_len=64", *_train_args(corpus, steps=400)]
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, check=True))
+    _wait_for_step(run_dir, 5)
+    meshrun(tmp_path, "cancel", job_id, check=True)
+    row = _wait(tmp_path, job_id, {"CANCELLED", "FAILED"})
+    assert row["state"] == "CANCELLED" and row["progress"].get("checkpoint_step", 0) >= 5, row
+    out = meshrun(tmp_path, "resume", job_id, "--wait", check=True)
+    assert f"resumed job {job_id} as job local-" in out.stdout and "COMPLETED" in out.stdout
+    rows = _step_rows(run_dir)
+    assert rows[-1]["step"] == 400 and status(tmp_path, out.stdout.split()[5])["state"] == "COMPLETED"
+    target = tmp_path / "model.safetensors"
+    meshrun(tmp_path, "export", job_id, "-o", str(target), check=True)
+    weights = load_file(str(target))
+    assert weights["tok_embeddings.weight"].shape == (256, 64) and len(weights) > 10
