@@ -201,7 +201,9 @@ def train(run_spec: RunSpec, env: RankEnv, flag: Optional[StopFlag] = None) -> i
         if first is None:
             return EXIT_GAVE_UP
         announce(trainer, env)
-        return run_loop(trainer, env, metrics, first, saver=saver, flag=flag, run_spec=run_spec)
+        code = run_loop(trainer, env, metrics, first, saver=saver, flag=flag, run_spec=run_spec)
+        saver.close()
+        return code
     finally:
         if own_flag:
             flag.uninstall()

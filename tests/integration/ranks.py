@@ -83,7 +83,9 @@ def finish(procs: list[subprocess.Popen[str]]) -> list[str]:
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """The step lines of metrics.jsonl (checkpoint events, lines of their own, are left out)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "event" not in r]
 
 
 

@@ -32,7 +32,8 @@ def _wait_for_step(run_dir: Path, step: int, procs: list[subprocess.Popen], time
     while True:
         path = run_dir / "metrics.jsonl"
         if path.exists() and path.read_text().strip():
-            last = json.loads(path.read_text().strip().splitlines()[-1])["step"]
+            last = max(json.loads(line).get("step", 0) for line in path.read_text().strip().splitlines()
+                       if line.endswith("}"))
             if last >= step:
                 return last
         assert all(p.poll() is None for p in procs), "a rank exited before the step was reached"
