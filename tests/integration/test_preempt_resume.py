@@ -115,3 +115,21 @@ def test_local_cancel_saves_then_resume_finishes_and_export_writes_safetensors(
     meshrun(tmp_path, "export", job_id, "-o", str(target), check=True)
     weights = load_file(str(target))
     assert weights["tok_embeddings.weight"].shape == (256, 64) and len(weights) > 10
+
+
+def test_resume_a_stopped_slurm_job_in_its_run_dir(testbed: dict, tmp_path: Path, corpus: Path) -> None:
+    # No requeue allowed: the signalled job saves, stops, and waits for a person.
+    args = _two_ranks_on_two_nodes(corpus, "--set", "checkpoint.max_restarts=0")
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, check=True))
+    _wait_for_step(run_dir, 3)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)
+    row = _wait(tmp_path, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
+    assert row["state"] == "FAILED" and row["restarts"] == 0, row
+    assert "restart limit (0) reached" in (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    out = meshrun(tmp_path, "resume", job_id, "--wait", timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    new_id = out.stdout.split()[5]
+    assert new_id != job_id and new_id.isdigit() and f"job {new_id} COMPLETED" in out.stdout
+    rows = _step_rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert "resuming from step" in (run_dir / "logs" / "rank-0.log").read_text()
