@@ -58,9 +58,22 @@ def resume(record: JobRecord, transport: Transport, registry: Registry, is_done:
     return new
 
 
-def _remote_script(setup: tuple[str, ...], python: str, argv: list[str]) -> str:
-    """The cluster's setup lines (trusted, verbatim), then the export with every value quoted."""
-    return "\n".join([*setup, "exec " + shlex.join([python, *argv])])
+def code_dir(record: JobRecord, transport: Transport) -> Optional[str]:
+    """The code snapshot the job ran with (its script exports MESHRUN_CODE_DIR), if any."""
+    script = transport.read_bytes(f"{record.run_dir}/{SCRIPT_NAMES[record.scheduler]}", 0, 1 << 20).decode()
+    for line in script.splitlines():
+        if line.startswith("export MESHRUN_CODE_DIR="):
+            return shlex.split(line.split("=", 1)[1])[0]
+    return None
+
+
+def _remote_script(setup: tuple[str, ...], python: str, argv: list[str], code: Optional[str]) -> str:
+    """The cluster's setup lines (trusted, verbatim), then the export with every value quoted,
+    with the job's code snapshot importable as it was for the ranks."""
+    lines = list(setup)
+    if code:
+        lines.append(f'export PYTHONPATH={shlex.quote(code)}"${{PYTHONPATH:+:$PYTHONPATH}}"')
+    return "\n".join([*lines, "exec " + shlex.join([python, *argv])])
 
 
 def export(record: JobRecord, transport: Transport, profile: Any, out: Path, step: Optional[int],
@@ -80,7 +93,7 @@ def export(record: JobRecord, transport: Transport, profile: Any, out: Path, ste
         done.check("export")
         return ckpt
     remote = f"{record.run_dir}/export-step-{chosen:08d}.safetensors"
-    script = _remote_script(profile.setup, profile.python, [*args, remote])
+    script = _remote_script(profile.setup, profile.python, [*args, remote], code_dir(record, transport))
     transport.run(["bash", "-c", script], timeout=3600).check("export on the cluster")
     _download(transport, remote, out, progress)
     return ckpt

@@ -48,8 +48,9 @@ def status(home: Path, job_id: str, env: Optional[dict[str, str]] = None) -> dic
 
 
 def metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """Complete lines of metrics.jsonl ([] before the first; a line being written is skipped)."""
+    """Complete step lines of metrics.jsonl ([] before the first; a line being written is skipped)."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip() and line.endswith("}")]
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip() and line.endswith("}")]
+    return [r for r in rows if "event" not in r]  # step lines only (checkpoint events are lines of their own)

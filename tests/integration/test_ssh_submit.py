@@ -123,3 +123,13 @@ def test_after_makes_a_job_wait_for_another(trained: dict[str, Any]) -> None:
         time.sleep(0.5)
     meshrun(home, "cancel", first, check=True)
     meshrun(home, "cancel", second, check=True)
+
+
+def test_export_over_ssh_downloads_consolidated_weights(trained: dict[str, Any]) -> None:
+    from safetensors.torch import load_file
+
+    target = trained["home"] / "model.safetensors"
+    out = meshrun(trained["home"], "export", trained["job"], "-o", str(target), check=True)
+    assert out.stdout.startswith(f"wrote {target} from ") and out.stdout.rstrip().endswith("step-00000010")
+    weights = load_file(str(target))
+    assert weights["tok_embeddings.weight"].shape == (256, 64) and "layers.1.attention.wq.weight" in weights
