@@ -128,16 +128,37 @@ def check_ranges(spec: JobSpec) -> None:
     res = spec.resources
     for key, value in (("resources.nodes", res.nodes), ("resources.cpus_per_task", res.cpus_per_task),
                        ("parallel.dp", spec.parallel.dp), ("parallel.tp", spec.parallel.tp),
-                       ("parallel.pp", spec.parallel.pp), ("checkpoint.keep", spec.checkpoint.keep)):
+                       ("parallel.pp", spec.parallel.pp)):
         _positive(key, value)
     _positive("resources.gpus_per_node", res.gpus_per_node, 0)
-    _positive("checkpoint.every", spec.checkpoint.every, 0)
+    check_checkpoint(spec)
     if res.tasks_per_node is not None:
         _positive("resources.tasks_per_node", res.tasks_per_node)
     if not 0 <= spec.data.val_fraction < 1:
         raise InputError("data.val_fraction", spec.data.val_fraction, "use a fraction in [0, 1), e.g. 0.05")
     if spec.command is None:
         _check_train_ranges(spec)
+
+
+def check_checkpoint(spec: JobSpec) -> None:
+    """Checkpoint cadence, retention and the requeue guard."""
+    ck = spec.checkpoint
+    if ck.keep < 1:
+        raise InputError("checkpoint.keep", ck.keep,
+                         "keep at least 1 complete checkpoint (the one a requeued job resumes from), e.g. 3")
+    if ck.every < 0:
+        raise InputError("checkpoint.every", ck.every,
+                         "must be at least 0 (0 saves only at the end and on preemption), e.g. 500")
+    if ck.keep_every < 0:
+        raise InputError("checkpoint.keep_every", ck.keep_every,
+                         "must be at least 0 (0 keeps nothing beyond checkpoint.keep), e.g. 1000")
+    if ck.max_restarts < 0:
+        raise InputError("checkpoint.max_restarts", ck.max_restarts,
+                         "must be at least 0 (0 never requeues), e.g. 20")
+    if ck.resume_step is not None and ck.resume_step < 1:
+        raise InputError("checkpoint.resume_step", ck.resume_step,
+                         "checkpoints are numbered by the step after which they were saved, from 1: give "
+                         "a step >= 1, or null to resume from the newest complete checkpoint")
 
 
 def _check_train_ranges(spec: JobSpec) -> None:
@@ -154,6 +175,11 @@ def _check_train_ranges(spec: JobSpec) -> None:
         _positive(key, value, 0)
     if t.lr <= 0:
         raise InputError("train.lr", t.lr, "the learning rate must be positive, e.g. 3e-4")
+    if t.eval_every > 0 and t.eval_sequences < t.global_batch:
+        raise InputError("train.eval_sequences", t.eval_sequences,
+                         f"validation runs whole global batches, so it needs at least train.global_batch "
+                         f"({t.global_batch}) sequences; set eval_sequences >= {t.global_batch} "
+                         f"or train.eval_every: 0")
     if m.d_model % m.n_heads:
         raise InputError("train.model.d_model", m.d_model,
                          f"must be divisible by train.model.n_heads ({m.n_heads}): "
@@ -207,7 +233,8 @@ def check_parallel(spec: JobSpec, cluster: ClusterProfile) -> None:
                                               f"of {domain} GPUs on {cluster.name!r}; use tp <= {domain}")
     dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp)
     problem = dims.problem(world_size=spec.world_size, n_layers=m.n_layers, n_heads=m.n_heads,
-                           ranks_per_node=spec.tasks_per_node)
+                           ranks_per_node=spec.tasks_per_node, vocab_size=m.vocab_size, seq_len=m.seq_len,
+                           sequence_parallel=p.sequence_parallel)
     if problem:
         raise InputError(problem.key, problem.value, problem.fix)
     problem = dims.batch_problem(t.global_batch, t.micro_batch)
@@ -269,7 +296,12 @@ def describe(plan: Plan) -> dict[str, Any]:
                            "gpus_per_node": spec.resources.gpus_per_node}
     if spec.command is None:
         t, p = spec.trainer, spec.parallel
-        out.update(dp=p.dp, tp=p.tp, pp=p.pp, accumulation=t.global_batch // (t.micro_batch * p.dp))
+        out.update(dp=p.dp, tp=p.tp, pp=p.pp, dp_mode=p.dp_mode,
+                   accumulation=t.global_batch // (t.micro_batch * p.dp))
+        if p.pp > 1:  # the accumulation micro-batches are the pipeline's
+            out["pp_schedule"] = p.pp_schedule
+        if p.tp > 1:
+            out["sequence_parallel"] = p.sequence_parallel
     if plan.tasks:
         out["tasks"] = [{"index": task.index, "overrides": dict(task.overrides), "run_dir": task.run_dir}
                         for task in plan.tasks]

@@ -8,11 +8,13 @@ import pytest
 from launcher.parallel_dims import ParallelDims
 from submit.cluster import load_profile
 from submit.errors import InputError
-from submit.plan import format_time, load_job, parse_time, plan_file
+from submit.plan import describe, format_time, load_job, parse_time, plan_file
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "tiny.yaml"
 BIG = REPO / "examples" / "h100-8node.yaml"
+TWO = REPO / "examples" / "two-node.yaml"
+GPT3D = REPO / "examples" / "gpt-3d.yaml"
 
 
 def _plan(spec: Path, cluster: str, *overrides: str):
@@ -41,12 +43,78 @@ def _plan(spec: Path, cluster: str, *overrides: str):
     ("testbed", TINY, ["resources.tasks_per_node=3", "resources.gpus_per_node=2"], "resources.tasks_per_node",
      "one rank per GPU"),
     ("testbed", TINY, ["resources.cpus_per_task=3"], "resources.cpus_per_task", r"=6 > 4 CPUs"),
+    # 3D layouts: what the ranks would find only after start-up (or by hanging) is caught here.
+    ("testbed", TWO, ["parallel.dp=2", "parallel.tp=2", "train.model.vocab_size=255"], "parallel.tp",
+     r"vocab_size\(255\) must be divisible by tp\(2\).*255 % 2 = 1"),
+    ("local", GPT3D, ["parallel.sequence_parallel=true", "train.model.seq_len=127"], "parallel.sequence_parallel",
+     r"seq_len\(127\) over tp\(2\): 127 % 2 = 1; pick a seq_len divisible by tp or set sequence_parallel: false"),
+    ("testbed", TWO, ["parallel.dp=1", "parallel.tp=4"], "parallel.tp", r"tp\(4\) must divide the 2 ranks per node"),
+    ("local", GPT3D, ["train.global_batch=4"], "train.global_batch",
+     r"gives 1 micro-batch\(es\) per step .* fewer than the pp\(2\) pipeline stages"),
+    ("local", GPT3D, ["parallel.pp_schedule=zb"], "parallel.pp_schedule", "must be one of 1f1b, gpipe"),
+    # Validation runs whole global batches.
+    ("local", TINY, ["train.eval_sequences=8"], "train.eval_sequences",
+     r"at least train.global_batch \(16\) sequences; set eval_sequences >= 16 or train.eval_every: 0"),
+    # Checkpoint policy.
+    ("local", TINY, ["checkpoint.keep=0"], "checkpoint.keep", "keep at least 1 complete checkpoint"),
+    ("local", TINY, ["checkpoint.every=-5"], "checkpoint.every", "must be at least 0"),
+    ("local", TINY, ["checkpoint.keep_every=-1"], "checkpoint.keep_every", r"must be at least 0 \(0 keeps nothing"),
+    ("local", TINY, ["checkpoint.max_restarts=-1"], "checkpoint.max_restarts", r"must be at least 0 \(0 never"),
+    ("local", TINY, ["checkpoint.resume_step=0"], "checkpoint.resume_step", "give a step >= 1, or null"),
+    # GPU jobs: one rank per GPU, however the counts are given.
+    ("h100-ndr", BIG, ["resources.tasks_per_node=4"], "resources.tasks_per_node",
+     r"one rank per GPU: set it to resources.gpus_per_node \(8\)"),
 ])
 def test_errors_name_key_value_and_fix(cluster, spec, overrides, key, message) -> None:
     with pytest.raises(InputError, match=message) as info:
         _plan(spec, cluster, *overrides)
     assert info.value.key.endswith(key)
     assert info.value.fix
+
+
+@pytest.mark.parametrize("cluster, spec, overrides", [
+    ("local", TINY, ["train.eval_every=0", "train.eval_sequences=1"]),  # no validation: any count
+    ("local", TINY, ["train.eval_sequences=16"]),                       # exactly one global batch
+    ("local", GPT3D, ["parallel.sequence_parallel=true"]),              # seq_len 128 % tp 2 = 0
+    ("local", GPT3D, ["train.model.seq_len=127"]),                      # odd seq_len: fine without sp
+    ("local", GPT3D, ["parallel.tp=1", "parallel.dp=4", "parallel.sequence_parallel=true",
+                      "train.model.seq_len=127", "train.model.vocab_size=255"]),  # tp 1 splits nothing
+    ("local", TINY, ["checkpoint.keep_every=0", "checkpoint.max_restarts=0", "checkpoint.resume_step=1"]),
+    ("local", TINY, ["checkpoint.resume_step=null"]),
+])
+def test_edges_that_are_allowed(cluster, spec, overrides) -> None:
+    _plan(spec, cluster, *overrides)
+
+
+def test_error_line_carries_key_value_and_fix() -> None:
+    with pytest.raises(InputError) as info:
+        _plan(TWO, "testbed", "parallel.dp=2", "parallel.tp=2", "train.model.vocab_size=50257")
+    text = str(info.value)
+    assert text.startswith("parallel.tp: 2: train.model.vocab_size(50257) must be divisible by tp(2)"), text
+    assert "\n" not in text
+
+
+def test_describe_shows_the_3d_layout() -> None:
+    shown = describe(_plan(GPT3D, "local"))
+    assert {k: shown[k] for k in ("dp", "tp", "pp", "dp_mode", "accumulation", "pp_schedule",
+                                  "sequence_parallel")} == {
+        "dp": 2, "tp": 2, "pp": 2, "dp_mode": "fsdp", "accumulation": 4, "pp_schedule": "1f1b",
+        "sequence_parallel": False}
+    assert describe(_plan(GPT3D, "local", "parallel.pp_schedule=gpipe", "parallel.sequence_parallel=true")
+                    )["pp_schedule"] == "gpipe"
+    flat = describe(_plan(TINY, "local"))  # dp only: nothing about pipelines or tp
+    assert flat["accumulation"] == 2 and "pp_schedule" not in flat and "sequence_parallel" not in flat
+    assert "dp" not in describe(_plan(REPO / "examples" / "command.yaml", "local"))
+
+
+def test_gpt_3d_example_is_the_8_rank_3d_layout() -> None:
+    plan = _plan(GPT3D, "local")
+    spec = plan.spec
+    assert spec.world_size == 8 and (spec.parallel.pp, spec.parallel.dp, spec.parallel.tp) == (2, 2, 2)
+    t = spec.trainer
+    accumulation = t.global_batch // (t.micro_batch * spec.parallel.dp)
+    assert accumulation >= spec.parallel.pp  # every pipeline stage gets micro-batches to overlap
+    assert t.eval_every and t.eval_sequences >= t.global_batch and spec.checkpoint.every
 
 
 @pytest.mark.parametrize("override, message", [
