@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
+from launcher.preempt import EXIT_INPUT
 from launcher.schema import SchemaError
 
 USAGE = "usage: python -m launcher RUN_DIR"
@@ -12,13 +14,17 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[1].startswith("-"):
         print(USAGE, file=sys.stderr)
         return 2
-    from launcher.entry import run_rank
+    from launcher.entry import record_exit, run_rank
     try:
         return run_rank(argv[1])
     except (SchemaError, FileNotFoundError) as exc:
         # User errors (a bad spec, a missing data file): one line that says the fix, no traceback.
         print(f"meshrun launcher: error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        try:  # any rank: the others may be killed (kill-on-bad-exit) before rank 0 could say it
+            record_exit(Path(argv[1]), EXIT_INPUT)
+        except OSError:
+            pass  # no run dir to write to: srun's own status stands
+        return EXIT_INPUT
 
 
 if __name__ == "__main__":

@@ -22,6 +22,9 @@ def prepare_env(run_spec: RunSpec, environ: MutableMapping[str, str]) -> None:
     # view below is built from, and setdefault_env then leaves it alone.
     environ.update(run_spec.job.env)
     setdefault_env(torchrun_vars(rank_env(environ)), environ)
+    # As torchrun does: one rank's math threads = its CPUs (torch's default, one per core of the
+    # machine, makes co-located ranks spin in each other's OpenMP barriers). Set before torch loads.
+    setdefault_env({"OMP_NUM_THREADS": str(run_spec.job.resources.cpus_per_task)}, environ)
 
 
 def run_rank(run_dir: str, replace_process: Optional[bool] = None) -> int:
