@@ -13,6 +13,7 @@ from typing import Mapping, MutableMapping, Optional, Sequence
 
 from launcher.env import RankEnv, rank_env, setdefault_env, torchrun_vars
 from launcher.preempt import StopFlag
+from launcher.rundir import RunDir
 from launcher.spec import RunSpec, read_run_spec
 
 
@@ -57,7 +58,7 @@ def run_rank(run_dir: str, replace_process: Optional[bool] = None) -> int:
     return code
 
 
-EXIT_FILE = "ranks-exit-code"
+EXIT_FILE = RunDir.EXIT_CODE
 
 
 def record_exit(run_dir: Path, code: int) -> None:

@@ -6,7 +6,9 @@ import math
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
-METRICS_FILE = "metrics.jsonl"
+from launcher.rundir import RunDir
+
+METRICS_FILE = RunDir.METRICS
 
 
 def perplexity(loss: float) -> float:

@@ -14,22 +14,8 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Iterable, Optional
 
-EXIT_FINISHED = 0
-"""Training reached its last step."""
-EXIT_FAILED = 1
-"""An error: do not requeue blindly."""
-EXIT_INPUT = 2
-"""Bad spec or environment: requeueing cannot help."""
-EXIT_REQUEUE = 75
-"""Stopped on a signal after saving a checkpoint: requeue to continue (sysexits' EX_TEMPFAIL)."""
-EXIT_NO_PROGRESS = 76
-"""The watchdog saw no step finish in time (a hang): requeue from the last checkpoint, or stop."""
-EXIT_GAVE_UP = 77
-"""The crash-loop guard stopped the job: the same checkpoints kept failing. Never requeued."""
-
-EXIT_NAMES = {EXIT_FINISHED: "finished", EXIT_FAILED: "failed", EXIT_INPUT: "bad input",
-              EXIT_REQUEUE: "saved for requeue", EXIT_NO_PROGRESS: "no progress",
-              EXIT_GAVE_UP: "gave up (crash loop)"}
+from launcher.exitcodes import (EXIT_FAILED, EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INPUT,  # noqa: F401  (re-exported)
+                                EXIT_NAMES, EXIT_NO_PROGRESS, EXIT_REQUEUE)
 
 DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Optional
 
 from launcher import checkpoint as ckpt
+from launcher.rundir import ATTEMPTS_FILE
 
-ATTEMPTS_FILE = "resume-attempts.json"
 MAX_ATTEMPTS = 2
 SCRATCH = "scratch"
 """The attempts key of a start with no checkpoint."""

@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Mapping, Optional
 
+from launcher.rundir import RunDir
 from launcher.schema import SchemaError, load, to_plain
 
 ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-SPEC_FILE = "spec.json"
+SPEC_FILE = RunDir.SPEC
 
 Precision = Literal["fp32", "bf16", "fp16"]
 

@@ -1,0 +1,27 @@
+"""Exit codes: the one place they are defined. Torch-free, stdlib only.
+
+The ranks agree on one of these (rank 0 records it in the run dir), the batch
+script decides on it whether to requeue, and `meshrun` reports it. Everything
+else (templates, the local supervisor, the CLI) imports them from here.
+"""
+from __future__ import annotations
+
+EXIT_FINISHED = 0
+"""Training reached its last step."""
+EXIT_FAILED = 1
+"""An error: do not requeue blindly."""
+EXIT_INPUT = 2
+"""Bad spec or environment: requeueing cannot help."""
+EXIT_REQUEUE = 75
+"""Stopped on a signal after saving a checkpoint: requeue to continue (sysexits' EX_TEMPFAIL)."""
+EXIT_NO_PROGRESS = 76
+"""The watchdog saw no step finish in time (a hang): requeue from the last checkpoint, or stop."""
+EXIT_GAVE_UP = 77
+"""The crash-loop guard stopped the job: the same checkpoints kept failing. Never requeued."""
+
+EXIT_NAMES = {EXIT_FINISHED: "finished", EXIT_FAILED: "failed", EXIT_INPUT: "bad input",
+              EXIT_REQUEUE: "saved for requeue", EXIT_NO_PROGRESS: "no progress",
+              EXIT_GAVE_UP: "gave up (crash loop)"}
+
+NOT_REQUEUED = (EXIT_FINISHED, EXIT_INPUT, EXIT_GAVE_UP)
+"""Codes the batch script never requeues: done, bad input, crash loop."""

@@ -1,0 +1,112 @@
+"""The run-dir contract: one type naming every file of a run dir. Torch-free, stdlib only.
+
+Both sides use it: `submit` writes the run dir and reads it back (status, logs,
+resume), the ranks, the local supervisor and the sidecar write into it, and the
+templates get their paths from it. Paths are POSIX strings, since a run dir
+usually lives on a cluster, not on the machine that names it.
+
+    RUN_DIR/
+      job.yaml               the spec as submitted (overrides applied)
+      spec.json              the resolved run spec the ranks read
+      job.sbatch | run.sh    the rendered script (one per scheduler)
+      metrics.jsonl          rank 0: one JSON line per logged step, plus events
+      ranks-exit-code        rank 0: the code every rank agreed on
+      rank-error.txt         the first rank's one-line fatal error, if any
+      logs/                  what a person reads: the batch log and rank-N.log
+      checkpoints/           unless the cluster has a checkpoint root
+      tasks/N/               a sweep task's own run dir (same layout)
+      .meshrun/              scheduler internals: local state, submitit's files, the lock
+"""
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass
+
+ATTEMPTS_FILE = "resume-attempts.json"
+"""The crash-loop guard's counts, beside the checkpoints (in the checkpoint dir, not the run dir)."""
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Every file of one run dir, by name."""
+    root: str
+    """The run dir itself (absolute, as the cluster sees it)."""
+
+    JOB_YAML = "job.yaml"
+    SPEC = "spec.json"
+    METRICS = "metrics.jsonl"
+    EXIT_CODE = "ranks-exit-code"
+    RANK_ERROR = "rank-error.txt"
+    LOGS = "logs"
+    CHECKPOINTS = "checkpoints"
+    TASKS = "tasks"
+    INTERNAL = ".meshrun"
+    SCRIPTS = {"slurm": "job.sbatch", "local": "run.sh"}
+
+    def path(self, *parts: str) -> str:
+        return posixpath.join(self.root, *parts)
+
+    @property
+    def job_yaml(self) -> str:
+        return self.path(self.JOB_YAML)
+
+    @property
+    def spec(self) -> str:
+        return self.path(self.SPEC)
+
+    @property
+    def metrics(self) -> str:
+        return self.path(self.METRICS)
+
+    @property
+    def exit_code(self) -> str:
+        return self.path(self.EXIT_CODE)
+
+    @property
+    def rank_error(self) -> str:
+        return self.path(self.RANK_ERROR)
+
+    @property
+    def logs(self) -> str:
+        return self.path(self.LOGS)
+
+    def rank_log(self, rank: int) -> str:
+        return self.path(self.LOGS, f"rank-{rank}.log")
+
+    def batch_log(self, job_id: str) -> str:
+        """The batch shell's log (Slurm: slurm-JOBID.out; local: supervisor.log, one for all runs)."""
+        return self.path(self.LOGS, f"slurm-{job_id}.out")
+
+    @property
+    def supervisor_log(self) -> str:
+        return self.path(self.LOGS, "supervisor.log")
+
+    def script(self, scheduler: str) -> str:
+        return self.path(self.SCRIPTS[scheduler])
+
+    @property
+    def default_checkpoints(self) -> str:
+        return self.path(self.CHECKPOINTS)
+
+    @property
+    def internal(self) -> str:
+        """Scheduler internals a person need not read (hidden from `ls`)."""
+        return self.path(self.INTERNAL)
+
+    @property
+    def local_state(self) -> str:
+        return self.path(self.INTERNAL, "state.json")
+
+    @property
+    def submitit(self) -> str:
+        """submitit's pickles and its own logs (local cluster, submitit API jobs)."""
+        return self.path(self.INTERNAL, "submitit")
+
+    @property
+    def lock(self) -> str:
+        """Held by the live job's supervisor: two writers in one run dir are impossible."""
+        return self.path(self.INTERNAL, "lock")
+
+    def task(self, index: int) -> "RunDir":
+        """A sweep task's own run dir."""
+        return RunDir(self.path(self.TASKS, str(index)))
