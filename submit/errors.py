@@ -26,7 +26,8 @@ class InputError(MeshrunError):
 
     def __init__(self, key: str, value: Any, fix: str) -> None:
         self.key, self.value, self.fix = key, value, fix
-        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+        shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in repr(value))  # even odd __repr__s
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
         super().__init__(f"{key}: {shown}: {fix}")
 
     @classmethod

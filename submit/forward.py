@@ -11,6 +11,8 @@ import socket
 import threading
 from typing import Any, Callable
 
+from submit.errors import ClusterError
+
 OpenChannel = Callable[[tuple[str, int]], Any]
 """peer address -> a socket-like channel to the remote port (send, recv, close, fileno)."""
 
@@ -22,8 +24,14 @@ class PortForward:
         self._open = open_channel
         self._server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._server.bind(("127.0.0.1", local_port))
-        self._server.listen(16)
+        try:
+            self._server.bind(("127.0.0.1", local_port))
+            self._server.listen(16)
+        except (OSError, OverflowError) as exc:  # in use, privileged, or not a port number at all
+            self._server.close()
+            reason = getattr(exc, "strerror", None) or str(exc)
+            raise ClusterError(f"cannot listen on 127.0.0.1:{local_port} ({reason}); give --port a free port "
+                               f"in 1024-65535, or 0 for any free one") from None
         self.local_port: int = self._server.getsockname()[1]
         self._closed = threading.Event()
         self._lock = threading.Lock()

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import BinaryIO, Optional, Sequence, TextIO
 
+from launcher.rundir import RunDir
 from submit import api
 from submit.errors import ClusterError, InputError
 from submit.registry import JobRecord
@@ -43,14 +44,27 @@ def parse_ranks(text: str, world_size: Optional[int]) -> list[int]:
         ranks = [int(part) for part in text.split(",")]
     except ValueError:
         raise InputError("--rank", text, "give a rank number, a list like 0,3, or all") from None
-    if any(r < 0 for r in ranks) or (world_size and any(r >= world_size for r in ranks)):
-        raise InputError("--rank", text, f"ranks are numbered 0..{(world_size or 1) - 1}")
+    for rank in ranks:
+        if rank < 0:
+            raise InputError("--rank", rank, "ranks are numbered from 0")
+        if world_size and rank >= world_size:
+            raise InputError("--rank", rank, f"the job has {world_size} rank{'s' if world_size > 1 else ''} "
+                                             f"(0-{world_size - 1})")
     return ranks
+
+
+def select_ranks(transport: Transport, record: JobRecord, text: str) -> list[int]:
+    """`--rank TEXT` for this job, checked against its world size when spec.json tells it.
+
+    Always reads the size (one small read): a rank past the job's end must be refused,
+    not answered with "no log yet" as if it might still appear.
+    """
+    return parse_ranks(text, world_size(transport, record))
 
 
 def world_size(transport: Transport, record: JobRecord) -> Optional[int]:
     try:
-        spec = json.loads(transport.read_bytes(f"{record.run_dir}/spec.json"))["job"]["resources"]
+        spec = json.loads(transport.read_bytes(RunDir(record.run_dir).spec))["job"]["resources"]
     except (ValueError, KeyError, TypeError):
         return None
     gpus = spec.get("gpus_per_node") or 0

@@ -26,6 +26,10 @@ def parse(sweeps: Sequence[str]) -> list[tuple[tuple[str, str], ...]]:
     axes: list[list[tuple[str, str]]] = []
     seen: set[str] = set()
     for item in sweeps:
+        if not item.isprintable():
+            # Refused whole, before any message repeats the value raw (escape sequences, bidi overrides).
+            raise InputError("--sweep", item, "newlines and control characters are not allowed in a sweep; "
+                                              "use plain text")
         key, sep, values = item.partition("=")
         key = key.strip()
         if not sep or not key:

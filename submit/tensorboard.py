@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from submit.cluster import ClusterProfile
-from submit.errors import ClusterError
+from submit.errors import ClusterError, InputError
 from submit.transport import LocalTransport, Transport
 
 HELPER = Path(__file__).with_name("tbserve.py")
@@ -35,6 +35,28 @@ class Board:
     pid: int
     reused: bool
     """Already running before this command (then this command leaves it running)."""
+
+
+PORT_FIX = "give a free port in 1024-65535, or 0 for any free one"
+
+
+def check_local_port(port: int) -> None:
+    """`--port`: in range and free on this machine's 127.0.0.1, checked before TensorBoard is started.
+
+    (The forward binds it again later; a port taken in between fails there, in one line too.)
+    """
+    if not 0 <= port <= 65535:
+        raise InputError("--port", port, f"ports are numbered 0-65535; {PORT_FIX}")
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the forward binds it
+        try:
+            probe.bind(("127.0.0.1", port))
+            probe.listen(1)
+        except OSError as exc:
+            raise InputError("--port", port, f"cannot listen on 127.0.0.1:{port} ({exc.strerror}); "
+                                             f"{PORT_FIX}") from None
 
 
 def start_argv(profile: ClusterProfile, run_dir: str) -> list[str]:

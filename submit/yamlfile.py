@@ -8,6 +8,7 @@ import yaml
 
 from launcher import schema
 from submit.errors import InputError
+from submit.textwidth import printable
 
 
 # libyaml's parser when present: several times faster than the pure-Python one.
@@ -75,4 +76,5 @@ class YamlDoc:
         return str(self.path)
 
     def error(self, exc: schema.SchemaError) -> InputError:
-        return InputError(f"{self.where(exc.key)}: {exc.key}", exc.value, exc.fix)
+        # The key may come from the user's text (a --set or a YAML key): never print it raw.
+        return InputError(f"{self.where(exc.key)}: {printable(exc.key)}", exc.value, exc.fix)
