@@ -85,9 +85,9 @@ def executor(cluster: str, *, folder: Union[str, Path, None] = None, nodes: int 
     if profile.scheduler == "local":
         local = MeshrunLocalExecutor(origin, python=python or shlex.quote(sys.executable),
                                      max_num_timeout=max_num_timeout)
-        local.update_parameters(timeout_min=minutes, tasks_per_node=tasks_per_node, nodes=1,
-                                gpus_per_node=gpus_per_node, signal_delay_s=signal_delay(profile, minutes),
-                                setup=setup_lines(profile), **extra)
+        local.update_parameters(**{"timeout_min": minutes, "tasks_per_node": tasks_per_node, "nodes": 1,
+                                   "gpus_per_node": gpus_per_node, "signal_delay_s": signal_delay(profile, minutes),
+                                   "setup": setup_lines(profile), **extra})
         return local
     check_extra(extra)
     params = slurm_parameters(profile, part, res, minutes, name)
@@ -214,8 +214,10 @@ class _Registering:
 
     def _start_run_dir(self) -> RunDir:
         run_dir = new_run_dir(self._origin.runs, self._origin.name)
+        Path(run_dir.root).parent.mkdir(parents=True, exist_ok=True)
+        Path(run_dir.root).mkdir(mode=0o700)  # private, like every meshrun run dir
         # Slurm opens the batch log before any of our code runs: its folder must exist now.
-        Path(run_dir.submitit).mkdir(parents=True, exist_ok=True)
+        Path(run_dir.submitit).mkdir(parents=True)
         self.folder = Path(run_dir.submitit)
         self._run_dir = run_dir
         return run_dir
@@ -230,6 +232,7 @@ class _Registering:
     def _record(self, root: RunDir, jobs: Sequence[core.Job[Any]],
                 submissions: Sequence[utils.DelayedSubmission]) -> None:
         array = len(jobs) > 1
+        sha = _git_sha()
         registry = Registry()
         try:
             for index, (job, delayed) in enumerate(zip(jobs, submissions)):
@@ -238,7 +241,7 @@ class _Registering:
                 registry.add(JobRecord(job_id=str(job.job_id), cluster=self._origin.cluster,
                                        name=f"{self._origin.name} [{index}]" if array else self._origin.name,
                                        run_dir=run_dir.root, scheduler=self.scheduler, submitted_at=now(),
-                                       git_sha=_git_sha(), spec_hash=_call_hash(delayed, self.parameters),
+                                       git_sha=sha, spec_hash=_call_hash(delayed, self.parameters),
                                        profile=self._origin.profile))
         finally:
             registry.close()

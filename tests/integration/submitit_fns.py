@@ -29,6 +29,11 @@ def allreduce_ranks() -> dict[str, Any]:
             "node": os.environ["SLURMD_NODENAME"], "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME")}
 
 
+def sleep_for(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
 def square(x: int) -> int:
     return x * x
 

@@ -68,6 +68,14 @@ def test_map_array_returns_each_result_and_each_task_is_registered(testbed: dict
     assert (Path(tasks[2].run_dir) / "logs" / "rank-0.log").resolve() == jobs[2].paths.stdout.resolve()
 
 
+def test_meshrun_cancel_stops_a_submitit_job(testbed: dict, home: Path) -> None:
+    job = _executor(home, name="sleeper").submit(submitit_fns.sleep_for, 120)
+    _wait_for(lambda: status(home, job.job_id)["state"] == "RUNNING", 30, "the job never started")
+    meshrun(home, "cancel", job.job_id, check=True)
+    assert _final_status(home, job.job_id)["state"].startswith("CANCELLED")
+    assert job.done(force_check=True) and job.state.startswith("CANCELLED")  # submitit sees it too
+
+
 def _final_status(home: Path, job_id: str, timeout: float = 30) -> dict:
     """`meshrun status JOB --json` once the job is done (sacct trails the job's end by 1-3 s)."""
     row: dict = {}

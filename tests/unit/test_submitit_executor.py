@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -131,6 +132,13 @@ def test_local_profile_runs_a_submitit_job_and_records_it(tmp_path: Path, monkey
         registry.close()
     assert ex.run_dir is not None and record.run_dir == ex.run_dir.root and record.scheduler == "local"
     assert record.cluster == "local" and record.name == "sq"
+    assert Path(record.run_dir).stat().st_mode & 0o777 == 0o700
     logs = Path(record.run_dir) / "logs"
     assert sorted(p.name for p in logs.iterdir()) == ["rank-0.err", "rank-0.log", "rank-1.err", "rank-1.log"]
     assert (logs / "rank-1.log").resolve() == job.task(1).paths.stdout.resolve()
+
+
+def test_the_api_module_stays_torch_free() -> None:
+    code = ("import sys, submit.executor; bad = [m for m in ('torch', 'numpy', 'paramiko') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
