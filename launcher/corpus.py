@@ -150,3 +150,25 @@ def read_sidecar(out: Path) -> Optional[dict]:
     """The sidecar of a token file, or None when it has none."""
     path = sidecar_path(out)
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`python -m launcher.corpus OUT MAX_BYTES [SOURCE...]`: what `meshrun data` runs (the caller's
+    side imports nothing of launcher beyond its torch-free contract)."""
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) < 2 or not args[1].isdigit():
+        print("usage: python -m launcher.corpus OUT MAX_BYTES [SOURCE...]", file=sys.stderr)
+        return 2
+    try:
+        stats = build_corpus(Path(args[0]), roots=[Path(a) for a in args[2:]] or None, max_bytes=int(args[1]))
+    except (ValueError, OSError) as exc:
+        print(f"meshrun: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args[0]} ({stats.tokens:,} tokens from {stats.sources:,} files)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -19,9 +19,14 @@ usually lives on a cluster, not on the machine that names it.
 """
 from __future__ import annotations
 
+import json
+import os
 import posixpath
 from dataclasses import dataclass
+from typing import Any
 
+JOB_ID_ENV = "MESHRUN_JOB_ID"
+"""Set by the local backend for its supervisor: which job id's state file it writes."""
 ATTEMPTS_FILE = "resume-attempts.json"
 """The crash-loop guard's counts, beside the checkpoints (in the checkpoint dir, not the run dir)."""
 
@@ -94,10 +99,6 @@ class RunDir:
         return self.path(self.INTERNAL)
 
     @property
-    def local_state(self) -> str:
-        return self.path(self.INTERNAL, "state.json")
-
-    @property
     def submitit(self) -> str:
         """submitit's pickles and its own logs (local cluster, submitit API jobs)."""
         return self.path(self.INTERNAL, "submitit")
@@ -110,3 +111,31 @@ class RunDir:
     def task(self, index: int) -> "RunDir":
         """A sweep task's own run dir."""
         return RunDir(self.path(self.TASKS, str(index)))
+
+
+def local_state_path(run_dir: str, job_id: str) -> str:
+    """A local job's state: one file per job id, so each id keeps its own outcome after a resume."""
+    return RunDir(run_dir).path(RunDir.INTERNAL, "jobs", f"{job_id}.json")
+
+
+def read_state(path: str) -> dict[str, Any]:
+    """A JSON state file as a dict ({} when missing or being replaced)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def merge_state(path: str, **fields: Any) -> dict[str, Any]:
+    """Merge fields into a JSON state file, atomically (readers may look at any moment); private (0600)."""
+    state = {**read_state(path), **fields}
+    folder = os.path.dirname(path)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        json.dump(state, handle, sort_keys=True)
+    os.replace(tmp, path)
+    return state

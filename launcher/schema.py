@@ -26,7 +26,9 @@ class SchemaError(ValueError):
 
 
 def _show(value: Any) -> str:
-    text = repr(value)
+    # Escaped even where an odd __repr__ lets control characters through: an error line must
+    # never carry a terminal escape sequence from a value the user (or a sweep) gave.
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in repr(value))
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -86,6 +88,8 @@ def convert(tp: Any, value: Any, key: str) -> Any:
         if value is None and type(None) in get_args(tp):
             return None
         options = [a for a in get_args(tp) if a is not type(None)]
+        if len(options) == 1:  # Optional[X]: X's own error names the inner key (train.steps, not train)
+            return convert(options[0], value, key)
         errors = []
         for option in options:
             try:

@@ -9,50 +9,85 @@ local transport; the login node over SSH, then downloads the file).
 from __future__ import annotations
 
 import dataclasses
-import json
+import secrets
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
-from submit import local, slurm
+from launcher.rundir import ATTEMPTS_FILE, RunDir
+from launcher.spec import RunSpec, SpecFileError, loads_run_spec
 from submit.errors import ClusterError, InputError
 from submit.registry import JobRecord, Registry, now
-from submit.render import SCRIPT_NAMES
+from submit.schedulers import backend
 from submit.transport import Transport
 
-ATTEMPTS_FILE = "resume-attempts.json"  # launcher.resume.ATTEMPTS_FILE (that module imports torch-free ckpt code)
+RESUME_SETTABLE = ("train.steps", "train.lr", "train.min_lr", "train.warmup_steps", "train.log_every",
+                   "train.eval_every", "checkpoint.every", "checkpoint.keep", "checkpoint.keep_every",
+                   "checkpoint.max_restarts")
+"""What `resume --set` may change: the length, the schedule, the cadences, the requeue budget;
+never the model, the layout or the data, which the checkpoint must match."""
 
 
-def run_spec_of(record: JobRecord, transport: Transport) -> dict[str, Any]:
-    """The run dir's spec.json, as plain data."""
-    raw = transport.read_bytes(f"{record.run_dir}/spec.json", 0, 1 << 22)
+def read_run_spec(record: JobRecord, transport: Transport) -> RunSpec:
+    """The run dir's spec.json, validated (one line naming the file when it is gone, cut or edited)."""
+    path = RunDir(record.run_dir).spec
+    raw = transport.read_bytes(path, 0, 1 << 22)
     if not raw:
-        raise ClusterError(f"{record.run_dir}/spec.json is missing: the run dir of job {record.job_id} is gone")
-    return json.loads(raw)
+        if not transport.exists(record.run_dir):
+            raise ClusterError(f"the run dir of job {record.job_id} is gone ({record.run_dir}); nothing to resume")
+        raise ClusterError(f"{path} is missing: the run dir of job {record.job_id} was emptied")
+    try:
+        return loads_run_spec(raw.decode("utf-8", errors="replace"), path)
+    except SpecFileError as exc:
+        raise InputError(exc.key, exc.value, exc.fix) from None
 
 
 def checkpoint_dir(record: JobRecord, transport: Transport) -> str:
-    run = run_spec_of(record, transport)["run"]
-    return run.get("checkpoint_dir") or f"{record.run_dir}/checkpoints"
+    run = read_run_spec(record, transport).run
+    return run.checkpoint_dir or RunDir(record.run_dir).default_checkpoints
 
 
-def resume(record: JobRecord, transport: Transport, registry: Registry, is_done: bool) -> JobRecord:
+def with_overrides(run_spec: RunSpec, overrides: Sequence[str]) -> RunSpec:
+    """The run spec with `resume --set` applied (validated like a submit's); only RESUME_SETTABLE keys."""
+    from launcher import schema
+    from launcher.spec import JobSpec
+    from submit.plan import check_checkpoint, check_ranges
+
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        if key not in RESUME_SETTABLE:
+            raise InputError("--set", item, f"a resume may change only {', '.join(RESUME_SETTABLE)}; the model, "
+                                            f"the layout and the data must match the checkpoints")
+    try:
+        data = schema.apply_overrides(JobSpec, schema.to_plain(run_spec.job), overrides)
+        job = schema.load(JobSpec, data)
+    except schema.SchemaError as exc:
+        raise InputError(f"--set {exc.key}", exc.value, exc.fix) from None
+    check_ranges(job)
+    check_checkpoint(job)
+    return dataclasses.replace(run_spec, job=job)
+
+
+def resume(record: JobRecord, transport: Transport, registry: Registry, state: str, is_done: bool,
+           overrides: Sequence[str] = ()) -> JobRecord:
     """Start the stopped/failed/killed job again in its run dir; returns the new job's record."""
     if "_" in record.job_id:
         raise InputError("JOB", record.job_id, "resume a whole sweep task by resubmitting it; array tasks "
                                                "cannot be restarted one by one")
+    run_spec = read_run_spec(record, transport)  # also: is the run dir still there?
     if not is_done:
-        raise InputError("JOB", record.job_id, "the job is still queued or running; cancel it first or wait")
-    transport.run(["rm", "-f", "--", f"{checkpoint_dir(record, transport)}/{ATTEMPTS_FILE}"]).check("rm")
-    script = f"{record.run_dir}/{SCRIPT_NAMES[record.scheduler]}"
-    if record.scheduler == "local":
-        job_id = local.new_job_id()
-        local.reset_state(Path(record.run_dir))
-        local.start(Path(record.run_dir), Path(script), job_id)
-    else:
-        argv = slurm.sbatch_argv(script, record.name, record.run_dir, ())
-        job_id = slurm.parse_sbatch(transport.run(argv, timeout=120).check("sbatch").stdout)
+        raise InputError("JOB", record.job_id, f"the job is still {state}; cancel it first or wait")
+    if state == "COMPLETED" and not overrides:
+        raise InputError("JOB", record.job_id, "the job completed: there is nothing left to train; to train "
+                                               "further, `meshrun resume JOB --set train.steps=N` with a larger N")
+    if overrides:
+        from launcher.spec import dumps_run_spec
+
+        transport.write_text(RunDir(record.run_dir).spec, dumps_run_spec(with_overrides(run_spec, overrides)))
+    root = run_spec.run.checkpoint_dir or RunDir(record.run_dir).default_checkpoints
+    transport.run(["rm", "-f", "--", f"{root}/{ATTEMPTS_FILE}"]).check("rm")
+    job_id = backend(record.scheduler).restart(record, transport)
     new = dataclasses.replace(record, job_id=job_id, submitted_at=now(), last_state="SUBMITTED")
     registry.add(new)
     return new
@@ -60,7 +95,7 @@ def resume(record: JobRecord, transport: Transport, registry: Registry, is_done:
 
 def code_dir(record: JobRecord, transport: Transport) -> Optional[str]:
     """The code snapshot the job ran with (its script exports MESHRUN_CODE_DIR), if any."""
-    script = transport.read_bytes(f"{record.run_dir}/{SCRIPT_NAMES[record.scheduler]}", 0, 1 << 20).decode()
+    script = transport.read_bytes(RunDir(record.run_dir).script(record.scheduler), 0, 1 << 20).decode()
     for line in script.splitlines():
         if line.startswith("export MESHRUN_CODE_DIR="):
             return shlex.split(line.split("=", 1)[1])[0]
@@ -76,27 +111,45 @@ def _remote_script(setup: tuple[str, ...], python: str, argv: list[str], code: O
     return "\n".join([*lines, "exec " + shlex.join([python, *argv])])
 
 
+def check_output(out: Path) -> Path:
+    """-o names a file whose folder exists (checked before anything runs on the cluster)."""
+    out = Path(out).expanduser().absolute()
+    if out.is_dir():
+        raise InputError("-o/--output", str(out), f"is a folder; give a file name, e.g. {out / 'model.safetensors'}")
+    if not out.parent.is_dir():
+        raise InputError("-o/--output", str(out), f"folder {out.parent} does not exist; create it first")
+    return out
+
+
 def export(record: JobRecord, transport: Transport, profile: Any, out: Path, step: Optional[int],
            progress: Callable[[str], None] = lambda line: None) -> str:
-    """Write consolidated safetensors weights to `out`; returns the checkpoint exported."""
+    """Write consolidated safetensors weights to `out`; returns the checkpoint exported. Without
+    --step the launcher takes the newest complete step itself, again if retention deletes it mid-read."""
+    out = check_output(out)
     root = checkpoint_dir(record, transport)
-    listing = transport.run(["ls", "-1", "--", root])
-    steps = sorted(int(name[5:]) for name in listing.stdout.split()
-                   if name.startswith("step-") and name[5:].isdigit()) if listing.returncode == 0 else []
-    chosen = step if step is not None else (steps[-1] if steps else None)
-    if chosen is None:
-        raise ClusterError(f"job {record.job_id} has no checkpoint under {root} yet")
-    ckpt = f"{root}/step-{chosen:08d}"
+    ckpt = root if step is None else f"{root}/step-{step:08d}"
     args = ["-m", "launcher.export", ckpt]
     if profile.ssh is None:
         done = transport.run([sys.executable, *args, str(out)], timeout=3600)
         done.check("export")
-        return ckpt
-    remote = f"{record.run_dir}/export-step-{chosen:08d}.safetensors"
+        return _exported(done.stdout, ckpt)
+    remote = f"{record.run_dir}/.export-{secrets.token_hex(4)}.safetensors"
     script = _remote_script(profile.setup, profile.python, [*args, remote], code_dir(record, transport))
-    transport.run(["bash", "-c", script], timeout=3600).check("export on the cluster")
-    _download(transport, remote, out, progress)
-    return ckpt
+    done = transport.run(["bash", "-c", script], timeout=3600)
+    try:
+        done.check("export on the cluster")
+        _download(transport, remote, out, progress)
+    finally:
+        transport.run(["rm", "-f", "--", remote])
+    return _exported(done.stdout, ckpt)
+
+
+def _exported(stdout: str, asked: str) -> str:
+    """The step folder the launcher says it exported (it chooses the newest one itself)."""
+    for line in reversed(stdout.splitlines()):
+        if " from " in line:
+            return line.rsplit(" from ", 1)[1].strip()
+    return asked
 
 
 def _download(transport: Transport, remote: str, out: Path, progress: Callable[[str], None]) -> None:

@@ -7,9 +7,9 @@ Start-up stays fast and torch-free: heavy imports happen inside the verbs.
 from __future__ import annotations
 
 import argparse
-import getpass
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Sequence, TextIO
 
 from launcher.schema import SchemaError
 from submit import cli_ckpt, cli_jobs
-from submit.errors import EXIT_INPUT, InputError, MeshrunError
+from submit.errors import EXIT_INPUT, InputError, InternalError, MeshrunError
 
 DEFAULT_CLUSTER = "local"
 
@@ -50,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verbs.add_parser("submit", help="validate, render and submit a job")
     _spec_args(p)
-    p.add_argument("--dry-run", action="store_true", help="validate and render only; submit nothing")
+    p.add_argument("--dry-run", action="store_true", help="show exactly what would be sent (the script, the "
+                   "start command, the run-dir files); submit nothing")
+    p.add_argument("--json", action="store_true", help="with --dry-run: the request as JSON fields")
     p.add_argument("--wait", action="store_true", help="wait for the end; exit 0 only if it succeeded")
     p.add_argument("--after", action="append", default=[], metavar="[KIND:]JOB",
                    help="start only after JOB succeeded (KIND: ok, any, notok, start; repeatable)")
@@ -117,74 +119,132 @@ def cmd_clusters(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan(args: argparse.Namespace, home: Optional[str] = None, profile: Any = None) -> Any:
-    from submit.cluster import load_profile
-    from submit.plan import plan_file
+def _home(profile: Any) -> str:
+    """The home that `~` in the profile's paths means: this machine's, or (over SSH) a placeholder
+    that `plan.with_home` resolves once the login node has said its own."""
+    from submit.plan import REMOTE_HOME
 
-    profile = profile or load_profile(args.cluster)
-    if home is None:
-        # Rendering touches no cluster: an SSH cluster's `~` is shown as its user's usual home.
-        home = os.path.expanduser("~") if profile.ssh is None else f"/home/{profile.ssh.user or getpass.getuser()}"
+    return os.path.expanduser("~") if profile.ssh is None else REMOTE_HOME
+
+
+def _plan(args: argparse.Namespace, profile: Any) -> Any:
+    """Load, validate and resolve the job: every input error surfaces here, before any connection."""
+    from submit.plan import plan_file
+    from submit.schedulers import backend
+
     if args.sweep:
         from submit.sweep import plan_sweep
 
-        if profile.scheduler != "slurm":
-            raise InputError("--sweep", args.sweep[0], "sweeps run as Slurm job arrays; the local cluster runs "
-                                                       "one job at a time")
-        return plan_sweep(args.spec, profile, args.overrides, args.sweep, home=home)
-    return plan_file(args.spec, profile, args.overrides, home=home)
+        if not backend(profile.scheduler).supports_arrays:
+            raise InputError("--sweep", args.sweep[0], f"sweeps run as job arrays, which the {profile.scheduler} "
+                                                       f"cluster does not have; it runs one job at a time")
+        return plan_sweep(args.spec, profile, args.overrides, args.sweep, home=_home(profile))
+    return plan_file(args.spec, profile, args.overrides, home=_home(profile))
+
+
+def _snapshot(args: argparse.Namespace, profile: Any, plan: Any) -> Any:
+    """The project's code snapshot, when the cluster runs jobs from one."""
+    from submit import snapshot
+    from submit.schedulers import backend
+
+    return snapshot.collect(args.spec.parent, plan.spec.code) if backend(profile.scheduler).ships_code else None
+
+
+def _request(args: argparse.Namespace, profile: Any, plan: Any, snap: Any,
+             transport: Any = None) -> tuple[Any, Any, Optional[bool]]:
+    """The plan made (once, before any connection), over SSH ask the login node for its home and
+    whether the code snapshot is there (one round trip), then build the request, rendered once.
+    Returns (plan with the real home, request, snapshot present?)."""
+    from submit import api, snapshot
+    from submit.plan import with_home
+
+    present = None
+    if profile.ssh is not None:
+        home, present = snapshot.probe(transport, plan.work_dir, snap)
+        plan = with_home(plan, home)
+    plan = api.with_code_dir(plan, snap)
+    return plan, api.dryrun(plan, getattr(args, "after", ())), present
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from submit.render import render
+    """The script a submit would write, byte for byte (over SSH the login node is asked for its home)."""
+    from submit.cluster import load_profile
+    from submit.transport import connect
 
-    text = render(_plan(args))
+    profile = load_profile(args.cluster)
+    plan = _plan(args, profile)  # every input error before any connection
+    snap = _snapshot(args, profile, plan)
+    transport = connect(profile.ssh, args.cluster)
+    try:
+        _plan_resolved, request, _present = _request(args, profile, plan, snap, transport)
+    finally:
+        transport.close()
     if args.output:
-        args.output.write_text(text)
+        args.output.write_text(request.script)
         print(f"wrote {args.output}", file=sys.stderr)
     else:
-        sys.stdout.write(text)
+        sys.stdout.write(request.script)
     return 0
 
 
 def _profile_path(cluster: str) -> Optional[str]:
-    """The profile file's absolute path when -c named a file (the registry keeps it for later verbs)."""
-    from submit.cluster import is_profile_path
+    """The profile file's absolute path (the registry keeps it, so later verbs reach this very cluster)."""
+    from submit.cluster import profile_path
 
-    return str(Path(cluster).resolve()) if is_profile_path(cluster) else None
+    return str(profile_path(cluster))
 
 
 def _check_submit_flags(args: argparse.Namespace, scheduler: str) -> None:
-    from submit.slurm import dependency
+    from submit.schedulers import backend
+    from submit.schedulers.slurm_cli import dependency
 
     dependency(args.after)
-    if scheduler != "slurm" and args.after:
-        raise InputError("--after", args.after[0], "dependencies are Slurm's; the local cluster has none")
+    if args.after and not backend(scheduler).supports_dependencies:
+        raise InputError("--after", args.after[0], f"dependencies are Slurm's; the {scheduler} cluster has none")
     if args.sweep and args.wait:
         raise InputError("--wait", "--sweep", "a sweep is several jobs: follow them with `meshrun status ID --watch`")
 
 
-def cmd_submit(args: argparse.Namespace) -> int:
-    from submit import snapshot
-    from submit.cluster import load_profile
+def print_request(plan: Any, snap: Any, request: Any, as_json: bool) -> None:
+    """`submit --dry-run`: the request exactly as it would be sent."""
     from submit.plan import describe
-    from submit.render import render
+
+    code = {"root": str(snap.root), "files": len(snap.files), "bytes": snap.size, "digest": snap.digest} \
+        if snap else None
+    if as_json:
+        print(json.dumps({"dry_run": True, **describe(plan), "code": code, "request": request.as_json()}, indent=2))
+        return
+    summary = describe(plan)
+    print("# meshrun submit --dry-run: nothing was sent", file=sys.stderr)
+    print("plan: " + ", ".join(f"{k}={v}" for k, v in summary.items() if k != "tasks"))
+    for task in summary.get("tasks", ()):
+        print(f"  task {task['index']}: {task['overrides']}  {task['run_dir']}")
+    if code:
+        print(f"code: {code['files']} files, {code['bytes']:,} bytes from {code['root']} -> {request.code_dir}")
+    print("start: " + shlex.join(request.argv))
+    print("run-dir files:")
+    for item in request.as_json()["files"]:
+        print(f"  {item['mode']:>6}  {item['path']}")
+    print(f"--- {request.script_path}")
+    sys.stdout.write(request.script)
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from submit.cluster import load_profile
 
     profile = load_profile(args.cluster)
     _check_submit_flags(args, profile.scheduler)
-    plan = _plan(args, profile=profile)  # every input error surfaces before any connection
-    render(plan)
-    snap = snapshot.collect(args.spec.parent, plan.spec.code) if profile.scheduler == "slurm" else None
-    if args.dry_run:
-        code = {"root": str(snap.root), "files": len(snap.files), "bytes": snap.size, "digest": snap.digest} \
-            if snap else None
-        print(json.dumps({"dry_run": True, **describe(plan), "code": code}, indent=2))
+    plan = _plan(args, profile)  # every input error surfaces before any connection
+    snap = _snapshot(args, profile, plan)
+    if args.dry_run and profile.ssh is None:
+        plan, request, _ = _request(args, profile, plan, snap)
+        print_request(plan, snap, request, args.json)
         return 0
     return _submit(args, profile, plan, snap)
 
 
 def _submit(args: argparse.Namespace, profile: Any, plan: Any, snap: Any) -> int:
-    from submit import api, snapshot
+    from submit import api
     from submit.progress import ProgressBar
     from submit.registry import Registry
     from submit.transport import connect
@@ -193,29 +253,45 @@ def _submit(args: argparse.Namespace, profile: Any, plan: Any, snap: Any) -> int
     try:
         transport = connect(profile.ssh, args.cluster)
         clusters.adopt(profile, transport, _profile_path(args.cluster))
-        present = None
-        if profile.ssh is not None:  # the remote home (for `~`) and the snapshot's presence: one round trip
-            home, present = snapshot.probe(transport, profile.paths.work_dir, snap)
-            plan = _plan(args, home=home, profile=profile)
+        plan, request, present = _request(args, profile, plan, snap, transport)
+        if args.dry_run:
+            print_request(plan, snap, request, args.json)
+            return 0
         bar = ProgressBar(f"uploading code ({len(snap.files)} files)" if snap else "")
-        plan, uploaded = api.sync_code(plan, transport, snap, progress=bar, present=present)
-        if uploaded:
+        if api.sync_code(plan, transport, snap, progress=bar, present=present):
             bar.done()
         elif snap is not None:
             print(f"code: unchanged, snapshot {snap.digest} already on {profile.name}", file=sys.stderr)
         registry = Registry()
-        records = api.submit(plan, registry, transport, spec_dir=args.spec.parent, after=args.after,
-                             profile_path=_profile_path(args.cluster))
+        records = api.schedule(request, plan, registry, transport, spec_dir=args.spec.parent,
+                               profile_path=_profile_path(args.cluster))
         _print_submitted(plan, records)
         if not args.wait:
             return 0
-        record = records[0]
-        status = wait_for(record, clusters, registry, total_steps=None if plan.spec.command else plan.spec.trainer.steps)
-        print(f"job {record.job_id} {status.state}" + (f" ({status.reason})" if status.reason else ""))
-        print(f"logs: {record.run_dir}/logs   metrics: {record.run_dir}/{api.METRICS_FILE}")
-        return 0 if status.succeeded else 1
+        return finish_wait(records[0], clusters, registry,
+                           total_steps=None if plan.spec.command else plan.spec.trainer.steps)
     finally:
         clusters.close()
+
+
+def finish_wait(record: Any, clusters: Any, registry: Any, total_steps: Optional[int]) -> int:
+    """--wait: follow the job to its end; the exit code says how it ended (2: the ranks found bad input).
+    Ctrl-C stops the waiting, never the job, and says so."""
+    from launcher.exitcodes import EXIT_INPUT
+    from submit.status import Status
+
+    try:
+        status: Status = wait_for(record, clusters, registry, total_steps)
+    except KeyboardInterrupt:
+        print(f"\nmeshrun: stopped waiting; job {record.job_id} keeps running "
+              f"(`meshrun status {record.job_id}`, `meshrun logs {record.job_id} -f`, "
+              f"`meshrun cancel {record.job_id}`)", file=sys.stderr)
+        return 130
+    print(f"job {record.job_id} {status.state}" + (f" ({status.reason})" if status.reason else ""))
+    print(f"logs: {record.run_dir}/logs   metrics: {record.run_dir}/metrics.jsonl")
+    if status.succeeded:
+        return 0
+    return EXIT_INPUT if status.exit_code == EXIT_INPUT else 1
 
 
 def _print_submitted(plan: Any, records: Sequence[Any]) -> None:
@@ -231,10 +307,10 @@ def _print_submitted(plan: Any, records: Sequence[Any]) -> None:
 
 
 def _poll_interval(elapsed: float, scheduler: str) -> float:
-    """Back off so a long wait does not hammer slurmctld: 2 s, then 5 s, then 10 s."""
-    if scheduler == "local":
-        return 0.5
-    return 2.0 if elapsed < 30 else 5.0 if elapsed < 300 else 10.0
+    """How often --wait asks: the backend's choice (Slurm backs off so a long wait does not hammer slurmctld)."""
+    from submit.schedulers import backend
+
+    return backend(scheduler).poll_interval(elapsed)
 
 
 def progress_line(status: Any, total_steps: Optional[int]) -> str:
@@ -246,7 +322,7 @@ def progress_line(status: Any, total_steps: Optional[int]) -> str:
         parts.append(f"loss {status.progress['loss']:.4f}")
     if status.elapsed_s is not None:
         parts.append(f"elapsed {_clock(status.elapsed_s)}")
-        if status.time_limit_s:
+        if status.time_limit_s and not status.done:
             parts.append(f"left {_clock(max(status.time_limit_s - status.elapsed_s, 0))}")
     if status.reason and not status.done:
         parts.append(f"({status.reason})")
@@ -285,16 +361,17 @@ def wait_for(record: Any, clusters: Any, registry: Any, total_steps: Optional[in
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    from launcher.corpus import build_corpus
+    """Runs `python -m launcher.corpus`: the caller's side imports only launcher's torch-free contract."""
+    import subprocess
 
     if args.max_mb <= 0:
         raise InputError("--max-mb", args.max_mb, "give a positive size, e.g. 16")
     for folder in args.source or ():
         if not folder.is_dir():
             raise InputError("--source", str(folder), "not a folder; give a folder of text files")
-    stats = build_corpus(args.out.expanduser(), roots=args.source, max_bytes=int(args.max_mb * 1e6))
-    print(f"wrote {args.out} ({stats.tokens:,} tokens from {stats.sources:,} files)")
-    return 0
+    argv = [sys.executable, "-m", "launcher.corpus", str(args.out.expanduser()), str(int(args.max_mb * 1e6)),
+            *(str(folder) for folder in args.source or ())]
+    return subprocess.run(argv, check=False).returncode
 
 
 # ------------------------------------------------------------------ helpers
@@ -330,6 +407,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print("meshrun: interrupted", file=sys.stderr)
         return 130
+    except MemoryError:
+        raise
+    except Exception as exc:  # a bug in meshrun: one line, not a traceback (MESHRUN_DEBUG=1 shows it)
+        if os.environ.get("MESHRUN_DEBUG"):
+            raise
+        print(f"meshrun: {InternalError(f'{type(exc).__name__}: {exc}')} (MESHRUN_DEBUG=1 shows the traceback)",
+              file=sys.stderr)
+        return 1
     except BrokenPipeError:
         return 0
 

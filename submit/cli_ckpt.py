@@ -11,6 +11,9 @@ def add_parsers(verbs: argparse._SubParsersAction) -> None:
                                         "checkpoint, in the same run dir")
     p.add_argument("job")
     p.add_argument("--wait", action="store_true", help="wait for the end; exit 0 only if it succeeded")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="change what may change on a resume (train.steps, the lr schedule, cadences, "
+                        "checkpoint.max_restarts); repeatable")
     p.add_argument("-c", "--cluster", help="the job's cluster, if the id is ambiguous")
 
     p = verbs.add_parser("export", help="write a job's checkpoint as one consolidated safetensors file")
@@ -22,7 +25,7 @@ def add_parsers(verbs: argparse._SubParsersAction) -> None:
 
 def cmd_resume(args: argparse.Namespace) -> int:
     from submit import api, checkpoints
-    from submit.cli import wait_for
+    from submit.cli import finish_wait
     from submit.registry import Registry
 
     registry = Registry()
@@ -31,14 +34,13 @@ def cmd_resume(args: argparse.Namespace) -> int:
     try:
         transport = clusters.transport_for(record)
         status = api.statuses([record], clusters, registry)[0]
-        new = checkpoints.resume(record, transport, registry, status.done)
+        new = checkpoints.resume(record, transport, registry, status.state, status.done, args.overrides)
         print(f"resumed job {record.job_id} as job {new.job_id} on {new.cluster}")
         print(f"run dir: {new.run_dir}")
         if not args.wait:
             return 0
-        final = wait_for(new, clusters, registry, total_steps=None)
-        print(f"job {new.job_id} {final.state}" + (f" ({final.reason})" if final.reason else ""))
-        return 0 if final.succeeded else 1
+        spec = checkpoints.read_run_spec(new, transport).job
+        return finish_wait(new, clusters, registry, total_steps=None if spec.command else spec.trainer.steps)
     finally:
         clusters.close()
 
@@ -52,7 +54,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     try:
         transport = clusters.transport_for(record)
         tty = sys.stderr.isatty()
-        ckpt = checkpoints.export(record, transport, clusters.profile(record.cluster), args.output, args.step,
+        ckpt = checkpoints.export(record, transport, clusters.profile_for(record), args.output, args.step,
                                   progress=(lambda line: print(f"\r{line}", end="", file=sys.stderr)) if tty
                                   else (lambda line: None))
     finally:

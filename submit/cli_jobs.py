@@ -87,9 +87,21 @@ def watch(records: Sequence[Any], clusters: Any, registry: Any, as_json: bool) -
         elif changed:
             sys.stdout.write(status_table(found) + "\n")
         sys.stdout.flush()
-        if all(s.done for s in found):
-            return 0
+        if all(s.done or s.state == "UNREACHABLE" for s in found):
+            return _watch_end(found)
         time.sleep(interval)
+
+
+def _watch_end(found: Sequence[Any]) -> int:
+    """Nothing is left to watch: every job ended or sits on a cluster that cannot be reached now
+    (waiting for it would never return)."""
+    lost = [s for s in found if s.state == "UNREACHABLE"]
+    if not lost:
+        return 0
+    clusters = sorted({s.cluster for s in lost})
+    print(f"meshrun: {len(lost)} job(s) on {', '.join(clusters)} could not be reached; "
+          f"`meshrun status` again once the cluster answers", file=sys.stderr)
+    return 1
 
 
 def _one_job(registry: Any, job: str, cluster: Any) -> Any:
@@ -134,10 +146,11 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     from submit import api
     from submit.registry import Registry
 
-    records = Registry().find_all(args.job, args.cluster)
+    registry = Registry()
+    records = registry.find_all(args.job, args.cluster)
     clusters = api.Clusters()
     try:
-        api.cancel(records, clusters)
+        api.cancel(records, clusters, registry)
     finally:
         clusters.close()
     what = f"job array {args.job} ({len(records)} tasks)" if len(records) > 1 else f"job {records[0].job_id}"
@@ -159,7 +172,7 @@ def cmd_tb(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)  # a kill tears down like Ctrl-C
     try:
         transport = clusters.transport_for(record)
-        board = tensorboard.start(transport, clusters.profile(record.cluster), record.run_dir)
+        board = tensorboard.start(transport, clusters.profile_for(record), record.run_dir)
         forward = transport.forward(board.port, args.port)
         url = f"http://127.0.0.1:{forward.local_port}/"
         print(f"TensorBoard for job {record.job_id}: {url}" + (" (already running)" if board.reused else ""))
@@ -172,7 +185,7 @@ def cmd_tb(args: argparse.Namespace) -> int:
             time.sleep(1.0)
             if not getattr(transport, "is_active", lambda: True)():
                 forward.close()  # the connection dropped: a new one, same local port
-                transport = clusters.reconnect(record.cluster)
+                transport = clusters.reconnect(record)
                 forward = transport.forward(board.port, forward.local_port)
     except KeyboardInterrupt:
         return 0
@@ -193,7 +206,7 @@ def _stop_board(clusters: Any, record: Any, board: Any) -> None:
         try:
             tensorboard.stop(clusters.transport_for(record), board)
         except MeshrunError:
-            tensorboard.stop(clusters.reconnect(record.cluster), board)  # the connection had dropped
+            tensorboard.stop(clusters.reconnect(record), board)  # the connection had dropped
         print(f"stopped TensorBoard of job {record.job_id}", file=sys.stderr)
     except MeshrunError as exc:
         print(f"meshrun: could not stop TensorBoard (pid {board.pid} on the login node): {exc}", file=sys.stderr)

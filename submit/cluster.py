@@ -16,10 +16,11 @@ from launcher import schema
 from launcher.schema import SchemaError
 from launcher.spec import ENV_KEY
 from submit.errors import InputError
+from submit.schedulers import backend
+from submit.resources import shipped_profiles_dir
 from submit.yamlfile import YamlDoc
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-SHIPPED_DIR = REPO_ROOT / "cluster_configs"
+SHIPPED_DIR = shipped_profiles_dir()  # package data: a wheel's or a checkout's cluster_configs/
 PROFILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
 
@@ -144,8 +145,8 @@ class ClusterProfile:
             raise SchemaError("partitions", names, "partition names must be unique")
         if sum(p.default for p in self.partitions) > 1:
             raise SchemaError("partitions", names, "mark at most one partition `default: true`")
-        if self.scheduler == "local" and self.ssh is not None:
-            raise SchemaError("ssh", self.ssh.host, "a local cluster runs on this machine; remove `ssh`")
+        if self.ssh is not None and not backend(self.scheduler).over_ssh:
+            raise SchemaError("ssh", self.ssh.host, f"a {self.scheduler} cluster runs on this machine; remove `ssh`")
 
     def partition(self, name: Optional[str]) -> Partition:
         """The named partition, else the default one (or the only one)."""
@@ -180,10 +181,16 @@ def profile_files() -> dict[str, Path]:
 
 
 def load_profile_file(path: Path) -> ClusterProfile:
+    """A profile's name is its file's name: a copy of h100-ndr.yaml saved as mycluster.yaml is
+    "mycluster", so two profiles can never share a name and a job goes back to its own cluster."""
     doc = YamlDoc(path)
     data = doc.data
-    if isinstance(data, dict) and "name" not in data:
-        data = {**data, "name": Path(path).stem}
+    stem = Path(path).stem
+    if isinstance(data, dict):
+        if data.get("name", stem) != stem:
+            raise InputError(f"{path}: name", data["name"],
+                             f"a profile's name is its file name ({stem!r}); remove `name:` or rename the file")
+        data = {**data, "name": stem}
     try:
         return schema.load(ClusterProfile, data)
     except SchemaError as exc:
@@ -195,13 +202,18 @@ def is_profile_path(name_or_path: str) -> bool:
     return name_or_path.endswith((".yaml", ".yml")) or os.sep in name_or_path
 
 
-def load_profile(name_or_path: str) -> ClusterProfile:
-    """A profile by name (shipped or the user's) or by path to a YAML file."""
+def profile_path(name_or_path: str) -> Path:
+    """The file behind -c: a path as given (absolute), or the named profile's file."""
     if is_profile_path(name_or_path):
-        return load_profile_file(Path(name_or_path))
+        return Path(name_or_path).resolve()
     files = profile_files()
     if name_or_path not in files:
         raise InputError("-c/--cluster", name_or_path,
                          f"no such cluster{schema.closest(name_or_path, files)}; known: {', '.join(sorted(files))} "
                          f"(add your own in {user_dir()})")
-    return load_profile_file(files[name_or_path])
+    return files[name_or_path].resolve()
+
+
+def load_profile(name_or_path: str) -> ClusterProfile:
+    """A profile by name (shipped or the user's) or by path to a YAML file."""
+    return load_profile_file(profile_path(name_or_path))

@@ -2,8 +2,9 @@
 
 `InputError` is bad input (exit code 2), found before anything touches a
 cluster. `ClusterError` is the cluster or the transport refusing (exit code 1).
-The schema's own `SchemaError` (from the torch-free launcher.schema, shared by
-both sides) is bad input too; the CLI treats it as an InputError.
+`InputError` is a `SchemaError` (the torch-free launcher.schema's bad-input type,
+shared by both sides), so there is one type for bad input. `InternalError` is a
+meshrun bug, never reported as bad input.
 """
 from __future__ import annotations
 
@@ -20,20 +21,18 @@ class MeshrunError(Exception):
     exit_code = EXIT_CLUSTER
 
 
-class InputError(MeshrunError):
-    """Bad input: a key, its value and the fix."""
+class InputError(SchemaError, MeshrunError):
+    """Bad input: a key, its value and the fix. The one bad-input type: it IS the schema's
+    SchemaError (shared with the torch-free launcher), so either side's bad input exits 2."""
     exit_code = EXIT_INPUT
 
-    def __init__(self, key: str, value: Any, fix: str) -> None:
-        self.key, self.value, self.fix = key, value, fix
-        shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in repr(value))  # even odd __repr__s
-        shown = shown if len(shown) <= 80 else shown[:77] + "..."
-        super().__init__(f"{key}: {shown}: {fix}")
 
-    @classmethod
-    def from_schema(cls, exc: SchemaError, where: str = "") -> "InputError":
-        key = f"{where}: {exc.key}" if where else exc.key
-        return cls(key, exc.value, exc.fix)
+class InternalError(MeshrunError):
+    """A bug in meshrun itself (never reported as bad input): exit 1, with a request to report it."""
+    exit_code = EXIT_CLUSTER
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"internal error: {what}; this is a meshrun bug, please report it")
 
 
 class ClusterError(MeshrunError):
@@ -43,3 +42,22 @@ class ClusterError(MeshrunError):
 
 class JobNotFound(InputError):
     """No job by that id in the local registry."""
+
+
+class HostKeyError(ClusterError):
+    """An SSH host key meshrun refuses (unknown, changed or revoked). Reconnecting cannot fix it, and
+    the message is for the person even where other errors are summarised (`security`: status prints it)."""
+    retry = False
+    security = True
+
+
+class HostKeyUnknown(HostKeyError):
+    """The host is not in known_hosts: `meshrun trust CLUSTER` after checking the fingerprint."""
+
+
+class HostKeyChanged(HostKeyError):
+    """known_hosts records another key for the host: the full man-in-the-middle warning."""
+
+
+class HostKeyRevoked(HostKeyError):
+    """The host presents a key that known_hosts marks `@revoked`."""

@@ -187,7 +187,7 @@ class Follower:
         delay, last = 1.0, None
         for _ in range(RECONNECT_ATTEMPTS):
             try:
-                self.clusters.reconnect(self.record.cluster)
+                self.clusters.reconnect(self.record)
                 self.err.write("meshrun: reconnected; resuming where the output stopped\n")
                 self.err.flush()
                 return

@@ -11,7 +11,7 @@ import json
 import os
 import re
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -19,8 +19,10 @@ from launcher import schema
 from launcher.parallel_dims import ParallelDims
 from launcher.schema import SchemaError
 from launcher.spec import JobSpec, RunInfo, RunSpec
+from submit import __version__
 from submit.cluster import ClusterProfile, Partition
 from submit.errors import InputError
+from submit.schedulers import backend
 from submit.yamlfile import YamlDoc
 
 _TIME = re.compile(r"^(?:(?P<d>\d+)-)?(?P<rest>\d+(?::\d+){0,2})$")
@@ -196,8 +198,7 @@ def check_resources(spec: JobSpec, cluster: ClusterProfile) -> Optional[Partitio
         raise InputError("resources.tasks_per_node", res.tasks_per_node,
                          f"GPU jobs run one rank per GPU: set it to resources.gpus_per_node "
                          f"({res.gpus_per_node}) or leave it unset")
-    if cluster.scheduler == "local" and res.nodes != 1:
-        raise InputError("resources.nodes", res.nodes, "the local cluster is this one machine: use 1")
+    backend(cluster.scheduler).check(spec, cluster)
     part = cluster.partition(res.partition)
     seconds = parse_time(res.time)
     if res.gpus_per_node > part.gpus_per_node:
@@ -276,10 +277,32 @@ def make_plan(spec: JobSpec, submitted: dict, cluster: ClusterProfile, run_dir: 
     ckpt_root = cluster.paths.checkpoint_root and expand_home(cluster.paths.checkpoint_root, home)
     ckpt_dir = f"{ckpt_root.rstrip('/')}/{Path(run_dir).name}" if ckpt_root else f"{run_dir}/checkpoints"
     info = RunInfo(cluster=cluster.name, scheduler=cluster.scheduler, run_dir=run_dir,
-                   nccl_env=dict(cluster.interconnect.nccl), checkpoint_dir=ckpt_dir)
+                   nccl_env=dict(cluster.interconnect.nccl), checkpoint_dir=ckpt_dir,
+                   time_limit_s=parse_time(spec.resources.time), meshrun_version=__version__)
     return Plan(spec=spec, submitted=submitted, cluster=cluster, partition=part, run_dir=run_dir,
                 time_seconds=parse_time(spec.resources.time), run_spec=RunSpec(job=spec, run=info),
                 work_dir=expand_home(cluster.paths.work_dir, home).rstrip("/") or "/")
+
+
+REMOTE_HOME = "~"
+"""The home to plan with before the cluster has been asked for its own: paths keep their `~`,
+and `with_home` resolves them once the transport knows it (no second plan, same run dir)."""
+
+
+def _rehome(path: Optional[str], home: str) -> Optional[str]:
+    return expand_home(path, home) if path else path
+
+
+def with_home(plan: Plan, home: str) -> Plan:
+    """The plan with `~` in every cluster path replaced by the cluster user's real home."""
+    def run_spec(spec: RunSpec) -> RunSpec:
+        run = replace(spec.run, run_dir=_rehome(spec.run.run_dir, home),
+                      checkpoint_dir=_rehome(spec.run.checkpoint_dir, home))
+        return replace(spec, run=run)
+
+    tasks = tuple(replace(t, run_dir=_rehome(t.run_dir, home), run_spec=run_spec(t.run_spec)) for t in plan.tasks)
+    return replace(plan, run_dir=_rehome(plan.run_dir, home), work_dir=_rehome(plan.work_dir, home),
+                   code_dir=_rehome(plan.code_dir, home), run_spec=run_spec(plan.run_spec), tasks=tasks)
 
 
 def plan_file(path: Path, cluster: ClusterProfile, overrides: Sequence[str] = (),

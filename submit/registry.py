@@ -62,10 +62,19 @@ def default_path() -> Path:
     return Path(base) / "meshrun" / "registry.sqlite"
 
 
+def _private(path: Path) -> None:
+    """The registry lists every job's run dir and host: on a shared login node it is the user's alone
+    (folder 0700, file 0600), whatever the umask."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path.parent, 0o700)
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    os.chmod(path, 0o600)
+
+
 class Registry:
     def __init__(self, path: Optional[Path] = None) -> None:
         self.path = Path(path) if path else default_path()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        _private(self.path)
         self._db = sqlite3.connect(self.path, timeout=10)
         self._db.execute(_SCHEMA)
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}

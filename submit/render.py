@@ -9,21 +9,22 @@ from __future__ import annotations
 
 import re
 import shlex
-import sys
 from functools import lru_cache
 from typing import Any
 
 import jinja2
 
-from launcher import preempt
-from launcher.entry import EXIT_FILE
+from launcher import exitcodes
+from launcher.rundir import RunDir
 from launcher.spec import dumps_run_spec
-from submit.cluster import REPO_ROOT
-from submit.errors import InputError
+from submit import __version__
+from submit.errors import InputError, InternalError
+from submit.schedulers import backend
 from submit.plan import Plan, format_time
+from submit.resources import template_source
 
-TEMPLATE_DIR = REPO_ROOT / "templates"
-VERSION = "0.1.0"
+VERSION = __version__
+"""The meshrun that renders: the script's header and spec.json record it."""
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _LABEL_UNSAFE = re.compile(r"[^A-Za-z0-9._+-]")
 
@@ -36,7 +37,7 @@ def _finalize(value: Any) -> str:
     if isinstance(value, Verbatim):
         return value
     if value is None or isinstance(value, (dict, list, tuple)):
-        raise InputError("template", value, "internal: only scalars are rendered; this is a meshrun bug")
+        raise InternalError(f"the template rendered a non-scalar {value!r}")
     text = str(value)
     if _CONTROL.search(text):
         raise InputError("template", text, "newlines and control characters are refused in scripts")
@@ -46,7 +47,7 @@ def _finalize(value: Any) -> str:
 @lru_cache(maxsize=1)
 def environment() -> jinja2.Environment:
     return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+        loader=jinja2.FunctionLoader(template_source),  # package data: a wheel's or a checkout's templates/
         undefined=jinja2.StrictUndefined,
         finalize=_finalize,
         autoescape=False,
@@ -60,6 +61,13 @@ def sbatch_label(name: str) -> str:
     """A #SBATCH-safe job name: sbatch's own directive parser knows no shell quoting,
     so the literal name travels as an argv `--job-name` (see slurm.sbatch_argv)."""
     return _LABEL_UNSAFE.sub("_", name)[:128] or "meshrun"
+
+
+def _name(word: str) -> Verbatim:
+    """A run-dir file name from the contract, rendered as written (it is checked to need no quoting)."""
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", word):
+        raise InternalError(f"run-dir name {word!r} would need quoting")
+    return Verbatim(word)
 
 
 def _setup_lines(plan: Plan) -> list[Verbatim]:
@@ -108,6 +116,10 @@ def context(plan: Plan) -> dict[str, Any]:
         "memory_gb": res.memory_gb,
         "signal_seconds": min(cluster.defaults.signal_seconds, max(plan.time_seconds // 2, 1)),
         "run_dir": plan.run_dir,
+        # sbatch reads % in --output as a pattern (%j, %a): a literal one is written %%.
+        "output_prefix": plan.run_dir.replace("%", "%%"),
+        # Run-dir names from the contract: constant, file-name-safe words, written as they are.
+        "logs_dir": _name(RunDir.LOGS), "spec_file": _name(RunDir.SPEC), "tasks_dir": _name(RunDir.TASKS),
         "spec_json": Verbatim(dumps_run_spec(plan.run_spec).rstrip("\n")),
         "setup": _setup_lines(plan),
         # Keys are checked environment names (ClusterProfile), so the test may be verbatim.
@@ -115,25 +127,21 @@ def context(plan: Plan) -> dict[str, Any]:
                      for key, value in sorted(cluster.interconnect.nccl.items())],
         "job_env": sorted(spec.env.items()),
         "sidecar": False,  # the sidecar issue turns this on; the template block is the seam
-        # The local cluster runs its supervisor with the interpreter running meshrun now.
-        "python": sys.executable if cluster.scheduler == "local" else cluster.python,
+        "python": backend(cluster.scheduler).interpreter(cluster),
         "srun_flags": srun_flags,
         "rank_command": rank_command,
         "max_restarts": spec.checkpoint.max_restarts,
-        "exit_requeue": preempt.EXIT_REQUEUE, "exit_no_progress": preempt.EXIT_NO_PROGRESS,
-        "exit_file": EXIT_FILE, "exit_input": preempt.EXIT_INPUT, "exit_gave_up": preempt.EXIT_GAVE_UP,
+        "exit_requeue": exitcodes.EXIT_REQUEUE, "exit_no_progress": exitcodes.EXIT_NO_PROGRESS,
+        "exit_file": _name(RunDir.EXIT_CODE), "exit_input": exitcodes.EXIT_INPUT, "exit_gave_up": exitcodes.EXIT_GAVE_UP,
         "code_dir": plan.code_dir,
         "array_size": len(plan.tasks),
     }
 
 
-SCRIPT_NAMES = {"slurm": "job.sbatch", "local": "run.sh"}
-
-
 def render(plan: Plan) -> str:
     """The job's script for its scheduler (sbatch script, or the local run.sh). Pure."""
-    template = "slurm.sbatch.j2" if plan.cluster.scheduler == "slurm" else "local.sh.j2"
+    template = backend(plan.cluster.scheduler).template
     try:
         return environment().get_template(template).render(**context(plan))
     except jinja2.UndefinedError as exc:
-        raise InputError("template", template, f"internal: {exc}; this is a meshrun bug") from None
+        raise InternalError(f"template {template}: {exc}") from None

@@ -15,7 +15,7 @@ from submit.errors import ClusterError, InputError
 # Slurm 22.05's sacct has no restart count field: the ranks report SLURM_RESTART_COUNT in metrics.jsonl.
 SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "Timelimit", "NodeList")
 SQUEUE_FORMAT = "%i|%T|%M|%l|%N|%r"
-_JOB_ID = re.compile(r"^\d+(_\d+)?$")
+_JOB_ID = re.compile(r"^[0-9]+(_[0-9]+)?$")  # [0-9], not \d: full-width digits are digits to Python, not to Slurm
 
 # Slurm's job states (squeue long names, sacct names), grouped by what they mean for a user.
 ACTIVE = frozenset({"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD",

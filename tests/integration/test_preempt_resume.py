@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from launcher import checkpoint as ckpt
 from launcher.export import consolidated_state
-from submit import slurm
+from submit.schedulers import slurm_cli as slurm
 from tests.integration.cli import meshrun, metrics, status, submitted
 
 STEPS = 150

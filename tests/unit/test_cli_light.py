@@ -29,8 +29,8 @@ def test_help_and_render_work_without_torch(tmp_path: Path) -> None:
 
 
 def test_submit_side_modules_never_import_torch() -> None:
-    code = ("import sys; import submit.cli, submit.api, submit.render, submit.plan, submit.local, "
-            "submit.registry, submit.slurm, submit.transport, launcher.spec, launcher.entry; "
+    code = ("import sys; import submit.cli, submit.api, submit.render, submit.plan, submit.schedulers.local, submit.schedulers.slurm, "
+            "submit.registry, submit.schedulers.slurm_cli, submit.transport, launcher.spec, launcher.entry; "
             "bad = [m for m in ('torch', 'numpy', 'paramiko') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
@@ -51,7 +51,7 @@ def test_bad_input_is_one_line_exit_2_no_traceback(tmp_path: Path) -> None:
 
 
 def test_dry_run_touches_nothing(tmp_path: Path) -> None:
-    out = _run(["submit", "examples/tiny.yaml", "--dry-run"], tmp_path)
+    out = _run(["submit", "examples/tiny.yaml", "--dry-run", "--json"], tmp_path)
     assert out.returncode == 0, out.stderr
     assert '"accumulation": 2' in out.stdout
     assert not (tmp_path / "state").exists()

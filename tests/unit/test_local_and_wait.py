@@ -3,12 +3,17 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 from pathlib import Path
 
-from submit import local
+import pytest
+
+from launcher.rundir import local_state_path, merge_state
+from submit.schedulers import local
 from submit.api import Status
 from submit.cli import _poll_interval, progress_line
+from submit.errors import ClusterError
 from submit.registry import JobRecord, Registry
 
 
@@ -32,16 +37,29 @@ def test_polling_backs_off_on_slurm() -> None:
 def test_a_dead_supervisor_reads_as_failed(tmp_path: Path) -> None:
     proc = subprocess.Popen(["true"])
     proc.wait()
-    (tmp_path / local.STATE_FILE).write_text(json.dumps({"state": "RUNNING", "supervisor_pid": proc.pid}))
-    state = local.current_state(tmp_path)
+    merge_state(local_state_path(str(tmp_path), "local-1"), state="RUNNING", supervisor_pid=proc.pid, pgid=proc.pid)
+    state = local.current_state(str(tmp_path), "local-1")
     assert state["state"] == "FAILED" and "supervisor" in state["message"]
-    assert local.cancel(tmp_path) is False
+    record = JobRecord("local-1", "local", "n", str(tmp_path), "local", 0.0, None, "h")
+    with pytest.raises(ClusterError, match="not running: it ended FAILED"):
+        local.BACKEND.cancel([record], None)
 
 
 def test_a_finished_state_is_kept(tmp_path: Path) -> None:
-    local.write_state(tmp_path, state="COMPLETED", supervisor_pid=1)
-    local.write_state(tmp_path, exit_codes=[0, 0])
-    assert local.current_state(tmp_path) == {"state": "COMPLETED", "supervisor_pid": 1, "exit_codes": [0, 0]}
+    path = local_state_path(str(tmp_path), "local-2")
+    merge_state(path, state="COMPLETED", supervisor_pid=1)
+    merge_state(path, exit_codes=[0, 0])
+    assert local.current_state(str(tmp_path), "local-2") == {"state": "COMPLETED", "supervisor_pid": 1,
+                                                             "exit_codes": [0, 0]}
+    assert os.stat(path).st_mode & 0o777 == 0o600
+
+
+def test_each_job_id_of_a_run_dir_keeps_its_own_outcome(tmp_path: Path) -> None:
+    """A resumed run shares the run dir, never the first id's state (issue 15, item 7)."""
+    merge_state(local_state_path(str(tmp_path), "local-a"), state="CANCELLED")
+    merge_state(local_state_path(str(tmp_path), "local-b"), state="COMPLETED")
+    assert local.current_state(str(tmp_path), "local-a")["state"] == "CANCELLED"
+    assert local.current_state(str(tmp_path), "local-b")["state"] == "COMPLETED"
 
 
 def test_registry_finds_by_id_and_refuses_ambiguity(tmp_path: Path) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from submit import slurm
+from submit.schedulers import slurm_cli as slurm
 from submit.errors import ClusterError
 
 # sacct --allocations --parsable2 --noheader --jobs 11,12,13,14 --format JobID,JobName,State,ExitCode,...

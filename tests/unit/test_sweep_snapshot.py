@@ -1,6 +1,7 @@
 """Sweeps (planning, the array script) and code snapshots (which files, the content address), pure."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -132,9 +133,46 @@ def test_glob_rules(rel: str, patterns: tuple[str, ...], hit: bool) -> None:
 
 def test_dry_run_shows_tasks_and_the_code(tmp_path: Path) -> None:
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path))
-    out = subprocess.run([sys.executable, "-m", "submit.cli", "submit", str(TINY), "-c", "testbed", "--dry-run",
+    out = subprocess.run([sys.executable, "-m", "submit.cli", "submit", str(TINY), "-c", "testbed", "--dry-run", "--json",
                           "--sweep", "train.lr=1e-3,2e-3"], capture_output=True, text=True, env=env, cwd=REPO,
                          check=True)
     shown = json.loads(out.stdout)
     assert [t["overrides"] for t in shown["tasks"]] == [{"train.lr": "1e-3"}, {"train.lr": "2e-3"}]
     assert shown["code"]["root"] == str(REPO) and shown["code"]["files"] > 10
+
+
+def test_snapshot_never_ships_meshrun_state_even_inside_the_work_tree(tmp_path: Path, monkeypatch) -> None:
+    """The registry, known_hosts, profiles and caches are meshrun's (and the user's) state, not code: when
+    the XDG dirs or HOME sit inside the project, shipping them would leak them and change the digest on
+    every submit (the registry is written by each one)."""
+    root = _git_project(tmp_path)
+    state = {"xdg/state/meshrun/jobs.sqlite": "db", "xdg/config/meshrun/clusters/c.yaml": "name: c\n",
+             "xdg/cache/meshrun/data/t.u16": "tok", ".local/state/meshrun/jobs.sqlite": "db",
+             ".config/meshrun/clusters/d.yaml": "", ".cache/meshrun/x": "", ".ssh/known_hosts": "h k v\n",
+             ".ssh/id_ed25519": "PRIVATE", "cfg/known_hosts": "h k v\n", "cfg/.known_hosts.meshrun-tmp": "",
+             snapshot.MANIFEST: "planted\n"}
+    for rel, text in state.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    monkeypatch.setenv("HOME", str(root))
+    for kind in ("STATE", "CONFIG", "CACHE"):
+        monkeypatch.setenv(f"XDG_{kind}_HOME", str(root / "xdg" / kind.lower()))
+    snap = snapshot.collect(root, Code())
+    assert [f for f, _ in snap.files] == [".gitignore", "data/big.bin", "pkg/mod.py", "run.sh", "train.py"]
+    (root / "xdg/state/meshrun/jobs.sqlite").write_text("db with one more job")
+    assert snapshot.collect(root, Code()).digest == snap.digest
+    # Not even when asked for by code.include: these never leave the machine.
+    forced = snapshot.collect(root, Code(include=(".ssh", "xdg", ".local", "cfg")))
+    assert [f for f, _ in forced.files] == [f for f, _ in snap.files]
+
+
+def test_snapshot_manifest_lists_paths_modes_and_hashes(tmp_path: Path) -> None:
+    root = _git_project(tmp_path)
+    snap = snapshot.collect(root, Code())
+    lines = snap.manifest.splitlines()
+    assert len(lines) == len(snap.files)
+    script_hash = hashlib.sha256("#!/bin/sh\n".encode()).hexdigest()
+    assert f"{script_hash}  run.sh" in lines  # the format `sha256sum -c` reads
+    assert sorted(snap.listing.splitlines()) == sorted(f"{rel}\t{mode:o}" for rel, mode in snap.files)
+    (root / "run.sh").chmod(0o644)  # a mode change is a new snapshot (it changes what runs)
+    assert snapshot.collect(root, Code()).digest != snap.digest

@@ -1,0 +1,1 @@
+"""Shipped cluster profiles, installed as the data package `submit.cluster_configs` (see submit/resources.py)."""

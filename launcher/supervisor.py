@@ -1,0 +1,244 @@
+"""The `local` cluster's node side: what sbatch + srun are on Slurm. Torch-free.
+
+`meshrun submit -c local` runs the rendered run.sh detached, in a new session, with
+MESHRUN_JOB_ID set; run.sh execs `python -m launcher.supervisor RUN_DIR`. The
+supervisor starts the ranks through submitit's LocalExecutor (which gives each rank a
+Slurm-like environment), enforces the time limit, stops every rank when one fails
+(Slurm's --kill-on-bad-exit), and records the job's outcome in its own state file,
+`.meshrun/jobs/JOB_ID.json`. Each rank writes its output to `logs/rank-N.log`
+(appended across resumes, as on Slurm); submitit's own files stay in `.meshrun/submitit`.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from launcher.exitcodes import EXIT_FAILED, EXIT_INPUT, EXIT_REQUEUE
+from launcher.rundir import JOB_ID_ENV, RunDir, local_state_path, merge_state, read_state
+
+STOP_GRACE_S = 60
+"""How long ranks may take to save and exit after a cancel or the time limit before they are killed."""
+FAILED_PEER_GRACE_S = 10
+"""How long the other ranks get to exit after one rank failed, before they are killed."""
+
+
+def rank_main(run_dir: str) -> int:
+    """One rank, run by submitit's worker: output to logs/rank-N.log for the rank's life only
+    (submitit's own closing lines stay in its file, not in the log a person reads)."""
+    from launcher.entry import run_rank  # torch-free at import
+
+    rank = int(os.environ.get("SUBMITIT_LOCAL_GLOBALID", "0"))
+    with _output_to(RunDir(run_dir).rank_log(rank)):
+        return run_rank(run_dir)
+
+
+class _output_to:
+    """Point fds 1 and 2 at a file (append), and back afterwards."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.saved: list[int] = []
+
+    def __enter__(self) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self.saved = [os.dup(1), os.dup(2)]
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+
+    def __exit__(self, *_exc: Any) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for target, saved in zip((1, 2), self.saved):
+            os.dup2(saved, target)
+            os.close(saved)
+
+
+def _children(parent: int) -> Iterator[int]:
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                if int(handle.read().rsplit(")", 1)[1].split()[1]) == parent:
+                    yield int(entry)
+        except (OSError, IndexError, ValueError):
+            continue
+
+
+def _signal_ranks(controller: int, sig: int) -> None:
+    """Signal the rank processes (the submitit controller's children), not this supervisor."""
+    for pid in _children(controller):
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+
+
+class Supervisor:
+    def __init__(self, run_dir: Path, job_id: str) -> None:
+        from launcher.spec import read_run_spec  # torch-free
+
+        self.run_dir = RunDir(str(run_dir))
+        self.job_id = job_id
+        self.state_path = local_state_path(self.run_dir.root, job_id)
+        self.spec = read_run_spec(run_dir)
+        self.cancelled = False
+
+    def _on_term(self, signum: int, _frame: Any) -> None:
+        self.cancelled = True
+
+    def _cancel_requested(self) -> bool:
+        return self.cancelled or bool(read_state(self.state_path).get("cancel_requested"))
+
+    def _executor(self) -> tuple[Any, int]:
+        import math
+
+        import submitit
+
+        job = self.spec.job
+        limit_s = self.spec.run.time_limit_s or 3600
+        executor = submitit.LocalExecutor(folder=self.run_dir.submitit)
+        # The supervisor's own clock enforces the limit; submitit's gets a margin so that
+        # its timeout path (which would requeue) never fires first.
+        executor.update_parameters(tasks_per_node=job.tasks_per_node, nodes=1,
+                                   timeout_min=math.ceil(limit_s / 60) + 5, stderr_to_stdout=True,
+                                   gpus_per_node=job.resources.gpus_per_node)
+        return executor, limit_s
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_term)
+        signal.signal(signal.SIGINT, self._on_term)
+        if self._cancel_requested():  # cancelled before the ranks were started: start none
+            return self._record("CANCELLED", started=time.time(), codes=None, message="cancelled before start")
+        os.makedirs(self.run_dir.logs, mode=0o700, exist_ok=True)
+        executor, limit_s = self._executor()
+        job = executor.submit(rank_main, self.run_dir.root)
+        started = time.time()
+        merge_state(self.state_path, state="RUNNING", started=started, controller_pid=int(job.job_id),
+                    time_limit_s=limit_s)
+        print(f"[meshrun] local job {self.job_id} started {self.spec.job.tasks_per_node} ranks", flush=True)
+        stopped = self._watch(job, started, limit_s)
+        return self._finish(job, started, stopped)
+
+    def _watch(self, job: Any, started: float, limit_s: int) -> Optional[str]:
+        """Wait for the ranks; returns why they were stopped (None: they ended by themselves)."""
+        stopped: Optional[str] = None
+        deadline: Optional[float] = None
+        controller = int(job.job_id)
+        while not job.done():
+            now = time.time()
+            if stopped is None:
+                if self._cancel_requested():
+                    stopped, deadline = "CANCELLED", now + STOP_GRACE_S
+                    _signal_ranks(controller, signal.SIGTERM)  # they save a checkpoint and exit
+                elif now - started > limit_s:
+                    stopped, deadline = "TIMEOUT", now + STOP_GRACE_S
+                    _signal_ranks(controller, signal.SIGUSR1)
+                elif self._failed_rank(job) is not None:
+                    # Slurm's --kill-on-bad-exit: one rank's failure ends the job, not its full time.
+                    stopped, deadline = "FAILED", now + FAILED_PEER_GRACE_S
+                    _signal_ranks(controller, signal.SIGTERM)
+            if deadline is not None and now > deadline:
+                _signal_ranks(controller, signal.SIGKILL)
+                deadline = now + STOP_GRACE_S  # SIGKILL again later if something survived
+            time.sleep(0.25)
+        return stopped
+
+    @staticmethod
+    def _failed_rank(job: Any) -> Optional[int]:
+        """The first rank that ended with an error or a failing exit code (75 is a clean stop)."""
+        from submitit.core.utils import pickle_load
+
+        for task in range(job.num_tasks):
+            result = job.task(task).paths.result_pickle
+            if not result.exists():
+                continue
+            try:
+                outcome, value = pickle_load(result)
+            except Exception:
+                continue  # being written
+            if outcome != "success" or value not in (0, EXIT_REQUEUE):
+                return task
+        return None
+
+    def _codes(self, job: Any) -> tuple[Optional[list[int]], str]:
+        try:
+            return [int(c) for c in job.results()], ""
+        except Exception as exc:  # submitit re-raises a rank's exception (or a killed rank's absence)
+            text = str(exc).strip()
+            return None, text.splitlines()[-1] if text else type(exc).__name__
+
+    def _finish(self, job: Any, started: float, stopped: Optional[str]) -> int:
+        if not job.done():
+            job.cancel(check=False)
+        codes, message = self._codes(job)
+        agreed = _read_code(self.run_dir.exit_code)
+        rank_error = _first_line(self.run_dir.rank_error)
+        if stopped in ("CANCELLED", "TIMEOUT"):
+            final = stopped
+            if agreed == EXIT_REQUEUE or (codes and all(c == EXIT_REQUEUE for c in codes)):
+                message = "checkpoint saved: `meshrun resume` continues it"
+        elif codes is not None and all(c == EXIT_REQUEUE for c in codes):
+            final, message = "PREEMPTED", "checkpoint saved: `meshrun resume` continues it"
+        elif codes is not None and not any(codes) and stopped is None:
+            final, message = "COMPLETED", ""
+        else:
+            final = "FAILED"
+            message = rank_error or (f"rank exit codes {codes}" if codes else message)
+        code = agreed if agreed is not None else _job_exit_code(codes, final)
+        return self._record(final, started, codes, message, code)
+
+    def _record(self, final: str, started: float, codes: Optional[list[int]], message: str,
+                exit_code: Optional[int] = None) -> int:
+        merge_state(self.state_path, state=final, ended=time.time(), exit_codes=codes, message=message,
+                    exit_code=exit_code, elapsed_s=round(time.time() - started, 3))
+        print(f"[meshrun] local job {self.job_id} {final} {message}".rstrip(), flush=True)
+        return 0 if final == "COMPLETED" else 1
+
+
+def _read_code(path: str) -> Optional[int]:
+    try:
+        return int(Path(path).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _first_line(path: str) -> str:
+    try:
+        return Path(path).read_text(errors="replace").strip().splitlines()[0][:500]
+    except (OSError, IndexError):
+        return ""
+
+
+def _job_exit_code(codes: Optional[list[int]], final: str) -> int:
+    if final == "COMPLETED":
+        return 0
+    if codes and EXIT_INPUT in codes:
+        return EXIT_INPUT
+    return max(codes) if codes and max(codes) else EXIT_FAILED
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    job_id = os.environ.get(JOB_ID_ENV, "")
+    if len(argv) != 1 or not job_id:
+        print(f"usage: {JOB_ID_ENV}=ID python -m launcher.supervisor RUN_DIR", file=sys.stderr)
+        return EXIT_INPUT
+    run_dir = Path(argv[0])
+    try:
+        return Supervisor(run_dir, job_id).run()
+    except Exception as exc:
+        merge_state(local_state_path(str(run_dir), job_id), state="FAILED", ended=time.time(),
+                    message=f"supervisor: {exc}")
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

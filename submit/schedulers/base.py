@@ -1,0 +1,109 @@
+"""The interface every scheduler backend implements, and the request it submits.
+
+Shaped like torchx's schedulers: `dryrun(plan)` builds a `Request` holding everything
+that would be sent (the script, the argv that starts the job, the run-dir files), each
+rendered once; `--dry-run` prints it; `schedule(request)` sends exactly that request.
+The other verbs (status, cancel, logs, resume) go through the same backend.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence
+
+import yaml
+
+from launcher.rundir import RunDir
+from launcher.spec import dumps_run_spec
+from submit.transport import Upload
+
+if TYPE_CHECKING:
+    from launcher.spec import JobSpec
+    from submit.cluster import ClusterProfile
+    from submit.plan import Plan
+    from submit.registry import JobRecord
+    from submit.status import Status
+    from submit.transport import Transport
+
+
+@dataclass(frozen=True)
+class Request:
+    """One submission, complete: printed by `submit --dry-run`, sent as is by `schedule`."""
+    scheduler: str
+    """The backend that sends it."""
+    run_dir: str
+    """The run dir on the cluster."""
+    script_path: str
+    """Where the script lands (inside the run dir)."""
+    script: str
+    """The rendered script, byte for byte what is written."""
+    argv: tuple[str, ...]
+    """The command that starts the job on the cluster (sbatch ..., or the local start)."""
+    files: Mapping[str, Upload] = field(default_factory=dict)
+    """Every run-dir file written before the start, by path relative to the run dir (the script included)."""
+    code_dir: Optional[str] = None
+    """The code snapshot the ranks import, if the backend ships code."""
+    array_tasks: int = 0
+    """Job-array tasks (a sweep); 0 for a single job."""
+
+    def as_json(self) -> dict[str, Any]:
+        files = [{"path": f"{self.run_dir}/{rel}", "mode": oct(item.mode),
+                  "bytes": None if rel.endswith("/") else len(item.data) if isinstance(item.data, bytes) else None}
+                 for rel, item in sorted(self.files.items())]
+        return {"scheduler": self.scheduler, "run_dir": self.run_dir, "script_path": self.script_path,
+                "argv": list(self.argv), "files": files, "code_dir": self.code_dir, "script": self.script}
+
+
+def run_dir_files(plan: "Plan", script_name: str, script: str) -> dict[str, Upload]:
+    """The run dir as submitted: the spec as written, the resolved spec, the script, logs/
+    (and each sweep task's spec and logs/). Names come from the run-dir contract."""
+    files = {
+        RunDir.JOB_YAML: Upload(yaml.safe_dump(plan.submitted, sort_keys=False, allow_unicode=True).encode()),
+        RunDir.SPEC: Upload(dumps_run_spec(plan.run_spec).encode()),
+        script_name: Upload(script.encode(), 0o700),
+        f"{RunDir.LOGS}/": Upload(b"", 0o700),
+    }
+    for task in plan.tasks:
+        prefix = f"{RunDir.TASKS}/{task.index}"
+        files[f"{prefix}/{RunDir.SPEC}"] = Upload(dumps_run_spec(task.run_spec).encode())
+        files[f"{prefix}/{RunDir.LOGS}/"] = Upload(b"", 0o700)
+    return files
+
+
+class Backend(Protocol):
+    """What meshrun needs from a scheduler."""
+    name: str
+    """The profile's `scheduler` value."""
+    template: str
+    """The script template in templates/."""
+    ships_code: bool
+    """The job runs from a code snapshot on the cluster (else from this machine's files, in place)."""
+    over_ssh: bool
+    """The cluster may be reached over SSH (a profile with `ssh:`); else it is this machine."""
+    supports_arrays: bool
+    """`--sweep` (job arrays)."""
+    supports_dependencies: bool
+    """`--after`."""
+
+    def interpreter(self, profile: "ClusterProfile") -> str:
+        """The Python the job's script runs."""
+
+    def check(self, spec: "JobSpec", profile: "ClusterProfile") -> None:
+        """The backend's own plan-time checks (InputError)."""
+
+    def dryrun(self, plan: "Plan", after: Sequence[str] = ()) -> Request: ...
+
+    def schedule(self, request: Request, transport: "Transport") -> str:
+        """Send the request; returns the job id."""
+
+    def statuses(self, records: Sequence["JobRecord"], transport: "Transport") -> list["Status"]: ...
+
+    def cancel(self, records: Sequence["JobRecord"], transport: "Transport") -> None: ...
+
+    def log_path(self, record: "JobRecord", rank: Optional[int]) -> str:
+        """Rank N's log, or (None) the batch shell's / local supervisor's log."""
+
+    def restart(self, record: "JobRecord", transport: "Transport") -> str:
+        """Start a stopped job's own script again in its run dir (`meshrun resume`); the new job id."""
+
+    def poll_interval(self, elapsed_s: float) -> float:
+        """How often `--wait` asks, so that a long wait does not hammer the scheduler."""

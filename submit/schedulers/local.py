@@ -1,0 +1,222 @@
+"""The `local` backend: this machine, no Slurm. Torch-free.
+
+schedule writes the run dir and starts the rendered run.sh detached, in a session of
+its own, with MESHRUN_JOB_ID set; run.sh execs the node side, `python -m
+launcher.supervisor` (what sbatch + srun are on Slurm). Each job id has its own state
+file in the run dir's `.meshrun/jobs/`, so a resumed run never rewrites an earlier id's
+outcome. Two writers in one run dir are impossible: a start (or resume) is refused while
+any process of an earlier job of that run dir lives, even when its supervisor was
+killed and left its ranks running (orphans are found by process group, and `cancel`
+stops them).
+"""
+from __future__ import annotations
+
+import fcntl
+import glob
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+from launcher.rundir import JOB_ID_ENV, RunDir, local_state_path, merge_state, read_state
+from launcher.spec import JobSpec
+from submit.cluster import ClusterProfile
+from submit.errors import ClusterError, InputError
+from submit.plan import Plan
+from submit.registry import JobRecord, now
+from submit.schedulers.base import Request, run_dir_files
+from submit.status import FINAL, Status, last_metrics
+from submit.transport import Transport
+
+ACTIVE = ("PENDING", "RUNNING")
+
+
+def new_job_id() -> str:
+    return f"local-{secrets.token_hex(4)}"
+
+
+class LocalBackend:
+    name = "local"
+    template = "local.sh.j2"
+    ships_code = False
+    over_ssh = False
+    supports_arrays = False
+    supports_dependencies = False
+
+    def interpreter(self, profile: ClusterProfile) -> str:
+        # The local supervisor runs with the interpreter running meshrun now.
+        return sys.executable
+
+    def check(self, spec: JobSpec, profile: ClusterProfile) -> None:
+        if spec.resources.nodes != 1:
+            raise InputError("resources.nodes", spec.resources.nodes, "the local cluster is this one machine: use 1")
+
+    def dryrun(self, plan: Plan, after: Sequence[str] = ()) -> Request:
+        from submit.render import render
+
+        if after:
+            raise InputError("--after", after[0], "dependencies are Slurm's; the local cluster has none")
+        script = render(plan)
+        path = RunDir(plan.run_dir).script(self.name)
+        return Request(scheduler=self.name, run_dir=plan.run_dir, script_path=path, script=script,
+                       argv=("bash", path), files=run_dir_files(plan, RunDir.SCRIPTS[self.name], script))
+
+    def schedule(self, request: Request, transport: Transport) -> str:
+        with _start_lock(request.run_dir):
+            _refuse_live_writers(request.run_dir)
+            transport.put(request.files, request.run_dir)
+            return _start(request.run_dir, request.argv)
+
+    def statuses(self, records: Sequence[JobRecord], transport: Transport) -> list[Status]:
+        return [_status(record, transport) for record in records]
+
+    def cancel(self, records: Sequence[JobRecord], transport: Transport) -> None:
+        for record in records:
+            _cancel(record)
+
+    def log_path(self, record: JobRecord, rank: Optional[int]) -> str:
+        run_dir = RunDir(record.run_dir)
+        return run_dir.supervisor_log if rank is None else run_dir.rank_log(rank)
+
+    def restart(self, record: JobRecord, transport: Transport) -> str:
+        run_dir = RunDir(record.run_dir)
+        with _start_lock(record.run_dir):
+            _refuse_live_writers(record.run_dir)
+            return _start(record.run_dir, ("bash", run_dir.script(self.name)))
+
+    def poll_interval(self, elapsed_s: float) -> float:
+        return 0.5  # reading a local file costs nothing
+
+
+class _start_lock:
+    """An exclusive lock around "check for live writers, then start": two resumes cannot race."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.path = RunDir(run_dir).lock
+        self.fd = -1
+
+    def __enter__(self) -> None:
+        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *_exc: Any) -> None:
+        os.close(self.fd)  # closing releases the lock
+
+
+def _job_states(run_dir: str) -> list[dict[str, Any]]:
+    return [read_state(path) for path in glob.glob(local_state_path(run_dir, "*"))]
+
+
+def _refuse_live_writers(run_dir: str) -> None:
+    for state in _job_states(run_dir):
+        pgid = state.get("pgid")
+        live = process_group_alive(int(pgid)) if pgid else []
+        if live:
+            raise ClusterError(f"job {state.get('job_id')} still has {len(live)} live process(es) in {run_dir} "
+                               f"(pids {', '.join(map(str, live[:8]))}): two jobs must never write one run dir; "
+                               f"`meshrun cancel {state.get('job_id')}` stops it")
+
+
+def _start(run_dir: str, argv: Sequence[str]) -> str:
+    """Start the script detached, in a new session (its process group is the job's)."""
+    job_id = new_job_id()
+    state_path = local_state_path(run_dir, job_id)
+    merge_state(state_path, state="PENDING", job_id=job_id, submitted=time.time())
+    # The previous run's agreed exit code and error belong to it, not to this start.
+    for stale in (RunDir(run_dir).exit_code, RunDir(run_dir).rank_error):
+        try:
+            os.unlink(stale)
+        except FileNotFoundError:
+            pass
+    log = os.open(RunDir(run_dir).supervisor_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        proc = subprocess.Popen(list(argv), cwd=run_dir, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                start_new_session=True, env={**os.environ, JOB_ID_ENV: job_id})
+    finally:
+        os.close(log)
+    merge_state(state_path, supervisor_pid=proc.pid, pgid=proc.pid)
+    return job_id
+
+
+def process_group_alive(pgid: int) -> list[int]:
+    """Live (not zombie) processes of a process group: PID 1 may reap a dead one late."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 3 and int(fields[3]) == pgid and fields[0] not in ("Z", "X"):
+            found.append(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """True if the process runs (zombies count as dead: PID 1 may reap them late)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, IndexError, ProcessLookupError):
+        return False
+
+
+def current_state(run_dir: str, job_id: str) -> dict[str, Any]:
+    """The job's state, corrected when its supervisor died without writing its end."""
+    path = local_state_path(run_dir, job_id)
+    state = read_state(path)
+    pid = state.get("supervisor_pid")
+    if state.get("state") not in ACTIVE or not pid or _alive(int(pid)):
+        return state
+    state = read_state(path)  # it may have finished between the two reads
+    if state.get("state") not in ACTIVE:
+        return state
+    live = process_group_alive(int(state.get("pgid") or pid))
+    if live:
+        return {**state, "state": "RUNNING", "orphans": live,
+                "message": f"orphaned: the local supervisor died and {len(live)} process(es) still run; "
+                           f"`meshrun cancel {job_id}` stops them"}
+    if state.get("cancel_requested"):
+        return {**state, "state": "CANCELLED", "message": ""}
+    return {**state, "state": "FAILED", "message": "the local supervisor process died (killed?)"}
+
+
+def _status(record: JobRecord, transport: Transport) -> Status:
+    if not os.path.isdir(record.run_dir):
+        state: dict[str, Any] = {"state": "UNKNOWN", "message": f"the run dir {record.run_dir} is gone"}
+    else:
+        state = current_state(record.run_dir, record.job_id) or {"state": "UNKNOWN"}
+    name = state.get("state", "UNKNOWN")
+    started, ended = state.get("started"), state.get("ended")
+    elapsed = int((ended or now()) - started) if started else None
+    return Status(job_id=record.job_id, cluster=record.cluster, name=record.name, state=name,
+                  run_dir=record.run_dir, submitted_at=record.submitted_at, done=name in FINAL,
+                  succeeded=name == "COMPLETED", elapsed_s=elapsed,
+                  time_limit_s=None if name in FINAL else state.get("time_limit_s"),
+                  reason=state.get("message") or None, progress=last_metrics(transport, record.run_dir),
+                  exit_code=state.get("exit_code"))
+
+
+def _cancel(record: JobRecord) -> None:
+    """SIGTERM to the job's process group: supervisor, submitit controller, ranks (orphans too)."""
+    state = current_state(record.run_dir, record.job_id)
+    if state.get("state") not in ACTIVE:
+        raise ClusterError(f"job {record.job_id} is not running: it ended {state.get('state', 'UNKNOWN')} "
+                           f"(see `meshrun status {record.job_id}`)")
+    merge_state(local_state_path(record.run_dir, record.job_id), cancel_requested=time.time())
+    pgid = int(state.get("pgid") or state.get("supervisor_pid") or 0)
+    if not pgid:
+        return  # not started yet: the supervisor sees cancel_requested and starts nothing
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+
+
+BACKEND = LocalBackend()

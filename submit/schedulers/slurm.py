@@ -1,0 +1,123 @@
+"""The Slurm backend: sbatch, squeue + sacct, scancel, the batch log; over any transport.
+
+A submit writes the run dir and runs `sbatch --parsable` in ONE round trip; status asks
+squeue, one batched sacct and every run's metrics tail in ONE remote command per cluster.
+The command lines and parsers of Slurm's stable output are in `slurm_cli`.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from launcher.rundir import RunDir
+from launcher.spec import JobSpec
+from submit.cluster import ClusterProfile
+from submit.plan import Plan
+from submit.registry import JobRecord
+from submit.schedulers import slurm_cli
+from submit.schedulers.base import Request, run_dir_files
+from submit.status import FINAL, Status, parse_metrics_tail
+from submit.transport import Result, Transport, batch
+
+BATCH_JOBS = 1000
+
+
+class SlurmBackend:
+    name = "slurm"
+    template = "slurm.sbatch.j2"
+    ships_code = True
+    over_ssh = True
+    supports_arrays = True
+    supports_dependencies = True
+
+    def interpreter(self, profile: ClusterProfile) -> str:
+        return profile.python
+
+    def check(self, spec: JobSpec, profile: ClusterProfile) -> None:
+        return None
+
+    def dryrun(self, plan: Plan, after: Sequence[str] = ()) -> Request:
+        from submit.render import render
+
+        slurm_cli.dependency(after)  # bad --after values fail before anything is sent
+        run_dir = RunDir(plan.run_dir)
+        script = render(plan)
+        name = RunDir.SCRIPTS[self.name]
+        return Request(scheduler=self.name, run_dir=plan.run_dir, script_path=run_dir.script(self.name),
+                       script=script, argv=tuple(slurm_cli.sbatch_argv(run_dir.script(self.name), plan.spec.name,
+                                                                         plan.run_dir, after)),
+                       files=run_dir_files(plan, name, script), code_dir=plan.code_dir,
+                       array_tasks=len(plan.tasks))
+
+    def schedule(self, request: Request, transport: Transport) -> str:
+        done = transport.put(request.files, request.run_dir, then=request.argv, timeout=120)
+        assert done is not None
+        if done.returncode != 0:
+            # Nothing is left behind by a failed submit: the run dir goes (it held only what we wrote).
+            transport.run(["rm", "-rf", "--", request.run_dir])
+            done.check("sbatch")
+        return slurm_cli.parse_sbatch(done.stdout)
+
+    def statuses(self, records: Sequence[JobRecord], transport: Transport) -> list[Status]:
+        """ONE remote round trip per BATCH_JOBS jobs."""
+        if len(records) > BATCH_JOBS:  # keeps one command line well under sshd's packet limit (256 KiB)
+            return [s for i in range(0, len(records), BATCH_JOBS)
+                    for s in self.statuses(records[i:i + BATCH_JOBS], transport)]
+        results = batch(transport, query_argvs(records), timeout=120)
+        states = states_from(records, results[0], results[1])
+        return [_status(record, states[record.job_id], tail) for record, tail in zip(records, results[2:])]
+
+    def cancel(self, records: Sequence[JobRecord], transport: Transport) -> None:
+        record = records[0]
+        job_id = record.job_id.split("_")[0] if len(records) > 1 else record.job_id
+        transport.run(slurm_cli.scancel_argv(job_id)).check("scancel")
+
+    def log_path(self, record: JobRecord, rank: Optional[int]) -> str:
+        run_dir = RunDir(record.run_dir)
+        return run_dir.batch_log(record.job_id) if rank is None else run_dir.rank_log(rank)
+
+    def restart(self, record: JobRecord, transport: Transport) -> str:
+        argv = slurm_cli.sbatch_argv(RunDir(record.run_dir).script(self.name), record.name, record.run_dir, ())
+        return slurm_cli.parse_sbatch(transport.run(argv, timeout=120).check("sbatch").stdout)
+
+    def poll_interval(self, elapsed_s: float) -> float:
+        """2 s, then 5 s, then 10 s."""
+        return 2.0 if elapsed_s < 30 else 5.0 if elapsed_s < 300 else 10.0
+
+
+def query_argvs(records: Sequence[JobRecord]) -> list[list[str]]:
+    """squeue, sacct, then one metrics tail per job: what the single round trip runs."""
+    ids = [r.job_id for r in records]
+    tails = [["tail", "-n", "4", "--", RunDir(r.run_dir).metrics] for r in records]
+    return [slurm_cli.squeue_argv(ids), slurm_cli.sacct_argv(ids), *tails]
+
+
+def states_from(records: Sequence[JobRecord], squeue: Result, sacct: Result) -> dict[str, slurm_cli.JobState]:
+    """Merge both answers; raise only when neither scheduler command worked."""
+    if squeue.returncode != 0 and sacct.returncode != 0 and "Invalid job id" not in squeue.stderr:
+        sacct.check("sacct and squeue")
+    acct = slurm_cli.parse_sacct(sacct.stdout) if sacct.returncode == 0 else {}
+    live = slurm_cli.parse_squeue(squeue.stdout) if squeue.returncode == 0 else {}
+    merged = slurm_cli.merge_states([r.job_id for r in records], acct, live)
+    for record in records:  # accounting off and slurmctld forgot the job: keep what meshrun last saw
+        if merged[record.job_id].state == "UNKNOWN" and record.last_state in FINAL:
+            merged[record.job_id] = slurm_cli.JobState(job_id=record.job_id, state=record.last_state)
+    return merged
+
+
+def _exit_code(text: Optional[str]) -> Optional[int]:
+    """sacct's ExitCode is CODE:SIGNAL."""
+    head = (text or "").split(":", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def _status(record: JobRecord, job: slurm_cli.JobState, tail: Result) -> Status:
+    progress = parse_metrics_tail(tail.stdout) if tail.returncode == 0 else {}
+    return Status(job_id=record.job_id, cluster=record.cluster, name=record.name, state=job.state,
+                  run_dir=record.run_dir, submitted_at=record.submitted_at, done=job.done,
+                  succeeded=job.succeeded, elapsed_s=slurm_cli.seconds(job.elapsed),
+                  time_limit_s=slurm_cli.seconds(job.time_limit),
+                  restarts=max(job.restarts, int(progress.get("restart_count") or 0)),
+                  reason=job.reason, progress=progress, exit_code=_exit_code(job.exit_code) if job.done else None)
+
+
+BACKEND = SlurmBackend()
