@@ -1,9 +1,10 @@
 """Checkpoint cost, measured in one run against baselines from the same run.
 
-    .venv/bin/python bench/checkpoint.py [--dir DIR] [--params-m 28]
+    .venv/bin/python bench/checkpoint.py [--dir DIR] [--params-m 28] [--quick]
 
 A GPT whose model + AdamW state is >= 200 MB (fp32: 12 bytes per parameter), one
-process. Prints:
+process; --quick takes the same steps with a ~2 MB state (2 layers, d 64, vocab 512),
+which is what CI runs to keep the bench working. Prints:
 - the training stall of an async save (time until training may continue) over the
   time of a synchronous save of the same state (goal <= 0.1);
 - save and load throughput against plain `cp -r` of the same bytes on the same disk.
@@ -26,11 +27,11 @@ from launcher.model import GPT
 from launcher.spec import Model
 
 
-def build(params_m: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    layers, d = 8, 512
+def build(params_m: float, layers: int, vocab: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    d = 64
     while 12 * layers * d * d * 1.0 < params_m * 1e6:  # ~12 d^2 per block (attention 4, SwiGLU ~8)
         d += 64
-    model = GPT(Model(n_layers=layers, d_model=d, n_heads=8, vocab_size=32768, seq_len=256))
+    model = GPT(Model(n_layers=layers, d_model=d, n_heads=8, vocab_size=vocab, seq_len=256))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model(torch.zeros(1, 16, dtype=torch.long)).float().mean().backward()
     opt.step()  # materialise AdamW's two moments
@@ -51,9 +52,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--params-m", type=float, default=28.0, help="model size in millions of parameters")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--quick", action="store_true", help="a ~2 MB state (CI's check that the bench runs)")
     args = parser.parse_args()
+    if args.quick:
+        args.params_m, args.layers, args.vocab = 0.05, 2, 512
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    model, opt = build(args.params_m)
+    model, opt = build(args.params_m, args.layers, args.vocab)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
         sync = ckpt.Checkpointer(root / "sync", keep=3, async_save=False)

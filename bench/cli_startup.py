@@ -1,9 +1,9 @@
 """CLI start-up against `python -c pass`, measured in the same run.
 
-    .venv/bin/python bench/cli_startup.py [--runs N]
+    .venv/bin/python bench/cli_startup.py [--runs N] [--quick]
 
 Prints milliseconds (median of N) and the ratio to the bare interpreter, and
-checks that neither verb imported torch.
+checks that neither verb imported torch. --quick runs each case twice (CI's check).
 """
 from __future__ import annotations
 
@@ -37,7 +37,10 @@ def imports_torch(argv: list[str], env: dict[str, str]) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=15)
+    parser.add_argument("--quick", action="store_true", help="2 runs per case (CI's check that the bench runs)")
     args = parser.parse_args()
+    if args.quick:
+        args.runs = 2
     with tempfile.TemporaryDirectory() as state:
         env = dict(os.environ, XDG_STATE_HOME=state)
         cases = {

@@ -2,7 +2,7 @@
 
     python bench/gpu_train.py                 # ~1.04B params, seq 2048, bf16, 30 steps (H100/H200)
     python bench/gpu_train.py --ac --compile  # activation checkpointing, torch.compile per block
-    python bench/gpu_train.py --smoke         # a tiny config on CPU, to check the script itself
+    python bench/gpu_train.py --smoke         # a tiny config on CPU, to check the script itself (= --quick)
 
 The trainer is built as `launcher.train` builds it (same checks, runtime, process
 group of one, model, executor, optimizer, loop), from a job spec made here; only the
@@ -45,7 +45,8 @@ def peak_flops(device_name: str) -> Optional[float]:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--smoke", action="store_true", help="tiny model on CPU (checks the script, no GPU needed)")
+    p.add_argument("--smoke", "--quick", dest="smoke", action="store_true",
+                   help="tiny model on CPU (checks the script, no GPU needed; CI runs it)")
     p.add_argument("--layers", type=int, default=18)
     p.add_argument("--d-model", type=int, default=2048)
     p.add_argument("--heads", type=int, default=16)

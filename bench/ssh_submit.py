@@ -1,13 +1,14 @@
 """Submission over SSH against the real testbed (Slurm + sshd on 127.0.0.1), measured in one run.
 
-    .venv/bin/python bench/ssh_submit.py [--runs N] [--jobs 200] [--keep]
+    .venv/bin/python bench/ssh_submit.py [--runs N] [--jobs 200] [--keep] [--quick]
 
 Prints, per `meshrun submit`: SSH connections opened (goal 1), remote round trips and bytes
 uploaded, for a first submit and an unchanged resubmit (goal 0 bytes); `status` of N jobs (goal
 one round trip); and the wall time of `meshrun submit` against a bare `ssh host sbatch` of the
 same script (OpenSSH client, same host), as a ratio. Counts come from submit.ssh.STATS in this
 process; connections are also counted by sshd itself (its "Accepted publickey" log lines).
-Starts the testbed when it is not running and stops it again unless --keep.
+Starts the testbed when it is not running and stops it again unless --keep. --quick
+(CI's check that the bench runs): one latency run and a 4-job status query.
 """
 from __future__ import annotations
 
@@ -131,7 +132,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--jobs", type=int, default=200)
     parser.add_argument("--keep", action="store_true", help="leave the testbed running")
+    parser.add_argument("--quick", action="store_true", help="1 latency run, 4 jobs (CI's check)")
     args = parser.parse_args()
+    if args.quick:
+        args.runs, args.jobs = 1, 4
     already_up = all(tb.status().values())
     tb.up()
     try:

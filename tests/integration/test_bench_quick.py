@@ -1,0 +1,83 @@
+"""Benches cannot rot: every bench's quick mode runs here as a user runs it, and prints its numbers.
+
+A quick mode takes the bench's own code path with tiny sizes (seconds, not minutes), so a change
+that breaks a bench fails CI; the full runs stay manual (README, Benchmarks). bench/gpu.sh needs a
+GPU: here only its fail-fast answer on a machine without one is checked.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "bench"
+NUMBER = r"[0-9][0-9,]*\.?[0-9]*"
+
+QUICK: dict[str, tuple[list[str], list[str]]] = {
+    # bench: (its arguments, patterns its output must hold: the table or the ratios it exists for)
+    "plan_scale.py": (["--quick"], [rf"plan\+validate\+render 1024 nodes x 8 GPUs: {NUMBER} ms .*ratio {NUMBER}",
+                                    rf"expand_hostlist 10,000 hosts: {NUMBER} ms .*ratio {NUMBER}"]),
+    "cli_startup.py": (["--quick"], [rf"meshrun --help +{NUMBER} +{NUMBER} +no$",
+                                     rf"meshrun render +{NUMBER} +{NUMBER} +no$"]),
+    "checkpoint.py": (["--quick"], [r"state: [0-9] MB",  # the small state: single-digit megabytes
+                                    rf"ratio save/cp {NUMBER}", rf"stall / synchronous save = {NUMBER}",
+                                    rf"ratio load/read {NUMBER}"]),
+    "throughput.py": (["--quick"], [rf"meshrun loop : +{NUMBER} tokens/s", rf"minimal loop : +{NUMBER} tokens/s",
+                                    rf"ratio +: {NUMBER}"]),
+    "gpu_train.py": (["--quick"], [rf"steps [0-9]+-[0-9]+: {NUMBER} ms/step, {NUMBER} tokens/s, .*MFU"]),
+    "gpu_ops.py": (["all", "--quick"], [r"^ROW\tnvml", rf"^ROW\tbf16 gemm 256\^3\t{NUMBER} TFLOP/s",
+                                        rf"^ROW\tall-reduce\t{NUMBER} GB/s bus bandwidth \(gloo, 2 ranks"]),
+}
+ON_TESTBED = {"ssh_submit.py": (["--quick"], [r"first submit \(new code\) +1 +1 ",
+                                              rf"meshrun submit \(command\) +{NUMBER} +{NUMBER}",
+                                              r"status of 4 jobs: 1 round trip"])}
+HELPERS = {"trainer_setup.py"}  # imported by the training benches; not a bench itself
+
+
+def run_bench(name: str, args: list[str], tmp_path: Path) -> str:
+    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"), XDG_CONFIG_HOME=str(tmp_path / "config"),
+               TMPDIR=str(tmp_path), PYTHONPATH=str(REPO),
+               OMP_NUM_THREADS="1")  # on 2 shared cores, OpenMP threads spinning in barriers cost many-fold
+    done = subprocess.run([sys.executable, str(BENCH / name), *args], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=180)
+    assert done.returncode == 0, f"{name} {' '.join(args)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def check_output(name: str, out: str, patterns: list[str]) -> None:
+    for pattern in patterns:
+        assert re.search(pattern, out, re.MULTILINE), f"{name}: no line matches {pattern!r} in:\n{out}"
+
+
+def test_every_bench_has_a_quick_run_here() -> None:
+    benches = {p.name for p in BENCH.glob("*.py")} - HELPERS
+    assert benches == set(QUICK) | set(ON_TESTBED), "a bench without a quick run in this file (or one gone)"
+    assert (BENCH / "gpu.sh").is_file()
+
+
+@pytest.mark.parametrize("name", sorted(QUICK))
+def test_quick_mode_runs_and_prints_its_numbers(name: str, tmp_path: Path) -> None:
+    args, patterns = QUICK[name]
+    check_output(name, run_bench(name, args, tmp_path), patterns)
+
+
+@pytest.mark.parametrize("name", sorted(ON_TESTBED))
+def test_quick_mode_on_the_testbed(name: str, tmp_path: Path, testbed: dict[str, object]) -> None:
+    args, patterns = ON_TESTBED[name]
+    check_output(name, run_bench(name, args, tmp_path), patterns)
+
+
+def test_gpu_sh_without_a_gpu_stops_at_once_with_one_line(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: run bench/gpu.sh itself")
+    done = subprocess.run(["bash", str(BENCH / "gpu.sh")], capture_output=True, text=True, cwd=tmp_path,
+                          env=dict(os.environ, PYTHON=sys.executable), timeout=60)
+    assert done.returncode == 1 and done.stdout == "", done
+    assert re.fullmatch(r"bench/gpu\.sh: no usable GPU: .+; run it on a GPU machine\n", done.stderr), done.stderr
