@@ -36,10 +36,11 @@ from submitit.slurm.slurm import SlurmExecutor
 
 from launcher import schema
 from launcher.rundir import RunDir
-from submit.cluster import ClusterProfile, Partition, is_profile_path, load_profile
+from submit.cluster import ClusterProfile, Partition, load_profile_file, profile_path
 from submit.errors import InputError
 from submit.plan import parse_time
 from submit.registry import JobRecord, Registry, now
+from submit.schedulers import backend
 
 __all__ = ["MeshrunLocalExecutor", "MeshrunSlurmExecutor", "Resources", "executor", "setup_lines"]
 
@@ -71,7 +72,8 @@ def executor(cluster: str, *, folder: Union[str, Path, None] = None, nodes: int 
     max_num_timeout: how often a Checkpointable job may be requeued after reaching its time limit.
     extra: further submitit parameters (SlurmExecutor's names: mem, gres, comment, srun_args...).
     """
-    profile = load_profile(cluster)
+    path = profile_path(cluster)
+    profile = load_profile_file(path)
     if profile.ssh is not None:
         raise InputError("cluster", cluster, "the Python API runs on the login node itself, not over SSH: run it "
                                              "there with a profile that has no `ssh` block")
@@ -80,9 +82,9 @@ def executor(cluster: str, *, folder: Union[str, Path, None] = None, nodes: int 
     part = check_resources(res, profile)
     minutes = math.ceil(parse_time(time, "time") / 60)
     runs = runs_folder(profile, folder)
-    profile_path = str(Path(cluster).resolve()) if is_profile_path(cluster) else None
-    origin = _Origin(cluster=profile.name, name=name, runs=str(runs), profile=profile_path)
-    if profile.scheduler == "local":
+    origin = _Origin(cluster=profile.name, scheduler=profile.scheduler, name=name, runs=str(runs),
+                     profile=str(path))
+    if on_this_machine(profile):
         local = MeshrunLocalExecutor(origin, python=python or shlex.quote(sys.executable),
                                      max_num_timeout=max_num_timeout)
         local.update_parameters(**{"timeout_min": minutes, "tasks_per_node": tasks_per_node, "nodes": 1,
@@ -114,7 +116,7 @@ def check_resources(res: Resources, profile: ClusterProfile) -> Partition:
             raise InputError(key, value, "must be at least 1")
     if res.gpus_per_node < 0:
         raise InputError("gpus_per_node", res.gpus_per_node, "must be 0 (CPU only) or more")
-    if profile.scheduler == "local" and res.nodes != 1:
+    if on_this_machine(profile) and res.nodes != 1:
         raise InputError("nodes", res.nodes, "the local cluster is this one machine: use 1")
     part = _partition(profile, res.partition)
     seconds = parse_time(res.time, "time")
@@ -132,6 +134,12 @@ def check_resources(res: Resources, profile: ClusterProfile) -> Partition:
         raise InputError("time", res.time, f"partition {part.name!r} allows at most {part.max_time}; ask for "
                                            f"less or pick another partition")
     return part
+
+
+def on_this_machine(profile: ClusterProfile) -> bool:
+    """The cluster is this machine (a backend never reached over SSH, i.e. `local`): submitit's
+    LocalExecutor, one node. Asked of the backend: only submit/schedulers knows schedulers by name."""
+    return not backend(profile.scheduler).over_ssh
 
 
 def _partition(profile: ClusterProfile, name: Optional[str]) -> Partition:
@@ -193,10 +201,13 @@ def new_run_dir(runs: str, name: str, when: Optional[_dt.datetime] = None) -> Ru
 class _Origin:
     """What the registry needs to know about where this executor's jobs come from."""
     cluster: str
+    scheduler: str
+    """The profile's scheduler, as the registry records it."""
     name: str
     runs: str
     profile: Optional[str]
-    """The profile file's absolute path when given as a file (status/logs/cancel reload it from there)."""
+    """The profile file's absolute path: status/logs/cancel reach the job's cluster through it, as for
+    `meshrun submit` (a job always goes back to its own cluster)."""
 
 
 class _Registering:
@@ -205,8 +216,8 @@ class _Registering:
     Every submitit entry point (submit, map_array, submit_array, batch) goes through
     `_internal_process_submissions`, so this is the one place to hook.
     """
-    scheduler: str
-    """slurm or local, as the registry records it."""
+    has_batch_log: bool
+    """A batch shell writes a log of its own (Slurm's sbatch --output), linked as logs/slurm-JOBID.out."""
     _origin: _Origin
     _run_dir: Optional[RunDir]
     folder: Path
@@ -237,10 +248,10 @@ class _Registering:
         try:
             for index, (job, delayed) in enumerate(zip(jobs, submissions)):
                 run_dir = root.task(index) if array else root
-                _link_logs(run_dir, job, batch_log=self.scheduler == "slurm")
+                _link_logs(run_dir, job, batch_log=self.has_batch_log)
                 registry.add(JobRecord(job_id=str(job.job_id), cluster=self._origin.cluster,
                                        name=f"{self._origin.name} [{index}]" if array else self._origin.name,
-                                       run_dir=run_dir.root, scheduler=self.scheduler, submitted_at=now(),
+                                       run_dir=run_dir.root, scheduler=self._origin.scheduler, submitted_at=now(),
                                        git_sha=sha, spec_hash=_call_hash(delayed, self.parameters),
                                        profile=self._origin.profile))
         finally:
@@ -254,7 +265,7 @@ class _Registering:
 
 class MeshrunSlurmExecutor(_Registering, SlurmExecutor):
     """submitit's SlurmExecutor, each submission in its own meshrun run dir and registry record."""
-    scheduler = "slurm"
+    has_batch_log = True
 
     def __init__(self, origin: _Origin, python: str, max_num_timeout: int = 3) -> None:
         self._origin, self._run_dir = origin, None
@@ -264,7 +275,7 @@ class MeshrunSlurmExecutor(_Registering, SlurmExecutor):
 
 class MeshrunLocalExecutor(_Registering, LocalExecutor):
     """submitit's LocalExecutor (a `local` profile), each submission in its own run dir and registry record."""
-    scheduler = "local"
+    has_batch_log = False
 
     def __init__(self, origin: _Origin, python: str, max_num_timeout: int = 3) -> None:
         self._origin, self._run_dir = origin, None

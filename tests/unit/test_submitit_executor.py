@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from submitit.slurm.slurm import _make_sbatch_string
 
-from submit.cluster import load_profile
+from submit.cluster import load_profile, profile_path
 from submit.errors import InputError
 from submit.executor import (MeshrunLocalExecutor, MeshrunSlurmExecutor, Resources, executor, new_run_dir,
                              runs_folder, setup_lines, slurm_parameters)
@@ -131,7 +131,7 @@ def test_local_profile_runs_a_submitit_job_and_records_it(tmp_path: Path, monkey
     finally:
         registry.close()
     assert ex.run_dir is not None and record.run_dir == ex.run_dir.root and record.scheduler == "local"
-    assert record.cluster == "local" and record.name == "sq"
+    assert record.cluster == "local" and record.name == "sq" and record.profile == str(profile_path("local"))
     assert Path(record.run_dir).stat().st_mode & 0o777 == 0o700
     logs = Path(record.run_dir) / "logs"
     assert sorted(p.name for p in logs.iterdir()) == ["rank-0.err", "rank-0.log", "rank-1.err", "rank-1.log"]
