@@ -3,21 +3,28 @@
 meshrun never accepts a host key by itself: an unknown host is refused (RejectPolicy,
 with the fingerprint in the message) and a changed key is refused with a
 man-in-the-middle warning. Only `meshrun trust` records a key, on the user's word.
+
+known_hosts is read here, not by paramiko: paramiko crashes on OpenSSH's marker lines.
+`@revoked` keys are refused for the hosts their pattern matches (even where a plain
+line lists them); `@cert-authority` lines are skipped: meshrun does not verify host
+certificates, only plain host keys.
 """
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import paramiko
 
-from submit.errors import ClusterError
+from submit.errors import ClusterError, HostKeyChanged, HostKeyRevoked, HostKeyUnknown
+
+REVOKED, CERT_AUTHORITY = "@revoked", "@cert-authority"
 
 
-class UnknownHostKey(ClusterError):
+class UnknownHostKey(HostKeyUnknown):
     """The host is not in known_hosts."""
-    retry = False  # reconnecting cannot fix it
 
     def __init__(self, key_name: str, key: paramiko.PKey, known_hosts: str, cluster: str) -> None:
         self.key = key
@@ -26,9 +33,8 @@ class UnknownHostKey(ClusterError):
                          f"fingerprint with the cluster's admins, then run `meshrun trust {cluster}`")
 
 
-class ChangedHostKey(ClusterError):
+class ChangedHostKey(HostKeyChanged):
     """known_hosts holds another key for the host."""
-    retry = False
 
     def __init__(self, key_name: str, got: paramiko.PKey, expected: paramiko.PKey, known_hosts: str,
                  cluster: str) -> None:
@@ -40,35 +46,90 @@ class ChangedHostKey(ClusterError):
                          f"the new key, run `meshrun trust {cluster} --replace`")
 
 
+class RevokedHostKey(HostKeyRevoked):
+    """The host presents a key known_hosts marks @revoked."""
+
+    def __init__(self, key_name: str, key: paramiko.PKey, known_hosts: str) -> None:
+        self.key = key
+        super().__init__(f"REFUSED: {key_name} presents the {key.get_name()} host key {key.fingerprint}, which "
+                         f"{known_hosts} marks @revoked (a compromised or retired key must never be accepted); "
+                         f"nothing was sent to it. Ask the cluster's admins which key the host should present")
+
+
 class RefuseUnknown(paramiko.RejectPolicy):
-    """RejectPolicy that says which host, which key and what to do."""
+    """RejectPolicy that says which host, which key and what to do (and refuses a revoked key as such)."""
 
     def __init__(self, known_hosts: str, cluster: str) -> None:
         self.known_hosts, self.cluster = known_hosts, cluster
 
     def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+        if revoked(self.known_hosts, hostname, key):
+            raise RevokedHostKey(hostname, key, self.known_hosts)
         raise UnknownHostKey(hostname, key, self.known_hosts, self.cluster)
 
 
-def load(path: str) -> paramiko.HostKeys:
-    """The known_hosts file (an empty set when it does not exist yet)."""
-    keys = paramiko.HostKeys()
-    if os.path.isfile(path):
+def _lines(path: str) -> Iterator[tuple[str, str, paramiko.PKey]]:
+    """(marker or "", host field, key) for each usable line. Lines paramiko cannot read (an unknown key
+    type, a broken line) are skipped, as OpenSSH skips them."""
+    if not os.path.isfile(path):
+        return
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError as exc:
+        raise ClusterError(f"cannot read known_hosts {path}: {exc.strerror or exc}; fix or move the file") from None
+    for raw in text.splitlines():
+        fields = raw.split()
+        if not fields or fields[0].startswith("#"):
+            continue
+        marker = fields.pop(0) if fields[0].startswith("@") else ""
+        if marker not in ("", REVOKED, CERT_AUTHORITY) or len(fields) < 3:
+            continue
         try:
-            keys.load(path)
-        except (OSError, paramiko.SSHException) as exc:
-            raise ClusterError(f"cannot read known_hosts {path}: {exc}; fix or move the file") from None
-    return keys
+            entry = paramiko.hostkeys.HostKeyEntry.from_line(" ".join(fields[:3]))
+        except (paramiko.hostkeys.InvalidHostKey, paramiko.SSHException, ValueError, TypeError):
+            entry = None  # a corrupt key (InvalidHostKey is a plain Exception, not an SSHException)
+        if entry is not None and entry.key is not None:
+            yield marker, fields[0], entry.key
+
+
+def _pattern_matches(pattern: str, key_name: str) -> bool:
+    """One OpenSSH host pattern (`*` and `?` wildcards only; `[host]:port` is literal), case-insensitive."""
+    regex = "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern.lower())
+    return re.fullmatch(regex, key_name.lower()) is not None
+
+
+def _revoked_for(host_field: str, key_name: str) -> bool:
+    """Does an @revoked line's host field cover key_name? (Patterns, `!negation`, hashed names.)"""
+    hit = False
+    for entry in host_field.split(","):
+        if entry.startswith("!"):
+            if _pattern_matches(entry[1:], key_name):
+                return False
+        elif _matches(entry, key_name) or (not entry.startswith("|1|") and _pattern_matches(entry, key_name)):
+            hit = True
+    return hit
+
+
+def revoked(path: str, key_name: str, key: paramiko.PKey) -> bool:
+    """Does known_hosts mark this key @revoked for key_name?"""
+    return any(marker == REVOKED and found == key and _revoked_for(hosts, key_name)
+               for marker, hosts, found in _lines(path))
 
 
 def known(path: str, key_name: str) -> dict[str, paramiko.PKey]:
-    """key type -> key recorded for key_name (empty when the host is unknown)."""
-    found = load(path).lookup(key_name)
-    return dict(found) if found is not None else {}
+    """key type -> key recorded for key_name by plain lines (empty when the host is unknown); revoked keys
+    are never known, and @cert-authority lines are not host keys."""
+    lines = list(_lines(path))
+    bad = [found for marker, hosts, found in lines if marker == REVOKED and _revoked_for(hosts, key_name)]
+    return {found.get_name(): found for marker, hosts, found in lines
+            if not marker and _matches(hosts, key_name) and found not in bad}
 
 
 def check(path: str, key_name: str, key: paramiko.PKey, cluster: str) -> bool:
-    """True if `key` is the recorded key; False if the host is unknown; ChangedHostKey if another key is recorded."""
+    """True if `key` is the recorded key; False if the host is unknown; ChangedHostKey if another key is
+    recorded; RevokedHostKey if known_hosts marks it @revoked."""
+    if revoked(path, key_name, key):
+        raise RevokedHostKey(key_name, key, path)
     recorded = known(path, key_name)
     if not recorded:
         return False
@@ -79,14 +140,25 @@ def check(path: str, key_name: str, key: paramiko.PKey, cluster: str) -> bool:
     raise ChangedHostKey(key_name, key, expected, path, cluster)
 
 
+def host_keys(path: str, key_name: str) -> paramiko.HostKeys:
+    """The keys paramiko may accept for key_name (what `known` says), for SSHClient's host key check."""
+    keys = paramiko.HostKeys()
+    for key_type, key in known(path, key_name).items():
+        keys.add(key_name, key_type, key)
+    return keys
+
+
 def _matches(host_field: str, key_name: str) -> bool:
+    """Is key_name one of the field's names, plain or hashed? (Exact: what `remove` may drop.)"""
     for entry in host_field.split(","):
         if entry == key_name:
             return True
         if entry.startswith("|1|"):
-            salt = entry.split("|")[2]
-            if paramiko.HostKeys.hash_host(key_name, salt) == entry:
-                return True
+            try:
+                if paramiko.HostKeys.hash_host(key_name, entry.split("|")[2]) == entry:
+                    return True
+            except (IndexError, ValueError, AssertionError):  # a mangled hash: not this host
+                continue
     return False
 
 

@@ -77,8 +77,9 @@ def _connect_error(exc: BaseException, target: Target) -> ClusterError:
 def open_client(target: Target, cluster: str, sock: Optional[object] = None) -> paramiko.SSHClient:
     """An authenticated client for target, its host key checked; `sock` is the channel of a previous hop."""
     client = paramiko.SSHClient()
-    if hostkeys.load(target.known_hosts):
-        client.load_host_keys(target.known_hosts)
+    # Read by hostkeys, not paramiko (which crashes on @cert-authority/@revoked lines): only this host's keys.
+    for key_type, key in hostkeys.known(target.known_hosts, target.key_name).items():
+        client.get_host_keys().add(target.key_name, key_type, key)
     client.set_missing_host_key_policy(hostkeys.RefuseUnknown(target.known_hosts, cluster))
     if sock is None and target.proxy_command:
         sock = paramiko.ProxyCommand(target.proxy_command)
@@ -90,9 +91,11 @@ def open_client(target: Target, cluster: str, sock: Optional[object] = None) -> 
                        sock=sock)
     except paramiko.BadHostKeyException as exc:
         client.close()
+        if hostkeys.revoked(target.known_hosts, target.key_name, exc.key):
+            raise hostkeys.RevokedHostKey(target.key_name, exc.key, target.known_hosts) from None
         raise hostkeys.ChangedHostKey(target.key_name, exc.key, exc.expected_key, target.known_hosts,
                                       cluster) from None
-    except hostkeys.UnknownHostKey:
+    except ClusterError:  # the host key refusals (unknown, revoked), already one line each
         client.close()
         raise
     except (paramiko.SSHException, OSError, EOFError) as exc:
@@ -266,8 +269,9 @@ class SshTransport:
 
     def home(self) -> str:
         if self._home is None:
-            done = self.run(["sh", "-c", 'printf "%s" "$HOME"']).check("reading $HOME")
-            self._home = done.stdout.strip() or "/"
+            # The last line only: a chatty shell start-up file may print before the command runs.
+            done = self.run(["sh", "-c", 'printf "\\n%s" "$HOME"']).check("reading $HOME")
+            self._home = done.stdout.splitlines()[-1].strip() if done.stdout.strip() else "/"
         return self._home
 
     def close(self) -> None:

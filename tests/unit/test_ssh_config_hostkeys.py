@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import getpass
+import re
 from pathlib import Path
 
 import paramiko
@@ -9,6 +10,7 @@ import pytest
 
 from submit import hostkeys
 from submit.cluster import Ssh
+from submit import errors
 from submit.errors import InputError
 from submit.sshconfig import resolve
 
@@ -93,3 +95,42 @@ def test_known_hosts_check_append_and_replace_keep_other_lines(tmp_path: Path) -
                           f"{bad.get_base64()}\n[h]:2222 ssh-ed25519 {bad.get_base64()}\n")
     assert hostkeys.remove(path, "[h]:2222") == 2
     assert Path(path).read_text() == f"# comment\nother ssh-ed25519 {good.get_base64()}\n"
+
+
+def test_marker_lines_are_parsed_not_fatal(tmp_path: Path) -> None:
+    """`@cert-authority` and `@revoked` are valid OpenSSH known_hosts lines: neither may crash a verb.
+    A CA line is skipped for plain matching; a revoked key is refused even where a plain line lists it."""
+    path = str(tmp_path / "known_hosts")
+    good, ca, revoked = _make_key(), _make_key(), _make_key()
+    Path(path).write_text(f"@cert-authority *.example.org,[h]:2222 ssh-ed25519 {ca.get_base64()}\n"
+                          f"@revoked * ssh-ed25519 {revoked.get_base64()}\n"
+                          f"[h]:2222 ssh-ed25519 {good.get_base64()}\n"
+                          f"[r]:2222 ssh-ed25519 {revoked.get_base64()}\n"
+                          f"broken-line-without-a-key\n")
+    assert hostkeys.check(path, "[h]:2222", good, "c") is True
+    assert hostkeys.known(path, "[h]:2222") == {"ssh-ed25519": good}  # the CA key is not a host key
+    assert hostkeys.known(path, "[r]:2222") == {}  # a revoked key is never "known"
+    with pytest.raises(errors.HostKeyRevoked, match=rf"REFUSED: \[r\]:2222 .*{re.escape(revoked.fingerprint)}.*@revoked"):
+        hostkeys.check(path, "[r]:2222", revoked, "c")
+    assert hostkeys.revoked(path, "[x]:22", revoked) and not hostkeys.revoked(path, "[x]:22", good)
+    hostkeys.append(path, "[n]:2222", good)
+    assert hostkeys.remove(path, "[n]:2222") == 1
+    assert Path(path).read_text().startswith("@cert-authority") and "@revoked" in Path(path).read_text()
+
+
+def test_revoked_patterns_follow_openssh(tmp_path: Path) -> None:
+    path = str(tmp_path / "known_hosts")
+    key = _make_key()
+    Path(path).write_text(f"@revoked *.example.org,!bad.example.org ssh-ed25519 {key.get_base64()}\n")
+    assert hostkeys.revoked(path, "login.example.org", key)
+    assert not hostkeys.revoked(path, "bad.example.org", key) and not hostkeys.revoked(path, "other.org", key)
+
+
+def test_refusals_are_distinguishable_host_key_errors(tmp_path: Path) -> None:
+    """status (and anyone) can tell a refused host key from an unreachable host without importing paramiko."""
+    good, bad = _make_key(), _make_key()
+    changed = hostkeys.ChangedHostKey("[h]:2222", bad, good, "kh", "c")
+    assert isinstance(changed, errors.HostKeyChanged) and isinstance(changed, errors.ClusterError)
+    assert changed.security and not changed.retry and "man-in-the-middle" in str(changed)
+    unknown = hostkeys.UnknownHostKey("[h]:2222", good, "kh", "c")
+    assert isinstance(unknown, errors.HostKeyUnknown) and unknown.security
