@@ -2,15 +2,17 @@
 
 The key is fetched without logging in (the key exchange alone) and recorded in the
 profile's known_hosts only when the user types `yes` or passes the fingerprint
-they got from the cluster's admins (`--fingerprint SHA256:...`). A key that differs
-from the recorded one is refused with the man-in-the-middle warning unless
-`--replace` is given, and even then it needs the same confirmation. Jump hosts
-(ProxyJump) are checked first, the same way.
+they got from the cluster's admins (`--fingerprint SHA256:...`, once per hop: each is
+matched against whichever hop presents it). A key that differs from the recorded one
+is refused with the man-in-the-middle warning unless `--replace` is given, and even
+then it needs the same confirmation. Jump hosts (ProxyJump) are handled first, the
+same way (`--replace` too: a bastion's key can change). A key known_hosts marks
+`@revoked` is never recorded.
 """
 from __future__ import annotations
 
 import socket
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Union
 
 import paramiko
 
@@ -22,6 +24,7 @@ from submit.sshconfig import Target, resolve
 
 Ask = Callable[[str], str]
 Say = Callable[[str], None]
+Fingerprints = Union[None, str, Sequence[str]]
 
 
 def probe(target: Target, cluster: str) -> paramiko.PKey:
@@ -55,11 +58,13 @@ def _normal(fingerprint: str) -> str:
     return text if text.startswith("SHA256:") else f"SHA256:{text}"
 
 
-def _confirm(target: Target, key: paramiko.PKey, expected: Optional[str], ask: Ask) -> None:
-    if expected is not None:
-        if _normal(expected) != key.fingerprint:
-            raise ClusterError(f"{target.key_name} presents {key.fingerprint}, not the {_normal(expected)} you "
-                               f"gave; nothing recorded (a man-in-the-middle, or the wrong host?)")
+def _confirm(target: Target, key: paramiko.PKey, expected: tuple[str, ...], ask: Ask) -> None:
+    if expected:
+        if key.fingerprint not in expected:
+            given = ", ".join(expected)
+            raise ClusterError(f"{target.key_name} presents {key.fingerprint}, not the fingerprint you gave ({given}); "
+                               f"nothing recorded (a man-in-the-middle, or the wrong host? for a jump host, "
+                               f"give its fingerprint too: --fingerprint may be repeated, one per hop)")
         return
     try:
         answer = ask(f"Is this the key your cluster's admins publish for {target.key_name}? "
@@ -68,33 +73,50 @@ def _confirm(target: Target, key: paramiko.PKey, expected: Optional[str], ask: A
         answer = ""
     if answer.strip().lower() != "yes":
         raise ClusterError(f"{target.key_name} not trusted: nothing recorded (answer `yes`, or pass "
-                           f"--fingerprint SHA256:... as your admins publish it)")
+                           f"--fingerprint SHA256:... as your admins publish it, once per hop)")
 
 
-def _trust(target: Target, cluster: str, expected: Optional[str], replace: bool, ask: Ask, say: Say) -> None:
-    if target.jump is not None:
-        _trust(target.jump, cluster, None, False, ask, say)  # the bastion first: the target is reached through it
-    key = probe(target, cluster)
-    changed = False
+def _hops(target: Target) -> list[Target]:
+    """The jump hosts outermost first, then the target: each is reached through the ones before it."""
+    return ([] if target.jump is None else _hops(target.jump)) + [target]
+
+
+def _verdict(hop: Target, cluster: str, replace: bool, say: Say) -> Optional[paramiko.PKey]:
+    """The key to record for a hop (None when it is already trusted); raises when it must be refused."""
+    key = probe(hop, cluster)
     try:
-        if hostkeys.check(target.known_hosts, target.key_name, key, cluster):
-            say(f"{target.key_name} is already trusted ({key.get_name()} {key.fingerprint})")
-            return
+        if hostkeys.check(hop.known_hosts, hop.key_name, key, cluster):
+            say(f"{hop.key_name} is already trusted ({key.get_name()} {key.fingerprint})")
+            return None
     except hostkeys.ChangedHostKey:
         if not replace:
             raise
-        changed = True
-        say(f"WARNING: {target.key_name} presents a DIFFERENT key than {target.known_hosts} records; replace it "
+        say(f"WARNING: {hop.key_name} presents a DIFFERENT key than {hop.known_hosts} records; replace it "
             f"only if the cluster's admins confirm the change")
-    say(f"{hostkeys.describe(target.key_name, key)}")
-    _confirm(target, key, expected, ask)
-    if changed:
-        hostkeys.remove(target.known_hosts, target.key_name)
-    hostkeys.append(target.known_hosts, target.key_name, key)
-    say(f"recorded {target.key_name} in {target.known_hosts}")
+    say(hostkeys.describe(hop.key_name, key))
+    return key
 
 
-def trust(ssh: Ssh, cluster: str, fingerprint: Optional[str] = None, replace: bool = False,
+def _record(hop: Target, key: paramiko.PKey, say: Say) -> None:
+    hostkeys.remove(hop.known_hosts, hop.key_name)  # a replaced key's old lines (none for a new host)
+    hostkeys.append(hop.known_hosts, hop.key_name, key)
+    say(f"recorded {hop.key_name} in {hop.known_hosts}")
+
+
+def _expected(fingerprints: Fingerprints) -> tuple[str, ...]:
+    given = [fingerprints] if isinstance(fingerprints, str) else list(fingerprints or ())
+    return tuple(_normal(f) for f in given if f.strip())
+
+
+def trust(ssh: Ssh, cluster: str, fingerprint: Fingerprints = None, replace: bool = False,
           ask: Ask = input, say: Say = print) -> None:
-    """Fetch the cluster's login-node key (and its jump hosts'), show it, record it on the user's word."""
-    _trust(resolve(ssh), cluster, fingerprint, replace, ask, say)
+    """Fetch the key of the cluster's login node and of each jump host before it, show each, and record
+    each on the user's word: `yes` typed, or one of `fingerprint` (a string or several, one per hop,
+    matched against whichever hop presents it). Hop by hop, outermost first: the next one is reached
+    through the hops already trusted. Nothing is recorded for a hop that is refused."""
+    expected = _expected(fingerprint)
+    for hop in _hops(resolve(ssh)):
+        key = _verdict(hop, cluster, replace, say)
+        if key is not None:
+            _confirm(hop, key, expected, ask)
+            _record(hop, key, say)
