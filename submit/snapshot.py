@@ -4,9 +4,15 @@ Which files: in a git work tree, every file git does not ignore (tracked, and
 untracked-but-not-ignored: a new module you have not `git add`ed yet still ships,
 rather than failing the job with an ImportError on the cluster), plus `code.include`,
 minus `code.exclude`; outside git, the files under `code.root` (or `code.include`).
+meshrun's own state (registry, profiles, caches, ~/.ssh, known_hosts) never ships, even
+when those folders sit inside the work tree.
+
 The snapshot lives at `<work_dir>/code/<hash of paths, modes and contents>`: an
 unchanged project is found there and uploads nothing; a changed one is uploaded
-once, as one gzipped tar, into a temporary folder renamed into place.
+once, as one gzipped tar, into a temporary folder renamed into place. A folder is
+reused only if it verifies: its sealed manifest (every path, mode and sha256) matches
+the files, nothing else is there, and it and `code/` belong to the user and are
+writable by no one else. One that does not verify is replaced by a fresh upload.
 """
 from __future__ import annotations
 
@@ -15,15 +21,21 @@ import hashlib
 import os
 import secrets
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from launcher.spec import Code
 from submit.errors import ClusterError, InputError
 from submit.transport import Progress, Transport, Upload
 
-ALWAYS_EXCLUDED = (".git", "__pycache__", "*.pyc", ".DS_Store")
+MANIFEST = ".meshrun-manifest"
+"""In each snapshot folder: `sha256  path` lines (what `sha256sum -c` reads), written with the files."""
+# Never shipped, whatever code.include says: build litter, the manifest itself, and SSH host key files
+# (meshrun's `trust` writes them; known_hosts reveals every host you reach).
+ALWAYS_EXCLUDED = (".git", "__pycache__", "*.pyc", ".DS_Store", MANIFEST, "known_hosts", "known_hosts2",
+                   "known_hosts.old", "*.meshrun-tmp")
 MAX_BYTES = 512 * 1024 * 1024
 MAX_FILES = 100_000
 # Move the uploaded folder into place; if another submit published the same snapshot first, keep theirs.
@@ -40,6 +52,18 @@ class Snapshot:
     """Content address: a hash of every path, mode and content."""
     size: int
     """Bytes of file content."""
+    manifest: str = ""
+    """`sha256  path` per file, in `files` order: sealed into the snapshot folder, checked before reuse."""
+    listing: str = ""
+    """`path<TAB>mode` per file, sorted by bytes as `LC_ALL=C sort` does: the folder must hold exactly these."""
+
+    @property
+    def manifest_sha(self) -> str:
+        return hashlib.sha256(self.manifest.encode()).hexdigest()
+
+    @property
+    def listing_sha(self) -> str:
+        return hashlib.sha256(self.listing.encode()).hexdigest()
 
 
 def matches(rel: str, patterns: tuple[str, ...]) -> bool:
@@ -88,6 +112,30 @@ def _walk(root: Path) -> list[str]:
     return found
 
 
+def private_dirs() -> list[Path]:
+    """meshrun's state, profiles and caches (XDG and default places) and ~/.ssh: never code."""
+    home = Path(os.path.expanduser("~"))
+    found = [home / ".ssh", home / ".local" / "state" / "meshrun", home / ".config" / "meshrun",
+             home / ".cache" / "meshrun"]
+    for var, default in (("XDG_STATE_HOME", ".local/state"), ("XDG_CONFIG_HOME", ".config"),
+                         ("XDG_CACHE_HOME", ".cache")):
+        found.append(Path(os.environ.get(var) or home / default) / "meshrun")
+    if os.environ.get("MESHRUN_SSH_CONFIG"):
+        found.append(Path(os.environ["MESHRUN_SSH_CONFIG"]))
+    return found
+
+
+def _private_prefixes(root: Path) -> list[str]:
+    """The private dirs that lie inside root, as paths relative to it."""
+    real_root, found = root.resolve(), []
+    for folder in private_dirs():
+        try:
+            found.append(folder.resolve().relative_to(real_root).as_posix())
+        except (ValueError, OSError):
+            continue  # outside the project: nothing to exclude
+    return [p for p in found if p != "."]
+
+
 def candidates(root: Path, code: Code) -> list[str]:
     listed = _git(root, "ls-files", "-z", "--cached", "--others", "--exclude-standard")
     if listed is not None:
@@ -97,7 +145,9 @@ def candidates(root: Path, code: Code) -> list[str]:
     else:
         files = {rel for rel in _walk(root) if not code.include or matches(rel, code.include)}
     excluded = ALWAYS_EXCLUDED + code.exclude
-    return sorted(rel for rel in files if not matches(rel, excluded) and (root / rel).is_file())
+    private = tuple(_private_prefixes(root))
+    return sorted(rel for rel in files if not matches(rel, excluded) and not rel.startswith(
+        tuple(p + "/" for p in private)) and rel not in private and (root / rel).is_file())
 
 
 def collect(spec_dir: Path, code: Code) -> Optional[Snapshot]:
@@ -111,7 +161,7 @@ def collect(spec_dir: Path, code: Code) -> Optional[Snapshot]:
     if len(rels) > MAX_FILES:
         raise InputError("code", str(root), f"{len(rels)} files would ship; add code.exclude globs or set "
                                             f"code.sync: false")
-    digest, files, size = hashlib.sha256(), [], 0
+    digest, files, size, manifest = hashlib.sha256(), [], 0, []
     for rel in rels:
         path = root / rel
         mode = 0o700 if os.access(path, os.X_OK) else 0o600
@@ -120,40 +170,124 @@ def collect(spec_dir: Path, code: Code) -> Optional[Snapshot]:
         if size > MAX_BYTES:
             raise InputError("code", str(root), f"the snapshot would exceed {MAX_BYTES >> 20} MiB (at {rel}); "
                                                 f"exclude data and checkpoints with code.exclude")
-        digest.update(f"{rel}\0{mode:o}\0{hashlib.sha256(data).hexdigest()}\n".encode())
+        sha = hashlib.sha256(data).hexdigest()
+        digest.update(f"{rel}\0{mode:o}\0{sha}\n".encode())
         files.append((rel, mode))
-    return Snapshot(root=root, files=tuple(files), digest=digest.hexdigest()[:24], size=size)
+        manifest.append(f"{sha}  {rel}\n")
+    listing = "".join(sorted((f"{rel}\t{mode:o}\n" for rel, mode in files), key=str.encode))
+    return Snapshot(root=root, files=tuple(files), digest=digest.hexdigest()[:24], size=size,
+                    manifest="".join(manifest), listing=listing)
 
 
-# From the home folder: print $HOME, then whether "$1" (a path relative to home, or absolute) is a folder.
-PROBE_SCRIPT = ('cd "$HOME" 2>/dev/null; printf "%s\\n" "$HOME"; '
-                'if [ -n "$1" ] && [ -d "$1" ]; then echo present; else echo absent; fi')
+# `v CODE SNAP MANIFEST_SHA LISTING_SHA` prints one word: `unsafe` when CODE (followed if a link) is not
+# the user's or is writable by others (anyone could swap snapshots under us); `absent`; `changed` unless
+# SNAP and all in it are the user's, writable by no one else, plain files and folders only, the manifest
+# is the expected one, the files (path and mode) are exactly those listed, and every hash checks; else
+# `present`. GNU find/sha256sum, as on any Linux login node.
+VERIFY_FUNCTION = r"""v() {
+u=$(id -u)
+[ -n "$(find -H "$1" -maxdepth 0 -type d -user "$u" ! -perm /022 2>/dev/null)" ] || { echo unsafe; return; }
+[ -e "$2" ] || [ -L "$2" ] || { echo absent; return; }
+[ -z "$(find "$2" \( ! -user "$u" -o -perm /022 -o ! \( -type f -o -type d \) \) -print -quit 2>&1)" ] &&
+[ -f "$2/.meshrun-manifest" ] && [ "$(sha256sum < "$2/.meshrun-manifest" | cut -c1-64)" = "$3" ] &&
+[ "$(cd "$2" && find . -type f ! -path ./.meshrun-manifest -printf '%P\t%m\n' | LC_ALL=C sort |
+     sha256sum | cut -c1-64)" = "$4" ] &&
+(cd "$2" && sha256sum --quiet --strict -c .meshrun-manifest >/dev/null 2>&1) && echo present || echo changed
+}"""
+
+# From the home folder: print $HOME; make the work dir, runs/ and code/ private (0700) if they are new;
+# then verify the snapshot "$2" (none when empty).
+PROBE_SCRIPT = VERIFY_FUNCTION + r"""
+cd "$HOME" 2>/dev/null; printf '%s\n' "$HOME"
+[ -z "$1" ] || (umask 077 && mkdir -p -- "$1/runs" "$1/code") 2>/dev/null
+if [ -n "$2" ]; then v "$1/code" "$1/code/$2" "$3" "$4"; else echo none; fi"""
+
+# After the upload into "$1" (a temporary name): move it to "$2". If "$2" exists: keep it when it verifies
+# (another submit published the same code first), else move it aside and ours into place. Then "$2" must
+# verify. Prints `replaced` when an existing folder did not verify.
+PUBLISH_SCRIPT = VERIFY_FUNCTION + r"""
+c=$(dirname "$2")
+if ! mv -T "$1" "$2" 2>/dev/null; then
+  if [ "$(v "$c" "$2" "$3" "$4")" = present ]; then rm -rf "$1"
+  else o="$c/.stale-$(basename "$2")-$$"; mv -T "$2" "$o" && mv -T "$1" "$2" && echo replaced; rm -rf "$o" "$1"
+  fi
+fi 2>/dev/null
+r=$(v "$c" "$2" "$3" "$4"); [ "$r" = present ] || { echo "the snapshot $2 does not verify ($r)" >&2; exit 1; }"""
 
 
 def remote_dir(work_dir: str, snapshot: Snapshot) -> str:
     return f"{work_dir.rstrip('/')}/code/{snapshot.digest}"
 
 
-def probe(transport: Transport, work_dir: str, snapshot: Optional[Snapshot]) -> tuple[str, Optional[bool]]:
-    """ONE round trip before planning: the cluster user's home (for `~` in the profile's paths) and
-    whether the snapshot is already there (None when there is no snapshot)."""
-    base = "." if work_dir == "~" else work_dir[2:] if work_dir.startswith("~/") else work_dir
-    rel = remote_dir(base, snapshot) if snapshot is not None else ""
-    # The last two lines: a chatty shell start-up file may print before the command runs.
-    lines = transport.run(["sh", "-c", PROBE_SCRIPT, "sh", rel]).check("reading $HOME").stdout.splitlines()[-2:]
-    if len(lines) < 2 or not lines[0].startswith("/"):
+def _from_home(work_dir: str) -> str:
+    """work_dir as the probe's shell (in $HOME) names it: `~/x` -> `x`."""
+    return "." if work_dir == "~" else work_dir[2:] if work_dir.startswith("~/") else work_dir
+
+
+def _check_answer(word: str, work_dir: str) -> Optional[bool]:
+    if word == "unsafe":
+        raise ClusterError(f"{work_dir.rstrip('/')}/code on the cluster is not yours or is writable by others: "
+                           f"anyone who can write there could change the code your jobs run; make it private "
+                           f"(`chmod 700` it, as its owner) or choose another paths.work_dir")
+    if word not in ("present", "absent", "changed", "none"):
+        raise ClusterError(f"checking the code snapshot under {work_dir} gave {word!r}; is this a Linux login node "
+                           f"(GNU find and sha256sum)?")
+    return word == "present" if word != "none" else None
+
+
+def _home_line(lines: list[str]) -> str:
+    if not lines or not lines[0].startswith("/"):
         raise ClusterError(f"the cluster's shell gave no home folder (got {lines!r}); check ssh.user")
-    return lines[0], (lines[1] == "present") if snapshot is not None else None
+    return lines[0]
+
+
+def probe(transport: Transport, work_dir: str, snapshot: Optional[Snapshot]) -> tuple[str, Optional[bool]]:
+    """ONE round trip before planning: the cluster user's home (for `~` in the profile's paths), the work
+    dir's folders made private if new, and whether the snapshot is there AND verifies (None when there is
+    no snapshot). False also for a folder someone changed: `sync` then replaces it."""
+    args = [_from_home(work_dir), *((snapshot.digest, snapshot.manifest_sha, snapshot.listing_sha)
+                                    if snapshot is not None else ("", "", ""))]
+    # The last two lines: a chatty shell start-up file may print before the command runs.
+    done = transport.run(["sh", "-c", PROBE_SCRIPT, "sh", *args], timeout=300).check("reading $HOME")
+    lines = done.stdout.splitlines()[-2:]
+    home = _home_line(lines if len(lines) == 2 else [])
+    return home, _check_answer(lines[1], work_dir)
+
+
+def remote_home(transport: Transport) -> str:
+    """The cluster user's real home (what `~` means there), in one round trip; for `render` over SSH."""
+    done = transport.run(["sh", "-c", 'cd "$HOME" 2>/dev/null; printf "%s\\n" "$HOME"']).check("reading $HOME")
+    return _home_line(done.stdout.splitlines()[-1:])
+
+
+def verify(transport: Transport, snapshot: Snapshot, code_dir: str) -> bool:
+    """Is code_dir a verified copy of the snapshot? (One command, which also makes the work dir's folders
+    private if new; over SSH, probe does both in its round trip.)"""
+    script = VERIFY_FUNCTION + '\n(umask 077 && mkdir -p -- "$(dirname "$1")/runs" "$1") 2>/dev/null; v "$@"'
+    code = code_dir.rsplit("/", 1)[0]
+    done = transport.run(["sh", "-c", script, "sh", code, code_dir, snapshot.manifest_sha, snapshot.listing_sha],
+                         timeout=300).check(f"verifying {code_dir}")
+    return bool(_check_answer((done.stdout.split() or [""])[-1], code.rsplit("/", 1)[0]))
+
+
+def _say_stderr(message: str) -> None:
+    print(f"meshrun: warning: {message}", file=sys.stderr)
 
 
 def sync(transport: Transport, snapshot: Snapshot, code_dir: str, progress: Optional[Progress] = None,
-         present: Optional[bool] = None) -> bool:
-    """Make sure code_dir holds the snapshot (`present`: already known from probe); True if uploaded."""
-    if present if present is not None else transport.exists(code_dir):
+         present: Optional[bool] = None, say: Callable[[str], None] = _say_stderr) -> bool:
+    """Make sure code_dir holds the snapshot, verified (`present`: already known from probe); True if
+    uploaded. The upload goes to a temporary name and is renamed into place, its manifest with it."""
+    if present if present is not None else verify(transport, snapshot, code_dir):
         return False
     tmp = f"{code_dir.rsplit('/', 1)[0]}/.tmp-{snapshot.digest}-{secrets.token_hex(3)}"
     uploads = {rel: Upload(snapshot.root / rel, mode) for rel, mode in snapshot.files}
-    done = transport.put(uploads, tmp, then=["sh", "-c", PUBLISH_SCRIPT, "sh", tmp, code_dir], progress=progress)
+    uploads[MANIFEST] = Upload(snapshot.manifest.encode(), 0o600)
+    then = ["sh", "-c", PUBLISH_SCRIPT, "sh", tmp, code_dir, snapshot.manifest_sha, snapshot.listing_sha]
+    done = transport.put(uploads, tmp, then=then, progress=progress)
     assert done is not None
     done.check(f"publishing the code snapshot {code_dir}")
+    if "replaced" in done.stdout.split():
+        say(f"the code snapshot {code_dir} did not verify (changed since it was uploaded, or not only yours); "
+            f"uploaded a fresh copy in its place")
     return True

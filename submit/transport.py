@@ -99,8 +99,8 @@ class Transport(Protocol):
 
 # ------------------------------------------------------------------ shared helpers
 
-# Unpack a gzipped tar from stdin into "$1" (made 0700), then exec the rest of the argv, if any.
-PUT_SCRIPT = ('d=$1; shift; mkdir -p -m 0700 "$d" && chmod 0700 "$d" && '
+# Unpack a gzipped tar from stdin into "$1" (made 0700, as any parent it creates), then exec the rest of the argv, if any.
+PUT_SCRIPT = ('d=$1; shift; (umask 077 && mkdir -p "$d") && chmod 0700 "$d" && '
               'tar -x -z -p --no-same-owner -f - -C "$d" || exit 97; [ "$#" -eq 0 ] || exec "$@"')
 PUT_FAILED = 97
 
@@ -247,7 +247,9 @@ class LocalTransport:
             return b""
 
     def makedirs(self, path: str, mode: int = 0o700) -> None:
-        os.makedirs(path, mode=mode, exist_ok=True)
+        missing = [p for p in [Path(path), *Path(path).parents] if not p.exists()]
+        for folder in reversed(missing):  # os.makedirs gives new parents the umask's mode (often 0755)
+            folder.mkdir(mode=mode, exist_ok=True)
 
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
