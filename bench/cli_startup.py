@@ -46,8 +46,9 @@ def main() -> None:
         cases = {
             "python -c pass": [sys.executable, "-c", "pass"],
             "meshrun --help": [sys.executable, "-m", "submit.cli", "--help"],
-            "meshrun render": [sys.executable, "-m", "submit.cli", "render", "examples/h100-8node.yaml",
-                               "-c", "h100-ndr"],
+            # A Slurm profile without `ssh:`: render then touches no network (over SSH it asks for ~).
+            "meshrun render": [sys.executable, "-m", "submit.cli", "render", "examples/two-node.yaml",
+                               "-c", "testbed"],
         }
         base = median_ms(cases["python -c pass"], args.runs, env)
         print(f"{'case':<18} {'median ms':>10} {'x python':>9}  torch imported")

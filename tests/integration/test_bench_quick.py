@@ -33,7 +33,7 @@ QUICK: dict[str, tuple[list[str], list[str]]] = {
     "gpu_ops.py": (["all", "--quick"], [r"^ROW\tnvml", rf"^ROW\tbf16 gemm 256\^3\t{NUMBER} TFLOP/s",
                                         rf"^ROW\tall-reduce\t{NUMBER} GB/s bus bandwidth \(gloo, 2 ranks"]),
 }
-ON_TESTBED = {"ssh_submit.py": (["--quick"], [r"first submit \(new code\) +1 +1 ",
+ON_TESTBED = {"ssh_submit.py": (["--quick"], [rf"first submit \(new code\) +{NUMBER} +{NUMBER} +{NUMBER}",
                                               rf"meshrun submit \(command\) +{NUMBER} +{NUMBER}",
                                               r"status of 4 jobs: 1 round trip"])}
 HELPERS = {"trainer_setup.py"}  # imported by the training benches; not a bench itself
