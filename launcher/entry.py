@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Mapping, MutableMapping, Optional, Sequence
 
+from launcher import installed_version
 from launcher.env import RankEnv, rank_env, setdefault_env, torchrun_vars
 from launcher.preempt import StopFlag
 from launcher.rundir import RunDir
@@ -39,6 +40,8 @@ def run_rank(run_dir: str, replace_process: Optional[bool] = None) -> int:
     prepare_env(run_spec, os.environ)
     env = rank_env(os.environ)
     print(rank_banner(env, os.environ), flush=True)
+    if (mismatch := version_mismatch(run_spec.run.meshrun_version, installed_version())) is not None:
+        print(mismatch, flush=True)
     command = run_spec.job.command
     if command is not None:
         setdefault_env(run_spec.run.nccl_env, os.environ)  # the user's NCCL gets the cluster preset too
@@ -75,6 +78,16 @@ def rank_banner(env: RankEnv, environ: Mapping[str, str]) -> str:
     return (f"[meshrun] rank {env.rank}/{env.world_size} local {env.local_rank}/{env.local_world_size} "
             f"node {env.node_rank}/{env.num_nodes} ({host}) job {env.job_id or '-'} restart {env.restart_count} "
             f"master {env.master_addr}:{env.master_port}")
+
+
+def version_mismatch(rendered_by: str, installed: str) -> Optional[str]:
+    """One log line when this rank runs another meshrun than the one that rendered its job (a cluster
+    install lagging the login node's explains odd failures); None when they agree, or when spec.json
+    predates the record ("")."""
+    if not rendered_by or rendered_by == installed:
+        return None
+    return (f"[meshrun] version mismatch: this rank runs meshrun {installed}, the job was rendered by meshrun "
+            f"{rendered_by}; install the same meshrun on the cluster and where you submit")
 
 
 def run_command(argv: Sequence[str], environ: Mapping[str, str], replace_process: bool) -> int:

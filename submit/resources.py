@@ -1,0 +1,49 @@
+"""What meshrun ships besides code: the batch-script templates and the cluster profiles.
+
+They live at the repo's top level (templates/, cluster_configs/) and install as the
+data-only packages `submit.templates` and `submit.cluster_configs` (pyproject's
+package-dir), so they are found through importlib.resources the same way from a
+wheel and from the editable install of a checkout.
+"""
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
+
+TEMPLATES = "submit.templates"
+PROFILES = "submit.cluster_configs"
+
+
+class NotInstalledError(RuntimeError):
+    """meshrun's package data is missing: a broken or partial install, never bad input."""
+
+
+def _package(name: str) -> Traversable:
+    try:
+        return resources.files(name)
+    except ModuleNotFoundError:
+        raise NotInstalledError(f"meshrun's {name} is missing: install meshrun (`pip install .` or "
+                                "`bash scripts/setup.sh` in a checkout), do not only put it on PYTHONPATH") from None
+
+
+def template_source(name: str) -> Optional[str]:
+    """The text of template `name` (e.g. "slurm.sbatch.j2"), or None if meshrun ships none so named."""
+    entry = _package(TEMPLATES).joinpath(name)
+    return entry.read_text(encoding="utf-8") if entry.is_file() else None
+
+
+def shipped_profiles_dir() -> Path:
+    """The folder of the shipped cluster profiles.
+
+    A real folder, not just a resource: profile errors cite `file:line`, and meshrun installs
+    as plain files (a wheel or an editable checkout), never from a zip.
+    """
+    folder = _package(PROFILES)
+    if not isinstance(folder, Path):
+        raise NotInstalledError(f"meshrun's {PROFILES} is not a folder on disk ({folder!r}): "
+                                "install meshrun with pip rather than importing it from a zip")
+    return folder
