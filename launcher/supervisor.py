@@ -33,6 +33,9 @@ def rank_main(run_dir: str) -> int:
 
     rank = int(os.environ.get("SUBMITIT_LOCAL_GLOBALID", "0"))
     with _output_to(RunDir(run_dir).rank_log(rank)):
+        # The log appends across resumes: each run starts with the job id `meshrun logs JOB` names.
+        print(f"[meshrun] local job {os.environ.get(JOB_ID_ENV, '-')} rank {rank} "
+              f"at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}", flush=True)
         return run_rank(run_dir)
 
 

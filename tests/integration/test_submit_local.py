@@ -24,7 +24,10 @@ def test_submit_wait_trains_and_records(tmp_path: Path, corpus: Path) -> None:
     assert [r["step"] for r in rows] == list(range(1, 13))
     assert rows[-1]["loss"] < rows[0]["loss"]
     # The run dir holds the spec as submitted, the resolved spec, the script and per-rank logs.
-    assert {"job.yaml", "spec.json", "run.sh", "state.json", "logs"} <= {p.name for p in run_dir.iterdir()}
+    assert {"job.yaml", "spec.json", "run.sh", "logs", ".meshrun"} <= {p.name for p in run_dir.iterdir()}
+    # logs/ holds what a person reads; submitit's pickles and logs live in the hidden .meshrun/.
+    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["rank-0.log", "rank-1.log", "supervisor.log"]
+    assert (run_dir / ".meshrun" / "jobs" / f"{job_id}.json").is_file()
     assert json.loads((run_dir / "spec.json").read_text())["job"]["train"]["steps"] == 12
     row = status(tmp_path, job_id)
     assert row["state"] == "COMPLETED" and row["cluster"] == "local" and row["run_dir"] == str(run_dir)
@@ -42,11 +45,15 @@ def test_wait_shows_progress_as_plain_lines_when_piped(tmp_path: Path, corpus: P
     assert "\r" not in out.stderr
 
 
-def test_failed_job_exits_1_and_shows_failed(tmp_path: Path) -> None:
+def test_bad_data_shows_the_ranks_one_line_error_and_exits_2(tmp_path: Path) -> None:
+    """Issue 15, item 15: the real error, not a garbled submitit reason, in --wait, status and the exit code."""
     out = meshrun(tmp_path, "submit", *TINY, "--set", "data.path=/nonexistent/tokens.u16", "--wait")
-    assert out.returncode == 1, out.stdout + out.stderr
+    assert out.returncode == 2, out.stdout + out.stderr
     job_id, _ = submitted(out)
-    assert status(tmp_path, job_id)["state"] == "FAILED"
+    assert f"job {job_id} FAILED (rank 0: data.path: '/nonexistent/tokens.u16': no token file there" in out.stdout
+    assert "_log.out" not in out.stdout and "Traceback" not in out.stdout + out.stderr
+    row = status(tmp_path, job_id)
+    assert row["state"] == "FAILED" and row["exit_code"] == 2 and "no token file there" in row["reason"]
     assert "meshrun data" in meshrun(tmp_path, "logs", job_id, check=True).stdout
 
 
@@ -64,7 +71,7 @@ def test_cancel_a_running_job(tmp_path: Path, corpus: Path) -> None:
         time.sleep(0.5)
     assert state == "CANCELLED"
     second = meshrun(tmp_path, "cancel", job_id)
-    assert second.returncode == 1 and "not running" in second.stderr
+    assert second.returncode == 1 and "already ended (CANCELLED)" in second.stderr  # not "cancelled" + exit 0
 
 
 def test_command_job_gets_torchrun_variables(tmp_path: Path) -> None:

@@ -1,0 +1,157 @@
+"""What a new user hit on the `local` cluster (issue 15), each reproduced through the real CLI with real
+processes: one failing rank stops its peers, a TERM-trapping program cancels as CANCELLED, a killed
+supervisor leaves no second writer, each job id keeps its own outcome and its own log lines."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.integration.cli import REPO, env_for, meshrun, status, submitted
+
+
+def _command_spec(tmp_path: Path, name: str, script: str, tasks: int = 2) -> Path:
+    """A `command:` job (no torch: starts in a second) running `script` with bash on every rank."""
+    spec = {"name": name, "resources": {"nodes": 1, "tasks_per_node": tasks, "time": "00:10:00"},
+            "command": ["bash", "-c", script], "env": {"OMP_NUM_THREADS": "1"}}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _wait_state(home: Path, job_id: str, states: tuple[str, ...], timeout: float = 60) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while (row := status(home, job_id))["state"] not in states:
+        assert time.monotonic() < deadline, f"{job_id} stayed {row['state']} ({row.get('reason')})"
+        time.sleep(0.3)
+    return row
+
+
+def _wait_file(path: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.2)
+
+
+def test_one_failing_rank_stops_the_others(tmp_path: Path) -> None:
+    """Item 9: as Slurm's --kill-on-bad-exit does, not after the peers' full time."""
+    spec = _command_spec(tmp_path, "one-fails", 'if [ "$RANK" = 1 ]; then exit 3; fi; sleep 300')
+    started = time.monotonic()
+    out = meshrun(tmp_path, "submit", str(spec), "-c", "local", "--wait", timeout=120)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert time.monotonic() - started < 60
+    job_id, _ = submitted(out)
+    assert status(tmp_path, job_id)["state"] == "FAILED"
+
+
+def test_cancelling_a_program_that_traps_term_ends_cancelled(tmp_path: Path) -> None:
+    """Item 10: exit 143 from the user's own TERM trap is still a cancel."""
+    spec = _command_spec(tmp_path, "traps-term", 'trap "exit 143" TERM; touch "$MESHRUN_RUN_DIR/up-$RANK"; '
+                                                 'while :; do sleep 0.2; done')
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", str(spec), "-c", "local", check=True))
+    _wait_file(run_dir / "up-1")
+    meshrun(tmp_path, "cancel", job_id, check=True)
+    assert _wait_state(tmp_path, job_id, ("CANCELLED", "FAILED"))["state"] == "CANCELLED"
+
+
+def test_cancel_right_after_submit_is_prompt_and_clean(tmp_path: Path) -> None:
+    """Item 28: no 15 s of RUNNING, no submitit log line as the reason."""
+    spec = _command_spec(tmp_path, "early-cancel", "sleep 300")
+    job_id, _ = submitted(meshrun(tmp_path, "submit", str(spec), "-c", "local", check=True))
+    meshrun(tmp_path, "cancel", job_id, check=True)
+    row = _wait_state(tmp_path, job_id, ("CANCELLED", "FAILED", "COMPLETED"), timeout=20)
+    assert row["state"] == "CANCELLED", row
+    assert "log" not in (row["reason"] or "")
+
+
+def _pids_of(run_dir: Path) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if str(run_dir) in cmdline and state != "Z":
+                found.append(int(entry))
+    return found
+
+
+def test_a_killed_supervisor_leaves_no_second_writer(tmp_path: Path) -> None:
+    """Item 8: its ranks run on; status says so, resume refuses, cancel stops them."""
+    spec = _command_spec(tmp_path, "orphans", 'touch "$MESHRUN_RUN_DIR/up-$RANK"; sleep 300')
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", str(spec), "-c", "local", check=True))
+    _wait_file(run_dir / "up-1")
+    state = yaml.safe_load((run_dir / ".meshrun" / "jobs" / f"{job_id}.json").read_text())
+    os.kill(state["supervisor_pid"], signal.SIGKILL)
+    row = _wait_state(tmp_path, job_id, ("RUNNING",))
+    deadline = time.monotonic() + 10
+    while "orphaned" not in (row["reason"] or ""):
+        assert time.monotonic() < deadline, row
+        row = status(tmp_path, job_id)
+    resumed = meshrun(tmp_path, "resume", job_id)
+    assert resumed.returncode != 0 and "still RUNNING" in resumed.stderr, resumed.stderr
+    meshrun(tmp_path, "cancel", job_id, check=True)
+    assert _wait_state(tmp_path, job_id, ("CANCELLED", "FAILED"))["state"] == "CANCELLED"
+    deadline = time.monotonic() + 20
+    while _pids_of(run_dir):
+        assert time.monotonic() < deadline, "the orphaned ranks survived the cancel"
+        time.sleep(0.3)
+
+
+def test_each_job_id_keeps_its_outcome_and_its_log(tmp_path: Path) -> None:
+    """Items 6, 7, 27 and 26: a resumed run logs where `logs NEWJOB` looks, the cancelled id stays
+    CANCELLED, a completed job is not resumed, an ended one is not cancelled."""
+    spec = _command_spec(tmp_path, "resumable", 'if [ -f "$MESHRUN_RUN_DIR/go" ]; then echo "second run"; exit 0; '
+                                                'fi; touch "$MESHRUN_RUN_DIR/up-$RANK"; sleep 300')
+    first, run_dir = submitted(meshrun(tmp_path, "submit", str(spec), "-c", "local", check=True))
+    _wait_file(run_dir / "up-1")
+    meshrun(tmp_path, "cancel", first, check=True)
+    _wait_state(tmp_path, first, ("CANCELLED",))
+    (run_dir / "go").touch()
+    out = meshrun(tmp_path, "resume", first, "--wait", check=True)
+    second = out.stdout.split(" as job ")[1].split()[0]
+    assert status(tmp_path, first)["state"] == "CANCELLED" and status(tmp_path, second)["state"] == "COMPLETED"
+    log = meshrun(tmp_path, "logs", second, check=True).stdout
+    assert f"local job {second} rank 0" in log and "second run" in log
+    again = meshrun(tmp_path, "resume", second)
+    assert again.returncode == 2 and "completed" in again.stderr
+    ended = meshrun(tmp_path, "cancel", second)
+    assert ended.returncode == 1 and "already ended (COMPLETED)" in ended.stderr
+
+
+def test_resume_after_the_run_dir_is_gone_says_so(tmp_path: Path) -> None:
+    spec = _command_spec(tmp_path, "gone", "exit 5", tasks=1)
+    out = meshrun(tmp_path, "submit", str(spec), "-c", "local", "--wait")
+    job_id, run_dir = submitted(out)
+    subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+    resumed = meshrun(tmp_path, "resume", job_id)
+    assert resumed.returncode == 1 and "is gone" in resumed.stderr, resumed.stderr
+
+
+def test_ctrl_c_while_waiting_leaves_the_job_running_and_says_so(tmp_path: Path) -> None:
+    """Item 29."""
+    spec = _command_spec(tmp_path, "ctrl-c", 'touch "$MESHRUN_RUN_DIR/up-$RANK"; sleep 300', tasks=1)
+    proc = subprocess.Popen([sys.executable, "-m", "submit.cli", "submit", str(spec), "-c", "local", "--wait"],
+                            cwd=REPO, env=env_for(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    run_dirs: list[Path] = []
+    while not (run_dirs and (run_dirs[0] / "up-0").exists()):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+        run_dirs = list((tmp_path / ".local" / "share" / "meshrun" / "runs").glob("ctrl-c-*"))
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    job_id = stdout.split("submitted job ")[1].split()[0]
+    assert f"job {job_id} keeps running" in stderr and f"meshrun cancel {job_id}" in stderr
+    assert status(tmp_path, job_id)["state"] == "RUNNING"
+    meshrun(tmp_path, "cancel", job_id, check=True)
