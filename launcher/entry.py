@@ -14,6 +14,7 @@ from typing import Mapping, MutableMapping, Optional, Sequence
 from launcher import installed_version
 from launcher.env import RankEnv, rank_env, setdefault_env, torchrun_vars
 from launcher.preempt import StopFlag
+from launcher.rankfail import reports_fatal_errors
 from launcher.rundir import RunDir
 from launcher.spec import RunSpec, read_run_spec
 
@@ -29,6 +30,7 @@ def prepare_env(run_spec: RunSpec, environ: MutableMapping[str, str]) -> None:
     setdefault_env({"OMP_NUM_THREADS": str(run_spec.job.resources.cpus_per_task)}, environ)
 
 
+@reports_fatal_errors  # bad input: one line, rank-error.txt, exit 2 (also under submitit)
 def run_rank(run_dir: str, replace_process: Optional[bool] = None) -> int:
     """Run this rank of the job in `run_dir`; returns its exit code.
 

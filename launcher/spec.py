@@ -228,6 +228,45 @@ def write_run_spec(run_spec: RunSpec, run_dir: Path) -> Path:
     return path
 
 
+class SpecFileError(SchemaError):
+    """spec.json is missing, unreadable or invalid: one line naming the file and the fix.
+
+    A SchemaError, so every caller that treats bad input as exit 2 treats this one so too.
+    """
+
+    def __init__(self, path: str, problem: str, fix: str) -> None:
+        self.key, self.value, self.fix = path, problem, fix
+        ValueError.__init__(self, f"{path}: {problem}; {fix}")
+
+    def __reduce__(self) -> tuple[object, ...]:  # picklable (submitit ships a rank's exception)
+        return (type(self), (self.key, self.value, self.fix))
+
+
+_RESUBMIT = "it is written by `meshrun submit`: restore it, or submit the job again"
+
+
+def loads_run_spec(text: str, source: str) -> RunSpec:
+    """Parse and validate a spec.json's text; `source` names the file in the error."""
+    try:
+        data = json.loads(text)
+    except ValueError as exc:  # JSONDecodeError, and a UnicodeDecodeError from bytes
+        where = f" at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
+        raise SpecFileError(source, f"not valid JSON{where} (truncated or edited by hand?)", _RESUBMIT) from None
+    if not isinstance(data, dict):
+        raise SpecFileError(source, f"expected a JSON object, found {type(data).__name__}", _RESUBMIT)
+    try:
+        return load(RunSpec, data)
+    except SchemaError as exc:
+        raise SpecFileError(source, str(exc), "edit that key back, or submit the job again") from None
+
+
 def read_run_spec(run_dir: Path) -> RunSpec:
+    """The run spec of `run_dir`; SpecFileError (one line, names the file) if it cannot be used."""
     path = Path(run_dir) / SPEC_FILE
-    return load(RunSpec, json.loads(path.read_text()))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecFileError(str(path), "no run spec there", f"is {run_dir} a meshrun run dir?") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecFileError(str(path), f"cannot be read ({exc})", _RESUBMIT) from None
+    return loads_run_spec(text, str(path))
