@@ -8,6 +8,9 @@ marker last, fsyncs it and the directory, and renames `step-N.tmp` to `step-N`.
 Resume takes the newest directory that has the marker; an unmarked one is never
 loaded. At most one save is in flight. Retention keeps the newest K (and every
 M-th step if asked) and never deletes the newest complete checkpoint.
+
+Checkpoints are as private as the run dir, wherever they live (a cluster's shared
+checkpoint root included): folders 0700, files 0600, set explicitly, whatever the umask.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 MARKER = "meshrun-complete.json"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
@@ -80,6 +83,47 @@ def retention_victims(steps: list[int], keep: int, keep_every: int = 0) -> list[
     return [s for s in sorted(steps) if s not in kept]
 
 
+DIR_MODE, FILE_MODE = 0o700, 0o600
+
+
+def make_private_dir(path: Path) -> None:
+    """mkdir -p with every folder it creates 0700, and `path` itself 0700 (it is ours).
+
+    A folder that already existed above `path` (a shared checkpoint root) is left alone.
+    """
+    path = Path(path)
+    missing = []
+    for folder in [path, *path.parents]:
+        if folder.exists():
+            break
+        missing.append(folder)
+    for folder in reversed(missing):
+        folder.mkdir(mode=DIR_MODE, exist_ok=True)
+        os.chmod(folder, DIR_MODE)  # mkdir's mode is filtered by the umask
+    if path.stat().st_uid == os.getuid():
+        os.chmod(path, DIR_MODE)
+
+
+def make_private_files(folder: Path) -> None:
+    """chmod 0600 every file and 0700 every folder under `folder` (DCP writes with the umask's modes)."""
+    for parent, dirs, files in os.walk(folder):
+        for name in dirs:
+            os.chmod(os.path.join(parent, name), DIR_MODE)
+        for name in files:
+            os.chmod(os.path.join(parent, name), FILE_MODE)
+
+
+def write_private(path: Path, text: str, fsync: bool = False) -> None:
+    """Create or truncate `path` as a 0600 file holding `text`."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        os.fchmod(handle.fileno(), FILE_MODE)  # an existing file keeps its mode through O_CREAT
+        handle.write(text)
+        handle.flush()
+        if fsync:
+            os.fsync(handle.fileno())
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -90,11 +134,8 @@ def _fsync_dir(path: Path) -> None:
 
 def commit(tmp: Path, final: Path, info: dict[str, Any]) -> None:
     """Marker last, fsync, rename: after this returns the checkpoint is durable and complete."""
-    marker = tmp / MARKER
-    with open(marker, "w") as handle:
-        json.dump({**info, "committed_at": time.time()}, handle, sort_keys=True)
-        handle.flush()
-        os.fsync(handle.fileno())
+    make_private_files(tmp)  # the shards, before they become a checkpoint anyone may read
+    write_private(tmp / MARKER, json.dumps({**info, "committed_at": time.time()}, sort_keys=True), fsync=True)
     _fsync_dir(tmp)
     if (final / MARKER).is_file():
         # A complete twin from an earlier life of the job at the same step: keep it (replacing
@@ -135,13 +176,19 @@ class _Pending:
     future: Optional[Future]
     info: dict[str, Any]
     started: float
+    stall_s: float = 0.0
+    """How long training waited while this save started (the whole save when synchronous)."""
+
+
+OnCommit = Callable[[int, float], None]
+"""Called with (step, save stall in seconds) after each commit, whichever call committed it."""
 
 
 class Checkpointer:
     """Saves and loads a DCP state dict under `root`. Every rank calls save/poll/wait/load."""
 
     def __init__(self, root: Path, keep: int, keep_every: int = 0, async_save: bool = True,
-                 process_group: Any = None, coordinator: bool = True) -> None:
+                 process_group: Any = None, coordinator: bool = True, on_commit: Optional[OnCommit] = None) -> None:
         self.root = Path(root)
         self.keep, self.keep_every = keep, keep_every
         self.async_save = async_save
@@ -151,11 +198,12 @@ class Checkpointer:
         self.last_save_stall_s = 0.0
         self.last_committed: Optional[int] = None
         self._staging: Any = None
+        self.on_commit = on_commit
 
     def prepare(self) -> None:
         """Start-up, on every rank: the coordinator clears interrupted saves; all agree after."""
         if self.coordinator:
-            self.root.mkdir(parents=True, exist_ok=True)
+            make_private_dir(self.root)
             remove_stale(self.root)
         self._barrier()
 
@@ -173,7 +221,7 @@ class Checkpointer:
         tmp = self.root / f"step-{step:08d}.tmp"
         if self.coordinator:
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            make_private_dir(tmp)
         self._barrier()
         began = time.perf_counter()
         if self.async_save:
@@ -184,7 +232,7 @@ class Checkpointer:
         else:
             dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
             self._pending = _Pending(step, tmp, None, info, began)
-        self.last_save_stall_s = time.perf_counter() - began
+        self.last_save_stall_s = self._pending.stall_s = time.perf_counter() - began
         if not self.async_save:
             self._finish()
 
@@ -232,6 +280,8 @@ class Checkpointer:
             commit(pending.tmp, step_dir(self.root, pending.step), info)
             apply_retention(self.root, self.keep, self.keep_every)
         self.last_committed = pending.step
+        if self.on_commit is not None:
+            self.on_commit(pending.step, pending.stall_s)
 
     def load(self, state: dict[str, Any], path: Path) -> dict[str, Any]:
         """Load `state` in place from a complete checkpoint; returns its marker."""

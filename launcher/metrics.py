@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
@@ -24,7 +25,9 @@ class MetricsLog:
         self.file: Optional[TextIO] = None
         if enabled:
             Path(run_dir).mkdir(parents=True, exist_ok=True)
-            self.file = open(Path(run_dir) / METRICS_FILE, "a", encoding="utf-8")
+            # 0600 whatever the umask: as private as the run dir it lives in.
+            fd = os.open(Path(run_dir) / METRICS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            self.file = os.fdopen(fd, "a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
         if self.file is None:

@@ -44,9 +44,9 @@ def read_attempts(root: Path) -> dict[str, int]:
 
 def write_attempts(root: Path, attempts: dict[str, int]) -> None:
     path = Path(root) / ATTEMPTS_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
+    ckpt.make_private_dir(path.parent)
     tmp = path.with_name(f".{ATTEMPTS_FILE}.tmp")
-    tmp.write_text(json.dumps(attempts, sort_keys=True))
+    ckpt.write_private(tmp, json.dumps(attempts, sort_keys=True))
     os.replace(tmp, path)
 
 
@@ -56,7 +56,7 @@ def quarantine(root: Path, step: int, reason: str) -> None:
     marker = path / ckpt.MARKER
     if marker.is_file():
         os.replace(marker, path / QUARANTINE_MARKER)
-    (path / "QUARANTINED.txt").write_text(reason + "\n")
+    ckpt.write_private(path / "QUARANTINED.txt", reason + "\n")
 
 
 def choose(root: Path, requested: Optional[int] = None) -> Choice:

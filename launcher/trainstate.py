@@ -4,7 +4,8 @@ Model and optimizer go through torch.distributed.checkpoint.state_dict, keyed by
 full model's parameter names (fully-qualified, layout-free), so a checkpoint saved
 under one (dp, tp, pp) loads under another. The rest: the step, the data position,
 the fp16 loss scale, and each rank's RNG state (restored only when the rank exists
-in the checkpoint with the same world size). The spec rides in the marker.
+in the checkpoint with the same world size). The job spec rides in the marker, less its
+`env` (values a user may not want copied into every checkpoint; export needs none of it).
 """
 from __future__ import annotations
 
@@ -40,9 +41,14 @@ def app_state(t: "Trainer", step: int, env: RankEnv) -> dict[str, Any]:
     }
 
 
+def marker_job(run_spec: RunSpec) -> dict[str, Any]:
+    """The job spec as the marker records it: everything but `env`."""
+    return {key: value for key, value in to_plain(run_spec.job).items() if key != "env"}
+
+
 def save(saver: ckpt.Checkpointer, t: "Trainer", step: int, env: RankEnv, run_spec: RunSpec) -> None:
     info = {"layout": {"dp": t.dims.dp, "tp": t.dims.tp, "pp": t.dims.pp}, "world_size": env.world_size,
-            "restart_count": env.restart_count, "job": to_plain(run_spec.job)}
+            "restart_count": env.restart_count, "job": marker_job(run_spec)}
     saver.save(step, app_state(t, step, env), info)
 
 
