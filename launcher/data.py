@@ -68,6 +68,9 @@ class TokenDataset:
         n_val = int(len(self.tokens) * val_fraction)
         self.val_start = len(self.tokens) - n_val
         self.num_windows = {"train": self.val_start // self.window, "val": n_val // self.window}
+        if len(self.tokens) == 0:
+            raise SchemaError("data.path", str(self.path), "the token file is empty; rebuild it (`meshrun data`) "
+                                                           "or point data.path at another token file")
         if self.num_windows["train"] == 0:
             raise SchemaError("data.path", str(self.path), f"{self.val_start} training tokens are fewer than one "
                               f"window of seq_len+1={self.window}; use a bigger file or a shorter seq_len")
@@ -83,6 +86,42 @@ class TokenDataset:
         """Inputs and targets, each (len(indices), seq_len)."""
         rows = torch.stack([self.sample(split, i) for i in indices])
         return rows[:, :-1], rows[:, 1:]
+
+
+def largest_token(tokens: torch.Tensor, chunk: int = 1 << 22) -> tuple[int, int]:
+    """The largest id in `tokens` and its first position ((-1, -1) when empty).
+
+    In chunks: a 16 MB file takes a few tens of ms, never a full-size int copy
+    (torch has no max over uint16, so each chunk is widened first).
+    """
+    best, where = -1, -1
+    for start in range(0, len(tokens), chunk):
+        part = tokens[start:start + chunk].to(torch.int32)
+        top = int(part.max())
+        if top > best:
+            best, where = top, start + int(part.argmax())
+    return best, where
+
+
+def check_token_ids(dataset: TokenDataset, vocab_size: int) -> None:
+    """Refuse ids the model's embedding cannot look up (they would end in torch's IndexError mid-step)."""
+    top, where = largest_token(dataset.tokens)
+    if top >= vocab_size:
+        raise SchemaError("data.path", str(dataset.path),
+                          f"token id {top} (at token {where}) is not below train.model.vocab_size={vocab_size}; "
+                          f"raise train.model.vocab_size to at least {top + 1}, or rebuild the data with ids "
+                          f"below {vocab_size}")
+
+
+def check_train_data(dataset: TokenDataset, global_batch: int) -> None:
+    """Refuse a training split smaller than one global batch: every step would repeat the same sequences."""
+    have = dataset.num_windows["train"]
+    if have < global_batch:
+        raise SchemaError("data.path", str(dataset.path),
+                          f"{len(dataset.tokens)} tokens give {have} training sequences of seq_len+1="
+                          f"{dataset.window} tokens (after holding out data.val_fraction for validation), "
+                          f"fewer than one global batch of {global_batch}; use a bigger token file, or a "
+                          "smaller train.global_batch or train.model.seq_len")
 
 
 @dataclass(frozen=True)

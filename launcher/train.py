@@ -12,7 +12,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -21,7 +21,8 @@ from torch import nn
 from launcher import resume, trainstate
 from launcher.checkpoint import Checkpointer
 from launcher.checkpoint import step_dir as ckpt_step_dir
-from launcher.data import Layout, MicroBatches, Prefetcher, TokenDataset, TrainStream, val_steps
+from launcher.data import (Layout, MicroBatches, Prefetcher, TokenDataset, TrainStream, check_token_ids,
+                           check_train_data, val_steps)
 from launcher.env import RankEnv, setdefault_env
 from launcher.metrics import MetricsLog, perplexity
 from launcher.model import GPT, ModelPart, param_count
@@ -30,6 +31,7 @@ from launcher.parallel import apply_data_parallel, apply_tensor_parallel, build_
 from launcher.parallel_dims import Coordinates, ParallelDims
 from launcher.preempt import EXIT_FINISHED, EXIT_GAVE_UP, EXIT_REQUEUE, StopFlag, agree
 from launcher.pipeline import Executor, PipelineExecutor, PlainExecutor, StepLoss
+from launcher.rundir import RunDir
 from launcher.runtime import Runtime, check_tasks, init_distributed, pick_runtime
 from launcher.schema import SchemaError
 from launcher.spec import JobSpec, RunSpec, Train
@@ -56,8 +58,21 @@ def check_eval_data(job: JobSpec, dataset: TokenDataset) -> None:
     if cfg.eval_every > 0 and usable < cfg.global_batch:
         raise SchemaError("train.eval_sequences", cfg.eval_sequences,
                           f"validation uses whole global batches, but min(eval_sequences, "
-                          f"{dataset.num_windows['val']} held-out windows) = {usable} < global_batch "
-                          f"({cfg.global_batch}); raise eval_sequences or data.val_fraction, or set eval_every: 0")
+                          f"{dataset.num_windows['val']} held-out windows of {dataset.path}) = {usable} < "
+                          f"global_batch ({cfg.global_batch}); raise eval_sequences or data.val_fraction, use a "
+                          "bigger token file, or set eval_every: 0")
+
+
+def check_data(job: JobSpec, dataset: TokenDataset) -> None:
+    """Enough sequences for a step and for validation, and every id inside the vocabulary."""
+    check_train_data(dataset, job.trainer.global_batch)
+    check_eval_data(job, dataset)
+    check_token_ids(dataset, job.trainer.model.vocab_size)
+
+
+def eval_due(cfg: Train, step: int, last: int) -> bool:
+    """Validate every eval_every steps and at the last one (eval_every > 0), whatever log_every is."""
+    return cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == last)
 
 
 # ------------------------------------------------------------------ the trainer's objects
@@ -186,7 +201,7 @@ def train(run_spec: RunSpec, env: RankEnv, flag: Optional[StopFlag] = None) -> i
     check_tasks(job, env)
     check_layout(job, env)
     dataset = TokenDataset(job.data.path, job.trainer.model.seq_len, job.data.val_fraction)
-    check_eval_data(job, dataset)
+    check_data(job, dataset)
     setdefault_env(run_spec.run.nccl_env, os.environ)  # the cluster preset, unless the user set a key
     runtime = pick_runtime(job, env, os.environ)
     torch.manual_seed(job.trainer.seed)
@@ -196,7 +211,7 @@ def train(run_spec: RunSpec, env: RankEnv, flag: Optional[StopFlag] = None) -> i
     metrics = MetricsLog(run_spec.run.run_dir, enabled=env.rank == 0, steps=job.trainer.steps)
     try:
         trainer = build_trainer(job, env, runtime, dataset)
-        saver = make_checkpointer(run_spec, env)
+        saver = make_checkpointer(run_spec, env, metrics)
         first = start_step(trainer, saver, run_spec, env)
         if first is None:
             return EXIT_GAVE_UP
@@ -211,16 +226,27 @@ def train(run_spec: RunSpec, env: RankEnv, flag: Optional[StopFlag] = None) -> i
         dist.destroy_process_group()
 
 
-def make_checkpointer(run_spec: RunSpec, env: RankEnv) -> Checkpointer:
+def make_checkpointer(run_spec: RunSpec, env: RankEnv, metrics: Optional[MetricsLog] = None) -> Checkpointer:
     """Checkpoints get their own gloo group: an async save's collectives run in a background
     thread and must never interleave with the training thread's on the default group."""
     policy = run_spec.job.checkpoint
     group = dist.new_group(backend="gloo") if env.world_size > 1 else None
-    root = Path(run_spec.run.checkpoint_dir or Path(run_spec.run.run_dir) / "checkpoints")
-    saver = Checkpointer(root, keep=policy.keep, keep_every=policy.keep_every,
-                         async_save=policy.async_save, process_group=group, coordinator=env.rank == 0)
+    root = Path(run_spec.run.checkpoint_dir or RunDir(run_spec.run.run_dir).default_checkpoints)
+    on_commit = _committed(root, metrics) if env.rank == 0 and metrics is not None else None
+    saver = Checkpointer(root, keep=policy.keep, keep_every=policy.keep_every, async_save=policy.async_save,
+                         process_group=group, coordinator=env.rank == 0, on_commit=on_commit)
     saver.prepare()
     return saver
+
+
+def _committed(root: Path, metrics: MetricsLog) -> Callable[[int, float], None]:
+    """Rank 0's reaction to every commit, whichever call commits it (a poll, the next save's
+    wait, the final save, a save on a signal): the metrics event and the crash-loop guard."""
+    def on_commit(step: int, stall_s: float) -> None:
+        resume.progress_made(root)  # a newer checkpoint: earlier failed resumes stop counting
+        metrics.event({"event": "checkpoint", "checkpoint_step": step, "save_stall_s": round(stall_s, 4),
+                       "time": time.time()})
+    return on_commit
 
 
 def start_step(t: Trainer, saver: Checkpointer, run_spec: RunSpec, env: RankEnv) -> Optional[int]:
@@ -255,13 +281,15 @@ def run_loop(t: Trainer, env: RankEnv, metrics: MetricsLog, first: int = 1, last
             micro_batches, wait = prefetch.next_step()
             clock.waited += wait
             result = train_step(t, step, micro_batches)
-            if step % cfg.log_every == 0 or step == last:
-                log_step(t, env, metrics, step, result, clock, saver.last_committed if saver else None)
+            validate = eval_due(cfg, step, last)
+            if step % cfg.log_every == 0 or step == last or validate:
+                log_step(t, env, metrics, step, result, clock, saver.last_committed if saver else None,
+                         validate=validate)
             if saver is None or run_spec is None:
                 continue
-            _poll(saver, env, metrics)
+            saver.poll()
             if flag is not None and agree(flag.raised, device=t.runtime.device):
-                _save_now(saver, t, step, env, run_spec, metrics)
+                _save_now(saver, t, step, env, run_spec)
                 if env.rank == 0:
                     print(f"[meshrun] stopping after step {step} on {flag.describe() if flag.raised else 'a peer'}"
                           f"'s signal: checkpoint saved, exit {EXIT_REQUEUE} (requeue)", flush=True)
@@ -269,7 +297,7 @@ def run_loop(t: Trainer, env: RankEnv, metrics: MetricsLog, first: int = 1, last
             if step == last or (every and step % every == 0):
                 trainstate.save(saver, t, step, env, run_spec)
         if saver is not None:
-            _poll(saver, env, metrics, wait=True)
+            saver.wait()
         return EXIT_FINISHED
     finally:
         prefetch.close()
@@ -283,25 +311,14 @@ class _Clock:
     last_time: float = field(default_factory=time.perf_counter)
 
 
-def _poll(saver: Checkpointer, env: RankEnv, metrics: MetricsLog, wait: bool = False) -> None:
-    """Commit a finished save (or wait for it); on a new commit, tell metrics.jsonl and the guard."""
-    before = saver.last_committed
-    saver.wait() if wait else saver.poll()
-    if env.rank == 0 and saver.last_committed != before:
-        resume.progress_made(saver.root)  # a newer checkpoint: earlier failed resumes stop counting
-        metrics.event({"event": "checkpoint", "checkpoint_step": saver.last_committed,
-                       "save_stall_s": round(saver.last_save_stall_s, 4), "time": time.time()})
-
-
-def _save_now(saver: Checkpointer, t: Trainer, step: int, env: RankEnv, run_spec: RunSpec,
-              metrics: MetricsLog) -> None:
+def _save_now(saver: Checkpointer, t: Trainer, step: int, env: RankEnv, run_spec: RunSpec) -> None:
     if saver.last_committed != step:
         trainstate.save(saver, t, step, env, run_spec)
-    _poll(saver, env, metrics, wait=True)
+    saver.wait()
 
 
 def log_step(t: Trainer, env: RankEnv, metrics: MetricsLog, step: int, result: StepResult, clock: _Clock,
-             checkpoint_step: Optional[int] = None) -> None:
+             checkpoint_step: Optional[int] = None, validate: Optional[bool] = None) -> None:
     """One metrics.jsonl record (and human line) covering the steps since the last one."""
     cfg = t.cfg
     tokens_per_step = cfg.global_batch * cfg.model.seq_len
@@ -323,7 +340,7 @@ def log_step(t: Trainer, env: RankEnv, metrics: MetricsLog, step: int, result: S
         record["checkpoint_step"] = checkpoint_step
     if t.scaler.enabled:
         record["loss_scale"] = t.scaler.scale
-    if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.steps):
+    if eval_due(cfg, step, cfg.steps) if validate is None else validate:
         record["val_loss"] = evaluate(t)
         record["val_ppl"] = perplexity(record["val_loss"])
     metrics.write(record)
