@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from submit import snapshot as snapshots
 from submit.cluster import ClusterProfile, is_profile_path, load_profile, load_profile_file
@@ -23,8 +23,17 @@ from submit.schedulers.base import Request
 from submit.status import METRICS_FILE, Status, last_metrics, statuses
 from submit.transport import Progress, Transport, connect
 
-__all__ = ["Clusters", "METRICS_FILE", "Request", "Status", "cancel", "dryrun", "git_sha", "last_metrics",
+__all__ = ["Clusters", "METRICS_FILE", "Request", "Status", "cancel", "dryrun", "executor", "git_sha", "last_metrics",
            "log_path", "schedule", "statuses", "submit", "sync_code", "with_code_dir"]
+
+
+def __getattr__(name: str) -> Any:
+    """`from submit.api import executor`: the submitit API, imported (with submitit) only when asked for."""
+    if name == "executor":
+        from submit.executor import executor
+
+        return executor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def git_sha(cwd: Path) -> Optional[str]:

@@ -13,12 +13,12 @@ from __future__ import annotations
 import getpass
 import json
 import socket
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from submit.cluster import ClusterProfile
+from submit.schedulers import backend
 from submit.errors import ClusterError, InputError
 from submit.transport import LocalTransport, Transport
 
@@ -62,7 +62,7 @@ def check_local_port(port: int) -> None:
 def start_argv(profile: ClusterProfile, run_dir: str) -> list[str]:
     """bash -c 'SETUP; install the helper; run it' sh PYTHON RUN_DIR: setup lines are the profile's trusted,
     verbatim bash (as in the batch script); python and the run dir arrive as positional values."""
-    python = sys.executable if profile.scheduler == "local" else profile.python
+    python = backend(profile.scheduler).interpreter(profile)
     script = "\n".join([*profile.setup, _INSTALL])
     return ["bash", "-c", script, "meshrun-tb", python, run_dir]
 

@@ -187,11 +187,32 @@ def current_state(run_dir: str, job_id: str) -> dict[str, Any]:
     return {**state, "state": "FAILED", "message": "the local supervisor process died (killed?)"}
 
 
+def submitit_state(run_dir: str, job_id: str) -> dict[str, Any]:
+    """A job of the submitit API (`submit.api.executor` on a local profile): submitit's own files say
+    how it went (its LocalExecutor writes no meshrun state); the job id is its controller's pid."""
+    results = sorted(glob.glob(os.path.join(RunDir(run_dir).submitit, f"{glob.escape(job_id)}_*_result.pkl")))
+    if not results:
+        alive = job_id.isdigit() and _alive(int(job_id))
+        return {"state": "RUNNING"} if alive else {}
+    from submitit.core.utils import pickle_load
+
+    for path in results:
+        try:
+            outcome, value = pickle_load(path)
+        except Exception:  # a result whose type only the caller can import: it did return
+            continue
+        if outcome != "success":
+            lines = str(value).strip().splitlines()
+            return {"state": "FAILED", "message": lines[-1] if lines else "the function raised"}
+    return {"state": "COMPLETED"}
+
+
 def _status(record: JobRecord, transport: Transport) -> Status:
     if not os.path.isdir(record.run_dir):
         state: dict[str, Any] = {"state": "UNKNOWN", "message": f"the run dir {record.run_dir} is gone"}
     else:
-        state = current_state(record.run_dir, record.job_id) or {"state": "UNKNOWN"}
+        state = (current_state(record.run_dir, record.job_id) or submitit_state(record.run_dir, record.job_id)
+                 or {"state": "UNKNOWN"})
     name = state.get("state", "UNKNOWN")
     started, ended = state.get("started"), state.get("ended")
     elapsed = int((ended or now()) - started) if started else None

@@ -136,6 +136,12 @@ def test_local_profile_runs_a_submitit_job_and_records_it(tmp_path: Path, monkey
     logs = Path(record.run_dir) / "logs"
     assert sorted(p.name for p in logs.iterdir()) == ["rank-0.err", "rank-0.log", "rank-1.err", "rank-1.log"]
     assert (logs / "rank-1.log").resolve() == job.task(1).paths.stdout.resolve()
+    # `meshrun status` reads submitit's own result files for such a job (its executor writes no meshrun state).
+    from submit import api
+    from submit.status import statuses
+
+    (found,) = statuses([record], api.Clusters())
+    assert found.state == "COMPLETED" and found.done, found
 
 
 def test_the_api_module_stays_torch_free() -> None:
