@@ -194,8 +194,10 @@ class TrainStream:
         mine = self.state_dict()
         for key in ("seed", "window", "train_windows"):
             if state[key] != mine[key]:
-                raise ValueError(f"data state: {key} was {state[key]} when saved but is {mine[key]} now; "
-                                 "resume with the same data file, seq_len and seed")
+                # Bad input (exit 2, never requeued): a retry would refuse it again.
+                raise SchemaError("data.path", str(self.dataset.path),
+                                  f"the checkpoint's data state has {key}={state[key]} but this data gives "
+                                  f"{mine[key]}; resume with the same data file, seq_len and seed")
         self.consumed = int(state["consumed"])
 
 

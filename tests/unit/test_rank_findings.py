@@ -15,7 +15,7 @@ from torch import nn
 
 from launcher import checkpoint as ckpt
 from launcher import rankfail, resume
-from launcher.data import TokenDataset, check_token_ids, check_train_data, largest_token
+from launcher.data import Layout, TokenDataset, TrainStream, check_token_ids, check_train_data, largest_token
 from launcher.rundir import RunDir
 from launcher.schema import SchemaError
 from launcher.spec import JobSpec, Model, RunInfo, RunSpec, SpecFileError, Train, dumps_run_spec, read_run_spec
@@ -140,6 +140,14 @@ def test_token_ids_beyond_the_vocabulary_name_the_id_the_file_and_the_fix(tmp_pa
     text = str(err.value)
     assert "token id 4000" in text and str(path) in text and "vocab_size to at least 4001" in text
     check_token_ids(TokenDataset(path, 8, 0.0), vocab_size=4001)
+
+
+def test_resuming_over_other_data_is_bad_input_not_a_crash(tmp_path: Path) -> None:
+    path = _tokens(tmp_path / "t.u16", [3] * 5000)
+    layout = Layout(global_batch=4, micro_batch=2, dp_rank=0, dp_size=1)
+    saved = TrainStream(TokenDataset(path, seq_len=32), layout, seed=0).state_dict()
+    with pytest.raises(SchemaError, match="window=33 but this data gives 17"):  # exit 2: never requeued
+        TrainStream(TokenDataset(path, seq_len=16), layout, seed=0).load_state_dict(saved)
 
 
 # ------------------------------------------------------------------ item 17: spec.json
