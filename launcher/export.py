@@ -136,12 +136,12 @@ def load_newest(path: Path) -> tuple[Path, dict[str, torch.Tensor], dict[str, st
     raise AssertionError("unreachable")
 
 
-def export(path: Path, out: Path) -> int:
-    """Write OUT (atomically); returns the number of tensors."""
+def export(path: Path, out: Path) -> tuple[int, Path]:
+    """Write OUT (atomically); returns the number of tensors and the step folder exported."""
     out = check_output(Path(out))
-    _, tensors, meta = load_newest(Path(path))
+    chosen, tensors, meta = load_newest(Path(path))
     write_atomically(tensors, meta, out)
-    return len(tensors)
+    return len(tensors), chosen
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -150,11 +150,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     try:
-        count = export(Path(args[0]), Path(args[1]))
+        count, chosen = export(Path(args[0]), Path(args[1]))
     except (ckpt.CheckpointError, OutputError) as exc:
         print(f"meshrun export: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {args[1]} ({count} tensors)")
+    print(f"wrote {args[1]} ({count} tensors) from {chosen}")
     return 0
 
 

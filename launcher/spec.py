@@ -206,6 +206,8 @@ class RunInfo:
     """The cluster's NCCL/network preset, applied by each rank before init unless already set."""
     checkpoint_dir: str = ""
     """Where checkpoints go (the cluster's shared checkpoint root, or run_dir/checkpoints)."""
+    time_limit_s: int = 0
+    """The job's time limit in seconds (the local supervisor enforces it; Slurm does on a cluster)."""
     meshrun_version: str = ""
     """The meshrun that planned and rendered the job; a rank running another one says so in its log
     ("" in a spec.json written before meshrun recorded it)."""

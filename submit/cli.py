@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verbs.add_parser("trust", help="show a cluster's SSH host key fingerprint and record it on your word")
     p.add_argument("cluster", help="cluster profile name or YAML file")
-    p.add_argument("--fingerprint", help="record without asking if the key has this fingerprint (SHA256:...)")
+    p.add_argument("--fingerprint", action="append", help="record without asking if the key has this "
+                   "fingerprint (SHA256:...); repeat it for each jump host (matched to whichever hop shows it)")
     p.add_argument("--replace", action="store_true", help="replace a CHANGED key (only after the admins "
                    "confirmed the change)")
 
@@ -150,8 +151,8 @@ def _snapshot(args: argparse.Namespace, profile: Any, plan: Any) -> Any:
     return snapshot.collect(args.spec.parent, plan.spec.code) if backend(profile.scheduler).ships_code else None
 
 
-def _request(args: argparse.Namespace, profile: Any, plan: Any, snap: Any,
-             transport: Any = None) -> tuple[Any, Any, Optional[bool]]:
+def _request(args: argparse.Namespace, profile: Any, plan: Any, snap: Any, transport: Any = None,
+             read_only: bool = False) -> tuple[Any, Any, Optional[bool]]:
     """The plan made (once, before any connection), over SSH ask the login node for its home and
     whether the code snapshot is there (one round trip), then build the request, rendered once.
     Returns (plan with the real home, request, snapshot present?)."""
@@ -159,7 +160,9 @@ def _request(args: argparse.Namespace, profile: Any, plan: Any, snap: Any,
     from submit.plan import with_home
 
     present = None
-    if profile.ssh is not None:
+    if profile.ssh is not None and read_only:  # render writes nothing on the cluster
+        plan = with_home(plan, snapshot.remote_home(transport))
+    elif profile.ssh is not None:
         home, present = snapshot.probe(transport, plan.work_dir, snap)
         plan = with_home(plan, home)
     plan = api.with_code_dir(plan, snap)
@@ -176,7 +179,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     snap = _snapshot(args, profile, plan)
     transport = connect(profile.ssh, args.cluster)
     try:
-        _plan_resolved, request, _present = _request(args, profile, plan, snap, transport)
+        _plan_resolved, request, _present = _request(args, profile, plan, snap, transport, read_only=True)
     finally:
         transport.close()
     if args.output:
@@ -330,12 +333,13 @@ def progress_line(status: Any, total_steps: Optional[int]) -> str:
 
 
 def wait_for(record: Any, clusters: Any, registry: Any, total_steps: Optional[int],
-             out: TextIO = sys.stderr) -> Any:
+             out: Optional[TextIO] = None) -> Any:
     """Poll until the job ends, showing progress (one rewritten line on a terminal, plain lines piped)."""
     from submit import api
 
     from submit.transport import ConnectionLost
 
+    out = out if out is not None else sys.stderr
     tty, last, started = out.isatty(), None, time.monotonic()
     while True:
         try:

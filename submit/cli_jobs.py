@@ -25,8 +25,12 @@ def _clock(seconds: Any) -> str:
 
 
 def table(rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    return "".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() + "\n" for row in rows)
+    """Columns aligned in terminal cells (a wide or emoji name takes two per character), values printable."""
+    from submit.textwidth import display_width, ljust, printable
+
+    cells = [[printable(str(c)) for c in row] for row in rows]
+    widths = [max(display_width(r[i]) for r in cells) for i in range(len(cells[0]))]
+    return "".join("  ".join(ljust(c, w) for c, w in zip(row, widths)).rstrip() + "\n" for row in cells)
 
 
 def status_table(found: Sequence[Any]) -> str:
@@ -123,8 +127,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
         if args.batch:
             sources = [logs.Source(api.log_path(record, None))]
         else:
-            size = None if args.rank.isdigit() else logs.world_size(transport, record)
-            ranks = logs.parse_ranks(args.rank, size)
+            ranks = logs.select_ranks(transport, record, args.rank)
             labels = len(ranks) > 1
             sources = [logs.Source(api.log_path(record, r), f"[rank {r}] ".encode() if labels else b"")
                        for r in ranks]
@@ -166,6 +169,7 @@ def cmd_tb(args: argparse.Namespace) -> int:
     from submit import api, tensorboard
     from submit.registry import Registry
 
+    tensorboard.check_local_port(args.port)  # before anything starts on the cluster
     record = _one_job(Registry(), args.job, args.cluster)
     clusters = api.Clusters()
     board, forward = None, None

@@ -23,6 +23,7 @@ from submit import __version__
 from submit.cluster import ClusterProfile, Partition
 from submit.errors import InputError
 from submit.schedulers import backend
+from submit.textwidth import slug
 from submit.yamlfile import YamlDoc
 
 _TIME = re.compile(r"^(?:(?P<d>\d+)-)?(?P<rest>\d+(?::\d+){0,2})$")
@@ -258,12 +259,7 @@ def run_dir_for(spec: JobSpec, cluster: ClusterProfile, home: str, now: Optional
     now = now or _dt.datetime.now(_dt.timezone.utc)
     stamp = now.strftime("%Y%m%d-%H%M%S")
     base = expand_home(cluster.paths.work_dir, home).rstrip("/")
-    return f"{base}/runs/{_slug(spec.name)}-{stamp}-{secrets.token_hex(2)}"
-
-
-def _slug(name: str) -> str:
-    """A file-name-safe form of the job name (the name itself may hold any text)."""
-    return re.sub(r"[^A-Za-z0-9_+-]", "_", name).strip("_")[:64] or "job"
+    return f"{base}/runs/{slug(spec.name)}-{stamp}-{secrets.token_hex(2)}"
 
 
 def make_plan(spec: JobSpec, submitted: dict, cluster: ClusterProfile, run_dir: Optional[str] = None,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import TextIO
+from typing import Optional, TextIO
 
 
 def _mb(n: int) -> str:
@@ -13,7 +13,9 @@ def _mb(n: int) -> str:
 class ProgressBar:
     """Call it as a transport Progress: bar(sent, total); then done()."""
 
-    def __init__(self, label: str, out: TextIO = sys.stderr, width: int = 30) -> None:
+    def __init__(self, label: str, out: Optional[TextIO] = None, width: int = 30) -> None:
+        # sys.stderr looked up now, not at import: it may have been replaced since (tests, wrappers).
+        out = out if out is not None else sys.stderr
         self.label, self.out, self.width = label, out, width
         self.tty = out.isatty()
         self.started: float = 0.0  # set by the first call: the bytes' clock, not the connection's

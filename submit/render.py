@@ -132,7 +132,7 @@ def context(plan: Plan) -> dict[str, Any]:
         "rank_command": rank_command,
         "max_restarts": spec.checkpoint.max_restarts,
         "exit_requeue": exitcodes.EXIT_REQUEUE, "exit_no_progress": exitcodes.EXIT_NO_PROGRESS,
-        "exit_file": _name(RunDir.EXIT_CODE), "exit_input": exitcodes.EXIT_INPUT, "exit_gave_up": exitcodes.EXIT_GAVE_UP,
+        "exit_file": _name(RunDir.EXIT_CODE), "rank_error_file": _name(RunDir.RANK_ERROR), "exit_input": exitcodes.EXIT_INPUT, "exit_gave_up": exitcodes.EXIT_GAVE_UP,
         "code_dir": plan.code_dir,
         "array_size": len(plan.tasks),
     }

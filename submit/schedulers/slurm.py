@@ -64,7 +64,9 @@ class SlurmBackend:
                     for s in self.statuses(records[i:i + BATCH_JOBS], transport)]
         results = batch(transport, query_argvs(records), timeout=120)
         states = states_from(records, results[0], results[1])
-        return [_status(record, states[record.job_id], tail) for record, tail in zip(records, results[2:])]
+        tails, errors = results[2:2 + len(records)], results[2 + len(records):]
+        return [_status(record, states[record.job_id], tail, error)
+                for record, tail, error in zip(records, tails, errors)]
 
     def cancel(self, records: Sequence[JobRecord], transport: Transport) -> None:
         record = records[0]
@@ -85,10 +87,12 @@ class SlurmBackend:
 
 
 def query_argvs(records: Sequence[JobRecord]) -> list[list[str]]:
-    """squeue, sacct, then one metrics tail per job: what the single round trip runs."""
+    """squeue, sacct, one metrics tail per job, then each job's first rank error (if any):
+    what the single round trip runs."""
     ids = [r.job_id for r in records]
     tails = [["tail", "-n", "4", "--", RunDir(r.run_dir).metrics] for r in records]
-    return [slurm_cli.squeue_argv(ids), slurm_cli.sacct_argv(ids), *tails]
+    errors = [["head", "-c", "500", "--", RunDir(r.run_dir).rank_error] for r in records]
+    return [slurm_cli.squeue_argv(ids), slurm_cli.sacct_argv(ids), *tails, *errors]
 
 
 def states_from(records: Sequence[JobRecord], squeue: Result, sacct: Result) -> dict[str, slurm_cli.JobState]:
@@ -110,14 +114,17 @@ def _exit_code(text: Optional[str]) -> Optional[int]:
     return int(head) if head.isdigit() else None
 
 
-def _status(record: JobRecord, job: slurm_cli.JobState, tail: Result) -> Status:
+def _status(record: JobRecord, job: slurm_cli.JobState, tail: Result, error: Result) -> Status:
     progress = parse_metrics_tail(tail.stdout) if tail.returncode == 0 else {}
+    rank_error = error.stdout.strip().splitlines()[0] if error.returncode == 0 and error.stdout.strip() else None
+    # A failed job says why in the ranks' own words (bad input, a crash), as on the local cluster.
+    reason = rank_error if job.done and not job.succeeded and rank_error else job.reason
     return Status(job_id=record.job_id, cluster=record.cluster, name=record.name, state=job.state,
                   run_dir=record.run_dir, submitted_at=record.submitted_at, done=job.done,
                   succeeded=job.succeeded, elapsed_s=slurm_cli.seconds(job.elapsed),
                   time_limit_s=slurm_cli.seconds(job.time_limit),
                   restarts=max(job.restarts, int(progress.get("restart_count") or 0)),
-                  reason=job.reason, progress=progress, exit_code=_exit_code(job.exit_code) if job.done else None)
+                  reason=reason, progress=progress, exit_code=_exit_code(job.exit_code) if job.done else None)
 
 
 BACKEND = SlurmBackend()

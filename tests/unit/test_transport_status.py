@@ -54,7 +54,20 @@ def _record(job_id: str, last_state: str = "SUBMITTED") -> JobRecord:
 def test_one_round_trip_queries_squeue_sacct_and_every_metrics_tail() -> None:
     argvs = query_argvs([_record("1"), _record("2_3")])
     assert argvs[0][:4] == ["squeue", "--noheader", "--array", "--states=all"] and argvs[1][0] == "sacct"
-    assert argvs[2:] == [["tail", "-n", "4", "--", "/r/1/metrics.jsonl"], ["tail", "-n", "4", "--", "/r/2_3/metrics.jsonl"]]
+    assert argvs[2:4] == [["tail", "-n", "4", "--", "/r/1/metrics.jsonl"], ["tail", "-n", "4", "--", "/r/2_3/metrics.jsonl"]]
+    assert argvs[4:] == [["head", "-c", "500", "--", "/r/1/rank-error.txt"],
+                         ["head", "-c", "500", "--", "/r/2_3/rank-error.txt"]]
+
+
+def test_a_failed_slurm_job_says_why_in_the_ranks_words() -> None:
+    from submit.schedulers.slurm import _status
+    from submit.schedulers.slurm_cli import JobState
+
+    failed, ok = JobState("1", "FAILED", exit_code="2:0"), Result((), 0, "", "")
+    error = Result((), 0, "rank 0: data.path: '/x': no token file there\n", "")
+    found = _status(_record("1"), failed, ok, error)
+    assert found.reason == "rank 0: data.path: '/x': no token file there" and found.exit_code == 2
+    assert _status(_record("1"), failed, ok, Result((), 1, "", "No such file")).reason is None
 
 
 def test_accounting_off_falls_back_to_squeue_and_the_last_seen_state() -> None:
