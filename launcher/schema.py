@@ -17,6 +17,9 @@ from typing import Any, Literal, Mapping, Union, get_args, get_origin, get_type_
 _CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
 
 
+T = typing.TypeVar("T")
+
+
 class SchemaError(ValueError):
     """Bad input: names the key, the value and the fix."""
 
@@ -49,13 +52,15 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-def load(cls: type, data: Any, path: str = "") -> Any:
+def load(cls: type[T], data: Any, path: str = "") -> T:
     """Build dataclass `cls` from `data`, strictly: unknown keys and wrong types are errors."""
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
         raise SchemaError(path, data, f"expected a mapping of {cls.__name__} keys")
     hints = get_type_hints(cls)
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls.__name__} is not a dataclass")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for key in data:
         if key not in fields:
@@ -113,7 +118,7 @@ def convert(tp: Any, value: Any, key: str) -> Any:
         if not isinstance(value, Mapping):
             raise SchemaError(key, value, "expected a mapping")
         return {convert(ktype, k, f"{key}.{k}"): convert(vtype, v, f"{key}.{k}") for k, v in value.items()}
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return load(tp, value, key)
     return _scalar(tp, value, key)
 
@@ -203,9 +208,9 @@ def parse_text(tp: Any, text: str, key: str) -> Any:
     return text
 
 
-def apply_overrides(cls: type, data: Mapping[str, Any], overrides: typing.Sequence[str]) -> dict:
+def apply_overrides(cls: type, data: Mapping[str, Any], overrides: typing.Sequence[str]) -> dict[str, Any]:
     """Apply `a.b=value` overrides to a raw mapping, each cast to the field's declared type."""
-    result = _deep_copy(data)
+    result: dict[str, Any] = _deep_copy(data)
     for item in overrides:
         if "=" not in item:
             raise SchemaError(item, item, "write overrides as --set KEY=VALUE, e.g. --set train.steps=100")

@@ -190,7 +190,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
-def _profile_path(cluster: str) -> Optional[str]:
+def _profile_path(cluster: str) -> str:
     """The profile file's absolute path (the registry keeps it, so later verbs reach this very cluster)."""
     from submit.cluster import profile_path
 

@@ -46,7 +46,8 @@ def status_table(found: Sequence[Any]) -> str:
 
 def _records(args: argparse.Namespace, registry: Any) -> list[Any]:
     if not args.jobs:
-        return registry.recent(args.limit, args.cluster)
+        recent: list[Any] = registry.recent(args.limit, args.cluster)
+        return recent
     return [r for job in args.jobs for r in registry.find_all(job, args.cluster)]
 
 

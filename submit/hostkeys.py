@@ -56,7 +56,7 @@ class RevokedHostKey(HostKeyRevoked):
                          f"nothing was sent to it. Ask the cluster's admins which key the host should present")
 
 
-class RefuseUnknown(paramiko.RejectPolicy):
+class RefuseUnknown(paramiko.RejectPolicy):  # type: ignore[misc]  # paramiko ships no type hints
     """RejectPolicy that says which host, which key and what to do (and refuses a revoked key as such)."""
 
     def __init__(self, known_hosts: str, cluster: str) -> None:

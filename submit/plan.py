@@ -34,7 +34,7 @@ class Plan:
     """A job ready to render and submit."""
     spec: JobSpec
     """The validated spec."""
-    submitted: dict
+    submitted: dict[str, Any]
     """The spec as the user wrote it, overrides applied (saved as job.yaml)."""
     cluster: ClusterProfile
     """Where it runs."""
@@ -78,7 +78,7 @@ class Task:
         return " ".join(f"{k}={v}" for k, v in self.overrides)
 
 
-def load_job(path: Path, overrides: Sequence[str] = ()) -> tuple[JobSpec, dict]:
+def load_job(path: Path, overrides: Sequence[str] = ()) -> tuple[JobSpec, dict[str, Any]]:
     """Read a job spec file strictly and apply `--set` overrides."""
     doc = YamlDoc(path)
     if not isinstance(doc.data, dict):
@@ -172,10 +172,11 @@ def _check_train_ranges(spec: JobSpec) -> None:
                        ("train.model.n_heads", m.n_heads), ("train.model.vocab_size", m.vocab_size),
                        ("train.model.seq_len", m.seq_len)):
         _positive(key, value)
-    for key, value in (("train.warmup_steps", t.warmup_steps), ("train.eval_every", t.eval_every),
-                       ("train.weight_decay", t.weight_decay), ("train.grad_clip", t.grad_clip),
-                       ("train.min_lr", t.min_lr)):
-        _positive(key, value, 0)
+    at_least_zero: tuple[tuple[str, float], ...] = (
+        ("train.warmup_steps", t.warmup_steps), ("train.eval_every", t.eval_every),
+        ("train.weight_decay", t.weight_decay), ("train.grad_clip", t.grad_clip), ("train.min_lr", t.min_lr))
+    for key, number in at_least_zero:
+        _positive(key, number, 0)
     if t.lr <= 0:
         raise InputError("train.lr", t.lr, "the learning rate must be positive, e.g. 3e-4")
     if t.eval_every > 0 and t.eval_sequences < t.global_batch:
@@ -262,7 +263,7 @@ def run_dir_for(spec: JobSpec, cluster: ClusterProfile, home: str, now: Optional
     return f"{base}/runs/{slug(spec.name)}-{stamp}-{secrets.token_hex(2)}"
 
 
-def make_plan(spec: JobSpec, submitted: dict, cluster: ClusterProfile, run_dir: Optional[str] = None,
+def make_plan(spec: JobSpec, submitted: dict[str, Any], cluster: ClusterProfile, run_dir: Optional[str] = None,
               home: Optional[str] = None) -> Plan:
     """Validate everything, then resolve the run dir. `home` is the cluster user's home."""
     check_ranges(spec)
@@ -285,7 +286,7 @@ REMOTE_HOME = "~"
 and `with_home` resolves them once the transport knows it (no second plan, same run dir)."""
 
 
-def _rehome(path: Optional[str], home: str) -> Optional[str]:
+def _rehome(path: str, home: str) -> str:
     return expand_home(path, home) if path else path
 
 
@@ -298,7 +299,7 @@ def with_home(plan: Plan, home: str) -> Plan:
 
     tasks = tuple(replace(t, run_dir=_rehome(t.run_dir, home), run_spec=run_spec(t.run_spec)) for t in plan.tasks)
     return replace(plan, run_dir=_rehome(plan.run_dir, home), work_dir=_rehome(plan.work_dir, home),
-                   code_dir=_rehome(plan.code_dir, home), run_spec=run_spec(plan.run_spec), tasks=tasks)
+                   code_dir=_rehome(plan.code_dir, home) if plan.code_dir else None, run_spec=run_spec(plan.run_spec), tasks=tasks)
 
 
 def plan_file(path: Path, cluster: ClusterProfile, overrides: Sequence[str] = (),

@@ -9,7 +9,7 @@ import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 from submit.errors import InputError, JobNotFound
 
@@ -92,7 +92,7 @@ class Registry:
             self._db.execute("UPDATE jobs SET last_state=? WHERE cluster=? AND job_id=?",
                              (state, record.cluster, record.job_id))
 
-    def _rows(self, where: str = "", args: tuple = ()) -> Iterator[JobRecord]:
+    def _rows(self, where: str = "", args: tuple[Any, ...] = ()) -> Iterator[JobRecord]:
         query = f"SELECT {','.join(_COLUMNS)} FROM jobs {where} ORDER BY submitted_at DESC, job_id"
         for row in self._db.execute(query, args):
             yield JobRecord(*row)

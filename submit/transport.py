@@ -63,7 +63,9 @@ class Stream(Protocol):
 
 class Forward(Protocol):
     """A cluster port reachable on this machine at 127.0.0.1:local_port."""
-    local_port: int
+
+    @property
+    def local_port(self) -> int: ...
 
     def close(self) -> None: ...
 

@@ -18,8 +18,8 @@ _BaseLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 class _UniqueKeyLoader(_BaseLoader):  # type: ignore[misc, valid-type]
     """SafeLoader that refuses duplicate keys (YAML silently keeps the last one)."""
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: set = set()
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
@@ -27,7 +27,8 @@ class _UniqueKeyLoader(_BaseLoader):  # type: ignore[misc, valid-type]
                 raise yaml.constructor.ConstructorError(
                     None, None, f"duplicate key {key!r}", mark)
             seen.add(key)
-        return super().construct_mapping(node, deep=deep)
+        mapping: dict[Any, Any] = super().construct_mapping(node, deep=deep)
+        return mapping
 
 
 def _line_map(node: yaml.Node | None, path: str = "", lines: dict[str, int] | None = None) -> dict[str, int]:
