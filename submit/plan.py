@@ -139,6 +139,10 @@ def check_ranges(spec: JobSpec) -> None:
         _positive("resources.tasks_per_node", res.tasks_per_node)
     if not 0 <= spec.data.val_fraction < 1:
         raise InputError("data.val_fraction", spec.data.val_fraction, "use a fraction in [0, 1), e.g. 0.05")
+    if spec.command is None and not (spec.data.path.startswith(("/", "~/")) or spec.data.path == "~"):
+        # The ranks run elsewhere (another cwd, another machine): a relative path means nothing there.
+        raise InputError("data.path", spec.data.path, "give an absolute path as the ranks see it (or ~/...), "
+                                                      f"e.g. /shared/data/{Path(spec.data.path).name}")
     if spec.command is None:
         _check_train_ranges(spec)
 

@@ -15,7 +15,7 @@ from submit.errors import ClusterError, InputError
 # Slurm 22.05's sacct has no restart count field: the ranks report SLURM_RESTART_COUNT in metrics.jsonl.
 SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "Timelimit", "NodeList")
 SQUEUE_FORMAT = "%i|%T|%M|%l|%N|%r"
-_JOB_ID = re.compile(r"^[0-9]+(_[0-9]+)?$")  # [0-9], not \d: full-width digits are digits to Python, not to Slurm
+_JOB_ID = re.compile(r"[0-9]+(_[0-9]+)?")  # [0-9], not \d: full-width digits are digits to Python, not to Slurm
 
 # Slurm's job states (squeue long names, sacct names), grouped by what they mean for a user.
 ACTIVE = frozenset({"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD",
@@ -48,7 +48,7 @@ class JobState:
 
 
 def check_job_id(job_id: str) -> str:
-    if not _JOB_ID.match(job_id):
+    if not _JOB_ID.fullmatch(job_id):
         raise ClusterError(f"job id {job_id!r} is not a Slurm job id (digits, or digits_digits for arrays)")
     return job_id
 
@@ -62,7 +62,7 @@ def dependency(after: Sequence[str]) -> Optional[str]:
     for item in after:
         kind, _, job_id = item.rpartition(":")
         kind = kind or "ok"
-        if kind not in DEPENDENCY_KINDS or not _JOB_ID.match(job_id):
+        if kind not in DEPENDENCY_KINDS or not _JOB_ID.fullmatch(job_id):
             raise InputError("--after", item, f"give a Slurm job id, or KIND:JOB with KIND one of "
                                               f"{', '.join(DEPENDENCY_KINDS)} (default ok)")
         slurm_kind = "after" if kind == "start" else f"after{kind}"

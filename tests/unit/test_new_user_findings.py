@@ -1,0 +1,133 @@
+"""Issue 15's findings on the caller's side, each reproduced without a cluster (the real-cluster ones are in
+tests/integration/)."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from submit import api, cli
+from submit.checkpoints import check_output, with_overrides
+from submit.cluster import SHIPPED_DIR, load_profile
+from submit.errors import HostKeyChanged, InputError
+from submit.plan import plan_file
+from submit.registry import JobRecord, Registry
+from submit.schedulers.slurm_cli import dependency
+from submit.status import statuses
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "examples" / "tiny.yaml"
+
+
+@pytest.fixture
+def user_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    return tmp_path
+
+
+def test_readmes_copy_step_names_the_profile_after_its_file(user_home: Path) -> None:
+    """Item 2: a copy of h100-ndr.yaml saved as mycluster.yaml is mycluster, and jobs keep its file."""
+    clusters = user_home / "config" / "meshrun" / "clusters"
+    clusters.mkdir(parents=True)
+    shutil.copy(SHIPPED_DIR / "h100-ndr.yaml", clusters / "mycluster.yaml")
+    assert load_profile("mycluster").name == "mycluster"
+    assert cli._profile_path("mycluster") == str((clusters / "mycluster.yaml").resolve())
+    (clusters / "other.yaml").write_text((SHIPPED_DIR / "h100-ndr.yaml").read_text() + "name: h100-ndr\n")
+    with pytest.raises(InputError, match="a profile's name is its file name"):
+        load_profile("other")
+
+
+def test_a_record_goes_back_to_the_profile_file_it_was_submitted_with(user_home: Path) -> None:
+    clusters = api.Clusters()
+    mine = user_home / "testbed.yaml"  # same name as a shipped profile, another file
+    data = yaml.safe_load((SHIPPED_DIR / "testbed.yaml").read_text())
+    mine.write_text(yaml.safe_dump({**data, "description": "my own testbed"}))
+    record = JobRecord("1", "testbed", "n", "/r", "slurm", 0.0, None, "h", profile=str(mine))
+    assert clusters.profile_for(record).description == "my own testbed"
+    assert load_profile("testbed").description != "my own testbed"
+
+
+def test_the_registry_is_private(user_home: Path) -> None:
+    """Item 4: 0700 folder, 0600 file, whatever the umask."""
+    old = os.umask(0o022)
+    try:
+        Registry().add(JobRecord("1", "c", "n", "/r", "slurm", 0.0, None, "h"))
+    finally:
+        os.umask(old)
+    path = user_home / "state" / "meshrun" / "registry.sqlite"
+    assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
+
+
+class _Clusters:
+    """Two clusters: one answers, the other presents a changed host key."""
+
+    def __init__(self) -> None:
+        self.changed = HostKeyChanged("WARNING: REMOTE HOST IDENTIFICATION HAS CHANGED for login.example")
+
+    def transport_for(self, record: JobRecord) -> Any:
+        if record.cluster == "bad":
+            raise self.changed
+        from submit.transport import LocalTransport
+
+        return LocalTransport()
+
+
+def test_a_changed_host_key_reaches_the_person_not_only_json(tmp_path: Path) -> None:
+    """Item 5."""
+    warned: list[str] = []
+    records = [JobRecord("local-x", "ok", "n", str(tmp_path), "local", 0.0, None, "h"),
+               JobRecord("7", "bad", "n", "/r", "slurm", 0.0, None, "h")]
+    found = statuses(records, _Clusters(), warn=warned.append)
+    assert [s.state for s in found] == ["UNKNOWN", "UNREACHABLE"]
+    assert warned and "REMOTE HOST IDENTIFICATION HAS CHANGED" in warned[0] and warned[0].startswith("bad: ")
+
+
+def test_watch_returns_when_only_unreachable_jobs_are_left(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """Item 30: --watch never returned while a cluster was unreachable."""
+    from submit import cli_jobs
+    from submit.status import Status
+
+    lost = Status("7", "bad", "n", "UNREACHABLE", "/r", 0.0, done=False, succeeded=False, reason="no route")
+    done = Status("8", "ok", "n", "COMPLETED", "/r", 0.0, done=True, succeeded=True)
+    monkeypatch.setattr(api, "statuses", lambda records, clusters, registry=None: [lost, done])
+    assert cli_jobs.watch([], None, None, as_json=True) == 1
+    assert "could not be reached" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["１２３", "123\n", "12 3", "any:１"])
+def test_after_takes_ascii_job_ids_only(value: str) -> None:
+    """Item 21: full-width digits and a trailing newline passed validation, then sbatch failed."""
+    with pytest.raises(InputError, match="--after"):
+        dependency([value])
+
+
+def test_a_relative_data_path_is_refused_at_plan_time() -> None:
+    """Item 25."""
+    with pytest.raises(InputError, match="data.path: 'data/tokens.u16': give an absolute path"):
+        plan_file(TINY, load_profile("local"), ["data.path=data/tokens.u16"], home="/h")
+    plan_file(TINY, load_profile("local"), ["data.path=~/tokens.u16"], home="/h")
+
+
+def test_export_output_must_be_a_file_in_an_existing_folder(tmp_path: Path) -> None:
+    """Item 20: no IsADirectoryError, no raw I/O error, before anything runs."""
+    with pytest.raises(InputError, match="is a folder"):
+        check_output(tmp_path)
+    with pytest.raises(InputError, match="does not exist"):
+        check_output(tmp_path / "missing" / "m.safetensors")
+    assert check_output(tmp_path / "m.safetensors") == tmp_path / "m.safetensors"
+
+
+def test_resume_set_changes_only_what_may_change() -> None:
+    """Item 17: a supported way to change steps, the lr schedule, restarts on a resume."""
+    run_spec = plan_file(TINY, load_profile("local"), home="/h").run_spec
+    longer = with_overrides(run_spec, ["train.steps=500", "checkpoint.max_restarts=3"])
+    assert longer.job.trainer.steps == 500 and longer.job.checkpoint.max_restarts == 3
+    with pytest.raises(InputError, match="a resume may change only"):
+        with_overrides(run_spec, ["train.model.d_model=256"])
+    with pytest.raises(InputError, match="train.steps"):
+        with_overrides(run_spec, ["train.steps=-1"])
