@@ -22,9 +22,8 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trainer_setup import corpus, single_rank_trainer  # noqa: E402
-
 import torch  # noqa: E402
+from trainer_setup import corpus, single_rank_trainer  # noqa: E402
 
 from launcher.env import rank_env  # noqa: E402
 from launcher.metrics import METRICS_FILE, MetricsLog  # noqa: E402

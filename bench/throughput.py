@@ -18,9 +18,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trainer_setup import corpus, single_rank_trainer  # noqa: E402
-
 import torch  # noqa: E402
+from trainer_setup import corpus, single_rank_trainer  # noqa: E402
 
 from launcher.data import TrainStream  # noqa: E402
 from launcher.env import rank_env  # noqa: E402

@@ -28,7 +28,6 @@ from launcher import schema
 from launcher.model import GPT
 from launcher.spec import JobSpec
 
-
 USAGE = "usage: python -m launcher.export CHECKPOINT OUT.safetensors"
 ATTEMPTS = 5
 _STEP = re.compile(r"^step-(\d+)(\.tmp)?$")

@@ -64,11 +64,11 @@ class ModelPart:
     """Build the final norm and the output head (the last stage)."""
 
     @staticmethod
-    def whole(cfg: ModelConfig) -> "ModelPart":
+    def whole(cfg: ModelConfig) -> ModelPart:
         return ModelPart(0, cfg.n_layers)
 
     @staticmethod
-    def stage(cfg: ModelConfig, stage: int, stages: int) -> "ModelPart":
+    def stage(cfg: ModelConfig, stage: int, stages: int) -> ModelPart:
         """Stage `stage` of `stages` equal stages (stages divides n_layers; ParallelDims checks)."""
         per = cfg.n_layers // stages
         return ModelPart(stage * per, (stage + 1) * per, embed=stage == 0, head=stage == stages - 1)

@@ -14,8 +14,15 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Iterable, Optional
 
-from launcher.exitcodes import (EXIT_FAILED, EXIT_FINISHED, EXIT_GAVE_UP, EXIT_INPUT,  # noqa: F401  (re-exported)
-                                EXIT_NAMES, EXIT_NO_PROGRESS, EXIT_REQUEUE)
+from launcher.exitcodes import (  # noqa: F401  (re-exported)
+    EXIT_FAILED,
+    EXIT_FINISHED,
+    EXIT_GAVE_UP,
+    EXIT_INPUT,
+    EXIT_NAMES,
+    EXIT_NO_PROGRESS,
+    EXIT_REQUEUE,
+)
 
 DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
@@ -35,7 +42,7 @@ class StopFlag:
         if self.signum is None:
             self.signum, self.at = signum, time.time()
 
-    def install(self, signals: Iterable[int] = DEFAULT_SIGNALS) -> "StopFlag":
+    def install(self, signals: Iterable[int] = DEFAULT_SIGNALS) -> StopFlag:
         for sig in signals:
             self._previous[sig] = signal.signal(sig, self._handler)
         return self

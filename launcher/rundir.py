@@ -108,7 +108,7 @@ class RunDir:
         """Held by the live job's supervisor: two writers in one run dir are impossible."""
         return self.path(self.INTERNAL, "lock")
 
-    def task(self, index: int) -> "RunDir":
+    def task(self, index: int) -> RunDir:
         """A sweep task's own run dir."""
         return RunDir(self.path(self.TASKS, str(index)))
 

@@ -21,21 +21,28 @@ from torch import nn
 from launcher import resume, trainstate
 from launcher.checkpoint import Checkpointer
 from launcher.checkpoint import step_dir as ckpt_step_dir
-from launcher.data import (Layout, MicroBatches, Prefetcher, TokenDataset, TrainStream, check_token_ids,
-                           check_train_data, val_steps)
+from launcher.data import (
+    Layout,
+    MicroBatches,
+    Prefetcher,
+    TokenDataset,
+    TrainStream,
+    check_token_ids,
+    check_train_data,
+    val_steps,
+)
 from launcher.env import RankEnv, setdefault_env
 from launcher.metrics import MetricsLog, perplexity
 from launcher.model import GPT, ModelPart, param_count
-from launcher.optim import (LossScaler, build_optimizer, clip_factor, global_grad_norm, lr_at, scale_grads_)
+from launcher.optim import LossScaler, build_optimizer, clip_factor, global_grad_norm, lr_at, scale_grads_
 from launcher.parallel import apply_data_parallel, apply_tensor_parallel, build_mesh, uses_fsdp_precision
 from launcher.parallel_dims import Coordinates, ParallelDims
-from launcher.preempt import EXIT_FINISHED, EXIT_GAVE_UP, EXIT_REQUEUE, StopFlag, agree
 from launcher.pipeline import Executor, PipelineExecutor, PlainExecutor, StepLoss
+from launcher.preempt import EXIT_FINISHED, EXIT_GAVE_UP, EXIT_REQUEUE, StopFlag, agree
 from launcher.rundir import RunDir
 from launcher.runtime import Runtime, check_tasks, init_distributed, pick_runtime
 from launcher.schema import SchemaError
 from launcher.spec import JobSpec, RunSpec, Train
-
 
 # ------------------------------------------------------------------ checks before any collective
 

@@ -30,7 +30,7 @@ def _rng_key(env: RankEnv) -> str:
     return f"rng.world{env.world_size}.rank{env.rank}"
 
 
-def app_state(t: "Trainer", step: int, env: RankEnv) -> dict[str, Any]:
+def app_state(t: Trainer, step: int, env: RankEnv) -> dict[str, Any]:
     model_sd, optim_sd = get_state_dict(t.model, t.optimizer)
     return {
         "model": model_sd,
@@ -46,13 +46,13 @@ def marker_job(run_spec: RunSpec) -> dict[str, Any]:
     return {key: value for key, value in to_plain(run_spec.job).items() if key != "env"}
 
 
-def save(saver: ckpt.Checkpointer, t: "Trainer", step: int, env: RankEnv, run_spec: RunSpec) -> None:
+def save(saver: ckpt.Checkpointer, t: Trainer, step: int, env: RankEnv, run_spec: RunSpec) -> None:
     info = {"layout": {"dp": t.dims.dp, "tp": t.dims.tp, "pp": t.dims.pp}, "world_size": env.world_size,
             "restart_count": env.restart_count, "job": marker_job(run_spec)}
     saver.save(step, app_state(t, step, env), info)
 
 
-def load(saver: ckpt.Checkpointer, t: "Trainer", path: Path, env: RankEnv) -> int:
+def load(saver: ckpt.Checkpointer, t: Trainer, path: Path, env: RankEnv) -> int:
     """Restore everything from a complete checkpoint; returns the step it was saved at."""
     state = app_state(t, 0, env)
     if _rng_key(env) not in ckpt.saved_keys(path):

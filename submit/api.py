@@ -23,8 +23,9 @@ from submit.schedulers.base import Request
 from submit.status import METRICS_FILE, Status, last_metrics, statuses
 from submit.transport import Progress, Transport, connect
 
-__all__ = ["Clusters", "METRICS_FILE", "Request", "Status", "cancel", "dryrun", "executor", "git_sha", "last_metrics",
-           "log_path", "schedule", "statuses", "submit", "sync_code", "with_code_dir"]
+# `executor` is served by the module's __getattr__ (submitit is imported only when it is asked for).
+__all__ = ["Clusters", "METRICS_FILE", "Request", "Status", "cancel", "dryrun", "executor",  # noqa: F822
+           "git_sha", "last_metrics", "log_path", "schedule", "statuses", "submit", "sync_code", "with_code_dir"]
 
 
 def __getattr__(name: str) -> Any:

@@ -336,7 +336,6 @@ def wait_for(record: Any, clusters: Any, registry: Any, total_steps: Optional[in
              out: Optional[TextIO] = None) -> Any:
     """Poll until the job ends, showing progress (one rewritten line on a terminal, plain lines piped)."""
     from submit import api
-
     from submit.transport import ConnectionLost
 
     out = out if out is not None else sys.stderr

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 
-def add_parsers(verbs: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_parsers(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = verbs.add_parser("resume", help="continue a stopped, failed or killed job from its newest complete "
                                         "checkpoint, in the same run dir")
     p.add_argument("job")

@@ -16,8 +16,8 @@ from launcher import schema
 from launcher.schema import SchemaError
 from launcher.spec import ENV_KEY
 from submit.errors import InputError
-from submit.schedulers import backend
 from submit.resources import shipped_profiles_dir
+from submit.schedulers import backend
 from submit.yamlfile import YamlDoc
 
 SHIPPED_DIR = shipped_profiles_dir()  # package data: a wheel's or a checkout's cluster_configs/

@@ -8,8 +8,6 @@ meshrun bug, never reported as bad input.
 """
 from __future__ import annotations
 
-from typing import Any
-
 from launcher.schema import SchemaError
 
 EXIT_INPUT = 2

@@ -61,7 +61,7 @@ class Resources:
 def executor(cluster: str, *, folder: Union[str, Path, None] = None, nodes: int = 1, tasks_per_node: int = 1,
              gpus_per_node: int = 0, cpus_per_task: int = 1, time: str = "01:00:00",
              partition: Optional[str] = None, name: str = "meshrun", python: Optional[str] = None,
-             max_num_timeout: int = 3, **extra: Any) -> Union["MeshrunSlurmExecutor", "MeshrunLocalExecutor"]:
+             max_num_timeout: int = 3, **extra: Any) -> Union[MeshrunSlurmExecutor, MeshrunLocalExecutor]:
     """A submitit executor for cluster profile `cluster` (a name or a YAML path), on its login node.
 
     folder: where the run dirs go (default `<work_dir>/runs` of the profile, `~` expanded here).

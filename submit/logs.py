@@ -111,7 +111,7 @@ def print_once(transport: Transport, sources: Sequence[Source], printer: Printer
     printer.finish(sources)
 
 
-def _pump(index: int, stream: Stream, inbox: "queue.Queue[tuple[int, bytes, Optional[BaseException]]]") -> None:
+def _pump(index: int, stream: Stream, inbox: queue.Queue[tuple[int, bytes, Optional[BaseException]]]) -> None:
     try:
         for chunk in stream:
             inbox.put((index, chunk, None))
@@ -123,7 +123,7 @@ def _pump(index: int, stream: Stream, inbox: "queue.Queue[tuple[int, bytes, Opti
 class Follower:
     """`logs -f`: follow sources until the job ends, reconnecting when the connection drops."""
 
-    def __init__(self, record: JobRecord, clusters: "api.Clusters", sources: Sequence[Source], printer: Printer,
+    def __init__(self, record: JobRecord, clusters: api.Clusters, sources: Sequence[Source], printer: Printer,
                  err: TextIO) -> None:
         self.record, self.clusters, self.sources, self.printer, self.err = record, clusters, sources, printer, err
 
@@ -142,7 +142,7 @@ class Follower:
 
     def _follow(self, transport: Transport) -> bool:
         """Stream until the job is done (True) or a stream ended by itself (False: restart)."""
-        inbox: "queue.Queue[tuple[int, bytes, Optional[BaseException]]]" = queue.Queue()
+        inbox: queue.Queue[tuple[int, bytes, Optional[BaseException]]] = queue.Queue()
         streams = [transport.stream(_tail(s, follow=True)) for s in self.sources]
         threads = [threading.Thread(target=_pump, args=(i, st, inbox), daemon=True) for i, st in enumerate(streams)]
         for thread in threads:
@@ -171,7 +171,7 @@ class Follower:
                 thread.join(10)
             self._drain(inbox)
 
-    def _drain(self, inbox: "queue.Queue[tuple[int, bytes, Optional[BaseException]]]") -> None:
+    def _drain(self, inbox: queue.Queue[tuple[int, bytes, Optional[BaseException]]]) -> None:
         """Print what arrived before the streams were closed: it is counted in the offsets."""
         while True:
             try:

@@ -50,7 +50,7 @@ class Plan:
     """The cluster's work dir with `~` resolved: run dirs and code snapshots live under it."""
     code_dir: Optional[str] = None
     """The project's code snapshot on the cluster, once synced: the ranks' PYTHONPATH and cwd."""
-    tasks: tuple["Task", ...] = ()
+    tasks: tuple[Task, ...] = ()
     """A sweep's array tasks, each with its own run dir and spec (empty for a single job)."""
 
     @property

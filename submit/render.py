@@ -19,9 +19,9 @@ from launcher.rundir import RunDir
 from launcher.spec import dumps_run_spec
 from submit import __version__
 from submit.errors import InputError, InternalError
-from submit.schedulers import backend
 from submit.plan import Plan, format_time
 from submit.resources import template_source
+from submit.schedulers import backend
 
 VERSION = __version__
 """The meshrun that renders: the script's header and spec.json record it."""

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    from importlib.resources.abc import Traversable
+    from importlib.abc import Traversable  # importlib.resources.abc only from Python 3.11
 
 TEMPLATES = "submit.templates"
 PROFILES = "submit.cluster_configs"

@@ -22,8 +22,17 @@ from submit.cluster import Ssh
 from submit.errors import ClusterError
 from submit.forward import PortForward
 from submit.sshconfig import Target, resolve
-from submit.transport import (PUT_FAILED, PUT_SCRIPT, ConnectionLost, Forward, Progress, Result, Stream,
-                              Upload, tar_bytes)
+from submit.transport import (
+    PUT_FAILED,
+    PUT_SCRIPT,
+    ConnectionLost,
+    Forward,
+    Progress,
+    Result,
+    Stream,
+    Upload,
+    tar_bytes,
+)
 
 KEEPALIVE_S = 15
 _CHUNK = 32768
@@ -40,7 +49,7 @@ class Counters:
     bytes_sent: int = 0
     """Command input (uploads) sent, in bytes."""
 
-    def snapshot(self) -> "Counters":
+    def snapshot(self) -> Counters:
         return Counters(self.connections, self.round_trips, self.bytes_sent)
 
 
@@ -208,7 +217,7 @@ class SshTransport:
         out: list[bytes] = []
         try:
             _drain(channel.recv, out, reraise=True)
-        except socket.timeout:
+        except TimeoutError:
             channel.close()
             raise ClusterError(f"ssh: `{shlex.join(argv)[:80]}` on {self.target.hostname} gave no answer "
                                f"within {timeout:.0f} s") from None
@@ -283,7 +292,7 @@ def _drain(recv: object, into: list[bytes], reraise: bool = False) -> None:
     while True:
         try:
             chunk = recv(_CHUNK)  # type: ignore[operator]
-        except socket.timeout:
+        except TimeoutError:
             if reraise:
                 raise
             return

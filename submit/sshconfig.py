@@ -38,7 +38,7 @@ class Target:
     known_hosts: str
     """The known_hosts file host keys are checked against (and `meshrun trust` appends to)."""
     timeout_s: float
-    jump: Optional["Target"] = None
+    jump: Optional[Target] = None
     """The hop to connect through (ProxyJump), itself possibly behind another."""
     proxy_command: Optional[str] = None
     """A ProxyCommand from ~/.ssh/config (used when there is no jump)."""

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Optional
 
 from submit.cluster import ClusterProfile
-from submit.schedulers import backend
 from submit.errors import ClusterError, InputError
+from submit.schedulers import backend
 from submit.transport import LocalTransport, Transport
 
 HELPER = Path(__file__).with_name("tbserve.py")

@@ -33,7 +33,7 @@ class Result:
     stdout: str
     stderr: str
 
-    def check(self, what: str) -> "Result":
+    def check(self, what: str) -> Result:
         if self.returncode != 0:
             detail = (self.stderr or self.stdout).strip().splitlines()
             last = detail[-1] if detail else f"exit code {self.returncode}"

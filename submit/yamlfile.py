@@ -10,7 +10,6 @@ from launcher import schema
 from submit.errors import InputError
 from submit.textwidth import printable
 
-
 # libyaml's parser when present: several times faster than the pure-Python one.
 _BaseLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 

@@ -14,10 +14,10 @@ if TYPE_CHECKING:
 
 _MODULES = {"slurm": "submit.schedulers.slurm", "local": "submit.schedulers.local"}
 NAMES = tuple(_MODULES)
-_loaded: dict[str, "Backend"] = {}
+_loaded: dict[str, Backend] = {}
 
 
-def backend(name: str) -> "Backend":
+def backend(name: str) -> Backend:
     """The backend for a profile's (or a job record's) `scheduler`."""
     if name not in _loaded:
         if name not in _MODULES:

@@ -53,7 +53,7 @@ class Request:
                 "argv": list(self.argv), "files": files, "code_dir": self.code_dir, "script": self.script}
 
 
-def run_dir_files(plan: "Plan", script_name: str, script: str) -> dict[str, Upload]:
+def run_dir_files(plan: Plan, script_name: str, script: str) -> dict[str, Upload]:
     """The run dir as submitted: the spec as written, the resolved spec, the script, logs/
     (and each sweep task's spec and logs/). Names come from the run-dir contract."""
     files = {
@@ -84,25 +84,25 @@ class Backend(Protocol):
     supports_dependencies: bool
     """`--after`."""
 
-    def interpreter(self, profile: "ClusterProfile") -> str:
+    def interpreter(self, profile: ClusterProfile) -> str:
         """The Python the job's script runs."""
 
-    def check(self, spec: "JobSpec", profile: "ClusterProfile") -> None:
+    def check(self, spec: JobSpec, profile: ClusterProfile) -> None:
         """The backend's own plan-time checks (InputError)."""
 
-    def dryrun(self, plan: "Plan", after: Sequence[str] = ()) -> Request: ...
+    def dryrun(self, plan: Plan, after: Sequence[str] = ()) -> Request: ...
 
-    def schedule(self, request: Request, transport: "Transport") -> str:
+    def schedule(self, request: Request, transport: Transport) -> str:
         """Send the request; returns the job id."""
 
-    def statuses(self, records: Sequence["JobRecord"], transport: "Transport") -> list["Status"]: ...
+    def statuses(self, records: Sequence[JobRecord], transport: Transport) -> list[Status]: ...
 
-    def cancel(self, records: Sequence["JobRecord"], transport: "Transport") -> None: ...
+    def cancel(self, records: Sequence[JobRecord], transport: Transport) -> None: ...
 
-    def log_path(self, record: "JobRecord", rank: Optional[int]) -> str:
+    def log_path(self, record: JobRecord, rank: Optional[int]) -> str:
         """Rank N's log, or (None) the batch shell's / local supervisor's log."""
 
-    def restart(self, record: "JobRecord", transport: "Transport") -> str:
+    def restart(self, record: JobRecord, transport: Transport) -> str:
         """Start a stopped job's own script again in its run dir (`meshrun resume`); the new job id."""
 
     def poll_interval(self, elapsed_s: float) -> float:

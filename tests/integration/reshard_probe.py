@@ -11,12 +11,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from launcher import trainstate
 from launcher.checkpoint import Checkpointer
 from launcher.data import TokenDataset
 from launcher.env import rank_env
 from launcher.runtime import init_distributed, pick_runtime
 from launcher.spec import read_run_spec
-from launcher import trainstate
 from launcher.train import build_trainer
 
 

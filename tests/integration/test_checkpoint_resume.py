@@ -18,7 +18,7 @@ from launcher import checkpoint as ckpt
 from launcher.export import consolidated_state
 from launcher.preempt import EXIT_REQUEUE
 from launcher.spec import Checkpoint, Parallel
-from tests.integration.ranks import REPO, finish, make_run, metrics, rank_environ, start, tiny_train, free_port
+from tests.integration.ranks import REPO, finish, free_port, make_run, metrics, rank_environ, start, tiny_train
 
 STEPS = 40
 

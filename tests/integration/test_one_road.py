@@ -10,9 +10,10 @@ from typing import Any, Iterator
 
 import pytest
 
-from submit import cli, plan as planning, render as rendering
+from submit import cli
+from submit import plan as planning
+from submit import render as rendering
 from tests.integration import sshbed
-from tests.integration.cli import REPO
 
 
 @pytest.fixture

@@ -81,7 +81,7 @@ def singles(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Iterator[
     trains = {"reference": numerics_train(8), "accumulation": numerics_train(2),
               "checkpointing": numerics_train(8, activation_checkpointing=True)}
     procs = {name: run_single(root, name, corpus, train) for name, train in trains.items()}
-    for name, proc in procs.items():
+    for proc in procs.values():
         finish([proc])
     yield {name: metrics(root / name) for name in trains}
 

@@ -10,13 +10,13 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import tomllib
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import pytest
+import tomllib
 
 from tests.integration.cli import env_for, submitted
 

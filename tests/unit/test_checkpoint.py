@@ -18,7 +18,7 @@ from launcher.preempt import StopFlag, agree
 def _fake_complete(root: Path, step: int) -> Path:
     path = ckpt.step_dir(root, step)
     path.mkdir(parents=True)
-    (path / ckpt.MARKER).write_text('{"step": %d}' % step)
+    (path / ckpt.MARKER).write_text(f'{{"step": {step}}}')
     return path
 
 

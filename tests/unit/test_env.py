@@ -9,8 +9,16 @@ import dataclasses
 
 import pytest
 
-from launcher.env import (PORT_HIGH, PORT_LOW, RankEnv, expand_hostlist, master_port, rank_env,
-                          setdefault_env, torchrun_vars)
+from launcher.env import (
+    PORT_HIGH,
+    PORT_LOW,
+    RankEnv,
+    expand_hostlist,
+    master_port,
+    rank_env,
+    setdefault_env,
+    torchrun_vars,
+)
 
 # Rank 5 of `srun -N2 --ntasks-per-node=4` in job 4242 (a requeued job: restart 2), as
 # printed by `srun env` on node gpu08; unrelated variables trimmed.

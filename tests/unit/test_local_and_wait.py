@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import io
-import json
 import os
 import subprocess
 from pathlib import Path
@@ -10,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from launcher.rundir import local_state_path, merge_state
-from submit.schedulers import local
 from submit.api import Status
 from submit.cli import _poll_interval, progress_line
 from submit.errors import ClusterError
 from submit.registry import JobRecord, Registry
+from submit.schedulers import local
 
 
 def _status(**kw) -> Status:

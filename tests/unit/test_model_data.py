@@ -244,7 +244,7 @@ def test_prefetcher_gives_the_streams_batches_and_keeps_the_position(corpus: Pat
     streamed.consumed = plain.consumed = 16  # a resumed position
     prefetch = Prefetcher(streamed, depth=2)
     try:
-        for step in range(3):
+        for _ in range(3):
             got, waited = prefetch.next_step()
             want = plain.next_step()
             assert waited >= 0.0 and len(got) == len(want) == 2

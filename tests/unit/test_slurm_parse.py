@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from submit.schedulers import slurm_cli as slurm
 from submit.errors import ClusterError
+from submit.schedulers import slurm_cli as slurm
 
 # sacct --allocations --parsable2 --noheader --jobs 11,12,13,14 --format JobID,JobName,State,ExitCode,...
 SACCT = """\

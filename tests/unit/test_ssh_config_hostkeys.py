@@ -8,9 +8,8 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from submit import hostkeys
+from submit import errors, hostkeys
 from submit.cluster import Ssh
-from submit import errors
 from submit.errors import InputError
 from submit.sshconfig import resolve
 

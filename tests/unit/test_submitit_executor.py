@@ -12,8 +12,16 @@ from submitit.slurm.slurm import _make_sbatch_string
 
 from submit.cluster import load_profile, profile_path
 from submit.errors import InputError
-from submit.executor import (MeshrunLocalExecutor, MeshrunSlurmExecutor, Resources, executor, new_run_dir,
-                             runs_folder, setup_lines, slurm_parameters)
+from submit.executor import (
+    MeshrunLocalExecutor,
+    MeshrunSlurmExecutor,
+    Resources,
+    executor,
+    new_run_dir,
+    runs_folder,
+    setup_lines,
+    slurm_parameters,
+)
 from submit.registry import Registry
 
 HOSTILE = "$(touch {marker}) `touch {marker}` 'single' spaces;x"

@@ -171,7 +171,7 @@ def test_snapshot_manifest_lists_paths_modes_and_hashes(tmp_path: Path) -> None:
     snap = snapshot.collect(root, Code())
     lines = snap.manifest.splitlines()
     assert len(lines) == len(snap.files)
-    script_hash = hashlib.sha256("#!/bin/sh\n".encode()).hexdigest()
+    script_hash = hashlib.sha256(b"#!/bin/sh\n").hexdigest()
     assert f"{script_hash}  run.sh" in lines  # the format `sha256sum -c` reads
     assert sorted(snap.listing.splitlines()) == sorted(f"{rel}\t{mode:o}" for rel, mode in snap.files)
     (root / "run.sh").chmod(0o644)  # a mode change is a new snapshot (it changes what runs)

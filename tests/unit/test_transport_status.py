@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from submit.schedulers import slurm_cli as slurm
 from submit.errors import InputError, JobNotFound
 from submit.logs import Printer, Source, parse_ranks, print_once
 from submit.registry import JobRecord, Registry
+from submit.schedulers import slurm_cli as slurm
 from submit.schedulers.slurm import query_argvs, states_from
 from submit.status import parse_metrics_tail
 from submit.transport import LocalTransport, Result, Upload, batch, tar_bytes
