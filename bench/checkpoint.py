@@ -9,6 +9,7 @@ which is what CI runs to keep the bench working. Prints:
   time of a synchronous save of the same state (goal <= 0.1);
 - save and load throughput against plain `cp -r` of the same bytes on the same disk.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,19 +85,27 @@ def main() -> None:
             totals.append(time.perf_counter() - start)
         path = ckpt.latest(root / "sync")
         size = state_bytes(path)
-        t_cp = min(timed(lambda i=i: subprocess.run(["cp", "-r", str(path), str(root / f"cp{i}")], check=True))
-                   for i in range(2))
+        t_cp = min(
+            timed(lambda i=i: subprocess.run(["cp", "-r", str(path), str(root / f"cp{i}")], check=True))
+            for i in range(2)
+        )
         t_load = min(timed(lambda: sync.load(state(), path)) for _ in range(2))
-        t_cat = min(timed(lambda: subprocess.run(f"cat {path}/* > /dev/null", shell=True, check=True))
-                    for _ in range(2))
-        print(f"state: {size / 1e6:.0f} MB ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params "
-              f"+ AdamW)")
-        print(f"synchronous save: {t_sync:.2f} s ({size / t_sync / 1e6:.0f} MB/s); "
-              f"cp -r of the same files: {t_cp:.2f} s ({size / t_cp / 1e6:.0f} MB/s); ratio save/cp {t_sync / t_cp:.2f}")
-        print(f"async save: training stalls {min(stalls):.3f} s, the save completes in {min(totals):.2f} s; "
-              f"stall / synchronous save = {min(stalls) / t_sync:.3f} (goal <= 0.1)")
-        print(f"load: {t_load:.2f} s ({size / t_load / 1e6:.0f} MB/s); reading the same files: {t_cat:.2f} s; "
-              f"ratio load/read {t_load / t_cat:.2f}")
+        t_cat = min(
+            timed(lambda: subprocess.run(f"cat {path}/* > /dev/null", shell=True, check=True)) for _ in range(2)
+        )
+        print(f"state: {size / 1e6:.0f} MB ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params + AdamW)")
+        print(
+            f"synchronous save: {t_sync:.2f} s ({size / t_sync / 1e6:.0f} MB/s); "
+            f"cp -r of the same files: {t_cp:.2f} s ({size / t_cp / 1e6:.0f} MB/s); ratio save/cp {t_sync / t_cp:.2f}"
+        )
+        print(
+            f"async save: training stalls {min(stalls):.3f} s, the save completes in {min(totals):.2f} s; "
+            f"stall / synchronous save = {min(stalls) / t_sync:.3f} (goal <= 0.1)"
+        )
+        print(
+            f"load: {t_load:.2f} s ({size / t_load / 1e6:.0f} MB/s); reading the same files: {t_cat:.2f} s; "
+            f"ratio load/read {t_load / t_cat:.2f}"
+        )
         shutil.rmtree(root, ignore_errors=True)
     dist.destroy_process_group()
 

@@ -5,6 +5,7 @@
 Prints milliseconds (median of N) and the ratio to the bare interpreter, and
 checks that neither verb imported torch. --quick runs each case twice (CI's check).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,9 @@ def median_ms(argv: list[str], runs: int, env: dict[str, str]) -> float:
 
 
 def imports_torch(argv: list[str], env: dict[str, str]) -> bool:
-    out = subprocess.run([sys.executable, "-X", "importtime", *argv[1:]], capture_output=True, text=True,
-                         env=env, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", *argv[1:]], capture_output=True, text=True, env=env, cwd=REPO
+    )
     return any(line.rstrip().endswith(("| torch", "| numpy")) for line in out.stderr.splitlines())
 
 
@@ -47,8 +49,7 @@ def main() -> None:
             "python -c pass": [sys.executable, "-c", "pass"],
             "meshrun --help": [sys.executable, "-m", "submit.cli", "--help"],
             # A Slurm profile without `ssh:`: render then touches no network (over SSH it asks for ~).
-            "meshrun render": [sys.executable, "-m", "submit.cli", "render", "examples/two-node.yaml",
-                               "-c", "testbed"],
+            "meshrun render": [sys.executable, "-m", "submit.cli", "render", "examples/two-node.yaml", "-c", "testbed"],
         }
         base = median_ms(cases["python -c pass"], args.runs, env)
         print(f"{'case':<18} {'median ms':>10} {'x python':>9}  torch imported")

@@ -10,6 +10,7 @@ Each result is one line `ROW<TAB>check<TAB>value`, which gpu.sh collects. Bus ba
 nccl-tests' definition: algorithm bandwidth (bytes / time) x 2(n-1)/n, comparable to the
 NVLink/NVSwitch figure; with one GPU there is nothing to measure.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,9 +49,12 @@ def nvml(quick: bool) -> None:
             mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
             watts = pynvml.nvmlDeviceGetPowerUsage(handle) / 1000
             temp = pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)
-            row(f"nvml gpu {index}", f"{pynvml.nvmlDeviceGetName(handle)} {pynvml.nvmlDeviceGetUUID(handle)}, "
-                                     f"{mem.used / 2**30:.1f}/{mem.total / 2**30:.1f} GiB used, {watts:.0f} W, "
-                                     f"{temp} C")
+            row(
+                f"nvml gpu {index}",
+                f"{pynvml.nvmlDeviceGetName(handle)} {pynvml.nvmlDeviceGetUUID(handle)}, "
+                f"{mem.used / 2**30:.1f}/{mem.total / 2**30:.1f} GiB used, {watts:.0f} W, "
+                f"{temp} C",
+            )
     finally:
         pynvml.nvmlShutdown()
 
@@ -102,16 +106,20 @@ def allreduce(quick: bool) -> None:
         sizes = [1 << 20] if quick else [1 << p for p in range(24, 31, 2)]  # 16 MiB ... 1 GiB
         results = []
         for size in sizes:
-            data = torch.ones(size // 2, dtype=torch.bfloat16 if cuda else torch.float32,
-                              device="cuda" if cuda else "cpu")
+            data = torch.ones(
+                size // 2, dtype=torch.bfloat16 if cuda else torch.float32, device="cuda" if cuda else "cpu"
+            )
             seconds = _time(lambda d=data: dist.all_reduce(d), 3 if quick else 20, cuda)
             algbw = data.numel() * data.element_size() / seconds
             results.append((size, algbw * 2 * (world - 1) / world))
         if rank == 0:
             size, busbw = results[-1]
             backend = "nccl" if cuda else "gloo"
-            value = (f"{busbw / 1e9:.1f} GB/s bus bandwidth ({backend}, {world} ranks, {size / 2**20:.0f} MiB)"
-                     if world > 1 else "n/a (one GPU: nothing to all-reduce across)")
+            value = (
+                f"{busbw / 1e9:.1f} GB/s bus bandwidth ({backend}, {world} ranks, {size / 2**20:.0f} MiB)"
+                if world > 1
+                else "n/a (one GPU: nothing to all-reduce across)"
+            )
             row("all-reduce", value)
     finally:
         dist.destroy_process_group()
@@ -120,8 +128,16 @@ def allreduce(quick: bool) -> None:
 def launch_allreduce(quick: bool) -> None:
     """`all`: all-reduce needs its own processes, one per GPU (quick: 2 CPU processes)."""
     ranks = 2 if quick or not torch.cuda.is_available() else torch.cuda.device_count()
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-            __file__, "allreduce", *(["--quick"] if quick else [])]
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={ranks}",
+        __file__,
+        "allreduce",
+        *(["--quick"] if quick else []),
+    ]
     subprocess.run(argv, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 

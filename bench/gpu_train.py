@@ -11,6 +11,7 @@ model FLOPs (Megatron: 6N + 12*L*d*T per token, N without the embedding) over th
 GPU's dense bf16 peak; the first --warmup steps (allocator, autotuning, compile) are
 left out of the averages.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,13 @@ def peak_flops(device_name: str) -> Optional[float]:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--smoke", "--quick", dest="smoke", action="store_true",
-                   help="tiny model on CPU (checks the script, no GPU needed; CI runs it)")
+    p.add_argument(
+        "--smoke",
+        "--quick",
+        dest="smoke",
+        action="store_true",
+        help="tiny model on CPU (checks the script, no GPU needed; CI runs it)",
+    )
     p.add_argument("--layers", type=int, default=18)
     p.add_argument("--d-model", type=int, default=2048)
     p.add_argument("--heads", type=int, default=16)
@@ -66,15 +72,30 @@ def parse_args() -> argparse.Namespace:
 
 
 def make_job(args: argparse.Namespace, data: Path) -> JobSpec:
-    model = Model(n_layers=args.layers, d_model=args.d_model, n_heads=args.heads, vocab_size=args.vocab,
-                  seq_len=args.seq)
-    train = Train(model=model, steps=args.steps, precision=args.precision,
-                  global_batch=args.micro_batch * args.accumulation, micro_batch=args.micro_batch,
-                  lr=3e-4, min_lr=3e-5, warmup_steps=min(10, args.steps), log_every=1,
-                  activation_checkpointing=args.ac, seed=0)
+    model = Model(
+        n_layers=args.layers, d_model=args.d_model, n_heads=args.heads, vocab_size=args.vocab, seq_len=args.seq
+    )
+    train = Train(
+        model=model,
+        steps=args.steps,
+        precision=args.precision,
+        global_batch=args.micro_batch * args.accumulation,
+        micro_batch=args.micro_batch,
+        lr=3e-4,
+        min_lr=3e-5,
+        warmup_steps=min(10, args.steps),
+        log_every=1,
+        activation_checkpointing=args.ac,
+        seed=0,
+    )
     gpus = 0 if args.smoke else 1
-    return JobSpec(name="gpu-bench", resources=Resources(gpus_per_node=gpus, tasks_per_node=1),
-                   parallel=Parallel(dp=1, tp=1, pp=1), train=train, data=Data(path=str(data)))
+    return JobSpec(
+        name="gpu-bench",
+        resources=Resources(gpus_per_node=gpus, tasks_per_node=1),
+        parallel=Parallel(dp=1, tp=1, pp=1),
+        train=train,
+        data=Data(path=str(data)),
+    )
 
 
 def main() -> None:
@@ -88,9 +109,12 @@ def main() -> None:
         with single_rank_trainer(job) as t:
             device = t.runtime.device
             name = torch.cuda.get_device_name(device) if t.runtime.cuda else "cpu"
-            print(f"gpu_train: {param_count(cfg.model) / 1e9:.3f}B params on {name}, {t.runtime.precision}, "
-                  f"seq {cfg.model.seq_len}, batch {cfg.global_batch} (micro {cfg.micro_batch}), "
-                  f"ac={args.ac} compile={args.compile}", flush=True)
+            print(
+                f"gpu_train: {param_count(cfg.model) / 1e9:.3f}B params on {name}, {t.runtime.precision}, "
+                f"seq {cfg.model.seq_len}, batch {cfg.global_batch} (micro {cfg.micro_batch}), "
+                f"ac={args.ac} compile={args.compile}",
+                flush=True,
+            )
             if args.compile:
                 for block in t.model.layers.values():
                     block.compile()
@@ -99,7 +123,7 @@ def main() -> None:
             run_loop(t, rank_env({}), MetricsLog(tmp, enabled=True, steps=cfg.steps))
             peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if t.runtime.cuda else 0.0
         rows = [json.loads(line) for line in (Path(tmp) / METRICS_FILE).read_text().splitlines()]
-    report(rows[args.warmup:], cfg, name, peak_mem)
+    report(rows[args.warmup :], cfg, name, peak_mem)
 
 
 def report(rows: list[dict], cfg: Train, device_name: str, peak_mem_gib: float) -> None:
@@ -110,10 +134,12 @@ def report(rows: list[dict], cfg: Train, device_name: str, peak_mem_gib: float) 
     achieved = flops_per_token(cfg.model) * tokens_per_s
     peak = peak_flops(device_name)
     mfu = f"{achieved / peak * 100:.1f}% of {peak / 1e12:.0f} TFLOP/s" if peak else "n/a (unknown peak)"
-    print(f"steps {rows[0]['step']}-{rows[-1]['step']}: {step_time * 1000:.1f} ms/step, {tokens_per_s:,.0f} tokens/s, "
-          f"{achieved / 1e12:.1f} TFLOP/s model FLOPs, MFU {mfu}, data_wait "
-          f"{statistics.mean(r['data_wait_s'] for r in rows) * 1000:.2f} ms/step, peak memory {peak_mem_gib:.1f} GiB, "
-          f"loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}")
+    print(
+        f"steps {rows[0]['step']}-{rows[-1]['step']}: {step_time * 1000:.1f} ms/step, {tokens_per_s:,.0f} tokens/s, "
+        f"{achieved / 1e12:.1f} TFLOP/s model FLOPs, MFU {mfu}, data_wait "
+        f"{statistics.mean(r['data_wait_s'] for r in rows) * 1000:.2f} ms/step, peak memory {peak_mem_gib:.1f} GiB, "
+        f"loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}"
+    )
 
 
 if __name__ == "__main__":

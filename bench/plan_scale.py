@@ -7,6 +7,7 @@ list comprehension producing the same 10,000 names. --quick takes the median of 
 runs instead of 30 (same sizes: planning 1024 nodes takes milliseconds), which is what
 tests/integration/test_bench_quick.py runs so that a planner change breaking the bench fails CI.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,12 +46,17 @@ def main() -> None:
     args = parser.parse_args()
     runs = 3 if args.quick else args.runs
     # Validation runs whole global batches, so each layout validates on one global batch of sequences.
-    big = ["resources.nodes=1024", "parallel.dp=2048", "parallel.tp=4", "train.global_batch=8192",
-           "train.eval_sequences=8192"]
-    one = ["resources.nodes=1", "parallel.dp=2", "parallel.tp=4", "train.global_batch=512",
-           "train.eval_sequences=512"]
+    big = [
+        "resources.nodes=1024",
+        "parallel.dp=2048",
+        "parallel.tp=4",
+        "train.global_batch=8192",
+        "train.eval_sequences=8192",
+    ]
+    one = ["resources.nodes=1", "parallel.dp=2", "parallel.tp=4", "train.global_batch=512", "train.eval_sequences=512"]
     # The example profile allows 64 nodes; the benchmark lifts that limit in a copy.
     import submit.plan as plan_mod
+
     original = plan_mod.check_resources
     plan_mod.check_resources = lambda spec, cluster: cluster.partition(None)
     try:
@@ -58,8 +64,10 @@ def main() -> None:
         t_one = median_s(plan_and_render(one), runs)
     finally:
         plan_mod.check_resources = original
-    print(f"plan+validate+render 1024 nodes x 8 GPUs: {t_big * 1e3:.2f} ms "
-          f"(1 node: {t_one * 1e3:.2f} ms, ratio {t_big / t_one:.2f})")
+    print(
+        f"plan+validate+render 1024 nodes x 8 GPUs: {t_big * 1e3:.2f} ms "
+        f"(1 node: {t_one * 1e3:.2f} ms, ratio {t_big / t_one:.2f})"
+    )
 
     text = "gpu-[00001-10000]"
     expected = [f"gpu-{i:05d}" for i in range(1, 10001)]
@@ -68,9 +76,11 @@ def main() -> None:
     t_base = median_s(lambda: [f"gpu-{i:05d}" for i in range(1, 10001)], runs)
     mixed = "rack[1-10]-node[001-100]-ib,login[1-2]"
     t_mixed = median_s(lambda: expand_hostlist(mixed), runs)
-    print(f"expand_hostlist 10,000 hosts: {t_expand * 1e3:.2f} ms "
-          f"(plain list comprehension {t_base * 1e3:.2f} ms, ratio {t_expand / t_base:.2f}); "
-          f"two bracket groups x 1,000 + list: {t_mixed * 1e3:.2f} ms")
+    print(
+        f"expand_hostlist 10,000 hosts: {t_expand * 1e3:.2f} ms "
+        f"(plain list comprehension {t_base * 1e3:.2f} ms, ratio {t_expand / t_base:.2f}); "
+        f"two bracket groups x 1,000 + list: {t_mixed * 1e3:.2f} ms"
+    )
 
 
 if __name__ == "__main__":

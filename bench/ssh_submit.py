@@ -10,6 +10,7 @@ process; connections are also counted by sshd itself (its "Accepted publickey" l
 Starts the testbed when it is not running and stops it again unless --keep. --quick
 (CI's check that the bench runs): one latency run and a 4-job status query.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,9 @@ from tests.testbed import testbed as tb  # noqa: E402
 
 def _delta(before: Counters) -> Counters:
     now = STATS.snapshot()
-    return Counters(now.connections - before.connections, now.round_trips - before.round_trips,
-                    now.bytes_sent - before.bytes_sent)
+    return Counters(
+        now.connections - before.connections, now.round_trips - before.round_trips, now.bytes_sent - before.bytes_sent
+    )
 
 
 def _cli(*args: str) -> str:
@@ -78,24 +80,43 @@ def _project(home: Path) -> Path:
 def submits(home: Path, profile: Path, spec: Path) -> str:
     """conns: opened by this process; sshd: logins sshd recorded; code bytes: the snapshot upload
     (0 when it was already there); run dir: the rest (spec, script), sent with sbatch."""
-    print(f"{'per submit':<26} {'conns':>5} {'sshd':>4} {'round trips':>11} {'code bytes':>10} "
-          f"{'run dir bytes':>13} {'wall ms':>7}")
+    print(
+        f"{'per submit':<26} {'conns':>5} {'sshd':>4} {'round trips':>11} {'code bytes':>10} "
+        f"{'run dir bytes':>13} {'wall ms':>7}"
+    )
     code_size, last = _code_tar_bytes(spec), ""
     for name in ("first submit (new code)", "unchanged resubmit"):
         before, logins, start = STATS.snapshot(), sshbed.logins(), time.perf_counter()
         last = _cli("submit", str(spec), "-c", str(profile))
         seconds, c = time.perf_counter() - start, _delta(before)
         code = code_size if "uploading code" in last else 0
-        print(f"{name:<26} {c.connections:>5} {sshbed.logins() - logins:>4} {c.round_trips:>11} {code:>10,} "
-              f"{c.bytes_sent - code:>13,} {seconds * 1000:>7.0f}")
+        print(
+            f"{name:<26} {c.connections:>5} {sshbed.logins() - logins:>4} {c.round_trips:>11} {code:>10,} "
+            f"{c.bytes_sent - code:>13,} {seconds * 1000:>7.0f}"
+        )
     return last
 
 
 def latency(home: Path, profile: Path, spec: Path, run_dir: str, runs: int) -> None:
     info = tb.ssh_info()
-    bare = ["ssh", "-q", "-o", "BatchMode=yes", "-o", f"UserKnownHostsFile={info['known_hosts']}",
-            "-i", str(info["identity_file"]), "-p", str(info["port"]), f"{info['user']}@{info['host']}",
-            "sbatch", "--parsable", "--job-name=bench", f"--chdir={run_dir}", f"{run_dir}/job.sbatch"]
+    bare = [
+        "ssh",
+        "-q",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        f"UserKnownHostsFile={info['known_hosts']}",
+        "-i",
+        str(info["identity_file"]),
+        "-p",
+        str(info["port"]),
+        f"{info['user']}@{info['host']}",
+        "sbatch",
+        "--parsable",
+        "--job-name=bench",
+        f"--chdir={run_dir}",
+        f"{run_dir}/job.sbatch",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "SLURM_CONF"}
     meshrun = [sys.executable, "-m", "submit.cli", "submit", str(spec), "-c", str(profile)]
     ssh_s = _median_s(lambda: subprocess.run(bare, check=True, capture_output=True, env=env), runs)
@@ -123,8 +144,10 @@ def status_of_many(home: Path, profile: Path, spec: Path, jobs: int) -> None:
         clusters.transport_for(records[0]).run(["scancel", array])
     finally:
         clusters.close()
-    print(f"\nstatus of {len(found)} jobs: {c.round_trips} round trip(s), {seconds * 1000:.0f} ms "
-          f"({sum(s.state != 'UNKNOWN' for s in found)} states known)")
+    print(
+        f"\nstatus of {len(found)} jobs: {c.round_trips} round trip(s), {seconds * 1000:.0f} ms "
+        f"({sum(s.state != 'UNKNOWN' for s in found)} states known)"
+    )
 
 
 def main() -> None:

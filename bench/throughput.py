@@ -8,6 +8,7 @@ rounds alternate (meshrun, minimal, meshrun, ...) so drifts in machine load hit 
 the ratio is of the medians. Goal: >= 0.97. --quick times 2 steps x 1 round on a
 small corpus: the same code, CI's check that the bench runs (its ratio means little).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,17 @@ MODEL = Model(n_layers=4, d_model=128, n_heads=4, vocab_size=256, seq_len=128)
 
 
 def job_for(data: Path, steps: int) -> JobSpec:
-    train = Train(model=MODEL, steps=steps, global_batch=8, micro_batch=8, lr=1e-3, min_lr=1e-4, warmup_steps=5,
-                  log_every=10, seed=0)
+    train = Train(
+        model=MODEL,
+        steps=steps,
+        global_batch=8,
+        micro_batch=8,
+        lr=1e-3,
+        min_lr=1e-4,
+        warmup_steps=5,
+        log_every=10,
+        seed=0,
+    )
     return JobSpec(name="throughput", resources=Resources(tasks_per_node=1), train=train, data=Data(path=str(data)))
 
 
@@ -88,15 +98,17 @@ def main() -> None:
                     a = meshrun_round(t, step, args.steps, Path(tmp) / "run")
                 finally:
                     sys.stdout = real_stdout
-                b = minimal_round(model, opt, batches[step - 1:step - 1 + args.steps], cfg, step)
+                b = minimal_round(model, opt, batches[step - 1 : step - 1 + args.steps], cfg, step)
                 step += args.steps
                 if round_:
                     ours.append(a)
                     theirs.append(b)
     tokens = args.steps * cfg.global_batch * cfg.model.seq_len
     mine, base = statistics.median(ours), statistics.median(theirs)
-    print(f"model {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, {args.steps} steps x "
-          f"{args.rounds} rounds, torch threads {torch.get_num_threads()}")
+    print(
+        f"model {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, {args.steps} steps x "
+        f"{args.rounds} rounds, torch threads {torch.get_num_threads()}"
+    )
     print(f"meshrun loop : {tokens / mine:10,.0f} tokens/s  ({mine / args.steps * 1000:.1f} ms/step)")
     print(f"minimal loop : {tokens / base:10,.0f} tokens/s  ({base / args.steps * 1000:.1f} ms/step)")
     print(f"ratio        : {base / mine:.3f}  (goal >= 0.97)")

@@ -1,4 +1,5 @@
 """Shared by the training benches: one in-process rank (world size 1) built exactly as `launcher.train` builds it."""
+
 from __future__ import annotations
 
 import contextlib

@@ -3,6 +3,7 @@
 Importing this package is cheap and torch-free; the torch code lives in
 modules that only the ranks import (train, model, data).
 """
+
 from __future__ import annotations
 
 from functools import cache

@@ -1,4 +1,5 @@
 """`python -m launcher RUN_DIR`: run this rank of the job whose spec.json is in RUN_DIR."""
+
 from __future__ import annotations
 
 import sys
@@ -15,6 +16,7 @@ def main(argv: list[str]) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     from launcher.entry import record_exit, run_rank
+
     try:
         return run_rank(argv[1])
     except (SchemaError, FileNotFoundError) as exc:

@@ -12,6 +12,7 @@ M-th step if asked) and never deletes the newest complete checkpoint.
 Checkpoints are as private as the run dir, wherever they live (a cluster's shared
 checkpoint root included): folders 0700, files 0600, set explicitly, whatever the umask.
 """
+
 from __future__ import annotations
 
 import json
@@ -61,8 +62,11 @@ def resolve(root: Path, step: Optional[int] = None) -> Optional[Path]:
         return latest(root)
     path = step_dir(root, step)
     if step not in complete_steps(root):
-        state = "is incomplete (an interrupted save)" if (path.exists() or path.with_name(path.name + ".tmp")
-                                                           .exists()) else "does not exist"
+        state = (
+            "is incomplete (an interrupted save)"
+            if (path.exists() or path.with_name(path.name + ".tmp").exists())
+            else "does not exist"
+        )
         have = ", ".join(map(str, complete_steps(root))) or "none"
         raise CheckpointError(f"checkpoint step {step} under {root} {state}; complete ones: {have}")
     return path
@@ -77,7 +81,7 @@ def retention_victims(steps: list[int], keep: int, keep_every: int = 0) -> list[
     multiples of `keep_every`; never the newest one."""
     if not steps:
         return []
-    kept = set(sorted(steps)[-max(keep, 1):])
+    kept = set(sorted(steps)[-max(keep, 1) :])
     if keep_every > 0:
         kept |= {s for s in steps if s % keep_every == 0}
     return [s for s in sorted(steps) if s not in kept]
@@ -187,8 +191,16 @@ OnCommit = Callable[[int, float], None]
 class Checkpointer:
     """Saves and loads a DCP state dict under `root`. Every rank calls save/poll/wait/load."""
 
-    def __init__(self, root: Path, keep: int, keep_every: int = 0, async_save: bool = True,
-                 process_group: Any = None, coordinator: bool = True, on_commit: Optional[OnCommit] = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        keep: int,
+        keep_every: int = 0,
+        async_save: bool = True,
+        process_group: Any = None,
+        coordinator: bool = True,
+        on_commit: Optional[OnCommit] = None,
+    ) -> None:
         self.root = Path(root)
         self.keep, self.keep_every = keep, keep_every
         self.async_save = async_save
@@ -225,8 +237,9 @@ class Checkpointer:
         self._barrier()
         began = time.perf_counter()
         if self.async_save:
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
-                                    async_stager=self._stager())
+            future = dcp.async_save(
+                state, checkpoint_id=str(tmp), process_group=self.group, async_stager=self._stager()
+            )
             future = getattr(future, "upload_completion", future)  # AsyncSaveResponse on newer torch
             self._pending = _Pending(step, tmp, future, info, began)
         else:
@@ -244,8 +257,11 @@ class Checkpointer:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
             cuda = torch.cuda.is_available()
-            self._staging = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                         use_async_staging=False, use_non_blocking_copy=cuda))
+            self._staging = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
+                )
+            )
         return self._staging
 
     def close(self) -> None:
@@ -275,8 +291,11 @@ class Checkpointer:
         if pending.future is not None:
             pending.future.result()  # re-raises a failed write: the .tmp stays unmarked, so ignored
         if self.coordinator:
-            info = {**pending.info, "step": pending.step,
-                    "save_seconds": round(time.perf_counter() - pending.started, 3)}
+            info = {
+                **pending.info,
+                "step": pending.step,
+                "save_seconds": round(time.perf_counter() - pending.started, 3),
+            }
             commit(pending.tmp, step_dir(self.root, pending.step), info)
             apply_retention(self.root, self.keep, self.keep_every)
         self.last_committed = pending.step

@@ -9,6 +9,7 @@ hermetic.
 Format: one token per byte, uint16 little-endian (vocab 256), so the file is
 `launcher.data`'s native format. A JSON sidecar `<out>.json` records what went in.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -111,8 +112,7 @@ def _token_chunks(roots: Sequence[Path], max_bytes: int, counts: dict[str, int])
         yield _to_tokens(data)
 
 
-def build_corpus(out: Path, roots: Optional[Sequence[Path]] = None,
-                 max_bytes: int = DEFAULT_MAX_BYTES) -> CorpusStats:
+def build_corpus(out: Path, roots: Optional[Sequence[Path]] = None, max_bytes: int = DEFAULT_MAX_BYTES) -> CorpusStats:
     """Write a byte-level uint16 token file to `out` (and `out.json`) from the text under `roots`.
 
     Deterministic: the same roots and max_bytes give the same file, byte for byte.
@@ -127,8 +127,9 @@ def build_corpus(out: Path, roots: Optional[Sequence[Path]] = None,
     if counts["tokens"] == 0:
         out.unlink(missing_ok=True)
         shown = ", ".join(str(r) for r in roots)
-        raise ValueError(f"corpus roots: {shown}: no {'/'.join(SUFFIXES)} text found; give a directory "
-                         "that holds source files")
+        raise ValueError(
+            f"corpus roots: {shown}: no {'/'.join(SUFFIXES)} text found; give a directory that holds source files"
+        )
     stats = CorpusStats(path=str(out), tokens=counts["tokens"], sources=counts["sources"], sha256=sha)
     _write_sidecar(out, stats, roots)
     return stats

@@ -9,6 +9,7 @@ continues exactly, even with a different dp degree, as long as the global batch
 is unchanged. Ranks of one tp group and of one pipeline (the same dp rank) read the
 same windows; `Prefetcher` reads the next steps in a background thread.
 """
+
 from __future__ import annotations
 
 import queue
@@ -44,14 +45,19 @@ def open_tokens(path: str | Path) -> torch.Tensor:
     """Memory-map a token file as a 1-D integer tensor (private mapping: never written back)."""
     path = Path(path).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"data.path: {str(path)!r}: no token file there; build it with "
-                                f"`meshrun data` (or point data.path at a uint16 token file)")
+        raise FileNotFoundError(
+            f"data.path: {str(path)!r}: no token file there; build it with "
+            f"`meshrun data` (or point data.path at a uint16 token file)"
+        )
     dtype = token_dtype(path)
     itemsize = 2 if dtype == "uint16" else 4
     size = path.stat().st_size
     if size % itemsize:
-        raise SchemaError("data.path", str(path), f"{size} bytes is not a whole number of {dtype} tokens; "
-                                                  "is it a token file of that dtype?")
+        raise SchemaError(
+            "data.path",
+            str(path),
+            f"{size} bytes is not a whole number of {dtype} tokens; is it a token file of that dtype?",
+        )
     return torch.from_file(str(path), shared=False, size=size // itemsize, dtype=_DTYPES[dtype])
 
 
@@ -69,18 +75,25 @@ class TokenDataset:
         self.val_start = len(self.tokens) - n_val
         self.num_windows = {"train": self.val_start // self.window, "val": n_val // self.window}
         if len(self.tokens) == 0:
-            raise SchemaError("data.path", str(self.path), "the token file is empty; rebuild it (`meshrun data`) "
-                                                           "or point data.path at another token file")
+            raise SchemaError(
+                "data.path",
+                str(self.path),
+                "the token file is empty; rebuild it (`meshrun data`) or point data.path at another token file",
+            )
         if self.num_windows["train"] == 0:
-            raise SchemaError("data.path", str(self.path), f"{self.val_start} training tokens are fewer than one "
-                              f"window of seq_len+1={self.window}; use a bigger file or a shorter seq_len")
+            raise SchemaError(
+                "data.path",
+                str(self.path),
+                f"{self.val_start} training tokens are fewer than one "
+                f"window of seq_len+1={self.window}; use a bigger file or a shorter seq_len",
+            )
 
     def sample(self, split: Split, index: int) -> torch.Tensor:
         """Window `index` of `split` as int64 tokens, shape (seq_len + 1,)."""
         if not 0 <= index < self.num_windows[split]:
             raise IndexError(f"{split} window {index} out of range 0..{self.num_windows[split] - 1}")
         start = (0 if split == "train" else self.val_start) + index * self.window
-        return self.tokens[start:start + self.window].to(torch.int64)
+        return self.tokens[start : start + self.window].to(torch.int64)
 
     def batch(self, split: Split, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets, each (len(indices), seq_len)."""
@@ -96,7 +109,7 @@ def largest_token(tokens: torch.Tensor, chunk: int = 1 << 22) -> tuple[int, int]
     """
     best, where = -1, -1
     for start in range(0, len(tokens), chunk):
-        part = tokens[start:start + chunk].to(torch.int32)
+        part = tokens[start : start + chunk].to(torch.int32)
         top = int(part.max())
         if top > best:
             best, where = top, start + int(part.argmax())
@@ -107,26 +120,33 @@ def check_token_ids(dataset: TokenDataset, vocab_size: int) -> None:
     """Refuse ids the model's embedding cannot look up (they would end in torch's IndexError mid-step)."""
     top, where = largest_token(dataset.tokens)
     if top >= vocab_size:
-        raise SchemaError("data.path", str(dataset.path),
-                          f"token id {top} (at token {where}) is not below train.model.vocab_size={vocab_size}; "
-                          f"raise train.model.vocab_size to at least {top + 1}, or rebuild the data with ids "
-                          f"below {vocab_size}")
+        raise SchemaError(
+            "data.path",
+            str(dataset.path),
+            f"token id {top} (at token {where}) is not below train.model.vocab_size={vocab_size}; "
+            f"raise train.model.vocab_size to at least {top + 1}, or rebuild the data with ids "
+            f"below {vocab_size}",
+        )
 
 
 def check_train_data(dataset: TokenDataset, global_batch: int) -> None:
     """Refuse a training split smaller than one global batch: every step would repeat the same sequences."""
     have = dataset.num_windows["train"]
     if have < global_batch:
-        raise SchemaError("data.path", str(dataset.path),
-                          f"{len(dataset.tokens)} tokens give {have} training sequences of seq_len+1="
-                          f"{dataset.window} tokens (after holding out data.val_fraction for validation), "
-                          f"fewer than one global batch of {global_batch}; use a bigger token file, or a "
-                          "smaller train.global_batch or train.model.seq_len")
+        raise SchemaError(
+            "data.path",
+            str(dataset.path),
+            f"{len(dataset.tokens)} tokens give {have} training sequences of seq_len+1="
+            f"{dataset.window} tokens (after holding out data.val_fraction for validation), "
+            f"fewer than one global batch of {global_batch}; use a bigger token file, or a "
+            "smaller train.global_batch or train.model.seq_len",
+        )
 
 
 @dataclass(frozen=True)
 class Layout:
     """How one optimizer step's windows are split over ranks and micro batches."""
+
     global_batch: int
     micro_batch: int
     dp_rank: int
@@ -135,8 +155,10 @@ class Layout:
     def __post_init__(self) -> None:
         per_rank = self.micro_batch * self.dp_size
         if self.global_batch % per_rank:
-            raise ValueError(f"train.global_batch: {self.global_batch}: must be divisible by "
-                             f"micro_batch({self.micro_batch})*dp({self.dp_size})={per_rank}")
+            raise ValueError(
+                f"train.global_batch: {self.global_batch}: must be divisible by "
+                f"micro_batch({self.micro_batch})*dp({self.dp_size})={per_rank}"
+            )
 
     @property
     def accumulation(self) -> int:
@@ -177,7 +199,7 @@ class TrainStream:
         """This rank's micro batches for the step starting at `consumed`; changes no position."""
         indices = self.step_indices(consumed)
         m = self.layout.micro_batch
-        return [self.dataset.batch("train", indices[i:i + m]) for i in range(0, len(indices), m)]
+        return [self.dataset.batch("train", indices[i : i + m]) for i in range(0, len(indices), m)]
 
     def next_step(self) -> MicroBatches:
         """This rank's micro batches (inputs, targets) for one optimizer step; advances the position."""
@@ -186,8 +208,12 @@ class TrainStream:
         return batches
 
     def state_dict(self) -> dict[str, Any]:
-        return {"consumed": self.consumed, "seed": self.seed, "window": self.dataset.window,
-                "train_windows": self.dataset.num_windows["train"]}
+        return {
+            "consumed": self.consumed,
+            "seed": self.seed,
+            "window": self.dataset.window,
+            "train_windows": self.dataset.num_windows["train"],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a saved position; refuses one taken over different data or windows."""
@@ -195,9 +221,12 @@ class TrainStream:
         for key in ("seed", "window", "train_windows"):
             if state[key] != mine[key]:
                 # Bad input (exit 2, never requeued): a retry would refuse it again.
-                raise SchemaError("data.path", str(self.dataset.path),
-                                  f"the checkpoint's data state has {key}={state[key]} but this data gives "
-                                  f"{mine[key]}; resume with the same data file, seq_len and seed")
+                raise SchemaError(
+                    "data.path",
+                    str(self.dataset.path),
+                    f"the checkpoint's data state has {key}={state[key]} but this data gives "
+                    f"{mine[key]}; resume with the same data file, seq_len and seed",
+                )
         self.consumed = int(state["consumed"])
 
 
@@ -214,7 +243,7 @@ def val_steps(dataset: TokenDataset, layout: Layout, max_windows: int) -> Iterat
     for start in range(0, count, layout.global_batch):
         first = start + layout.dp_rank * layout.per_rank
         mine = list(range(first, first + layout.per_rank))
-        yield [dataset.batch("val", mine[i:i + m]) for i in range(0, len(mine), m)]
+        yield [dataset.batch("val", mine[i : i + m]) for i in range(0, len(mine), m)]
 
 
 class Prefetcher:
@@ -229,8 +258,9 @@ class Prefetcher:
         self.stream, self.pin_memory = stream, pin_memory
         self._queue: queue.Queue[tuple[int, MicroBatches] | BaseException] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(stream.consumed,), name="meshrun-prefetch",
-                                        daemon=True)  # daemon: a crashed trainer must not hang on it
+        self._thread = threading.Thread(
+            target=self._run, args=(stream.consumed,), name="meshrun-prefetch", daemon=True
+        )  # daemon: a crashed trainer must not hang on it
         self._thread.start()
 
     def _run(self, consumed: int) -> None:
@@ -263,8 +293,10 @@ class Prefetcher:
             raise item
         consumed, batches = item
         if consumed != self.stream.consumed:
-            raise RuntimeError(f"prefetch read position {consumed} but the stream is at {self.stream.consumed}; "
-                               "load a data state only before starting the Prefetcher")
+            raise RuntimeError(
+                f"prefetch read position {consumed} but the stream is at {self.stream.consumed}; "
+                "load a data state only before starting the Prefetcher"
+            )
         self.stream.consumed = consumed + self.stream.layout.global_batch
         return batches, waited
 

@@ -3,6 +3,7 @@
 Torch-free at import time: submitit pickles `run_rank` by reference, and a
 `command:` job should not pay for importing torch it may not use.
 """
+
 from __future__ import annotations
 
 import os
@@ -55,6 +56,7 @@ def run_rank(run_dir: str, replace_process: Optional[bool] = None) -> int:
     flag = StopFlag().install()
     try:
         from launcher.train import train  # lazy: torch is imported only by ranks that train
+
         code = train(run_spec, env, flag)
     finally:
         flag.uninstall()
@@ -77,9 +79,11 @@ def record_exit(run_dir: Path, code: int) -> None:
 def rank_banner(env: RankEnv, environ: Mapping[str, str]) -> str:
     """One line per rank at start: which rank, where, and which restart (logs append across requeues)."""
     host = environ.get("SLURMD_NODENAME") or os.uname().nodename
-    return (f"[meshrun] rank {env.rank}/{env.world_size} local {env.local_rank}/{env.local_world_size} "
-            f"node {env.node_rank}/{env.num_nodes} ({host}) job {env.job_id or '-'} restart {env.restart_count} "
-            f"master {env.master_addr}:{env.master_port}")
+    return (
+        f"[meshrun] rank {env.rank}/{env.world_size} local {env.local_rank}/{env.local_world_size} "
+        f"node {env.node_rank}/{env.num_nodes} ({host}) job {env.job_id or '-'} restart {env.restart_count} "
+        f"master {env.master_addr}:{env.master_port}"
+    )
 
 
 def version_mismatch(rendered_by: str, installed: str) -> Optional[str]:
@@ -88,8 +92,10 @@ def version_mismatch(rendered_by: str, installed: str) -> Optional[str]:
     predates the record ("")."""
     if not rendered_by or rendered_by == installed:
         return None
-    return (f"[meshrun] version mismatch: this rank runs meshrun {installed}, the job was rendered by meshrun "
-            f"{rendered_by}; install the same meshrun on the cluster and where you submit")
+    return (
+        f"[meshrun] version mismatch: this rank runs meshrun {installed}, the job was rendered by meshrun "
+        f"{rendered_by}; install the same meshrun on the cluster and where you submit"
+    )
 
 
 def run_command(argv: Sequence[str], environ: Mapping[str, str], replace_process: bool) -> int:
@@ -101,8 +107,12 @@ def run_command(argv: Sequence[str], environ: Mapping[str, str], replace_process
             os.execvpe(argv[0], list(argv), dict(environ))
         return _exit_code(subprocess.call(list(argv), env=dict(environ)))
     except FileNotFoundError:
-        print(f"meshrun launcher: command: {argv[0]!r} not found on PATH; give an absolute path "
-              "or install it on the cluster", file=sys.stderr, flush=True)
+        print(
+            f"meshrun launcher: command: {argv[0]!r} not found on PATH; give an absolute path "
+            "or install it on the cluster",
+            file=sys.stderr,
+            flush=True,
+        )
         return 127
 
 

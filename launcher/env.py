@@ -13,6 +13,7 @@ in the tests. Sources, innermost launcher first:
 SLURM_PROCID=0, and LocalExecutor tasks started from it inherit that, so with Slurm first
 every local task would believe it is rank 0 of 1.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -81,12 +82,17 @@ def rank_env(environ: Mapping[str, str]) -> RankEnv:
 def torchrun_vars(r: RankEnv) -> dict[str, str]:
     """The variables torchrun would give this rank (TORCHELASTIC_* left out: there is no agent)."""
     return {
-        "RANK": str(r.rank), "WORLD_SIZE": str(r.world_size),
-        "LOCAL_RANK": str(r.local_rank), "LOCAL_WORLD_SIZE": str(r.local_world_size),
-        "GROUP_RANK": str(r.node_rank), "GROUP_WORLD_SIZE": str(r.num_nodes),
-        "ROLE_RANK": str(r.rank), "ROLE_WORLD_SIZE": str(r.world_size),
+        "RANK": str(r.rank),
+        "WORLD_SIZE": str(r.world_size),
+        "LOCAL_RANK": str(r.local_rank),
+        "LOCAL_WORLD_SIZE": str(r.local_world_size),
+        "GROUP_RANK": str(r.node_rank),
+        "GROUP_WORLD_SIZE": str(r.num_nodes),
+        "ROLE_RANK": str(r.rank),
+        "ROLE_WORLD_SIZE": str(r.world_size),
         "NODE_RANK": str(r.node_rank),
-        "MASTER_ADDR": r.master_addr, "MASTER_PORT": str(r.master_port),
+        "MASTER_ADDR": r.master_addr,
+        "MASTER_PORT": str(r.master_port),
     }
 
 
@@ -114,6 +120,7 @@ def master_port(job_id: str) -> int:
 
 # ---- the sources --------------------------------------------------------------------------
 
+
 def _from_torchrun(env: Mapping[str, str]) -> RankEnv:
     rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
     _check_below("RANK", rank, "WORLD_SIZE", world)
@@ -121,8 +128,7 @@ def _from_torchrun(env: Mapping[str, str]) -> RankEnv:
     # the scheduler's view then fills the gaps, when it counts the same ranks.
     under = _scheduler_view(env, rank, world)
     if under is None and "LOCAL_WORLD_SIZE" not in env and env.get("LOCAL_RANK", "0") != "0":
-        raise ValueError(f"LOCAL_RANK={env['LOCAL_RANK']} is set but LOCAL_WORLD_SIZE is not; "
-                         "set it too")
+        raise ValueError(f"LOCAL_RANK={env['LOCAL_RANK']} is set but LOCAL_WORLD_SIZE is not; set it too")
     local = _int(env, "LOCAL_RANK", default=under.local_rank if under else 0)
     local_world = _int(env, "LOCAL_WORLD_SIZE", default=under.local_world_size if under else 1)
     _check_below("LOCAL_RANK", local, "LOCAL_WORLD_SIZE", local_world)
@@ -133,21 +139,30 @@ def _from_torchrun(env: Mapping[str, str]) -> RankEnv:
     elif world % local_world == 0:
         nodes = world // local_world
     else:
-        raise ValueError(f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local_world}; "
-                         "set GROUP_WORLD_SIZE to the number of nodes")
+        raise ValueError(
+            f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local_world}; "
+            "set GROUP_WORLD_SIZE to the number of nodes"
+        )
     node = _int(env, "GROUP_RANK", default=under.node_rank if under else rank // local_world)
     _check_below("GROUP_RANK", node, "GROUP_WORLD_SIZE", nodes)
     # The job ids in source order (local before slurm, see the module docstring), so that
     # re-reading the variables a rank exported gives the same job id, hence the same port.
-    job_id = _text(env, "SUBMITIT_LOCAL_JOB_ID", "SLURM_JOB_ID", "SLURM_JOBID",
-                   "TORCHELASTIC_RUN_ID", default="")
+    job_id = _text(env, "SUBMITIT_LOCAL_JOB_ID", "SLURM_JOB_ID", "SLURM_JOBID", "TORCHELASTIC_RUN_ID", default="")
     nodelist = _lookup(env, "SLURM_STEP_NODELIST", "SLURM_NODELIST", "SLURM_JOB_NODELIST")
     return RankEnv(
-        rank=rank, local_rank=local, world_size=world, local_world_size=local_world,
-        node_rank=node, num_nodes=nodes, master_addr=_master_addr(env, ""),
-        master_port=_master_port(env, job_id), job_id=job_id,
+        rank=rank,
+        local_rank=local,
+        world_size=world,
+        local_world_size=local_world,
+        node_rank=node,
+        num_nodes=nodes,
+        master_addr=_master_addr(env, ""),
+        master_port=_master_port(env, job_id),
+        job_id=job_id,
         restart_count=_int(env, "SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", default=0),
-        hosts=_hosts(*nodelist) if nodelist else (), source="torchrun")
+        hosts=_hosts(*nodelist) if nodelist else (),
+        source="torchrun",
+    )
 
 
 def _scheduler_view(env: Mapping[str, str], rank: int, world: int) -> Optional[RankEnv]:
@@ -176,9 +191,19 @@ def _from_local(env: Mapping[str, str]) -> RankEnv:
     job_id = _text(env, "SUBMITIT_LOCAL_JOB_ID", default="")
     addr = _master_addr(env, LOCAL_ADDR)
     return RankEnv(
-        rank=rank, local_rank=local, world_size=world, local_world_size=world, node_rank=node,
-        num_nodes=nodes, master_addr=addr, master_port=_master_port(env, job_id), job_id=job_id,
-        restart_count=0, hosts=(LOCAL_ADDR,), source="local")
+        rank=rank,
+        local_rank=local,
+        world_size=world,
+        local_world_size=world,
+        node_rank=node,
+        num_nodes=nodes,
+        master_addr=addr,
+        master_port=_master_port(env, job_id),
+        job_id=job_id,
+        restart_count=0,
+        hosts=(LOCAL_ADDR,),
+        source="local",
+    )
 
 
 def _from_slurm(env: Mapping[str, str]) -> RankEnv:
@@ -193,8 +218,7 @@ def _from_slurm(env: Mapping[str, str]) -> RankEnv:
     _check_below("SLURM_NODEID", node, nodes_var, nodes)
     hosts = _hosts(list_var, env[list_var])
     if len(hosts) != nodes:
-        raise ValueError(f"{list_var}={env[list_var]!r} names {len(hosts)} host(s) "
-                         f"but {nodes_var}={nodes}")
+        raise ValueError(f"{list_var}={env[list_var]!r} names {len(hosts)} host(s) but {nodes_var}={nodes}")
     node_name = env.get("SLURMD_NODENAME")
     if node_name is not None and node_name not in hosts:
         raise ValueError(f"SLURMD_NODENAME={node_name!r} is not in {list_var}={env[list_var]!r}")
@@ -202,19 +226,38 @@ def _from_slurm(env: Mapping[str, str]) -> RankEnv:
     _check_below("SLURM_LOCALID", local, f"the tasks on node {node}", local_world)
     job_id = _require_text(env, "SLURM_JOB_ID", "SLURM_JOBID")
     return RankEnv(
-        rank=rank, local_rank=local, world_size=world, local_world_size=local_world,
-        node_rank=node, num_nodes=nodes, master_addr=_master_addr(env, hosts[0]),
-        master_port=_master_port(env, job_id), job_id=job_id,
-        restart_count=_int(env, "SLURM_RESTART_COUNT", default=0), hosts=hosts, source="slurm")
+        rank=rank,
+        local_rank=local,
+        world_size=world,
+        local_world_size=local_world,
+        node_rank=node,
+        num_nodes=nodes,
+        master_addr=_master_addr(env, hosts[0]),
+        master_port=_master_port(env, job_id),
+        job_id=job_id,
+        restart_count=_int(env, "SLURM_RESTART_COUNT", default=0),
+        hosts=hosts,
+        source="slurm",
+    )
 
 
 def _from_single(env: Mapping[str, str]) -> RankEnv:
     job_id = _text(env, "SLURM_JOB_ID", "SLURM_JOBID", default="")
     addr = _master_addr(env, LOCAL_ADDR)
     return RankEnv(
-        rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1,
-        master_addr=addr, master_port=_master_port(env, job_id), job_id=job_id,
-        restart_count=_int(env, "SLURM_RESTART_COUNT", default=0), hosts=(addr,), source="single")
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        local_world_size=1,
+        node_rank=0,
+        num_nodes=1,
+        master_addr=addr,
+        master_port=_master_port(env, job_id),
+        job_id=job_id,
+        restart_count=_int(env, "SLURM_RESTART_COUNT", default=0),
+        hosts=(addr,),
+        source="single",
+    )
 
 
 def _checked_against_torchrun_vars(r: RankEnv, env: Mapping[str, str]) -> RankEnv:
@@ -222,13 +265,16 @@ def _checked_against_torchrun_vars(r: RankEnv, env: Mapping[str, str]) -> RankEn
     ours = torchrun_vars(r)
     for name in _TORCHRUN_RANK_VARS:
         if name in env and env[name] != ours[name]:
-            raise ValueError(f"{name}={env[name]!r} is set, but the {r.source} environment says "
-                             f"{name}={ours[name]}; unset it, or also set RANK, WORLD_SIZE and "
-                             "MASTER_ADDR to use your own values throughout")
+            raise ValueError(
+                f"{name}={env[name]!r} is set, but the {r.source} environment says "
+                f"{name}={ours[name]}; unset it, or also set RANK, WORLD_SIZE and "
+                "MASTER_ADDR to use your own values throughout"
+            )
     return r
 
 
 # ---- small readers: every error names the variable and its value ---------------------------
+
 
 def _lookup(env: Mapping[str, str], *names: str) -> Optional[tuple[str, str]]:
     """The first of `names` that is set, with its value."""
@@ -239,8 +285,7 @@ def _require(env: Mapping[str, str], *names: str) -> str:
     """The first of `names` that is set; ValueError listing them all when none is."""
     found = _lookup(env, *names)
     if found is None:
-        raise ValueError(f"SLURM_PROCID is set but none of {', '.join(names)} is; "
-                         "is this running under srun?")
+        raise ValueError(f"SLURM_PROCID is set but none of {', '.join(names)} is; is this running under srun?")
     return found[0]
 
 
@@ -309,13 +354,13 @@ def _tasks_on_node(env: Mapping[str, str], node: int, nodes: int, world: int) ->
         found = ("SLURM_NTASKS_PER_NODE", env["SLURM_NTASKS_PER_NODE"])
         counts = [(_int(env, "SLURM_NTASKS_PER_NODE"), nodes)]
     elif world % nodes:
-        raise ValueError(f"{world} tasks do not split evenly over {nodes} nodes and "
-                         "SLURM_STEP_TASKS_PER_NODE is not set")
+        raise ValueError(
+            f"{world} tasks do not split evenly over {nodes} nodes and SLURM_STEP_TASKS_PER_NODE is not set"
+        )
     else:
         return world // nodes
     if sum(reps for _, reps in counts) != nodes or sum(n * reps for n, reps in counts) != world:
-        raise ValueError(f"{found[0]}={found[1]!r} does not describe {world} tasks "
-                         f"on {nodes} nodes")
+        raise ValueError(f"{found[0]}={found[1]!r} does not describe {world} tasks on {nodes} nodes")
     for tasks, reps in counts:
         if node < reps:
             return tasks
@@ -324,7 +369,7 @@ def _tasks_on_node(env: Mapping[str, str], node: int, nodes: int, world: int) ->
 
 
 def _parse_tasks_per_node(name: str, value: str) -> list[tuple[int, int]]:
-    """"2(x3),1" -> [(2, 3), (1, 1)]: (tasks, number of consecutive nodes with that many)."""
+    """ "2(x3),1" -> [(2, 3), (1, 1)]: (tasks, number of consecutive nodes with that many)."""
     counts = []
     for item in value.split(","):
         match = _TASKS_ITEM.fullmatch(item)

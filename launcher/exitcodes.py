@@ -4,6 +4,7 @@ The ranks agree on one of these (rank 0 records it in the run dir), the batch
 script decides on it whether to requeue, and `meshrun` reports it. Everything
 else (templates, the local supervisor, the CLI) imports them from here.
 """
+
 from __future__ import annotations
 
 EXIT_FINISHED = 0
@@ -19,9 +20,14 @@ EXIT_NO_PROGRESS = 76
 EXIT_GAVE_UP = 77
 """The crash-loop guard stopped the job: the same checkpoints kept failing. Never requeued."""
 
-EXIT_NAMES = {EXIT_FINISHED: "finished", EXIT_FAILED: "failed", EXIT_INPUT: "bad input",
-              EXIT_REQUEUE: "saved for requeue", EXIT_NO_PROGRESS: "no progress",
-              EXIT_GAVE_UP: "gave up (crash loop)"}
+EXIT_NAMES = {
+    EXIT_FINISHED: "finished",
+    EXIT_FAILED: "failed",
+    EXIT_INPUT: "bad input",
+    EXIT_REQUEUE: "saved for requeue",
+    EXIT_NO_PROGRESS: "no progress",
+    EXIT_GAVE_UP: "gave up (crash loop)",
+}
 
 NOT_REQUEUED = (EXIT_FINISHED, EXIT_INPUT, EXIT_GAVE_UP)
 """Codes the batch script never requeues: done, bad input, crash loop."""

@@ -10,6 +10,7 @@ its weights are loaded from the shards whatever (dp, tp, pp) layout saved them.
 The file holds the full model's parameters under their usual names, plus metadata
 (step, model config) as safetensors' string map.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,12 +50,16 @@ def missing_step(path: Path) -> ckpt.CheckpointError:
     """Why `path` is no checkpoint to export, in the user's terms (a step number, the root)."""
     match = _STEP.match(path.name)
     if match is None:
-        return ckpt.CheckpointError(f"{path} is not a checkpoint: give a step folder (ROOT/step-N) or a "
-                                    "checkpoint root")
+        return ckpt.CheckpointError(
+            f"{path} is not a checkpoint: give a step folder (ROOT/step-N) or a checkpoint root"
+        )
     step, root = int(match.group(1)), path.parent
     exists = ckpt.step_dir(root, step).exists() or ckpt.step_dir(root, step).with_suffix(".tmp").exists()
-    state = (f"checkpoint step {step} under {root} is incomplete (an interrupted save)" if exists
-             else f"no checkpoint step {step} under {root}")
+    state = (
+        f"checkpoint step {step} under {root} is incomplete (an interrupted save)"
+        if exists
+        else f"no checkpoint step {step} under {root}"
+    )
     return ckpt.CheckpointError(f"{state}; complete steps: {_complete(root)}")
 
 
@@ -88,12 +93,17 @@ def consolidated_state(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, s
             dcp.load(state, checkpoint_id=str(path), no_dist=True)
     except Exception:
         if not (Path(path) / ckpt.MARKER).is_file():  # retention unmarks before it deletes
-            raise Vanished(f"checkpoint {path} was deleted while it was read (retention: checkpoint.keep); "
-                           f"complete steps now: {_complete(Path(path).parent)}") from None
+            raise Vanished(
+                f"checkpoint {path} was deleted while it was read (retention: checkpoint.keep); "
+                f"complete steps now: {_complete(Path(path).parent)}"
+            ) from None
         raise
     tensors = {name: t.detach().contiguous().cpu() for name, t in state["model"].items()}
-    meta = {"format": "meshrun-gpt", "step": str(marker["step"]),
-            "model": json.dumps(schema.to_plain(job.trainer.model), sort_keys=True)}
+    meta = {
+        "format": "meshrun-gpt",
+        "step": str(marker["step"]),
+        "model": json.dumps(schema.to_plain(job.trainer.model), sort_keys=True),
+    }
     return tensors, meta
 
 
@@ -103,8 +113,9 @@ def check_output(out: Path) -> Path:
     if out.is_dir():
         raise OutputError(f"{out}: is a directory; give a file name, e.g. {out / 'model.safetensors'}")
     if not out.parent.is_dir():
-        raise OutputError(f"{out}: folder {out.parent} does not exist; create it (mkdir -p {out.parent}) "
-                          "or write elsewhere")
+        raise OutputError(
+            f"{out}: folder {out.parent} does not exist; create it (mkdir -p {out.parent}) or write elsewhere"
+        )
     if not os.access(out.parent, os.W_OK | os.X_OK):
         raise OutputError(f"{out}: folder {out.parent} is not writable for you; write elsewhere")
     return out

@@ -2,6 +2,7 @@
 
 Torch-free and stdlib-only; `launcher.env.expand_hostlist` re-exports it.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -26,10 +27,10 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 _PLAIN_LIST = re.compile(r"[0-9]{1,19}(?:-[0-9]{1,19})?(?:,[0-9]{1,19}(?:-[0-9]{1,19})?)*")
 _STRTOUL = re.compile(r"[ \t\n\v\f\r]*([+-]?)([0-9]+)")  # C strtoul, base 10
 _ULONG = 2**64
-_MAX_RANGE = 64 * 1024       # hosts in one lo-hi range (Slurm's MAX_RANGE)
-_MAX_RANGES = 64 * 1024      # comma-separated items in one bracket (22.05: fatal() beyond)
+_MAX_RANGE = 64 * 1024  # hosts in one lo-hi range (Slurm's MAX_RANGE)
+_MAX_RANGES = 64 * 1024  # comma-separated items in one bracket (22.05: fatal() beyond)
 _MAX_PREFIX_CNT = 64 * 1024  # hosts in one bracket group before the last (MAX_PREFIX_CNT)
-_MAX_HOSTS = 1 << 20         # ours: no cluster has a million nodes; stops a[1-9999]b[1-9999]
+_MAX_HOSTS = 1 << 20  # ours: no cluster has a million nodes; stops a[1-9999]b[1-9999]
 
 _Range = tuple[int, int, int]  # lo, hi, zero-padded width
 
@@ -87,11 +88,13 @@ def _bracketed_tokens(text: str) -> Iterator[str]:
 
 def _forward_finder(text: str, char: str) -> Callable[[int], int]:
     found = -2  # not searched yet
+
     def find(start: int) -> int:
         nonlocal found
         if found == -2 or 0 <= found < start:
             found = text.find(char, start)
         return found
+
     return find
 
 
@@ -108,9 +111,9 @@ def _expand_token(token: str, budget: int) -> list[str]:
     if close_at < 0:
         raise ValueError(f"{token!r} has a '[' without its ']'")
     # Slurm: text after the ']' is a suffix, unless it starts with ',' (then it is dropped).
-    suffix = token[close_at + 1:]
+    suffix = token[close_at + 1 :]
     suffix = "" if suffix.startswith(",") else suffix
-    last = _parse_range_list(token[open_at + 1:close_at])
+    last = _parse_range_list(token[open_at + 1 : close_at])
     head, groups = _split_prefix(token[:open_at])
     for part in (head, suffix):
         if "[" in part or "]" in part:
@@ -139,17 +142,16 @@ def _split_prefix(prefix: str) -> tuple[str, list[tuple[list[_Range], str]]]:
     """
     groups = []
     while (open_at := prefix.rfind("[")) >= 0 and (close_at := prefix.rfind("]", open_at)) >= 0:
-        inside = prefix[open_at + 1:close_at]
+        inside = prefix[open_at + 1 : close_at]
         ranges = _parse_range_list(inside)
         if _count(ranges) > _MAX_PREFIX_CNT:
             raise ValueError(f"more than {_MAX_PREFIX_CNT} hosts in [{inside}]")
-        groups.append((ranges, prefix[close_at + 1:]))
+        groups.append((ranges, prefix[close_at + 1 :]))
         prefix = prefix[:open_at]
     return prefix, groups
 
 
-def _combine(head: str, groups: list[tuple[list[_Range], str]], last: list[str],
-             suffix: str) -> list[str]:
+def _combine(head: str, groups: list[tuple[list[_Range], str]], last: list[str], suffix: str) -> list[str]:
     # Slurm loops over the rightmost group outermost, then leftwards; the last bracket is
     # innermost. product() varies its first argument slowest, so pass groups as parsed.
     if not groups:
@@ -193,10 +195,10 @@ def _plain_range(item: str) -> _Range:
 
 
 def _parse_range(item: str) -> _Range:
-    """"lo" or "lo-hi" (Slurm's _parse_single_range, strtoul quirks included)."""
+    """ "lo" or "lo-hi" (Slurm's _parse_single_range, strtoul quirks included)."""
     bad = ValueError(f"invalid range {item!r}")
     dash = item.find("-")
-    low, high = (item, "") if dash < 0 else (item[:dash], item[dash + 1:])
+    low, high = (item, "") if dash < 0 else (item[:dash], item[dash + 1 :])
     if "x" in item or high.startswith("-"):  # 'x' is a multi-dimensional box, never ours
         raise bad
     lo, lo_end = _strtoul(low, bad)

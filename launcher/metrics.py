@@ -1,4 +1,5 @@
 """Rank 0's metrics.jsonl (the sidecar and `meshrun status` read it) and its human log line."""
+
 from __future__ import annotations
 
 import json
@@ -45,9 +46,11 @@ class MetricsLog:
             self.file.flush()
 
     def line(self, r: dict[str, Any]) -> str:
-        text = (f"step {r['step']}/{self.steps} loss {r['loss']:.4f} lr {r['lr']:.2e} "
-                f"grad_norm {r['grad_norm']:.3f} tok/s {r['tokens_per_s']:,.0f} step_time {r['step_time_s']:.3f}s "
-                f"data_wait {r['data_wait_s']:.3f}s")
+        text = (
+            f"step {r['step']}/{self.steps} loss {r['loss']:.4f} lr {r['lr']:.2e} "
+            f"grad_norm {r['grad_norm']:.3f} tok/s {r['tokens_per_s']:,.0f} step_time {r['step_time_s']:.3f}s "
+            f"data_wait {r['data_wait_s']:.3f}s"
+        )
         if "val_loss" in r:
             text += f" val_loss {r['val_loss']:.4f} val_ppl {r['val_ppl']:.2f}"
         return text

@@ -11,6 +11,7 @@ Every parameter draws its initial values from its own generator, seeded by (seed
 parameter name): a stage that builds two of eight blocks gets exactly the values the
 whole model has there, so any layout starts from the same weights.
 """
+
 from __future__ import annotations
 
 import math
@@ -54,6 +55,7 @@ def flops_per_token(cfg: ModelConfig) -> int:
 @dataclass(frozen=True)
 class ModelPart:
     """Which pieces of the model one rank builds: a pipeline stage, or the whole model."""
+
     first_layer: int
     """Global index of the first block built."""
     end_layer: int
@@ -153,12 +155,15 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, seed: int = 0, activation_checkpointing: bool = False,
-                 part: Optional[ModelPart] = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, seed: int = 0, activation_checkpointing: bool = False, part: Optional[ModelPart] = None
+    ) -> None:
         super().__init__()
         if cfg.d_model % cfg.n_heads or (cfg.d_model // cfg.n_heads) % 2:
-            raise ValueError(f"train.model.d_model: {cfg.d_model}: must split into n_heads({cfg.n_heads}) "
-                             "heads of an even size (rotary embeddings rotate pairs)")
+            raise ValueError(
+                f"train.model.d_model: {cfg.d_model}: must split into n_heads({cfg.n_heads}) "
+                "heads of an even size (rotary embeddings rotate pairs)"
+            )
         self.cfg = cfg
         self.part = part or ModelPart.whole(cfg)
         self.activation_checkpointing = activation_checkpointing
@@ -166,12 +171,13 @@ class GPT(nn.Module):
         # never shifts what later code (data order, dropout) draws. init_weights sets the values.
         with torch.random.fork_rng(devices=[]):
             self.tok_embeddings: Optional[nn.Embedding] = (
-                nn.Embedding(cfg.vocab_size, cfg.d_model) if self.part.embed else None)
-            self.layers = nn.ModuleDict({str(i): Block(cfg)
-                                         for i in range(self.part.first_layer, self.part.end_layer)})
+                nn.Embedding(cfg.vocab_size, cfg.d_model) if self.part.embed else None
+            )
+            self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(self.part.first_layer, self.part.end_layer)})
             self.norm: Optional[RMSNorm] = RMSNorm(cfg.d_model) if self.part.head else None
             self.output: Optional[nn.Linear] = (
-                nn.Linear(cfg.d_model, cfg.vocab_size, bias=False) if self.part.head else None)
+                nn.Linear(cfg.d_model, cfg.vocab_size, bias=False) if self.part.head else None
+            )
         cos, sin = rope_tables(cfg.seq_len, cfg.d_model // cfg.n_heads)
         # Not persistent: derived from the config, so checkpoints need not carry them.
         self.register_buffer("rope_cos", cos, persistent=False)

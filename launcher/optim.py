@@ -5,6 +5,7 @@ gradients (sharded by FSDP over dp, by TP over tp, or both) are reduced to full
 norms, and the squares of the pipeline stages' norms are summed over the pp group,
 so every rank holds the same number a single process would compute.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,8 +27,10 @@ except ImportError:  # pragma: no cover
 def build_optimizer(params: Iterable[nn.Parameter], cfg: Train) -> torch.optim.AdamW:
     """AdamW; weight decay only on matrices (never on norms or biases, which are 1-D)."""
     params = [p for p in params if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
@@ -56,8 +59,9 @@ def _grad_groups(params: Iterable[nn.Parameter]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def global_grad_norm(params: list[nn.Parameter], device: torch.device,
-                     pp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+def global_grad_norm(
+    params: list[nn.Parameter], device: torch.device, pp_group: Optional[dist.ProcessGroup] = None
+) -> torch.Tensor:
     """The L2 norm of all gradients of the whole model (a 0-dim fp32 tensor, the same on every rank)."""
     squares = torch.zeros((), dtype=torch.float32, device=device)
     for grads in _grad_groups(params):
@@ -91,8 +95,9 @@ class LossScaler:
     or pipelining each rank sees a different shard, so ranks could disagree and skip
     different steps. Here the decision uses the global norm, which every rank shares.
     """
+
     enabled: bool
-    scale: float = 2.0 ** 16
+    scale: float = 2.0**16
     growth_interval: int = 2000
     _good_steps: int = 0
 

@@ -6,6 +6,7 @@ then data parallel on the dp mesh (FSDP2 adds the dp dimension to those DTensors
 The mesh is ("pp", "dp", "tp") with tp innermost, so a tp group is consecutive ranks
 on one node (ParallelDims checks that tp divides the ranks per node).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -36,6 +37,7 @@ def build_mesh(dims: ParallelDims, runtime: Runtime) -> DeviceMesh:
 
 # ------------------------------------------------------------------ tensor parallel
 
+
 class ReplicateParallel(ParallelStyle):
     """Keep a module whole on every tp rank, but as Replicate DTensors (torchtitan's NoParallel).
 
@@ -50,8 +52,13 @@ class ReplicateParallel(ParallelStyle):
     @staticmethod
     def _wrap(mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
         from torch.distributed.tensor import DTensor
-        return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-                     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+        return tuple(
+            DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+            else x
+            for x in inputs
+        )
 
     @staticmethod
     def _unwrap(mod: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
@@ -68,21 +75,29 @@ def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     seq = Shard(1)
     if not sequence_parallel:
         return {
-            "attention_norm": ReplicateParallel(), "ffn_norm": ReplicateParallel(),
-            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
-            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "attention_norm": ReplicateParallel(),
+            "ffn_norm": ReplicateParallel(),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(),
         }
     return {
         "attention_norm": SequenceParallel(),
-        "attention": PrepareModuleInput(input_layouts=(seq, None, None),
-                                        desired_input_layouts=(Replicate(), None, None)),
-        "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+        "attention": PrepareModuleInput(
+            input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=seq),
         "ffn_norm": SequenceParallel(),
         "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=seq),
     }
 
@@ -106,6 +121,7 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bo
 
 # ------------------------------------------------------------------ data parallel
 
+
 def mixed_precision(runtime: Runtime) -> MixedPrecisionPolicy:
     """FSDP2 keeps fp32 master weights, computes in the amp dtype, and reduces gradients in fp32."""
     if runtime.amp_dtype is None:
@@ -118,8 +134,7 @@ def uses_fsdp_precision(mode: str, dims: ParallelDims) -> bool:
     return dims.dp > 1 and (mode == "fsdp" or dims.tp > 1 or dims.pp > 1)
 
 
-def apply_data_parallel(model: GPT, mode: str, dims: ParallelDims, dp_mesh: DeviceMesh,
-                        runtime: Runtime) -> nn.Module:
+def apply_data_parallel(model: GPT, mode: str, dims: ParallelDims, dp_mesh: DeviceMesh, runtime: Runtime) -> nn.Module:
     """Wrap the model part for data parallelism; returns the module to call (DDP wraps, FSDP2 does not).
 
     dp = 1 adds nothing (there is nothing to shard or reduce). fsdp: FSDP2 `fully_shard`
@@ -131,11 +146,14 @@ def apply_data_parallel(model: GPT, mode: str, dims: ParallelDims, dp_mesh: Devi
         return model
     if mode == "ddp" and dims.tp == 1 and dims.pp == 1:
         from torch.nn.parallel import DistributedDataParallel
-        return DistributedDataParallel(model, device_ids=[runtime.device.index] if runtime.cuda else None,
-                                       process_group=dp_mesh.get_group())
+
+        return DistributedDataParallel(
+            model, device_ids=[runtime.device.index] if runtime.cuda else None, process_group=dp_mesh.get_group()
+        )
     policy = mixed_precision(runtime)
     if mode == "ddp":
         from torch.distributed._composable.replicate_with_fsdp import replicate
+
         for block in model.layers.values():
             replicate(block, mesh=dp_mesh, mp_policy=policy)
         replicate(model, mesh=dp_mesh, mp_policy=policy)

@@ -4,6 +4,7 @@ Shared by the planner (on the caller's machine, before submission) and the
 launcher (which builds the DeviceMesh from it: tp innermost, inside a node,
 then dp, then pp). Messages carry the arithmetic, as torchtitan's do.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ class Problem:
 @dataclass(frozen=True)
 class Coordinates:
     """Where one rank sits in the ("pp", "dp", "tp") mesh."""
+
     pp: int
     dp: int
     tp: int
@@ -52,8 +54,17 @@ class ParallelDims:
             raise ValueError(f"rank {rank} is outside dp({self.dp})*tp({self.tp})*pp({self.pp})={self.world_size}")
         return Coordinates(pp=rank // (self.dp * self.tp), dp=rank // self.tp % self.dp, tp=rank % self.tp)
 
-    def problem(self, world_size: int, n_layers: int, n_heads: int, ranks_per_node: int, *,
-                vocab_size: int = 0, seq_len: int = 0, sequence_parallel: bool = False) -> Optional[Problem]:
+    def problem(
+        self,
+        world_size: int,
+        n_layers: int,
+        n_heads: int,
+        ranks_per_node: int,
+        *,
+        vocab_size: int = 0,
+        seq_len: int = 0,
+        sequence_parallel: bool = False,
+    ) -> Optional[Problem]:
         """The first thing wrong with this layout, or None.
 
         The keyword arguments are optional so older callers keep working: vocab_size > 0 checks that
@@ -64,31 +75,49 @@ class ParallelDims:
             if value < 1:
                 return Problem(key, value, "every parallel degree is at least 1")
         if self.world_size != world_size:
-            return Problem("parallel", self.world_size,
-                           f"{product} != world size {world_size} (nodes x tasks per node); "
-                           f"make the product equal the number of ranks")
+            return Problem(
+                "parallel",
+                self.world_size,
+                f"{product} != world size {world_size} (nodes x tasks per node); "
+                f"make the product equal the number of ranks",
+            )
         if ranks_per_node % self.tp:
-            return Problem("parallel.tp", self.tp,
-                           f"tensor parallelism stays inside a node: tp({self.tp}) must divide the "
-                           f"{ranks_per_node} ranks per node")
+            return Problem(
+                "parallel.tp",
+                self.tp,
+                f"tensor parallelism stays inside a node: tp({self.tp}) must divide the "
+                f"{ranks_per_node} ranks per node",
+            )
         if n_layers % self.pp:
-            return Problem("parallel.pp", self.pp,
-                           f"pp({self.pp}) must divide train.model.n_layers({n_layers}) so stages get equal "
-                           f"layers: {n_layers} % {self.pp} = {n_layers % self.pp}")
+            return Problem(
+                "parallel.pp",
+                self.pp,
+                f"pp({self.pp}) must divide train.model.n_layers({n_layers}) so stages get equal "
+                f"layers: {n_layers} % {self.pp} = {n_layers % self.pp}",
+            )
         if n_heads % self.tp:
-            return Problem("parallel.tp", self.tp,
-                           f"train.model.n_heads({n_heads}) must be divisible by tp({self.tp}): "
-                           f"{n_heads} % {self.tp} = {n_heads % self.tp}")
+            return Problem(
+                "parallel.tp",
+                self.tp,
+                f"train.model.n_heads({n_heads}) must be divisible by tp({self.tp}): "
+                f"{n_heads} % {self.tp} = {n_heads % self.tp}",
+            )
         if vocab_size and vocab_size % self.tp:
-            return Problem("parallel.tp", self.tp,
-                           f"train.model.vocab_size({vocab_size}) must be divisible by tp({self.tp}) "
-                           f"(the embedding and the head split over tp): {vocab_size} % {self.tp} = "
-                           f"{vocab_size % self.tp}")
+            return Problem(
+                "parallel.tp",
+                self.tp,
+                f"train.model.vocab_size({vocab_size}) must be divisible by tp({self.tp}) "
+                f"(the embedding and the head split over tp): {vocab_size} % {self.tp} = "
+                f"{vocab_size % self.tp}",
+            )
         if sequence_parallel and self.tp > 1 and seq_len % self.tp:
-            return Problem("parallel.sequence_parallel", True,
-                           f"sequence parallelism splits train.model.seq_len({seq_len}) over tp({self.tp}): "
-                           f"{seq_len} % {self.tp} = {seq_len % self.tp}; pick a seq_len divisible by tp "
-                           f"or set sequence_parallel: false")
+            return Problem(
+                "parallel.sequence_parallel",
+                True,
+                f"sequence parallelism splits train.model.seq_len({seq_len}) over tp({self.tp}): "
+                f"{seq_len} % {self.tp} = {seq_len % self.tp}; pick a seq_len divisible by tp "
+                f"or set sequence_parallel: false",
+            )
         return None
 
     def batch_problem(self, global_batch: int, micro_batch: int) -> Optional[Problem]:
@@ -99,16 +128,22 @@ class ParallelDims:
         """
         per_step = micro_batch * self.dp
         if global_batch % per_step:
-            return Problem("train.global_batch", global_batch,
-                           f"must be a multiple of micro_batch({micro_batch})*dp({self.dp})={per_step} "
-                           f"(accumulation = global_batch / (micro_batch*dp)); e.g. "
-                           f"{max(per_step, global_batch // per_step * per_step)}")
+            return Problem(
+                "train.global_batch",
+                global_batch,
+                f"must be a multiple of micro_batch({micro_batch})*dp({self.dp})={per_step} "
+                f"(accumulation = global_batch / (micro_batch*dp)); e.g. "
+                f"{max(per_step, global_batch // per_step * per_step)}",
+            )
         accumulation = global_batch // per_step
         if self.pp > 1 and accumulation < self.pp:
-            return Problem("train.global_batch", global_batch,
-                           f"gives {accumulation} micro-batch(es) per step (global_batch / (micro_batch({micro_batch})"
-                           f"*dp({self.dp}))), fewer than the pp({self.pp}) pipeline stages; use a global_batch "
-                           f"of at least {per_step * self.pp} or a smaller micro_batch")
+            return Problem(
+                "train.global_batch",
+                global_batch,
+                f"gives {accumulation} micro-batch(es) per step (global_batch / (micro_batch({micro_batch})"
+                f"*dp({self.dp}))), fewer than the pp({self.pp}) pipeline stages; use a global_batch "
+                f"of at least {per_step * self.pp} or a smaller micro_batch",
+            )
         return None
 
     def validate(self, world_size: int, n_layers: int, n_heads: int, ranks_per_node: int) -> None:

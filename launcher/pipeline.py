@@ -7,6 +7,7 @@ summed micro-batch losses and how many there were; a pipeline stage other than t
 last computes no loss and returns a count of 0, so a world-wide sum of (loss, count)
 gives the true mean on every layout.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,6 +26,7 @@ from launcher.optim import LossScaler
 @dataclass(frozen=True)
 class StepLoss:
     """Summed micro-batch mean losses (0-dim fp32, unscaled) and their count on this rank."""
+
     total: torch.Tensor
     count: int
 
@@ -53,8 +55,9 @@ def _no_sync(model: nn.Module, last: bool) -> ContextManager[Any]:
 class PlainExecutor:
     """pp = 1: one forward/backward per micro batch, gradients accumulated in place."""
 
-    def __init__(self, model: nn.Module, device: torch.device, autocast_dtype: Optional[torch.dtype],
-                 scaler: LossScaler) -> None:
+    def __init__(
+        self, model: nn.Module, device: torch.device, autocast_dtype: Optional[torch.dtype], scaler: LossScaler
+    ) -> None:
         self.model, self.device, self.autocast_dtype, self.scaler = model, device, autocast_dtype, scaler
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -83,19 +86,30 @@ class PlainExecutor:
 class PipelineExecutor:
     """pp > 1: this rank's stage inside a GPipe/1F1B schedule over the step's micro batches."""
 
-    def __init__(self, stage_module: nn.Module, stage: int, stages: int, pp_mesh: DeviceMesh,
-                 device: torch.device, n_microbatches: int, schedule: str,
-                 autocast_dtype: Optional[torch.dtype], scaler: LossScaler) -> None:
+    def __init__(
+        self,
+        stage_module: nn.Module,
+        stage: int,
+        stages: int,
+        pp_mesh: DeviceMesh,
+        device: torch.device,
+        n_microbatches: int,
+        schedule: str,
+        autocast_dtype: Optional[torch.dtype],
+        scaler: LossScaler,
+    ) -> None:
         self.stage, self.stages, self.device = stage, stages, device
         self.autocast_dtype, self.scaler = autocast_dtype, scaler
         # Imported here: pipelining pulls in torch._dynamo (~1 s per rank), which pp = 1 never needs.
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
         schedules = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
         pipeline_stage = PipelineStage(stage_module, stage, stages, device, group=pp_mesh.get_group())
         # scale_grads: the schedule divides gradients by the micro-batch count, so with the
         # per-micro-batch mean loss below they are the step's mean, as in PlainExecutor.
-        self.schedule = schedules[schedule](pipeline_stage, n_microbatches=n_microbatches,
-                                            loss_fn=self._scaled_loss, scale_grads=True)
+        self.schedule = schedules[schedule](
+            pipeline_stage, n_microbatches=n_microbatches, loss_fn=self._scaled_loss, scale_grads=True
+        )
 
     @property
     def is_first(self) -> bool:

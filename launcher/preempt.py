@@ -6,6 +6,7 @@ on a save). Every step the ranks all-reduce the flag (MAX), so every rank stops
 after the same step, saves a normal checkpoint, and exits with EXIT_REQUEUE. The
 batch script, not the rank, decides whether to requeue.
 """
+
 from __future__ import annotations
 
 import signal
@@ -30,6 +31,7 @@ DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 @dataclass
 class StopFlag:
     """Set by a signal; read at step boundaries. Only ever assigned in the handler."""
+
     signum: Optional[int] = None
     at: Optional[float] = None
     _previous: dict = field(default_factory=dict)

@@ -7,6 +7,7 @@ first failure is the cause; the peers that die after it only echo it), and the l
 supervisor and `meshrun status` show that line. Bad input exits EXIT_INPUT (2) with
 that one line and no traceback; anything else keeps its traceback in the log.
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,7 +33,7 @@ def one_line(exc: BaseException) -> str:
     text = _UNPRINTABLE.sub(" ", str(exc)).strip() or type(exc).__name__
     if not isinstance(exc, BAD_INPUT):
         text = f"{type(exc).__name__}: {text}"
-    return text if len(text) <= MAX_CHARS else text[:MAX_CHARS - 3] + "..."
+    return text if len(text) <= MAX_CHARS else text[: MAX_CHARS - 3] + "..."
 
 
 def record_rank_error(run_dir: str | Path, rank: object, message: str) -> bool:

@@ -8,6 +8,7 @@ aside, so it is never loaded again — and the job falls back to the previous on
 When nothing is left to fall back to, the job gives up instead of burning the
 allocation in a requeue loop. Only the coordinator (rank 0) decides; it broadcasts.
 """
+
 from __future__ import annotations
 
 import json
@@ -78,9 +79,17 @@ def choose(root: Path, requested: Optional[int] = None) -> Choice:
         notes.append(f"step {step} quarantined after {MAX_ATTEMPTS} failed resumes")
     if attempts.get(SCRATCH, 0) < MAX_ATTEMPTS and not notes:
         return _count(root, attempts, None, "no checkpoint yet: starting from scratch")
-    return Choice(step=None, gave_up=True,
-                  note="; ".join(notes + ["crash loop: no checkpoint left that has not failed "
-                                          f"{MAX_ATTEMPTS} times; giving up instead of requeueing"]))
+    return Choice(
+        step=None,
+        gave_up=True,
+        note="; ".join(
+            notes
+            + [
+                "crash loop: no checkpoint left that has not failed "
+                f"{MAX_ATTEMPTS} times; giving up instead of requeueing"
+            ]
+        ),
+    )
 
 
 def _count(root: Path, attempts: dict[str, int], step: Optional[int], note: str) -> Choice:

@@ -17,6 +17,7 @@ usually lives on a cluster, not on the machine that names it.
       tasks/N/               a sweep task's own run dir (same layout)
       .meshrun/              scheduler internals: local state, submitit's files, the lock
 """
+
 from __future__ import annotations
 
 import json
@@ -34,6 +35,7 @@ ATTEMPTS_FILE = "resume-attempts.json"
 @dataclass(frozen=True)
 class RunDir:
     """Every file of one run dir, by name."""
+
     root: str
     """The run dir itself (absolute, as the cluster sees it)."""
 

@@ -4,6 +4,7 @@ Every check here fails with one line naming the key, the value and the fix (a
 SchemaError: `python -m launcher` prints it and exits 2) instead of letting the
 ranks hang in a rendezvous or NCCL init that can never complete.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -25,6 +26,7 @@ INIT_TIMEOUT = datetime.timedelta(minutes=10)
 @dataclass(frozen=True)
 class Runtime:
     """Where and how this rank computes."""
+
     device: torch.device
     backend: str
     amp_dtype: Optional[torch.dtype]
@@ -42,14 +44,20 @@ class Runtime:
 def check_tasks(job: JobSpec, env: RankEnv) -> None:
     """The ranks that started must be the ones the spec asked for (else a collective waits forever)."""
     if env.world_size != job.world_size:
-        raise SchemaError("resources", env.world_size,
-                          f"{env.world_size} rank(s) started but the spec asks for nodes({job.resources.nodes}) x "
-                          f"tasks per node({job.tasks_per_node}) = {job.world_size}; start the job with "
-                          f"`meshrun submit` or make srun's task count match")
+        raise SchemaError(
+            "resources",
+            env.world_size,
+            f"{env.world_size} rank(s) started but the spec asks for nodes({job.resources.nodes}) x "
+            f"tasks per node({job.tasks_per_node}) = {job.world_size}; start the job with "
+            f"`meshrun submit` or make srun's task count match",
+        )
     if env.local_world_size != job.tasks_per_node:
-        raise SchemaError("resources.tasks_per_node", job.tasks_per_node,
-                          f"node {env.node_rank} runs {env.local_world_size} rank(s), not {job.tasks_per_node}; "
-                          f"start the same number of tasks on every node (srun --ntasks-per-node)")
+        raise SchemaError(
+            "resources.tasks_per_node",
+            job.tasks_per_node,
+            f"node {env.node_rank} runs {env.local_world_size} rank(s), not {job.tasks_per_node}; "
+            f"start the same number of tasks on every node (srun --ntasks-per-node)",
+        )
 
 
 def visible_gpus(environ: Mapping[str, str]) -> Optional[tuple[str, ...]]:
@@ -64,17 +72,23 @@ def gpu_index(env: RankEnv, gpus_per_node: int, device_count: int, visible: Opti
     """Which of the visible GPUs this rank uses: 0 when it sees only its own, else its local rank."""
     shown = "unset" if visible is None else ",".join(visible) or "''"
     if env.local_world_size > gpus_per_node:
-        raise SchemaError("resources.tasks_per_node", env.local_world_size,
-                          f"more ranks per node than resources.gpus_per_node({gpus_per_node}): ranks would share "
-                          "a GPU, which NCCL refuses; run one task per GPU (leave tasks_per_node unset)")
+        raise SchemaError(
+            "resources.tasks_per_node",
+            env.local_world_size,
+            f"more ranks per node than resources.gpus_per_node({gpus_per_node}): ranks would share "
+            "a GPU, which NCCL refuses; run one task per GPU (leave tasks_per_node unset)",
+        )
     if device_count == 1:
         return 0  # Slurm's --gpus-per-task / a per-task cgroup: this rank's own GPU is index 0
     if device_count >= env.local_world_size:
         return env.local_rank  # the whole node is visible: local rank i uses GPU i
-    raise SchemaError("resources.gpus_per_node", gpus_per_node,
-                      f"rank {env.rank} sees {device_count} GPU(s) (CUDA_VISIBLE_DEVICES={shown}) but its node "
-                      f"runs {env.local_world_size} ranks; give each task one GPU or all of the node's "
-                      "(srun --gpus-per-task=1, or no per-task binding)")
+    raise SchemaError(
+        "resources.gpus_per_node",
+        gpus_per_node,
+        f"rank {env.rank} sees {device_count} GPU(s) (CUDA_VISIBLE_DEVICES={shown}) but its node "
+        f"runs {env.local_world_size} ranks; give each task one GPU or all of the node's "
+        "(srun --gpus-per-task=1, or no per-task binding)",
+    )
 
 
 def pick_runtime(job: JobSpec, env: RankEnv, environ: Mapping[str, str]) -> Runtime:
@@ -96,9 +110,13 @@ def init_distributed(env: RankEnv, runtime: Runtime) -> None:
     device_id = runtime.device if runtime.cuda else None
     if env.world_size == 1:
         # No rendezvous needed: a private store cannot collide with a busy port.
-        dist.init_process_group(runtime.backend, store=dist.HashStore(), rank=0, world_size=1,
-                                device_id=device_id)
+        dist.init_process_group(runtime.backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
         return
-    dist.init_process_group(runtime.backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                            rank=env.rank, world_size=env.world_size, device_id=device_id,
-                            timeout=INIT_TIMEOUT)
+    dist.init_process_group(
+        runtime.backend,
+        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        rank=env.rank,
+        world_size=env.world_size,
+        device_id=device_id,
+        timeout=INIT_TIMEOUT,
+    )

@@ -4,6 +4,7 @@ Torch-free and stdlib-only: both sides use it, the launcher to read the run spec
 and `submit` to load cluster profiles and job specs. Every error names the key
 path, the bad value and the fix, because the user meets these messages first.
 """
+
 from __future__ import annotations
 
 import collections.abc
@@ -65,8 +66,9 @@ def load(cls: type[T], data: Any, path: str = "") -> T:
     for key in data:
         if key not in fields:
             valid = ", ".join(sorted(fields))
-            raise SchemaError(_join(path, str(key)), data[key],
-                              f"unknown key{closest(str(key), fields)}; valid keys: {valid}")
+            raise SchemaError(
+                _join(path, str(key)), data[key], f"unknown key{closest(str(key), fields)}; valid keys: {valid}"
+            )
     kwargs = {}
     for name, field in fields.items():
         key = _join(path, name)
@@ -105,8 +107,9 @@ def convert(tp: Any, value: Any, key: str) -> Any:
     if origin is Literal:
         choices = get_args(tp)
         if value not in choices:
-            raise SchemaError(key, value, f"must be one of {', '.join(map(str, choices))}"
-                                          f"{closest(str(value), map(str, choices))}")
+            raise SchemaError(
+                key, value, f"must be one of {', '.join(map(str, choices))}{closest(str(value), map(str, choices))}"
+            )
         return value
     if origin in (tuple, list):
         (item,) = get_args(tp)[:1]
@@ -149,6 +152,7 @@ def _scalar(tp: Any, value: Any, key: str) -> Any:
 
 # ----------------------------------------------------------------- --set overrides
 
+
 def field_type(cls: type, dotted: str) -> Any:
     """The declared type at `a.b.c` inside dataclass `cls` (mapping fields accept any key)."""
     tp: Any = cls
@@ -159,8 +163,9 @@ def field_type(cls: type, dotted: str) -> Any:
         if dataclasses.is_dataclass(tp):
             names = {f.name for f in dataclasses.fields(tp)}
             if part not in names:
-                raise SchemaError(walked, None, f"unknown key{closest(part, names)}; valid keys: "
-                                                f"{', '.join(sorted(names))}")
+                raise SchemaError(
+                    walked, None, f"unknown key{closest(part, names)}; valid keys: {', '.join(sorted(names))}"
+                )
             tp = get_type_hints(tp)[part]
         elif get_origin(tp) in (dict, collections.abc.Mapping):
             tp = get_args(tp)[1]
@@ -203,8 +208,7 @@ def parse_text(tp: Any, text: str, key: str) -> Any:
         except ValueError:
             raise SchemaError(key, text, "expected a number") from None
     if dataclasses.is_dataclass(base) or origin in (dict, collections.abc.Mapping):
-        raise SchemaError(key, text, "this key is a section; set one of its keys, e.g. "
-                                     f"--set {key}.<key>=VALUE")
+        raise SchemaError(key, text, f"this key is a section; set one of its keys, e.g. --set {key}.<key>=VALUE")
     return text
 
 

@@ -5,6 +5,7 @@ A job spec never names a host; a cluster profile never names a model.
 The planner writes the resolved spec as `spec.json` into the run dir, together
 with a `RunInfo` section that carries what the ranks need from the cluster.
 """
+
 from __future__ import annotations
 
 import json
@@ -134,6 +135,7 @@ class Checkpoint:
 @dataclass(frozen=True)
 class Code:
     """The project code shipped with the job (read by `submit` only; the ranks just run it)."""
+
     sync: bool = True
     """Ship a content-addressed snapshot of the project to the cluster's work dir (Slurm clusters)."""
     root: Optional[str] = None
@@ -171,8 +173,7 @@ class JobSpec:
             raise SchemaError("name", self.name, "give the job a name of 1-128 characters")
         for key in self.env:
             if not ENV_KEY.match(key):
-                raise SchemaError(f"env.{key}", key, "environment variable names match "
-                                                     "[A-Za-z_][A-Za-z0-9_]*")
+                raise SchemaError(f"env.{key}", key, "environment variable names match [A-Za-z_][A-Za-z0-9_]*")
         if self.train is not None and self.command is not None:
             raise SchemaError("command", list(self.command), "give either `train` or `command`, not both")
         if self.command is not None and not self.command:
@@ -196,6 +197,7 @@ class JobSpec:
 @dataclass(frozen=True)
 class RunInfo:
     """What the planner adds for the ranks: filled on the caller's machine, read on the cluster."""
+
     cluster: str
     """Cluster profile name."""
     scheduler: Literal["slurm", "local"]
@@ -216,6 +218,7 @@ class RunInfo:
 @dataclass(frozen=True)
 class RunSpec:
     """The file `spec.json` in a run dir: the job as planned plus the run info."""
+
     job: JobSpec
     run: RunInfo
 

@@ -8,6 +8,7 @@ Slurm-like environment), enforces the time limit, stops every rank when one fail
 `.meshrun/jobs/JOB_ID.json`. Each rank writes its output to `logs/rank-N.log`
 (appended across resumes, as on Slurm); submitit's own files stay in `.meshrun/submitit`.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,8 +35,11 @@ def rank_main(run_dir: str) -> int:
     rank = int(os.environ.get("SUBMITIT_LOCAL_GLOBALID", "0"))
     with _output_to(RunDir(run_dir).rank_log(rank)):
         # The log appends across resumes: each run starts with the job id `meshrun logs JOB` names.
-        print(f"[meshrun] local job {os.environ.get(JOB_ID_ENV, '-')} rank {rank} "
-              f"at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}", flush=True)
+        print(
+            f"[meshrun] local job {os.environ.get(JOB_ID_ENV, '-')} rank {rank} "
+            f"at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}",
+            flush=True,
+        )
         return run_rank(run_dir)
 
 
@@ -110,9 +114,13 @@ class Supervisor:
         executor = submitit.LocalExecutor(folder=self.run_dir.submitit)
         # The supervisor's own clock enforces the limit; submitit's gets a margin so that
         # its timeout path (which would requeue) never fires first.
-        executor.update_parameters(tasks_per_node=job.tasks_per_node, nodes=1,
-                                   timeout_min=math.ceil(limit_s / 60) + 5, stderr_to_stdout=True,
-                                   gpus_per_node=job.resources.gpus_per_node)
+        executor.update_parameters(
+            tasks_per_node=job.tasks_per_node,
+            nodes=1,
+            timeout_min=math.ceil(limit_s / 60) + 5,
+            stderr_to_stdout=True,
+            gpus_per_node=job.resources.gpus_per_node,
+        )
         return executor, limit_s
 
     def run(self) -> int:
@@ -124,8 +132,9 @@ class Supervisor:
         executor, limit_s = self._executor()
         job = executor.submit(rank_main, self.run_dir.root)
         started = time.time()
-        merge_state(self.state_path, state="RUNNING", started=started, controller_pid=int(job.job_id),
-                    time_limit_s=limit_s)
+        merge_state(
+            self.state_path, state="RUNNING", started=started, controller_pid=int(job.job_id), time_limit_s=limit_s
+        )
         print(f"[meshrun] local job {self.job_id} started {self.spec.job.tasks_per_node} ranks", flush=True)
         stopped = self._watch(job, started, limit_s)
         return self._finish(job, started, stopped)
@@ -198,10 +207,18 @@ class Supervisor:
         code = agreed if agreed is not None else _job_exit_code(codes, final)
         return self._record(final, started, codes, message, code)
 
-    def _record(self, final: str, started: float, codes: Optional[list[int]], message: str,
-                exit_code: Optional[int] = None) -> int:
-        merge_state(self.state_path, state=final, ended=time.time(), exit_codes=codes, message=message,
-                    exit_code=exit_code, elapsed_s=round(time.time() - started, 3))
+    def _record(
+        self, final: str, started: float, codes: Optional[list[int]], message: str, exit_code: Optional[int] = None
+    ) -> int:
+        merge_state(
+            self.state_path,
+            state=final,
+            ended=time.time(),
+            exit_codes=codes,
+            message=message,
+            exit_code=exit_code,
+            elapsed_s=round(time.time() - started, 3),
+        )
         print(f"[meshrun] local job {self.job_id} {final} {message}".rstrip(), flush=True)
         return 0 if final == "COMPLETED" else 1
 
@@ -238,8 +255,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         return Supervisor(run_dir, job_id).run()
     except Exception as exc:
-        merge_state(local_state_path(str(run_dir), job_id), state="FAILED", ended=time.time(),
-                    message=f"supervisor: {exc}")
+        merge_state(
+            local_state_path(str(run_dir), job_id), state="FAILED", ended=time.time(), message=f"supervisor: {exc}"
+        )
         raise
 
 

@@ -6,6 +6,7 @@ global (Megatron): accumulation = global_batch / (micro_batch * dp), and with pp
 those micro-batches are the pipeline's, so changing only the layout changes no number.
 Rank 0 appends one JSON line per logged step to RUN_DIR/metrics.jsonl (see metrics.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -46,14 +47,20 @@ from launcher.spec import JobSpec, RunSpec, Train
 
 # ------------------------------------------------------------------ checks before any collective
 
+
 def check_layout(job: JobSpec, env: RankEnv) -> ParallelDims:
     """Validate the parallel layout and the batch arithmetic before any collective can hang on it."""
     par, cfg = job.parallel, job.trainer
     dims = ParallelDims(par.dp, par.tp, par.pp)
-    problem = (dims.problem(env.world_size, cfg.model.n_layers, cfg.model.n_heads, env.local_world_size,
-                            vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len,
-                            sequence_parallel=par.sequence_parallel)
-               or dims.batch_problem(cfg.global_batch, cfg.micro_batch))
+    problem = dims.problem(
+        env.world_size,
+        cfg.model.n_layers,
+        cfg.model.n_heads,
+        env.local_world_size,
+        vocab_size=cfg.model.vocab_size,
+        seq_len=cfg.model.seq_len,
+        sequence_parallel=par.sequence_parallel,
+    ) or dims.batch_problem(cfg.global_batch, cfg.micro_batch)
     if problem:
         raise SchemaError(problem.key, problem.value, problem.fix)
     return dims
@@ -63,11 +70,14 @@ def check_eval_data(job: JobSpec, dataset: TokenDataset) -> None:
     cfg = job.trainer
     usable = min(dataset.num_windows["val"], cfg.eval_sequences)
     if cfg.eval_every > 0 and usable < cfg.global_batch:
-        raise SchemaError("train.eval_sequences", cfg.eval_sequences,
-                          f"validation uses whole global batches, but min(eval_sequences, "
-                          f"{dataset.num_windows['val']} held-out windows of {dataset.path}) = {usable} < "
-                          f"global_batch ({cfg.global_batch}); raise eval_sequences or data.val_fraction, use a "
-                          "bigger token file, or set eval_every: 0")
+        raise SchemaError(
+            "train.eval_sequences",
+            cfg.eval_sequences,
+            f"validation uses whole global batches, but min(eval_sequences, "
+            f"{dataset.num_windows['val']} held-out windows of {dataset.path}) = {usable} < "
+            f"global_batch ({cfg.global_batch}); raise eval_sequences or data.val_fraction, use a "
+            "bigger token file, or set eval_every: 0",
+        )
 
 
 def check_data(job: JobSpec, dataset: TokenDataset) -> None:
@@ -84,9 +94,11 @@ def eval_due(cfg: Train, step: int, last: int) -> bool:
 
 # ------------------------------------------------------------------ the trainer's objects
 
+
 @dataclass
 class Trainer:
     """Everything one rank trains with; built by `build_trainer` (the benches build it too)."""
+
     job: JobSpec
     dims: ParallelDims
     coords: Coordinates
@@ -123,8 +135,12 @@ def build_trainer(job: JobSpec, env: RankEnv, runtime: Runtime, dataset: TokenDa
     layout = Layout(cfg.global_batch, cfg.micro_batch, dp_rank=coords.dp, dp_size=dims.dp)
     mesh = build_mesh(dims, runtime)
     with torch.device(runtime.device):  # built where it runs: no full-size copy on the host for GPUs
-        model = GPT(cfg.model, seed=cfg.seed, activation_checkpointing=cfg.activation_checkpointing,
-                    part=ModelPart.stage(cfg.model, coords.pp, dims.pp))
+        model = GPT(
+            cfg.model,
+            seed=cfg.seed,
+            activation_checkpointing=cfg.activation_checkpointing,
+            part=ModelPart.stage(cfg.model, coords.pp, dims.pp),
+        )
     if dims.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], par.sequence_parallel)
     module = apply_data_parallel(model, par.dp_mode, dims, mesh["dp"], runtime)
@@ -132,18 +148,39 @@ def build_trainer(job: JobSpec, env: RankEnv, runtime: Runtime, dataset: TokenDa
     scaler = LossScaler(enabled=runtime.amp_dtype == torch.float16)
     executor: Executor
     if dims.pp > 1:
-        executor = PipelineExecutor(module, coords.pp, dims.pp, mesh["pp"], runtime.device, layout.accumulation,
-                                    par.pp_schedule, autocast_dtype, scaler)
+        executor = PipelineExecutor(
+            module,
+            coords.pp,
+            dims.pp,
+            mesh["pp"],
+            runtime.device,
+            layout.accumulation,
+            par.pp_schedule,
+            autocast_dtype,
+            scaler,
+        )
     else:
         executor = PlainExecutor(module, runtime.device, autocast_dtype, scaler)
     params = [p for p in model.parameters() if p.requires_grad]  # after wrapping: the sharded ones
-    return Trainer(job=job, dims=dims, coords=coords, runtime=runtime, layout=layout, dataset=dataset,
-                   stream=TrainStream(dataset, layout, cfg.seed), model=model, executor=executor,
-                   optimizer=build_optimizer(params, cfg), scaler=scaler, params=params,
-                   pp_group=mesh["pp"].get_group() if dims.pp > 1 else None)
+    return Trainer(
+        job=job,
+        dims=dims,
+        coords=coords,
+        runtime=runtime,
+        layout=layout,
+        dataset=dataset,
+        stream=TrainStream(dataset, layout, cfg.seed),
+        model=model,
+        executor=executor,
+        optimizer=build_optimizer(params, cfg),
+        scaler=scaler,
+        params=params,
+        pp_group=mesh["pp"].get_group() if dims.pp > 1 else None,
+    )
 
 
 # ------------------------------------------------------------------ one step, evaluation
+
 
 def train_step(t: Trainer, step: int, micro_batches: MicroBatches) -> StepResult:
     """Forward/backward over the step's micro batches, true global norm, clip, optimizer step."""
@@ -185,18 +222,28 @@ def evaluate(t: Trainer) -> float:
 
 # ------------------------------------------------------------------ the loop
 
+
 def announce(t: Trainer, env: RankEnv) -> None:
     if env.rank != 0:
         return
     cfg, par, rt = t.cfg, t.job.parallel, t.runtime
-    note = f" (precision {cfg.precision} requested; CPU ranks compute in fp32)" \
-        if not rt.cuda and cfg.precision != "fp32" else ""
-    extras = [par.dp_mode] + ([par.pp_schedule] if t.dims.pp > 1 else []) \
+    note = (
+        f" (precision {cfg.precision} requested; CPU ranks compute in fp32)"
+        if not rt.cuda and cfg.precision != "fp32"
+        else ""
+    )
+    extras = (
+        [par.dp_mode]
+        + ([par.pp_schedule] if t.dims.pp > 1 else [])
         + (["sequence parallel"] if par.sequence_parallel and t.dims.tp > 1 else [])
-    print(f"meshrun: GPT {param_count(cfg.model) / 1e6:.2f}M params, {env.world_size} rank(s), "
-          f"dp={t.dims.dp} tp={t.dims.tp} pp={t.dims.pp} ({', '.join(extras)}), {rt.backend} on {rt.device.type}, "
-          f"global batch {cfg.global_batch} = micro {cfg.micro_batch} x dp {t.dims.dp} "
-          f"x accumulation {t.layout.accumulation}, precision {rt.precision}{note}", flush=True)
+    )
+    print(
+        f"meshrun: GPT {param_count(cfg.model) / 1e6:.2f}M params, {env.world_size} rank(s), "
+        f"dp={t.dims.dp} tp={t.dims.tp} pp={t.dims.pp} ({', '.join(extras)}), {rt.backend} on {rt.device.type}, "
+        f"global batch {cfg.global_batch} = micro {cfg.micro_batch} x dp {t.dims.dp} "
+        f"x accumulation {t.layout.accumulation}, precision {rt.precision}{note}",
+        flush=True,
+    )
 
 
 def train(run_spec: RunSpec, env: RankEnv, flag: Optional[StopFlag] = None) -> int:
@@ -240,8 +287,15 @@ def make_checkpointer(run_spec: RunSpec, env: RankEnv, metrics: Optional[Metrics
     group = dist.new_group(backend="gloo") if env.world_size > 1 else None
     root = Path(run_spec.run.checkpoint_dir or RunDir(run_spec.run.run_dir).default_checkpoints)
     on_commit = _committed(root, metrics) if env.rank == 0 and metrics is not None else None
-    saver = Checkpointer(root, keep=policy.keep, keep_every=policy.keep_every, async_save=policy.async_save,
-                         process_group=group, coordinator=env.rank == 0, on_commit=on_commit)
+    saver = Checkpointer(
+        root,
+        keep=policy.keep,
+        keep_every=policy.keep_every,
+        async_save=policy.async_save,
+        process_group=group,
+        coordinator=env.rank == 0,
+        on_commit=on_commit,
+    )
     saver.prepare()
     return saver
 
@@ -249,10 +303,13 @@ def make_checkpointer(run_spec: RunSpec, env: RankEnv, metrics: Optional[Metrics
 def _committed(root: Path, metrics: MetricsLog) -> Callable[[int, float], None]:
     """Rank 0's reaction to every commit, whichever call commits it (a poll, the next save's
     wait, the final save, a save on a signal): the metrics event and the crash-loop guard."""
+
     def on_commit(step: int, stall_s: float) -> None:
         resume.progress_made(root)  # a newer checkpoint: earlier failed resumes stop counting
-        metrics.event({"event": "checkpoint", "checkpoint_step": step, "save_stall_s": round(stall_s, 4),
-                       "time": time.time()})
+        metrics.event(
+            {"event": "checkpoint", "checkpoint_step": step, "save_stall_s": round(stall_s, 4), "time": time.time()}
+        )
+
     return on_commit
 
 
@@ -269,9 +326,16 @@ def start_step(t: Trainer, saver: Checkpointer, run_spec: RunSpec, env: RankEnv)
     return step + 1
 
 
-def run_loop(t: Trainer, env: RankEnv, metrics: MetricsLog, first: int = 1, last: Optional[int] = None,
-             saver: Optional[Checkpointer] = None, flag: Optional[StopFlag] = None,
-             run_spec: Optional[RunSpec] = None) -> int:
+def run_loop(
+    t: Trainer,
+    env: RankEnv,
+    metrics: MetricsLog,
+    first: int = 1,
+    last: Optional[int] = None,
+    saver: Optional[Checkpointer] = None,
+    flag: Optional[StopFlag] = None,
+    run_spec: Optional[RunSpec] = None,
+) -> int:
     """Steps first..last (default: to train.steps); logs every log_every steps and at the last one.
 
     With a saver: checkpoints every checkpoint.every steps and at the end; with a flag: every
@@ -290,16 +354,20 @@ def run_loop(t: Trainer, env: RankEnv, metrics: MetricsLog, first: int = 1, last
             result = train_step(t, step, micro_batches)
             validate = eval_due(cfg, step, last)
             if step % cfg.log_every == 0 or step == last or validate:
-                log_step(t, env, metrics, step, result, clock, saver.last_committed if saver else None,
-                         validate=validate)
+                log_step(
+                    t, env, metrics, step, result, clock, saver.last_committed if saver else None, validate=validate
+                )
             if saver is None or run_spec is None:
                 continue
             saver.poll()
             if flag is not None and agree(flag.raised, device=t.runtime.device):
                 _save_now(saver, t, step, env, run_spec)
                 if env.rank == 0:
-                    print(f"[meshrun] stopping after step {step} on {flag.describe() if flag.raised else 'a peer'}"
-                          f"'s signal: checkpoint saved, exit {EXIT_REQUEUE} (requeue)", flush=True)
+                    print(
+                        f"[meshrun] stopping after step {step} on {flag.describe() if flag.raised else 'a peer'}"
+                        f"'s signal: checkpoint saved, exit {EXIT_REQUEUE} (requeue)",
+                        flush=True,
+                    )
                 return EXIT_REQUEUE
             if step == last or (every and step % every == 0):
                 trainstate.save(saver, t, step, env, run_spec)
@@ -324,8 +392,16 @@ def _save_now(saver: Checkpointer, t: Trainer, step: int, env: RankEnv, run_spec
     saver.wait()
 
 
-def log_step(t: Trainer, env: RankEnv, metrics: MetricsLog, step: int, result: StepResult, clock: _Clock,
-             checkpoint_step: Optional[int] = None, validate: Optional[bool] = None) -> None:
+def log_step(
+    t: Trainer,
+    env: RankEnv,
+    metrics: MetricsLog,
+    step: int,
+    result: StepResult,
+    clock: _Clock,
+    checkpoint_step: Optional[int] = None,
+    validate: Optional[bool] = None,
+) -> None:
     """One metrics.jsonl record (and human line) covering the steps since the last one."""
     cfg = t.cfg
     tokens_per_step = cfg.global_batch * cfg.model.seq_len
@@ -333,7 +409,10 @@ def log_step(t: Trainer, env: RankEnv, metrics: MetricsLog, step: int, result: S
     now = time.perf_counter()
     interval, done = now - clock.last_time, step - clock.last_step
     record: dict[str, Any] = {
-        "step": step, "loss": loss, "lr": result.lr, "grad_norm": float(result.grad_norm),
+        "step": step,
+        "loss": loss,
+        "lr": result.lr,
+        "grad_norm": float(result.grad_norm),
         "tokens": step * tokens_per_step,
         "tokens_per_s": tokens_per_step * done / interval,
         "step_time_s": interval / done,

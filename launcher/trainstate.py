@@ -7,6 +7,7 @@ the fp16 loss scale, and each rank's RNG state (restored only when the rank exis
 in the checkpoint with the same world size). The job spec rides in the marker, less its
 `env` (values a user may not want copied into every checkpoint; export needs none of it).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -35,8 +36,12 @@ def app_state(t: Trainer, step: int, env: RankEnv) -> dict[str, Any]:
     return {
         "model": model_sd,
         "optim": optim_sd,
-        "train": {"step": step, "data": t.stream.state_dict(),
-                  "loss_scale": t.scaler.scale, "good_steps": t.scaler._good_steps},
+        "train": {
+            "step": step,
+            "data": t.stream.state_dict(),
+            "loss_scale": t.scaler.scale,
+            "good_steps": t.scaler._good_steps,
+        },
         _rng_key(env): torch.get_rng_state(),
     }
 
@@ -47,8 +52,12 @@ def marker_job(run_spec: RunSpec) -> dict[str, Any]:
 
 
 def save(saver: ckpt.Checkpointer, t: Trainer, step: int, env: RankEnv, run_spec: RunSpec) -> None:
-    info = {"layout": {"dp": t.dims.dp, "tp": t.dims.tp, "pp": t.dims.pp}, "world_size": env.world_size,
-            "restart_count": env.restart_count, "job": marker_job(run_spec)}
+    info = {
+        "layout": {"dp": t.dims.dp, "tp": t.dims.tp, "pp": t.dims.pp},
+        "world_size": env.world_size,
+        "restart_count": env.restart_count,
+        "job": marker_job(run_spec),
+    }
     saver.save(step, app_state(t, step, env), info)
 
 

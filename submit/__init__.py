@@ -2,6 +2,7 @@
 
 Never imports torch nor the launcher's torch code.
 """
+
 from __future__ import annotations
 
 from functools import cache

@@ -6,6 +6,7 @@ the transport) -> record. status/logs/cancel/tb/resume read the registry, then r
 job's cluster through `Clusters` (one connection per cluster for the whole command) and
 its scheduler backend. `executor(...)` is the submitit API on a login node.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,8 +25,23 @@ from submit.status import METRICS_FILE, Status, last_metrics, statuses
 from submit.transport import Progress, Transport, connect
 
 # `executor` is served by the module's __getattr__ (submitit is imported only when it is asked for).
-__all__ = ["Clusters", "METRICS_FILE", "Request", "Status", "cancel", "dryrun", "executor",  # noqa: F822
-           "git_sha", "last_metrics", "log_path", "schedule", "statuses", "submit", "sync_code", "with_code_dir"]
+__all__ = [
+    "Clusters",
+    "METRICS_FILE",
+    "Request",
+    "Status",
+    "cancel",
+    "dryrun",
+    "executor",  # noqa: F822
+    "git_sha",
+    "last_metrics",
+    "log_path",
+    "schedule",
+    "statuses",
+    "submit",
+    "sync_code",
+    "with_code_dir",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -58,31 +74,67 @@ def dryrun(plan: Plan, after: Sequence[str] = ()) -> Request:
     return backend(plan.cluster.scheduler).dryrun(plan, after)
 
 
-def sync_code(plan: Plan, transport: Transport, snap: Optional[snapshots.Snapshot],
-              progress: Optional[Progress] = None, present: Optional[bool] = None) -> bool:
+def sync_code(
+    plan: Plan,
+    transport: Transport,
+    snap: Optional[snapshots.Snapshot],
+    progress: Optional[Progress] = None,
+    present: Optional[bool] = None,
+) -> bool:
     """Put the plan's code snapshot on the cluster if it is not there yet; True if it was uploaded."""
     if snap is None or plan.code_dir is None:
         return False
     return snapshots.sync(transport, snap, plan.code_dir, progress, present)
 
 
-def schedule(request: Request, plan: Plan, registry: Registry, transport: Transport, spec_dir: Path = Path("."),
-             profile_path: Optional[str] = None) -> list[JobRecord]:
+def schedule(
+    request: Request,
+    plan: Plan,
+    registry: Registry,
+    transport: Transport,
+    spec_dir: Path = Path("."),
+    profile_path: Optional[str] = None,
+) -> list[JobRecord]:
     """Send exactly `request`, then record the job (one record per sweep task)."""
     job_id = backend(request.scheduler).schedule(request, transport)
-    base = JobRecord(job_id=job_id, cluster=plan.cluster.name, name=plan.spec.name, run_dir=plan.run_dir,
-                     scheduler=request.scheduler, submitted_at=now(), git_sha=git_sha(spec_dir),
-                     spec_hash=plan.spec_hash, profile=profile_path)
-    records = [base] if not plan.tasks else [
-        dataclasses.replace(base, job_id=f"{job_id}_{t.index}", name=f"{plan.spec.name} [{t.label}]",
-                            run_dir=t.run_dir, spec_hash=t.spec_hash) for t in plan.tasks]
+    base = JobRecord(
+        job_id=job_id,
+        cluster=plan.cluster.name,
+        name=plan.spec.name,
+        run_dir=plan.run_dir,
+        scheduler=request.scheduler,
+        submitted_at=now(),
+        git_sha=git_sha(spec_dir),
+        spec_hash=plan.spec_hash,
+        profile=profile_path,
+    )
+    records = (
+        [base]
+        if not plan.tasks
+        else [
+            dataclasses.replace(
+                base,
+                job_id=f"{job_id}_{t.index}",
+                name=f"{plan.spec.name} [{t.label}]",
+                run_dir=t.run_dir,
+                spec_hash=t.spec_hash,
+            )
+            for t in plan.tasks
+        ]
+    )
     for record in records:
         registry.add(record)
     return records
 
 
-def submit(plan: Plan, registry: Registry, transport: Transport, spec_dir: Path = Path("."),
-           after: Sequence[str] = (), profile_path: Optional[str] = None) -> list[JobRecord]:
+def submit(
+    plan: Plan,
+    registry: Registry,
+    transport: Transport,
+    spec_dir: Path = Path("."),
+    after: Sequence[str] = (),
+    profile_path: Optional[str] = None,
+) -> list[JobRecord]:
     """dryrun + schedule: build the request, send it, record the job."""
     return schedule(dryrun(plan, after), plan, registry, transport, spec_dir, profile_path)
 
@@ -106,8 +158,9 @@ class Clusters:
         if key not in self._profiles:
             if is_profile_path(key):
                 if not Path(key).is_file():
-                    raise InputError("cluster profile", key, "the profile file this job was submitted with is "
-                                                             "gone; restore it")
+                    raise InputError(
+                        "cluster profile", key, "the profile file this job was submitted with is gone; restore it"
+                    )
                 self._profiles[key] = load_profile_file(Path(key))
             else:
                 self._profiles[key] = load_profile(key)
@@ -151,8 +204,10 @@ def cancel(records: Sequence[JobRecord], clusters: Clusters, registry: Optional[
     found = statuses(records, clusters, registry)
     if all(s.done for s in found):
         states = sorted({s.state for s in found})
-        raise ClusterError(f"job {records[0].job_id if len(records) == 1 else records[0].job_id.split('_')[0]} "
-                           f"already ended ({', '.join(states)}): nothing to cancel")
+        raise ClusterError(
+            f"job {records[0].job_id if len(records) == 1 else records[0].job_id.split('_')[0]} "
+            f"already ended ({', '.join(states)}): nothing to cancel"
+        )
     record = records[0]
     backend(record.scheduler).cancel(records, clusters.transport_for(record))
 

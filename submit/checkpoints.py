@@ -6,6 +6,7 @@ also clears the crash-loop guard's count: a person deciding to go on is new evid
 export runs `python -m launcher.export` where the checkpoint is (this machine for a
 local transport; the login node over SSH, then downloads the file).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,9 +23,18 @@ from submit.registry import JobRecord, Registry, now
 from submit.schedulers import backend
 from submit.transport import Transport
 
-RESUME_SETTABLE = ("train.steps", "train.lr", "train.min_lr", "train.warmup_steps", "train.log_every",
-                   "train.eval_every", "checkpoint.every", "checkpoint.keep", "checkpoint.keep_every",
-                   "checkpoint.max_restarts")
+RESUME_SETTABLE = (
+    "train.steps",
+    "train.lr",
+    "train.min_lr",
+    "train.warmup_steps",
+    "train.log_every",
+    "train.eval_every",
+    "checkpoint.every",
+    "checkpoint.keep",
+    "checkpoint.keep_every",
+    "checkpoint.max_restarts",
+)
 """What `resume --set` may change: the length, the schedule, the cadences, the requeue budget;
 never the model, the layout or the data, which the checkpoint must match."""
 
@@ -57,8 +67,12 @@ def with_overrides(run_spec: RunSpec, overrides: Sequence[str]) -> RunSpec:
     for item in overrides:
         key = item.partition("=")[0].strip()
         if key not in RESUME_SETTABLE:
-            raise InputError("--set", item, f"a resume may change only {', '.join(RESUME_SETTABLE)}; the model, "
-                                            f"the layout and the data must match the checkpoints")
+            raise InputError(
+                "--set",
+                item,
+                f"a resume may change only {', '.join(RESUME_SETTABLE)}; the model, "
+                f"the layout and the data must match the checkpoints",
+            )
     try:
         data = schema.apply_overrides(JobSpec, schema.to_plain(run_spec.job), overrides)
         job = schema.load(JobSpec, data)
@@ -69,18 +83,31 @@ def with_overrides(run_spec: RunSpec, overrides: Sequence[str]) -> RunSpec:
     return dataclasses.replace(run_spec, job=job)
 
 
-def resume(record: JobRecord, transport: Transport, registry: Registry, state: str, is_done: bool,
-           overrides: Sequence[str] = ()) -> JobRecord:
+def resume(
+    record: JobRecord,
+    transport: Transport,
+    registry: Registry,
+    state: str,
+    is_done: bool,
+    overrides: Sequence[str] = (),
+) -> JobRecord:
     """Start the stopped/failed/killed job again in its run dir; returns the new job's record."""
     if "_" in record.job_id:
-        raise InputError("JOB", record.job_id, "resume a whole sweep task by resubmitting it; array tasks "
-                                               "cannot be restarted one by one")
+        raise InputError(
+            "JOB",
+            record.job_id,
+            "resume a whole sweep task by resubmitting it; array tasks cannot be restarted one by one",
+        )
     run_spec = read_run_spec(record, transport)  # also: is the run dir still there?
     if not is_done:
         raise InputError("JOB", record.job_id, f"the job is still {state}; cancel it first or wait")
     if state == "COMPLETED" and not overrides:
-        raise InputError("JOB", record.job_id, "the job completed: there is nothing left to train; to train "
-                                               "further, `meshrun resume JOB --set train.steps=N` with a larger N")
+        raise InputError(
+            "JOB",
+            record.job_id,
+            "the job completed: there is nothing left to train; to train "
+            "further, `meshrun resume JOB --set train.steps=N` with a larger N",
+        )
     if overrides:
         from launcher.spec import dumps_run_spec
 
@@ -121,8 +148,14 @@ def check_output(out: Path) -> Path:
     return out
 
 
-def export(record: JobRecord, transport: Transport, profile: Any, out: Path, step: Optional[int],
-           progress: Callable[[str], None] = lambda line: None) -> str:
+def export(
+    record: JobRecord,
+    transport: Transport,
+    profile: Any,
+    out: Path,
+    step: Optional[int],
+    progress: Callable[[str], None] = lambda line: None,
+) -> str:
     """Write consolidated safetensors weights to `out`; returns the checkpoint exported. Without
     --step the launcher takes the newest complete step itself, again if retention deletes it mid-read."""
     out = check_output(out)

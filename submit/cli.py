@@ -4,6 +4,7 @@ Bad input exits 2 with one line on stderr naming the key, the value and the fix;
 a cluster problem exits 1 with one line. Never a traceback for either.
 Start-up stays fast and torch-free: heavy imports happen inside the verbs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,23 +24,39 @@ DEFAULT_CLUSTER = "local"
 
 
 def _cluster_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-c", "--cluster", default=os.environ.get("MESHRUN_CLUSTER", DEFAULT_CLUSTER),
-                        help="cluster profile name or YAML file (default: $MESHRUN_CLUSTER or local)")
+    parser.add_argument(
+        "-c",
+        "--cluster",
+        default=os.environ.get("MESHRUN_CLUSTER", DEFAULT_CLUSTER),
+        help="cluster profile name or YAML file (default: $MESHRUN_CLUSTER or local)",
+    )
 
 
 def _spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec", type=Path, help="job spec YAML (see examples/)")
     _cluster_arg(parser)
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a spec key, e.g. --set train.steps=100 (repeatable)")
-    parser.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
-                        help="a Slurm job array with one task per value (repeatable: every combination); "
-                             "each task reads its own spec")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a spec key, e.g. --set train.steps=100 (repeatable)",
+    )
+    parser.add_argument(
+        "--sweep",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2,...",
+        help="a Slurm job array with one task per value (repeatable: every combination); each task reads its own spec",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshrun", description="Large-model training from a laptop to a "
-                                     "multi-node GPU Slurm cluster, and kept alive there.")
+    parser = argparse.ArgumentParser(
+        prog="meshrun",
+        description="Large-model training from a laptop to a multi-node GPU Slurm cluster, and kept alive there.",
+    )
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     verbs.add_parser("clusters", help="list the cluster profiles")
@@ -50,12 +67,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verbs.add_parser("submit", help="validate, render and submit a job")
     _spec_args(p)
-    p.add_argument("--dry-run", action="store_true", help="show exactly what would be sent (the script, the "
-                   "start command, the run-dir files); submit nothing")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="show exactly what would be sent (the script, the start command, the run-dir files); submit nothing",
+    )
     p.add_argument("--json", action="store_true", help="with --dry-run: the request as JSON fields")
     p.add_argument("--wait", action="store_true", help="wait for the end; exit 0 only if it succeeded")
-    p.add_argument("--after", action="append", default=[], metavar="[KIND:]JOB",
-                   help="start only after JOB succeeded (KIND: ok, any, notok, start; repeatable)")
+    p.add_argument(
+        "--after",
+        action="append",
+        default=[],
+        metavar="[KIND:]JOB",
+        help="start only after JOB succeeded (KIND: ok, any, notok, start; repeatable)",
+    )
 
     p = verbs.add_parser("status", help="the state of submitted jobs")
     p.add_argument("jobs", nargs="*", help="job ids, or a job array's id (default: the most recent jobs)")
@@ -66,11 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verbs.add_parser("logs", help="print (or follow) a job's logs")
     p.add_argument("job")
-    p.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends (survives a "
-                   "dropped connection)")
+    p.add_argument(
+        "-f", "--follow", action="store_true", help="keep printing until the job ends (survives a dropped connection)"
+    )
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--rank", default="0", help="this rank's log (default 0); 0,3 or all: merged, each line "
-                       "prefixed [rank N]")
+    which.add_argument(
+        "--rank", default="0", help="this rank's log (default 0); 0,3 or all: merged, each line prefixed [rank N]"
+    )
     which.add_argument("--batch", action="store_true", help="the batch shell's (or local supervisor's) log")
     p.add_argument("-c", "--cluster", help="the job's cluster, if the id is ambiguous")
 
@@ -85,23 +112,37 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verbs.add_parser("trust", help="show a cluster's SSH host key fingerprint and record it on your word")
     p.add_argument("cluster", help="cluster profile name or YAML file")
-    p.add_argument("--fingerprint", action="append", help="record without asking if the key has this "
-                   "fingerprint (SHA256:...); repeat it for each jump host (matched to whichever hop shows it)")
-    p.add_argument("--replace", action="store_true", help="replace a CHANGED key (only after the admins "
-                   "confirmed the change)")
+    p.add_argument(
+        "--fingerprint",
+        action="append",
+        help="record without asking if the key has this "
+        "fingerprint (SHA256:...); repeat it for each jump host (matched to whichever hop shows it)",
+    )
+    p.add_argument(
+        "--replace", action="store_true", help="replace a CHANGED key (only after the admins confirmed the change)"
+    )
 
     cli_ckpt.add_parsers(verbs)
 
     p = verbs.add_parser("data", help="build the byte-level token corpus from text on this machine")
-    p.add_argument("--out", type=Path, default=Path("~/.cache/meshrun/data/stdlib.u16").expanduser(),
-                   help="token file to write (default: ~/.cache/meshrun/data/stdlib.u16)")
-    p.add_argument("--source", type=Path, action="append", help="folder of text to read (default: Python's "
-                   "standard library sources); repeatable")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("~/.cache/meshrun/data/stdlib.u16").expanduser(),
+        help="token file to write (default: ~/.cache/meshrun/data/stdlib.u16)",
+    )
+    p.add_argument(
+        "--source",
+        type=Path,
+        action="append",
+        help="folder of text to read (default: Python's standard library sources); repeatable",
+    )
     p.add_argument("--max-mb", type=float, default=16.0, help="at most this many MB of text (default 16)")
     return parser
 
 
 # ------------------------------------------------------------------ verbs
+
 
 def cmd_clusters(args: argparse.Namespace) -> int:
     from submit.cluster import load_profile_file, profile_files
@@ -137,8 +178,12 @@ def _plan(args: argparse.Namespace, profile: Any) -> Any:
         from submit.sweep import plan_sweep
 
         if not backend(profile.scheduler).supports_arrays:
-            raise InputError("--sweep", args.sweep[0], f"sweeps run as job arrays, which the {profile.scheduler} "
-                                                       f"cluster does not have; it runs one job at a time")
+            raise InputError(
+                "--sweep",
+                args.sweep[0],
+                f"sweeps run as job arrays, which the {profile.scheduler} "
+                f"cluster does not have; it runs one job at a time",
+            )
         return plan_sweep(args.spec, profile, args.overrides, args.sweep, home=_home(profile))
     return plan_file(args.spec, profile, args.overrides, home=_home(profile))
 
@@ -151,8 +196,9 @@ def _snapshot(args: argparse.Namespace, profile: Any, plan: Any) -> Any:
     return snapshot.collect(args.spec.parent, plan.spec.code) if backend(profile.scheduler).ships_code else None
 
 
-def _request(args: argparse.Namespace, profile: Any, plan: Any, snap: Any, transport: Any = None,
-             read_only: bool = False) -> tuple[Any, Any, Optional[bool]]:
+def _request(
+    args: argparse.Namespace, profile: Any, plan: Any, snap: Any, transport: Any = None, read_only: bool = False
+) -> tuple[Any, Any, Optional[bool]]:
     """The plan made (once, before any connection), over SSH ask the login node for its home and
     whether the code snapshot is there (one round trip), then build the request, rendered once.
     Returns (plan with the real home, request, snapshot present?)."""
@@ -212,8 +258,9 @@ def print_request(plan: Any, snap: Any, request: Any, as_json: bool) -> None:
     """`submit --dry-run`: the request exactly as it would be sent."""
     from submit.plan import describe
 
-    code = {"root": str(snap.root), "files": len(snap.files), "bytes": snap.size, "digest": snap.digest} \
-        if snap else None
+    code = (
+        {"root": str(snap.root), "files": len(snap.files), "bytes": snap.size, "digest": snap.digest} if snap else None
+    )
     if as_json:
         print(json.dumps({"dry_run": True, **describe(plan), "code": code, "request": request.as_json()}, indent=2))
         return
@@ -266,13 +313,15 @@ def _submit(args: argparse.Namespace, profile: Any, plan: Any, snap: Any) -> int
         elif snap is not None:
             print(f"code: unchanged, snapshot {snap.digest} already on {profile.name}", file=sys.stderr)
         registry = Registry()
-        records = api.schedule(request, plan, registry, transport, spec_dir=args.spec.parent,
-                               profile_path=_profile_path(args.cluster))
+        records = api.schedule(
+            request, plan, registry, transport, spec_dir=args.spec.parent, profile_path=_profile_path(args.cluster)
+        )
         _print_submitted(plan, records)
         if not args.wait:
             return 0
-        return finish_wait(records[0], clusters, registry,
-                           total_steps=None if plan.spec.command else plan.spec.trainer.steps)
+        return finish_wait(
+            records[0], clusters, registry, total_steps=None if plan.spec.command else plan.spec.trainer.steps
+        )
     finally:
         clusters.close()
 
@@ -286,9 +335,12 @@ def finish_wait(record: Any, clusters: Any, registry: Any, total_steps: Optional
     try:
         status: Status = wait_for(record, clusters, registry, total_steps)
     except KeyboardInterrupt:
-        print(f"\nmeshrun: stopped waiting; job {record.job_id} keeps running "
-              f"(`meshrun status {record.job_id}`, `meshrun logs {record.job_id} -f`, "
-              f"`meshrun cancel {record.job_id}`)", file=sys.stderr)
+        print(
+            f"\nmeshrun: stopped waiting; job {record.job_id} keeps running "
+            f"(`meshrun status {record.job_id}`, `meshrun logs {record.job_id} -f`, "
+            f"`meshrun cancel {record.job_id}`)",
+            file=sys.stderr,
+        )
         return 130
     print(f"job {record.job_id} {status.state}" + (f" ({status.reason})" if status.reason else ""))
     print(f"logs: {record.run_dir}/logs   metrics: {record.run_dir}/metrics.jsonl")
@@ -332,8 +384,9 @@ def progress_line(status: Any, total_steps: Optional[int]) -> str:
     return " ".join(parts)
 
 
-def wait_for(record: Any, clusters: Any, registry: Any, total_steps: Optional[int],
-             out: Optional[TextIO] = None) -> Any:
+def wait_for(
+    record: Any, clusters: Any, registry: Any, total_steps: Optional[int], out: Optional[TextIO] = None
+) -> Any:
     """Poll until the job ends, showing progress (one rewritten line on a terminal, plain lines piped)."""
     from submit import api
     from submit.transport import ConnectionLost
@@ -372,12 +425,19 @@ def cmd_data(args: argparse.Namespace) -> int:
     for folder in args.source or ():
         if not folder.is_dir():
             raise InputError("--source", str(folder), "not a folder; give a folder of text files")
-    argv = [sys.executable, "-m", "launcher.corpus", str(args.out.expanduser()), str(int(args.max_mb * 1e6)),
-            *(str(folder) for folder in args.source or ())]
+    argv = [
+        sys.executable,
+        "-m",
+        "launcher.corpus",
+        str(args.out.expanduser()),
+        str(int(args.max_mb * 1e6)),
+        *(str(folder) for folder in args.source or ()),
+    ]
     return subprocess.run(argv, check=False).returncode
 
 
 # ------------------------------------------------------------------ helpers
+
 
 def _clock(seconds: Optional[int]) -> str:
     seconds = int(seconds or 0)
@@ -391,9 +451,17 @@ def _table(rows: Sequence[Sequence[str]]) -> None:
 
 
 VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "clusters": cmd_clusters, "render": cmd_render, "submit": cmd_submit, "status": cli_jobs.cmd_status,
-    "logs": cli_jobs.cmd_logs, "cancel": cli_jobs.cmd_cancel, "tb": cli_jobs.cmd_tb, "trust": cli_jobs.cmd_trust,
-    "data": cmd_data, "resume": cli_ckpt.cmd_resume, "export": cli_ckpt.cmd_export,
+    "clusters": cmd_clusters,
+    "render": cmd_render,
+    "submit": cmd_submit,
+    "status": cli_jobs.cmd_status,
+    "logs": cli_jobs.cmd_logs,
+    "cancel": cli_jobs.cmd_cancel,
+    "tb": cli_jobs.cmd_tb,
+    "trust": cli_jobs.cmd_trust,
+    "data": cmd_data,
+    "resume": cli_ckpt.cmd_resume,
+    "export": cli_ckpt.cmd_export,
 }
 
 
@@ -415,8 +483,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except Exception as exc:  # a bug in meshrun: one line, not a traceback (MESHRUN_DEBUG=1 shows it)
         if os.environ.get("MESHRUN_DEBUG"):
             raise
-        print(f"meshrun: {InternalError(f'{type(exc).__name__}: {exc}')} (MESHRUN_DEBUG=1 shows the traceback)",
-              file=sys.stderr)
+        print(
+            f"meshrun: {InternalError(f'{type(exc).__name__}: {exc}')} (MESHRUN_DEBUG=1 shows the traceback)",
+            file=sys.stderr,
+        )
         return 1
     except BrokenPipeError:
         return 0

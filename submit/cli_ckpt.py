@@ -1,4 +1,5 @@
 """The checkpoint verbs: `meshrun resume JOB [--wait]` and `meshrun export JOB -o FILE`."""
+
 from __future__ import annotations
 
 import argparse
@@ -7,13 +8,21 @@ from pathlib import Path
 
 
 def add_parsers(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = verbs.add_parser("resume", help="continue a stopped, failed or killed job from its newest complete "
-                                        "checkpoint, in the same run dir")
+    p = verbs.add_parser(
+        "resume",
+        help="continue a stopped, failed or killed job from its newest complete checkpoint, in the same run dir",
+    )
     p.add_argument("job")
     p.add_argument("--wait", action="store_true", help="wait for the end; exit 0 only if it succeeded")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="change what may change on a resume (train.steps, the lr schedule, cadences, "
-                        "checkpoint.max_restarts); repeatable")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="change what may change on a resume (train.steps, the lr schedule, cadences, "
+        "checkpoint.max_restarts); repeatable",
+    )
     p.add_argument("-c", "--cluster", help="the job's cluster, if the id is ambiguous")
 
     p = verbs.add_parser("export", help="write a job's checkpoint as one consolidated safetensors file")
@@ -54,9 +63,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     try:
         transport = clusters.transport_for(record)
         tty = sys.stderr.isatty()
-        ckpt = checkpoints.export(record, transport, clusters.profile_for(record), args.output, args.step,
-                                  progress=(lambda line: print(f"\r{line}", end="", file=sys.stderr)) if tty
-                                  else (lambda line: None))
+        ckpt = checkpoints.export(
+            record,
+            transport,
+            clusters.profile_for(record),
+            args.output,
+            args.step,
+            progress=(lambda line: print(f"\r{line}", end="", file=sys.stderr)) if tty else (lambda line: None),
+        )
     finally:
         clusters.close()
     print(f"wrote {args.output} from {ckpt}")

@@ -3,6 +3,7 @@
 Each reaches a cluster through one `api.Clusters` connection for the whole command.
 Heavy imports (paramiko, the follower) happen inside the verbs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,10 +38,20 @@ def status_table(found: Sequence[Any]) -> str:
     rows = [("JOB", "CLUSTER", "NAME", "STATE", "STEP", "LOSS", "RESTARTS", "CKPT", "ELAPSED", "RUN DIR")]
     for s in found:
         loss = s.progress.get("loss")
-        rows.append((s.job_id, s.cluster, s.name, s.state, str(s.progress.get("step", "-")),
-                     f"{loss:.4f}" if isinstance(loss, (int, float)) else "-", str(s.restarts),
-                     str(s.progress.get("checkpoint_step", "-")),
-                     _clock(s.elapsed_s) if s.elapsed_s is not None else "-", s.run_dir))
+        rows.append(
+            (
+                s.job_id,
+                s.cluster,
+                s.name,
+                s.state,
+                str(s.progress.get("step", "-")),
+                f"{loss:.4f}" if isinstance(loss, (int, float)) else "-",
+                str(s.restarts),
+                str(s.progress.get("checkpoint_step", "-")),
+                _clock(s.elapsed_s) if s.elapsed_s is not None else "-",
+                s.run_dir,
+            )
+        )
     return table(rows)
 
 
@@ -104,16 +115,23 @@ def _watch_end(found: Sequence[Any]) -> int:
     if not lost:
         return 0
     clusters = sorted({s.cluster for s in lost})
-    print(f"meshrun: {len(lost)} job(s) on {', '.join(clusters)} could not be reached; "
-          f"`meshrun status` again once the cluster answers", file=sys.stderr)
+    print(
+        f"meshrun: {len(lost)} job(s) on {', '.join(clusters)} could not be reached; "
+        f"`meshrun status` again once the cluster answers",
+        file=sys.stderr,
+    )
     return 1
 
 
 def _one_job(registry: Any, job: str, cluster: Any) -> Any:
     records = registry.find_all(job, cluster)
     if len(records) > 1:
-        raise InputError("JOB", job, f"a job array of {len(records)} tasks; pick one, e.g. {records[0].job_id} "
-                                     f"(`meshrun status {job}` lists them)")
+        raise InputError(
+            "JOB",
+            job,
+            f"a job array of {len(records)} tasks; pick one, e.g. {records[0].job_id} "
+            f"(`meshrun status {job}` lists them)",
+        )
     return records[0]
 
 
@@ -130,8 +148,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
         else:
             ranks = logs.select_ranks(transport, record, args.rank)
             labels = len(ranks) > 1
-            sources = [logs.Source(api.log_path(record, r), f"[rank {r}] ".encode() if labels else b"")
-                       for r in ranks]
+            sources = [logs.Source(api.log_path(record, r), f"[rank {r}] ".encode() if labels else b"") for r in ranks]
         printer = logs.Printer(sys.stdout.buffer, merged=len(sources) > 1)
         if args.follow:
             logs.Follower(record, clusters, sources, printer, sys.stderr).run()
@@ -139,8 +156,11 @@ def cmd_logs(args: argparse.Namespace) -> int:
             logs.print_once(transport, sources, printer)
         transport = clusters.transport_for(record)  # after a reconnect, the new connection
         if all(s.offset == 0 for s in sources) and not any(transport.exists(s.path) for s in sources):
-            print(f"meshrun: no log yet at {sources[0].path}" + ("" if args.batch else
-                  " (try --batch for the job's own log)"), file=sys.stderr)
+            print(
+                f"meshrun: no log yet at {sources[0].path}"
+                + ("" if args.batch else " (try --batch for the job's own log)"),
+                file=sys.stderr,
+            )
     finally:
         clusters.close()
     return 0
@@ -182,10 +202,11 @@ def cmd_tb(args: argparse.Namespace) -> int:
         url = f"http://127.0.0.1:{forward.local_port}/"
         print(f"TensorBoard for job {record.job_id}: {url}" + (" (already running)" if board.reused else ""))
         if tensorboard.is_local(transport):
-            print(f"from your laptop: {tensorboard.ssh_hint(board.port, args.port or None)} "
-                  f"then open http://127.0.0.1:{args.port or board.port}/")
-        print("Ctrl-C " + ("closes the tunnel (TensorBoard keeps running)" if board.reused else "stops it"),
-              flush=True)
+            print(
+                f"from your laptop: {tensorboard.ssh_hint(board.port, args.port or None)} "
+                f"then open http://127.0.0.1:{args.port or board.port}/"
+            )
+        print("Ctrl-C " + ("closes the tunnel (TensorBoard keeps running)" if board.reused else "stops it"), flush=True)
         while True:
             time.sleep(1.0)
             if not getattr(transport, "is_active", lambda: True)():

@@ -4,6 +4,7 @@ Profiles come from the shipped `cluster_configs/` and from the user's
 `$XDG_CONFIG_HOME/meshrun/clusters/` (a user profile of the same name wins).
 A profile never names a model.
 """
+
 from __future__ import annotations
 
 import os
@@ -138,8 +139,9 @@ class ClusterProfile:
             raise SchemaError("name", self.name, "use letters, digits, '_' or '-' (at most 64)")
         for key in self.interconnect.nccl:
             if not ENV_KEY.match(key):
-                raise SchemaError(f"interconnect.nccl.{key}", key, "environment variable names match "
-                                                                   "[A-Za-z_][A-Za-z0-9_]*")
+                raise SchemaError(
+                    f"interconnect.nccl.{key}", key, "environment variable names match [A-Za-z_][A-Za-z0-9_]*"
+                )
         names = [p.name for p in self.partitions]
         if len(set(names)) != len(names):
             raise SchemaError("partitions", names, "partition names must be unique")
@@ -153,16 +155,20 @@ class ClusterProfile:
         if name is None:
             chosen = [p for p in self.partitions if p.default] or list(self.partitions[:1])
             if not chosen:
-                raise InputError("resources.partition", None,
-                                 f"cluster {self.name!r} lists no partitions; add one to its profile")
+                raise InputError(
+                    "resources.partition", None, f"cluster {self.name!r} lists no partitions; add one to its profile"
+                )
             return chosen[0]
         for part in self.partitions:
             if part.name == name:
                 return part
         valid = ", ".join(p.name for p in self.partitions)
-        raise InputError("resources.partition", name,
-                         f"no such partition on {self.name!r}{schema.closest(name, [p.name for p in self.partitions])}; "
-                         f"valid: {valid}")
+        raise InputError(
+            "resources.partition",
+            name,
+            f"no such partition on {self.name!r}{schema.closest(name, [p.name for p in self.partitions])}; "
+            f"valid: {valid}",
+        )
 
 
 def user_dir() -> Path:
@@ -188,8 +194,11 @@ def load_profile_file(path: Path) -> ClusterProfile:
     stem = Path(path).stem
     if isinstance(data, dict):
         if data.get("name", stem) != stem:
-            raise InputError(f"{path}: name", data["name"],
-                             f"a profile's name is its file name ({stem!r}); remove `name:` or rename the file")
+            raise InputError(
+                f"{path}: name",
+                data["name"],
+                f"a profile's name is its file name ({stem!r}); remove `name:` or rename the file",
+            )
         data = {**data, "name": stem}
     try:
         return schema.load(ClusterProfile, data)
@@ -208,9 +217,12 @@ def profile_path(name_or_path: str) -> Path:
         return Path(name_or_path).resolve()
     files = profile_files()
     if name_or_path not in files:
-        raise InputError("-c/--cluster", name_or_path,
-                         f"no such cluster{schema.closest(name_or_path, files)}; known: {', '.join(sorted(files))} "
-                         f"(add your own in {user_dir()})")
+        raise InputError(
+            "-c/--cluster",
+            name_or_path,
+            f"no such cluster{schema.closest(name_or_path, files)}; known: {', '.join(sorted(files))} "
+            f"(add your own in {user_dir()})",
+        )
     return files[name_or_path].resolve()
 
 

@@ -6,6 +6,7 @@ cluster. `ClusterError` is the cluster or the transport refusing (exit code 1).
 shared by both sides), so there is one type for bad input. `InternalError` is a
 meshrun bug, never reported as bad input.
 """
+
 from __future__ import annotations
 
 from launcher.schema import SchemaError
@@ -16,17 +17,20 @@ EXIT_CLUSTER = 1
 
 class MeshrunError(Exception):
     """Base of every error meshrun reports as one line, never a traceback."""
+
     exit_code = EXIT_CLUSTER
 
 
 class InputError(SchemaError, MeshrunError):
     """Bad input: a key, its value and the fix. The one bad-input type: it IS the schema's
     SchemaError (shared with the torch-free launcher), so either side's bad input exits 2."""
+
     exit_code = EXIT_INPUT
 
 
 class InternalError(MeshrunError):
     """A bug in meshrun itself (never reported as bad input): exit 1, with a request to report it."""
+
     exit_code = EXIT_CLUSTER
 
     def __init__(self, what: str) -> None:
@@ -35,6 +39,7 @@ class InternalError(MeshrunError):
 
 class ClusterError(MeshrunError):
     """The cluster, the scheduler or the transport failed; says what to check."""
+
     exit_code = EXIT_CLUSTER
 
 
@@ -45,6 +50,7 @@ class JobNotFound(InputError):
 class HostKeyError(ClusterError):
     """An SSH host key meshrun refuses (unknown, changed or revoked). Reconnecting cannot fix it, and
     the message is for the person even where other errors are summarised (`security`: status prints it)."""
+
     retry = False
     security = True
 

@@ -14,6 +14,7 @@ meshrun's registry so `meshrun status`, `logs` and `cancel` see it.
 
 Torch-free and launcher-free beyond the run-dir contract, like all of `submit/`.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -48,6 +49,7 @@ __all__ = ["MeshrunLocalExecutor", "MeshrunSlurmExecutor", "Resources", "executo
 @dataclass(frozen=True)
 class Resources:
     """What one job asks for, in submitit's names (`nodes`, `tasks_per_node`, `gpus_per_node`...)."""
+
     nodes: int = 1
     tasks_per_node: int = 1
     gpus_per_node: int = 0
@@ -58,10 +60,21 @@ class Resources:
     """None: the profile's default partition."""
 
 
-def executor(cluster: str, *, folder: Union[str, Path, None] = None, nodes: int = 1, tasks_per_node: int = 1,
-             gpus_per_node: int = 0, cpus_per_task: int = 1, time: str = "01:00:00",
-             partition: Optional[str] = None, name: str = "meshrun", python: Optional[str] = None,
-             max_num_timeout: int = 3, **extra: Any) -> Union[MeshrunSlurmExecutor, MeshrunLocalExecutor]:
+def executor(
+    cluster: str,
+    *,
+    folder: Union[str, Path, None] = None,
+    nodes: int = 1,
+    tasks_per_node: int = 1,
+    gpus_per_node: int = 0,
+    cpus_per_task: int = 1,
+    time: str = "01:00:00",
+    partition: Optional[str] = None,
+    name: str = "meshrun",
+    python: Optional[str] = None,
+    max_num_timeout: int = 3,
+    **extra: Any,
+) -> Union[MeshrunSlurmExecutor, MeshrunLocalExecutor]:
     """A submitit executor for cluster profile `cluster` (a name or a YAML path), on its login node.
 
     folder: where the run dirs go (default `<work_dir>/runs` of the profile, `~` expanded here).
@@ -75,26 +88,46 @@ def executor(cluster: str, *, folder: Union[str, Path, None] = None, nodes: int 
     path = profile_path(cluster)
     profile = load_profile_file(path)
     if profile.ssh is not None:
-        raise InputError("cluster", cluster, "the Python API runs on the login node itself, not over SSH: run it "
-                                             "there with a profile that has no `ssh` block")
-    res = Resources(nodes=nodes, tasks_per_node=tasks_per_node, gpus_per_node=gpus_per_node,
-                    cpus_per_task=cpus_per_task, time=time, partition=partition)
+        raise InputError(
+            "cluster",
+            cluster,
+            "the Python API runs on the login node itself, not over SSH: run it "
+            "there with a profile that has no `ssh` block",
+        )
+    res = Resources(
+        nodes=nodes,
+        tasks_per_node=tasks_per_node,
+        gpus_per_node=gpus_per_node,
+        cpus_per_task=cpus_per_task,
+        time=time,
+        partition=partition,
+    )
     part = check_resources(res, profile)
     minutes = math.ceil(parse_time(time, "time") / 60)
     runs = runs_folder(profile, folder)
-    origin = _Origin(cluster=profile.name, scheduler=profile.scheduler, name=name, runs=str(runs),
-                     profile=str(path))
+    origin = _Origin(cluster=profile.name, scheduler=profile.scheduler, name=name, runs=str(runs), profile=str(path))
     if on_this_machine(profile):
-        local = MeshrunLocalExecutor(origin, python=python or shlex.quote(sys.executable),
-                                     max_num_timeout=max_num_timeout)
-        local.update_parameters(**{"timeout_min": minutes, "tasks_per_node": tasks_per_node, "nodes": 1,
-                                   "gpus_per_node": gpus_per_node, "signal_delay_s": signal_delay(profile, minutes),
-                                   "setup": setup_lines(profile), **extra})
+        local = MeshrunLocalExecutor(
+            origin, python=python or shlex.quote(sys.executable), max_num_timeout=max_num_timeout
+        )
+        local.update_parameters(
+            **{
+                "timeout_min": minutes,
+                "tasks_per_node": tasks_per_node,
+                "nodes": 1,
+                "gpus_per_node": gpus_per_node,
+                "signal_delay_s": signal_delay(profile, minutes),
+                "setup": setup_lines(profile),
+                **extra,
+            }
+        )
         return local
     check_extra(extra)
     params = slurm_parameters(profile, part, res, minutes, name)
-    extra = {**extra, "additional_parameters": {**params["additional_parameters"],
-                                                **extra.get("additional_parameters", {})}}
+    extra = {
+        **extra,
+        "additional_parameters": {**params["additional_parameters"], **extra.get("additional_parameters", {})},
+    }
     slurm = MeshrunSlurmExecutor(origin, python=python or profile.python, max_num_timeout=max_num_timeout)
     slurm.update_parameters(**{**params, **extra})
     return slurm
@@ -104,14 +137,20 @@ def check_extra(extra: dict[str, Any]) -> None:
     """submitit would raise a ValueError listing every parameter; one line instead."""
     valid = SlurmExecutor._valid_parameters()
     for key in sorted(set(extra) - valid):
-        raise InputError(key, extra[key], f"not a SlurmExecutor parameter{schema.closest(key, valid)}; valid: "
-                                          f"{', '.join(sorted(valid))}")
+        raise InputError(
+            key,
+            extra[key],
+            f"not a SlurmExecutor parameter{schema.closest(key, valid)}; valid: {', '.join(sorted(valid))}",
+        )
 
 
 def check_resources(res: Resources, profile: ClusterProfile) -> Partition:
     """The resources against the profile's partition, as `meshrun submit` checks a job's."""
-    for key, value in (("nodes", res.nodes), ("tasks_per_node", res.tasks_per_node),
-                       ("cpus_per_task", res.cpus_per_task)):
+    for key, value in (
+        ("nodes", res.nodes),
+        ("tasks_per_node", res.tasks_per_node),
+        ("cpus_per_task", res.cpus_per_task),
+    ):
         if value < 1:
             raise InputError(key, value, "must be at least 1")
     if res.gpus_per_node < 0:
@@ -121,18 +160,27 @@ def check_resources(res: Resources, profile: ClusterProfile) -> Partition:
     part = _partition(profile, res.partition)
     seconds = parse_time(res.time, "time")
     if res.gpus_per_node > part.gpus_per_node:
-        raise InputError("gpus_per_node", res.gpus_per_node,
-                         f"a node of partition {part.name!r} has {part.gpus_per_node} GPUs; ask for at most that")
+        raise InputError(
+            "gpus_per_node",
+            res.gpus_per_node,
+            f"a node of partition {part.name!r} has {part.gpus_per_node} GPUs; ask for at most that",
+        )
     cpus = res.tasks_per_node * res.cpus_per_task
     if cpus > part.cpus_per_node:
-        raise InputError("cpus_per_task", res.cpus_per_task,
-                         f"tasks_per_node({res.tasks_per_node})*cpus_per_task({res.cpus_per_task})={cpus} "
-                         f"> {part.cpus_per_node} CPUs per node of {part.name!r}; lower one of them")
+        raise InputError(
+            "cpus_per_task",
+            res.cpus_per_task,
+            f"tasks_per_node({res.tasks_per_node})*cpus_per_task({res.cpus_per_task})={cpus} "
+            f"> {part.cpus_per_node} CPUs per node of {part.name!r}; lower one of them",
+        )
     if part.max_nodes is not None and res.nodes > part.max_nodes:
         raise InputError("nodes", res.nodes, f"partition {part.name!r} allows at most {part.max_nodes} nodes")
     if part.max_time is not None and seconds > parse_time(part.max_time, f"partitions[{part.name}].max_time"):
-        raise InputError("time", res.time, f"partition {part.name!r} allows at most {part.max_time}; ask for "
-                                           f"less or pick another partition")
+        raise InputError(
+            "time",
+            res.time,
+            f"partition {part.name!r} allows at most {part.max_time}; ask for less or pick another partition",
+        )
     return part
 
 
@@ -150,13 +198,18 @@ def _partition(profile: ClusterProfile, name: Optional[str]) -> Partition:
         raise InputError("partition", exc.value, exc.fix) from None
 
 
-def slurm_parameters(profile: ClusterProfile, part: Partition, res: Resources, minutes: int,
-                     name: str) -> dict[str, Any]:
+def slurm_parameters(
+    profile: ClusterProfile, part: Partition, res: Resources, minutes: int, name: str
+) -> dict[str, Any]:
     """SlurmExecutor's parameters: the resources plus what the profile carries."""
     d = profile.defaults
     params: dict[str, Any] = {
-        "job_name": name, "partition": part.name, "time": minutes, "nodes": res.nodes,
-        "ntasks_per_node": res.tasks_per_node, "cpus_per_task": res.cpus_per_task,
+        "job_name": name,
+        "partition": part.name,
+        "time": minutes,
+        "nodes": res.nodes,
+        "ntasks_per_node": res.tasks_per_node,
+        "cpus_per_task": res.cpus_per_task,
         "signal_delay_s": signal_delay(profile, minutes),
         "setup": setup_lines(profile),
         # Explicit: a cluster whose JobRequeue=0 would refuse submitit's `scontrol requeue`.
@@ -179,8 +232,10 @@ def signal_delay(profile: ClusterProfile, minutes: int) -> int:
 def setup_lines(profile: ClusterProfile) -> list[str]:
     """The profile's setup lines (trusted, verbatim), then its NCCL preset, each only if unset (as the
     batch template does: a user's own export wins), every value shell-quoted."""
-    nccl = [f'if [ -z "${{{key}+x}}" ]; then export {key}={shlex.quote(value)}; fi'
-            for key, value in sorted(profile.interconnect.nccl.items())]  # keys are validated by the profile
+    nccl = [
+        f'if [ -z "${{{key}+x}}" ]; then export {key}={shlex.quote(value)}; fi'
+        for key, value in sorted(profile.interconnect.nccl.items())
+    ]  # keys are validated by the profile
     return [*profile.setup, *nccl]
 
 
@@ -200,6 +255,7 @@ def new_run_dir(runs: str, name: str, when: Optional[_dt.datetime] = None) -> Ru
 @dataclass(frozen=True)
 class _Origin:
     """What the registry needs to know about where this executor's jobs come from."""
+
     cluster: str
     scheduler: str
     """The profile's scheduler, as the registry records it."""
@@ -216,6 +272,7 @@ class _Registering:
     Every submitit entry point (submit, map_array, submit_array, batch) goes through
     `_internal_process_submissions`, so this is the one place to hook.
     """
+
     has_batch_log: bool
     """A batch shell writes a log of its own (Slurm's sbatch --output), linked as logs/slurm-JOBID.out."""
     _origin: _Origin
@@ -233,15 +290,15 @@ class _Registering:
         self._run_dir = run_dir
         return run_dir
 
-    def _internal_process_submissions(self, delayed_submissions: list[utils.DelayedSubmission]
-                                      ) -> list[core.Job[Any]]:
+    def _internal_process_submissions(self, delayed_submissions: list[utils.DelayedSubmission]) -> list[core.Job[Any]]:
         run_dir = self._start_run_dir()
         jobs: list[core.Job[Any]] = super()._internal_process_submissions(delayed_submissions)  # type: ignore[misc]
         self._record(run_dir, jobs, delayed_submissions)
         return jobs
 
-    def _record(self, root: RunDir, jobs: Sequence[core.Job[Any]],
-                submissions: Sequence[utils.DelayedSubmission]) -> None:
+    def _record(
+        self, root: RunDir, jobs: Sequence[core.Job[Any]], submissions: Sequence[utils.DelayedSubmission]
+    ) -> None:
         array = len(jobs) > 1
         sha = _git_sha()
         registry = Registry()
@@ -249,11 +306,19 @@ class _Registering:
             for index, (job, delayed) in enumerate(zip(jobs, submissions)):
                 run_dir = root.task(index) if array else root
                 _link_logs(run_dir, job, batch_log=self.has_batch_log)
-                registry.add(JobRecord(job_id=str(job.job_id), cluster=self._origin.cluster,
-                                       name=f"{self._origin.name} [{index}]" if array else self._origin.name,
-                                       run_dir=run_dir.root, scheduler=self._origin.scheduler, submitted_at=now(),
-                                       git_sha=sha, spec_hash=_call_hash(delayed, self.parameters),
-                                       profile=self._origin.profile))
+                registry.add(
+                    JobRecord(
+                        job_id=str(job.job_id),
+                        cluster=self._origin.cluster,
+                        name=f"{self._origin.name} [{index}]" if array else self._origin.name,
+                        run_dir=run_dir.root,
+                        scheduler=self._origin.scheduler,
+                        submitted_at=now(),
+                        git_sha=sha,
+                        spec_hash=_call_hash(delayed, self.parameters),
+                        profile=self._origin.profile,
+                    )
+                )
         finally:
             registry.close()
 
@@ -265,6 +330,7 @@ class _Registering:
 
 class MeshrunSlurmExecutor(_Registering, SlurmExecutor):
     """submitit's SlurmExecutor, each submission in its own meshrun run dir and registry record."""
+
     has_batch_log = True
 
     def __init__(self, origin: _Origin, python: str, max_num_timeout: int = 3) -> None:
@@ -275,6 +341,7 @@ class MeshrunSlurmExecutor(_Registering, SlurmExecutor):
 
 class MeshrunLocalExecutor(_Registering, LocalExecutor):
     """submitit's LocalExecutor (a `local` profile), each submission in its own run dir and registry record."""
+
     has_batch_log = False
 
     def __init__(self, origin: _Origin, python: str, max_num_timeout: int = 3) -> None:
@@ -312,5 +379,3 @@ def _git_sha() -> Optional[str]:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return (out.stdout.strip() or None) if out.returncode == 0 else None
-
-

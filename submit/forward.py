@@ -4,6 +4,7 @@ Listens on 127.0.0.1 only (never on other interfaces: the forwarded service has 
 authentication of its own). Each accepted connection gets its own channel,
 opened by the caller's function, and a thread that copies bytes both ways.
 """
+
 from __future__ import annotations
 
 import select
@@ -30,8 +31,10 @@ class PortForward:
         except (OSError, OverflowError) as exc:  # in use, privileged, or not a port number at all
             self._server.close()
             reason = getattr(exc, "strerror", None) or str(exc)
-            raise ClusterError(f"cannot listen on 127.0.0.1:{local_port} ({reason}); give --port a free port "
-                               f"in 1024-65535, or 0 for any free one") from None
+            raise ClusterError(
+                f"cannot listen on 127.0.0.1:{local_port} ({reason}); give --port a free port "
+                f"in 1024-65535, or 0 for any free one"
+            ) from None
         self.local_port: int = self._server.getsockname()[1]
         self._closed = threading.Event()
         self._lock = threading.Lock()

@@ -9,6 +9,7 @@ known_hosts is read here, not by paramiko: paramiko crashes on OpenSSH's marker 
 line lists them); `@cert-authority` lines are skipped: meshrun does not verify host
 certificates, only plain host keys.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,22 +29,27 @@ class UnknownHostKey(HostKeyUnknown):
 
     def __init__(self, key_name: str, key: paramiko.PKey, known_hosts: str, cluster: str) -> None:
         self.key = key
-        super().__init__(f"unknown host {key_name}: its {key.get_name()} key {key.fingerprint} is not in "
-                         f"{known_hosts}, and meshrun never accepts an unknown host by itself; check the "
-                         f"fingerprint with the cluster's admins, then run `meshrun trust {cluster}`")
+        super().__init__(
+            f"unknown host {key_name}: its {key.get_name()} key {key.fingerprint} is not in "
+            f"{known_hosts}, and meshrun never accepts an unknown host by itself; check the "
+            f"fingerprint with the cluster's admins, then run `meshrun trust {cluster}`"
+        )
 
 
 class ChangedHostKey(HostKeyChanged):
     """known_hosts holds another key for the host."""
 
-    def __init__(self, key_name: str, got: paramiko.PKey, expected: paramiko.PKey, known_hosts: str,
-                 cluster: str) -> None:
+    def __init__(
+        self, key_name: str, got: paramiko.PKey, expected: paramiko.PKey, known_hosts: str, cluster: str
+    ) -> None:
         self.key = got
-        super().__init__(f"WARNING: the host key of {key_name} has CHANGED: it now presents {got.get_name()} "
-                         f"{got.fingerprint}, but {known_hosts} has {expected.get_name()} {expected.fingerprint}. "
-                         f"Someone may be intercepting the connection (man-in-the-middle attack), or the host "
-                         f"was reinstalled; nothing was sent to it. Ask the cluster's admins; only if they confirm "
-                         f"the new key, run `meshrun trust {cluster} --replace`")
+        super().__init__(
+            f"WARNING: the host key of {key_name} has CHANGED: it now presents {got.get_name()} "
+            f"{got.fingerprint}, but {known_hosts} has {expected.get_name()} {expected.fingerprint}. "
+            f"Someone may be intercepting the connection (man-in-the-middle attack), or the host "
+            f"was reinstalled; nothing was sent to it. Ask the cluster's admins; only if they confirm "
+            f"the new key, run `meshrun trust {cluster} --replace`"
+        )
 
 
 class RevokedHostKey(HostKeyRevoked):
@@ -51,9 +57,11 @@ class RevokedHostKey(HostKeyRevoked):
 
     def __init__(self, key_name: str, key: paramiko.PKey, known_hosts: str) -> None:
         self.key = key
-        super().__init__(f"REFUSED: {key_name} presents the {key.get_name()} host key {key.fingerprint}, which "
-                         f"{known_hosts} marks @revoked (a compromised or retired key must never be accepted); "
-                         f"nothing was sent to it. Ask the cluster's admins which key the host should present")
+        super().__init__(
+            f"REFUSED: {key_name} presents the {key.get_name()} host key {key.fingerprint}, which "
+            f"{known_hosts} marks @revoked (a compromised or retired key must never be accepted); "
+            f"nothing was sent to it. Ask the cluster's admins which key the host should present"
+        )
 
 
 class RefuseUnknown(paramiko.RejectPolicy):  # type: ignore[misc]  # paramiko ships no type hints
@@ -112,8 +120,9 @@ def _revoked_for(host_field: str, key_name: str) -> bool:
 
 def revoked(path: str, key_name: str, key: paramiko.PKey) -> bool:
     """Does known_hosts mark this key @revoked for key_name?"""
-    return any(marker == REVOKED and found == key and _revoked_for(hosts, key_name)
-               for marker, hosts, found in _lines(path))
+    return any(
+        marker == REVOKED and found == key and _revoked_for(hosts, key_name) for marker, hosts, found in _lines(path)
+    )
 
 
 def known(path: str, key_name: str) -> dict[str, paramiko.PKey]:
@@ -121,8 +130,11 @@ def known(path: str, key_name: str) -> dict[str, paramiko.PKey]:
     are never known, and @cert-authority lines are not host keys."""
     lines = list(_lines(path))
     bad = [found for marker, hosts, found in lines if marker == REVOKED and _revoked_for(hosts, key_name)]
-    return {found.get_name(): found for marker, hosts, found in lines
-            if not marker and _matches(hosts, key_name) and found not in bad}
+    return {
+        found.get_name(): found
+        for marker, hosts, found in lines
+        if not marker and _matches(hosts, key_name) and found not in bad
+    }
 
 
 def check(path: str, key_name: str, key: paramiko.PKey, cluster: str) -> bool:
@@ -167,8 +179,11 @@ def remove(path: str, key_name: str) -> int:
     if not os.path.isfile(path):
         return 0
     lines = Path(path).read_text().splitlines(keepends=True)
-    kept = [line for line in lines if not (line.strip() and not line.startswith(("#", "@"))
-                                           and _matches(line.split()[0], key_name))]
+    kept = [
+        line
+        for line in lines
+        if not (line.strip() and not line.startswith(("#", "@")) and _matches(line.split()[0], key_name))
+    ]
     if len(kept) != len(lines):
         _write_private(path, "".join(kept))
     return len(lines) - len(kept)

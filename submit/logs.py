@@ -7,6 +7,7 @@ no byte is lost or repeated. When the job has ended (checked with backoff, one
 round trip each), what is left past each offset is read once more and it stops.
 With several ranks each line is prefixed `[rank N] `; partial lines wait for their end.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,6 +29,7 @@ RECONNECT_ATTEMPTS = 8
 @dataclass
 class Source:
     """One log file being printed (mutable: its offset advances as bytes are printed)."""
+
     path: str
     label: bytes = b""
     offset: int = 0
@@ -48,8 +50,9 @@ def parse_ranks(text: str, world_size: Optional[int]) -> list[int]:
         if rank < 0:
             raise InputError("--rank", rank, "ranks are numbered from 0")
         if world_size and rank >= world_size:
-            raise InputError("--rank", rank, f"the job has {world_size} rank{'s' if world_size > 1 else ''} "
-                                             f"(0-{world_size - 1})")
+            raise InputError(
+                "--rank", rank, f"the job has {world_size} rank{'s' if world_size > 1 else ''} (0-{world_size - 1})"
+            )
     return ranks
 
 
@@ -123,8 +126,9 @@ def _pump(index: int, stream: Stream, inbox: queue.Queue[tuple[int, bytes, Optio
 class Follower:
     """`logs -f`: follow sources until the job ends, reconnecting when the connection drops."""
 
-    def __init__(self, record: JobRecord, clusters: api.Clusters, sources: Sequence[Source], printer: Printer,
-                 err: TextIO) -> None:
+    def __init__(
+        self, record: JobRecord, clusters: api.Clusters, sources: Sequence[Source], printer: Printer, err: TextIO
+    ) -> None:
         self.record, self.clusters, self.sources, self.printer, self.err = record, clusters, sources, printer, err
 
     def run(self) -> None:
@@ -197,5 +201,6 @@ class Follower:
                 last = exc
                 time.sleep(delay)
                 delay = min(delay * 2, 15.0)
-        raise ClusterError(f"lost the connection to {self.record.cluster} and could not reconnect "
-                           f"({RECONNECT_ATTEMPTS} tries): {last}")
+        raise ClusterError(
+            f"lost the connection to {self.record.cluster} and could not reconnect ({RECONNECT_ATTEMPTS} tries): {last}"
+        )

@@ -3,6 +3,7 @@
 Pure: reads files, touches no cluster. Every check here runs before anything is
 submitted, and each error names the key, the value and the fix.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -32,6 +33,7 @@ _TIME = re.compile(r"^(?:(?P<d>\d+)-)?(?P<rest>\d+(?::\d+){0,2})$")
 @dataclass(frozen=True)
 class Plan:
     """A job ready to render and submit."""
+
     spec: JobSpec
     """The validated spec."""
     submitted: dict[str, Any]
@@ -62,6 +64,7 @@ class Plan:
 @dataclass(frozen=True)
 class Task:
     """One task of a sweep (a Slurm job array): its overrides, run dir and spec."""
+
     index: int
     """SLURM_ARRAY_TASK_ID."""
     overrides: tuple[tuple[str, str], ...]
@@ -129,9 +132,13 @@ def _positive(key: str, value: float, minimum: float = 1) -> None:
 
 def check_ranges(spec: JobSpec) -> None:
     res = spec.resources
-    for key, value in (("resources.nodes", res.nodes), ("resources.cpus_per_task", res.cpus_per_task),
-                       ("parallel.dp", spec.parallel.dp), ("parallel.tp", spec.parallel.tp),
-                       ("parallel.pp", spec.parallel.pp)):
+    for key, value in (
+        ("resources.nodes", res.nodes),
+        ("resources.cpus_per_task", res.cpus_per_task),
+        ("parallel.dp", spec.parallel.dp),
+        ("parallel.tp", spec.parallel.tp),
+        ("parallel.pp", spec.parallel.pp),
+    ):
         _positive(key, value)
     _positive("resources.gpus_per_node", res.gpus_per_node, 0)
     check_checkpoint(spec)
@@ -141,8 +148,11 @@ def check_ranges(spec: JobSpec) -> None:
         raise InputError("data.val_fraction", spec.data.val_fraction, "use a fraction in [0, 1), e.g. 0.05")
     if spec.command is None and not (spec.data.path.startswith(("/", "~/")) or spec.data.path == "~"):
         # The ranks run elsewhere (another cwd, another machine): a relative path means nothing there.
-        raise InputError("data.path", spec.data.path, "give an absolute path as the ranks see it (or ~/...), "
-                                                      f"e.g. /shared/data/{Path(spec.data.path).name}")
+        raise InputError(
+            "data.path",
+            spec.data.path,
+            f"give an absolute path as the ranks see it (or ~/...), e.g. /shared/data/{Path(spec.data.path).name}",
+        )
     if spec.command is None:
         _check_train_ranges(spec)
 
@@ -151,81 +161,122 @@ def check_checkpoint(spec: JobSpec) -> None:
     """Checkpoint cadence, retention and the requeue guard."""
     ck = spec.checkpoint
     if ck.keep < 1:
-        raise InputError("checkpoint.keep", ck.keep,
-                         "keep at least 1 complete checkpoint (the one a requeued job resumes from), e.g. 3")
+        raise InputError(
+            "checkpoint.keep",
+            ck.keep,
+            "keep at least 1 complete checkpoint (the one a requeued job resumes from), e.g. 3",
+        )
     if ck.every < 0:
-        raise InputError("checkpoint.every", ck.every,
-                         "must be at least 0 (0 saves only at the end and on preemption), e.g. 500")
+        raise InputError(
+            "checkpoint.every", ck.every, "must be at least 0 (0 saves only at the end and on preemption), e.g. 500"
+        )
     if ck.keep_every < 0:
-        raise InputError("checkpoint.keep_every", ck.keep_every,
-                         "must be at least 0 (0 keeps nothing beyond checkpoint.keep), e.g. 1000")
+        raise InputError(
+            "checkpoint.keep_every",
+            ck.keep_every,
+            "must be at least 0 (0 keeps nothing beyond checkpoint.keep), e.g. 1000",
+        )
     if ck.max_restarts < 0:
-        raise InputError("checkpoint.max_restarts", ck.max_restarts,
-                         "must be at least 0 (0 never requeues), e.g. 20")
+        raise InputError("checkpoint.max_restarts", ck.max_restarts, "must be at least 0 (0 never requeues), e.g. 20")
     if ck.resume_step is not None and ck.resume_step < 1:
-        raise InputError("checkpoint.resume_step", ck.resume_step,
-                         "checkpoints are numbered by the step after which they were saved, from 1: give "
-                         "a step >= 1, or null to resume from the newest complete checkpoint")
+        raise InputError(
+            "checkpoint.resume_step",
+            ck.resume_step,
+            "checkpoints are numbered by the step after which they were saved, from 1: give "
+            "a step >= 1, or null to resume from the newest complete checkpoint",
+        )
 
 
 def _check_train_ranges(spec: JobSpec) -> None:
     t, m = spec.trainer, spec.trainer.model
-    for key, value in (("train.steps", t.steps), ("train.global_batch", t.global_batch),
-                       ("train.micro_batch", t.micro_batch), ("train.log_every", t.log_every),
-                       ("train.model.n_layers", m.n_layers), ("train.model.d_model", m.d_model),
-                       ("train.model.n_heads", m.n_heads), ("train.model.vocab_size", m.vocab_size),
-                       ("train.model.seq_len", m.seq_len)):
+    for key, value in (
+        ("train.steps", t.steps),
+        ("train.global_batch", t.global_batch),
+        ("train.micro_batch", t.micro_batch),
+        ("train.log_every", t.log_every),
+        ("train.model.n_layers", m.n_layers),
+        ("train.model.d_model", m.d_model),
+        ("train.model.n_heads", m.n_heads),
+        ("train.model.vocab_size", m.vocab_size),
+        ("train.model.seq_len", m.seq_len),
+    ):
         _positive(key, value)
     at_least_zero: tuple[tuple[str, float], ...] = (
-        ("train.warmup_steps", t.warmup_steps), ("train.eval_every", t.eval_every),
-        ("train.weight_decay", t.weight_decay), ("train.grad_clip", t.grad_clip), ("train.min_lr", t.min_lr))
+        ("train.warmup_steps", t.warmup_steps),
+        ("train.eval_every", t.eval_every),
+        ("train.weight_decay", t.weight_decay),
+        ("train.grad_clip", t.grad_clip),
+        ("train.min_lr", t.min_lr),
+    )
     for key, number in at_least_zero:
         _positive(key, number, 0)
     if t.lr <= 0:
         raise InputError("train.lr", t.lr, "the learning rate must be positive, e.g. 3e-4")
     if t.eval_every > 0 and t.eval_sequences < t.global_batch:
-        raise InputError("train.eval_sequences", t.eval_sequences,
-                         f"validation runs whole global batches, so it needs at least train.global_batch "
-                         f"({t.global_batch}) sequences; set eval_sequences >= {t.global_batch} "
-                         f"or train.eval_every: 0")
+        raise InputError(
+            "train.eval_sequences",
+            t.eval_sequences,
+            f"validation runs whole global batches, so it needs at least train.global_batch "
+            f"({t.global_batch}) sequences; set eval_sequences >= {t.global_batch} "
+            f"or train.eval_every: 0",
+        )
     if m.d_model % m.n_heads:
-        raise InputError("train.model.d_model", m.d_model,
-                         f"must be divisible by train.model.n_heads ({m.n_heads}): "
-                         f"{m.d_model} % {m.n_heads} = {m.d_model % m.n_heads}")
+        raise InputError(
+            "train.model.d_model",
+            m.d_model,
+            f"must be divisible by train.model.n_heads ({m.n_heads}): "
+            f"{m.d_model} % {m.n_heads} = {m.d_model % m.n_heads}",
+        )
     if (m.d_model // m.n_heads) % 2:
-        raise InputError("train.model.d_model", m.d_model,
-                         f"head size d_model/n_heads = {m.d_model // m.n_heads} must be even for rotary embeddings")
+        raise InputError(
+            "train.model.d_model",
+            m.d_model,
+            f"head size d_model/n_heads = {m.d_model // m.n_heads} must be even for rotary embeddings",
+        )
 
 
 def check_resources(spec: JobSpec, cluster: ClusterProfile) -> Optional[Partition]:
     """The resources against the cluster: partition, GPUs, CPUs, nodes, time."""
     res = spec.resources
     if res.gpus_per_node and res.tasks_per_node is not None and res.tasks_per_node != res.gpus_per_node:
-        raise InputError("resources.tasks_per_node", res.tasks_per_node,
-                         f"GPU jobs run one rank per GPU: set it to resources.gpus_per_node "
-                         f"({res.gpus_per_node}) or leave it unset")
+        raise InputError(
+            "resources.tasks_per_node",
+            res.tasks_per_node,
+            f"GPU jobs run one rank per GPU: set it to resources.gpus_per_node ({res.gpus_per_node}) or leave it unset",
+        )
     backend(cluster.scheduler).check(spec, cluster)
     part = cluster.partition(res.partition)
     seconds = parse_time(res.time)
     if res.gpus_per_node > part.gpus_per_node:
-        raise InputError("resources.gpus_per_node", res.gpus_per_node,
-                         f"a node of partition {part.name!r} has {part.gpus_per_node} GPUs; ask for at most that")
+        raise InputError(
+            "resources.gpus_per_node",
+            res.gpus_per_node,
+            f"a node of partition {part.name!r} has {part.gpus_per_node} GPUs; ask for at most that",
+        )
     cpus = spec.tasks_per_node * res.cpus_per_task
     if cpus > part.cpus_per_node:
-        raise InputError("resources.cpus_per_task", res.cpus_per_task,
-                         f"tasks_per_node({spec.tasks_per_node})*cpus_per_task({res.cpus_per_task})={cpus} "
-                         f"> {part.cpus_per_node} CPUs per node of {part.name!r}; lower one of them")
+        raise InputError(
+            "resources.cpus_per_task",
+            res.cpus_per_task,
+            f"tasks_per_node({spec.tasks_per_node})*cpus_per_task({res.cpus_per_task})={cpus} "
+            f"> {part.cpus_per_node} CPUs per node of {part.name!r}; lower one of them",
+        )
     if part.max_nodes is not None and res.nodes > part.max_nodes:
         raise InputError("resources.nodes", res.nodes, f"partition {part.name!r} allows at most {part.max_nodes} nodes")
     if part.memory_gb is not None and res.memory_gb is not None and res.memory_gb > part.memory_gb:
-        raise InputError("resources.memory_gb", res.memory_gb,
-                         f"a node of {part.name!r} has {part.memory_gb} GiB; ask for at most that")
+        raise InputError(
+            "resources.memory_gb",
+            res.memory_gb,
+            f"a node of {part.name!r} has {part.memory_gb} GiB; ask for at most that",
+        )
     if part.max_time is not None:
         limit = parse_time(part.max_time, f"partitions[{part.name}].max_time")
         if seconds > limit:
-            raise InputError("resources.time", res.time,
-                             f"partition {part.name!r} allows at most {part.max_time}; ask for less or "
-                             f"pick another partition")
+            raise InputError(
+                "resources.time",
+                res.time,
+                f"partition {part.name!r} allows at most {part.max_time}; ask for less or pick another partition",
+            )
     return part
 
 
@@ -236,20 +287,31 @@ def check_parallel(spec: JobSpec, cluster: ClusterProfile) -> None:
     p, m, t = spec.parallel, spec.trainer.model, spec.trainer
     domain = cluster.interconnect.nvlink_domain
     if spec.resources.gpus_per_node and p.tp > domain:
-        raise InputError("parallel.tp", p.tp, f"tensor parallelism must stay inside one NVLink/NVSwitch domain "
-                                              f"of {domain} GPUs on {cluster.name!r}; use tp <= {domain}")
+        raise InputError(
+            "parallel.tp",
+            p.tp,
+            f"tensor parallelism must stay inside one NVLink/NVSwitch domain "
+            f"of {domain} GPUs on {cluster.name!r}; use tp <= {domain}",
+        )
     dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp)
-    problem = dims.problem(world_size=spec.world_size, n_layers=m.n_layers, n_heads=m.n_heads,
-                           ranks_per_node=spec.tasks_per_node, vocab_size=m.vocab_size, seq_len=m.seq_len,
-                           sequence_parallel=p.sequence_parallel)
+    problem = dims.problem(
+        world_size=spec.world_size,
+        n_layers=m.n_layers,
+        n_heads=m.n_heads,
+        ranks_per_node=spec.tasks_per_node,
+        vocab_size=m.vocab_size,
+        seq_len=m.seq_len,
+        sequence_parallel=p.sequence_parallel,
+    )
     if problem:
         raise InputError(problem.key, problem.value, problem.fix)
     problem = dims.batch_problem(t.global_batch, t.micro_batch)
     if problem:
         raise InputError(problem.key, problem.value, problem.fix)
     if not spec.resources.gpus_per_node and t.precision != "fp32":
-        raise InputError("train.precision", t.precision,
-                         "CPU ranks train in fp32; set train.precision=fp32 or ask for GPUs")
+        raise InputError(
+            "train.precision", t.precision, "CPU ranks train in fp32; set train.precision=fp32 or ask for GPUs"
+        )
 
 
 def expand_home(path: str, home: str) -> str:
@@ -267,8 +329,13 @@ def run_dir_for(spec: JobSpec, cluster: ClusterProfile, home: str, now: Optional
     return f"{base}/runs/{slug(spec.name)}-{stamp}-{secrets.token_hex(2)}"
 
 
-def make_plan(spec: JobSpec, submitted: dict[str, Any], cluster: ClusterProfile, run_dir: Optional[str] = None,
-              home: Optional[str] = None) -> Plan:
+def make_plan(
+    spec: JobSpec,
+    submitted: dict[str, Any],
+    cluster: ClusterProfile,
+    run_dir: Optional[str] = None,
+    home: Optional[str] = None,
+) -> Plan:
     """Validate everything, then resolve the run dir. `home` is the cluster user's home."""
     check_ranges(spec)
     part = check_resources(spec, cluster)
@@ -277,12 +344,25 @@ def make_plan(spec: JobSpec, submitted: dict[str, Any], cluster: ClusterProfile,
     run_dir = run_dir or run_dir_for(spec, cluster, home)
     ckpt_root = cluster.paths.checkpoint_root and expand_home(cluster.paths.checkpoint_root, home)
     ckpt_dir = f"{ckpt_root.rstrip('/')}/{Path(run_dir).name}" if ckpt_root else f"{run_dir}/checkpoints"
-    info = RunInfo(cluster=cluster.name, scheduler=cluster.scheduler, run_dir=run_dir,
-                   nccl_env=dict(cluster.interconnect.nccl), checkpoint_dir=ckpt_dir,
-                   time_limit_s=parse_time(spec.resources.time), meshrun_version=__version__)
-    return Plan(spec=spec, submitted=submitted, cluster=cluster, partition=part, run_dir=run_dir,
-                time_seconds=parse_time(spec.resources.time), run_spec=RunSpec(job=spec, run=info),
-                work_dir=expand_home(cluster.paths.work_dir, home).rstrip("/") or "/")
+    info = RunInfo(
+        cluster=cluster.name,
+        scheduler=cluster.scheduler,
+        run_dir=run_dir,
+        nccl_env=dict(cluster.interconnect.nccl),
+        checkpoint_dir=ckpt_dir,
+        time_limit_s=parse_time(spec.resources.time),
+        meshrun_version=__version__,
+    )
+    return Plan(
+        spec=spec,
+        submitted=submitted,
+        cluster=cluster,
+        partition=part,
+        run_dir=run_dir,
+        time_seconds=parse_time(spec.resources.time),
+        run_spec=RunSpec(job=spec, run=info),
+        work_dir=expand_home(cluster.paths.work_dir, home).rstrip("/") or "/",
+    )
 
 
 REMOTE_HOME = "~"
@@ -296,18 +376,31 @@ def _rehome(path: str, home: str) -> str:
 
 def with_home(plan: Plan, home: str) -> Plan:
     """The plan with `~` in every cluster path replaced by the cluster user's real home."""
+
     def run_spec(spec: RunSpec) -> RunSpec:
-        run = replace(spec.run, run_dir=_rehome(spec.run.run_dir, home),
-                      checkpoint_dir=_rehome(spec.run.checkpoint_dir, home))
+        run = replace(
+            spec.run, run_dir=_rehome(spec.run.run_dir, home), checkpoint_dir=_rehome(spec.run.checkpoint_dir, home)
+        )
         return replace(spec, run=run)
 
     tasks = tuple(replace(t, run_dir=_rehome(t.run_dir, home), run_spec=run_spec(t.run_spec)) for t in plan.tasks)
-    return replace(plan, run_dir=_rehome(plan.run_dir, home), work_dir=_rehome(plan.work_dir, home),
-                   code_dir=_rehome(plan.code_dir, home) if plan.code_dir else None, run_spec=run_spec(plan.run_spec), tasks=tasks)
+    return replace(
+        plan,
+        run_dir=_rehome(plan.run_dir, home),
+        work_dir=_rehome(plan.work_dir, home),
+        code_dir=_rehome(plan.code_dir, home) if plan.code_dir else None,
+        run_spec=run_spec(plan.run_spec),
+        tasks=tasks,
+    )
 
 
-def plan_file(path: Path, cluster: ClusterProfile, overrides: Sequence[str] = (),
-              run_dir: Optional[str] = None, home: Optional[str] = None) -> Plan:
+def plan_file(
+    path: Path,
+    cluster: ClusterProfile,
+    overrides: Sequence[str] = (),
+    run_dir: Optional[str] = None,
+    home: Optional[str] = None,
+) -> Plan:
     spec, submitted = load_job(path, overrides)
     return make_plan(spec, submitted, cluster, run_dir, home)
 
@@ -315,18 +408,23 @@ def plan_file(path: Path, cluster: ClusterProfile, overrides: Sequence[str] = ()
 def describe(plan: Plan) -> dict[str, Any]:
     """A short summary for humans and --dry-run."""
     spec = plan.spec
-    out: dict[str, Any] = {"name": spec.name, "cluster": plan.cluster.name, "run_dir": plan.run_dir,
-                           "nodes": spec.resources.nodes, "tasks_per_node": spec.tasks_per_node,
-                           "gpus_per_node": spec.resources.gpus_per_node}
+    out: dict[str, Any] = {
+        "name": spec.name,
+        "cluster": plan.cluster.name,
+        "run_dir": plan.run_dir,
+        "nodes": spec.resources.nodes,
+        "tasks_per_node": spec.tasks_per_node,
+        "gpus_per_node": spec.resources.gpus_per_node,
+    }
     if spec.command is None:
         t, p = spec.trainer, spec.parallel
-        out.update(dp=p.dp, tp=p.tp, pp=p.pp, dp_mode=p.dp_mode,
-                   accumulation=t.global_batch // (t.micro_batch * p.dp))
+        out.update(dp=p.dp, tp=p.tp, pp=p.pp, dp_mode=p.dp_mode, accumulation=t.global_batch // (t.micro_batch * p.dp))
         if p.pp > 1:  # the accumulation micro-batches are the pipeline's
             out["pp_schedule"] = p.pp_schedule
         if p.tp > 1:
             out["sequence_parallel"] = p.sequence_parallel
     if plan.tasks:
-        out["tasks"] = [{"index": task.index, "overrides": dict(task.overrides), "run_dir": task.run_dir}
-                        for task in plan.tasks]
+        out["tasks"] = [
+            {"index": task.index, "overrides": dict(task.overrides), "run_dir": task.run_dir} for task in plan.tasks
+        ]
     return out

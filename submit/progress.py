@@ -1,4 +1,5 @@
 """An upload progress bar on stderr: redrawn in place on a terminal, one summary line when piped."""
+
 from __future__ import annotations
 
 import sys
@@ -32,8 +33,7 @@ class ProgressBar:
             return
         self._drawn = now
         filled = int(self.width * sent / total) if total else self.width
-        self.out.write(f"\r\x1b[2K{self.label} [{'#' * filled}{' ' * (self.width - filled)}] "
-                       f"{_mb(sent)}/{_mb(total)}")
+        self.out.write(f"\r\x1b[2K{self.label} [{'#' * filled}{' ' * (self.width - filled)}] {_mb(sent)}/{_mb(total)}")
         self.out.flush()
 
     def done(self) -> None:

@@ -2,6 +2,7 @@
 
 `status`, `logs` and `cancel` find a job here by its id, then ask its cluster.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,18 @@ CREATE TABLE IF NOT EXISTS jobs (
     PRIMARY KEY (cluster, job_id)
 )
 """
-_COLUMNS = ("job_id", "cluster", "name", "run_dir", "scheduler", "submitted_at", "git_sha", "spec_hash",
-            "last_state", "profile")
+_COLUMNS = (
+    "job_id",
+    "cluster",
+    "name",
+    "run_dir",
+    "scheduler",
+    "submitted_at",
+    "git_sha",
+    "spec_hash",
+    "last_state",
+    "profile",
+)
 
 
 @dataclass(frozen=True)
@@ -84,13 +95,16 @@ class Registry:
 
     def add(self, record: JobRecord) -> None:
         with self._db:
-            self._db.execute(f"INSERT OR REPLACE INTO jobs ({','.join(_COLUMNS)}) VALUES "
-                             f"({','.join('?' * len(_COLUMNS))})", tuple(getattr(record, c) for c in _COLUMNS))
+            self._db.execute(
+                f"INSERT OR REPLACE INTO jobs ({','.join(_COLUMNS)}) VALUES ({','.join('?' * len(_COLUMNS))})",
+                tuple(getattr(record, c) for c in _COLUMNS),
+            )
 
     def set_state(self, record: JobRecord, state: str) -> None:
         with self._db:
-            self._db.execute("UPDATE jobs SET last_state=? WHERE cluster=? AND job_id=?",
-                             (state, record.cluster, record.job_id))
+            self._db.execute(
+                "UPDATE jobs SET last_state=? WHERE cluster=? AND job_id=?", (state, record.cluster, record.job_id)
+            )
 
     def _rows(self, where: str = "", args: tuple[Any, ...] = ()) -> Iterator[JobRecord]:
         query = f"SELECT {','.join(_COLUMNS)} FROM jobs {where} ORDER BY submitted_at DESC, job_id"
@@ -102,11 +116,13 @@ class Registry:
         where, args = ("WHERE job_id=? AND cluster=?", (job_id, cluster)) if cluster else ("WHERE job_id=?", (job_id,))
         found = list(self._rows(where, args))
         if not found:
-            raise JobNotFound("JOB", job_id, "no job with this id in the local registry; `meshrun status` "
-                                             "lists the known ones")
+            raise JobNotFound(
+                "JOB", job_id, "no job with this id in the local registry; `meshrun status` lists the known ones"
+            )
         if len(found) > 1:
-            raise InputError("JOB", job_id, f"this id exists on clusters {', '.join(r.cluster for r in found)}; "
-                                            f"add -c CLUSTER")
+            raise InputError(
+                "JOB", job_id, f"this id exists on clusters {', '.join(r.cluster for r in found)}; add -c CLUSTER"
+            )
         return found[0]
 
     def find_all(self, job_id: str, cluster: Optional[str] = None) -> list[JobRecord]:

@@ -5,6 +5,7 @@ finalize hook and refused if it holds a newline or a control character. Only
 values wrapped in `Verbatim` (the cluster profile's trusted setup lines) pass
 through as written.
 """
+
 from __future__ import annotations
 
 import re
@@ -119,20 +120,27 @@ def context(plan: Plan) -> dict[str, Any]:
         # sbatch reads % in --output as a pattern (%j, %a): a literal one is written %%.
         "output_prefix": plan.run_dir.replace("%", "%%"),
         # Run-dir names from the contract: constant, file-name-safe words, written as they are.
-        "logs_dir": _name(RunDir.LOGS), "spec_file": _name(RunDir.SPEC), "tasks_dir": _name(RunDir.TASKS),
+        "logs_dir": _name(RunDir.LOGS),
+        "spec_file": _name(RunDir.SPEC),
+        "tasks_dir": _name(RunDir.TASKS),
         "spec_json": Verbatim(dumps_run_spec(plan.run_spec).rstrip("\n")),
         "setup": _setup_lines(plan),
         # Keys are checked environment names (ClusterProfile), so the test may be verbatim.
-        "nccl_env": [(key, Verbatim(f'"${{{key}+x}}"'), value)
-                     for key, value in sorted(cluster.interconnect.nccl.items())],
+        "nccl_env": [
+            (key, Verbatim(f'"${{{key}+x}}"'), value) for key, value in sorted(cluster.interconnect.nccl.items())
+        ],
         "job_env": sorted(spec.env.items()),
         "sidecar": False,  # the sidecar issue turns this on; the template block is the seam
         "python": backend(cluster.scheduler).interpreter(cluster),
         "srun_flags": srun_flags,
         "rank_command": rank_command,
         "max_restarts": spec.checkpoint.max_restarts,
-        "exit_requeue": exitcodes.EXIT_REQUEUE, "exit_no_progress": exitcodes.EXIT_NO_PROGRESS,
-        "exit_file": _name(RunDir.EXIT_CODE), "rank_error_file": _name(RunDir.RANK_ERROR), "exit_input": exitcodes.EXIT_INPUT, "exit_gave_up": exitcodes.EXIT_GAVE_UP,
+        "exit_requeue": exitcodes.EXIT_REQUEUE,
+        "exit_no_progress": exitcodes.EXIT_NO_PROGRESS,
+        "exit_file": _name(RunDir.EXIT_CODE),
+        "rank_error_file": _name(RunDir.RANK_ERROR),
+        "exit_input": exitcodes.EXIT_INPUT,
+        "exit_gave_up": exitcodes.EXIT_GAVE_UP,
         "code_dir": plan.code_dir,
         "array_size": len(plan.tasks),
     }

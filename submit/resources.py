@@ -5,6 +5,7 @@ data-only packages `submit.templates` and `submit.cluster_configs` (pyproject's
 package-dir), so they are found through importlib.resources the same way from a
 wheel and from the editable install of a checkout.
 """
+
 from __future__ import annotations
 
 from importlib import resources
@@ -26,8 +27,10 @@ def _package(name: str) -> Traversable:
     try:
         return resources.files(name)
     except ModuleNotFoundError:
-        raise NotInstalledError(f"meshrun's {name} is missing: install meshrun (`pip install .` or "
-                                "`bash scripts/setup.sh` in a checkout), do not only put it on PYTHONPATH") from None
+        raise NotInstalledError(
+            f"meshrun's {name} is missing: install meshrun (`pip install .` or "
+            "`bash scripts/setup.sh` in a checkout), do not only put it on PYTHONPATH"
+        ) from None
 
 
 def template_source(name: str) -> Optional[str]:
@@ -44,6 +47,8 @@ def shipped_profiles_dir() -> Path:
     """
     folder = _package(PROFILES)
     if not isinstance(folder, Path):
-        raise NotInstalledError(f"meshrun's {PROFILES} is not a folder on disk ({folder!r}): "
-                                "install meshrun with pip rather than importing it from a zip")
+        raise NotInstalledError(
+            f"meshrun's {PROFILES} is not a folder on disk ({folder!r}): "
+            "install meshrun with pip rather than importing it from a zip"
+        )
     return folder

@@ -14,6 +14,7 @@ reused only if it verifies: its sealed manifest (every path, mode and sha256) ma
 the files, nothing else is there, and it and `code/` belong to the user and are
 writable by no one else. One that does not verify is replaced by a fresh upload.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -34,8 +35,17 @@ MANIFEST = ".meshrun-manifest"
 """In each snapshot folder: `sha256  path` lines (what `sha256sum -c` reads), written with the files."""
 # Never shipped, whatever code.include says: build litter, the manifest itself, and SSH host key files
 # (meshrun's `trust` writes them; known_hosts reveals every host you reach).
-ALWAYS_EXCLUDED = (".git", "__pycache__", "*.pyc", ".DS_Store", MANIFEST, "known_hosts", "known_hosts2",
-                   "known_hosts.old", "*.meshrun-tmp")
+ALWAYS_EXCLUDED = (
+    ".git",
+    "__pycache__",
+    "*.pyc",
+    ".DS_Store",
+    MANIFEST,
+    "known_hosts",
+    "known_hosts2",
+    "known_hosts.old",
+    "*.meshrun-tmp",
+)
 MAX_BYTES = 512 * 1024 * 1024
 MAX_FILES = 100_000
 # Move the uploaded folder into place; if another submit published the same snapshot first, keep theirs.
@@ -96,8 +106,9 @@ def project_root(spec_dir: Path, code: Code) -> Optional[Path]:
     if code.root is not None:
         root = (spec_dir / os.path.expanduser(code.root)).resolve()
         if not root.is_dir():
-            raise InputError("code.root", code.root, f"{root} is not a folder; give the project folder, "
-                                                     f"relative to the job spec")
+            raise InputError(
+                "code.root", code.root, f"{root} is not a folder; give the project folder, relative to the job spec"
+            )
         return root
     top = _git(spec_dir.resolve(), "rev-parse", "--show-toplevel")
     return Path(top.strip()) if top and top.strip() else None
@@ -115,10 +126,17 @@ def _walk(root: Path) -> list[str]:
 def private_dirs() -> list[Path]:
     """meshrun's state, profiles and caches (XDG and default places) and ~/.ssh: never code."""
     home = Path(os.path.expanduser("~"))
-    found = [home / ".ssh", home / ".local" / "state" / "meshrun", home / ".config" / "meshrun",
-             home / ".cache" / "meshrun"]
-    for var, default in (("XDG_STATE_HOME", ".local/state"), ("XDG_CONFIG_HOME", ".config"),
-                         ("XDG_CACHE_HOME", ".cache")):
+    found = [
+        home / ".ssh",
+        home / ".local" / "state" / "meshrun",
+        home / ".config" / "meshrun",
+        home / ".cache" / "meshrun",
+    ]
+    for var, default in (
+        ("XDG_STATE_HOME", ".local/state"),
+        ("XDG_CONFIG_HOME", ".config"),
+        ("XDG_CACHE_HOME", ".cache"),
+    ):
         found.append(Path(os.environ.get(var) or home / default) / "meshrun")
     if os.environ.get("MESHRUN_SSH_CONFIG"):
         found.append(Path(os.environ["MESHRUN_SSH_CONFIG"]))
@@ -146,8 +164,14 @@ def candidates(root: Path, code: Code) -> list[str]:
         files = {rel for rel in _walk(root) if not code.include or matches(rel, code.include)}
     excluded = ALWAYS_EXCLUDED + code.exclude
     private = tuple(_private_prefixes(root))
-    return sorted(rel for rel in files if not matches(rel, excluded) and not rel.startswith(
-        tuple(p + "/" for p in private)) and rel not in private and (root / rel).is_file())
+    return sorted(
+        rel
+        for rel in files
+        if not matches(rel, excluded)
+        and not rel.startswith(tuple(p + "/" for p in private))
+        and rel not in private
+        and (root / rel).is_file()
+    )
 
 
 def collect(spec_dir: Path, code: Code) -> Optional[Snapshot]:
@@ -159,8 +183,9 @@ def collect(spec_dir: Path, code: Code) -> Optional[Snapshot]:
         return None
     rels = candidates(root, code)
     if len(rels) > MAX_FILES:
-        raise InputError("code", str(root), f"{len(rels)} files would ship; add code.exclude globs or set "
-                                            f"code.sync: false")
+        raise InputError(
+            "code", str(root), f"{len(rels)} files would ship; add code.exclude globs or set code.sync: false"
+        )
     digest, files, size, manifest = hashlib.sha256(), [], 0, []
     for rel in rels:
         path = root / rel
@@ -168,15 +193,25 @@ def collect(spec_dir: Path, code: Code) -> Optional[Snapshot]:
         data = path.read_bytes()
         size += len(data)
         if size > MAX_BYTES:
-            raise InputError("code", str(root), f"the snapshot would exceed {MAX_BYTES >> 20} MiB (at {rel}); "
-                                                f"exclude data and checkpoints with code.exclude")
+            raise InputError(
+                "code",
+                str(root),
+                f"the snapshot would exceed {MAX_BYTES >> 20} MiB (at {rel}); "
+                f"exclude data and checkpoints with code.exclude",
+            )
         sha = hashlib.sha256(data).hexdigest()
         digest.update(f"{rel}\0{mode:o}\0{sha}\n".encode())
         files.append((rel, mode))
         manifest.append(f"{sha}  {rel}\n")
     listing = "".join(sorted((f"{rel}\t{mode:o}\n" for rel, mode in files), key=str.encode))
-    return Snapshot(root=root, files=tuple(files), digest=digest.hexdigest()[:24], size=size,
-                    manifest="".join(manifest), listing=listing)
+    return Snapshot(
+        root=root,
+        files=tuple(files),
+        digest=digest.hexdigest()[:24],
+        size=size,
+        manifest="".join(manifest),
+        listing=listing,
+    )
 
 
 # `v CODE SNAP MANIFEST_SHA LISTING_SHA` prints one word: `unsafe` when CODE (followed if a link) is not
@@ -197,15 +232,20 @@ u=$(id -u)
 
 # From the home folder: print $HOME; make the work dir, runs/ and code/ private (0700) if they are new;
 # then verify the snapshot "$2" (none when empty).
-PROBE_SCRIPT = VERIFY_FUNCTION + r"""
+PROBE_SCRIPT = (
+    VERIFY_FUNCTION
+    + r"""
 cd "$HOME" 2>/dev/null; printf '%s\n' "$HOME"
 [ -z "$1" ] || (umask 077 && mkdir -p -- "$1/runs" "$1/code") 2>/dev/null
 if [ -n "$2" ]; then v "$1/code" "$1/code/$2" "$3" "$4"; else echo none; fi"""
+)
 
 # After the upload into "$1" (a temporary name): move it to "$2". If "$2" exists: keep it when it verifies
 # (another submit published the same code first), else move it aside and ours into place. Then "$2" must
 # verify. Prints `replaced` when an existing folder did not verify.
-PUBLISH_SCRIPT = VERIFY_FUNCTION + r"""
+PUBLISH_SCRIPT = (
+    VERIFY_FUNCTION
+    + r"""
 c=$(dirname "$2")
 if ! mv -T "$1" "$2" 2>/dev/null; then
   if [ "$(v "$c" "$2" "$3" "$4")" = present ]; then rm -rf "$1"
@@ -213,6 +253,7 @@ if ! mv -T "$1" "$2" 2>/dev/null; then
   fi
 fi 2>/dev/null
 r=$(v "$c" "$2" "$3" "$4"); [ "$r" = present ] || { echo "the snapshot $2 does not verify ($r)" >&2; exit 1; }"""
+)
 
 
 def remote_dir(work_dir: str, snapshot: Snapshot) -> str:
@@ -226,12 +267,16 @@ def _from_home(work_dir: str) -> str:
 
 def _check_answer(word: str, work_dir: str) -> Optional[bool]:
     if word == "unsafe":
-        raise ClusterError(f"{work_dir.rstrip('/')}/code on the cluster is not yours or is writable by others: "
-                           f"anyone who can write there could change the code your jobs run; make it private "
-                           f"(`chmod 700` it, as its owner) or choose another paths.work_dir")
+        raise ClusterError(
+            f"{work_dir.rstrip('/')}/code on the cluster is not yours or is writable by others: "
+            f"anyone who can write there could change the code your jobs run; make it private "
+            f"(`chmod 700` it, as its owner) or choose another paths.work_dir"
+        )
     if word not in ("present", "absent", "changed", "none"):
-        raise ClusterError(f"checking the code snapshot under {work_dir} gave {word!r}; is this a Linux login node "
-                           f"(GNU find and sha256sum)?")
+        raise ClusterError(
+            f"checking the code snapshot under {work_dir} gave {word!r}; is this a Linux login node "
+            f"(GNU find and sha256sum)?"
+        )
     return word == "present" if word != "none" else None
 
 
@@ -245,8 +290,10 @@ def probe(transport: Transport, work_dir: str, snapshot: Optional[Snapshot]) -> 
     """ONE round trip before planning: the cluster user's home (for `~` in the profile's paths), the work
     dir's folders made private if new, and whether the snapshot is there AND verifies (None when there is
     no snapshot). False also for a folder someone changed: `sync` then replaces it."""
-    args = [_from_home(work_dir), *((snapshot.digest, snapshot.manifest_sha, snapshot.listing_sha)
-                                    if snapshot is not None else ("", "", ""))]
+    args = [
+        _from_home(work_dir),
+        *((snapshot.digest, snapshot.manifest_sha, snapshot.listing_sha) if snapshot is not None else ("", "", "")),
+    ]
     # The last two lines: a chatty shell start-up file may print before the command runs.
     done = transport.run(["sh", "-c", PROBE_SCRIPT, "sh", *args], timeout=300).check("reading $HOME")
     lines = done.stdout.splitlines()[-2:]
@@ -265,8 +312,9 @@ def verify(transport: Transport, snapshot: Snapshot, code_dir: str) -> bool:
     private if new; over SSH, probe does both in its round trip.)"""
     script = VERIFY_FUNCTION + '\n(umask 077 && mkdir -p -- "$(dirname "$1")/runs" "$1") 2>/dev/null; v "$@"'
     code = code_dir.rsplit("/", 1)[0]
-    done = transport.run(["sh", "-c", script, "sh", code, code_dir, snapshot.manifest_sha, snapshot.listing_sha],
-                         timeout=300).check(f"verifying {code_dir}")
+    done = transport.run(
+        ["sh", "-c", script, "sh", code, code_dir, snapshot.manifest_sha, snapshot.listing_sha], timeout=300
+    ).check(f"verifying {code_dir}")
     return bool(_check_answer((done.stdout.split() or [""])[-1], code.rsplit("/", 1)[0]))
 
 
@@ -274,8 +322,14 @@ def _say_stderr(message: str) -> None:
     print(f"meshrun: warning: {message}", file=sys.stderr)
 
 
-def sync(transport: Transport, snapshot: Snapshot, code_dir: str, progress: Optional[Progress] = None,
-         present: Optional[bool] = None, say: Callable[[str], None] = _say_stderr) -> bool:
+def sync(
+    transport: Transport,
+    snapshot: Snapshot,
+    code_dir: str,
+    progress: Optional[Progress] = None,
+    present: Optional[bool] = None,
+    say: Callable[[str], None] = _say_stderr,
+) -> bool:
     """Make sure code_dir holds the snapshot, verified (`present`: already known from probe); True if
     uploaded. The upload goes to a temporary name and is renamed into place, its manifest with it."""
     if present if present is not None else verify(transport, snapshot, code_dir):
@@ -288,6 +342,8 @@ def sync(transport: Transport, snapshot: Snapshot, code_dir: str, progress: Opti
     assert done is not None
     done.check(f"publishing the code snapshot {code_dir}")
     if "replaced" in done.stdout.split():
-        say(f"the code snapshot {code_dir} did not verify (changed since it was uploaded, or not only yours); "
-            f"uploaded a fresh copy in its place")
+        say(
+            f"the code snapshot {code_dir} did not verify (changed since it was uploaded, or not only yours); "
+            f"uploaded a fresh copy in its place"
+        )
     return True

@@ -5,6 +5,7 @@ channel on it); keepalives; host keys checked against the profile's known_hosts
 with a RejectPolicy (hostkeys.py); ProxyJump hops nested as direct-tcpip
 channels. Every failure the user meets is one ClusterError line.
 """
+
 from __future__ import annotations
 
 import logging
@@ -43,6 +44,7 @@ logging.getLogger("paramiko").addHandler(logging.NullHandler())
 @dataclass
 class Counters:
     """What this process sent over SSH: read by bench/ssh_submit.py and the tests (never timings)."""
+
     connections: int = 0
     round_trips: int = 0
     """Remote commands: each is one channel (open + exec + its output)."""
@@ -60,25 +62,34 @@ def _connect_error(exc: BaseException, target: Target) -> ClusterError:
     """The one line a user reads for each way a connection can fail."""
     where = f"{target.hostname}:{target.port}"
     if isinstance(exc, paramiko.PasswordRequiredException):
-        return ClusterError(f"ssh to {where}: the private key is encrypted; load it into your agent "
-                            f"(`ssh-add KEYFILE`) and retry")
+        return ClusterError(
+            f"ssh to {where}: the private key is encrypted; load it into your agent (`ssh-add KEYFILE`) and retry"
+        )
     if isinstance(exc, paramiko.AuthenticationException):
         agent = ["ssh-agent"] if os.environ.get("SSH_AUTH_SOCK") else []
         tried = ", ".join([*agent, *target.identity_files] + (["~/.ssh/id_*"] if target.look_for_keys else []))
-        return ClusterError(f"ssh to {where}: authentication as {target.user!r} failed (tried {tried}); check "
-                            f"ssh.user and ssh.identity_file, or `ssh-add` the right key")
+        return ClusterError(
+            f"ssh to {where}: authentication as {target.user!r} failed (tried {tried}); check "
+            f"ssh.user and ssh.identity_file, or `ssh-add` the right key"
+        )
     if isinstance(exc, socket.gaierror):
-        return ClusterError(f"ssh: cannot resolve host name {target.hostname!r}; check ssh.host (or HostName in "
-                            f"~/.ssh/config) and your network/VPN")
+        return ClusterError(
+            f"ssh: cannot resolve host name {target.hostname!r}; check ssh.host (or HostName in "
+            f"~/.ssh/config) and your network/VPN"
+        )
     if isinstance(exc, (socket.timeout, TimeoutError)) or any(
-            word in str(exc).lower() for word in ("timeout", "timed out", "banner", "no existing session")):
-        return ClusterError(f"ssh to {where}: no answer within {target.timeout_s:g} s; is the host up and "
-                            f"reachable (VPN)? raise ssh.timeout_s for a slow link")
+        word in str(exc).lower() for word in ("timeout", "timed out", "banner", "no existing session")
+    ):
+        return ClusterError(
+            f"ssh to {where}: no answer within {target.timeout_s:g} s; is the host up and "
+            f"reachable (VPN)? raise ssh.timeout_s for a slow link"
+        )
     if isinstance(exc, (paramiko.ssh_exception.NoValidConnectionsError, ConnectionRefusedError)):
         return ClusterError(f"ssh: cannot reach {where}: connection refused; check ssh.host and ssh.port")
     if isinstance(exc, OSError):
-        return ClusterError(f"ssh: cannot reach {where}: {exc.strerror or exc}; check ssh.host, ssh.port "
-                            f"and your network")
+        return ClusterError(
+            f"ssh: cannot reach {where}: {exc.strerror or exc}; check ssh.host, ssh.port and your network"
+        )
     text = " ".join(str(exc).split()) or type(exc).__name__
     return ClusterError(f"ssh to {where} failed: {text}")
 
@@ -93,17 +104,24 @@ def open_client(target: Target, cluster: str, sock: Optional[object] = None) -> 
     if sock is None and target.proxy_command:
         sock = paramiko.ProxyCommand(target.proxy_command)
     try:
-        client.connect(target.hostname, port=target.port, username=target.user,
-                       key_filename=list(target.identity_files) or None, timeout=target.timeout_s,
-                       banner_timeout=target.timeout_s, auth_timeout=target.timeout_s,
-                       channel_timeout=target.timeout_s, allow_agent=True, look_for_keys=target.look_for_keys,
-                       sock=sock)
+        client.connect(
+            target.hostname,
+            port=target.port,
+            username=target.user,
+            key_filename=list(target.identity_files) or None,
+            timeout=target.timeout_s,
+            banner_timeout=target.timeout_s,
+            auth_timeout=target.timeout_s,
+            channel_timeout=target.timeout_s,
+            allow_agent=True,
+            look_for_keys=target.look_for_keys,
+            sock=sock,
+        )
     except paramiko.BadHostKeyException as exc:
         client.close()
         if hostkeys.revoked(target.known_hosts, target.key_name, exc.key):
             raise hostkeys.RevokedHostKey(target.key_name, exc.key, target.known_hosts) from None
-        raise hostkeys.ChangedHostKey(target.key_name, exc.key, exc.expected_key, target.known_hosts,
-                                      cluster) from None
+        raise hostkeys.ChangedHostKey(target.key_name, exc.key, exc.expected_key, target.known_hosts, cluster) from None
     except ClusterError:  # the host key refusals (unknown, revoked), already one line each
         client.close()
         raise
@@ -122,12 +140,15 @@ def hop_channel(client: paramiko.SSHClient, target: Target) -> paramiko.Channel:
     transport = client.get_transport()
     assert transport is not None
     try:
-        return transport.open_channel("direct-tcpip", (target.hostname, target.port), ("127.0.0.1", 0),
-                                      timeout=target.timeout_s)
+        return transport.open_channel(
+            "direct-tcpip", (target.hostname, target.port), ("127.0.0.1", 0), timeout=target.timeout_s
+        )
     except (paramiko.SSHException, OSError, EOFError) as exc:
-        raise ClusterError(f"ssh: the jump host cannot reach {target.hostname}:{target.port} "
-                           f"({' '.join(str(exc).split()) or type(exc).__name__}); check ssh.host/port "
-                           f"and ProxyJump") from None
+        raise ClusterError(
+            f"ssh: the jump host cannot reach {target.hostname}:{target.port} "
+            f"({' '.join(str(exc).split()) or type(exc).__name__}); check ssh.host/port "
+            f"and ProxyJump"
+        ) from None
 
 
 def open_chain(target: Target, cluster: str) -> list[paramiko.SSHClient]:
@@ -203,8 +224,9 @@ class SshTransport:
         STATS.round_trips += 1
         return channel
 
-    def _exec(self, argv: Sequence[str], timeout: float, stdin: Optional[bytes],
-              progress: Optional[Progress]) -> tuple[int, bytes, bytes]:
+    def _exec(
+        self, argv: Sequence[str], timeout: float, stdin: Optional[bytes], progress: Optional[Progress]
+    ) -> tuple[int, bytes, bytes]:
         channel = self._session(shlex.join(argv), timeout)
         err: list[bytes] = []
         readers = [threading.Thread(target=_drain, args=(channel.recv_stderr, err), daemon=True)]
@@ -219,8 +241,9 @@ class SshTransport:
             _drain(channel.recv, out, reraise=True)
         except TimeoutError:
             channel.close()
-            raise ClusterError(f"ssh: `{shlex.join(argv)[:80]}` on {self.target.hostname} gave no answer "
-                               f"within {timeout:.0f} s") from None
+            raise ClusterError(
+                f"ssh: `{shlex.join(argv)[:80]}` on {self.target.hostname} gave no answer within {timeout:.0f} s"
+            ) from None
         for thread in readers:
             thread.join(timeout)
         code = channel.recv_exit_status()
@@ -231,16 +254,29 @@ class SshTransport:
 
     # -------------------------------------------------------------- the Transport interface
 
-    def run(self, argv: Sequence[str], timeout: float = 60.0, cwd: Optional[str] = None,
-            stdin: Optional[bytes] = None, progress: Optional[Progress] = None) -> Result:
+    def run(
+        self,
+        argv: Sequence[str],
+        timeout: float = 60.0,
+        cwd: Optional[str] = None,
+        stdin: Optional[bytes] = None,
+        progress: Optional[Progress] = None,
+    ) -> Result:
         full = ["sh", "-c", 'cd "$1" && shift && exec "$@"', "sh", cwd, *argv] if cwd else list(argv)
         code, out, err = self._exec(full, timeout, stdin, progress)
         return Result(tuple(argv), code, out.decode(errors="replace"), err.decode(errors="replace"))
 
-    def put(self, files: Mapping[str, Upload], dest: str, then: Sequence[str] = (),
-            progress: Optional[Progress] = None, timeout: float = 600.0) -> Optional[Result]:
-        done = self.run(["sh", "-c", PUT_SCRIPT, "sh", dest, *then], timeout=timeout,
-                        stdin=tar_bytes(files), progress=progress)
+    def put(
+        self,
+        files: Mapping[str, Upload],
+        dest: str,
+        then: Sequence[str] = (),
+        progress: Optional[Progress] = None,
+        timeout: float = 600.0,
+    ) -> Optional[Result]:
+        done = self.run(
+            ["sh", "-c", PUT_SCRIPT, "sh", dest, *then], timeout=timeout, stdin=tar_bytes(files), progress=progress
+        )
         if done.returncode == PUT_FAILED:
             done.check(f"writing {dest} on {self.target.hostname}")
         return done if then else done.check(f"writing {dest} on {self.target.hostname}")
@@ -307,7 +343,7 @@ def _send(channel: paramiko.Channel, data: bytes, progress: Optional[Progress]) 
     sent = 0
     try:
         while sent < len(data):
-            n = channel.send(data[sent:sent + _CHUNK])
+            n = channel.send(data[sent : sent + _CHUNK])
             if n <= 0:
                 break
             sent += n

@@ -5,6 +5,7 @@ Host aliases, HostName, User, Port, IdentityFile, IdentitiesOnly, ProxyJump and
 ProxyCommand. A ProxyJump chain becomes nested Targets, each hop resolved
 through the same config. Pure but for reading the config file; imports no paramiko.
 """
+
 from __future__ import annotations
 
 import getpass
@@ -25,6 +26,7 @@ _JUMP = re.compile(r"^(?:ssh://)?(?:(?P<user>[^@/:]+)@)?(?P<host>\[[^\]]+\]|[^:/
 @dataclass(frozen=True)
 class Target:
     """One resolved SSH destination."""
+
     alias: str
     """The name as written (profile host, or a ProxyJump hop)."""
     hostname: str
@@ -76,12 +78,28 @@ def _expand(path: str) -> str:
 
 def resolve(ssh: Ssh) -> Target:
     """The profile's ssh section as a Target (with its ProxyJump chain)."""
-    return _resolve(ssh.host, ssh.user, ssh.port, ssh.identity_file, ssh.proxy_jump,
-                    _expand(ssh.known_hosts), ssh.timeout_s, depth=0)
+    return _resolve(
+        ssh.host,
+        ssh.user,
+        ssh.port,
+        ssh.identity_file,
+        ssh.proxy_jump,
+        _expand(ssh.known_hosts),
+        ssh.timeout_s,
+        depth=0,
+    )
 
 
-def _resolve(host: str, user: Optional[str], port: Optional[int], identity: Optional[str],
-             proxy_jump: Optional[str], known_hosts: str, timeout_s: float, depth: int) -> Target:
+def _resolve(
+    host: str,
+    user: Optional[str],
+    port: Optional[int],
+    identity: Optional[str],
+    proxy_jump: Optional[str],
+    known_hosts: str,
+    timeout_s: float,
+    depth: int,
+) -> Target:
     if depth > MAX_JUMPS:
         raise InputError("ssh.proxy_jump", proxy_jump, f"more than {MAX_JUMPS} hops; is ProxyJump circular?")
     cfg = _lookup(host)
@@ -96,11 +114,17 @@ def _resolve(host: str, user: Optional[str], port: Optional[int], identity: Opti
         jump = _jump_chain(jump_spec, known_hosts, timeout_s, depth)
     command = cfg.get("proxycommand")
     return Target(
-        alias=host, hostname=cfg.get("hostname", host), port=int(port or cfg.get("port", DEFAULT_PORT)),
-        user=user or cfg.get("user") or getpass.getuser(), identity_files=tuple(identities),
-        look_for_keys=cfg.get("identitiesonly", "no").lower() != "yes", known_hosts=known_hosts,
+        alias=host,
+        hostname=cfg.get("hostname", host),
+        port=int(port or cfg.get("port", DEFAULT_PORT)),
+        user=user or cfg.get("user") or getpass.getuser(),
+        identity_files=tuple(identities),
+        look_for_keys=cfg.get("identitiesonly", "no").lower() != "yes",
+        known_hosts=known_hosts,
         timeout_s=float(cfg.get("connecttimeout", timeout_s)) if "connecttimeout" in cfg else timeout_s,
-        jump=jump, proxy_command=None if jump or not command or command.lower() == "none" else command)
+        jump=jump,
+        proxy_command=None if jump or not command or command.lower() == "none" else command,
+    )
 
 
 def _jump_chain(spec: str, known_hosts: str, timeout_s: float, depth: int) -> Target:
@@ -110,8 +134,16 @@ def _jump_chain(spec: str, known_hosts: str, timeout_s: float, depth: int) -> Ta
         match = _JUMP.match(hop)
         if not match:
             raise InputError("ssh.proxy_jump", spec, "use [user@]host[:port], comma-separated for several hops")
-        target = _resolve(match["host"].strip("[]"), match["user"], int(match["port"]) if match["port"] else None,
-                          None, None if previous is None else "none", known_hosts, timeout_s, depth + 1)
+        target = _resolve(
+            match["host"].strip("[]"),
+            match["user"],
+            int(match["port"]) if match["port"] else None,
+            None,
+            None if previous is None else "none",
+            known_hosts,
+            timeout_s,
+            depth + 1,
+        )
         # Each hop after the first goes through the one before it (not through its own ProxyJump).
         previous = target if previous is None else _through(target, previous)
     assert previous is not None
@@ -119,6 +151,14 @@ def _jump_chain(spec: str, known_hosts: str, timeout_s: float, depth: int) -> Ta
 
 
 def _through(target: Target, jump: Target) -> Target:
-    return Target(alias=target.alias, hostname=target.hostname, port=target.port, user=target.user,
-                  identity_files=target.identity_files, look_for_keys=target.look_for_keys,
-                  known_hosts=target.known_hosts, timeout_s=target.timeout_s, jump=jump)
+    return Target(
+        alias=target.alias,
+        hostname=target.hostname,
+        port=target.port,
+        user=target.user,
+        identity_files=target.identity_files,
+        look_for_keys=target.look_for_keys,
+        known_hosts=target.known_hosts,
+        timeout_s=target.timeout_s,
+        jump=jump,
+    )

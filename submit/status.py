@@ -5,6 +5,7 @@ Slurm: squeue, one batched sacct and every run's metrics tail in a single remote
 command). One unreachable cluster never hides the others' jobs; a changed host key is
 shown to the person, not only as UNREACHABLE.
 """
+
 from __future__ import annotations
 
 import json
@@ -83,9 +84,17 @@ def last_metrics(transport: Transport, run_dir: str) -> dict[str, Any]:
 
 
 def _unreachable(record: JobRecord, why: str) -> Status:
-    return Status(job_id=record.job_id, cluster=record.cluster, name=record.name, state="UNREACHABLE",
-                  run_dir=record.run_dir, submitted_at=record.submitted_at, done=False, succeeded=False,
-                  reason=why)
+    return Status(
+        job_id=record.job_id,
+        cluster=record.cluster,
+        name=record.name,
+        state="UNREACHABLE",
+        run_dir=record.run_dir,
+        submitted_at=record.submitted_at,
+        done=False,
+        succeeded=False,
+        reason=why,
+    )
 
 
 def _cluster_statuses(group: Sequence[JobRecord], transport: Transport) -> list[Status]:
@@ -101,8 +110,12 @@ def warn_to_stderr(message: str) -> None:
     print(f"meshrun: warning: {message}", file=sys.stderr)
 
 
-def statuses(records: Sequence[JobRecord], clusters: TransportSource, registry: Optional[Registry] = None,
-             warn: Callable[[str], None] = warn_to_stderr) -> list[Status]:
+def statuses(
+    records: Sequence[JobRecord],
+    clusters: TransportSource,
+    registry: Optional[Registry] = None,
+    warn: Callable[[str], None] = warn_to_stderr,
+) -> list[Status]:
     """The status of each record, in order: one round trip per cluster."""
     by_cluster: dict[str, list[JobRecord]] = defaultdict(list)
     for record in records:

@@ -5,6 +5,7 @@ submitted. All tasks share the array's resources (one sbatch script); each task
 gets its own run dir, `RUN_DIR/tasks/N`, with its own spec.json, logs and metrics,
 and the script points MESHRUN_RUN_DIR at it from SLURM_ARRAY_TASK_ID. Pure.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,15 +29,19 @@ def parse(sweeps: Sequence[str]) -> list[tuple[tuple[str, str], ...]]:
     for item in sweeps:
         if not item.isprintable():
             # Refused whole, before any message repeats the value raw (escape sequences, bidi overrides).
-            raise InputError("--sweep", item, "newlines and control characters are not allowed in a sweep; "
-                                              "use plain text")
+            raise InputError(
+                "--sweep", item, "newlines and control characters are not allowed in a sweep; use plain text"
+            )
         key, sep, values = item.partition("=")
         key = key.strip()
         if not sep or not key:
             raise InputError("--sweep", item, "use KEY=V1,V2,..., e.g. --sweep train.lr=1e-3,3e-4")
         if key.split(".")[0] in _FIXED:
-            raise InputError("--sweep", item, f"{key} shapes the whole job array; sweep {', '.join(_FIXED)} "
-                                              f"with separate submissions")
+            raise InputError(
+                "--sweep",
+                item,
+                f"{key} shapes the whole job array; sweep {', '.join(_FIXED)} with separate submissions",
+            )
         if key in seen:
             raise InputError("--sweep", item, f"{key} is swept twice; give all its values in one --sweep")
         seen.add(key)
@@ -50,8 +55,14 @@ def parse(sweeps: Sequence[str]) -> list[tuple[tuple[str, str], ...]]:
     return grid
 
 
-def plan_sweep(path: Path, cluster: ClusterProfile, overrides: Sequence[str], sweeps: Sequence[str],
-               home: str, run_dir: Optional[str] = None) -> Plan:
+def plan_sweep(
+    path: Path,
+    cluster: ClusterProfile,
+    overrides: Sequence[str],
+    sweeps: Sequence[str],
+    home: str,
+    run_dir: Optional[str] = None,
+) -> Plan:
     """The array's plan: task 0's job as the base (the script's resources), with every task planned."""
     grid = parse(sweeps)
     base = plan_file(path, cluster, [*overrides, *_sets(grid[0])], run_dir=run_dir, home=home)
@@ -63,8 +74,15 @@ def _sets(combo: tuple[tuple[str, str], ...]) -> list[str]:
     return [f"{key}={value}" for key, value in combo]
 
 
-def _task(path: Path, cluster: ClusterProfile, overrides: Sequence[str], combo: tuple[tuple[str, str], ...],
-          index: int, base: Plan, home: str) -> Task:
+def _task(
+    path: Path,
+    cluster: ClusterProfile,
+    overrides: Sequence[str],
+    combo: tuple[tuple[str, str], ...],
+    index: int,
+    base: Plan,
+    home: str,
+) -> Task:
     run_dir = f"{base.run_dir}/tasks/{index}"
     try:
         plan = plan_file(path, cluster, [*overrides, *_sets(combo)], run_dir=run_dir, home=home)
@@ -73,5 +91,10 @@ def _task(path: Path, cluster: ClusterProfile, overrides: Sequence[str], combo: 
         raise InputError(f"--sweep {label}: {exc.key}", exc.value, exc.fix) from None
     # Checkpoints of the tasks must not share a folder (the planner would name it after "N").
     info = dataclasses.replace(plan.run_spec.run, checkpoint_dir=f"{base.run_spec.run.checkpoint_dir}/task-{index}")
-    return Task(index=index, overrides=combo, run_dir=run_dir,
-                run_spec=dataclasses.replace(plan.run_spec, run=info), spec_hash=plan.spec_hash)
+    return Task(
+        index=index,
+        overrides=combo,
+        run_dir=run_dir,
+        run_spec=dataclasses.replace(plan.run_spec, run=info),
+        spec_hash=plan.spec_hash,
+    )

@@ -11,6 +11,7 @@ the run's metrics.jsonl into TensorBoard scalars as the job writes it, so it
 needs nothing from the ranks but that file. It stops on SIGTERM, or by itself
 after MAX_HOURS so that a forgotten one does not live forever.
 """
+
 from __future__ import annotations
 
 import glob
@@ -68,9 +69,13 @@ def start(run_dir: Path) -> dict[str, Any]:
         return {**server, "reused": True}
     port = _free_port()
     with open(tb_dir / "server.log", "ab") as log:
-        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "serve", str(run_dir), str(port)],
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # outlives this SSH session
+        proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "serve", str(run_dir), str(port)],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # outlives this SSH session
     deadline = time.monotonic() + START_TIMEOUT_S
     while not _answers(port):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -100,7 +105,7 @@ class Bridge:
                 data = handle.read()
         except OSError:
             return
-        complete = data[:data.rfind(b"\n") + 1]
+        complete = data[: data.rfind(b"\n") + 1]
         self.offset += len(complete)
         for line in complete.splitlines():
             try:
@@ -108,10 +113,18 @@ class Bridge:
                 step = int(row["step"])
             except (ValueError, KeyError, TypeError):
                 continue
-            values = [summary_pb2.Summary.Value(tag=k, simple_value=float(v)) for k, v in row.items()
-                      if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)]
-            self.writer.add_event(event_pb2.Event(wall_time=float(row.get("time") or time.time()), step=step,
-                                                  summary=summary_pb2.Summary(value=values)))
+            values = [
+                summary_pb2.Summary.Value(tag=k, simple_value=float(v))
+                for k, v in row.items()
+                if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)
+            ]
+            self.writer.add_event(
+                event_pb2.Event(
+                    wall_time=float(row.get("time") or time.time()),
+                    step=step,
+                    summary=summary_pb2.Summary(value=values),
+                )
+            )
         if complete:
             self.writer.flush()
 
@@ -124,8 +137,21 @@ def serve(run_dir: Path, port: int) -> None:
     bridge = Bridge(run_dir, tb_dir)
     bridge.poll()
     board = program.TensorBoard()
-    board.configure(argv=["tensorboard", "--logdir", str(tb_dir), "--host", "127.0.0.1", "--port", str(port),
-                          "--reload_interval", "2", "--load_fast", "false"])
+    board.configure(
+        argv=[
+            "tensorboard",
+            "--logdir",
+            str(tb_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--reload_interval",
+            "2",
+            "--load_fast",
+            "false",
+        ]
+    )
     board.launch()  # serves from a background thread
     (tb_dir / SERVER_FILE).write_text(json.dumps({"port": port, "pid": os.getpid()}))
     stop_at = time.monotonic() + MAX_HOURS * 3600

@@ -8,6 +8,7 @@ Ctrl-C the forward closes and, if this command started the server, so does it.
 On the login node itself (local transport) there is nothing to forward: it
 prints the URL and the `ssh -L` line a user on a laptop would need.
 """
+
 from __future__ import annotations
 
 import getpass
@@ -23,8 +24,10 @@ from submit.schedulers import backend
 from submit.transport import LocalTransport, Transport
 
 HELPER = Path(__file__).with_name("tbserve.py")
-_INSTALL = ('d="$2/tensorboard" && mkdir -p -m 0700 "$d" && cat > "$d/.tbserve.py.tmp" && '
-            'mv -f "$d/.tbserve.py.tmp" "$d/tbserve.py" && exec "$1" "$d/tbserve.py" start "$2"')
+_INSTALL = (
+    'd="$2/tensorboard" && mkdir -p -m 0700 "$d" && cat > "$d/.tbserve.py.tmp" && '
+    'mv -f "$d/.tbserve.py.tmp" "$d/tbserve.py" && exec "$1" "$d/tbserve.py" start "$2"'
+)
 _STOP = 'grep -q tbserve "/proc/$1/cmdline" 2>/dev/null && kill "$1"'
 
 
@@ -55,8 +58,9 @@ def check_local_port(port: int) -> None:
             probe.bind(("127.0.0.1", port))
             probe.listen(1)
         except OSError as exc:
-            raise InputError("--port", port, f"cannot listen on 127.0.0.1:{port} ({exc.strerror}); "
-                                             f"{PORT_FIX}") from None
+            raise InputError(
+                "--port", port, f"cannot listen on 127.0.0.1:{port} ({exc.strerror}); {PORT_FIX}"
+            ) from None
 
 
 def start_argv(profile: ClusterProfile, run_dir: str) -> list[str]:
@@ -80,8 +84,10 @@ def start(transport: Transport, profile: ClusterProfile, run_dir: str) -> Board:
     if done.returncode != 0:
         detail = (done.stderr or done.stdout).strip().splitlines()
         last = detail[-1] if detail else f"exit code {done.returncode}"
-        raise ClusterError(f"could not start TensorBoard on {profile.name}: {last} (is tensorboard installed in "
-                           f"the environment the profile's setup lines activate?)")
+        raise ClusterError(
+            f"could not start TensorBoard on {profile.name}: {last} (is tensorboard installed in "
+            f"the environment the profile's setup lines activate?)"
+        )
     return parse_start(done.stdout)
 
 

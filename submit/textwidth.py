@@ -5,6 +5,7 @@ terminal gives East-Asian wide characters and most emoji two columns and combini
 none, so tables padded with `len()` misalign on such names. Job names may hold any text;
 run-dir names and error messages must stay readable and safe.
 """
+
 from __future__ import annotations
 
 import re
@@ -16,9 +17,28 @@ _EMOJI_PRESENTATION = "\ufe0f"
 """VS16: the character before it is drawn as a (two-column) emoji, e.g. U+2764 U+FE0F."""
 
 # Latin letters NFKD does not decompose into ASCII, spelled as people write them without the letter.
-_LATIN_EXTRA = str.maketrans({"ß": "ss", "æ": "ae", "Æ": "AE", "ø": "o", "Ø": "O", "œ": "oe", "Œ": "OE",
-                              "ł": "l", "Ł": "L", "đ": "d", "Đ": "D", "ð": "d", "Ð": "D", "þ": "th",
-                              "Þ": "Th", "ı": "i", "ŋ": "ng", "Ŋ": "Ng"})
+_LATIN_EXTRA = str.maketrans(
+    {
+        "ß": "ss",
+        "æ": "ae",
+        "Æ": "AE",
+        "ø": "o",
+        "Ø": "O",
+        "œ": "oe",
+        "Œ": "OE",
+        "ł": "l",
+        "Ł": "L",
+        "đ": "d",
+        "Đ": "D",
+        "ð": "d",
+        "Ð": "D",
+        "þ": "th",
+        "Þ": "Th",
+        "ı": "i",
+        "ŋ": "ng",
+        "Ŋ": "Ng",
+    }
+)
 _UNSAFE = re.compile(r"[^A-Za-z0-9_+-]")
 SLUG_MAX = 64
 SLUG_FALLBACK = "job"

@@ -5,6 +5,7 @@ shlex.join, the local one hands them to exec. Where several steps must share one
 round trip, they run as `sh -c CONSTANT_SCRIPT sh VALUE...`: the script is fixed
 text and every value arrives as a positional parameter, never parsed as shell.
 """
+
 from __future__ import annotations
 
 import io
@@ -45,6 +46,7 @@ class Result:
 class Upload:
     """One file of a `put`: its bytes (or a local file to read) and its mode on the cluster.
     A path ending in '/' is a folder (its data is ignored)."""
+
     data: Union[bytes, Path]
     mode: int = 0o600
 
@@ -73,11 +75,23 @@ class Forward(Protocol):
 class Transport(Protocol):
     """What meshrun needs from a cluster connection."""
 
-    def run(self, argv: Sequence[str], timeout: float = 60.0, cwd: Optional[str] = None,
-            stdin: Optional[bytes] = None, progress: Optional[Progress] = None) -> Result: ...
+    def run(
+        self,
+        argv: Sequence[str],
+        timeout: float = 60.0,
+        cwd: Optional[str] = None,
+        stdin: Optional[bytes] = None,
+        progress: Optional[Progress] = None,
+    ) -> Result: ...
 
-    def put(self, files: Mapping[str, Upload], dest: str, then: Sequence[str] = (),
-            progress: Optional[Progress] = None, timeout: float = 600.0) -> Optional[Result]:
+    def put(
+        self,
+        files: Mapping[str, Upload],
+        dest: str,
+        then: Sequence[str] = (),
+        progress: Optional[Progress] = None,
+        timeout: float = 600.0,
+    ) -> Optional[Result]:
         """Write files (relative paths) under dest (made 0700), then run `then` in the same round trip."""
 
     def stream(self, argv: Sequence[str]) -> Stream: ...
@@ -102,8 +116,10 @@ class Transport(Protocol):
 # ------------------------------------------------------------------ shared helpers
 
 # Unpack a gzipped tar from stdin into "$1" (made 0700, as any parent it creates), then exec the rest of the argv, if any.
-PUT_SCRIPT = ('d=$1; shift; (umask 077 && mkdir -p "$d") && chmod 0700 "$d" && '
-              'tar -x -z -p --no-same-owner -f - -C "$d" || exit 97; [ "$#" -eq 0 ] || exec "$@"')
+PUT_SCRIPT = (
+    'd=$1; shift; (umask 077 && mkdir -p "$d") && chmod 0700 "$d" && '
+    'tar -x -z -p --no-same-owner -f - -C "$d" || exit 97; [ "$#" -eq 0 ] || exec "$@"'
+)
 PUT_FAILED = 97
 
 
@@ -130,15 +146,19 @@ def tar_bytes(files: Mapping[str, Upload]) -> bytes:
 def batch(transport: Transport, argvs: Sequence[Sequence[str]], timeout: float = 60.0) -> list[Result]:
     """Run several commands in ONE round trip; one Result each (their output kept apart by a random marker)."""
     marker = f"MESHRUN-{secrets.token_hex(8)}"
-    lines = [f"{shlex.join(argv)}; s=$?; printf '\\n%s %s\\n' {marker} $s; printf '\\n%s %s\\n' {marker} $s >&2"
-             for argv in argvs]
+    lines = [
+        f"{shlex.join(argv)}; s=$?; printf '\\n%s %s\\n' {marker} $s; printf '\\n%s %s\\n' {marker} $s >&2"
+        for argv in argvs
+    ]
     done = transport.run(["sh", "-c", " ; ".join(lines)], timeout=timeout)
     outs, errs = _split(done.stdout, marker), _split(done.stderr, marker)
     if len(outs) < len(argvs):
         done.check("remote commands")
         raise ClusterError(f"remote commands: the output ended early ({len(outs)} of {len(argvs)} answered)")
-    return [Result(tuple(argv), code, out, errs[i][1] if i < len(errs) else "")
-            for i, (argv, (code, out)) in enumerate(zip(argvs, outs))]
+    return [
+        Result(tuple(argv), code, out, errs[i][1] if i < len(errs) else "")
+        for i, (argv, (code, out)) in enumerate(zip(argvs, outs))
+    ]
 
 
 def _split(text: str, marker: str) -> list[tuple[int, str]]:
@@ -148,12 +168,18 @@ def _split(text: str, marker: str) -> list[tuple[int, str]]:
 
 # ------------------------------------------------------------------ this machine
 
+
 class _ProcessStream:
     """A local command's stdout as chunks; close() ends it (and its process group)."""
 
     def __init__(self, argv: Sequence[str]) -> None:
-        self._proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        self._proc = subprocess.Popen(
+            list(argv),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
     def __iter__(self) -> Iterator[bytes]:
         assert self._proc.stdout is not None
@@ -178,6 +204,7 @@ class _ProcessStream:
 @dataclass(frozen=True)
 class _SamePort:
     """On the login node itself there is nothing to forward."""
+
     local_port: int
 
     def close(self) -> None:
@@ -190,23 +217,45 @@ class LocalTransport:
     def __init__(self, env: Optional[Mapping[str, str]] = None) -> None:
         self._env = dict(env) if env is not None else None
 
-    def run(self, argv: Sequence[str], timeout: float = 60.0, cwd: Optional[str] = None,
-            stdin: Optional[bytes] = None, progress: Optional[Progress] = None) -> Result:
+    def run(
+        self,
+        argv: Sequence[str],
+        timeout: float = 60.0,
+        cwd: Optional[str] = None,
+        stdin: Optional[bytes] = None,
+        progress: Optional[Progress] = None,
+    ) -> Result:
         try:
-            done = subprocess.run(list(argv), capture_output=True, timeout=timeout, cwd=cwd, env=self._env,
-                                  input=stdin if stdin is not None else b"", check=False)
+            done = subprocess.run(
+                list(argv),
+                capture_output=True,
+                timeout=timeout,
+                cwd=cwd,
+                env=self._env,
+                input=stdin if stdin is not None else b"",
+                check=False,
+            )
         except FileNotFoundError:
-            raise ClusterError(f"{argv[0]}: command not found on this machine; is this a Slurm login node "
-                               f"(or should the cluster profile use `ssh:`)?") from None
+            raise ClusterError(
+                f"{argv[0]}: command not found on this machine; is this a Slurm login node "
+                f"(or should the cluster profile use `ssh:`)?"
+            ) from None
         except subprocess.TimeoutExpired:
             raise ClusterError(f"{argv[0]} did not answer within {timeout:.0f} s; is the scheduler up?") from None
         if progress is not None and stdin:
             progress(len(stdin), len(stdin))
-        return Result(tuple(argv), done.returncode, done.stdout.decode(errors="replace"),
-                      done.stderr.decode(errors="replace"))
+        return Result(
+            tuple(argv), done.returncode, done.stdout.decode(errors="replace"), done.stderr.decode(errors="replace")
+        )
 
-    def put(self, files: Mapping[str, Upload], dest: str, then: Sequence[str] = (),
-            progress: Optional[Progress] = None, timeout: float = 600.0) -> Optional[Result]:
+    def put(
+        self,
+        files: Mapping[str, Upload],
+        dest: str,
+        then: Sequence[str] = (),
+        progress: Optional[Progress] = None,
+        timeout: float = 600.0,
+    ) -> Optional[Result]:
         total = sum(len(f.data) if isinstance(f.data, bytes) else f.data.stat().st_size for f in files.values())
         if os.path.exists(dest) and not os.path.isdir(dest):
             raise ClusterError(f"cannot write {dest}: it exists and is not a folder")

@@ -9,6 +9,7 @@ then it needs the same confirmation. Jump hosts (ProxyJump) are handled first, t
 same way (`--replace` too: a bastion's key can change). A key known_hosts marks
 `@revoked` is never recorded.
 """
+
 from __future__ import annotations
 
 import socket
@@ -62,18 +63,24 @@ def _confirm(target: Target, key: paramiko.PKey, expected: tuple[str, ...], ask:
     if expected:
         if key.fingerprint not in expected:
             given = ", ".join(expected)
-            raise ClusterError(f"{target.key_name} presents {key.fingerprint}, not the fingerprint you gave ({given}); "
-                               f"nothing recorded (a man-in-the-middle, or the wrong host? for a jump host, "
-                               f"give its fingerprint too: --fingerprint may be repeated, one per hop)")
+            raise ClusterError(
+                f"{target.key_name} presents {key.fingerprint}, not the fingerprint you gave ({given}); "
+                f"nothing recorded (a man-in-the-middle, or the wrong host? for a jump host, "
+                f"give its fingerprint too: --fingerprint may be repeated, one per hop)"
+            )
         return
     try:
-        answer = ask(f"Is this the key your cluster's admins publish for {target.key_name}? "
-                     f"Type yes to record it in {target.known_hosts}: ")
+        answer = ask(
+            f"Is this the key your cluster's admins publish for {target.key_name}? "
+            f"Type yes to record it in {target.known_hosts}: "
+        )
     except EOFError:
         answer = ""
     if answer.strip().lower() != "yes":
-        raise ClusterError(f"{target.key_name} not trusted: nothing recorded (answer `yes`, or pass "
-                           f"--fingerprint SHA256:... as your admins publish it, once per hop)")
+        raise ClusterError(
+            f"{target.key_name} not trusted: nothing recorded (answer `yes`, or pass "
+            f"--fingerprint SHA256:... as your admins publish it, once per hop)"
+        )
 
 
 def _hops(target: Target) -> list[Target]:
@@ -91,8 +98,10 @@ def _verdict(hop: Target, cluster: str, replace: bool, say: Say) -> Optional[par
     except hostkeys.ChangedHostKey:
         if not replace:
             raise
-        say(f"WARNING: {hop.key_name} presents a DIFFERENT key than {hop.known_hosts} records; replace it "
-            f"only if the cluster's admins confirm the change")
+        say(
+            f"WARNING: {hop.key_name} presents a DIFFERENT key than {hop.known_hosts} records; replace it "
+            f"only if the cluster's admins confirm the change"
+        )
     say(hostkeys.describe(hop.key_name, key))
     return key
 
@@ -108,8 +117,9 @@ def _expected(fingerprints: Fingerprints) -> tuple[str, ...]:
     return tuple(_normal(f) for f in given if f.strip())
 
 
-def trust(ssh: Ssh, cluster: str, fingerprint: Fingerprints = None, replace: bool = False,
-          ask: Ask = input, say: Say = print) -> None:
+def trust(
+    ssh: Ssh, cluster: str, fingerprint: Fingerprints = None, replace: bool = False, ask: Ask = input, say: Say = print
+) -> None:
     """Fetch the key of the cluster's login node and of each jump host before it, show each, and record
     each on the user's word: `yes` typed, or one of `fingerprint` (a string or several, one per hop,
     matched against whichever hop presents it). Hop by hop, outermost first: the next one is reached

@@ -1,4 +1,5 @@
 """Reading YAML files strictly: syntax errors and schema errors point at file:line."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,8 +24,7 @@ class _UniqueKeyLoader(_BaseLoader):  # type: ignore[misc, valid-type]
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 mark = key_node.start_mark
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r}", mark)
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", mark)
             seen.add(key)
         mapping: dict[Any, Any] = super().construct_mapping(node, deep=deep)
         return mapping

@@ -4,6 +4,7 @@ This package is the only place that knows a scheduler by name: everything else a
 `backend(name)` what it can do (ship code, arrays, dependencies) and lets it act.
 Backends are imported on first use, so that a verb pays only for the one it needs.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -5,6 +5,7 @@ that would be sent (the script, the argv that starts the job, the run-dir files)
 rendered once; `--dry-run` prints it; `schedule(request)` sends exactly that request.
 The other verbs (status, cancel, logs, resume) go through the same backend.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Request:
     """One submission, complete: printed by `submit --dry-run`, sent as is by `schedule`."""
+
     scheduler: str
     """The backend that sends it."""
     run_dir: str
@@ -46,11 +48,23 @@ class Request:
     """Job-array tasks (a sweep); 0 for a single job."""
 
     def as_json(self) -> dict[str, Any]:
-        files = [{"path": f"{self.run_dir}/{rel}", "mode": oct(item.mode),
-                  "bytes": None if rel.endswith("/") else len(item.data) if isinstance(item.data, bytes) else None}
-                 for rel, item in sorted(self.files.items())]
-        return {"scheduler": self.scheduler, "run_dir": self.run_dir, "script_path": self.script_path,
-                "argv": list(self.argv), "files": files, "code_dir": self.code_dir, "script": self.script}
+        files = [
+            {
+                "path": f"{self.run_dir}/{rel}",
+                "mode": oct(item.mode),
+                "bytes": None if rel.endswith("/") else len(item.data) if isinstance(item.data, bytes) else None,
+            }
+            for rel, item in sorted(self.files.items())
+        ]
+        return {
+            "scheduler": self.scheduler,
+            "run_dir": self.run_dir,
+            "script_path": self.script_path,
+            "argv": list(self.argv),
+            "files": files,
+            "code_dir": self.code_dir,
+            "script": self.script,
+        }
 
 
 def run_dir_files(plan: Plan, script_name: str, script: str) -> dict[str, Upload]:
@@ -71,6 +85,7 @@ def run_dir_files(plan: Plan, script_name: str, script: str) -> dict[str, Upload
 
 class Backend(Protocol):
     """What meshrun needs from a scheduler."""
+
     name: str
     """The profile's `scheduler` value."""
     template: str

@@ -9,6 +9,7 @@ any process of an earlier job of that run dir lives, even when its supervisor wa
 killed and left its ranks running (orphans are found by process group, and `cancel`
 stops them).
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -61,8 +62,14 @@ class LocalBackend:
             raise InputError("--after", after[0], "dependencies are Slurm's; the local cluster has none")
         script = render(plan)
         path = RunDir(plan.run_dir).script(self.name)
-        return Request(scheduler=self.name, run_dir=plan.run_dir, script_path=path, script=script,
-                       argv=("bash", path), files=run_dir_files(plan, RunDir.SCRIPTS[self.name], script))
+        return Request(
+            scheduler=self.name,
+            run_dir=plan.run_dir,
+            script_path=path,
+            script=script,
+            argv=("bash", path),
+            files=run_dir_files(plan, RunDir.SCRIPTS[self.name], script),
+        )
 
     def schedule(self, request: Request, transport: Transport) -> str:
         with _start_lock(request.run_dir):
@@ -116,9 +123,11 @@ def _refuse_live_writers(run_dir: str) -> None:
         pgid = state.get("pgid")
         live = process_group_alive(int(pgid)) if pgid else []
         if live:
-            raise ClusterError(f"job {state.get('job_id')} still has {len(live)} live process(es) in {run_dir} "
-                               f"(pids {', '.join(map(str, live[:8]))}): two jobs must never write one run dir; "
-                               f"`meshrun cancel {state.get('job_id')}` stops it")
+            raise ClusterError(
+                f"job {state.get('job_id')} still has {len(live)} live process(es) in {run_dir} "
+                f"(pids {', '.join(map(str, live[:8]))}): two jobs must never write one run dir; "
+                f"`meshrun cancel {state.get('job_id')}` stops it"
+            )
 
 
 def _start(run_dir: str, argv: Sequence[str]) -> str:
@@ -134,8 +143,15 @@ def _start(run_dir: str, argv: Sequence[str]) -> str:
             pass
     log = os.open(RunDir(run_dir).supervisor_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
-        proc = subprocess.Popen(list(argv), cwd=run_dir, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                start_new_session=True, env={**os.environ, JOB_ID_ENV: job_id})
+        proc = subprocess.Popen(
+            list(argv),
+            cwd=run_dir,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+            env={**os.environ, JOB_ID_ENV: job_id},
+        )
     finally:
         os.close(log)
     merge_state(state_path, supervisor_pid=proc.pid, pgid=proc.pid)
@@ -179,9 +195,13 @@ def current_state(run_dir: str, job_id: str) -> dict[str, Any]:
         return state
     live = process_group_alive(int(state.get("pgid") or pid))
     if live:
-        return {**state, "state": "RUNNING", "orphans": live,
-                "message": f"orphaned: the local supervisor died and {len(live)} process(es) still run; "
-                           f"`meshrun cancel {job_id}` stops them"}
+        return {
+            **state,
+            "state": "RUNNING",
+            "orphans": live,
+            "message": f"orphaned: the local supervisor died and {len(live)} process(es) still run; "
+            f"`meshrun cancel {job_id}` stops them",
+        }
     if state.get("cancel_requested"):
         return {**state, "state": "CANCELLED", "message": ""}
     return {**state, "state": "FAILED", "message": "the local supervisor process died (killed?)"}
@@ -211,25 +231,39 @@ def _status(record: JobRecord, transport: Transport) -> Status:
     if not os.path.isdir(record.run_dir):
         state: dict[str, Any] = {"state": "UNKNOWN", "message": f"the run dir {record.run_dir} is gone"}
     else:
-        state = (current_state(record.run_dir, record.job_id) or submitit_state(record.run_dir, record.job_id)
-                 or {"state": "UNKNOWN"})
+        state = (
+            current_state(record.run_dir, record.job_id)
+            or submitit_state(record.run_dir, record.job_id)
+            or {"state": "UNKNOWN"}
+        )
     name = state.get("state", "UNKNOWN")
     started, ended = state.get("started"), state.get("ended")
     elapsed = int((ended or now()) - started) if started else None
-    return Status(job_id=record.job_id, cluster=record.cluster, name=record.name, state=name,
-                  run_dir=record.run_dir, submitted_at=record.submitted_at, done=name in FINAL,
-                  succeeded=name == "COMPLETED", elapsed_s=elapsed,
-                  time_limit_s=None if name in FINAL else state.get("time_limit_s"),
-                  reason=state.get("message") or None, progress=last_metrics(transport, record.run_dir),
-                  exit_code=state.get("exit_code"))
+    return Status(
+        job_id=record.job_id,
+        cluster=record.cluster,
+        name=record.name,
+        state=name,
+        run_dir=record.run_dir,
+        submitted_at=record.submitted_at,
+        done=name in FINAL,
+        succeeded=name == "COMPLETED",
+        elapsed_s=elapsed,
+        time_limit_s=None if name in FINAL else state.get("time_limit_s"),
+        reason=state.get("message") or None,
+        progress=last_metrics(transport, record.run_dir),
+        exit_code=state.get("exit_code"),
+    )
 
 
 def _cancel(record: JobRecord) -> None:
     """SIGTERM to the job's process group: supervisor, submitit controller, ranks (orphans too)."""
     state = current_state(record.run_dir, record.job_id)
     if state.get("state") not in ACTIVE:
-        raise ClusterError(f"job {record.job_id} is not running: it ended {state.get('state', 'UNKNOWN')} "
-                           f"(see `meshrun status {record.job_id}`)")
+        raise ClusterError(
+            f"job {record.job_id} is not running: it ended {state.get('state', 'UNKNOWN')} "
+            f"(see `meshrun status {record.job_id}`)"
+        )
     merge_state(local_state_path(record.run_dir, record.job_id), cancel_requested=time.time())
     pgid = int(state.get("pgid") or state.get("supervisor_pid") or 0)
     if not pgid:

@@ -4,6 +4,7 @@ A submit writes the run dir and runs `sbatch --parsable` in ONE round trip; stat
 squeue, one batched sacct and every run's metrics tail in ONE remote command per cluster.
 The command lines and parsers of Slurm's stable output are in `slurm_cli`.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -42,11 +43,16 @@ class SlurmBackend:
         run_dir = RunDir(plan.run_dir)
         script = render(plan)
         name = RunDir.SCRIPTS[self.name]
-        return Request(scheduler=self.name, run_dir=plan.run_dir, script_path=run_dir.script(self.name),
-                       script=script, argv=tuple(slurm_cli.sbatch_argv(run_dir.script(self.name), plan.spec.name,
-                                                                         plan.run_dir, after)),
-                       files=run_dir_files(plan, name, script), code_dir=plan.code_dir,
-                       array_tasks=len(plan.tasks))
+        return Request(
+            scheduler=self.name,
+            run_dir=plan.run_dir,
+            script_path=run_dir.script(self.name),
+            script=script,
+            argv=tuple(slurm_cli.sbatch_argv(run_dir.script(self.name), plan.spec.name, plan.run_dir, after)),
+            files=run_dir_files(plan, name, script),
+            code_dir=plan.code_dir,
+            array_tasks=len(plan.tasks),
+        )
 
     def schedule(self, request: Request, transport: Transport) -> str:
         done = transport.put(request.files, request.run_dir, then=request.argv, timeout=120)
@@ -60,13 +66,17 @@ class SlurmBackend:
     def statuses(self, records: Sequence[JobRecord], transport: Transport) -> list[Status]:
         """ONE remote round trip per BATCH_JOBS jobs."""
         if len(records) > BATCH_JOBS:  # keeps one command line well under sshd's packet limit (256 KiB)
-            return [s for i in range(0, len(records), BATCH_JOBS)
-                    for s in self.statuses(records[i:i + BATCH_JOBS], transport)]
+            return [
+                s
+                for i in range(0, len(records), BATCH_JOBS)
+                for s in self.statuses(records[i : i + BATCH_JOBS], transport)
+            ]
         results = batch(transport, query_argvs(records), timeout=120)
         states = states_from(records, results[0], results[1])
-        tails, errors = results[2:2 + len(records)], results[2 + len(records):]
-        return [_status(record, states[record.job_id], tail, error)
-                for record, tail, error in zip(records, tails, errors)]
+        tails, errors = results[2 : 2 + len(records)], results[2 + len(records) :]
+        return [
+            _status(record, states[record.job_id], tail, error) for record, tail, error in zip(records, tails, errors)
+        ]
 
     def cancel(self, records: Sequence[JobRecord], transport: Transport) -> None:
         record = records[0]
@@ -119,12 +129,22 @@ def _status(record: JobRecord, job: slurm_cli.JobState, tail: Result, error: Res
     rank_error = error.stdout.strip().splitlines()[0] if error.returncode == 0 and error.stdout.strip() else None
     # A failed job says why in the ranks' own words (bad input, a crash), as on the local cluster.
     reason = rank_error if job.done and not job.succeeded and rank_error else job.reason
-    return Status(job_id=record.job_id, cluster=record.cluster, name=record.name, state=job.state,
-                  run_dir=record.run_dir, submitted_at=record.submitted_at, done=job.done,
-                  succeeded=job.succeeded, elapsed_s=slurm_cli.seconds(job.elapsed),
-                  time_limit_s=slurm_cli.seconds(job.time_limit),
-                  restarts=max(job.restarts, int(progress.get("restart_count") or 0)),
-                  reason=reason, progress=progress, exit_code=_exit_code(job.exit_code) if job.done else None)
+    return Status(
+        job_id=record.job_id,
+        cluster=record.cluster,
+        name=record.name,
+        state=job.state,
+        run_dir=record.run_dir,
+        submitted_at=record.submitted_at,
+        done=job.done,
+        succeeded=job.succeeded,
+        elapsed_s=slurm_cli.seconds(job.elapsed),
+        time_limit_s=slurm_cli.seconds(job.time_limit),
+        restarts=max(job.restarts, int(progress.get("restart_count") or 0)),
+        reason=reason,
+        progress=progress,
+        exit_code=_exit_code(job.exit_code) if job.done else None,
+    )
 
 
 BACKEND = SlurmBackend()

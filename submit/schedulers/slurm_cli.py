@@ -4,6 +4,7 @@ Only stable formats are parsed: `sbatch --parsable`, `sacct --parsable2` with a
 fixed field list, and `squeue` with a fixed `-o` format. Nothing here runs a
 command; the transport does.
 """
+
 from __future__ import annotations
 
 import re
@@ -18,12 +19,28 @@ SQUEUE_FORMAT = "%i|%T|%M|%l|%N|%r"
 _JOB_ID = re.compile(r"[0-9]+(_[0-9]+)?")  # [0-9], not \d: full-width digits are digits to Python, not to Slurm
 
 # Slurm's job states (squeue long names, sacct names), grouped by what they mean for a user.
-ACTIVE = frozenset({"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD",
-                    "REQUEUE_FED", "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT",
-                    "RESV_DEL_HOLD", "SPECIAL_EXIT"})
+ACTIVE = frozenset(
+    {
+        "PENDING",
+        "RUNNING",
+        "CONFIGURING",
+        "COMPLETING",
+        "REQUEUED",
+        "REQUEUE_HOLD",
+        "REQUEUE_FED",
+        "RESIZING",
+        "SUSPENDED",
+        "STOPPED",
+        "SIGNALING",
+        "STAGE_OUT",
+        "RESV_DEL_HOLD",
+        "SPECIAL_EXIT",
+    }
+)
 SUCCESS = frozenset({"COMPLETED"})
-FAILURE = frozenset({"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
-                     "BOOT_FAIL", "DEADLINE", "REVOKED"})
+FAILURE = frozenset(
+    {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "REVOKED"}
+)
 
 
 @dataclass(frozen=True)
@@ -63,8 +80,11 @@ def dependency(after: Sequence[str]) -> Optional[str]:
         kind, _, job_id = item.rpartition(":")
         kind = kind or "ok"
         if kind not in DEPENDENCY_KINDS or not _JOB_ID.fullmatch(job_id):
-            raise InputError("--after", item, f"give a Slurm job id, or KIND:JOB with KIND one of "
-                                              f"{', '.join(DEPENDENCY_KINDS)} (default ok)")
+            raise InputError(
+                "--after",
+                item,
+                f"give a Slurm job id, or KIND:JOB with KIND one of {', '.join(DEPENDENCY_KINDS)} (default ok)",
+            )
         slurm_kind = "after" if kind == "start" else f"after{kind}"
         parts.append(f"{slurm_kind}:{job_id}")
     return ",".join(parts) or None
@@ -74,8 +94,14 @@ def sbatch_argv(script: str, job_name: str, chdir: str, after: Sequence[str] = (
     # The literal job name travels here, as one argv word: sbatch's #SBATCH parser knows
     # no shell quoting, so the script carries only a sanitized label (render.sbatch_label).
     depends = dependency(after)
-    return ["sbatch", "--parsable", f"--job-name={job_name}", f"--chdir={chdir}",
-            *([f"--dependency={depends}"] if depends else []), script]
+    return [
+        "sbatch",
+        "--parsable",
+        f"--job-name={job_name}",
+        f"--chdir={chdir}",
+        *([f"--dependency={depends}"] if depends else []),
+        script,
+    ]
 
 
 def parse_sbatch(output: str) -> str:
@@ -89,8 +115,7 @@ def parse_sbatch(output: str) -> str:
 
 def sacct_argv(job_ids: Sequence[str]) -> list[str]:
     ids = ",".join(check_job_id(j) for j in job_ids)
-    return ["sacct", "--allocations", "--parsable2", "--noheader", "--jobs", ids,
-            "--format", ",".join(SACCT_FIELDS)]
+    return ["sacct", "--allocations", "--parsable2", "--noheader", "--jobs", ids, "--format", ",".join(SACCT_FIELDS)]
 
 
 def squeue_argv(job_ids: Sequence[str]) -> list[str]:
@@ -120,12 +145,17 @@ def parse_sacct(output: str) -> dict[str, JobState]:
         cols = line.split("|")
         if len(cols) < len(SACCT_FIELDS):
             continue
-        job_id, _name, state, exit_code, elapsed, limit, nodes = cols[:len(SACCT_FIELDS)]
+        job_id, _name, state, exit_code, elapsed, limit, nodes = cols[: len(SACCT_FIELDS)]
         if "." in job_id:  # a step row; --allocations should have removed it
             continue
-        states[job_id] = JobState(job_id=job_id, state=_state_word(state), exit_code=exit_code or None,
-                                  elapsed=elapsed or None, time_limit=limit or None,
-                                  nodes=nodes or None)
+        states[job_id] = JobState(
+            job_id=job_id,
+            state=_state_word(state),
+            exit_code=exit_code or None,
+            elapsed=elapsed or None,
+            time_limit=limit or None,
+            nodes=nodes or None,
+        )
     return states
 
 
@@ -137,14 +167,20 @@ def parse_squeue(output: str) -> dict[str, JobState]:
         if len(cols) != 6:
             continue
         job_id, state, elapsed, limit, nodes, reason = cols
-        states[job_id] = JobState(job_id=job_id, state=_state_word(state), elapsed=elapsed or None,
-                                  time_limit=limit or None, nodes=nodes or None,
-                                  reason=None if reason in ("None", "") else reason)
+        states[job_id] = JobState(
+            job_id=job_id,
+            state=_state_word(state),
+            elapsed=elapsed or None,
+            time_limit=limit or None,
+            nodes=nodes or None,
+            reason=None if reason in ("None", "") else reason,
+        )
     return states
 
 
-def merge_states(job_ids: Iterable[str], sacct: dict[str, JobState],
-                 squeue: dict[str, JobState]) -> dict[str, JobState]:
+def merge_states(
+    job_ids: Iterable[str], sacct: dict[str, JobState], squeue: dict[str, JobState]
+) -> dict[str, JobState]:
     """Accounting is the record, but it trails squeue by seconds: a live squeue row wins
     while sacct has not caught up, and a job neither knows is UNKNOWN."""
     merged: dict[str, JobState] = {}
@@ -153,8 +189,9 @@ def merge_states(job_ids: Iterable[str], sacct: dict[str, JobState],
         if acct and (acct.done or not live):
             merged[job_id] = acct
         elif live:
-            merged[job_id] = live if not acct else JobState(**{**acct.__dict__, "state": live.state,
-                                                               "reason": live.reason})
+            merged[job_id] = (
+                live if not acct else JobState(**{**acct.__dict__, "state": live.state, "reason": live.reason})
+            )
         else:
             merged[job_id] = JobState(job_id=job_id, state="UNKNOWN")
     return merged

@@ -3,6 +3,7 @@
 Skips cleanly where there is no CUDA device (CI, the CPU dev machines); run on a GPU machine
 with `pytest -q tests/gpu`.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,8 +17,7 @@ from launcher.corpus import build_corpus
 from launcher.spec import Data, JobSpec, Model, Parallel, Resources, RunInfo, RunSpec, write_run_spec
 from tests.integration.ranks import finish, metrics, start, tiny_train
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 STEPS = 12
 
@@ -27,11 +27,23 @@ def gpu_run(root: Path, precision: str) -> Path:
     build_corpus(corpus, roots=[Path(sysconfig.get_paths()["stdlib"]) / "logging"])
     run_dir = root / precision
     run_dir.mkdir()
-    train = tiny_train(model=Model(n_layers=4, d_model=256, n_heads=4, seq_len=256), steps=STEPS,
-                       precision=precision, global_batch=16, micro_batch=8, eval_every=STEPS, eval_sequences=32,
-                       activation_checkpointing=True)
-    job = JobSpec(name=f"gpu-{precision}", resources=Resources(gpus_per_node=1), parallel=Parallel(),
-                  train=train, data=Data(path=str(corpus)))
+    train = tiny_train(
+        model=Model(n_layers=4, d_model=256, n_heads=4, seq_len=256),
+        steps=STEPS,
+        precision=precision,
+        global_batch=16,
+        micro_batch=8,
+        eval_every=STEPS,
+        eval_sequences=32,
+        activation_checkpointing=True,
+    )
+    job = JobSpec(
+        name=f"gpu-{precision}",
+        resources=Resources(gpus_per_node=1),
+        parallel=Parallel(),
+        train=train,
+        data=Data(path=str(corpus)),
+    )
     write_run_spec(RunSpec(job, RunInfo(cluster="local", scheduler="local", run_dir=str(run_dir))), run_dir)
     return run_dir
 

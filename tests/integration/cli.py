@@ -1,4 +1,5 @@
 """Running the real `meshrun` command in a private home, as a user would."""
+
 from __future__ import annotations
 
 import json
@@ -18,16 +19,35 @@ CLUSTER_ONLY = ("SLURM_CONF", "MESHRUN_TESTBED_VENV")
 def env_for(home: Path, laptop: bool = False) -> dict[str, str]:
     """The environment of a user whose HOME (and so ~/.ssh/config, the registry...) is `home`;
     a laptop's has no Slurm configuration, so nothing can reach the cluster but SSH."""
-    env = dict(os.environ, HOME=str(home), XDG_STATE_HOME=str(home / "state"),
-               XDG_CONFIG_HOME=str(home / "config"), PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ,
+        HOME=str(home),
+        XDG_STATE_HOME=str(home / "state"),
+        XDG_CONFIG_HOME=str(home / "config"),
+        PYTHONUNBUFFERED="1",
+    )
     return {k: v for k, v in env.items() if not (laptop and k in CLUSTER_ONLY)}
 
 
-def meshrun(home: Path, *args: str, timeout: float = 300, check: bool = False, input: str = "",
-            laptop: bool = False, env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
+def meshrun(
+    home: Path,
+    *args: str,
+    timeout: float = 300,
+    check: bool = False,
+    input: str = "",
+    laptop: bool = False,
+    env: Optional[dict[str, str]] = None,
+) -> subprocess.CompletedProcess:
     """`meshrun ARGS` with HOME and the XDG dirs inside `home` (its own registry and run dirs); `env` adds to it."""
-    done = subprocess.run([sys.executable, "-m", "submit.cli", *args], capture_output=True, text=True,
-                          env={**env_for(home, laptop), **(env or {})}, cwd=REPO, timeout=timeout, input=input)
+    done = subprocess.run(
+        [sys.executable, "-m", "submit.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**env_for(home, laptop), **(env or {})},
+        cwd=REPO,
+        timeout=timeout,
+        input=input,
+    )
     if check:
         assert done.returncode == 0, f"meshrun {' '.join(args)} -> {done.returncode}\n{done.stdout}\n{done.stderr}"
     return done

@@ -23,8 +23,10 @@ def testbed() -> Iterator[dict[str, object]]:
     missing = tb.missing_binaries()
     if missing:
         # Fail, never skip: a skipped integration suite looks green while testing nothing.
-        pytest.fail(f"the Slurm testbed needs {', '.join(missing)}: run "
-                    "`sh tests/testbed/install.sh` as root first", pytrace=False)
+        pytest.fail(
+            f"the Slurm testbed needs {', '.join(missing)}: run `sh tests/testbed/install.sh` as root first",
+            pytrace=False,
+        )
     # A testbed someone else started (another pytest session, a developer's `up`) is theirs
     # to stop: this session only stops what it started.
     already_up = all(pid is not None for pid in tb.status().values())

@@ -1,6 +1,7 @@
 """One rank of a resharding probe: build the trainer for RUN_DIR's layout, load a checkpoint
 saved under another layout, and write this rank's full (unsharded) parameters to
 RUN_DIR/probe-<rank>.pt. Run by tests/integration/test_checkpoint_resume.py."""
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,10 @@ def main(run_dir: Path, checkpoint: Path) -> None:
         dataset = TokenDataset(job.data.path, job.trainer.model.seq_len, job.data.val_fraction)
         t = build_trainer(job, env, runtime, dataset)
         trainstate.load(Checkpointer(checkpoint.parent, keep=1, coordinator=False), t, checkpoint, env)
-        full = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-                for name, p in t.model.state_dict().items()}
+        full = {
+            name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for name, p in t.model.state_dict().items()
+        }
         if t.coords.dp == 0 and t.coords.tp == 0:  # one writer per pipeline stage
             torch.save(full, run_dir / f"probe-{env.rank}.pt")
     finally:

@@ -4,6 +4,7 @@ The profile points at the testbed's sshd (127.0.0.1:2222, key only, its known_ho
 its setup line activates this venv by absolute path (an SSH session has no
 MESHRUN_TESTBED_VENV). Nothing in it lets meshrun run Slurm commands locally.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,14 +27,32 @@ SSHD_LOG = tb.LOG / "sshd.log"
 def profile(tmp: Path, name: str = "sshbed", **ssh: Any) -> Path:
     """A profile YAML file reaching the testbed over SSH (`ssh` entries override the testbed's)."""
     info = tb.ssh_info()
-    section = {"host": info["host"], "port": info["port"], "user": info["user"],
-               "identity_file": info["identity_file"], "known_hosts": info["known_hosts"], **ssh}
+    section = {
+        "host": info["host"],
+        "port": info["port"],
+        "user": info["user"],
+        "identity_file": info["identity_file"],
+        "known_hosts": info["known_hosts"],
+        **ssh,
+    }
     data = {
-        "name": name, "scheduler": "slurm", "ssh": {k: v for k, v in section.items() if v is not None},
+        "name": name,
+        "scheduler": "slurm",
+        "ssh": {k: v for k, v in section.items() if v is not None},
         "paths": {"work_dir": f"{tb.TESTBED_DIR}/work-ssh", "checkpoint_root": f"{tb.TESTBED_DIR}/ckpt-ssh"},
-        "setup": [f"source {sys.prefix}/bin/activate"], "python": "python",
-        "partitions": [{"name": tb.PARTITION, "gpus_per_node": tb.GPUS_PER_NODE, "cpus_per_node": tb.CPUS_PER_NODE,
-                        "memory_gb": 2, "max_time": "1-00:00:00", "max_nodes": 2, "default": True}],
+        "setup": [f"source {sys.prefix}/bin/activate"],
+        "python": "python",
+        "partitions": [
+            {
+                "name": tb.PARTITION,
+                "gpus_per_node": tb.GPUS_PER_NODE,
+                "cpus_per_node": tb.CPUS_PER_NODE,
+                "memory_gb": 2,
+                "max_time": "1-00:00:00",
+                "max_nodes": 2,
+                "default": True,
+            }
+        ],
         "interconnect": {"nvlink_domain": 2, "nccl": {"NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}},
     }
     path = tmp / f"{name}.yaml"
@@ -58,8 +77,11 @@ def meshrun(home: Path, *args: str, **kwargs: Any) -> subprocess.CompletedProces
 
 
 def command_spec(name: str, argv: list[str], **resources: Any) -> str:
-    spec = {"name": name, "resources": {"nodes": 1, "tasks_per_node": 1, "time": "00:05:00", **resources},
-            "command": argv}
+    spec = {
+        "name": name,
+        "resources": {"nodes": 1, "tasks_per_node": 1, "time": "00:05:00", **resources},
+        "command": argv,
+    }
     return yaml.safe_dump(spec, sort_keys=False)
 
 

@@ -3,6 +3,7 @@
 They live in a module, not in the test file, because submitit pickles a function by reference:
 the workers import it (`python -m submitit.core._submit` runs in the submitter's cwd, the repo root).
 """
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,13 @@ def allreduce_ranks() -> dict[str, Any]:
         dist.all_reduce(total)
     finally:
         dist.destroy_process_group()
-    return {"sum": int(total.item()), "rank": env.rank, "world_size": env.world_size,
-            "node": os.environ["SLURMD_NODENAME"], "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME")}
+    return {
+        "sum": int(total.item()),
+        "rank": env.rank,
+        "world_size": env.world_size,
+        "node": os.environ["SLURMD_NODENAME"],
+        "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+    }
 
 
 def sleep_for(seconds: float) -> float:

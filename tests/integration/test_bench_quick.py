@@ -4,6 +4,7 @@ A quick mode takes the bench's own code path with tiny sizes (seconds, not minut
 that breaks a bench fails CI; the full runs stay manual (README, Benchmarks). bench/gpu.sh needs a
 GPU: here only its fail-fast answer on a machine without one is checked.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,31 +21,65 @@ NUMBER = r"[0-9][0-9,]*\.?[0-9]*"
 
 QUICK: dict[str, tuple[list[str], list[str]]] = {
     # bench: (its arguments, patterns its output must hold: the table or the ratios it exists for)
-    "plan_scale.py": (["--quick"], [rf"plan\+validate\+render 1024 nodes x 8 GPUs: {NUMBER} ms .*ratio {NUMBER}",
-                                    rf"expand_hostlist 10,000 hosts: {NUMBER} ms .*ratio {NUMBER}"]),
-    "cli_startup.py": (["--quick"], [rf"meshrun --help +{NUMBER} +{NUMBER} +no$",
-                                     rf"meshrun render +{NUMBER} +{NUMBER} +no$"]),
-    "checkpoint.py": (["--quick"], [r"state: [0-9] MB",  # the small state: single-digit megabytes
-                                    rf"ratio save/cp {NUMBER}", rf"stall / synchronous save = {NUMBER}",
-                                    rf"ratio load/read {NUMBER}"]),
-    "throughput.py": (["--quick"], [rf"meshrun loop : +{NUMBER} tokens/s", rf"minimal loop : +{NUMBER} tokens/s",
-                                    rf"ratio +: {NUMBER}"]),
+    "plan_scale.py": (
+        ["--quick"],
+        [
+            rf"plan\+validate\+render 1024 nodes x 8 GPUs: {NUMBER} ms .*ratio {NUMBER}",
+            rf"expand_hostlist 10,000 hosts: {NUMBER} ms .*ratio {NUMBER}",
+        ],
+    ),
+    "cli_startup.py": (
+        ["--quick"],
+        [rf"meshrun --help +{NUMBER} +{NUMBER} +no$", rf"meshrun render +{NUMBER} +{NUMBER} +no$"],
+    ),
+    "checkpoint.py": (
+        ["--quick"],
+        [
+            r"state: [0-9] MB",  # the small state: single-digit megabytes
+            rf"ratio save/cp {NUMBER}",
+            rf"stall / synchronous save = {NUMBER}",
+            rf"ratio load/read {NUMBER}",
+        ],
+    ),
+    "throughput.py": (
+        ["--quick"],
+        [rf"meshrun loop : +{NUMBER} tokens/s", rf"minimal loop : +{NUMBER} tokens/s", rf"ratio +: {NUMBER}"],
+    ),
     "gpu_train.py": (["--quick"], [rf"steps [0-9]+-[0-9]+: {NUMBER} ms/step, {NUMBER} tokens/s, .*MFU"]),
-    "gpu_ops.py": (["all", "--quick"], [r"^ROW\tnvml", rf"^ROW\tbf16 gemm 256\^3\t{NUMBER} TFLOP/s",
-                                        rf"^ROW\tall-reduce\t{NUMBER} GB/s bus bandwidth \(gloo, 2 ranks"]),
+    "gpu_ops.py": (
+        ["all", "--quick"],
+        [
+            r"^ROW\tnvml",
+            rf"^ROW\tbf16 gemm 256\^3\t{NUMBER} TFLOP/s",
+            rf"^ROW\tall-reduce\t{NUMBER} GB/s bus bandwidth \(gloo, 2 ranks",
+        ],
+    ),
 }
-ON_TESTBED = {"ssh_submit.py": (["--quick"], [rf"first submit \(new code\) +{NUMBER} +{NUMBER} +{NUMBER}",
-                                              rf"meshrun submit \(command\) +{NUMBER} +{NUMBER}",
-                                              r"status of 4 jobs: 1 round trip"])}
+ON_TESTBED = {
+    "ssh_submit.py": (
+        ["--quick"],
+        [
+            rf"first submit \(new code\) +{NUMBER} +{NUMBER} +{NUMBER}",
+            rf"meshrun submit \(command\) +{NUMBER} +{NUMBER}",
+            r"status of 4 jobs: 1 round trip",
+        ],
+    )
+}
 HELPERS = {"trainer_setup.py"}  # imported by the training benches; not a bench itself
 
 
 def run_bench(name: str, args: list[str], tmp_path: Path) -> str:
-    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"), XDG_CONFIG_HOME=str(tmp_path / "config"),
-               TMPDIR=str(tmp_path), PYTHONPATH=str(REPO),
-               OMP_NUM_THREADS="1")  # on 2 shared cores, OpenMP threads spinning in barriers cost many-fold
-    done = subprocess.run([sys.executable, str(BENCH / name), *args], capture_output=True, text=True, env=env,
-                          cwd=REPO, timeout=180)
+    env = dict(
+        os.environ,
+        XDG_STATE_HOME=str(tmp_path / "state"),
+        XDG_CONFIG_HOME=str(tmp_path / "config"),
+        TMPDIR=str(tmp_path),
+        PYTHONPATH=str(REPO),
+        OMP_NUM_THREADS="1",
+    )  # on 2 shared cores, OpenMP threads spinning in barriers cost many-fold
+    done = subprocess.run(
+        [sys.executable, str(BENCH / name), *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=180
+    )
     assert done.returncode == 0, f"{name} {' '.join(args)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
     return done.stdout
 
@@ -77,7 +112,13 @@ def test_gpu_sh_without_a_gpu_stops_at_once_with_one_line(tmp_path: Path) -> Non
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: run bench/gpu.sh itself")
-    done = subprocess.run(["bash", str(BENCH / "gpu.sh")], capture_output=True, text=True, cwd=tmp_path,
-                          env=dict(os.environ, PYTHON=sys.executable), timeout=60)
+    done = subprocess.run(
+        ["bash", str(BENCH / "gpu.sh")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHON=sys.executable),
+        timeout=60,
+    )
     assert done.returncode == 1 and done.stdout == "", done
     assert re.fullmatch(r"bench/gpu\.sh: no usable GPU: .+; run it on a GPU machine\n", done.stderr), done.stderr

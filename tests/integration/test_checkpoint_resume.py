@@ -2,6 +2,7 @@
 
 CPU, gloo, fp32, a tiny model; every rank is a real `python -m launcher RUN_DIR` process.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,9 @@ def _wait_for_step(run_dir: Path, step: int, procs: list[subprocess.Popen], time
     while True:
         path = run_dir / "metrics.jsonl"
         if path.exists() and path.read_text().strip():
-            last = max(json.loads(line).get("step", 0) for line in path.read_text().strip().splitlines()
-                       if line.endswith("}"))
+            last = max(
+                json.loads(line).get("step", 0) for line in path.read_text().strip().splitlines() if line.endswith("}")
+            )
             if last >= step:
                 return last
         assert all(p.poll() is None for p in procs), "a rank exited before the step was reached"
@@ -69,8 +71,9 @@ def test_signal_to_one_rank_saves_requeues_and_resumes_bit_identically(tmp_path:
 def test_kill_9_during_saves_never_loads_a_partial_checkpoint(tmp_path: Path, corpus: Path) -> None:
     """20 kills at random moments while a checkpoint is saved every step; each restart resumes."""
     rng = random.Random(1234)
-    run = make_run(tmp_path, "kill", corpus, 2, train=_train(steps=400, log_every=1),
-                   checkpoint=Checkpoint(every=1, keep=2))
+    run = make_run(
+        tmp_path, "kill", corpus, 2, train=_train(steps=400, log_every=1), checkpoint=Checkpoint(every=1, keep=2)
+    )
     root, resumed_from = run / "checkpoints", 0
     for trial in range(20):
         procs = start(run, 2)
@@ -96,18 +99,30 @@ def test_kill_9_during_saves_never_loads_a_partial_checkpoint(tmp_path: Path, co
 
 def test_resharding_a_221_checkpoint_to_112_and_one_process(tmp_path: Path, corpus: Path) -> None:
     train = _train(steps=4, global_batch=8, micro_batch=2)
-    src = make_run(tmp_path, "src", corpus, 4, train=train, checkpoint=Checkpoint(every=4),
-                   parallel=Parallel(dp=2, tp=2, pp=1))
+    src = make_run(
+        tmp_path, "src", corpus, 4, train=train, checkpoint=Checkpoint(every=4), parallel=Parallel(dp=2, tp=2, pp=1)
+    )
     finish(start(src, 4))
     saved, _ = consolidated_state(ckpt.latest(src / "checkpoints"))
     probes = {}
     for name, world, par in (("pp2", 2, Parallel(dp=1, tp=1, pp=2)), ("one", 1, Parallel())):
         dst = make_run(tmp_path, name, corpus, world, train=train, parallel=par)
         port = free_port()
-        procs = [subprocess.Popen([sys.executable, str(REPO / "tests/integration/reshard_probe.py"), str(dst),
-                                   str(ckpt.latest(src / "checkpoints"))],
-                                  env=rank_environ(r, world, port), stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True) for r in range(world)]
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(REPO / "tests/integration/reshard_probe.py"),
+                    str(dst),
+                    str(ckpt.latest(src / "checkpoints")),
+                ],
+                env=rank_environ(r, world, port),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for r in range(world)
+        ]
         finish(procs)
         probes[name] = {}
         for part in dst.glob("probe-*.pt"):

@@ -13,6 +13,7 @@ Where the installed Slurm (22.05 on the test machine) and expand_hostlist differ
 - names that would keep a '[' or ']', and lists where Slurm logs an error yet prints (it then
   drops hosts silently), raise ValueError here.
 """
+
 from __future__ import annotations
 
 import random
@@ -34,6 +35,7 @@ SEED = 20240611
 @dataclass(frozen=True)
 class Scontrol:
     """What `scontrol show hostnames TEXT` did."""
+
     hosts: list[str]
     refused: bool
     """Exit status != 0, "Invalid hostlist", or an error logged (even when it printed hosts)."""
@@ -48,8 +50,7 @@ def scontrol(tmp_path_factory: pytest.TempPathFactory) -> Run:
     binary = shutil.which("scontrol") or "/usr/bin/scontrol"
     if not Path(binary).exists():
         # Fail, never skip (as tests/integration/conftest.py): a skip would look green.
-        pytest.fail("scontrol not found: run `sh tests/testbed/install.sh` as root first",
-                    pytrace=False)
+        pytest.fail("scontrol not found: run `sh tests/testbed/install.sh` as root first", pytrace=False)
     conf = tmp_path_factory.mktemp("slurm") / "slurm.conf"
     conf.write_text("ClusterName=hostlisttest\nSlurmctldHost=localhost\n")
     # A clean environment: with an empty argument scontrol would fall back to SLURM_JOB_NODELIST.
@@ -57,8 +58,7 @@ def scontrol(tmp_path_factory: pytest.TempPathFactory) -> Run:
 
     def one(text: str) -> Scontrol:
         # "--": a list that starts with '-' must not be read as an option.
-        done = subprocess.run([binary, "--", "show", "hostnames", text], env=env,
-                              capture_output=True, timeout=60)
+        done = subprocess.run([binary, "--", "show", "hostnames", text], env=env, capture_output=True, timeout=60)
         out = done.stdout.decode("utf-8", "surrogateescape")
         err = done.stderr.decode("utf-8", "surrogateescape")
         refused = done.returncode != 0 or "Invalid hostlist" in err or "error:" in err
@@ -100,8 +100,8 @@ def number(rng: random.Random, width: int) -> int:
     if kind < 0.7:
         return rng.randrange(0, 20)
     if kind < 0.9:
-        return rng.randrange(0, 10 ** width if width > 1 else 1000)
-    return rng.randrange(10 ** 17, 10 ** 18)  # big, still far below 2**64
+        return rng.randrange(0, 10**width if width > 1 else 1000)
+    return rng.randrange(10**17, 10**18)  # big, still far below 2**64
 
 
 def range_item(rng: random.Random, max_span: int) -> str:
@@ -112,13 +112,13 @@ def range_item(rng: random.Random, max_span: int) -> str:
     lo_s, hi_s = str(lo).zfill(width), str(hi).zfill(rng.choice([1, width]))
     quirk = rng.random()
     if quirk < 0.04:
-        return f" {lo_s}-{hi_s}"      # strtoul skips the space, strlen counts it: one more pad
+        return f" {lo_s}-{hi_s}"  # strtoul skips the space, strlen counts it: one more pad
     if quirk < 0.07:
         return f"+{lo_s}-{hi_s}"
     if quirk < 0.10:
-        return f"{lo_s}-"             # no high bound: just lo
+        return f"{lo_s}-"  # no high bound: just lo
     if quirk < 0.13:
-        return f"{lo_s}q-{hi_s}"      # junk before '-' goes unnoticed once hi parses
+        return f"{lo_s}q-{hi_s}"  # junk before '-' goes unnoticed once hi parses
     return lo_s if hi == lo and rng.random() < 0.5 else f"{lo_s}-{hi_s}"
 
 
@@ -129,8 +129,7 @@ def bracket(rng: random.Random, max_span: int) -> str:
 
 def bare_name(rng: random.Random) -> str:
     name = rng.choice(NAMES + ["", "login"])
-    digits = rng.choice(["", str(rng.randrange(100)), f"{rng.randrange(1000):04d}",
-                         str(rng.randrange(10 ** 18, 10 ** 19))])
+    digits = rng.choice(["", str(rng.randrange(100)), f"{rng.randrange(1000):04d}", str(rng.randrange(10**18, 10**19))])
     return (name + digits) or "solo"
 
 
@@ -167,13 +166,13 @@ def suffixed_token(rng: random.Random) -> str:
 
 
 INVALID_MUTATIONS: list[Callable[[random.Random], str]] = [
-    lambda r: f"{r.randrange(5, 99)}-{r.randrange(0, 5)}",          # descending
-    lambda r: "",                                                   # empty item: "[]", "[1,]"
+    lambda r: f"{r.randrange(5, 99)}-{r.randrange(0, 5)}",  # descending
+    lambda r: "",  # empty item: "[]", "[1,]"
     lambda r: f"{r.randrange(9)}-{r.randrange(10, 99)}{r.choice('abz ')}",  # junk after high
     lambda r: r.choice(["a", "a-3", "x", "1x2", "0x1F", "-", "-4", "1--3", "1-3-5", "1-+-3"]),
-    lambda r: f"{r.randrange(9)}-{r.randrange(65536, 99999)}",      # more than 65536 hosts
-    lambda r: "[1-2]",                                              # nested brackets
-    lambda r: f"{r.randrange(9)}]",                                 # a stray ']'
+    lambda r: f"{r.randrange(9)}-{r.randrange(65536, 99999)}",  # more than 65536 hosts
+    lambda r: "[1-2]",  # nested brackets
+    lambda r: f"{r.randrange(9)}]",  # a stray ']'
 ]
 
 
@@ -196,12 +195,41 @@ def junk(rng: random.Random) -> str:
 # ---- tests ------------------------------------------------------------------------------------
 
 HAND_PICKED = [
-    "n[1-3]", "n[01-10]", "n[009-011]", "n[5]", "n[1,3-5,7]", "n[3,1,3]", "a[1-2]b[3-4]",
-    "a[01-03]b[1-2]", "a[1-2]b[3-4]c[5-6]d[7-8]", "n[1-3][4-5]", "n[1-2]-[4-5]", "[1-3]",
-    "rack[1-2]_node[1,3]", "n[1-3],x", "a,b,,c", " n1  ,, n2 ", "a\tb c", "x[1-2] y[3]",
-    "c427-032,c429-002,c457-[011-012]", "n[1-010]", "n[ 1-3]", "n[+1-3]", "n[1-]", "n[1 -3]",
-    "n[1a-3]", "é[1-2]", "n[1é-3]", "n18446744073709551614", "n0,n00,n000", "007", ",",
-    "n[1-2]x[3]", "n[0-1]b[2]", "a[1],b", "n[1-65536]",
+    "n[1-3]",
+    "n[01-10]",
+    "n[009-011]",
+    "n[5]",
+    "n[1,3-5,7]",
+    "n[3,1,3]",
+    "a[1-2]b[3-4]",
+    "a[01-03]b[1-2]",
+    "a[1-2]b[3-4]c[5-6]d[7-8]",
+    "n[1-3][4-5]",
+    "n[1-2]-[4-5]",
+    "[1-3]",
+    "rack[1-2]_node[1,3]",
+    "n[1-3],x",
+    "a,b,,c",
+    " n1  ,, n2 ",
+    "a\tb c",
+    "x[1-2] y[3]",
+    "c427-032,c429-002,c457-[011-012]",
+    "n[1-010]",
+    "n[ 1-3]",
+    "n[+1-3]",
+    "n[1-]",
+    "n[1 -3]",
+    "n[1a-3]",
+    "é[1-2]",
+    "n[1é-3]",
+    "n18446744073709551614",
+    "n0,n00,n000",
+    "007",
+    ",",
+    "n[1-2]x[3]",
+    "n[0-1]b[2]",
+    "a[1],b",
+    "n[1-65536]",
 ]
 
 
@@ -216,8 +244,7 @@ def test_generated_lists_match_scontrol(scontrol: Run) -> None:
     rng = random.Random(SEED)
     texts = [hostlist(rng, token) for _ in range(250)]
     results = scontrol(texts)
-    mismatches = [(t, results[t]) for t in texts
-                  if results[t].refused or expand_or_none(t) != results[t].hosts]
+    mismatches = [(t, results[t]) for t in texts if results[t].refused or expand_or_none(t) != results[t].hosts]
     assert not mismatches, mismatches[:5]
     assert sum(len(r.hosts) for r in results.values()) > 2000  # the lists did expand
 
@@ -253,12 +280,38 @@ def test_generated_invalid_lists_are_refused(scontrol: Run) -> None:
         assert results[text].refused or bracketed(results[text].hosts), (text, results[text])
 
 
-@pytest.mark.parametrize("text", [
-    "n[3-1]", "n[010-1]", "n[]", "n[,]", "n[1,]", "n[,1]", "n[-]", "n[-1]", "n[1--3]",
-    "n[1-3-5]", "n[a-c]", "n[1x]", "n[0x1]", "n[1-3 ]", "n[[1-2]]", "n[1-2]]", "n[1-2]][3]",
-    "a[x]b[1-2]c[3]", "a[1-2]b[x]c[3]", "n[1-65537]", "a[1-65536,1]b[1]", "n1-3]", "a]b[1,2]",
-    "x[y[1-2]z[3]", "n[1-2]x]", "n[x[1-2]", "n]x[1-2]",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "n[3-1]",
+        "n[010-1]",
+        "n[]",
+        "n[,]",
+        "n[1,]",
+        "n[,1]",
+        "n[-]",
+        "n[-1]",
+        "n[1--3]",
+        "n[1-3-5]",
+        "n[a-c]",
+        "n[1x]",
+        "n[0x1]",
+        "n[1-3 ]",
+        "n[[1-2]]",
+        "n[1-2]]",
+        "n[1-2]][3]",
+        "a[x]b[1-2]c[3]",
+        "a[1-2]b[x]c[3]",
+        "n[1-65537]",
+        "a[1-65536,1]b[1]",
+        "n1-3]",
+        "a]b[1,2]",
+        "x[y[1-2]z[3]",
+        "n[1-2]x]",
+        "n[x[1-2]",
+        "n]x[1-2]",
+    ],
+)
 def test_hand_picked_invalid_lists(scontrol: Run, text: str) -> None:
     result = scontrol([text])[text]
     with pytest.raises(ValueError):
@@ -293,9 +346,12 @@ def test_random_junk_agrees_with_scontrol(scontrol: Run) -> None:
 
 
 def test_10k_hosts_match_scontrol(scontrol: Run) -> None:
-    texts = ["gpu[00001-10000]", "n[" + ",".join(str(i) for i in range(0, 20_000, 2)) + "]",
-             ",".join(f"r{i:03d}n[01-10]" for i in range(1000)),
-             ",".join(f"node{i}" for i in range(10_000))]
+    texts = [
+        "gpu[00001-10000]",
+        "n[" + ",".join(str(i) for i in range(0, 20_000, 2)) + "]",
+        ",".join(f"r{i:03d}n[01-10]" for i in range(1000)),
+        ",".join(f"node{i}" for i in range(10_000)),
+    ]
     results = scontrol(texts)
     for text in texts:
         assert len(results[text].hosts) == 10_000

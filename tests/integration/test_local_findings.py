@@ -1,6 +1,7 @@
 """What a new user hit on the `local` cluster (issue 15), each reproduced through the real CLI with real
 processes: one failing rank stops its peers, a TERM-trapping program cancels as CANCELLED, a killed
 supervisor leaves no second writer, each job id keeps its own outcome and its own log lines."""
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,12 @@ from tests.integration.cli import REPO, env_for, meshrun, status, submitted
 
 def _command_spec(tmp_path: Path, name: str, script: str, tasks: int = 2) -> Path:
     """A `command:` job (no torch: starts in a second) running `script` with bash on every rank."""
-    spec = {"name": name, "resources": {"nodes": 1, "tasks_per_node": tasks, "time": "00:10:00"},
-            "command": ["bash", "-c", script], "env": {"OMP_NUM_THREADS": "1"}}
+    spec = {
+        "name": name,
+        "resources": {"nodes": 1, "tasks_per_node": tasks, "time": "00:10:00"},
+        "command": ["bash", "-c", script],
+        "env": {"OMP_NUM_THREADS": "1"},
+    }
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
@@ -53,8 +58,9 @@ def test_one_failing_rank_stops_the_others(tmp_path: Path) -> None:
 
 def test_cancelling_a_program_that_traps_term_ends_cancelled(tmp_path: Path) -> None:
     """Item 10: exit 143 from the user's own TERM trap is still a cancel."""
-    spec = _command_spec(tmp_path, "traps-term", 'trap "exit 143" TERM; touch "$MESHRUN_RUN_DIR/up-$RANK"; '
-                                                 'while :; do sleep 0.2; done')
+    spec = _command_spec(
+        tmp_path, "traps-term", 'trap "exit 143" TERM; touch "$MESHRUN_RUN_DIR/up-$RANK"; while :; do sleep 0.2; done'
+    )
     job_id, run_dir = submitted(meshrun(tmp_path, "submit", str(spec), "-c", "local", check=True))
     _wait_file(run_dir / "up-1")
     meshrun(tmp_path, "cancel", job_id, check=True)
@@ -110,8 +116,12 @@ def test_a_killed_supervisor_leaves_no_second_writer(tmp_path: Path) -> None:
 def test_each_job_id_keeps_its_outcome_and_its_log(tmp_path: Path) -> None:
     """Items 6, 7, 27 and 26: a resumed run logs where `logs NEWJOB` looks, the cancelled id stays
     CANCELLED, a completed job is not resumed, an ended one is not cancelled."""
-    spec = _command_spec(tmp_path, "resumable", 'if [ -f "$MESHRUN_RUN_DIR/go" ]; then echo "second run"; exit 0; '
-                                                'fi; touch "$MESHRUN_RUN_DIR/up-$RANK"; sleep 300')
+    spec = _command_spec(
+        tmp_path,
+        "resumable",
+        'if [ -f "$MESHRUN_RUN_DIR/go" ]; then echo "second run"; exit 0; '
+        'fi; touch "$MESHRUN_RUN_DIR/up-$RANK"; sleep 300',
+    )
     first, run_dir = submitted(meshrun(tmp_path, "submit", str(spec), "-c", "local", check=True))
     _wait_file(run_dir / "up-1")
     meshrun(tmp_path, "cancel", first, check=True)
@@ -140,8 +150,14 @@ def test_resume_after_the_run_dir_is_gone_says_so(tmp_path: Path) -> None:
 def test_ctrl_c_while_waiting_leaves_the_job_running_and_says_so(tmp_path: Path) -> None:
     """Item 29."""
     spec = _command_spec(tmp_path, "ctrl-c", 'touch "$MESHRUN_RUN_DIR/up-$RANK"; sleep 300', tasks=1)
-    proc = subprocess.Popen([sys.executable, "-m", "submit.cli", "submit", str(spec), "-c", "local", "--wait"],
-                            cwd=REPO, env=env_for(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "submit.cli", "submit", str(spec), "-c", "local", "--wait"],
+        cwd=REPO,
+        env=env_for(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     run_dirs: list[Path] = []
     while not (run_dirs and (run_dirs[0] / "up-0").exists()):

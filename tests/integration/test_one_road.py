@@ -1,6 +1,7 @@
 """Issue 8's "one road", proven on the real parts: what `--dry-run` prints is byte for byte what the real
 submit writes, and a submit over SSH plans once and renders once (counted), locally and on the real
 Slurm testbed reached through the real sshd."""
+
 from __future__ import annotations
 
 import json
@@ -19,18 +20,27 @@ from tests.integration import sshbed
 @pytest.fixture
 def laptop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     """In-process `meshrun` with a private home, a fixed run-dir name, and counters on plan and render."""
-    for key, value in {"HOME": tmp_path, "XDG_STATE_HOME": tmp_path / "state",
-                       "XDG_CONFIG_HOME": tmp_path / "config"}.items():
+    for key, value in {
+        "HOME": tmp_path,
+        "XDG_STATE_HOME": tmp_path / "state",
+        "XDG_CONFIG_HOME": tmp_path / "config",
+    }.items():
         monkeypatch.setenv(key, str(value))
     name = f"road-{uuid.uuid4().hex[:8]}"
-    monkeypatch.setattr(planning, "run_dir_for", lambda spec, cluster, home, now=None:
-                        f"{planning.expand_home(cluster.paths.work_dir, home).rstrip('/')}/runs/{name}")
+    monkeypatch.setattr(
+        planning,
+        "run_dir_for",
+        lambda spec, cluster, home, now=None: (
+            f"{planning.expand_home(cluster.paths.work_dir, home).rstrip('/')}/runs/{name}"
+        ),
+    )
     calls = {"plan": 0, "render": 0}
 
     def counted(fn: Any, key: str) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             calls[key] += 1
             return fn(*args, **kwargs)
+
         return wrapper
 
     monkeypatch.setattr(planning, "make_plan", counted(planning.make_plan, "plan"))
@@ -55,19 +65,22 @@ def test_dry_run_is_what_the_local_submit_writes(laptop: dict[str, Any], capsys:
     shown, run_dir = _dry_run_then_submit(["submit", str(spec), "-c", "local"], laptop["calls"], capsys)
     assert Path(shown["script_path"]).read_text() == shown["script"]
     assert shown["argv"] == ["bash", shown["script_path"]]
-    assert {f["path"] for f in shown["files"]} <= {str(p) + ("/" if p.is_dir() else "")
-                                                   for p in Path(run_dir).rglob("*")}
+    assert {f["path"] for f in shown["files"]} <= {
+        str(p) + ("/" if p.is_dir() else "") for p in Path(run_dir).rglob("*")
+    }
     assert laptop["calls"] == {"plan": 1, "render": 1}
 
 
 def test_over_ssh_one_plan_one_render_and_the_dry_run_is_what_is_sent(
-        testbed: dict, laptop: dict[str, Any], capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    testbed: dict, laptop: dict[str, Any], capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("SLURM_CONF", raising=False)  # a laptop: the cluster only over SSH
     home = laptop["home"]
     profile = sshbed.profile(home)
     root = sshbed.project(home, {"sleeper.yaml": sshbed.command_spec("road", ["true"])})
-    shown, run_dir = _dry_run_then_submit(["submit", str(root / "sleeper.yaml"), "-c", str(profile)],
-                                          laptop["calls"], capsys)
+    shown, run_dir = _dry_run_then_submit(
+        ["submit", str(root / "sleeper.yaml"), "-c", str(profile)], laptop["calls"], capsys
+    )
     assert laptop["calls"] == {"plan": 1, "render": 1}
     # The testbed's login node is this machine: what sbatch ran is the very file the dry run showed.
     assert Path(shown["script_path"]).read_bytes() == shown["script"].encode()

@@ -13,6 +13,7 @@ reductions in another order), grad_norm ~3e-6.
 The layouts between them also cover the options: sequence parallelism, both pipeline
 schedules, FSDP2 and replicate (dp_mode ddp with tp/pp) and activation checkpointing.
 """
+
 from __future__ import annotations
 
 import re
@@ -33,8 +34,9 @@ MODEL = Model(n_layers=4, d_model=64, n_heads=4, seq_len=32)
 
 
 def numerics_train(micro_batch: int, **overrides: Any) -> Train:
-    return tiny_train(model=MODEL, steps=STEPS, global_batch=8, micro_batch=micro_batch, eval_every=5,
-                      eval_sequences=16, **overrides)
+    return tiny_train(
+        model=MODEL, steps=STEPS, global_batch=8, micro_batch=micro_batch, eval_every=5, eval_sequences=16, **overrides
+    )
 
 
 @dataclass(frozen=True)
@@ -53,8 +55,12 @@ class Case:
 
     @property
     def name(self) -> str:
-        extras = [self.mode] + (["sp"] if self.sequence_parallel else []) \
-            + ([self.schedule] if self.pp > 1 else []) + (["ac"] if self.checkpointing else [])
+        extras = (
+            [self.mode]
+            + (["sp"] if self.sequence_parallel else [])
+            + ([self.schedule] if self.pp > 1 else [])
+            + (["ac"] if self.checkpointing else [])
+        )
         return f"dp{self.dp}-tp{self.tp}-pp{self.pp}-" + "-".join(extras)
 
 
@@ -78,8 +84,11 @@ def run_single(root: Path, name: str, corpus: Path, train: Train) -> subprocess.
 def singles(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Iterator[dict[str, list[dict]]]:
     """One-process runs, started together: the reference (micro 8), 4 x micro 2, and micro 8 with checkpointing."""
     root = tmp_path_factory.mktemp("singles")
-    trains = {"reference": numerics_train(8), "accumulation": numerics_train(2),
-              "checkpointing": numerics_train(8, activation_checkpointing=True)}
+    trains = {
+        "reference": numerics_train(8),
+        "accumulation": numerics_train(2),
+        "checkpointing": numerics_train(8, activation_checkpointing=True),
+    }
     procs = {name: run_single(root, name, corpus, train) for name, train in trains.items()}
     for proc in procs.values():
         finish([proc])
@@ -123,12 +132,17 @@ def test_activation_checkpointing_changes_no_loss(singles: dict[str, list[dict]]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_layout_matches_one_process(case: Case, singles: dict[str, list[dict]], tmp_path: Path,
-                                    corpus: Path) -> None:
+def test_layout_matches_one_process(case: Case, singles: dict[str, list[dict]], tmp_path: Path, corpus: Path) -> None:
     micro = 2  # accumulation = 8 / (2 * dp): 4 or 2 micro-batches, each >= pp
     train = numerics_train(micro, activation_checkpointing=case.checkpointing)
-    parallel = Parallel(dp=case.dp, tp=case.tp, pp=case.pp, dp_mode=case.mode,  # type: ignore[arg-type]
-                        sequence_parallel=case.sequence_parallel, pp_schedule=case.schedule)  # type: ignore[arg-type]
+    parallel = Parallel(
+        dp=case.dp,
+        tp=case.tp,
+        pp=case.pp,
+        dp_mode=case.mode,  # type: ignore[arg-type]
+        sequence_parallel=case.sequence_parallel,
+        pp_schedule=case.schedule,
+    )  # type: ignore[arg-type]
     run_dir = make_run(tmp_path, case.name, corpus, case.world, train=train, parallel=parallel)
     outputs = finish(start(run_dir, case.world))
     banner = f"dp={case.dp} tp={case.tp} pp={case.pp}"

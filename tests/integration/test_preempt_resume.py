@@ -1,4 +1,5 @@
 """Preemption, time limits, requeue and resume through the real CLI: on the real Slurm testbed and on `local`."""
+
 from __future__ import annotations
 
 import json
@@ -18,13 +19,32 @@ STEPS = 150
 
 
 def _train_args(corpus: Path, steps: int = STEPS) -> list[str]:
-    return ["--set", f"data.path={corpus}", "--set", f"train.steps={steps}", "--set", "train.log_every=1",
-            "--set", "train.eval_every=0", "--set", "checkpoint.every=50"]
+    return [
+        "--set",
+        f"data.path={corpus}",
+        "--set",
+        f"train.steps={steps}",
+        "--set",
+        "train.log_every=1",
+        "--set",
+        "train.eval_every=0",
+        "--set",
+        "checkpoint.every=50",
+    ]
 
 
 def _two_ranks_on_two_nodes(corpus: Path, *extra: str) -> list[str]:
-    return ["examples/two-node.yaml", "-c", "testbed", "--set", "resources.tasks_per_node=1",
-            "--set", "parallel.dp=2", *_train_args(corpus), *extra]
+    return [
+        "examples/two-node.yaml",
+        "-c",
+        "testbed",
+        "--set",
+        "resources.tasks_per_node=1",
+        "--set",
+        "parallel.dp=2",
+        *_train_args(corpus),
+        *extra,
+    ]
 
 
 def _wait(home: Path, job_id: str, want: set[str], timeout: float = 240) -> dict:
@@ -54,7 +74,8 @@ def _step_rows(run_dir: Path) -> list[dict]:
 
 
 def test_preempted_slurm_job_requeues_with_the_same_id_and_matches_an_uninterrupted_run(
-        testbed: dict, tmp_path: Path, corpus: Path) -> None:
+    testbed: dict, tmp_path: Path, corpus: Path
+) -> None:
     ref_id, ref_dir = submitted(meshrun(tmp_path, "submit", *_two_ranks_on_two_nodes(corpus), check=True))
     job_id, run_dir = submitted(meshrun(tmp_path, "submit", *_two_ranks_on_two_nodes(corpus), check=True))
     _wait_for_step(run_dir, 3)
@@ -82,8 +103,9 @@ def test_preempted_slurm_job_requeues_with_the_same_id_and_matches_an_uninterrup
 
 def test_time_limit_ends_in_a_checkpoint_and_a_requeue(testbed: dict, tmp_path: Path, corpus: Path) -> None:
     # Two minutes, signalled 60 s ahead (testbed profile): training never ends by itself here.
-    args = _two_ranks_on_two_nodes(corpus, "--set", "resources.time=2", "--set", "train.steps=1000000",
-                                   "--set", "checkpoint.every=0")
+    args = _two_ranks_on_two_nodes(
+        corpus, "--set", "resources.time=2", "--set", "train.steps=1000000", "--set", "checkpoint.every=0"
+    )
     job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, check=True))
     deadline = time.monotonic() + 200
     log = run_dir / "logs" / "rank-0.log"
@@ -98,10 +120,19 @@ def test_time_limit_ends_in_a_checkpoint_and_a_requeue(testbed: dict, tmp_path: 
     assert f"resuming from step {stopped}" in text
 
 
-def test_local_cancel_saves_then_resume_finishes_and_export_writes_safetensors(
-        tmp_path: Path, corpus: Path) -> None:
-    args = ["examples/tiny.yaml", "-c", "local", "--set", "train.model.n_layers=2", "--set",
-            "train.model.d_model=64", "--set", "train.model.seq_len=64", *_train_args(corpus, steps=400)]
+def test_local_cancel_saves_then_resume_finishes_and_export_writes_safetensors(tmp_path: Path, corpus: Path) -> None:
+    args = [
+        "examples/tiny.yaml",
+        "-c",
+        "local",
+        "--set",
+        "train.model.n_layers=2",
+        "--set",
+        "train.model.d_model=64",
+        "--set",
+        "train.model.seq_len=64",
+        *_train_args(corpus, steps=400),
+    ]
     job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, check=True))
     _wait_for_step(run_dir, 5)
     meshrun(tmp_path, "cancel", job_id, check=True)

@@ -5,6 +5,7 @@ and the crash-loop guard, private checkpoints under a checkpoint root, no `env` 
 and then export's; bad input is tried in this process (fast: it fails before any rendezvous)
 and with two real ranks (exit 2, one line, rank-error.txt).
 """
+
 from __future__ import annotations
 
 import json
@@ -35,16 +36,28 @@ def _with_checkpoint_dir(run_dir: Path, checkpoint_dir: Path) -> None:
 
 def _export(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "launcher.export", *args], cwd=cwd, env=env, text=True,
-                          capture_output=True, timeout=TIMEOUT_S)
+    return subprocess.run(
+        [sys.executable, "-m", "launcher.export", *args],
+        cwd=cwd,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=TIMEOUT_S,
+    )
 
 
 def test_validation_checkpoint_events_privacy_and_export(tmp_path: Path, corpus: Path) -> None:
     old = os.umask(0o022)  # the ranks inherit a permissive umask: privacy must not depend on it
     try:
-        run_dir = make_run(tmp_path, "run", corpus, 1, env={"API_TOKEN": SECRET},
-                           train=tiny_train(steps=10, log_every=3, eval_every=4, eval_sequences=8),
-                           checkpoint=Checkpoint(every=3, keep=2, async_save=False))
+        run_dir = make_run(
+            tmp_path,
+            "run",
+            corpus,
+            1,
+            env={"API_TOKEN": SECRET},
+            train=tiny_train(steps=10, log_every=3, eval_every=4, eval_sequences=8),
+            checkpoint=Checkpoint(every=3, keep=2, async_save=False),
+        )
         ckroot = tmp_path / "shared" / "ckroot" / "run"
         _with_checkpoint_dir(run_dir, ckroot)
         finish(start(run_dir, 1))
@@ -77,15 +90,18 @@ def test_validation_checkpoint_events_privacy_and_export(tmp_path: Path, corpus:
     missing = _export(str(ckpt.step_dir(ckroot, 7)), str(work / "m.safetensors"), cwd=work)
     assert missing.returncode == 2
     assert missing.stderr.strip() == f"meshrun export: no checkpoint step 7 under {ckroot}; complete steps: 9, 10"
-    for out, expect in ((work, "is a directory; give a file name"), (work / "no" / "m.safetensors",
-                                                                      f"folder {work / 'no'} does not exist")):
+    for out, expect in (
+        (work, "is a directory; give a file name"),
+        (work / "no" / "m.safetensors", f"folder {work / 'no'} does not exist"),
+    ):
         done = _export(str(ckroot), str(out), cwd=work)
         assert done.returncode == 2 and expect in done.stderr and len(done.stderr.strip().splitlines()) == 1
         assert "Traceback" not in done.stderr
     done = _export(str(ckroot), "model.safetensors", cwd=work)
     assert done.returncode == 0, done.stderr
-    assert sorted(p.name for p in work.iterdir()) == ["model.safetensors"]   # no stray .tmp
+    assert sorted(p.name for p in work.iterdir()) == ["model.safetensors"]  # no stray .tmp
     from safetensors import safe_open
+
     with safe_open(str(work / "model.safetensors"), "pt") as f:
         assert f.metadata()["step"] == "10" and len(list(f.keys())) > 0
 
@@ -96,9 +112,13 @@ def _write_tokens(path: Path, values: list[int]) -> Path:
 
 
 @pytest.mark.parametrize("case", ["missing", "empty", "odd", "small", "vocab", "spec"])
-def test_bad_input_is_one_line_exit_2_and_rank_error(tmp_path: Path, corpus: Path, case: str,
-                                                     own_environ: None,  # noqa: F811
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_input_is_one_line_exit_2_and_rank_error(
+    tmp_path: Path,
+    corpus: Path,
+    case: str,
+    own_environ: None,  # noqa: F811
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     from launcher.__main__ import main
 
     data = tmp_path / f"{case}.u16"
@@ -116,9 +136,14 @@ def test_bad_input_is_one_line_exit_2_and_rank_error(tmp_path: Path, corpus: Pat
     if case == "spec":
         text = (run_dir / RunDir.SPEC).read_text()
         (run_dir / RunDir.SPEC).write_text(text[: len(text) // 2])
-    expect = {"missing": "no token file there", "empty": "empty", "odd": "not a whole number",
-              "small": "fewer than one global batch of 8", "vocab": "token id 300",
-              "spec": "not valid JSON"}[case]
+    expect = {
+        "missing": "no token file there",
+        "empty": "empty",
+        "odd": "not a whole number",
+        "small": "fewer than one global batch of 8",
+        "vocab": "token id 300",
+        "spec": "not valid JSON",
+    }[case]
     assert main(["launcher", str(run_dir)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and expect in err[0] and err[0].startswith("meshrun launcher: error: "), err

@@ -1,5 +1,6 @@
 """Issue 15's findings that happened on the real Slurm testbed (and over the real sshd): a failed sbatch
 leaves nothing behind, a `%` in the work dir is not a pattern, `render` over SSH shows the real home."""
+
 from __future__ import annotations
 
 import os

@@ -1,6 +1,7 @@
 """Host keys and connection failures against the real sshd: an unknown host and a changed key are
 refused (nothing reaches the cluster), `meshrun trust` records a key only on the user's word, and
 every failure is one line. ~/.ssh/config aliases and ProxyJump are honoured."""
+
 from __future__ import annotations
 
 import socket
@@ -116,11 +117,14 @@ def test_connection_failures_are_one_line_each(testbed: dict, tmp_path: Path, si
 
 def test_ssh_config_alias_and_proxy_jump(testbed: dict, tmp_path: Path) -> None:
     info = tb.ssh_info()
-    common = (f"  HostName {info['host']}\n  Port {info['port']}\n  User {info['user']}\n"
-              f"  IdentityFile {info['identity_file']}\n  IdentitiesOnly yes\n")
+    common = (
+        f"  HostName {info['host']}\n  Port {info['port']}\n  User {info['user']}\n"
+        f"  IdentityFile {info['identity_file']}\n  IdentitiesOnly yes\n"
+    )
     (tmp_path / ".ssh").mkdir()
-    (tmp_path / ".ssh" / "config").write_text(f"Host bastion\n{common}\nHost cluster-login\n{common}"
-                                              f"  ProxyJump bastion\n")
+    (tmp_path / ".ssh" / "config").write_text(
+        f"Host bastion\n{common}\nHost cluster-login\n{common}  ProxyJump bastion\n"
+    )
     # The profile names only the alias: host name, port, user, key and the jump come from ~/.ssh/config.
     profile = sshbed.profile(tmp_path, host="cluster-login", port=None, user=None, identity_file=None)
     before = sshbed.logins()

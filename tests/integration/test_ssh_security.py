@@ -1,6 +1,7 @@
 """Security of the SSH road, against the real sshd: a code snapshot is verified before it is reused (and
 re-uploaded when someone changed it), meshrun's folders are private, OpenSSH's marker lines in
 known_hosts are understood, jump hosts are trusted hop by hop, refused host keys are distinguishable."""
+
 from __future__ import annotations
 
 import os
@@ -114,7 +115,8 @@ def test_resubmit_after_planting_uploads_a_fresh_snapshot(testbed: dict, tmp_pat
 
 
 def test_cert_authority_and_revoked_lines_do_not_crash_and_revoked_keys_are_refused(
-        testbed: dict, tmp_path: Path) -> None:
+    testbed: dict, tmp_path: Path
+) -> None:
     host_pub, known = Path(f"{tb.SSH_HOST_KEY}.pub"), tmp_path / "known_hosts"
     plain = Path(tb.ssh_info()["known_hosts"]).read_text()
     ca = _key_line(_new_key(tmp_path / "ca"))
@@ -143,11 +145,15 @@ def bastion(testbed: dict, tmp_path: Path) -> Iterator[dict[str, object]]:
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
-    lines = [l for l in (tb.ETC / "sshd_config").read_text().splitlines()
-             if not l.startswith(("Port ", "HostKey ", "PidFile "))]
+    lines = [
+        l
+        for l in (tb.ETC / "sshd_config").read_text().splitlines()
+        if not l.startswith(("Port ", "HostKey ", "PidFile "))
+    ]
     config = folder / "sshd_config"
-    config.write_text("\n".join([f"Port {port}", f"HostKey {folder / 'host_key'}",
-                                 f"PidFile {folder / 'sshd.pid'}", *lines]) + "\n")
+    config.write_text(
+        "\n".join([f"Port {port}", f"HostKey {folder / 'host_key'}", f"PidFile {folder / 'sshd.pid'}", *lines]) + "\n"
+    )
     server = subprocess.Popen(["/usr/sbin/sshd", "-D", "-f", str(config), "-E", str(folder / "sshd.log")])
     deadline = time.monotonic() + 10
     while True:
@@ -162,8 +168,10 @@ def bastion(testbed: dict, tmp_path: Path) -> Iterator[dict[str, object]]:
     info = tb.ssh_info()
     (tmp_path / ".ssh").mkdir(exist_ok=True)
     ssh_config = tmp_path / ".ssh" / "config"
-    ssh_config.write_text(f"Host bastion\n  HostName 127.0.0.1\n  Port {port}\n  User {info['user']}\n"
-                          f"  IdentityFile {info['identity_file']}\n  IdentitiesOnly yes\n")
+    ssh_config.write_text(
+        f"Host bastion\n  HostName 127.0.0.1\n  Port {port}\n  User {info['user']}\n"
+        f"  IdentityFile {info['identity_file']}\n  IdentitiesOnly yes\n"
+    )
     try:
         yield {"port": port, "pub": host_pub, "fingerprint": _fingerprint(host_pub), "config": ssh_config}
     finally:
@@ -192,8 +200,9 @@ def test_trust_fingerprints_cover_every_hop(bastion: dict, tmp_path: Path, monke
     SshTransport(_through(known), "c").close()  # both hops now verify
 
 
-def test_replace_works_for_a_changed_bastion_key(bastion: dict, tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_replace_works_for_a_changed_bastion_key(
+    bastion: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("MESHRUN_SSH_CONFIG", str(bastion["config"]))
     known = tmp_path / "kh"
     other = _key_line(_new_key(tmp_path / "other"))
@@ -207,8 +216,9 @@ def test_replace_works_for_a_changed_bastion_key(bastion: dict, tmp_path: Path,
         SshTransport(_through(known), "c")
     wrong = meshrun(tmp_path, "trust", str(profile), "--replace", "--fingerprint", "SHA256:" + "A" * 43, env=env)
     assert wrong.returncode == 1 and "nothing recorded" in wrong.stderr and other in known.read_text()
-    done = meshrun(tmp_path, "trust", str(profile), "--replace", "--fingerprint", bastion["fingerprint"],
-                   env=env, check=True)
+    done = meshrun(
+        tmp_path, "trust", str(profile), "--replace", "--fingerprint", bastion["fingerprint"], env=env, check=True
+    )
     assert f"recorded [127.0.0.1]:{bastion['port']}" in done.stdout and other not in known.read_text()
     assert plain in known.read_text()  # the login node's line is untouched
     SshTransport(_through(known), "c").close()

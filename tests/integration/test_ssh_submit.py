@@ -1,6 +1,7 @@
 """A laptop's view of the real Slurm testbed, reached only over the real sshd: submit a 2-node
 training job, watch it to completion, follow its merged logs, see its loss in TensorBoard through
 the tunnel, resubmit unchanged code without uploading it, cancel another job."""
+
 from __future__ import annotations
 
 import json
@@ -26,18 +27,44 @@ SLEEPER = sshbed.command_spec("sleeper", ["sleep", "300"])
 def trained(testbed: dict, tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Iterator[dict[str, Any]]:
     home = tmp_path_factory.mktemp("laptop")
     profile = sshbed.profile(home)
-    root = sshbed.project(home, {"train.yaml": (REPO / "examples" / "two-node.yaml").read_text(),
-                                 "sleeper.yaml": SLEEPER, "mypkg/__init__.py": "VALUE = 42\n",
-                                 # New content each session: content addressing would find an old upload.
-                                 "mypkg/nonce.py": f"NONCE = {uuid.uuid4().hex!r}\n"})
+    root = sshbed.project(
+        home,
+        {
+            "train.yaml": (REPO / "examples" / "two-node.yaml").read_text(),
+            "sleeper.yaml": SLEEPER,
+            "mypkg/__init__.py": "VALUE = 42\n",
+            # New content each session: content addressing would find an old upload.
+            "mypkg/nonce.py": f"NONCE = {uuid.uuid4().hex!r}\n",
+        },
+    )
     before = sshbed.logins()
-    out = meshrun(home, "submit", str(root / "train.yaml"), "-c", str(profile), "--set", f"data.path={corpus}",
-                  "--set", "train.steps=10", "--set", "train.log_every=1", check=True)
+    out = meshrun(
+        home,
+        "submit",
+        str(root / "train.yaml"),
+        "-c",
+        str(profile),
+        "--set",
+        f"data.path={corpus}",
+        "--set",
+        "train.steps=10",
+        "--set",
+        "train.log_every=1",
+        check=True,
+    )
     logins = sshbed.logins() - before
     job_id, run_dir = submitted(out)
     final = sshbed.watch_until_done(home, job_id)
-    yield {"home": home, "profile": profile, "root": root, "job": job_id, "run_dir": run_dir, "out": out,
-           "logins": logins, "final": final}
+    yield {
+        "home": home,
+        "profile": profile,
+        "root": root,
+        "job": job_id,
+        "run_dir": run_dir,
+        "out": out,
+        "logins": logins,
+        "final": final,
+    }
 
 
 def test_two_node_job_over_ssh_trains_and_is_watched_to_completion(trained: dict[str, Any]) -> None:
@@ -67,8 +94,14 @@ def _get(url: str) -> Any:
 
 
 def test_tensorboard_through_the_tunnel_serves_the_jobs_loss(trained: dict[str, Any]) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "submit.cli", "tb", trained["job"]], cwd=REPO, text=True,
-                            env=env_for(trained["home"], laptop=True), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "submit.cli", "tb", trained["job"]],
+        cwd=REPO,
+        text=True,
+        env=env_for(trained["home"], laptop=True),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         line = sshbed.first_line_with(proc.stdout, "http://127.0.0.1:")
         assert line, proc.stderr.read() if proc.poll() is not None else "no URL"
@@ -115,8 +148,9 @@ def test_unchanged_code_uploads_nothing_and_another_job_is_cancelled(trained: di
 def test_after_makes_a_job_wait_for_another(trained: dict[str, Any]) -> None:
     home, profile, root = trained["home"], str(trained["profile"]), trained["root"]
     first, _ = submitted(meshrun(home, "submit", str(root / "sleeper.yaml"), "-c", profile, check=True))
-    second, _ = submitted(meshrun(home, "submit", str(root / "sleeper.yaml"), "-c", profile,
-                                  "--after", first, check=True))
+    second, _ = submitted(
+        meshrun(home, "submit", str(root / "sleeper.yaml"), "-c", profile, "--after", first, check=True)
+    )
     deadline = time.monotonic() + 60
     while (row := sshbed.wait_state(home, second, ("PENDING",)))["reason"] != "Dependency":
         assert time.monotonic() < deadline, row  # (the scheduler fills in the reason within seconds)

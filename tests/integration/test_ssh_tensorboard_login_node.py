@@ -1,5 +1,6 @@
 """`meshrun tb` run on the login node itself (local transport): it starts TensorBoard there, prints
 the URL and the `ssh -L` line a laptop would need, serves the run's loss, and Ctrl-C stops it."""
+
 from __future__ import annotations
 
 import json
@@ -20,12 +21,20 @@ def test_tb_on_the_login_node_prints_the_tunnel_line(testbed: dict, tmp_path: Pa
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     losses = [5.5, 4.25, 3.125]
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "loss": v}) + "\n"
-                                                   for i, v in enumerate(losses)))
+    (run_dir / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": i + 1, "loss": v}) + "\n" for i, v in enumerate(losses))
+    )
     Registry(tmp_path / "state" / "meshrun" / "registry.sqlite").add(
-        JobRecord("900001", "testbed", "fake", str(run_dir), "slurm", 0.0, None, "h", "COMPLETED"))
-    proc = subprocess.Popen([sys.executable, "-m", "submit.cli", "tb", "900001"], cwd=REPO, text=True,
-                            env=env_for(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        JobRecord("900001", "testbed", "fake", str(run_dir), "slurm", 0.0, None, "h", "COMPLETED")
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "submit.cli", "tb", "900001"],
+        cwd=REPO,
+        text=True,
+        env=env_for(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         url = sshbed.first_line_with(proc.stdout, "http://127.0.0.1:").split()[-1]
         hint = sshbed.first_line_with(proc.stdout, "ssh -N -L")

@@ -1,4 +1,5 @@
 """The embedded `local` cluster, end to end through the real CLI: real processes, real gloo, real files."""
+
 from __future__ import annotations
 
 import json
@@ -7,8 +8,21 @@ from pathlib import Path
 
 from tests.integration.cli import meshrun, metrics, status, submitted
 
-TINY = [ "examples/tiny.yaml", "-c", "local", "--set", "train.model.n_layers=2", "--set", "train.model.d_model=64",
-         "--set", "train.model.seq_len=64", "--set", "train.eval_every=0", "--set", "train.log_every=1"]
+TINY = [
+    "examples/tiny.yaml",
+    "-c",
+    "local",
+    "--set",
+    "train.model.n_layers=2",
+    "--set",
+    "train.model.d_model=64",
+    "--set",
+    "train.model.seq_len=64",
+    "--set",
+    "train.eval_every=0",
+    "--set",
+    "train.log_every=1",
+]
 
 
 def _tiny(corpus: Path, *extra: str) -> list[str]:

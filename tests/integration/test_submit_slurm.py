@@ -1,4 +1,5 @@
 """meshrun against the real Slurm testbed (slurmctld, two slurmd, slurmdbd): submit, status, logs, cancel."""
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,10 @@ from tests.integration.cli import REPO, meshrun, metrics, status, submitted
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 # Examples sized for another machine, and the key the testbed (2 nodes x 4 CPUs, 2 fake GPUs) refuses.
-SIZED_ELSEWHERE = {"h100-8node": "resources.gpus_per_node",  # a real 8-node H100 cluster
-                   "gpt-3d": "resources.cpus_per_task"}      # 8 ranks on one node of `local`
+SIZED_ELSEWHERE = {
+    "h100-8node": "resources.gpus_per_node",  # a real 8-node H100 cluster
+    "gpt-3d": "resources.cpus_per_task",
+}  # 8 ranks on one node of `local`
 HOSTILE = "$(touch /tmp/meshrun-pwned) `touch /tmp/meshrun-pwned` 'single' \"double\" spaces;x"
 
 
@@ -33,14 +36,31 @@ def test_sbatch_test_only_accepts_every_example(testbed: dict, tmp_path: Path, e
     script = tmp_path / "job.sbatch"
     script.write_text(render(plan))
     (tmp_path / "run" / "logs").mkdir(parents=True)
-    done = subprocess.run(["sbatch", "--test-only", f"--job-name={plan.spec.name}", str(script)],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        ["sbatch", "--test-only", f"--job-name={plan.spec.name}", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0 and "to start at" in done.stderr, done.stderr
 
 
 def test_two_nodes_four_ranks_train_together(testbed: dict, tmp_path: Path, corpus: Path) -> None:
-    out = meshrun(tmp_path, "submit", "examples/two-node.yaml", "-c", "testbed", "--set", f"data.path={corpus}",
-                  "--set", "train.steps=10", "--set", "train.log_every=1", "--wait", timeout=600)
+    out = meshrun(
+        tmp_path,
+        "submit",
+        "examples/two-node.yaml",
+        "-c",
+        "testbed",
+        "--set",
+        f"data.path={corpus}",
+        "--set",
+        "train.steps=10",
+        "--set",
+        "train.log_every=1",
+        "--wait",
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     job_id, run_dir = submitted(out)
     assert job_id.isdigit() and f"job {job_id} COMPLETED" in out.stdout
@@ -62,11 +82,23 @@ def test_two_nodes_four_ranks_train_together(testbed: dict, tmp_path: Path, corp
 # nothing sets OMP_NUM_THREADS on the ranks, and 4 ranks x torch's default 2 threads on 2 cores spin
 # in libgomp barriers inside MKL's sgemm (tp=2 steps measured 4x slower: ~2.2 s against 0.5 s).
 LAYOUT_STEPS = 8
-SMALL_3D = ["train.model.n_layers=2", "train.model.d_model=64", "train.model.n_heads=4",
-            "train.model.vocab_size=256", "train.model.seq_len=64", "train.global_batch=16", "train.micro_batch=4",
-            f"train.steps={LAYOUT_STEPS}", "train.warmup_steps=2", "train.lr=3e-3", "train.log_every=1",
-            f"train.eval_every={LAYOUT_STEPS}", "train.eval_sequences=16", "checkpoint.max_restarts=0",
-            "env.OMP_NUM_THREADS=1"]
+SMALL_3D = [
+    "train.model.n_layers=2",
+    "train.model.d_model=64",
+    "train.model.n_heads=4",
+    "train.model.vocab_size=256",
+    "train.model.seq_len=64",
+    "train.global_batch=16",
+    "train.micro_batch=4",
+    f"train.steps={LAYOUT_STEPS}",
+    "train.warmup_steps=2",
+    "train.lr=3e-3",
+    "train.log_every=1",
+    f"train.eval_every={LAYOUT_STEPS}",
+    "train.eval_sequences=16",
+    "checkpoint.max_restarts=0",
+    "env.OMP_NUM_THREADS=1",
+]
 BANNER = re.compile(r"\[meshrun\] rank (\d+)/4 local \d+/2 node \d+/2 \((\w+)\)")
 
 
@@ -110,19 +142,20 @@ def test_two_nodes_train_dp2_tp2_with_tp_inside_each_node(testbed: dict, tmp_pat
     """Mesh (pp, dp, tp) = (1, 2, 2): ranks {0, 1} on n1 and {2, 3} on n2 each form a tp group (the
     layers' matmuls, the vocabulary and, with sequence parallelism, the sequence split over them);
     dp (FSDP2) crosses the nodes."""
-    log = _train_layout(tmp_path, corpus, ParallelDims(dp=2, tp=2, pp=1),
-                        ["parallel.dp_mode=fsdp", "parallel.sequence_parallel=true"])
+    log = _train_layout(
+        tmp_path, corpus, ParallelDims(dp=2, tp=2, pp=1), ["parallel.dp_mode=fsdp", "parallel.sequence_parallel=true"]
+    )
     assert "4 rank(s), dp=2 tp=2 pp=1 (fsdp, sequence parallel), gloo on cpu" in log, log
     assert "global batch 16 = micro 4 x dp 2 x accumulation 2" in log, log
 
 
-def test_two_nodes_train_dp2_pp2_with_the_pipeline_across_nodes(testbed: dict, tmp_path: Path,
-                                                                corpus: Path) -> None:
+def test_two_nodes_train_dp2_pp2_with_the_pipeline_across_nodes(testbed: dict, tmp_path: Path, corpus: Path) -> None:
     """Mesh (pp, dp, tp) = (2, 2, 1): stage 0 (layer 0, the embedding) on n1's ranks {0, 1}, stage 1
     (layer 1, the head and the loss) on n2's {2, 3}; each stage replicated over dp inside its node.
     1F1B over the step's 2 accumulation micro-batches."""
-    log = _train_layout(tmp_path, corpus, ParallelDims(dp=2, tp=1, pp=2),
-                        ["parallel.dp_mode=ddp", "parallel.pp_schedule=1f1b"])
+    log = _train_layout(
+        tmp_path, corpus, ParallelDims(dp=2, tp=1, pp=2), ["parallel.dp_mode=ddp", "parallel.pp_schedule=1f1b"]
+    )
     assert "4 rank(s), dp=2 tp=1 pp=2 (ddp, 1f1b), gloo on cpu" in log, log
     assert "global batch 16 = micro 4 x dp 2 x accumulation 2" in log, log
 
@@ -130,16 +163,31 @@ def test_two_nodes_train_dp2_pp2_with_the_pipeline_across_nodes(testbed: dict, t
 def test_hostile_name_and_env_reach_the_job_literally(testbed: dict, tmp_path: Path) -> None:
     Path("/tmp/meshrun-pwned").unlink(missing_ok=True)
     probe = 'import os; print("NAME=" + os.environ["MESHRUN_JOB_NAME"]); print("VALUE=" + os.environ["HOSTILE"])'
-    out = meshrun(tmp_path, "submit", "examples/command.yaml", "-c", "testbed", "--set", f"name={HOSTILE}",
-                  "--set", f"env.HOSTILE={HOSTILE}", "--set", f"command=python,-c,{probe}",
-                  "--set", "resources.tasks_per_node=1", "--wait", timeout=300)
+    out = meshrun(
+        tmp_path,
+        "submit",
+        "examples/command.yaml",
+        "-c",
+        "testbed",
+        "--set",
+        f"name={HOSTILE}",
+        "--set",
+        f"env.HOSTILE={HOSTILE}",
+        "--set",
+        f"command=python,-c,{probe}",
+        "--set",
+        "resources.tasks_per_node=1",
+        "--wait",
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     job_id, run_dir = submitted(out)
     text = (run_dir / "logs" / "rank-0.log").read_text()
     assert f"NAME={HOSTILE}" in text and f"VALUE={HOSTILE}" in text
     # slurmctld keeps the literal name (slurmdbd itself rewrites '"' as '`' in sacct's JobName).
-    queued = subprocess.run(["squeue", "--states=all", "-h", "-j", job_id, "-o", "%j"], capture_output=True,
-                            text=True, check=True).stdout.rstrip("\n")
+    queued = subprocess.run(
+        ["squeue", "--states=all", "-h", "-j", job_id, "-o", "%j"], capture_output=True, text=True, check=True
+    ).stdout.rstrip("\n")
     assert queued == HOSTILE
     assert not Path("/tmp/meshrun-pwned").exists()
 
@@ -154,8 +202,18 @@ def test_newlines_are_refused_before_sbatch(testbed: dict, tmp_path: Path, overr
 
 
 def test_status_and_cancel_of_a_running_job(testbed: dict, tmp_path: Path) -> None:
-    out = meshrun(tmp_path, "submit", "examples/command.yaml", "-c", "testbed", "--set",
-                  "command=sleep,300", "--set", "resources.tasks_per_node=1", check=True)
+    out = meshrun(
+        tmp_path,
+        "submit",
+        "examples/command.yaml",
+        "-c",
+        "testbed",
+        "--set",
+        "command=sleep,300",
+        "--set",
+        "resources.tasks_per_node=1",
+        check=True,
+    )
     job_id, run_dir = submitted(out)
     deadline = time.monotonic() + 60
     while status(tmp_path, job_id)["state"] != "RUNNING":
@@ -175,8 +233,18 @@ def test_status_without_accounting_falls_back_to_squeue(testbed: dict, tmp_path:
     fake.mkdir()
     (fake / "sacct").write_text("#!/bin/sh\necho 'sacct: error: Slurm accounting storage is disabled' >&2\nexit 1\n")
     (fake / "sacct").chmod(0o755)
-    out = meshrun(tmp_path, "submit", "examples/command.yaml", "-c", "testbed", "--set", "command=sleep,300",
-                  "--set", "resources.tasks_per_node=1", check=True)
+    out = meshrun(
+        tmp_path,
+        "submit",
+        "examples/command.yaml",
+        "-c",
+        "testbed",
+        "--set",
+        "command=sleep,300",
+        "--set",
+        "resources.tasks_per_node=1",
+        check=True,
+    )
     job_id, _ = submitted(out)
     no_accounting = {"PATH": f"{fake}:{os.environ['PATH']}"}
     deadline = time.monotonic() + 60

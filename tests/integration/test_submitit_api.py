@@ -1,5 +1,6 @@
 """The submitit Python API (submit.executor) against the real Slurm testbed: a 2x2 gloo all-reduce,
 a Checkpointable job requeued after a signal, a job array, and `meshrun status/logs` seeing them."""
+
 from __future__ import annotations
 
 import time

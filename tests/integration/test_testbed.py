@@ -25,8 +25,11 @@ def sbatch(tmp_path: Path, script: str, *options: str) -> str:
     """Submit script; return the job id. Output goes to tmp_path/job.out."""
     path = tmp_path / "job.sh"
     path.write_text("#!/bin/bash\n" + script)
-    return run("sbatch", "--parsable", f"--chdir={tmp_path}", f"--output={tmp_path}/job.out",
-               *options, str(path)).strip().split(";")[0]
+    return (
+        run("sbatch", "--parsable", f"--chdir={tmp_path}", f"--output={tmp_path}/job.out", *options, str(path))
+        .strip()
+        .split(";")[0]
+    )
 
 
 def sacct_state(job_id: str) -> str | None:
@@ -64,17 +67,20 @@ def test_nodes_idle_with_two_gpus(testbed: dict) -> None:
 def two_node_job(testbed: dict, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     """(job id, output) of a 2 nodes x 2 tasks job whose tasks print their Slurm identity."""
     tmp_path = tmp_path_factory.mktemp("two_node_job")
-    job_id = sbatch(tmp_path,
-                    'srun bash -c \'echo "$SLURM_PROCID $SLURM_LOCALID $SLURM_NODEID $SLURMD_NODENAME"\'\n',
-                    "--nodes=2", "--ntasks-per-node=2", "--wait")
+    job_id = sbatch(
+        tmp_path,
+        "srun bash -c 'echo \"$SLURM_PROCID $SLURM_LOCALID $SLURM_NODEID $SLURMD_NODENAME\"'\n",
+        "--nodes=2",
+        "--ntasks-per-node=2",
+        "--wait",
+    )
     return job_id, (tmp_path / "job.out").read_text()
 
 
 def test_two_node_job_gets_ranks_across_nodes(two_node_job: tuple[str, str]) -> None:
     _, output = two_node_job
     ranks = {tuple(line.split()) for line in output.splitlines()}
-    assert ranks == {("0", "0", "0", "n1"), ("1", "1", "0", "n1"),
-                     ("2", "0", "1", "n2"), ("3", "1", "1", "n2")}
+    assert ranks == {("0", "0", "0", "n1"), ("1", "1", "0", "n1"), ("2", "0", "1", "n2"), ("3", "1", "1", "n2")}
 
 
 def test_sacct_reports_completed(two_node_job: tuple[str, str]) -> None:
@@ -106,8 +112,15 @@ def ssh_client(known_hosts: str) -> paramiko.SSHClient:
 
 
 def connect(client: paramiko.SSHClient, ssh: dict) -> None:
-    client.connect(ssh["host"], port=ssh["port"], username=ssh["user"], key_filename=ssh["identity_file"],
-                   look_for_keys=False, allow_agent=False, timeout=10)
+    client.connect(
+        ssh["host"],
+        port=ssh["port"],
+        username=ssh["user"],
+        key_filename=ssh["identity_file"],
+        look_for_keys=False,
+        allow_agent=False,
+        timeout=10,
+    )
 
 
 def test_ssh_login_reaches_slurm(testbed: dict) -> None:
@@ -117,7 +130,8 @@ def test_ssh_login_reaches_slurm(testbed: dict) -> None:
         connect(client, ssh)
         # squeue --version needs no config; listing the queue does: it proves SetEnv SLURM_CONF.
         _, stdout, stderr = client.exec_command(
-            'squeue --version && squeue -h -o %i && echo "SLURM_CONF=$SLURM_CONF"', timeout=30)
+            'squeue --version && squeue -h -o %i && echo "SLURM_CONF=$SLURM_CONF"', timeout=30
+        )
         out = stdout.read().decode()
         assert stdout.channel.recv_exit_status() == 0, stderr.read().decode()
     finally:

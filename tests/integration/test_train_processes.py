@@ -4,6 +4,7 @@ Each rank gets the variables torchrun would set, as a cluster launcher does. The
 model is tiny (2 layers, d_model 64, seq 64) so the file stays well under a minute
 on 2 cores; most of the time is processes importing torch.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,9 +19,11 @@ from tests.integration.ranks import _STRIPPED, _TORCHRUN, STEPS, finish, make_ru
 
 
 def test_data_parallel_trains_and_matches_one_process(tmp_path: Path, corpus: Path) -> None:
-    runs = {"single": make_run(tmp_path, "single", corpus, 1, micro=4),
-            "fsdp": make_run(tmp_path, "fsdp", corpus, 2, micro=2),
-            "ddp": make_run(tmp_path, "ddp", corpus, 2, micro=4, mode="ddp")}
+    runs = {
+        "single": make_run(tmp_path, "single", corpus, 1, micro=4),
+        "fsdp": make_run(tmp_path, "fsdp", corpus, 2, micro=2),
+        "ddp": make_run(tmp_path, "ddp", corpus, 2, micro=4, mode="ddp"),
+    }
     # All three at once: their torch imports overlap, which is most of the wall time.
     procs = {name: start(run_dir, 2 if name != "single" else 1) for name, run_dir in runs.items()}
     outputs = {name: finish(p) for name, p in procs.items()}
@@ -43,16 +46,23 @@ def test_data_parallel_trains_and_matches_one_process(tmp_path: Path, corpus: Pa
 
 def test_command_job_runs_the_users_program_with_torchrun_variables(tmp_path: Path, corpus: Path) -> None:
     script = tmp_path / "show.py"
-    script.write_text("import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'],\n"
-                      "      os.environ['MASTER_ADDR'], os.environ['GREETING'])\n")
-    run_dir = make_run(tmp_path, "cmd", corpus, 2, command=(sys.executable, str(script)),
-                       env={"GREETING": "hello there"})
+    script.write_text(
+        "import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'],\n"
+        "      os.environ['MASTER_ADDR'], os.environ['GREETING'])\n"
+    )
+    run_dir = make_run(
+        tmp_path, "cmd", corpus, 2, command=(sys.executable, str(script)), env={"GREETING": "hello there"}
+    )
     outputs = finish(start(run_dir, 2))
     # Each rank announces itself, then the user's program prints.
-    assert [o.strip().splitlines()[-1] for o in outputs] == ["rank 0 of 2 127.0.0.1 hello there",
-                                                             "rank 1 of 2 127.0.0.1 hello there"]
-    assert [o.splitlines()[0].split()[:3] for o in outputs] == [["[meshrun]", "rank", "0/2"],
-                                                                ["[meshrun]", "rank", "1/2"]]
+    assert [o.strip().splitlines()[-1] for o in outputs] == [
+        "rank 0 of 2 127.0.0.1 hello there",
+        "rank 1 of 2 127.0.0.1 hello there",
+    ]
+    assert [o.splitlines()[0].split()[:3] for o in outputs] == [
+        ["[meshrun]", "rank", "0/2"],
+        ["[meshrun]", "rank", "1/2"],
+    ]
 
 
 @pytest.fixture
@@ -73,9 +83,11 @@ def own_environ() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def test_user_errors_exit_2_with_one_line(tmp_path: Path, corpus: Path, capsys: pytest.CaptureFixture[str],
-                                          own_environ: None) -> None:
+def test_user_errors_exit_2_with_one_line(
+    tmp_path: Path, corpus: Path, capsys: pytest.CaptureFixture[str], own_environ: None
+) -> None:
     from launcher.__main__ import main
+
     assert main(["launcher"]) == 2
     assert "usage: python -m launcher RUN_DIR" in capsys.readouterr().err
 

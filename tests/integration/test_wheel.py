@@ -1,6 +1,7 @@
 """meshrun as a user installs it on a login node: a wheel, installed (not editable) into a fresh venv
 outside the repo, used from another folder. Nothing of the repo is on that venv's path, so a template,
 a profile or a module missing from the wheel fails here."""
+
 from __future__ import annotations
 
 import json
@@ -24,9 +25,26 @@ REPO = Path(__file__).resolve().parents[2]
 SOURCES = ("pyproject.toml", "README.md", "submit", "launcher", "templates", "cluster_configs")
 """What the wheel is built from: a copy, so that the build leaves nothing in the repo."""
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
-TRAIN = ["--set", "resources.tasks_per_node=1", "--set", "parallel.dp=1", "--set", "train.global_batch=4",
-         "--set", "train.model.n_layers=2", "--set", "train.model.d_model=64", "--set", "train.model.seq_len=64",
-         "--set", "train.eval_every=0", "--set", "train.log_every=1", "--set", "train.steps=3"]
+TRAIN = [
+    "--set",
+    "resources.tasks_per_node=1",
+    "--set",
+    "parallel.dp=1",
+    "--set",
+    "train.global_batch=4",
+    "--set",
+    "train.model.n_layers=2",
+    "--set",
+    "train.model.d_model=64",
+    "--set",
+    "train.model.seq_len=64",
+    "--set",
+    "train.eval_every=0",
+    "--set",
+    "train.log_every=1",
+    "--set",
+    "train.steps=3",
+]
 """One CPU rank, three steps: the cheapest job that still trains."""
 
 
@@ -41,8 +59,14 @@ class Installed:
         """A command of the venv, as after `source VENV/bin/activate`, run from `home`."""
         env = {k: v for k, v in env_for(self.home).items() if k not in ("PYTHONPATH", "PYTHONHOME")}
         env.update(VIRTUAL_ENV=str(self.venv), PATH=f"{self.venv / 'bin'}{os.pathsep}{env.get('PATH', '')}")
-        done = subprocess.run([str(self.venv / "bin" / argv[0]), *argv[1:]], capture_output=True, text=True,
-                              env=env, cwd=self.home, timeout=timeout)
+        done = subprocess.run(
+            [str(self.venv / "bin" / argv[0]), *argv[1:]],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=self.home,
+            timeout=timeout,
+        )
         assert done.returncode == 0, f"{' '.join(argv)} -> {done.returncode}\n{done.stdout}\n{done.stderr}"
         return done
 
@@ -86,8 +110,15 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
     # scripts/setup.sh pins it. --no-compile: byte-compiling all of torch costs more than the ranks'
     # imports compile.
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
-    _pip("--python", str(venv / "bin" / "python"), "install", "--no-compile",
-         "-c", str(REPO / "constraints" / "cpu.txt"), str(wheel))
+    _pip(
+        "--python",
+        str(venv / "bin" / "python"),
+        "install",
+        "--no-compile",
+        "-c",
+        str(REPO / "constraints" / "cpu.txt"),
+        str(wheel),
+    )
     home = out / "home"
     home.mkdir()
     try:
@@ -100,16 +131,23 @@ def test_wheel_holds_templates_profiles_and_every_module(installed: Installed) -
     names = set(zipfile.ZipFile(installed.wheel).namelist())
     templates = {f"submit/templates/{p.name}" for p in (REPO / "templates").glob("*.j2")}
     profiles = {f"submit/cluster_configs/{p.name}" for p in (REPO / "cluster_configs").glob("*.yaml")}
-    modules = {p.relative_to(REPO).as_posix() for top in ("submit", "launcher") for p in (REPO / top).rglob("*.py")
-               if "__pycache__" not in p.parts}
+    modules = {
+        p.relative_to(REPO).as_posix()
+        for top in ("submit", "launcher")
+        for p in (REPO / top).rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
     assert {"submit/templates/slurm.sbatch.j2", "submit/cluster_configs/local.yaml"} <= templates | profiles
     missing = sorted((templates | profiles | modules) - names)
     assert not missing, f"not in the wheel: {missing}; list their packages in pyproject's [tool.setuptools]"
 
 
 def test_installed_meshrun_runs_from_anywhere(installed: Installed) -> None:
-    where = installed.run("python", "-c", "import submit, launcher; print(submit.__file__, launcher.__file__, "
-                          "submit.__version__, launcher.__version__)").stdout.split()
+    where = installed.run(
+        "python",
+        "-c",
+        "import submit, launcher; print(submit.__file__, launcher.__file__, submit.__version__, launcher.__version__)",
+    ).stdout.split()
     assert all(path.startswith(str(installed.venv)) for path in where[:2]), where
     assert where[2:] == [VERSION, VERSION]
 
@@ -124,8 +162,7 @@ def test_installed_meshrun_runs_from_anywhere(installed: Installed) -> None:
     tokens = installed.home / "tokens.u16"
     stdlib_logging = Path(sysconfig.get_paths()["stdlib"]) / "logging"
     installed.run("meshrun", "data", "--source", str(stdlib_logging), "--max-mb", "0.2", "--out", str(tokens))
-    out = installed.run("meshrun", "submit", spec.name, "-c", "local", "--set", f"data.path={tokens}", *TRAIN,
-                        "--wait")
+    out = installed.run("meshrun", "submit", spec.name, "-c", "local", "--set", f"data.path={tokens}", *TRAIN, "--wait")
     _, run_dir = submitted(out)
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in steps if "event" not in row] == [1, 2, 3]

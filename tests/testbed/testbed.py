@@ -55,9 +55,25 @@ PORTS: dict[str, int] = {
 
 # Kept in step with install.sh's BINARIES.
 REQUIRED_BINARIES = (
-    "slurmctld", "slurmd", "slurmdbd", "sinfo", "squeue", "sbatch", "srun", "scancel", "sacct",
-    "sacctmgr", "scontrol", "munged", "mungekey", "mariadbd", "mariadb-install-db", "mariadb",
-    "sshd", "ssh-keygen", "mknod",
+    "slurmctld",
+    "slurmd",
+    "slurmdbd",
+    "sinfo",
+    "squeue",
+    "sbatch",
+    "srun",
+    "scancel",
+    "sacct",
+    "sacctmgr",
+    "scontrol",
+    "munged",
+    "mungekey",
+    "mariadbd",
+    "mariadb-install-db",
+    "mariadb",
+    "sshd",
+    "ssh-keygen",
+    "mknod",
 )
 
 ETC = TESTBED_DIR / "etc"
@@ -218,20 +234,35 @@ def _daemons() -> list[Daemon]:
     daemons = [
         Daemon(
             name="munged",
-            argv=(_bin("munged"), "-F", f"--socket={MUNGE_SOCKET}", f"--key-file={MUNGE / 'munge.key'}",
-                  f"--pid-file={RUN / 'munged.pid'}", f"--log-file={LOG / 'munged.log'}",
-                  f"--seed-file={MUNGE / 'munged.seed'}"),
+            argv=(
+                _bin("munged"),
+                "-F",
+                f"--socket={MUNGE_SOCKET}",
+                f"--key-file={MUNGE / 'munge.key'}",
+                f"--pid-file={RUN / 'munged.pid'}",
+                f"--log-file={LOG / 'munged.log'}",
+                f"--seed-file={MUNGE / 'munged.seed'}",
+            ),
             pidfile=RUN / "munged.pid",
             ready=lambda: _unix_socket_answers(MUNGE_SOCKET),
             logs=(LOG / "munged.log", LOG / "munged.out"),
         ),
         Daemon(
             name="mariadb",
-            argv=(_bin("mariadbd"), "--no-defaults", "--user=root", f"--datadir={DB_DATA}",
-                  f"--socket={DB_SOCKET}", f"--pid-file={RUN / 'mariadb.pid'}",
-                  f"--log-error={LOG / 'mariadb.log'}", "--bind-address=127.0.0.1",
-                  f"--port={PORTS['mariadb']}", "--skip-name-resolve", "--performance-schema=OFF",
-                  *_MARIADB_SIZES),
+            argv=(
+                _bin("mariadbd"),
+                "--no-defaults",
+                "--user=root",
+                f"--datadir={DB_DATA}",
+                f"--socket={DB_SOCKET}",
+                f"--pid-file={RUN / 'mariadb.pid'}",
+                f"--log-error={LOG / 'mariadb.log'}",
+                "--bind-address=127.0.0.1",
+                f"--port={PORTS['mariadb']}",
+                "--skip-name-resolve",
+                "--performance-schema=OFF",
+                *_MARIADB_SIZES,
+            ),
             pidfile=RUN / "mariadb.pid",
             ready=lambda: _unix_socket_answers(DB_SOCKET),
             logs=(LOG / "mariadb.log", LOG / "mariadb.out"),
@@ -259,26 +290,30 @@ def _daemons() -> list[Daemon]:
     ]
     for node in NODES:
         name = f"slurmd-{node}"
-        daemons.append(Daemon(
-            name=name,
-            # Debian's Slurm is built with MULTIPLE_SLURMD: -N picks the NodeName to be.
-            argv=(_bin("slurmd"), "-D", "-f", str(SLURM_CONF), "-N", node),
-            pidfile=RUN / f"{name}.pid",
-            ready=lambda port=PORTS[name]: _tcp_answers(port),
-            logs=(LOG / f"{name}.log", LOG / f"{name}.out"),
-            port=PORTS[name],
-            configs=slurm_configs,
-        ))
-    daemons.append(Daemon(
-        name="sshd",
-        # sshd refuses to start unless invoked by absolute path; -D keeps it in the foreground.
-        argv=(_bin("sshd"), "-D", "-f", str(ETC / "sshd_config"), "-E", str(LOG / "sshd.log")),
-        pidfile=RUN / "sshd.pid",
-        ready=lambda: _tcp_answers(PORTS["sshd"], banner=b"SSH-"),
-        logs=(LOG / "sshd.log", LOG / "sshd.out"),
-        port=PORTS["sshd"],
-        configs=(ETC / "sshd_config",),
-    ))
+        daemons.append(
+            Daemon(
+                name=name,
+                # Debian's Slurm is built with MULTIPLE_SLURMD: -N picks the NodeName to be.
+                argv=(_bin("slurmd"), "-D", "-f", str(SLURM_CONF), "-N", node),
+                pidfile=RUN / f"{name}.pid",
+                ready=lambda port=PORTS[name]: _tcp_answers(port),
+                logs=(LOG / f"{name}.log", LOG / f"{name}.out"),
+                port=PORTS[name],
+                configs=slurm_configs,
+            )
+        )
+    daemons.append(
+        Daemon(
+            name="sshd",
+            # sshd refuses to start unless invoked by absolute path; -D keeps it in the foreground.
+            argv=(_bin("sshd"), "-D", "-f", str(ETC / "sshd_config"), "-E", str(LOG / "sshd.log")),
+            pidfile=RUN / "sshd.pid",
+            ready=lambda: _tcp_answers(PORTS["sshd"], banner=b"SSH-"),
+            logs=(LOG / "sshd.log", LOG / "sshd.out"),
+            port=PORTS["sshd"],
+            configs=(ETC / "sshd_config",),
+        )
+    )
     return daemons
 
 
@@ -307,8 +342,10 @@ def _ensure(d: Daemon) -> bool:
             return False
         raise _failure(d, f"is running (pid {_pidfile_pid(d.pidfile)}) but does not answer")
     if d.port is not None and not _port_free(d.port):
-        raise TestbedError(f"testbed: {d.name} cannot start: port {d.port} is taken by another "
-                           f"process (set MESHRUN_TESTBED_{d.name.upper().replace('-', '_')}_PORT)")
+        raise TestbedError(
+            f"testbed: {d.name} cannot start: port {d.port} is taken by another "
+            f"process (set MESHRUN_TESTBED_{d.name.upper().replace('-', '_')}_PORT)"
+        )
     d.pidfile.unlink(missing_ok=True)
     # Logs are appended to across runs: a failure shows only what this start wrote.
     offsets = {path: path.stat().st_size if path.exists() else 0 for path in d.logs}
@@ -334,11 +371,17 @@ def _spawn(argv: tuple[str, ...], out: Path) -> int:
     """
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
-        return os.posix_spawn(argv[0], list(argv), _daemon_env(), setsid=True, file_actions=[
-            (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
-            (os.POSIX_SPAWN_DUP2, fd, 1),
-            (os.POSIX_SPAWN_DUP2, fd, 2),
-        ])
+        return os.posix_spawn(
+            argv[0],
+            list(argv),
+            _daemon_env(),
+            setsid=True,
+            file_actions=[
+                (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+                (os.POSIX_SPAWN_DUP2, fd, 1),
+                (os.POSIX_SPAWN_DUP2, fd, 2),
+            ],
+        )
     finally:
         os.close(fd)
 
@@ -402,12 +445,10 @@ def _pidfile_pid(path: Path) -> int | None:
 
 
 def _failure(d: Daemon, what: str, offsets: dict[Path, int] | None = None) -> TestbedError:
-    return TestbedError(f"testbed: {d.name} {what}.\n  command: {' '.join(d.argv)}\n"
-                        + _log_tails(d.logs, offsets))
+    return TestbedError(f"testbed: {d.name} {what}.\n  command: {' '.join(d.argv)}\n" + _log_tails(d.logs, offsets))
 
 
-def _log_tails(paths: tuple[Path, ...], offsets: dict[Path, int] | None = None,
-               lines: int = 25) -> str:
+def _log_tails(paths: tuple[Path, ...], offsets: dict[Path, int] | None = None, lines: int = 25) -> str:
     """The last lines of each log, of what was written after offsets[path] where given."""
     parts = []
     for path in paths:
@@ -465,8 +506,14 @@ def _wait_until(predicate: Callable[[], bool], timeout_s: float) -> bool:
 
 def _client(*argv: str, timeout_s: float = 10.0) -> subprocess.CompletedProcess[str]:
     """Run a Slurm client command against the testbed."""
-    return subprocess.run([_bin(argv[0]), *argv[1:]], capture_output=True, text=True,
-                          env={**os.environ, **client_env()}, timeout=timeout_s, check=False)
+    return subprocess.run(
+        [_bin(argv[0]), *argv[1:]],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **client_env()},
+        timeout=timeout_s,
+        check=False,
+    )
 
 
 # Node states (sinfo %t) of a node whose slurmd has registered and that can run jobs. A trailing
@@ -476,22 +523,27 @@ _USABLE_STATES = frozenset({"idle", "mix", "alloc", "comp"})
 
 def _node_states() -> dict[str, str]:
     res = _client("sinfo", "-h", "-N", "-o", "%N %t")
-    return dict(line.split() for line in res.stdout.splitlines() if line.strip()) \
-        if res.returncode == 0 else {}
+    return dict(line.split() for line in res.stdout.splitlines() if line.strip()) if res.returncode == 0 else {}
 
 
 def _accounting_answers() -> bool:
     """sacct works only once slurmdbd answers and knows the cluster (slurmctld registers it)."""
     res = _client("sacctmgr", "-n", "-P", "show", "cluster", "format=Cluster")
-    return res.returncode == 0 and CLUSTER in res.stdout.split() \
+    return (
+        res.returncode == 0
+        and CLUSTER in res.stdout.split()
         and _client("sacct", "-n", "-X", "-o", "JobID").returncode == 0
+    )
 
 
 def _healthy(daemons: list[Daemon]) -> bool:
     states = _node_states()
-    return (all(d.ready() for d in daemons)
-            and all(states.get(n) in _USABLE_STATES for n in NODES)
-            and _accounting_answers() and HOSTS_LINE in _hosts_lines())
+    return (
+        all(d.ready() for d in daemons)
+        and all(states.get(n) in _USABLE_STATES for n in NODES)
+        and _accounting_answers()
+        and HOSTS_LINE in _hosts_lines()
+    )
 
 
 def _wait_cluster_ready(timeout_s: float = 30.0) -> None:
@@ -504,13 +556,14 @@ def _wait_cluster_ready(timeout_s: float = 30.0) -> None:
         raise TestbedError(
             f"testbed: nodes {', '.join(NODES)} did not become idle within {timeout_s:.0f} s.\n"
             f"sinfo: {sinfo.stdout}{sinfo.stderr}\n"
-            + _log_tails(tuple(LOG / f"{n}.log" for n in ("slurmctld", *(f"slurmd-{x}" for x in NODES)))))
+            + _log_tails(tuple(LOG / f"{n}.log" for n in ("slurmctld", *(f"slurmd-{x}" for x in NODES))))
+        )
     if not _wait_until(_accounting_answers, timeout_s):
         sacct = _client("sacct", "-n", "-X")
         raise TestbedError(
             f"testbed: accounting (sacct) does not answer within {timeout_s:.0f} s: "
-            f"{sacct.stdout}{sacct.stderr}\n"
-            + _log_tails((LOG / "slurmdbd.log", LOG / "slurmctld.log")))
+            f"{sacct.stdout}{sacct.stderr}\n" + _log_tails((LOG / "slurmdbd.log", LOG / "slurmctld.log"))
+        )
 
 
 # --------------------------------------------------------------------------- files
@@ -521,8 +574,7 @@ def _preflight() -> None:
         raise TestbedError("testbed: must run as root (mknod, /etc/hosts, sshd)")
     missing = missing_binaries()
     if missing:
-        raise TestbedError(f"testbed: missing {', '.join(missing)}; "
-                           "run `sh tests/testbed/install.sh` (as root) first")
+        raise TestbedError(f"testbed: missing {', '.join(missing)}; run `sh tests/testbed/install.sh` (as root) first")
     if any(c.isspace() for c in str(TESTBED_DIR)):
         raise TestbedError(f"testbed: {TESTBED_DIR} contains whitespace; Slurm configs cannot hold it")
 
@@ -536,8 +588,7 @@ def _make_dirs() -> None:
             mode = stat.S_IMODE(parent.stat().st_mode)
             if mode & 0o011 != 0o011:
                 parent.chmod(mode | 0o011)
-    for d in (TESTBED_DIR, ETC, RUN, LOG, MUNGE, DB, STATE, SPOOL, DEV, SSH,
-              *(SPOOL / n for n in NODES)):
+    for d in (TESTBED_DIR, ETC, RUN, LOG, MUNGE, DB, STATE, SPOOL, DEV, SSH, *(SPOOL / n for n in NODES)):
         d.mkdir(parents=True, exist_ok=True)
         d.chmod(0o755)
     # sshd's privilege separation folder; /run is a tmpfs, so it vanishes on reboot.
@@ -611,12 +662,13 @@ def _slurm_conf() -> str:
     nodes = "\n".join(
         f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={PORTS[f'slurmd-{n}']} "
         f"CPUs={CPUS_PER_NODE} RealMemory=2000 Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN"
-        for n in NODES)
+        for n in NODES
+    )
     return f"""\
 # Written by tests/testbed/testbed.py; rewritten by every up().
 ClusterName={CLUSTER}
 SlurmctldHost={host}(127.0.0.1)
-SlurmctldPort={PORTS['slurmctld']}
+SlurmctldPort={PORTS["slurmctld"]}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -635,7 +687,7 @@ TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/linux
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=127.0.0.1
-AccountingStoragePort={PORTS['slurmdbd']}
+AccountingStoragePort={PORTS["slurmdbd"]}
 # Not a password: connections to slurmdbd ignore AuthInfo=socket= and take the munge socket from here.
 AccountingStoragePass={MUNGE_SOCKET}
 AccountingStorageTRES=gres/gpu
@@ -666,13 +718,13 @@ AuthType=auth/munge
 AuthInfo=socket={MUNGE_SOCKET}
 DbdHost={_short_hostname()}
 DbdAddr=127.0.0.1
-DbdPort={PORTS['slurmdbd']}
+DbdPort={PORTS["slurmdbd"]}
 SlurmUser=root
 PidFile={RUN}/slurmdbd.pid
 LogFile={LOG}/slurmdbd.log
 StorageType=accounting_storage/mysql
 StorageHost=127.0.0.1
-StoragePort={PORTS['mariadb']}
+StoragePort={PORTS["mariadb"]}
 StorageUser={DB_USER}
 StoragePass={DB_PASSWORD}
 StorageLoc=slurm_acct_db
@@ -682,7 +734,7 @@ StorageLoc=slurm_acct_db
 def _sshd_config() -> str:
     return f"""\
 # Written by tests/testbed/testbed.py; rewritten by every up().
-Port {PORTS['sshd']}
+Port {PORTS["sshd"]}
 ListenAddress 127.0.0.1
 HostKey {SSH_HOST_KEY}
 PidFile {RUN}/sshd.pid
@@ -717,21 +769,39 @@ def _init_database() -> None:
     log = LOG / "mariadb-install-db.log"
     with open(log, "w") as out:
         res = subprocess.run(
-            [_bin("mariadb-install-db"), "--no-defaults", "--user=root", f"--datadir={tmp}",
-             "--skip-test-db", "--auth-root-authentication-method=socket", *_MARIADB_SIZES],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_daemon_env(),
-            check=False)
+            [
+                _bin("mariadb-install-db"),
+                "--no-defaults",
+                "--user=root",
+                f"--datadir={tmp}",
+                "--skip-test-db",
+                "--auth-root-authentication-method=socket",
+                *_MARIADB_SIZES,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=_daemon_env(),
+            check=False,
+        )
     if res.returncode != 0:
         raise TestbedError(f"testbed: mariadb-install-db failed ({res.returncode}).\n" + _log_tails((log,)))
     tmp.rename(DB_DATA)
 
 
 def _grant_slurm_user() -> None:
-    sql = (f"CREATE USER IF NOT EXISTS '{DB_USER}'@'127.0.0.1' IDENTIFIED BY '{DB_PASSWORD}'; "
-           f"GRANT ALL ON slurm_acct_db.* TO '{DB_USER}'@'127.0.0.1';")
+    sql = (
+        f"CREATE USER IF NOT EXISTS '{DB_USER}'@'127.0.0.1' IDENTIFIED BY '{DB_PASSWORD}'; "
+        f"GRANT ALL ON slurm_acct_db.* TO '{DB_USER}'@'127.0.0.1';"
+    )
     # Root logs in through the socket as the OS user root (install-db's socket auth).
-    res = subprocess.run([_bin("mariadb"), "--no-defaults", "-S", str(DB_SOCKET), "-uroot", "-e", sql],
-                         capture_output=True, text=True, env=_daemon_env(), check=False)
+    res = subprocess.run(
+        [_bin("mariadb"), "--no-defaults", "-S", str(DB_SOCKET), "-uroot", "-e", sql],
+        capture_output=True,
+        text=True,
+        env=_daemon_env(),
+        check=False,
+    )
     if res.returncode != 0:
         raise TestbedError(f"testbed: could not create the slurm database user: {res.stderr}")
 
@@ -764,6 +834,7 @@ def _remove_hosts_line() -> None:
 
 def _cancel_all_jobs(timeout_s: float = 20.0) -> None:
     """Cancel every job still queued or running, so that no slurmstepd or task outlives down()."""
+
     def job_ids() -> list[str]:
         return _client("squeue", "-h", "-o", "%A").stdout.split()
 
@@ -787,8 +858,9 @@ def _kill_stray_steps() -> None:
         try:
             stat_fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
             children.setdefault(int(stat_fields[1]), []).append(int(proc.name))
-            if (proc / "comm").read_text().strip() == "slurmstepd" \
-                    and marker in (proc / "environ").read_bytes().split(b"\0"):
+            if (proc / "comm").read_text().strip() == "slurmstepd" and marker in (proc / "environ").read_bytes().split(
+                b"\0"
+            ):
                 steps.append(int(proc.name))
         except (OSError, IndexError, ValueError):
             continue  # exited meanwhile
@@ -825,8 +897,11 @@ def _run(*argv: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.testbed.testbed", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.testbed.testbed",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("command", choices=("up", "down", "status", "env"))
     parser.add_argument("--purge", action="store_true", help="down: also delete the testbed folder")
     args = parser.parse_args(argv)

@@ -1,4 +1,5 @@
 """Checkpoint rules: complete or ignored, retention, and a real DCP round trip in one process."""
+
 from __future__ import annotations
 
 import os
@@ -22,21 +23,24 @@ def _fake_complete(root: Path, step: int) -> Path:
     return path
 
 
-@pytest.mark.parametrize("steps, keep, every, victims", [
-    ([10, 20, 30, 40], 2, 0, [10, 20]),
-    ([10, 20, 30, 40], 1, 20, [10, 30]),
-    ([10], 1, 0, []),
-    ([], 3, 0, []),
-    ([5, 10, 15], 0, 0, [5, 10]),            # keep 0 still keeps the newest complete
-])
+@pytest.mark.parametrize(
+    "steps, keep, every, victims",
+    [
+        ([10, 20, 30, 40], 2, 0, [10, 20]),
+        ([10, 20, 30, 40], 1, 20, [10, 30]),
+        ([10], 1, 0, []),
+        ([], 3, 0, []),
+        ([5, 10, 15], 0, 0, [5, 10]),  # keep 0 still keeps the newest complete
+    ],
+)
 def test_retention_never_deletes_the_newest(steps, keep, every, victims) -> None:
     assert ckpt.retention_victims(steps, keep, every) == victims
 
 
 def test_unmarked_saves_are_ignored_and_asking_for_one_is_an_error(tmp_path: Path) -> None:
     _fake_complete(tmp_path, 10)
-    (tmp_path / "step-00000020.tmp").mkdir()           # interrupted save
-    ckpt.step_dir(tmp_path, 30).mkdir()                 # renamed but unmarked (impossible, still ignored)
+    (tmp_path / "step-00000020.tmp").mkdir()  # interrupted save
+    ckpt.step_dir(tmp_path, 30).mkdir()  # renamed but unmarked (impossible, still ignored)
     assert ckpt.complete_steps(tmp_path) == [10]
     assert ckpt.latest(tmp_path) == ckpt.step_dir(tmp_path, 10)
     assert ckpt.resolve(tmp_path, 10) == ckpt.step_dir(tmp_path, 10)

@@ -1,4 +1,5 @@
 """The caller's side stays torch-free, fast and traceback-free."""
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,9 @@ def _run(args: list[str], tmp_path: Path, block_torch: bool = True) -> subproces
         fake.mkdir(parents=True, exist_ok=True)
         (fake / "__init__.py").write_text("raise ImportError('torch is not installed on this laptop')\n")
         env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "notorch"), str(REPO)])
-    return subprocess.run([sys.executable, "-m", "submit.cli", *args], capture_output=True, text=True,
-                          env=env, cwd=REPO, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "submit.cli", *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=60
+    )
 
 
 def test_help_and_render_work_without_torch(tmp_path: Path) -> None:
@@ -29,21 +31,28 @@ def test_help_and_render_work_without_torch(tmp_path: Path) -> None:
 
 
 def test_submit_side_modules_never_import_torch() -> None:
-    code = ("import sys; import submit.cli, submit.api, submit.render, submit.plan, submit.schedulers.local, submit.schedulers.slurm, "
-            "submit.registry, submit.schedulers.slurm_cli, submit.transport, launcher.spec, launcher.entry; "
-            "bad = [m for m in ('torch', 'numpy', 'paramiko') if m in sys.modules]; "
-            "assert not bad, bad")
+    code = (
+        "import sys; import submit.cli, submit.api, submit.render, submit.plan, submit.schedulers.local, submit.schedulers.slurm, "
+        "submit.registry, submit.schedulers.slurm_cli, submit.transport, launcher.spec, launcher.entry; "
+        "bad = [m for m in ('torch', 'numpy', 'paramiko') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
 def test_bad_input_is_one_line_exit_2_no_traceback(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nresources: {nodes: 1, tasks_per_nod: 2}\n")
-    for args in (["render", str(bad)], ["submit", str(bad), "--dry-run"],
-                 ["render", "examples/tiny.yaml", "--set", "parallel.dp=3"],
-                 ["render", "examples/tiny.yaml", "-c", "nosuchcluster"],
-                 ["submit", "examples/tiny.yaml", "--set", "train.steps=x"],
-                 ["status", "12345"], ["logs", "12345"], ["cancel", "12345"]):
+    for args in (
+        ["render", str(bad)],
+        ["submit", str(bad), "--dry-run"],
+        ["render", "examples/tiny.yaml", "--set", "parallel.dp=3"],
+        ["render", "examples/tiny.yaml", "-c", "nosuchcluster"],
+        ["submit", "examples/tiny.yaml", "--set", "train.steps=x"],
+        ["status", "12345"],
+        ["logs", "12345"],
+        ["cancel", "12345"],
+    ):
         out = _run(args, tmp_path)
         assert out.returncode == 2, (args, out.stderr)
         assert "Traceback" not in out.stderr and out.stderr.count("\n") == 1, out.stderr

@@ -1,5 +1,6 @@
 """Issue 15, small CLI findings: `tb --port`, `logs --rank` past the job, control characters and wide
 or non-ASCII names (items 19, 22 and parts of 34)."""
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _cli(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"), XDG_CONFIG_HOME=str(tmp_path / "config"))
-    return subprocess.run([sys.executable, "-m", "submit.cli", *args], capture_output=True, text=True, env=env,
-                          cwd=REPO, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "submit.cli", *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=60
+    )
 
 
 @pytest.fixture
@@ -41,6 +43,7 @@ def busy_port() -> Iterator[int]:
 
 
 # --- item 19: tb --port ---------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("port", [-1, 65536, 70000])
 def test_port_out_of_range_is_bad_input(port: int) -> None:
@@ -75,6 +78,7 @@ def test_forward_that_cannot_bind_fails_in_one_line(bad: object, busy_port: int)
 
 # --- item 22: logs --rank past the job's ranks ------------------------------------------------------------------
 
+
 def test_rank_past_the_world_size_names_the_size() -> None:
     with pytest.raises(InputError) as caught:
         logs.parse_ranks("99", 2)
@@ -84,8 +88,16 @@ def test_rank_past_the_world_size_names_the_size() -> None:
 
 
 def _record(run_dir: Path) -> JobRecord:
-    return JobRecord(job_id="1", cluster="local", name="j", run_dir=str(run_dir), scheduler="local",
-                     submitted_at=time.time(), git_sha=None, spec_hash="x")
+    return JobRecord(
+        job_id="1",
+        cluster="local",
+        name="j",
+        run_dir=str(run_dir),
+        scheduler="local",
+        submitted_at=time.time(),
+        git_sha=None,
+        spec_hash="x",
+    )
 
 
 def test_select_ranks_reads_the_world_size_even_for_one_rank(tmp_path: Path) -> None:
@@ -102,6 +114,7 @@ def test_select_ranks_without_a_spec_yet_accepts_any_rank(tmp_path: Path) -> Non
 
 
 # --- item 34: control characters in errors ----------------------------------------------------------------------
+
 
 class _OddRepr:
     def __repr__(self) -> str:
@@ -122,8 +135,11 @@ def test_sweep_refuses_control_characters(item: str) -> None:
 
 
 def test_cli_errors_from_sweeps_and_sets_print_no_raw_control_characters(tmp_path: Path) -> None:
-    for args in (["--sweep", "train.lr=1e-3,\x1b[31mred"], ["--sweep", "env.X=a,b\x1b]0;title\x07"],
-                 ["--set", "env.X\x1b[31m=a"]):
+    for args in (
+        ["--sweep", "train.lr=1e-3,\x1b[31mred"],
+        ["--sweep", "env.X=a,b\x1b]0;title\x07"],
+        ["--set", "env.X\x1b[31m=a"],
+    ):
         out = _cli(["render", "examples/tiny.yaml", "-c", "testbed", *args], tmp_path)
         assert out.returncode == 2, out
         assert out.stderr.count("\n") == 1 and out.stderr.rstrip("\n").isprintable(), repr(out.stderr)
@@ -131,6 +147,7 @@ def test_cli_errors_from_sweeps_and_sets_print_no_raw_control_characters(tmp_pat
 
 
 # --- item 34: wide names and run-dir names ----------------------------------------------------------------------
+
 
 def test_display_width_counts_terminal_columns() -> None:
     assert display_width("job") == 3
@@ -142,18 +159,21 @@ def test_display_width_counts_terminal_columns() -> None:
     assert widths == {13}
 
 
-@pytest.mark.parametrize("name, expected", [
-    ("Über-Modell ✨", "Uber-Modell"),
-    ("naïve café", "naive_cafe"),
-    ("Straße Ærø", "Strasse_AEro"),
-    ("ｆｕｌｌ-width", "full-width"),
-    ("tiny-gpt", "tiny-gpt"),
-    ("my model+v2", "my_model+v2"),
-    ("模型", "job"),
-    ("✨✨", "job"),
-    ("", "job"),
-    ("-rf ../..", "rf"),
-])
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("Über-Modell ✨", "Uber-Modell"),
+        ("naïve café", "naive_cafe"),
+        ("Straße Ærø", "Strasse_AEro"),
+        ("ｆｕｌｌ-width", "full-width"),
+        ("tiny-gpt", "tiny-gpt"),
+        ("my model+v2", "my_model+v2"),
+        ("模型", "job"),
+        ("✨✨", "job"),
+        ("", "job"),
+        ("-rf ../..", "rf"),
+    ],
+)
 def test_slug_is_readable_ascii_and_never_empty(name: str, expected: str) -> None:
     assert slug(name) == expected
 

@@ -1,4 +1,5 @@
 """Small display findings of issue 15 (item 34): what a person reads lines up and says the truth."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,14 +14,25 @@ from submit.textwidth import display_width
 
 
 def _status(**kw: object) -> Status:
-    base = dict(job_id="1", cluster="local", name="n", state="RUNNING", run_dir="/r", submitted_at=0.0,
-                done=False, succeeded=False, elapsed_s=75, time_limit_s=600, progress={"step": 5, "loss": 2.0})
+    base = dict(
+        job_id="1",
+        cluster="local",
+        name="n",
+        state="RUNNING",
+        run_dir="/r",
+        submitted_at=0.0,
+        done=False,
+        succeeded=False,
+        elapsed_s=75,
+        time_limit_s=600,
+        progress={"step": 5, "loss": 2.0},
+    )
     return Status(**{**base, **kw})  # type: ignore[arg-type]
 
 
 def test_status_columns_line_up_with_wide_and_emoji_names() -> None:
     lines = status_table([_status(name="训练 🚀 run"), _status(job_id="2", name="plain")]).splitlines()
-    starts = [display_width(line[:line.index("RUNNING")]) for line in lines[1:]]
+    starts = [display_width(line[: line.index("RUNNING")]) for line in lines[1:]]
     assert len(set(starts)) == 1, lines
 
 

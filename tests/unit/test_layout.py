@@ -1,4 +1,5 @@
 """The architecture, guarded: where scheduler knowledge lives and what each side may import."""
+
 from __future__ import annotations
 
 import ast
@@ -28,9 +29,14 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_only_the_backends_test_the_scheduler_by_name() -> None:
-    offenders = [f"{path.relative_to(REPO)}:{n}" for package in ("submit", "launcher") for path in _sources(package)
-                 if "schedulers" not in path.parts
-                 for n, line in enumerate(path.read_text().splitlines(), 1) if SCHEDULER_TEST.search(line)]
+    offenders = [
+        f"{path.relative_to(REPO)}:{n}"
+        for package in ("submit", "launcher")
+        for path in _sources(package)
+        if "schedulers" not in path.parts
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if SCHEDULER_TEST.search(line)
+    ]
     assert not offenders, f"scheduler tested by name outside submit/schedulers/: {offenders}"
 
 
@@ -41,15 +47,24 @@ def test_the_guard_itself_sees_a_scheduler_test() -> None:
 
 
 def test_submit_imports_only_the_torch_free_contract_of_launcher() -> None:
-    bad = {f"{path.relative_to(REPO)}: {module}" for path in _sources("submit") for module in _imports(path)
-           if module.split(".")[0] == "launcher" and module != "launcher"
-           and not any(module == c or module.startswith(c + ".") for c in CONTRACT)}
+    bad = {
+        f"{path.relative_to(REPO)}: {module}"
+        for path in _sources("submit")
+        for module in _imports(path)
+        if module.split(".")[0] == "launcher"
+        and module != "launcher"
+        and not any(module == c or module.startswith(c + ".") for c in CONTRACT)
+    }
     assert not bad, f"submit imports launcher beyond its contract ({', '.join(sorted(CONTRACT))}): {sorted(bad)}"
 
 
 def test_launcher_never_imports_submit_or_paramiko() -> None:
-    bad = {f"{path.relative_to(REPO)}: {module}" for path in _sources("launcher") for module in _imports(path)
-           if module.split(".")[0] in ("submit", "paramiko")}
+    bad = {
+        f"{path.relative_to(REPO)}: {module}"
+        for path in _sources("launcher")
+        for module in _imports(path)
+        if module.split(".")[0] in ("submit", "paramiko")
+    }
     assert not bad, sorted(bad)
 
 

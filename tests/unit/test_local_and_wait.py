@@ -1,4 +1,5 @@
 """The local cluster's state file and the --wait display, without starting processes."""
+
 from __future__ import annotations
 
 import io
@@ -17,15 +18,28 @@ from submit.schedulers import local
 
 
 def _status(**kw) -> Status:
-    base = dict(job_id="1", cluster="c", name="n", state="RUNNING", run_dir="/r", submitted_at=0.0, done=False,
-                succeeded=False, elapsed_s=75, time_limit_s=600, progress={"step": 20, "loss": 3.14159})
+    base = dict(
+        job_id="1",
+        cluster="c",
+        name="n",
+        state="RUNNING",
+        run_dir="/r",
+        submitted_at=0.0,
+        done=False,
+        succeeded=False,
+        elapsed_s=75,
+        time_limit_s=600,
+        progress={"step": 20, "loss": 3.14159},
+    )
     return Status(**{**base, **kw})
 
 
 def test_progress_line_shows_state_step_loss_and_time_left() -> None:
     assert progress_line(_status(), 60) == "[RUNNING] step 20/60 loss 3.1416 elapsed 0:01:15 left 0:08:45"
-    assert progress_line(_status(state="PENDING", progress={}, elapsed_s=None, reason="Resources"), 60) \
+    assert (
+        progress_line(_status(state="PENDING", progress={}, elapsed_s=None, reason="Resources"), 60)
         == "[PENDING] (Resources)"
+    )
 
 
 def test_polling_backs_off_on_slurm() -> None:
@@ -48,8 +62,11 @@ def test_a_finished_state_is_kept(tmp_path: Path) -> None:
     path = local_state_path(str(tmp_path), "local-2")
     merge_state(path, state="COMPLETED", supervisor_pid=1)
     merge_state(path, exit_codes=[0, 0])
-    assert local.current_state(str(tmp_path), "local-2") == {"state": "COMPLETED", "supervisor_pid": 1,
-                                                             "exit_codes": [0, 0]}
+    assert local.current_state(str(tmp_path), "local-2") == {
+        "state": "COMPLETED",
+        "supervisor_pid": 1,
+        "exit_codes": [0, 0],
+    }
     assert os.stat(path).st_mode & 0o777 == 0o600
 
 
@@ -81,9 +98,14 @@ def test_registry_finds_by_id_and_refuses_ambiguity(tmp_path: Path) -> None:
 def test_wait_prints_plain_lines_only_on_change(monkeypatch) -> None:
     from submit import api, cli
 
-    seq = iter([_status(progress={"step": 1, "loss": 5.0}), _status(progress={"step": 1, "loss": 5.0}),
-                _status(progress={"step": 2, "loss": 4.0}),
-                _status(state="COMPLETED", done=True, succeeded=True, progress={"step": 2, "loss": 4.0})])
+    seq = iter(
+        [
+            _status(progress={"step": 1, "loss": 5.0}),
+            _status(progress={"step": 1, "loss": 5.0}),
+            _status(progress={"step": 2, "loss": 4.0}),
+            _status(state="COMPLETED", done=True, succeeded=True, progress={"step": 2, "loss": 4.0}),
+        ]
+    )
     monkeypatch.setattr(api, "statuses", lambda records, clusters, registry=None: [next(seq)])
     monkeypatch.setattr(cli.time, "sleep", lambda s: None)
     out = io.StringIO()
@@ -91,4 +113,7 @@ def test_wait_prints_plain_lines_only_on_change(monkeypatch) -> None:
     final = cli.wait_for(record, None, None, total_steps=2, out=out)
     assert final.succeeded
     assert [l.split(" loss")[0] for l in out.getvalue().splitlines()] == [
-        "[RUNNING] step 1/2", "[RUNNING] step 2/2", "[COMPLETED] step 2/2"]
+        "[RUNNING] step 1/2",
+        "[RUNNING] step 2/2",
+        "[COMPLETED] step 2/2",
+    ]

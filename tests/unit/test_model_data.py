@@ -1,4 +1,5 @@
 """The reference model, the token data and the corpus builder, in one process."""
+
 from __future__ import annotations
 
 import json
@@ -26,6 +27,7 @@ def corpus(tmp_path: Path) -> Path:
 
 
 # ------------------------------------------------------------------ model
+
 
 def test_shapes_and_layout() -> None:
     model = GPT(TINY)
@@ -104,6 +106,7 @@ def test_initial_loss_is_near_uniform() -> None:
 
 # ------------------------------------------------------------------ corpus
 
+
 def test_corpus_is_deterministic_and_byte_level(tmp_path: Path) -> None:
     root = tmp_path / "src"
     (root / "pkg" / "__pycache__").mkdir(parents=True)
@@ -138,6 +141,7 @@ def test_corpus_without_text_is_an_error(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ data
+
 
 def test_missing_file_says_how_to_build_it(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="meshrun data"):

@@ -1,5 +1,6 @@
 """Issue 15's findings on the caller's side, each reproduced without a cluster (the real-cluster ones are in
 tests/integration/)."""
+
 from __future__ import annotations
 
 import os
@@ -80,8 +81,10 @@ class _Clusters:
 def test_a_changed_host_key_reaches_the_person_not_only_json(tmp_path: Path) -> None:
     """Item 5."""
     warned: list[str] = []
-    records = [JobRecord("local-x", "ok", "n", str(tmp_path), "local", 0.0, None, "h"),
-               JobRecord("7", "bad", "n", "/r", "slurm", 0.0, None, "h")]
+    records = [
+        JobRecord("local-x", "ok", "n", str(tmp_path), "local", 0.0, None, "h"),
+        JobRecord("7", "bad", "n", "/r", "slurm", 0.0, None, "h"),
+    ]
     found = statuses(records, _Clusters(), warn=warned.append)
     assert [s.state for s in found] == ["UNKNOWN", "UNREACHABLE"]
     assert warned and "REMOTE HOST IDENTIFICATION HAS CHANGED" in warned[0] and warned[0].startswith("bad: ")

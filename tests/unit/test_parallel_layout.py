@@ -1,4 +1,5 @@
 """The 3D trainer's pure parts, in one process: layout arithmetic, device choice, schedule, scaling, metrics."""
+
 from __future__ import annotations
 
 import math
@@ -18,18 +19,35 @@ from launcher.spec import JobSpec, Resources, Train
 
 
 def _env(rank: int = 0, local: int = 0, world: int = 8, local_world: int = 8, node: int = 0) -> RankEnv:
-    return RankEnv(rank=rank, local_rank=local, world_size=world, local_world_size=local_world, node_rank=node,
-                   num_nodes=world // local_world, master_addr="n1", master_port=20001, job_id="7",
-                   restart_count=0, hosts=(), source="torchrun")
+    return RankEnv(
+        rank=rank,
+        local_rank=local,
+        world_size=world,
+        local_world_size=local_world,
+        node_rank=node,
+        num_nodes=world // local_world,
+        master_addr="n1",
+        master_port=20001,
+        job_id="7",
+        restart_count=0,
+        hosts=(),
+        source="torchrun",
+    )
 
 
 # ------------------------------------------------------------------ ParallelDims
+
 
 def test_coordinates_put_tp_innermost_then_dp_then_pp() -> None:
     dims = ParallelDims(dp=2, tp=2, pp=2)
     assert MESH_DIMS == ("pp", "dp", "tp") and dims.shape == (2, 2, 2)
     assert [dims.coordinates(r) for r in (0, 1, 2, 5, 7)] == [
-        Coordinates(0, 0, 0), Coordinates(0, 0, 1), Coordinates(0, 1, 0), Coordinates(1, 0, 1), Coordinates(1, 1, 1)]
+        Coordinates(0, 0, 0),
+        Coordinates(0, 0, 1),
+        Coordinates(0, 1, 0),
+        Coordinates(1, 0, 1),
+        Coordinates(1, 1, 1),
+    ]
     with pytest.raises(ValueError, match="outside"):
         dims.coordinates(8)
 
@@ -38,6 +56,7 @@ def test_coordinates_put_tp_innermost_then_dp_then_pp() -> None:
 def fake_world() -> Iterator[None]:
     """A fake 8-rank process group (no peers needed) so init_device_mesh can lay out a real mesh."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
+
     dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
     try:
         yield
@@ -48,6 +67,7 @@ def fake_world() -> Iterator[None]:
 def test_the_device_mesh_agrees_with_the_coordinates(fake_world: None) -> None:
     from launcher.parallel import build_mesh
     from launcher.runtime import Runtime
+
     dims = ParallelDims(dp=2, tp=2, pp=2)
     mesh = build_mesh(dims, Runtime(torch.device("cpu"), "gloo", None))
     c = dims.coordinates(5)
@@ -56,15 +76,19 @@ def test_the_device_mesh_agrees_with_the_coordinates(fake_world: None) -> None:
     assert mesh["dp"].mesh.tolist() == [5, 7] and mesh["pp"].mesh.tolist() == [1, 5]
 
 
-@pytest.mark.parametrize("kwargs, key, text", [
-    (dict(vocab_size=250), "parallel.tp", "vocab_size(250) must be divisible by tp(4)"),
-    (dict(seq_len=30, sequence_parallel=True), "parallel.sequence_parallel", "seq_len(30) over tp(4)"),
-])
+@pytest.mark.parametrize(
+    "kwargs, key, text",
+    [
+        (dict(vocab_size=250), "parallel.tp", "vocab_size(250) must be divisible by tp(4)"),
+        (dict(seq_len=30, sequence_parallel=True), "parallel.sequence_parallel", "seq_len(30) over tp(4)"),
+    ],
+)
 def test_tensor_parallel_checks(kwargs: dict, key: str, text: str) -> None:
     found = ParallelDims(dp=2, tp=4, pp=1).problem(8, 4, 8, 8, **kwargs)
     assert found is not None and found.key == key and text in found.fix
-    assert ParallelDims(dp=2, tp=4, pp=1).problem(8, 4, 8, 8, vocab_size=256, seq_len=32,
-                                                 sequence_parallel=True) is None
+    assert (
+        ParallelDims(dp=2, tp=4, pp=1).problem(8, 4, 8, 8, vocab_size=256, seq_len=32, sequence_parallel=True) is None
+    )
 
 
 def test_pipeline_needs_at_least_pp_micro_batches() -> None:
@@ -76,6 +100,7 @@ def test_pipeline_needs_at_least_pp_micro_batches() -> None:
 
 
 # ------------------------------------------------------------------ tasks and GPUs
+
 
 def test_task_count_must_match_the_spec() -> None:
     job = JobSpec(name="j", resources=Resources(nodes=2, tasks_per_node=4))
@@ -109,6 +134,7 @@ def test_gpu_mismatches_fail_with_one_line() -> None:
 
 # ------------------------------------------------------------------ optimizer pieces
 
+
 def test_lr_warmup_then_cosine_to_min() -> None:
     cfg = Train(steps=110, lr=1.0, min_lr=0.1, warmup_steps=10)
     assert lr_at(5, cfg) == 0.5 and lr_at(10, cfg) == 1.0
@@ -135,11 +161,24 @@ def test_loss_scaler_halves_on_overflow_and_grows_after_good_steps() -> None:
 
 # ------------------------------------------------------------------ metrics
 
-def test_metrics_line_shows_data_wait_and_perplexity(tmp_path: pytest.TempPathFactory,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+
+def test_metrics_line_shows_data_wait_and_perplexity(
+    tmp_path: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
     log = MetricsLog(str(tmp_path), enabled=True, steps=10)
-    log.write({"step": 5, "loss": 2.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1000.0,
-               "step_time_s": 0.1, "data_wait_s": 0.002, "val_loss": 1.5, "val_ppl": perplexity(1.5)})
+    log.write(
+        {
+            "step": 5,
+            "loss": 2.0,
+            "lr": 1e-3,
+            "grad_norm": 0.5,
+            "tokens_per_s": 1000.0,
+            "step_time_s": 0.1,
+            "data_wait_s": 0.002,
+            "val_loss": 1.5,
+            "val_ppl": perplexity(1.5),
+        }
+    )
     log.close()
     line = capsys.readouterr().out
     assert "data_wait 0.002s" in line and f"val_ppl {math.exp(1.5):.2f}" in line

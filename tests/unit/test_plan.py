@@ -1,4 +1,5 @@
 """Every validation error names the key, the value and the fix, before anything touches a cluster."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,50 +22,99 @@ def _plan(spec: Path, cluster: str, *overrides: str):
     return plan_file(spec, load_profile(cluster), list(overrides), home="/home/u", run_dir="/r")
 
 
-@pytest.mark.parametrize("cluster, spec, overrides, key, message", [
-    ("local", TINY, ["parallel.dp=3"], "parallel", r"dp\(3\)\*tp\(1\)\*pp\(1\)=3 != world size 2"),
-    ("h100-ndr", BIG, ["parallel.tp=16", "parallel.dp=4"], "parallel.tp", "one NVLink/NVSwitch domain of 8"),
-    ("h100-ndr", BIG, ["parallel.pp=5", "parallel.dp=4", "parallel.tp=4", "resources.nodes=10"],
-     "parallel.pp", r"pp\(5\) must divide train.model.n_layers\(24\)"),
-    ("h100-ndr", BIG, ["train.model.n_heads=12", "train.model.d_model=1536", "parallel.tp=8",
-                       "parallel.dp=8"], "parallel.tp", r"n_heads\(12\) must be divisible by tp\(8\)"),
-    ("h100-ndr", BIG, ["resources.time=3-00:00:00"], "resources.time", "at most 2-00:00:00"),
-    ("h100-ndr", BIG, ["resources.partition=gpus"], "resources.partition", "did you mean 'gpu'"),
-    ("h100-ndr", BIG, ["resources.gpus_per_node=16"], "resources.gpus_per_node", "has 8 GPUs"),
-    ("h100-ndr", BIG, ["resources.nodes=65", "parallel.dp=130"], "resources.nodes", "at most 64 nodes"),
-    ("h100-ndr", BIG, ["train.global_batch=500"], "train.global_batch", r"micro_batch\(4\)\*dp\(16\)=64"),
-    ("local", TINY, ["train.model.d_model=130"], "train.model.d_model", r"130 % 4 = 2"),
-    ("local", TINY, ["resources.nodes=2"], "resources.nodes", "one machine"),
-    ("local", TINY, ["train.precision=bf16"], "train.precision", "CPU ranks train in fp32"),
-    ("local", TINY, ["train.steps=0"], "train.steps", "at least 1"),
-    ("local", TINY, ["train.lr=-1"], "train.lr", "must be positive"),
-    ("local", TINY, ["resources.time=soon"], "resources.time", "Slurm's time syntax"),
-    ("local", TINY, ["data.val_fraction=1.5"], "data.val_fraction", r"\[0, 1\)"),
-    ("testbed", TINY, ["resources.tasks_per_node=3", "resources.gpus_per_node=2"], "resources.tasks_per_node",
-     "one rank per GPU"),
-    ("testbed", TINY, ["resources.cpus_per_task=3"], "resources.cpus_per_task", r"=6 > 4 CPUs"),
-    # 3D layouts: what the ranks would find only after start-up (or by hanging) is caught here.
-    ("testbed", TWO, ["parallel.dp=2", "parallel.tp=2", "train.model.vocab_size=255"], "parallel.tp",
-     r"vocab_size\(255\) must be divisible by tp\(2\).*255 % 2 = 1"),
-    ("local", GPT3D, ["parallel.sequence_parallel=true", "train.model.seq_len=127"], "parallel.sequence_parallel",
-     r"seq_len\(127\) over tp\(2\): 127 % 2 = 1; pick a seq_len divisible by tp or set sequence_parallel: false"),
-    ("testbed", TWO, ["parallel.dp=1", "parallel.tp=4"], "parallel.tp", r"tp\(4\) must divide the 2 ranks per node"),
-    ("local", GPT3D, ["train.global_batch=4"], "train.global_batch",
-     r"gives 1 micro-batch\(es\) per step .* fewer than the pp\(2\) pipeline stages"),
-    ("local", GPT3D, ["parallel.pp_schedule=zb"], "parallel.pp_schedule", "must be one of 1f1b, gpipe"),
-    # Validation runs whole global batches.
-    ("local", TINY, ["train.eval_sequences=8"], "train.eval_sequences",
-     r"at least train.global_batch \(16\) sequences; set eval_sequences >= 16 or train.eval_every: 0"),
-    # Checkpoint policy.
-    ("local", TINY, ["checkpoint.keep=0"], "checkpoint.keep", "keep at least 1 complete checkpoint"),
-    ("local", TINY, ["checkpoint.every=-5"], "checkpoint.every", "must be at least 0"),
-    ("local", TINY, ["checkpoint.keep_every=-1"], "checkpoint.keep_every", r"must be at least 0 \(0 keeps nothing"),
-    ("local", TINY, ["checkpoint.max_restarts=-1"], "checkpoint.max_restarts", r"must be at least 0 \(0 never"),
-    ("local", TINY, ["checkpoint.resume_step=0"], "checkpoint.resume_step", "give a step >= 1, or null"),
-    # GPU jobs: one rank per GPU, however the counts are given.
-    ("h100-ndr", BIG, ["resources.tasks_per_node=4"], "resources.tasks_per_node",
-     r"one rank per GPU: set it to resources.gpus_per_node \(8\)"),
-])
+@pytest.mark.parametrize(
+    "cluster, spec, overrides, key, message",
+    [
+        ("local", TINY, ["parallel.dp=3"], "parallel", r"dp\(3\)\*tp\(1\)\*pp\(1\)=3 != world size 2"),
+        ("h100-ndr", BIG, ["parallel.tp=16", "parallel.dp=4"], "parallel.tp", "one NVLink/NVSwitch domain of 8"),
+        (
+            "h100-ndr",
+            BIG,
+            ["parallel.pp=5", "parallel.dp=4", "parallel.tp=4", "resources.nodes=10"],
+            "parallel.pp",
+            r"pp\(5\) must divide train.model.n_layers\(24\)",
+        ),
+        (
+            "h100-ndr",
+            BIG,
+            ["train.model.n_heads=12", "train.model.d_model=1536", "parallel.tp=8", "parallel.dp=8"],
+            "parallel.tp",
+            r"n_heads\(12\) must be divisible by tp\(8\)",
+        ),
+        ("h100-ndr", BIG, ["resources.time=3-00:00:00"], "resources.time", "at most 2-00:00:00"),
+        ("h100-ndr", BIG, ["resources.partition=gpus"], "resources.partition", "did you mean 'gpu'"),
+        ("h100-ndr", BIG, ["resources.gpus_per_node=16"], "resources.gpus_per_node", "has 8 GPUs"),
+        ("h100-ndr", BIG, ["resources.nodes=65", "parallel.dp=130"], "resources.nodes", "at most 64 nodes"),
+        ("h100-ndr", BIG, ["train.global_batch=500"], "train.global_batch", r"micro_batch\(4\)\*dp\(16\)=64"),
+        ("local", TINY, ["train.model.d_model=130"], "train.model.d_model", r"130 % 4 = 2"),
+        ("local", TINY, ["resources.nodes=2"], "resources.nodes", "one machine"),
+        ("local", TINY, ["train.precision=bf16"], "train.precision", "CPU ranks train in fp32"),
+        ("local", TINY, ["train.steps=0"], "train.steps", "at least 1"),
+        ("local", TINY, ["train.lr=-1"], "train.lr", "must be positive"),
+        ("local", TINY, ["resources.time=soon"], "resources.time", "Slurm's time syntax"),
+        ("local", TINY, ["data.val_fraction=1.5"], "data.val_fraction", r"\[0, 1\)"),
+        (
+            "testbed",
+            TINY,
+            ["resources.tasks_per_node=3", "resources.gpus_per_node=2"],
+            "resources.tasks_per_node",
+            "one rank per GPU",
+        ),
+        ("testbed", TINY, ["resources.cpus_per_task=3"], "resources.cpus_per_task", r"=6 > 4 CPUs"),
+        # 3D layouts: what the ranks would find only after start-up (or by hanging) is caught here.
+        (
+            "testbed",
+            TWO,
+            ["parallel.dp=2", "parallel.tp=2", "train.model.vocab_size=255"],
+            "parallel.tp",
+            r"vocab_size\(255\) must be divisible by tp\(2\).*255 % 2 = 1",
+        ),
+        (
+            "local",
+            GPT3D,
+            ["parallel.sequence_parallel=true", "train.model.seq_len=127"],
+            "parallel.sequence_parallel",
+            r"seq_len\(127\) over tp\(2\): 127 % 2 = 1; pick a seq_len divisible by tp or set sequence_parallel: false",
+        ),
+        (
+            "testbed",
+            TWO,
+            ["parallel.dp=1", "parallel.tp=4"],
+            "parallel.tp",
+            r"tp\(4\) must divide the 2 ranks per node",
+        ),
+        (
+            "local",
+            GPT3D,
+            ["train.global_batch=4"],
+            "train.global_batch",
+            r"gives 1 micro-batch\(es\) per step .* fewer than the pp\(2\) pipeline stages",
+        ),
+        ("local", GPT3D, ["parallel.pp_schedule=zb"], "parallel.pp_schedule", "must be one of 1f1b, gpipe"),
+        # Validation runs whole global batches.
+        (
+            "local",
+            TINY,
+            ["train.eval_sequences=8"],
+            "train.eval_sequences",
+            r"at least train.global_batch \(16\) sequences; set eval_sequences >= 16 or train.eval_every: 0",
+        ),
+        # Checkpoint policy.
+        ("local", TINY, ["checkpoint.keep=0"], "checkpoint.keep", "keep at least 1 complete checkpoint"),
+        ("local", TINY, ["checkpoint.every=-5"], "checkpoint.every", "must be at least 0"),
+        ("local", TINY, ["checkpoint.keep_every=-1"], "checkpoint.keep_every", r"must be at least 0 \(0 keeps nothing"),
+        ("local", TINY, ["checkpoint.max_restarts=-1"], "checkpoint.max_restarts", r"must be at least 0 \(0 never"),
+        ("local", TINY, ["checkpoint.resume_step=0"], "checkpoint.resume_step", "give a step >= 1, or null"),
+        # GPU jobs: one rank per GPU, however the counts are given.
+        (
+            "h100-ndr",
+            BIG,
+            ["resources.tasks_per_node=4"],
+            "resources.tasks_per_node",
+            r"one rank per GPU: set it to resources.gpus_per_node \(8\)",
+        ),
+    ],
+)
 def test_errors_name_key_value_and_fix(cluster, spec, overrides, key, message) -> None:
     with pytest.raises(InputError, match=message) as info:
         _plan(spec, cluster, *overrides)
@@ -72,16 +122,28 @@ def test_errors_name_key_value_and_fix(cluster, spec, overrides, key, message) -
     assert info.value.fix
 
 
-@pytest.mark.parametrize("cluster, spec, overrides", [
-    ("local", TINY, ["train.eval_every=0", "train.eval_sequences=1"]),  # no validation: any count
-    ("local", TINY, ["train.eval_sequences=16"]),                       # exactly one global batch
-    ("local", GPT3D, ["parallel.sequence_parallel=true"]),              # seq_len 128 % tp 2 = 0
-    ("local", GPT3D, ["train.model.seq_len=127"]),                      # odd seq_len: fine without sp
-    ("local", GPT3D, ["parallel.tp=1", "parallel.dp=4", "parallel.sequence_parallel=true",
-                      "train.model.seq_len=127", "train.model.vocab_size=255"]),  # tp 1 splits nothing
-    ("local", TINY, ["checkpoint.keep_every=0", "checkpoint.max_restarts=0", "checkpoint.resume_step=1"]),
-    ("local", TINY, ["checkpoint.resume_step=null"]),
-])
+@pytest.mark.parametrize(
+    "cluster, spec, overrides",
+    [
+        ("local", TINY, ["train.eval_every=0", "train.eval_sequences=1"]),  # no validation: any count
+        ("local", TINY, ["train.eval_sequences=16"]),  # exactly one global batch
+        ("local", GPT3D, ["parallel.sequence_parallel=true"]),  # seq_len 128 % tp 2 = 0
+        ("local", GPT3D, ["train.model.seq_len=127"]),  # odd seq_len: fine without sp
+        (
+            "local",
+            GPT3D,
+            [
+                "parallel.tp=1",
+                "parallel.dp=4",
+                "parallel.sequence_parallel=true",
+                "train.model.seq_len=127",
+                "train.model.vocab_size=255",
+            ],
+        ),  # tp 1 splits nothing
+        ("local", TINY, ["checkpoint.keep_every=0", "checkpoint.max_restarts=0", "checkpoint.resume_step=1"]),
+        ("local", TINY, ["checkpoint.resume_step=null"]),
+    ],
+)
 def test_edges_that_are_allowed(cluster, spec, overrides) -> None:
     _plan(spec, cluster, *overrides)
 
@@ -96,12 +158,19 @@ def test_error_line_carries_key_value_and_fix() -> None:
 
 def test_describe_shows_the_3d_layout() -> None:
     shown = describe(_plan(GPT3D, "local"))
-    assert {k: shown[k] for k in ("dp", "tp", "pp", "dp_mode", "accumulation", "pp_schedule",
-                                  "sequence_parallel")} == {
-        "dp": 2, "tp": 2, "pp": 2, "dp_mode": "fsdp", "accumulation": 4, "pp_schedule": "1f1b",
-        "sequence_parallel": False}
-    assert describe(_plan(GPT3D, "local", "parallel.pp_schedule=gpipe", "parallel.sequence_parallel=true")
-                    )["pp_schedule"] == "gpipe"
+    assert {k: shown[k] for k in ("dp", "tp", "pp", "dp_mode", "accumulation", "pp_schedule", "sequence_parallel")} == {
+        "dp": 2,
+        "tp": 2,
+        "pp": 2,
+        "dp_mode": "fsdp",
+        "accumulation": 4,
+        "pp_schedule": "1f1b",
+        "sequence_parallel": False,
+    }
+    assert (
+        describe(_plan(GPT3D, "local", "parallel.pp_schedule=gpipe", "parallel.sequence_parallel=true"))["pp_schedule"]
+        == "gpipe"
+    )
     flat = describe(_plan(TINY, "local"))  # dp only: nothing about pipelines or tp
     assert flat["accumulation"] == 2 and "pp_schedule" not in flat and "sequence_parallel" not in flat
     assert "dp" not in describe(_plan(REPO / "examples" / "command.yaml", "local"))
@@ -117,24 +186,36 @@ def test_gpt_3d_example_is_the_8_rank_3d_layout() -> None:
     assert t.eval_every and t.eval_sequences >= t.global_batch and spec.checkpoint.every
 
 
-@pytest.mark.parametrize("override, message", [
-    ("train.stepz=3", r"unknown key \(did you mean 'steps'\?\)"),
-    ("train.steps=many", "expected a whole number"),
-    ("train.activation_checkpointing=maybe", "expected true or false"),
-    ("train.precision=fp8", "must be one of fp32, bf16, fp16"),
-    ("train.model=big", "this key is a section"),
-    ("train.steps.x=1", "has no sub-keys"),
-    ("noequals", "KEY=VALUE"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.stepz=3", r"unknown key \(did you mean 'steps'\?\)"),
+        ("train.steps=many", "expected a whole number"),
+        ("train.activation_checkpointing=maybe", "expected true or false"),
+        ("train.precision=fp8", "must be one of fp32, bf16, fp16"),
+        ("train.model=big", "this key is a section"),
+        ("train.steps.x=1", "has no sub-keys"),
+        ("noequals", "KEY=VALUE"),
+    ],
+)
 def test_set_overrides_are_checked(override: str, message: str) -> None:
     with pytest.raises(InputError, match=message):
         _plan(TINY, "local", override)
 
 
 def test_set_casts_to_the_field_type() -> None:
-    spec, submitted = load_job(TINY, ["train.steps=7", "train.lr=0.01", "train.activation_checkpointing=true",
-                                      "resources.partition=local", "env.FOO=1", "command=python,x.py",
-                                      "train=null"])
+    spec, submitted = load_job(
+        TINY,
+        [
+            "train.steps=7",
+            "train.lr=0.01",
+            "train.activation_checkpointing=true",
+            "resources.partition=local",
+            "env.FOO=1",
+            "command=python,x.py",
+            "train=null",
+        ],
+    )
     assert spec.trainer.steps == 60 or spec.train is None  # train cleared, command set
     assert spec.command == ("python", "x.py") and spec.env["FOO"] == "1"
     spec, _ = load_job(TINY, ["train.steps=7", "train.lr=0.01", "train.activation_checkpointing=true"])
@@ -146,12 +227,14 @@ def test_unknown_key_in_file_points_at_its_line(tmp_path: Path) -> None:
     path.write_text("name: x\nresources:\n  nodes: 1\n  tasks_per_nod: 2\n")
     with pytest.raises(InputError) as info:
         load_job(path)
-    assert str(info.value).startswith(f"{path}:4: resources.tasks_per_nod: 2: unknown key (did you mean "
-                                      f"'tasks_per_node'?)")
+    assert str(info.value).startswith(
+        f"{path}:4: resources.tasks_per_nod: 2: unknown key (did you mean 'tasks_per_node'?)"
+    )
 
 
-@pytest.mark.parametrize("text, line", [("name: x\nresources: [\n  nodes: 1\n", 4), ("name: x\n  bad: 1\n", 2),
-                                        ("name: x\nname: y\n", 2)])
+@pytest.mark.parametrize(
+    "text, line", [("name: x\nresources: [\n  nodes: 1\n", 4), ("name: x\n  bad: 1\n", 2), ("name: x\nname: y\n", 2)]
+)
 def test_bad_yaml_is_one_line_with_file_and_line(tmp_path: Path, text: str, line: int) -> None:
     path = tmp_path / "job.yaml"
     path.write_text(text)
@@ -172,8 +255,10 @@ def test_missing_spec_file() -> None:
         load_job(Path("/nonexistent/job.yaml"))
 
 
-@pytest.mark.parametrize("text, seconds", [("30", 1800), ("1:30", 90), ("01:00:00", 3600), ("2-00", 172800),
-                                           ("1-02:03", 93780), ("1-02:03:04", 93784)])
+@pytest.mark.parametrize(
+    "text, seconds",
+    [("30", 1800), ("1:30", 90), ("01:00:00", 3600), ("2-00", 172800), ("1-02:03", 93780), ("1-02:03:04", 93784)],
+)
 def test_slurm_time_syntax(text: str, seconds: int) -> None:
     assert parse_time(text) == seconds
     assert parse_time(format_time(seconds)) == seconds

@@ -1,5 +1,6 @@
 """Folders meshrun creates on the way to a run dir or a snapshot are private to the user (0700): on a
 shared login node, a 0755 work dir lets everyone list runs and read what is not locked down."""
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,9 @@ def test_local_put_makes_every_new_parent_private(tmp_path: Path) -> None:
 
 def test_remote_put_script_makes_every_new_parent_private(tmp_path: Path) -> None:
     """PUT_SCRIPT is what runs on the login node over SSH: `mkdir -p -m` sets the mode of the leaf only."""
-    subprocess.run(["sh", "-c", f"umask 022; {PUT_SCRIPT}", "sh", str(tmp_path / "w" / "runs" / "r")],
-                   input=b"", check=False)
+    subprocess.run(
+        ["sh", "-c", f"umask 022; {PUT_SCRIPT}", "sh", str(tmp_path / "w" / "runs" / "r")], input=b"", check=False
+    )
     assert _modes(tmp_path, "w", "w/runs", "w/runs/r") == ["0o700"] * 3
 
 

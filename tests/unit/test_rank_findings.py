@@ -1,5 +1,6 @@
 """Issue 15, rank side, in one process: private checkpoints, every commit reported, validation
 cadence, data and vocabulary checks, a readable error for a bad spec.json, rank-error.txt."""
+
 from __future__ import annotations
 
 import json
@@ -51,20 +52,21 @@ def _state() -> dict[str, torch.Tensor]:
 
 # ------------------------------------------------------------------ item 1: private checkpoints
 
+
 def test_checkpoints_under_a_checkpoint_root_are_private(tmp_path: Path, group: None, open_umask: None) -> None:
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o755)
-    root = shared / "ckpt-root" / "run-1"          # paths.checkpoint_root/RUN: neither exists yet
+    root = shared / "ckpt-root" / "run-1"  # paths.checkpoint_root/RUN: neither exists yet
     saver = ckpt.Checkpointer(root, keep=1, async_save=True)
     saver.prepare()
     for step in (1, 2):
         saver.save(step, {"model": _state()}, {"job": {"name": "x"}})
         tmp = root / f"step-{step:08d}.tmp"
-        assert _mode(tmp) == 0o700                  # the tmp dir, while the shards are written
+        assert _mode(tmp) == 0o700  # the tmp dir, while the shards are written
     saver.close()
     resume.write_attempts(root, {"scratch": 1})
     resume.quarantine(root, 2, "test")
-    assert _mode(shared) == 0o755                   # a folder that already existed is not ours to change
+    assert _mode(shared) == 0o755  # a folder that already existed is not ours to change
     for folder in (shared / "ckpt-root", root, ckpt.step_dir(root, 2)):
         assert _mode(folder) == 0o700, folder
     files = [p for p in root.rglob("*") if p.is_file()]
@@ -79,34 +81,37 @@ def test_the_marker_keeps_no_env_and_export_can_still_rebuild_the_job() -> None:
     stored = marker_job(RunSpec(job, RunInfo(cluster="c", scheduler="local", run_dir="/r")))
     assert "env" not in stored and "s3cret" not in json.dumps(stored)
     from launcher import schema
+
     assert schema.load(JobSpec, stored).trainer.model.n_layers == 2
 
 
 # ------------------------------------------------------------------ item 12: every commit is reported
 
+
 @pytest.mark.parametrize("async_save", [True, False])
-def test_every_commit_calls_on_commit_whichever_call_commits_it(tmp_path: Path, group: None,
-                                                                async_save: bool) -> None:
+def test_every_commit_calls_on_commit_whichever_call_commits_it(tmp_path: Path, group: None, async_save: bool) -> None:
     seen: list[int] = []
-    saver = ckpt.Checkpointer(tmp_path, keep=5, async_save=async_save,
-                              on_commit=lambda step, stall: seen.append(step))
+    saver = ckpt.Checkpointer(tmp_path, keep=5, async_save=async_save, on_commit=lambda step, stall: seen.append(step))
     saver.prepare()
     saver.save(1, {"model": _state()}, {})
-    saver.save(2, {"model": _state()}, {})          # async: step 1 commits inside this save's wait
-    saver.close()                                    # and step 2 here
+    saver.save(2, {"model": _state()}, {})  # async: step 1 commits inside this save's wait
+    saver.close()  # and step 2 here
     assert seen == [1, 2] == ckpt.complete_steps(tmp_path)
 
 
 # ------------------------------------------------------------------ item 11: validation cadence
 
-@pytest.mark.parametrize("eval_every, last, validated", [(4, 10, [4, 8, 10]), (0, 10, []), (5, 10, [5, 10]),
-                                                         (3, 7, [3, 6, 7])])
+
+@pytest.mark.parametrize(
+    "eval_every, last, validated", [(4, 10, [4, 8, 10]), (0, 10, []), (5, 10, [5, 10]), (3, 7, [3, 6, 7])]
+)
 def test_validation_every_eval_every_steps_and_at_the_last(eval_every: int, last: int, validated: list[int]) -> None:
     cfg = Train(log_every=3, eval_every=eval_every, steps=last)
     assert [s for s in range(1, last + 1) if eval_due(cfg, s, last)] == validated
 
 
 # ------------------------------------------------------------------ items 13, 16: data checks
+
 
 def _tokens(path: Path, values: list[int]) -> Path:
     torch.tensor(values, dtype=torch.int32).to(torch.uint16).numpy().tofile(path)
@@ -115,7 +120,7 @@ def _tokens(path: Path, values: list[int]) -> Path:
 
 def test_a_file_smaller_than_one_global_batch_is_refused_with_the_numbers(tmp_path: Path) -> None:
     path = _tokens(tmp_path / "small.u16", [1] * 1000)
-    ds = TokenDataset(path, seq_len=64, val_fraction=0.05)   # 950 train tokens: 14 windows of 65
+    ds = TokenDataset(path, seq_len=64, val_fraction=0.05)  # 950 train tokens: 14 windows of 65
     with pytest.raises(SchemaError) as err:
         check_train_data(ds, global_batch=16)
     text = str(err.value)
@@ -152,20 +157,25 @@ def test_resuming_over_other_data_is_bad_input_not_a_crash(tmp_path: Path) -> No
 
 # ------------------------------------------------------------------ item 17: spec.json
 
+
 def _spec_dir(tmp_path: Path, text: str) -> Path:
     (tmp_path / RunDir.SPEC).write_text(text)
     return tmp_path
 
 
-@pytest.mark.parametrize("edit, expect", [
-    (lambda t: t[: len(t) // 2], "not valid JSON"),
-    (lambda t: t.replace('"steps": 100', '"steps": "many"'), "train.steps"),
-    (lambda t: t.replace('"steps": 100', '"stepz": 100'), "did you mean 'steps'"),
-    (lambda t: "[]", "expected a JSON object"),
-])
+@pytest.mark.parametrize(
+    "edit, expect",
+    [
+        (lambda t: t[: len(t) // 2], "not valid JSON"),
+        (lambda t: t.replace('"steps": 100', '"steps": "many"'), "train.steps"),
+        (lambda t: t.replace('"steps": 100', '"stepz": 100'), "did you mean 'steps'"),
+        (lambda t: "[]", "expected a JSON object"),
+    ],
+)
 def test_a_broken_spec_json_is_one_line_naming_the_file(tmp_path: Path, edit, expect: str) -> None:
-    good = dumps_run_spec(RunSpec(JobSpec(name="j", train=Train()),
-                                  RunInfo(cluster="c", scheduler="local", run_dir=str(tmp_path))))
+    good = dumps_run_spec(
+        RunSpec(JobSpec(name="j", train=Train()), RunInfo(cluster="c", scheduler="local", run_dir=str(tmp_path)))
+    )
     with pytest.raises(SpecFileError) as err:
         read_run_spec(_spec_dir(tmp_path, edit(good)))
     assert isinstance(err.value, SchemaError)
@@ -180,6 +190,7 @@ def test_a_missing_spec_json_names_the_run_dir(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------ item 15: rank-error.txt
 
+
 def test_the_first_rank_error_wins_and_is_private(tmp_path: Path, open_umask: None) -> None:
     assert rankfail.record_rank_error(tmp_path, 1, "data.path: 'x': no token file there")
     assert not rankfail.record_rank_error(tmp_path, 0, "a peer's echo")
@@ -188,7 +199,8 @@ def test_the_first_rank_error_wins_and_is_private(tmp_path: Path, open_umask: No
 
 
 def test_bad_input_becomes_exit_2_and_anything_else_is_recorded_and_raised(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")

@@ -1,4 +1,5 @@
 """Rendering: golden files for every shipped cluster x example, and quoting that executes nothing."""
+
 from __future__ import annotations
 
 import os
@@ -56,8 +57,13 @@ HOSTILE = "$(touch /tmp/meshrun-pwned) `touch /tmp/meshrun-pwned` 'single' \"dou
 
 
 def _plan_with(tmp_path: Path, *overrides: str):
-    return plan_file(REPO / "examples" / "tiny.yaml", load_profile("testbed"), list(overrides),
-                     home=HOME, run_dir=str(tmp_path / "run"))
+    return plan_file(
+        REPO / "examples" / "tiny.yaml",
+        load_profile("testbed"),
+        list(overrides),
+        home=HOME,
+        run_dir=str(tmp_path / "run"),
+    )
 
 
 def test_hostile_values_are_quoted_and_reach_bash_literally(tmp_path: Path) -> None:
@@ -90,8 +96,10 @@ def test_bad_env_key_is_refused(tmp_path: Path) -> None:
 
 def test_setup_lines_with_newlines_are_refused(tmp_path: Path) -> None:
     profile = tmp_path / "c.yaml"
-    profile.write_text("name: c\nscheduler: slurm\npaths: {work_dir: /w}\nsetup: [\"echo a\\necho b\"]\n"
-                       "partitions: [{name: p, cpus_per_node: 8}]\n")
+    profile.write_text(
+        'name: c\nscheduler: slurm\npaths: {work_dir: /w}\nsetup: ["echo a\\necho b"]\n'
+        "partitions: [{name: p, cpus_per_node: 8}]\n"
+    )
     with pytest.raises(InputError, match=r"c.yaml:4: setup\[0\].*newlines"):
         load_profile(str(profile))
 

@@ -1,4 +1,5 @@
 """The crash-loop guard: repeated failures from one checkpoint fall back, then give up."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -28,7 +29,7 @@ def test_newest_checkpoint_then_fallback_then_give_up(tmp_path: Path) -> None:
     assert [resume.choose(tmp_path).step for _ in range(2)] == [20, 20]
     fallback = resume.choose(tmp_path)
     assert fallback.step == 10 and "step 20 quarantined" in fallback.note
-    assert ckpt.complete_steps(tmp_path) == [10]          # never loaded again
+    assert ckpt.complete_steps(tmp_path) == [10]  # never loaded again
     assert (ckpt.step_dir(tmp_path, 20) / resume.QUARANTINE_MARKER).is_file()
     assert resume.choose(tmp_path).step == 10
     final = resume.choose(tmp_path)

@@ -1,4 +1,5 @@
 """Pure parsers of Slurm's stable output, on output recorded from slurm-wlm 22.05."""
+
 from __future__ import annotations
 
 import pytest
@@ -32,9 +33,9 @@ def test_parse_squeue_and_merge_prefers_live_rows_until_accounting_catches_up() 
     live = slurm.parse_squeue(SQUEUE)
     assert live["15"].reason == "Resources" and live["13"].reason is None
     merged = slurm.merge_states(["11", "13", "15", "99"], slurm.parse_sacct(SACCT), live)
-    assert merged["11"].state == "COMPLETED"          # done in accounting: the record
+    assert merged["11"].state == "COMPLETED"  # done in accounting: the record
     assert merged["13"].state == "RUNNING" and merged["13"].nodes == "n[1-2]"
-    assert merged["15"].state == "PENDING"            # not yet in accounting: squeue
+    assert merged["15"].state == "PENDING"  # not yet in accounting: squeue
     assert merged["99"].state == "UNKNOWN"
 
 
@@ -58,7 +59,9 @@ def test_argv_builders_reject_anything_but_job_ids() -> None:
     assert argv == ["sbatch", "--parsable", "--job-name=a 'b' $(c)", "--chdir=/r", "/r/job.sbatch"]
 
 
-@pytest.mark.parametrize("text, seconds", [("1-02:03:04", 93784), ("10:00", 600), ("00:00:05", 5),
-                                           ("UNLIMITED", None), ("", None), (None, None)])
+@pytest.mark.parametrize(
+    "text, seconds",
+    [("1-02:03:04", 93784), ("10:00", 600), ("00:00:05", 5), ("UNLIMITED", None), ("", None), (None, None)],
+)
 def test_seconds(text, seconds) -> None:
     assert slurm.seconds(text) == seconds

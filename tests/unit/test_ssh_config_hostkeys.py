@@ -1,4 +1,5 @@
 """~/.ssh/config resolution and known_hosts handling, without a server."""
+
 from __future__ import annotations
 
 import getpass
@@ -44,8 +45,11 @@ def test_alias_is_completed_by_ssh_config(config: Path) -> None:
     target = resolve(Ssh(host="login", known_hosts="/kh"))
     assert (target.hostname, target.port, target.user) == ("login.example.org", 2200, "alice")
     assert target.identity_files == (str(config),) and target.key_name == "[login.example.org]:2200"
-    assert target.jump is not None and (target.jump.hostname, target.jump.user, target.jump.port) == \
-        ("bastion.example.org", "bob", 22)
+    assert target.jump is not None and (target.jump.hostname, target.jump.user, target.jump.port) == (
+        "bastion.example.org",
+        "bob",
+        22,
+    )
     assert target.jump.jump is None and target.known_hosts == target.jump.known_hosts == "/kh"
 
 
@@ -90,8 +94,10 @@ def test_known_hosts_check_append_and_replace_keep_other_lines(tmp_path: Path) -
     with pytest.raises(hostkeys.ChangedHostKey, match="man-in-the-middle"):
         hostkeys.check(path, "[h]:2222", bad, "c")
     hashed = paramiko.HostKeys.hash_host("[h]:2222")
-    Path(path).write_text(f"# comment\nother ssh-ed25519 {good.get_base64()}\n{hashed} ssh-ed25519 "
-                          f"{bad.get_base64()}\n[h]:2222 ssh-ed25519 {bad.get_base64()}\n")
+    Path(path).write_text(
+        f"# comment\nother ssh-ed25519 {good.get_base64()}\n{hashed} ssh-ed25519 "
+        f"{bad.get_base64()}\n[h]:2222 ssh-ed25519 {bad.get_base64()}\n"
+    )
     assert hostkeys.remove(path, "[h]:2222") == 2
     assert Path(path).read_text() == f"# comment\nother ssh-ed25519 {good.get_base64()}\n"
 
@@ -101,15 +107,19 @@ def test_marker_lines_are_parsed_not_fatal(tmp_path: Path) -> None:
     A CA line is skipped for plain matching; a revoked key is refused even where a plain line lists it."""
     path = str(tmp_path / "known_hosts")
     good, ca, revoked = _make_key(), _make_key(), _make_key()
-    Path(path).write_text(f"@cert-authority *.example.org,[h]:2222 ssh-ed25519 {ca.get_base64()}\n"
-                          f"@revoked * ssh-ed25519 {revoked.get_base64()}\n"
-                          f"[h]:2222 ssh-ed25519 {good.get_base64()}\n"
-                          f"[r]:2222 ssh-ed25519 {revoked.get_base64()}\n"
-                          f"broken-line-without-a-key\n")
+    Path(path).write_text(
+        f"@cert-authority *.example.org,[h]:2222 ssh-ed25519 {ca.get_base64()}\n"
+        f"@revoked * ssh-ed25519 {revoked.get_base64()}\n"
+        f"[h]:2222 ssh-ed25519 {good.get_base64()}\n"
+        f"[r]:2222 ssh-ed25519 {revoked.get_base64()}\n"
+        f"broken-line-without-a-key\n"
+    )
     assert hostkeys.check(path, "[h]:2222", good, "c") is True
     assert hostkeys.known(path, "[h]:2222") == {"ssh-ed25519": good}  # the CA key is not a host key
     assert hostkeys.known(path, "[r]:2222") == {}  # a revoked key is never "known"
-    with pytest.raises(errors.HostKeyRevoked, match=rf"REFUSED: \[r\]:2222 .*{re.escape(revoked.fingerprint)}.*@revoked"):
+    with pytest.raises(
+        errors.HostKeyRevoked, match=rf"REFUSED: \[r\]:2222 .*{re.escape(revoked.fingerprint)}.*@revoked"
+    ):
         hostkeys.check(path, "[r]:2222", revoked, "c")
     assert hostkeys.revoked(path, "[x]:22", revoked) and not hostkeys.revoked(path, "[x]:22", good)
     hostkeys.append(path, "[n]:2222", good)

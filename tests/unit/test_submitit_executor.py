@@ -1,5 +1,6 @@
 """submit.executor without a cluster: what a profile puts into submitit's sbatch script, the resource
 checks (one line naming key, value and fix), the run-dir layout, and a real LocalExecutor job."""
+
 from __future__ import annotations
 
 import datetime as dt
@@ -53,9 +54,21 @@ def test_the_sbatch_script_carries_what_the_profile_says(profile_file: Path, tmp
     res = Resources(nodes=2, tasks_per_node=4, gpus_per_node=4, cpus_per_task=4)
     params = slurm_parameters(profile, profile.partition(None), res, minutes=90, name="probe")
     script = _make_sbatch_string(command="python -m x", folder=tmp_path, **params)
-    for line in ("--partition=gpu", "--account=llm", "--qos=high", "--constraint=h100", "#SBATCH --exclusive",
-                 "--signal=USR2@300", "#SBATCH --requeue", "--time=90", "--nodes=2", "--ntasks-per-node=4",
-                 "--gpus-per-node=4", "--cpus-per-task=4", "--job-name=probe"):
+    for line in (
+        "--partition=gpu",
+        "--account=llm",
+        "--qos=high",
+        "--constraint=h100",
+        "#SBATCH --exclusive",
+        "--signal=USR2@300",
+        "#SBATCH --requeue",
+        "--time=90",
+        "--nodes=2",
+        "--ntasks-per-node=4",
+        "--gpus-per-node=4",
+        "--cpus-per-task=4",
+        "--job-name=probe",
+    ):
         assert line in script, line
     setup = script.split("# setup\n", 1)[1].split("\n\n", 1)[0].splitlines()
     assert setup[0] == "module load cuda/12.4" and len(setup) == 3  # the profile's lines first, then the preset
@@ -64,22 +77,26 @@ def test_the_sbatch_script_carries_what_the_profile_says(profile_file: Path, tmp
 def test_nccl_preset_is_quoted_and_yields_to_the_users_own_export(profile_file: Path, tmp_path: Path) -> None:
     lines = setup_lines(load_profile(str(profile_file)))[1:]
     probe = "\n".join([*lines, 'printf "%s|%s" "$NCCL_DEBUG" "$NCCL_IB_HCA"'])
-    out = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, env={"NCCL_IB_HCA": "mine"},
-                         check=True).stdout
+    out = subprocess.run(
+        ["bash", "-c", probe], capture_output=True, text=True, env={"NCCL_IB_HCA": "mine"}, check=True
+    ).stdout
     assert out == HOSTILE.format(marker=tmp_path / "pwned") + "|mine"
     assert not (tmp_path / "pwned").exists()
 
 
-@pytest.mark.parametrize("kwargs, key", [
-    ({"gpus_per_node": 8}, "gpus_per_node"),
-    ({"nodes": 5}, "nodes"),
-    ({"nodes": 0}, "nodes"),
-    ({"tasks_per_node": 8, "cpus_per_task": 4}, "cpus_per_task"),
-    ({"time": "03:00:00"}, "time"),
-    ({"time": "soon"}, "time"),
-    ({"partition": "gpus"}, "partition"),
-    ({"mem_gigs": 4}, "mem_gigs"),
-])
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        ({"gpus_per_node": 8}, "gpus_per_node"),
+        ({"nodes": 5}, "nodes"),
+        ({"nodes": 0}, "nodes"),
+        ({"tasks_per_node": 8, "cpus_per_task": 4}, "cpus_per_task"),
+        ({"time": "03:00:00"}, "time"),
+        ({"time": "soon"}, "time"),
+        ({"partition": "gpus"}, "partition"),
+        ({"mem_gigs": 4}, "mem_gigs"),
+    ],
+)
 def test_bad_resources_name_the_keyword_and_the_fix(profile_file: Path, kwargs: dict, key: str) -> None:
     with pytest.raises(InputError) as err:
         executor(str(profile_file), **kwargs)
@@ -100,13 +117,19 @@ def test_an_ssh_profile_is_refused_the_api_runs_on_the_login_node() -> None:
     assert err.value.key == "cluster" and "login node" in err.value.fix
 
 
-def test_executor_is_configured_and_its_runs_go_under_the_work_dir(profile_file: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch,
-                                                                   tmp_path: Path) -> None:
+def test_executor_is_configured_and_its_runs_go_under_the_work_dir(
+    profile_file: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert runs_folder(load_profile(str(profile_file)), None) == tmp_path / "home" / "meshrun-work" / "runs"
-    ex = executor(str(profile_file), partition="cpu", time="45", cpus_per_task=2, mem="4GB",
-                  additional_parameters={"mail-type": "END"})
+    ex = executor(
+        str(profile_file),
+        partition="cpu",
+        time="45",
+        cpus_per_task=2,
+        mem="4GB",
+        additional_parameters={"mail-type": "END"},
+    )
     assert isinstance(ex, MeshrunSlurmExecutor) and ex.python == "python3"
     assert ex.folder == tmp_path / "home" / "meshrun-work" / "runs"
     p = ex.parameters
@@ -153,6 +176,8 @@ def test_local_profile_runs_a_submitit_job_and_records_it(tmp_path: Path, monkey
 
 
 def test_the_api_module_stays_torch_free() -> None:
-    code = ("import sys, submit.executor; bad = [m for m in ('torch', 'numpy', 'paramiko') if m in sys.modules]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, submit.executor; bad = [m for m in ('torch', 'numpy', 'paramiko') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])

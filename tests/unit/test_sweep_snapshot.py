@@ -1,4 +1,5 @@
 """Sweeps (planning, the array script) and code snapshots (which files, the content address), pure."""
+
 from __future__ import annotations
 
 import hashlib
@@ -24,10 +25,17 @@ TINY = REPO / "examples" / "tiny.yaml"
 
 def test_sweep_grid_in_order_and_refusals() -> None:
     assert parse(["train.lr=1e-3,3e-4", "train.seed=0,1"]) == [
-        (("train.lr", "1e-3"), ("train.seed", "0")), (("train.lr", "1e-3"), ("train.seed", "1")),
-        (("train.lr", "3e-4"), ("train.seed", "0")), (("train.lr", "3e-4"), ("train.seed", "1"))]
-    for bad, why in (("train.lr", "KEY=V1"), ("resources.nodes=1,2", "whole job array"),
-                     ("name=a,b", "whole job array"), ("train.lr=1,,2", "empty")):
+        (("train.lr", "1e-3"), ("train.seed", "0")),
+        (("train.lr", "1e-3"), ("train.seed", "1")),
+        (("train.lr", "3e-4"), ("train.seed", "0")),
+        (("train.lr", "3e-4"), ("train.seed", "1")),
+    ]
+    for bad, why in (
+        ("train.lr", "KEY=V1"),
+        ("resources.nodes=1,2", "whole job array"),
+        ("name=a,b", "whole job array"),
+        ("train.lr=1,,2", "empty"),
+    ):
         with pytest.raises(InputError, match=why):
             parse([bad])
     with pytest.raises(InputError, match="twice"):
@@ -35,8 +43,14 @@ def test_sweep_grid_in_order_and_refusals() -> None:
 
 
 def test_each_task_is_validated_and_gets_its_own_run_dir_and_checkpoints() -> None:
-    plan = plan_sweep(TINY, load_profile("testbed"), ["train.steps=7"], ["train.lr=1e-3,2e-3", "train.seed=3"],
-                      home="/home/u", run_dir="/w/runs/r")
+    plan = plan_sweep(
+        TINY,
+        load_profile("testbed"),
+        ["train.steps=7"],
+        ["train.lr=1e-3,2e-3", "train.seed=3"],
+        home="/home/u",
+        run_dir="/w/runs/r",
+    )
     assert [t.run_dir for t in plan.tasks] == ["/w/runs/r/tasks/0", "/w/runs/r/tasks/1"]
     assert [t.run_spec.job.trainer.lr for t in plan.tasks] == [1e-3, 2e-3]
     assert all(t.run_spec.job.trainer.steps == 7 and t.run_spec.job.trainer.seed == 3 for t in plan.tasks)
@@ -62,8 +76,13 @@ def test_array_script_points_each_task_at_its_run_dir(tmp_path: Path) -> None:
     assert "MESHRUN_SPEC_EOF" not in text  # each task's spec.json is written at submit time
     env = {"SLURM_ARRAY_TASK_ID": "2", "PATH": os.environ["PATH"]}
     lines = [l for l in text.splitlines() if l.startswith("export MESHRUN_")][:2]
-    out = subprocess.run(["bash", "-c", "\n".join(lines + ['echo "$MESHRUN_RUN_DIR"'])], env=env,
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["bash", "-c", "\n".join(lines + ['echo "$MESHRUN_RUN_DIR"'])],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert out.strip() == "/w/r/tasks/2"
 
 
@@ -81,9 +100,15 @@ def test_code_snapshot_is_importable_and_the_ranks_cwd(tmp_path: Path) -> None:
 
 def _git_project(tmp_path: Path) -> Path:
     root = tmp_path / "proj"
-    for rel, text in {"train.py": "print(1)\n", "pkg/mod.py": "X = 1\n", "data/big.bin": "x" * 100,
-                      "notes.log": "ignored\n", ".gitignore": "*.log\n", "pkg/__pycache__/m.pyc": "c",
-                      "run.sh": "#!/bin/sh\n"}.items():
+    for rel, text in {
+        "train.py": "print(1)\n",
+        "pkg/mod.py": "X = 1\n",
+        "data/big.bin": "x" * 100,
+        "notes.log": "ignored\n",
+        ".gitignore": "*.log\n",
+        "pkg/__pycache__/m.pyc": "c",
+        "run.sh": "#!/bin/sh\n",
+    }.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text)
     (root / "run.sh").chmod(0o755)
@@ -123,19 +148,44 @@ def test_outside_git_only_an_explicit_root_ships(tmp_path: Path) -> None:
         snapshot.collect(tmp_path, Code(root="missing"))
 
 
-@pytest.mark.parametrize("rel, patterns, hit", [
-    ("data/x/y.bin", ("data",), True), ("a/data/y", ("data",), True), ("a/b.ckpt", ("*.ckpt",), True),
-    ("src/a/b.py", ("src/*.py",), True), ("srcx/a.py", ("src",), False), ("runs-1/x", ("runs-*",), True),
-    ("model.py", ("data",), False)])
+@pytest.mark.parametrize(
+    "rel, patterns, hit",
+    [
+        ("data/x/y.bin", ("data",), True),
+        ("a/data/y", ("data",), True),
+        ("a/b.ckpt", ("*.ckpt",), True),
+        ("src/a/b.py", ("src/*.py",), True),
+        ("srcx/a.py", ("src",), False),
+        ("runs-1/x", ("runs-*",), True),
+        ("model.py", ("data",), False),
+    ],
+)
 def test_glob_rules(rel: str, patterns: tuple[str, ...], hit: bool) -> None:
     assert snapshot.matches(rel, patterns) is hit
 
 
 def test_dry_run_shows_tasks_and_the_code(tmp_path: Path) -> None:
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path))
-    out = subprocess.run([sys.executable, "-m", "submit.cli", "submit", str(TINY), "-c", "testbed", "--dry-run", "--json",
-                          "--sweep", "train.lr=1e-3,2e-3"], capture_output=True, text=True, env=env, cwd=REPO,
-                         check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "submit.cli",
+            "submit",
+            str(TINY),
+            "-c",
+            "testbed",
+            "--dry-run",
+            "--json",
+            "--sweep",
+            "train.lr=1e-3,2e-3",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        check=True,
+    )
     shown = json.loads(out.stdout)
     assert [t["overrides"] for t in shown["tasks"]] == [{"train.lr": "1e-3"}, {"train.lr": "2e-3"}]
     assert shown["code"]["root"] == str(REPO) and shown["code"]["files"] > 10
@@ -146,11 +196,19 @@ def test_snapshot_never_ships_meshrun_state_even_inside_the_work_tree(tmp_path: 
     the XDG dirs or HOME sit inside the project, shipping them would leak them and change the digest on
     every submit (the registry is written by each one)."""
     root = _git_project(tmp_path)
-    state = {"xdg/state/meshrun/jobs.sqlite": "db", "xdg/config/meshrun/clusters/c.yaml": "name: c\n",
-             "xdg/cache/meshrun/data/t.u16": "tok", ".local/state/meshrun/jobs.sqlite": "db",
-             ".config/meshrun/clusters/d.yaml": "", ".cache/meshrun/x": "", ".ssh/known_hosts": "h k v\n",
-             ".ssh/id_ed25519": "PRIVATE", "cfg/known_hosts": "h k v\n", "cfg/.known_hosts.meshrun-tmp": "",
-             snapshot.MANIFEST: "planted\n"}
+    state = {
+        "xdg/state/meshrun/jobs.sqlite": "db",
+        "xdg/config/meshrun/clusters/c.yaml": "name: c\n",
+        "xdg/cache/meshrun/data/t.u16": "tok",
+        ".local/state/meshrun/jobs.sqlite": "db",
+        ".config/meshrun/clusters/d.yaml": "",
+        ".cache/meshrun/x": "",
+        ".ssh/known_hosts": "h k v\n",
+        ".ssh/id_ed25519": "PRIVATE",
+        "cfg/known_hosts": "h k v\n",
+        "cfg/.known_hosts.meshrun-tmp": "",
+        snapshot.MANIFEST: "planted\n",
+    }
     for rel, text in state.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text)

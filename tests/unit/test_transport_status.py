@@ -1,5 +1,6 @@
 """The transport helpers (batch, put, stream) on this machine, the one-round-trip status merge, the
 log printer, the registry's profile column and array lookups: no cluster needed."""
+
 from __future__ import annotations
 
 import io
@@ -20,16 +21,26 @@ HOSTILE = "$(touch /tmp/meshrun-pwned) `x` 'q' \"d\" a b;c"
 
 
 def test_batch_keeps_each_commands_output_code_and_quotes_everything() -> None:
-    out = batch(LocalTransport(), [["printf", "%s", HOSTILE], ["sh", "-c", "echo out; echo err >&2; exit 3"],
-                                   ["printf", "a\n\nb\n"], ["true"]])
+    out = batch(
+        LocalTransport(),
+        [["printf", "%s", HOSTILE], ["sh", "-c", "echo out; echo err >&2; exit 3"], ["printf", "a\n\nb\n"], ["true"]],
+    )
     assert [(r.returncode, r.stdout, r.stderr) for r in out] == [
-        (0, HOSTILE, ""), (3, "out\n", "err\n"), (0, "a\n\nb\n", ""), (0, "", "")]
+        (0, HOSTILE, ""),
+        (3, "out\n", "err\n"),
+        (0, "a\n\nb\n", ""),
+        (0, "", ""),
+    ]
     assert not Path("/tmp/meshrun-pwned").exists()
 
 
 def test_put_writes_modes_folders_and_runs_then(tmp_path: Path) -> None:
-    files = {"a/b.txt": Upload(b"hi"), "run.sh": Upload(b"#!/bin/sh\n", 0o700), "logs/": Upload(b"", 0o700),
-             HOSTILE: Upload(b"odd")}
+    files = {
+        "a/b.txt": Upload(b"hi"),
+        "run.sh": Upload(b"#!/bin/sh\n", 0o700),
+        "logs/": Upload(b"", 0o700),
+        HOSTILE: Upload(b"odd"),
+    }
     done = LocalTransport().put(files, str(tmp_path / "d"), then=["ls", str(tmp_path / "d")])
     assert done is not None and "logs" in done.stdout.split()
     assert (tmp_path / "d" / HOSTILE).read_bytes() == b"odd"
@@ -41,8 +52,9 @@ def test_the_ssh_put_script_unpacks_the_same_tar(tmp_path: Path) -> None:
     from submit.transport import PUT_SCRIPT
 
     files = {"a/b.txt": Upload(b"hi"), "x/": Upload(b"", 0o700), HOSTILE: Upload(b"odd", 0o600)}
-    done = LocalTransport().run(["sh", "-c", PUT_SCRIPT, "sh", str(tmp_path / "d"), "cat", str(tmp_path / "d/a/b.txt")],
-                                stdin=tar_bytes(files))
+    done = LocalTransport().run(
+        ["sh", "-c", PUT_SCRIPT, "sh", str(tmp_path / "d"), "cat", str(tmp_path / "d/a/b.txt")], stdin=tar_bytes(files)
+    )
     assert done.returncode == 0 and done.stdout == "hi", done.stderr
     assert (tmp_path / "d" / HOSTILE).read_bytes() == b"odd" and (tmp_path / "d" / "x").is_dir()
 
@@ -54,9 +66,14 @@ def _record(job_id: str, last_state: str = "SUBMITTED") -> JobRecord:
 def test_one_round_trip_queries_squeue_sacct_and_every_metrics_tail() -> None:
     argvs = query_argvs([_record("1"), _record("2_3")])
     assert argvs[0][:4] == ["squeue", "--noheader", "--array", "--states=all"] and argvs[1][0] == "sacct"
-    assert argvs[2:4] == [["tail", "-n", "4", "--", "/r/1/metrics.jsonl"], ["tail", "-n", "4", "--", "/r/2_3/metrics.jsonl"]]
-    assert argvs[4:] == [["head", "-c", "500", "--", "/r/1/rank-error.txt"],
-                         ["head", "-c", "500", "--", "/r/2_3/rank-error.txt"]]
+    assert argvs[2:4] == [
+        ["tail", "-n", "4", "--", "/r/1/metrics.jsonl"],
+        ["tail", "-n", "4", "--", "/r/2_3/metrics.jsonl"],
+    ]
+    assert argvs[4:] == [
+        ["head", "-c", "500", "--", "/r/1/rank-error.txt"],
+        ["head", "-c", "500", "--", "/r/2_3/rank-error.txt"],
+    ]
 
 
 def test_a_failed_slurm_job_says_why_in_the_ranks_words() -> None:
@@ -121,9 +138,11 @@ def test_dependencies() -> None:
 def test_registry_remembers_profiles_finds_arrays_and_migrates(tmp_path: Path) -> None:
     old = tmp_path / "old.sqlite"
     db = sqlite3.connect(old)  # a registry from before the profile column
-    db.execute("CREATE TABLE jobs (job_id TEXT NOT NULL, cluster TEXT NOT NULL, name TEXT NOT NULL, run_dir TEXT "
-               "NOT NULL, scheduler TEXT NOT NULL, submitted_at REAL NOT NULL, git_sha TEXT, spec_hash TEXT NOT NULL,"
-               " last_state TEXT NOT NULL DEFAULT 'SUBMITTED', PRIMARY KEY (cluster, job_id))")
+    db.execute(
+        "CREATE TABLE jobs (job_id TEXT NOT NULL, cluster TEXT NOT NULL, name TEXT NOT NULL, run_dir TEXT "
+        "NOT NULL, scheduler TEXT NOT NULL, submitted_at REAL NOT NULL, git_sha TEXT, spec_hash TEXT NOT NULL,"
+        " last_state TEXT NOT NULL DEFAULT 'SUBMITTED', PRIMARY KEY (cluster, job_id))"
+    )
     db.execute("INSERT INTO jobs VALUES ('1','c','n','/r','slurm',1.0,NULL,'h','COMPLETED')")
     db.commit()
     db.close()
@@ -152,20 +171,24 @@ def test_new_caller_side_modules_stay_light() -> None:
     import subprocess
     import sys
 
-    code = ("import sys; import submit.cli, submit.cli_jobs, submit.snapshot, submit.sweep, submit.status, "
-            "submit.logs, submit.tensorboard, submit.sshconfig, submit.progress, submit.forward; "
-            "bad = [m for m in ('torch', 'numpy', 'paramiko', 'tensorboard') if m in sys.modules]; "
-            "assert not bad, bad")
+    code = (
+        "import sys; import submit.cli, submit.cli_jobs, submit.snapshot, submit.sweep, submit.status, "
+        "submit.logs, submit.tensorboard, submit.sshconfig, submit.progress, submit.forward; "
+        "bad = [m for m in ('torch', 'numpy', 'paramiko', 'tensorboard') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
 
 
 def test_metrics_tail_takes_the_step_line_and_the_newest_checkpoint() -> None:
     from submit.status import parse_metrics_tail
 
-    tail = ('{"step": 9, "loss": 2.5, "checkpoint_step": 5}\n'
-            '{"step": 10, "loss": 2.4, "checkpoint_step": 5}\n'
-            '{"event": "checkpoint", "checkpoint_step": 10, "time": 1}\n'
-            '{"step": 11, "lo')  # a line being written
+    tail = (
+        '{"step": 9, "loss": 2.5, "checkpoint_step": 5}\n'
+        '{"step": 10, "loss": 2.4, "checkpoint_step": 5}\n'
+        '{"event": "checkpoint", "checkpoint_step": 10, "time": 1}\n'
+        '{"step": 11, "lo'
+    )  # a line being written
     assert parse_metrics_tail(tail) == {"step": 10, "loss": 2.4, "checkpoint_step": 10}
     assert parse_metrics_tail('{"step": 1, "loss": 5.0}\n') == {"step": 1, "loss": 5.0}
     assert parse_metrics_tail("") == {}

@@ -1,5 +1,6 @@
 """One meshrun version, from the installed distribution, travels with the job: the script's header and
 spec.json record it, and a rank that runs another meshrun says so in one line of its log."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,8 +58,12 @@ def _rank_log(tmp_path: Path, rendered_by: str) -> str:
     plan = plan_file(REPO / "examples" / "command.yaml", load_profile("local"), run_dir=str(run_dir))
     run = dataclasses.replace(plan.run_spec.run, meshrun_version=rendered_by)
     write_run_spec(dataclasses.replace(plan.run_spec, run=run), run_dir)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))
-           and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "SUBMITIT_"))
+        and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+    }
     code = f"from launcher.entry import run_rank; raise SystemExit(run_rank({str(run_dir)!r}, replace_process=False))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -67,6 +72,8 @@ def _rank_log(tmp_path: Path, rendered_by: str) -> str:
 
 def test_a_rank_running_another_meshrun_says_so_in_one_line(tmp_path: Path) -> None:
     lines = [l for l in _rank_log(tmp_path, "0.0.1").splitlines() if "version mismatch" in l]
-    assert lines == [f"[meshrun] version mismatch: this rank runs meshrun {VERSION}, the job was rendered by "
-                     "meshrun 0.0.1; install the same meshrun on the cluster and where you submit"]
+    assert lines == [
+        f"[meshrun] version mismatch: this rank runs meshrun {VERSION}, the job was rendered by "
+        "meshrun 0.0.1; install the same meshrun on the cluster and where you submit"
+    ]
     assert "version mismatch" not in _rank_log(tmp_path, VERSION)
