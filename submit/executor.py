@@ -37,27 +37,14 @@ from submitit.slurm.slurm import SlurmExecutor
 
 from launcher import schema
 from launcher.rundir import RunDir
+from launcher.spec import Resources
 from submit.cluster import ClusterProfile, Partition, load_profile_file, profile_path
 from submit.errors import InputError
-from submit.plan import parse_time
+from submit.plan import fit_partition, parse_time
 from submit.registry import JobRecord, Registry, now
 from submit.schedulers import backend
 
 __all__ = ["MeshrunLocalExecutor", "MeshrunSlurmExecutor", "Resources", "executor", "setup_lines"]
-
-
-@dataclass(frozen=True)
-class Resources:
-    """What one job asks for, in submitit's names (`nodes`, `tasks_per_node`, `gpus_per_node`...)."""
-
-    nodes: int = 1
-    tasks_per_node: int = 1
-    gpus_per_node: int = 0
-    cpus_per_task: int = 1
-    time: str = "01:00:00"
-    """Slurm's time syntax: MINUTES, HH:MM:SS or D-HH:MM:SS."""
-    partition: Optional[str] = None
-    """None: the profile's default partition."""
 
 
 def executor(
@@ -146,56 +133,21 @@ def check_extra(extra: dict[str, Any]) -> None:
 
 def check_resources(res: Resources, profile: ClusterProfile) -> Partition:
     """The resources against the profile's partition, as `meshrun submit` checks a job's."""
-    for key, value in (
-        ("nodes", res.nodes),
-        ("tasks_per_node", res.tasks_per_node),
-        ("cpus_per_task", res.cpus_per_task),
-    ):
+    tasks = res.tasks_per_node if res.tasks_per_node is not None else 1
+    for key, value in (("nodes", res.nodes), ("tasks_per_node", tasks), ("cpus_per_task", res.cpus_per_task)):
         if value < 1:
             raise InputError(key, value, "must be at least 1")
     if res.gpus_per_node < 0:
         raise InputError("gpus_per_node", res.gpus_per_node, "must be 0 (CPU only) or more")
     if on_this_machine(profile) and res.nodes != 1:
         raise InputError("nodes", res.nodes, "the local cluster is this one machine: use 1")
-    part = _partition(profile, res.partition)
-    seconds = parse_time(res.time, "time")
-    if res.gpus_per_node > part.gpus_per_node:
-        raise InputError(
-            "gpus_per_node",
-            res.gpus_per_node,
-            f"a node of partition {part.name!r} has {part.gpus_per_node} GPUs; ask for at most that",
-        )
-    cpus = res.tasks_per_node * res.cpus_per_task
-    if cpus > part.cpus_per_node:
-        raise InputError(
-            "cpus_per_task",
-            res.cpus_per_task,
-            f"tasks_per_node({res.tasks_per_node})*cpus_per_task({res.cpus_per_task})={cpus} "
-            f"> {part.cpus_per_node} CPUs per node of {part.name!r}; lower one of them",
-        )
-    if part.max_nodes is not None and res.nodes > part.max_nodes:
-        raise InputError("nodes", res.nodes, f"partition {part.name!r} allows at most {part.max_nodes} nodes")
-    if part.max_time is not None and seconds > parse_time(part.max_time, f"partitions[{part.name}].max_time"):
-        raise InputError(
-            "time",
-            res.time,
-            f"partition {part.name!r} allows at most {part.max_time}; ask for less or pick another partition",
-        )
-    return part
+    return fit_partition(res, tasks, profile, prefix="")
 
 
 def on_this_machine(profile: ClusterProfile) -> bool:
     """The cluster is this machine (a backend never reached over SSH, i.e. `local`): submitit's
     LocalExecutor, one node. Asked of the backend: only submit/schedulers knows schedulers by name."""
     return not backend(profile.scheduler).over_ssh
-
-
-def _partition(profile: ClusterProfile, name: Optional[str]) -> Partition:
-    """The profile's partition, its errors naming this API's keyword rather than the spec's key."""
-    try:
-        return profile.partition(name)
-    except InputError as exc:
-        raise InputError("partition", exc.value, exc.fix) from None
 
 
 def slurm_parameters(

@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 from launcher import schema
 from launcher.parallel_dims import ParallelDims
 from launcher.schema import SchemaError
-from launcher.spec import JobSpec, RunInfo, RunSpec
+from launcher.spec import JobSpec, Resources, RunInfo, RunSpec
 from submit import __version__
 from submit.cluster import ClusterProfile, Partition
 from submit.errors import InputError
@@ -245,38 +245,47 @@ def check_resources(spec: JobSpec, cluster: ClusterProfile) -> Optional[Partitio
             f"GPU jobs run one rank per GPU: set it to resources.gpus_per_node ({res.gpus_per_node}) or leave it unset",
         )
     backend(cluster.scheduler).check(spec, cluster)
-    part = cluster.partition(res.partition)
-    seconds = parse_time(res.time)
+    return fit_partition(res, spec.tasks_per_node, cluster)
+
+
+def fit_partition(
+    res: Resources, tasks_per_node: int, cluster: ClusterProfile, prefix: str = "resources."
+) -> Partition:
+    """The resources against the cluster's partition: GPUs, CPUs, nodes, memory, time. Errors name each
+    key with `prefix` (the spec's `resources.`, or nothing for the Python API's keywords)."""
+    try:
+        part = cluster.partition(res.partition)
+    except InputError as exc:
+        raise InputError(f"{prefix}partition", exc.value, exc.fix) from None
+    seconds = parse_time(res.time, f"{prefix}time")
     if res.gpus_per_node > part.gpus_per_node:
         raise InputError(
-            "resources.gpus_per_node",
+            f"{prefix}gpus_per_node",
             res.gpus_per_node,
             f"a node of partition {part.name!r} has {part.gpus_per_node} GPUs; ask for at most that",
         )
-    cpus = spec.tasks_per_node * res.cpus_per_task
+    cpus = tasks_per_node * res.cpus_per_task
     if cpus > part.cpus_per_node:
         raise InputError(
-            "resources.cpus_per_task",
+            f"{prefix}cpus_per_task",
             res.cpus_per_task,
-            f"tasks_per_node({spec.tasks_per_node})*cpus_per_task({res.cpus_per_task})={cpus} "
+            f"tasks_per_node({tasks_per_node})*cpus_per_task({res.cpus_per_task})={cpus} "
             f"> {part.cpus_per_node} CPUs per node of {part.name!r}; lower one of them",
         )
     if part.max_nodes is not None and res.nodes > part.max_nodes:
-        raise InputError("resources.nodes", res.nodes, f"partition {part.name!r} allows at most {part.max_nodes} nodes")
+        raise InputError(f"{prefix}nodes", res.nodes, f"partition {part.name!r} allows at most {part.max_nodes} nodes")
     if part.memory_gb is not None and res.memory_gb is not None and res.memory_gb > part.memory_gb:
         raise InputError(
-            "resources.memory_gb",
+            f"{prefix}memory_gb",
             res.memory_gb,
             f"a node of {part.name!r} has {part.memory_gb} GiB; ask for at most that",
         )
-    if part.max_time is not None:
-        limit = parse_time(part.max_time, f"partitions[{part.name}].max_time")
-        if seconds > limit:
-            raise InputError(
-                "resources.time",
-                res.time,
-                f"partition {part.name!r} allows at most {part.max_time}; ask for less or pick another partition",
-            )
+    if part.max_time is not None and seconds > parse_time(part.max_time, f"partitions[{part.name}].max_time"):
+        raise InputError(
+            f"{prefix}time",
+            res.time,
+            f"partition {part.name!r} allows at most {part.max_time}; ask for less or pick another partition",
+        )
     return part
 
 
