@@ -172,7 +172,7 @@ class JobSpec:
         if not self.name.strip() or len(self.name) > 128:
             raise SchemaError("name", self.name, "give the job a name of 1-128 characters")
         for key in self.env:
-            if not ENV_KEY.match(key):
+            if not ENV_KEY.fullmatch(key):
                 raise SchemaError(f"env.{key}", key, "environment variable names match [A-Za-z_][A-Za-z0-9_]*")
         if self.train is not None and self.command is not None:
             raise SchemaError("command", list(self.command), "give either `train` or `command`, not both")

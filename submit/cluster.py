@@ -135,10 +135,10 @@ class ClusterProfile:
     """One line shown by `meshrun clusters`."""
 
     def __post_init__(self) -> None:
-        if not PROFILE_NAME.match(self.name):
+        if not PROFILE_NAME.fullmatch(self.name):
             raise SchemaError("name", self.name, "use letters, digits, '_' or '-' (at most 64)")
         for key in self.interconnect.nccl:
-            if not ENV_KEY.match(key):
+            if not ENV_KEY.fullmatch(key):
                 raise SchemaError(
                     f"interconnect.nccl.{key}", key, "environment variable names match [A-Za-z_][A-Za-z0-9_]*"
                 )

@@ -27,7 +27,7 @@ from submit.schedulers import backend
 from submit.textwidth import slug
 from submit.yamlfile import YamlDoc
 
-_TIME = re.compile(r"^(?:(?P<d>\d+)-)?(?P<rest>\d+(?::\d+){0,2})$")
+_TIME = re.compile(r"(?:(?P<d>[0-9]+)-)?(?P<rest>[0-9]+(?::[0-9]+){0,2})")
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def load_job(path: Path, overrides: Sequence[str] = ()) -> tuple[JobSpec, dict[s
 
 def parse_time(text: str, key: str = "resources.time") -> int:
     """Slurm's time syntax (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S) -> seconds."""
-    match = _TIME.match(text.strip())
+    match = _TIME.fullmatch(text.strip())
     if not match:
         raise InputError(key, text, "use Slurm's time syntax: MINUTES, HH:MM:SS or D-HH:MM:SS")
     days = int(match["d"] or 0)

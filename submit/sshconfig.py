@@ -131,7 +131,7 @@ def _jump_chain(spec: str, known_hosts: str, timeout_s: float, depth: int) -> Ta
     """`a,b,c` (like ssh -J): connect to a, through it to b, through b to c; return c's Target."""
     previous: Optional[Target] = None
     for hop in [h.strip() for h in spec.split(",") if h.strip()]:
-        match = _JUMP.match(hop)
+        match = _JUMP.fullmatch(hop)
         if not match:
             raise InputError("ssh.proxy_jump", spec, "use [user@]host[:port], comma-separated for several hops")
         target = _resolve(

@@ -127,7 +127,7 @@ def squeue_argv(job_ids: Sequence[str]) -> list[str]:
 def scancel_argv(job_id: str, signal: Optional[str] = None) -> list[str]:
     argv = ["scancel"]
     if signal:
-        if not re.match(r"^[A-Z0-9]+$", signal):
+        if not re.fullmatch(r"[A-Z0-9]+", signal):
             raise ClusterError(f"signal {signal!r} is not a signal name like USR1")
         argv.append(f"--signal={signal}")
     return argv + [check_job_id(job_id)]

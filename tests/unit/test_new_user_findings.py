@@ -134,3 +134,15 @@ def test_resume_set_changes_only_what_may_change() -> None:
         with_overrides(run_spec, ["train.model.d_model=256"])
     with pytest.raises(InputError, match="train.steps"):
         with_overrides(run_spec, ["train.steps=-1"])
+
+
+def test_validators_refuse_a_trailing_newline_and_non_ascii_digits() -> None:
+    """Siblings of item 21: a `$`-anchored regex accepts "X\\n", and `\\d` accepts full-width digits."""
+    from launcher import schema
+    from launcher.spec import JobSpec
+    from submit.plan import parse_time
+
+    with pytest.raises(schema.SchemaError, match="env"):
+        schema.load(JobSpec, {"name": "x", "env": {"A\n": "1"}})
+    with pytest.raises(InputError, match="resources.time"):
+        parse_time("１０:００")
