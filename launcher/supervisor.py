@@ -79,6 +79,31 @@ def _children(parent: int) -> Iterator[int]:
             continue
 
 
+def _group_members() -> Iterator[int]:
+    """Every other process of this supervisor's process group: the controller, the ranks and whatever
+    the ranks started (a `command:` job's program runs as a rank's child)."""
+    me, group = os.getpid(), os.getpgid(0)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[3]) == group and fields[0] not in ("Z", "X"):
+            yield int(entry)
+
+
+def _signal_group(sig: int) -> None:
+    """Like Slurm ending a step: every process of the job, not only the ranks (their children too)."""
+    for pid in list(_group_members()):
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+
+
 def _signal_ranks(controller: int, sig: int) -> None:
     """Signal the rank processes (the submitit controller's children), not this supervisor."""
     for pid in _children(controller):
@@ -156,9 +181,9 @@ class Supervisor:
                 elif self._failed_rank(job) is not None:
                     # Slurm's --kill-on-bad-exit: one rank's failure ends the job, not its full time.
                     stopped, deadline = "FAILED", now + FAILED_PEER_GRACE_S
-                    _signal_ranks(controller, signal.SIGTERM)
+                    _signal_group(signal.SIGTERM)
             if deadline is not None and now > deadline:
-                _signal_ranks(controller, signal.SIGKILL)
+                _signal_group(signal.SIGKILL)
                 deadline = now + STOP_GRACE_S  # SIGKILL again later if something survived
             time.sleep(0.25)
         return stopped
@@ -180,16 +205,31 @@ class Supervisor:
                 return task
         return None
 
-    def _codes(self, job: Any) -> tuple[Optional[list[int]], str]:
-        try:
-            return [int(c) for c in job.results()], ""
-        except Exception as exc:  # submitit re-raises a rank's exception (or a killed rank's absence)
-            text = str(exc).strip()
-            return None, text.splitlines()[-1] if text else type(exc).__name__
+    @staticmethod
+    def _codes(job: Any) -> tuple[Optional[list[int]], str]:
+        """Each rank's exit code from submitit's result files, read at once (submitit's own
+        `results()` waits ~15 s for a file that a killed rank never writes)."""
+        from submitit.core.utils import pickle_load
+
+        codes = []
+        for task in range(job.num_tasks):
+            path = job.task(task).paths.result_pickle
+            try:
+                outcome, value = pickle_load(path)
+            except Exception:
+                return None, f"rank {task} ended without a result (killed?)"
+            if outcome != "success":
+                lines = str(value).strip().splitlines()
+                return None, lines[-1] if lines else f"rank {task} raised"
+            codes.append(int(value))
+        return codes, ""
 
     def _finish(self, job: Any, started: float, stopped: Optional[str]) -> int:
         if not job.done():
             job.cancel(check=False)
+        _signal_group(signal.SIGKILL)  # nothing of the job outlives it (a rank's orphaned children)
+        if stopped is None and self._cancel_requested():
+            stopped = "CANCELLED"  # the ranks died of the cancel before the watch loop saw it
         codes, message = self._codes(job)
         agreed = _read_code(self.run_dir.exit_code)
         rank_error = _first_line(self.run_dir.rank_error)
