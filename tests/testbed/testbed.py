@@ -367,13 +367,15 @@ def _spawn(argv: tuple[str, ...], out: Path) -> int:
 
     posix_spawn, not subprocess.Popen: a Popen object of a daemon meant to outlive this process
     warns "subprocess N is still running" when it is garbage-collected. setsid: a Ctrl-C in the
-    caller's terminal must not reach the daemons.
+    caller's terminal must not reach the daemons. `env -C /` (it execs: same pid): a daemon's working
+    directory must outlive the caller's, or every job step warns "Unable to get current working
+    directory" once the folder that started the testbed is gone.
     """
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         return os.posix_spawn(
-            argv[0],
-            list(argv),
+            "/usr/bin/env",
+            ["env", "-C", "/", *argv],
             _daemon_env(),
             setsid=True,
             file_actions=[
