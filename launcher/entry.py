@@ -72,7 +72,9 @@ def record_exit(run_dir: Path, code: int) -> None:
     """The code every rank agreed on, for the batch script: srun's own status is not it when
     kill-on-bad-exit signals ranks still tearing down after the first one exited."""
     tmp = run_dir / f".{EXIT_FILE}.tmp"
-    tmp.write_text(f"{code}\n")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # as private as the rest of the run dir
+    with os.fdopen(fd, "w") as handle:
+        handle.write(f"{code}\n")
     os.replace(tmp, run_dir / EXIT_FILE)
 
 
