@@ -259,6 +259,9 @@ def _status(record: JobRecord, transport: Transport) -> Status:
 def _cancel(record: JobRecord) -> None:
     """SIGTERM to the job's process group: supervisor, submitit controller, ranks (orphans too)."""
     state = current_state(record.run_dir, record.job_id)
+    if not state and submitit_state(record.run_dir, record.job_id).get("state") == "RUNNING":
+        _cancel_submitit_job(record)
+        return
     if state.get("state") not in ACTIVE:
         raise ClusterError(
             f"job {record.job_id} is not running: it ended {state.get('state', 'UNKNOWN')} "
@@ -272,6 +275,23 @@ def _cancel(record: JobRecord) -> None:
         os.killpg(pgid, signal.SIGTERM)
     except ProcessLookupError:
         pass
+
+
+def _cancel_submitit_job(record: JobRecord) -> None:
+    """A submitit-API job on this machine: its controller (pid = job id) forwards SIGTERM to the tasks;
+    the outcome is recorded in meshrun's own state file, which submitit's LocalExecutor does not write."""
+    try:
+        os.kill(int(record.job_id), signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    merge_state(
+        local_state_path(record.run_dir, record.job_id),
+        state="CANCELLED",
+        job_id=record.job_id,
+        cancel_requested=time.time(),
+        ended=time.time(),
+        message="",
+    )
 
 
 BACKEND = LocalBackend()

@@ -181,3 +181,30 @@ def test_the_api_module_stays_torch_free() -> None:
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
+
+
+def test_meshrun_cancel_stops_a_local_submitit_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The local profile's API jobs are cancelled like any other job (their controller's pid is the id)."""
+    import time as _time
+
+    from submit import api
+    from submit.status import statuses
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    ex = executor("local", folder=tmp_path / "runs", tasks_per_node=1, time="00:02:00", name="sleepy")
+    job = ex.submit(_time.sleep, 120)
+    registry = Registry()
+    try:
+        record = registry.find(job.job_id)
+    finally:
+        registry.close()
+    deadline = _time.monotonic() + 30
+    while statuses([record], api.Clusters())[0].state != "RUNNING":
+        assert _time.monotonic() < deadline
+        _time.sleep(0.2)
+    api.cancel([record], api.Clusters())
+    deadline = _time.monotonic() + 30
+    while not job.done():
+        assert _time.monotonic() < deadline, "the submitit job survived the cancel"
+        _time.sleep(0.2)
+    assert statuses([record], api.Clusters())[0].state == "CANCELLED"
