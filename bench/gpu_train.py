@@ -27,20 +27,17 @@ import torch  # noqa: E402
 from trainer_setup import corpus, single_rank_trainer  # noqa: E402
 
 from launcher.env import rank_env  # noqa: E402
+from launcher.gpus import peak_tflops  # noqa: E402
 from launcher.metrics import METRICS_FILE, MetricsLog  # noqa: E402
 from launcher.model import flops_per_token, param_count  # noqa: E402
 from launcher.spec import Data, JobSpec, Model, Parallel, Resources, Train  # noqa: E402
 from launcher.train import run_loop  # noqa: E402
 
-PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12}
-"""Dense bf16 peak by name fragment (SXM datasheets); checked longest first, so GH200 beats H200."""
-
 
 def peak_flops(device_name: str) -> Optional[float]:
-    for key in sorted(PEAK_BF16, key=len, reverse=True):
-        if key in device_name:
-            return PEAK_BF16[key]
-    return None
+    """Dense bf16 peak in FLOP/s, from the one table the trainer's MFU uses too (launcher.gpus)."""
+    peak = peak_tflops(device_name)
+    return peak * 1e12 if peak else None
 
 
 def parse_args() -> argparse.Namespace:

@@ -10,12 +10,14 @@ usually lives on a cluster, not on the machine that names it.
       spec.json              the resolved run spec the ranks read
       job.sbatch | run.sh    the rendered script (one per scheduler)
       metrics.jsonl          rank 0: one JSON line per logged step, plus events
+      tensorboard/           rank 0: TensorBoard event files (`tensorboard --logdir WORK_DIR` shows every run)
       ranks-exit-code        rank 0: the code every rank agreed on
       rank-error.txt         the first rank's one-line fatal error, if any
       logs/                  what a person reads: the batch log and rank-N.log
       checkpoints/           unless the cluster has a checkpoint root
       tasks/N/               a sweep task's own run dir (same layout)
       .meshrun/              scheduler internals: local state, submitit's files, the lock
+        progress/rank-N.json every rank's heartbeat: {"rank", "step", "phase", "time"}
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class RunDir:
     JOB_YAML = "job.yaml"
     SPEC = "spec.json"
     METRICS = "metrics.jsonl"
+    TENSORBOARD = "tensorboard"
     EXIT_CODE = "ranks-exit-code"
     RANK_ERROR = "rank-error.txt"
     LOGS = "logs"
@@ -64,6 +67,15 @@ class RunDir:
     @property
     def metrics(self) -> str:
         return self.path(self.METRICS)
+
+    @property
+    def tensorboard(self) -> str:
+        """Rank 0's TensorBoard event files (report() and the built-in trainer write them)."""
+        return self.path(self.TENSORBOARD)
+
+    def progress(self, rank: int) -> str:
+        """A rank's heartbeat, rewritten every step: {"rank", "step", "phase", "time"} (hang detection reads it)."""
+        return self.path(self.INTERNAL, "progress", f"rank-{rank}.json")
 
     @property
     def exit_code(self) -> str:

@@ -213,6 +213,9 @@ class RunInfo:
     meshrun_version: str = ""
     """The meshrun that planned and rendered the job; a rank running another one says so in its log
     ("" in a spec.json written before meshrun recorded it)."""
+    gpu_type: str = ""
+    """The partition's GPU type from the cluster profile (h100, h200, ...): MFU is measured against its
+    peak (launcher.gpus); "" when the profile names none (then the device's own name is looked up)."""
 
 
 @dataclass(frozen=True)

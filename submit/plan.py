@@ -361,6 +361,7 @@ def make_plan(
         checkpoint_dir=ckpt_dir,
         time_limit_s=parse_time(spec.resources.time),
         meshrun_version=__version__,
+        gpu_type=(part.gpu_type or "") if part else "",
     )
     return Plan(
         spec=spec,

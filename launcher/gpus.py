@@ -1,0 +1,34 @@
+"""GPU types and their dense bf16 peaks: the one table MFU is measured against. Torch-free, stdlib only.
+
+The cluster profile names a partition's GPU type (`partitions[].gpu_type`: h100, h200, ...);
+the bench knows the device by its CUDA name ("NVIDIA H100 80GB HBM3"). Both are looked up here,
+by the longest table key the name contains, so "gh200" is never taken for "h200".
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+PEAK_BF16_TFLOPS = {
+    "a100": 312.0,
+    "h100": 989.0,
+    "h200": 989.0,
+    "gh200": 989.0,
+    "b200": 2250.0,
+    "l40s": 362.0,
+}
+"""Dense (no sparsity) bf16 TFLOP/s of one GPU, from the SXM datasheets."""
+
+
+def peak_tflops(name: str) -> Optional[float]:
+    """The dense bf16 peak of a GPU type or device name, None when the table does not know it."""
+    lowered = name.lower()
+    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
+        if key in lowered:
+            return PEAK_BF16_TFLOPS[key]
+    return None
+
+
+def mfu(tflops_per_rank: float, peak: float) -> float:
+    """Model FLOPs utilisation: the model FLOPs one rank achieves per second over its GPU's peak."""
+    return tflops_per_rank / peak

@@ -1,0 +1,132 @@
+"""report(): metrics, TensorBoard and the progress heartbeat from any training script. Torch-free.
+
+    from launcher.report import report
+    report(step, loss=loss, lr=lr)        # every rank may call it; rank 0 records the numbers
+
+Under meshrun ($MESHRUN_RUN_DIR set by the job script) rank 0 appends {"step", ...scalars,
+"time"} to RUN_DIR/metrics.jsonl (what `meshrun status` and the logs read) and writes the
+same scalars to RUN_DIR/tensorboard/; every rank stamps its heartbeat
+RUN_DIR/.meshrun/progress/rank-N.json = {"rank", "step", "phase", "time"} (what hang detection
+reads). The built-in trainer stamps the same heartbeat through `Heartbeat`. Outside meshrun
+report() does nothing and says so once.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Optional, TextIO
+
+from launcher.rundir import RunDir
+from launcher.tbwriter import ScalarWriter, scalars_of
+
+RUN_DIR_ENV = "MESHRUN_RUN_DIR"
+PHASES = ("setup", "step", "eval", "checkpoint")
+"""What a rank is doing; each may get its own hang timeout."""
+
+
+def rank_from_env(environ: Optional[dict[str, str]] = None) -> int:
+    """The global rank (torchrun's RANK, else Slurm's SLURM_PROCID, else 0)."""
+    env = os.environ if environ is None else environ
+    return int(env.get("RANK") or env.get("SLURM_PROCID") or 0)
+
+
+class Heartbeat:
+    """One rank's progress file, replaced atomically (a reader never sees half a file)."""
+
+    def __init__(self, run_dir: str, rank: int) -> None:
+        self.rank = rank
+        self.path = RunDir(run_dir).progress(rank)
+        self._tmp = f"{self.path}.{os.getpid()}.tmp"
+        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+
+    def stamp(self, step: int, phase: str = "step") -> None:
+        if phase not in PHASES:
+            raise ValueError(f"phase {phase!r}: use one of {', '.join(PHASES)}")
+        beat = {"rank": self.rank, "step": int(step), "phase": phase, "time": time.time()}
+        fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(json.dumps(beat))
+        os.replace(self._tmp, self.path)
+
+
+def open_metrics(run_dir: str) -> TextIO:
+    """RUN_DIR/metrics.jsonl for appending (restarts add to it), 0600 whatever the umask."""
+    os.makedirs(run_dir, mode=0o700, exist_ok=True)
+    fd = os.open(RunDir(run_dir).metrics, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
+class Reporter:
+    """What report() writes for one run dir: the heartbeat (every rank), metrics and TensorBoard (rank 0)."""
+
+    def __init__(self, run_dir: str, rank: int) -> None:
+        self.heartbeat = Heartbeat(run_dir, rank)
+        self.metrics: Optional[TextIO] = open_metrics(run_dir) if rank == 0 else None
+        self.board = ScalarWriter(RunDir(run_dir).tensorboard) if rank == 0 else None
+
+    def report(self, step: int, phase: str, scalars: dict[str, float]) -> None:
+        self.heartbeat.stamp(step, phase)
+        if self.metrics is None or self.board is None or not scalars:
+            return
+        now = time.time()
+        clean = {k: (v if math.isfinite(v) else None) for k, v in scalars.items()}  # strict JSON: no NaN
+        self.metrics.write(json.dumps({"step": int(step), **clean, "time": now}) + "\n")
+        self.metrics.flush()
+        self.board.add(int(step), scalars_of(scalars), now)
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        if self.board is not None:
+            self.board.close()
+
+
+_reporters: dict[str, Reporter] = {}
+_warned = False
+
+
+def _numbers(scalars: dict[str, Any]) -> dict[str, float]:
+    """Every value as a float (a 0-dim tensor or numpy number converts too); a non-number names its key."""
+    out = {}
+    for key, value in scalars.items():
+        try:
+            out[key] = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(f"report(): {key}={value!r} is not a number; pass numbers as keyword arguments") from None
+    return out
+
+
+def report(step: int, *, phase: str = "step", **scalars: Any) -> None:
+    """Record `scalars` at `step` (rank 0) and stamp this rank's heartbeat (every rank).
+
+    Non-finite values are kept out of TensorBoard and written as null to metrics.jsonl.
+    """
+    global _warned
+    run_dir = os.environ.get(RUN_DIR_ENV, "")
+    if not run_dir:
+        if not _warned:
+            print(
+                f"[meshrun] report(): ${RUN_DIR_ENV} is not set (not a meshrun job): nothing is recorded",
+                file=sys.stderr,
+            )
+            _warned = True
+        return
+    numbers = _numbers(scalars)
+    reporter = _reporters.get(run_dir)
+    if reporter is None:
+        reporter = _reporters[run_dir] = Reporter(run_dir, rank_from_env())
+    reporter.report(step, phase, numbers)
+
+
+@atexit.register
+def _close_all() -> None:
+    """Flush the event files of a script that simply ends (its last points would be lost otherwise)."""
+    for reporter in _reporters.values():
+        reporter.close()
+    _reporters.clear()

@@ -1,0 +1,100 @@
+"""report() from a user's script, the job's own TensorBoard event files, and MFU arithmetic."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from launcher.gpus import mfu, peak_tflops
+from launcher.rundir import RunDir
+from launcher.tbwriter import ScalarWriter
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _scalars(logdir: str, tag: str) -> list[tuple[int, float]]:
+    acc = EventAccumulator(logdir)
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def _run(code: str, **env: str) -> subprocess.CompletedProcess:
+    """report() in a fresh process, as a user's script calls it (atexit flushes the event file)."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("MESHRUN_RUN_DIR", "RANK", "SLURM_PROCID")}
+    return subprocess.run(
+        [sys.executable, "-c", "from launcher.report import report\n" + code],
+        cwd=REPO,
+        env={**clean, "PYTHONPATH": str(REPO), **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+
+
+def test_report_on_rank_0_writes_metrics_tensorboard_and_heartbeat(tmp_path: Path) -> None:
+    run = RunDir(str(tmp_path / "run"))
+    _run(
+        "report(1, loss=4.0, lr=0.1)\nreport(2, loss=3.5, lr=0.05, bad=float('nan'))\nreport(3, phase='eval')",
+        MESHRUN_RUN_DIR=run.root,
+        RANK="0",
+    )
+    lines = [json.loads(line) for line in Path(run.metrics).read_text().splitlines()]
+    assert [(r["step"], r["loss"], r["lr"]) for r in lines] == [(1, 4.0, 0.1), (2, 3.5, 0.05)]
+    assert lines[1]["bad"] is None and isinstance(lines[0]["time"], float)  # strict JSON, no NaN
+    assert _scalars(run.tensorboard, "loss") == [(1, 4.0), (2, 3.5)]
+    assert "bad" not in EventAccumulator(run.tensorboard).Reload().Tags()["scalars"]
+    beat = json.loads(Path(run.progress(0)).read_text())
+    assert set(beat) == {"rank", "step", "phase", "time"}
+    assert (beat["rank"], beat["step"], beat["phase"]) == (0, 3, "eval")
+    assert os.stat(run.metrics).st_mode & 0o777 == 0o600
+
+
+def test_report_on_other_ranks_stamps_only_the_heartbeat(tmp_path: Path) -> None:
+    run = RunDir(str(tmp_path / "run"))
+    _run("report(7, loss=1.0)", MESHRUN_RUN_DIR=run.root, RANK="3")
+    assert json.loads(Path(run.progress(3)).read_text())["step"] == 7
+    assert not os.path.exists(run.metrics) and not os.path.exists(run.tensorboard)
+
+
+def test_report_outside_meshrun_warns_once_and_writes_nothing(tmp_path: Path) -> None:
+    done = _run("report(1, loss=1.0)\nreport(2, loss=0.5)\nprint('done')")
+    assert done.stdout == "done\n"
+    assert done.stderr.count("MESHRUN_RUN_DIR is not set") == 1
+
+
+def test_report_names_a_value_that_is_not_a_number(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from launcher.report import report
+
+    monkeypatch.setenv("MESHRUN_RUN_DIR", str(tmp_path))
+    with pytest.raises(TypeError, match=r"loss='high' is not a number"):
+        report(1, loss="high")
+
+
+def test_a_resumed_attempt_replaces_the_points_past_its_checkpoint(tmp_path: Path) -> None:
+    """Attempt 1 logs steps 1-6 and dies; attempt 2 resumes from step 4: TensorBoard shows one curve."""
+    logdir = str(tmp_path / "tb")
+    first = ScalarWriter(logdir)
+    for step in range(1, 7):
+        first.add(step, {"loss": 10.0 - step})
+    first.close()
+    second = ScalarWriter(logdir, first_step=5)
+    for step in range(5, 8):
+        second.add(step, {"loss": 100.0 + step})
+    second.close()
+    assert _scalars(logdir, "loss") == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 6.0), (5, 105.0), (6, 106.0), (7, 107.0)]
+
+
+def test_mfu_is_achieved_model_flops_over_the_profiles_gpu_peak() -> None:
+    assert peak_tflops("h100") == peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert peak_tflops("gh200") == peak_tflops("NVIDIA GH200 480GB") == 989.0  # not mistaken for h200
+    assert peak_tflops("A100-SXM4-80GB") == 312.0
+    assert peak_tflops("fake") is None and peak_tflops("") is None
+    # 6N+12LdT FLOPs/token x tokens/s / ranks = 494.5 TFLOP/s per rank on an H200: half its peak.
+    assert mfu(494.5, peak_tflops("h200") or 0) == pytest.approx(0.5)
