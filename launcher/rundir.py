@@ -11,9 +11,11 @@ usually lives on a cluster, not on the machine that names it.
       job.sbatch | run.sh    the rendered script (one per scheduler)
       metrics.jsonl          rank 0: one JSON line per logged step, plus events
       tensorboard/           rank 0: TensorBoard event files (`tensorboard --logdir WORK_DIR` shows every run)
+      gpu.jsonl              the sidecars: one JSON line per sample per GPU (and per node's host)
+      env/NODE.json          each node's sidecar: hostname, GPUs, driver, CUDA, torch, NCCL, meshrun
       ranks-exit-code        rank 0: the code every rank agreed on
       rank-error.txt         the first rank's one-line fatal error, if any
-      logs/                  what a person reads: the batch log and rank-N.log
+      logs/                  what a person reads: the batch log, rank-N.log and sidecar-NODE.log
       checkpoints/           unless the cluster has a checkpoint root
       tasks/N/               a sweep task's own run dir (same layout)
       .meshrun/              scheduler internals: local state, submitit's files, the lock
@@ -45,6 +47,8 @@ class RunDir:
     SPEC = "spec.json"
     METRICS = "metrics.jsonl"
     TENSORBOARD = "tensorboard"
+    GPU_METRICS = "gpu.jsonl"
+    ENV = "env"
     EXIT_CODE = "ranks-exit-code"
     RANK_ERROR = "rank-error.txt"
     LOGS = "logs"
@@ -76,6 +80,22 @@ class RunDir:
     def progress(self, rank: int) -> str:
         """A rank's heartbeat, rewritten every step: {"rank", "step", "phase", "time"} (hang detection reads it)."""
         return self.path(self.INTERNAL, "progress", f"rank-{rank}.json")
+
+    @property
+    def gpu_metrics(self) -> str:
+        """The sidecars' samples: one JSON line per GPU (and one per node's host) per interval."""
+        return self.path(self.GPU_METRICS)
+
+    def env_record(self, node: str) -> str:
+        """A node's environment record (written by its sidecar)."""
+        return self.path(self.ENV, f"{node}.json")
+
+    def sidecar_log(self, node: str) -> str:
+        return self.path(self.LOGS, f"sidecar-{node}.log")
+
+    def sidecar_tensorboard(self, node: str) -> str:
+        """A node's sidecar's TensorBoard event files (beside rank 0's, under tensorboard/)."""
+        return self.path(self.TENSORBOARD, f"sidecar-{node}")
 
     @property
     def exit_code(self) -> str:

@@ -148,6 +148,18 @@ class Code:
 
 
 @dataclass(frozen=True)
+class Sidecar:
+    """The per-node sidecar (GPU and host metrics, the environment record): `python -m launcher.sidecar`."""
+
+    interval_s: float = 5.0
+    """Seconds between samples (gpu.jsonl, TensorBoard); 0.1-3600. Shorter costs the ranks more CPU."""
+
+    def __post_init__(self) -> None:
+        if not 0.1 <= self.interval_s <= 3600:
+            raise SchemaError("sidecar.interval_s", self.interval_s, "give 0.1 to 3600 seconds (default 5)")
+
+
+@dataclass(frozen=True)
 class JobSpec:
     name: str
     """Job name, shown by Slurm and meshrun; any printable text (it is quoted, never executed)."""
@@ -167,6 +179,8 @@ class JobSpec:
     """Extra environment variables for every rank (never put secrets here: scripts are readable)."""
     code: Code = field(default_factory=Code)
     """Which project files are shipped to the cluster with the job."""
+    sidecar: Sidecar = field(default_factory=Sidecar)
+    """The per-node sidecar's settings (sampling interval)."""
 
     def __post_init__(self) -> None:
         if not self.name.strip() or len(self.name) > 128:

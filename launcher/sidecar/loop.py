@@ -1,0 +1,220 @@
+"""The sidecar's main loop: periodic tasks on one thread until SIGTERM or until its parent is gone.
+
+A task is a name, an interval and a function. A task that raises is logged (its first error, then
+every tenfold count) and runs again at its next turn: nothing here ever ends the job. Sampling and
+the environment check are tasks today; the hang watch and the checkpoint copier plug in as more.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, TextIO
+
+from launcher.rundir import RunDir
+from launcher.sidecar import envrecord
+from launcher.sidecar.host import Host
+from launcher.sidecar.nvml import Gpus, NvmlUnavailable, discover, load_nvml, resolve
+
+DEFAULT_INTERVAL_S = 5.0
+"""Sampling interval when spec.json cannot be read (the spec's own default is the same)."""
+ENV_CHECK_S = 30.0
+"""How often the other nodes' environment records are compared with this one's."""
+POLL_S = 1.0
+"""The longest the loop sleeps between checks that its parent is still there."""
+
+
+def node_name(environ: Mapping[str, str]) -> str:
+    """Slurm's name of this node (two nodes may share a hostname), else the short hostname; file-name safe."""
+    name = environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0] or "node"
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
+
+
+class Log:
+    """One timestamped line per call, appended to the sidecar's log (stderr when that cannot be opened)."""
+
+    def __init__(self, path: str, node: str) -> None:
+        self.node = node
+        self.stream: TextIO
+        try:
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            self.stream = os.fdopen(fd, "a", encoding="utf-8", buffering=1)
+        except OSError as exc:
+            self.stream = sys.stderr
+            self(f"cannot open {path} ({exc}): logging to stderr")
+
+    def __call__(self, message: str) -> None:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        try:
+            self.stream.write(f"{stamp} [sidecar {self.node}] {message}\n")
+            self.stream.flush()
+        except (OSError, ValueError):
+            pass  # a full disk must not end the sidecar, let alone the job
+
+
+@dataclass
+class Periodic:
+    """A task the loop runs every `interval_s` seconds (the first run at once)."""
+
+    name: str
+    interval_s: float
+    run: Callable[[], None]
+    next_at: float = 0.0
+    errors: int = field(default=0)
+
+
+def run_tasks(tasks: list[Periodic], stop: threading.Event, alive: Callable[[], bool], log: Log) -> str:
+    """Run the tasks until `stop` is set or `alive()` turns false; returns why it stopped."""
+    while not stop.is_set():
+        if not alive():
+            return "its parent is gone"
+        now = time.monotonic()
+        for task in tasks:
+            if now >= task.next_at and not stop.is_set():
+                try:
+                    task.run()
+                except Exception as exc:
+                    task.errors += 1
+                    if task.errors in (1, 10, 100, 1000, 10000):
+                        log(f"{task.name} failed ({task.errors}x so far): {type(exc).__name__}: {exc}")
+                task.next_at = time.monotonic() + task.interval_s
+        wake = min(task.next_at for task in tasks) - time.monotonic()
+        stop.wait(min(max(wake, 0.0), POLL_S))
+    return "stop requested"
+
+
+@dataclass(frozen=True)
+class Settings:
+    interval_s: float = DEFAULT_INTERVAL_S
+    tasks_per_node: int = 1
+    node_rank: int = 0
+
+
+def read_settings(run_dir: RunDir, environ: Mapping[str, str], log: Log) -> Settings:
+    from launcher.spec import read_run_spec  # torch-free
+
+    node_rank = int(environ.get("SLURM_NODEID", "0") or 0)
+    try:
+        job = read_run_spec(Path(run_dir.root)).job
+    except Exception as exc:
+        log(f"spec.json unusable ({exc}): sampling every {DEFAULT_INTERVAL_S:g} s, one rank per GPU")
+        return Settings(node_rank=node_rank)
+    return Settings(job.sidecar.interval_s, job.tasks_per_node, node_rank)
+
+
+class Sidecar:
+    """One node's sidecar: what it samples, where it writes, and its periodic tasks."""
+
+    def __init__(
+        self,
+        run_dir: RunDir,
+        node: str,
+        environ: Mapping[str, str],
+        log: Log,
+        open_nvml: Callable[[], Any] = load_nvml,
+        host: Optional[Host] = None,
+    ) -> None:
+        self.run_dir, self.node, self.environ, self.log = run_dir, node, environ, log
+        self.settings = read_settings(run_dir, environ, log)
+        self.host = host or Host()
+        if not self.host.available:
+            log("no /proc here: no host metrics")
+        self.gpus = self._open_gpus(open_nvml)
+        self.tb = self._open_tb()
+        self.samples = 0
+        self.mismatches_logged: set[str] = set()
+        self.record = envrecord.build_record(node, environ, self.gpus.describe() if self.gpus else None)
+        envrecord.write_record(run_dir.env_record(node), self.record)
+
+    def _open_gpus(self, open_nvml: Callable[[], Any]) -> Optional[Gpus]:
+        visible_env = self.environ.get("CUDA_VISIBLE_DEVICES")
+        visible = None if visible_env is None else tuple(e.strip() for e in visible_env.split(",") if e.strip())
+        if visible == ():
+            self.log("the job has no GPUs here (CUDA_VISIBLE_DEVICES is empty): host metrics only")
+            return None
+        try:
+            nvml = open_nvml()
+        except NvmlUnavailable as exc:
+            self.log(f"no GPU metrics: {exc}; host CPU, memory and disk I/O only")
+            return None
+        targets, problems = resolve(visible, discover(nvml), self.settings.tasks_per_node)
+        for problem in problems:
+            self.log(problem)
+        shown = ", ".join(f"CUDA {t.cuda_index}={t.uuid} (local rank {t.local_rank})" for t in targets)
+        self.log(f"GPU metrics for {len(targets)} GPU(s): {shown or 'none'}")
+        return Gpus(nvml, targets, self.log)
+
+    def _open_tb(self) -> Any:
+        from launcher.sidecar.tb import Scalars
+
+        try:
+            return Scalars(self.run_dir.sidecar_tensorboard(self.node))
+        except ImportError as exc:
+            self.log(f"no TensorBoard files: cannot import tensorboard ({exc}); gpu.jsonl has every sample")
+            return None
+
+    def rank_of(self, local_rank: Optional[int]) -> Optional[int]:
+        if local_rank is None:
+            return None
+        return self.settings.node_rank * self.settings.tasks_per_node + local_rank
+
+    def sample(self) -> None:
+        """One line per GPU and one for the host, appended to gpu.jsonl in one write; scalars to TensorBoard."""
+        now = time.time()
+        lines: list[dict[str, Any]] = []
+        scalars: dict[str, Any] = {}
+        host = self.host.sample()
+        if host:
+            lines.append({"time": round(now, 3), "node": self.node, "kind": "host", **host})
+            scalars.update({f"host/{key}": value for key, value in host.items()})
+        for row in self.gpus.sample(now) if self.gpus else []:
+            rank = self.rank_of(row["local_rank"])
+            lines.append({"time": round(now, 3), "node": self.node, "kind": "gpu", "rank": rank, **row})
+            label = f"rank{rank}" if rank is not None else row["uuid"][:12]
+            scalars.update(
+                {f"gpu/{label}/{key}": value for key, value in row.items() if key not in ("cuda_index", "local_rank")}
+            )
+        if lines:
+            text = "".join(json.dumps(line, sort_keys=True) + "\n" for line in lines)
+            fd = os.open(self.run_dir.gpu_metrics, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                os.write(fd, text.encode())
+            finally:
+                os.close(fd)
+        if self.tb is not None:
+            self.tb.add(self.samples, scalars, now)
+            self.tb.flush()
+        self.samples += 1
+
+    def check_env(self) -> None:
+        """Warn (once each) when this run's nodes differ in driver, CUDA, torch, NCCL, meshrun or Python."""
+        records = envrecord.read_records(self.run_dir.path(self.run_dir.ENV), self.record["run"])
+        for line in envrecord.env_mismatches(records):
+            if line not in self.mismatches_logged:
+                self.mismatches_logged.add(line)
+                self.log(f"warning: {line}")
+
+    def tasks(self) -> list[Periodic]:
+        return [
+            Periodic("sample", self.settings.interval_s, self.sample),
+            Periodic(
+                "env check",
+                ENV_CHECK_S,
+                self.check_env,
+                next_at=time.monotonic() + min(ENV_CHECK_S, 2 * self.settings.interval_s),
+            ),
+        ]
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.gpus is not None:
+            self.gpus.close()
