@@ -32,3 +32,21 @@ def peak_tflops(name: str) -> Optional[float]:
 def mfu(tflops_per_rank: float, peak: float) -> float:
     """Model FLOPs utilisation: the model FLOPs one rank achieves per second over its GPU's peak."""
     return tflops_per_rank / peak
+
+
+def mfu_peak(gpu_type: str, cuda: bool, device_name: str = "") -> tuple[Optional[float], str]:
+    """(peak TFLOP/s to measure MFU against, "") or (None, why there is no MFU, for the log).
+
+    The profile's GPU type comes first (it is what the job asked for); a profile that names
+    none falls back to the device's own CUDA name.
+    """
+    if not cuda:
+        return None, "the ranks compute on the CPU (MFU is measured against a GPU's peak)"
+    for name in (gpu_type, device_name):
+        peak = peak_tflops(name) if name else None
+        if peak:
+            return peak, ""
+    return None, (
+        f"no dense bf16 peak known for GPU type {gpu_type or '(none in the profile)'!r} / device "
+        f"{device_name!r}; add it to PEAK_BF16_TFLOPS in launcher/gpus.py"
+    )

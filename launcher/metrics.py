@@ -1,4 +1,5 @@
-"""Rank 0's metrics.jsonl (the sidecar and `meshrun status` read it) and its human log line."""
+"""Rank 0's metrics.jsonl (`meshrun status` and the logs read it), its TensorBoard event files and
+its human log line; every rank's progress heartbeat (launcher.report.Heartbeat)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,18 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Optional, TextIO
+from typing import Any, Mapping, Optional, TextIO
 
+from launcher.gpus import mfu
+from launcher.report import Heartbeat
 from launcher.rundir import RunDir
+from launcher.tbwriter import ScalarWriter, scalars_of
 
 METRICS_FILE = RunDir.METRICS
+STARVED_FRACTION = 0.2
+"""Data wait above this share of the step time means the input pipeline, not the GPUs, sets the pace."""
+STARVED_LOGS = 3
+"""... for this many logged steps in a row before the log says so (once)."""
 
 
 def perplexity(loss: float) -> float:
@@ -18,26 +26,83 @@ def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else math.inf
 
 
-class MetricsLog:
-    """Appends one JSON line per logged step (restarts add to the same file) and prints a human line."""
+class StarvationWatch:
+    """Says once when the data-wait fraction stays above STARVED_FRACTION for STARVED_LOGS logged steps."""
 
-    def __init__(self, run_dir: str, enabled: bool, steps: int) -> None:
+    def __init__(self, threshold: float = STARVED_FRACTION, patience: int = STARVED_LOGS) -> None:
+        self.threshold, self.patience = threshold, patience
+        self.run, self.warned = 0, False
+
+    def observe(self, fraction: float) -> Optional[str]:
+        self.run = self.run + 1 if fraction > self.threshold else 0
+        if self.warned or self.run < self.patience:
+            return None
+        self.warned = True
+        return (
+            f"[meshrun] warning: data loading starves the GPUs: data wait is {fraction:.0%} of the step time "
+            f"(above {self.threshold:.0%} for {self.run} logged steps); use a faster disk for data.path, "
+            "or a bigger global batch per step"
+        )
+
+
+class MetricsLog:
+    """Appends one JSON line per logged step (restarts add to the same file), writes the same numbers
+    (plus data-wait fraction, MFU and GPU memory) to TensorBoard and prints a human line."""
+
+    def __init__(
+        self,
+        run_dir: str,
+        enabled: bool,
+        steps: int,
+        peak_tflops: Optional[float] = None,
+        rank: Optional[int] = None,
+    ) -> None:
         self.steps = steps
+        self.peak_tflops = peak_tflops
+        """The GPU's dense bf16 peak: `mfu` joins each record when known."""
         self.file: Optional[TextIO] = None
+        self.board: Optional[ScalarWriter] = None
+        self.starved = StarvationWatch()
+        self.beat = Heartbeat(run_dir, rank) if rank is not None else None
         if enabled:
             Path(run_dir).mkdir(parents=True, exist_ok=True)
             # 0600 whatever the umask: as private as the run dir it lives in.
             fd = os.open(Path(run_dir) / METRICS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             self.file = os.fdopen(fd, "a", encoding="utf-8")
+            self.board = ScalarWriter(RunDir(run_dir).tensorboard)
 
-    def write(self, record: dict[str, Any]) -> None:
+    def stamp(self, step: int, phase: str) -> None:
+        """This rank's heartbeat (every rank, every step): what it does now, for hang detection."""
+        if self.beat is not None:
+            self.beat.stamp(step, phase)
+
+    def resume_at(self, step: int) -> None:
+        """This attempt's first step: TensorBoard drops what an earlier attempt logged from there on."""
+        if self.board is not None:
+            self.board.starts_at(step)
+
+    def write(self, record: dict[str, Any], extra: Optional[Mapping[str, float]] = None) -> None:
+        """One step's record; `extra` goes to TensorBoard only (metrics.jsonl keeps its keys)."""
         if self.file is None:
             return
+        if self.peak_tflops and "tflops_per_rank" in record:
+            record["mfu"] = mfu(record["tflops_per_rank"], self.peak_tflops)
         # Non-finite floats become null: strict JSON readers reject NaN/Infinity.
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         self.file.write(json.dumps(clean) + "\n")
         self.file.flush()
         print(self.line(record), flush=True)
+        self._board(record, extra or {})
+
+    def _board(self, record: dict[str, Any], extra: Mapping[str, float]) -> None:
+        scalars = scalars_of(record, skip=("step", "time", "restart_count"))
+        if record.get("step_time_s"):
+            scalars["data_wait_fraction"] = record["data_wait_s"] / record["step_time_s"]
+            warning = self.starved.observe(scalars["data_wait_fraction"])
+            if warning:
+                print(warning, flush=True)
+        if self.board is not None:
+            self.board.add(int(record["step"]), {**scalars, **extra}, record.get("time"))
 
     def event(self, record: dict[str, Any]) -> None:
         """A non-step line (a committed checkpoint): readers take `step`/`loss` from step lines only."""
@@ -51,6 +116,8 @@ class MetricsLog:
             f"grad_norm {r['grad_norm']:.3f} tok/s {r['tokens_per_s']:,.0f} step_time {r['step_time_s']:.3f}s "
             f"data_wait {r['data_wait_s']:.3f}s"
         )
+        if "mfu" in r:
+            text += f" mfu {r['mfu']:.1%}"
         if "val_loss" in r:
             text += f" val_loss {r['val_loss']:.4f} val_ppl {r['val_ppl']:.2f}"
         return text
@@ -58,3 +125,5 @@ class MetricsLog:
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+        if self.board is not None:
+            self.board.close()

@@ -44,6 +44,10 @@ class ScalarWriter:
             return
         self._writer = EventFileWriter(logdir, flush_secs=FLUSH_SECS)
 
+    def starts_at(self, step: int) -> None:
+        """This attempt's first step (set before the first add): where the session START goes."""
+        self._first_step = step
+
     def add(self, step: int, scalars: Mapping[str, float], wall_time: Optional[float] = None) -> None:
         if self._writer is None:
             return

@@ -33,6 +33,7 @@ from launcher.data import (
     val_steps,
 )
 from launcher.env import RankEnv, setdefault_env
+from launcher.gpus import mfu_peak
 from launcher.metrics import MetricsLog, perplexity
 from launcher.model import GPT, ModelPart, param_count
 from launcher.optim import LossScaler, build_optimizer, clip_factor, global_grad_norm, lr_at, scale_grads_
@@ -262,14 +263,21 @@ def train(run_spec: RunSpec, env: RankEnv, flag: Optional[StopFlag] = None) -> i
     own_flag = flag is None
     flag = StopFlag().install() if flag is None else flag
     init_distributed(env, runtime)
-    metrics = MetricsLog(run_spec.run.run_dir, enabled=env.rank == 0, steps=job.trainer.steps)
+    peak, no_mfu = mfu_peak(run_spec.run.gpu_type, runtime.cuda, device_name(runtime))
+    metrics = MetricsLog(
+        run_spec.run.run_dir, enabled=env.rank == 0, steps=job.trainer.steps, peak_tflops=peak, rank=env.rank
+    )
+    metrics.stamp(0, "setup")
     try:
         trainer = build_trainer(job, env, runtime, dataset)
         saver = make_checkpointer(run_spec, env, metrics)
         first = start_step(trainer, saver, run_spec, env)
         if first is None:
             return EXIT_GAVE_UP
+        metrics.resume_at(first)
         announce(trainer, env)
+        if env.rank == 0 and no_mfu:
+            print(f"[meshrun] no MFU: {no_mfu}", flush=True)
         code = run_loop(trainer, env, metrics, first, saver=saver, flag=flag, run_spec=run_spec)
         saver.close()
         return code
@@ -278,6 +286,23 @@ def train(run_spec: RunSpec, env: RankEnv, flag: Optional[StopFlag] = None) -> i
             flag.uninstall()
         metrics.close()
         dist.destroy_process_group()
+
+
+def device_name(runtime: Runtime) -> str:
+    return torch.cuda.get_device_name(runtime.device) if runtime.cuda else ""
+
+
+def gpu_memory(runtime: Runtime) -> dict[str, float]:
+    """Peak GPU memory since the start (TensorBoard only): allocated, reserved, allocator retries
+    (retries > 0: the caching allocator had to free and retry, a sign of fragmentation near the limit)."""
+    if not runtime.cuda:
+        return {}
+    stats = torch.cuda.memory_stats(runtime.device)
+    return {
+        "gpu_memory/peak_allocated_gib": stats.get("allocated_bytes.all.peak", 0) / 2**30,
+        "gpu_memory/peak_reserved_gib": stats.get("reserved_bytes.all.peak", 0) / 2**30,
+        "gpu_memory/alloc_retries": float(stats.get("num_alloc_retries", 0)),
+    }
 
 
 def make_checkpointer(run_spec: RunSpec, env: RankEnv, metrics: Optional[MetricsLog] = None) -> Checkpointer:
@@ -349,6 +374,7 @@ def run_loop(
     clock = _Clock(first - 1)
     try:
         for step in range(first, last + 1):
+            metrics.stamp(step, "step")
             micro_batches, wait = prefetch.next_step()
             clock.waited += wait
             result = train_step(t, step, micro_batches)
@@ -361,6 +387,7 @@ def run_loop(
                 continue
             saver.poll()
             if flag is not None and agree(flag.raised, device=t.runtime.device):
+                metrics.stamp(step, "checkpoint")
                 _save_now(saver, t, step, env, run_spec)
                 if env.rank == 0:
                     print(
@@ -370,6 +397,7 @@ def run_loop(
                     )
                 return EXIT_REQUEUE
             if step == last or (every and step % every == 0):
+                metrics.stamp(step, "checkpoint")
                 trainstate.save(saver, t, step, env, run_spec)
         if saver is not None:
             saver.wait()
@@ -427,7 +455,8 @@ def log_step(
     if t.scaler.enabled:
         record["loss_scale"] = t.scaler.scale
     if eval_due(cfg, step, cfg.steps) if validate is None else validate:
+        metrics.stamp(step, "eval")
         record["val_loss"] = evaluate(t)
         record["val_ppl"] = perplexity(record["val_loss"])
-    metrics.write(record)
+    metrics.write(record, extra=gpu_memory(t.runtime))
     clock.last_time, clock.last_step, clock.waited = time.perf_counter(), step, 0.0

@@ -105,8 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job")
     p.add_argument("-c", "--cluster", help="the job's cluster, if the id is ambiguous")
 
-    p = verbs.add_parser("tb", help="TensorBoard of a job, on the login node, forwarded here; Ctrl-C stops it")
-    p.add_argument("job")
+    p = verbs.add_parser(
+        "tb", help="TensorBoard of jobs (one cluster's), on the login node, forwarded here; Ctrl-C stops it"
+    )
+    p.add_argument("jobs", nargs="+", metavar="JOB", help="job ids; a job array's id serves all its tasks")
     p.add_argument("--port", type=int, default=0, help="local port (default: any free one)")
     p.add_argument("-c", "--cluster", help="the job's cluster, if the id is ambiguous")
 

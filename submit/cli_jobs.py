@@ -191,16 +191,22 @@ def cmd_tb(args: argparse.Namespace) -> int:
     from submit.registry import Registry
 
     tensorboard.check_local_port(args.port)  # before anything starts on the cluster
-    record = _one_job(Registry(), args.job, args.cluster)
+    records = _tb_records(Registry(), args.jobs, args.cluster)
+    record = records[0]  # all on one cluster: its connection serves them all
+    runs = [(tensorboard.label(r.job_id), r.run_dir) for r in records]
     clusters = api.Clusters()
     board, forward = None, None
     signal.signal(signal.SIGTERM, _raise_interrupt)  # a kill tears down like Ctrl-C
     try:
         transport = clusters.transport_for(record)
-        board = tensorboard.start(transport, clusters.profile_for(record), record.run_dir)
+        board = tensorboard.start(transport, clusters.profile_for(record), runs)
         forward = transport.forward(board.port, args.port)
         url = f"http://127.0.0.1:{forward.local_port}/"
-        print(f"TensorBoard for job {record.job_id}: {url}" + (" (already running)" if board.reused else ""))
+        names = ", ".join(name for name, _ in runs)
+        print(
+            f"TensorBoard for job{'s' if len(runs) > 1 else ''} {names}: {url}"
+            + (" (already running)" if board.reused else "")
+        )
         if tensorboard.is_local(transport):
             print(
                 f"from your laptop: {tensorboard.ssh_hint(board.port, args.port or None)} "
@@ -224,6 +230,23 @@ def cmd_tb(args: argparse.Namespace) -> int:
         clusters.close()
 
 
+def _tb_records(registry: Any, jobs: Sequence[str], cluster: Any) -> list[Any]:
+    """The runs of `meshrun tb JOB...`: each job, or each task of an array id, once; all on one cluster."""
+    records: dict[str, Any] = {}
+    for job in jobs:
+        for found in registry.find_all(job, cluster):
+            records.setdefault(found.job_id, found)
+    where = sorted({r.cluster for r in records.values()})
+    if len(where) > 1:
+        raise InputError(
+            "JOB",
+            " ".join(jobs),
+            f"these jobs run on {len(where)} clusters ({', '.join(where)}); one `meshrun tb` serves one "
+            "cluster's runs: start one per cluster",
+        )
+    return list(records.values())
+
+
 def _stop_board(clusters: Any, record: Any, board: Any) -> None:
     from submit import tensorboard
     from submit.errors import MeshrunError
@@ -233,7 +256,7 @@ def _stop_board(clusters: Any, record: Any, board: Any) -> None:
             tensorboard.stop(clusters.transport_for(record), board)
         except MeshrunError:
             tensorboard.stop(clusters.reconnect(record), board)  # the connection had dropped
-        print(f"stopped TensorBoard of job {record.job_id}", file=sys.stderr)
+        print(f"stopped TensorBoard (pid {board.pid} on the login node)", file=sys.stderr)
     except MeshrunError as exc:
         print(f"meshrun: could not stop TensorBoard (pid {board.pid} on the login node): {exc}", file=sys.stderr)
 

@@ -1,9 +1,10 @@
-"""`meshrun tb JOB`: TensorBoard for a run, on the login node, reached through the SSH connection.
+"""`meshrun tb JOB [JOB...]`: TensorBoard for runs, on the login node, reached through the SSH connection.
 
 One round trip starts it: the standalone helper (tbserve.py) travels as the
-command's input, is written into RUN_DIR/tensorboard/ and run with the cluster's
-setup lines and python; it reuses a live server of the run or starts one bound
-to 127.0.0.1. The local end is a port forward on this machine's 127.0.0.1. On
+command's input, is written into ~/.cache/meshrun/tb/ on the login node and run
+with the cluster's setup lines and python; it reuses a live server of the same
+runs or starts one bound to 127.0.0.1, serving the event files the jobs wrote
+(RUN_DIR/tensorboard/), each run named by its label (the job id). The local end is a port forward on this machine's 127.0.0.1. On
 Ctrl-C the forward closes and, if this command started the server, so does it.
 On the login node itself (local transport) there is nothing to forward: it
 prints the URL and the `ssh -L` line a user on a laptop would need.
@@ -13,10 +14,11 @@ from __future__ import annotations
 
 import getpass
 import json
+import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from submit.cluster import ClusterProfile
 from submit.errors import ClusterError, InputError
@@ -25,8 +27,9 @@ from submit.transport import LocalTransport, Transport
 
 HELPER = Path(__file__).with_name("tbserve.py")
 _INSTALL = (
-    'd="$2/tensorboard" && mkdir -p -m 0700 "$d" && cat > "$d/.tbserve.py.tmp" && '
-    'mv -f "$d/.tbserve.py.tmp" "$d/tbserve.py" && exec "$1" "$d/tbserve.py" start "$2"'
+    'd="${XDG_CACHE_HOME:-$HOME/.cache}/meshrun/tb" && mkdir -p "$d" && chmod 0700 "$d" && '
+    'cat > "$d/.tbserve.py.$$" && mv -f "$d/.tbserve.py.$$" "$d/tbserve.py" && '
+    'py="$1" && shift && exec "$py" "$d/tbserve.py" start "$@"'
 )
 _STOP = 'grep -q tbserve "/proc/$1/cmdline" 2>/dev/null && kill "$1"'
 
@@ -63,12 +66,18 @@ def check_local_port(port: int) -> None:
             ) from None
 
 
-def start_argv(profile: ClusterProfile, run_dir: str) -> list[str]:
-    """bash -c 'SETUP; install the helper; run it' sh PYTHON RUN_DIR: setup lines are the profile's trusted,
-    verbatim bash (as in the batch script); python and the run dir arrive as positional values."""
+def label(job_id: str) -> str:
+    """A run's name in TensorBoard (and its folder name in the server's tree): the job id, made a safe name."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", job_id)
+    return safe if safe.strip(".") else f"job{safe}"
+
+
+def start_argv(profile: ClusterProfile, runs: Sequence[tuple[str, str]]) -> list[str]:
+    """bash -c 'SETUP; install the helper; run it' sh PYTHON LABEL RUN_DIR...: setup lines are the profile's
+    trusted, verbatim bash (as in the batch script); python, labels and run dirs arrive as positional values."""
     python = backend(profile.scheduler).interpreter(profile)
     script = "\n".join([*profile.setup, _INSTALL])
-    return ["bash", "-c", script, "meshrun-tb", python, run_dir]
+    return ["bash", "-c", script, "meshrun-tb", python, *(value for pair in runs for value in pair)]
 
 
 def parse_start(stdout: str) -> Board:
@@ -79,8 +88,9 @@ def parse_start(stdout: str) -> Board:
     raise ClusterError(f"tensorboard helper printed no port (got {stdout.strip()[-200:]!r})")
 
 
-def start(transport: Transport, profile: ClusterProfile, run_dir: str) -> Board:
-    done = transport.run(start_argv(profile, run_dir), timeout=180, stdin=HELPER.read_bytes())
+def start(transport: Transport, profile: ClusterProfile, runs: Sequence[tuple[str, str]]) -> Board:
+    """Serve `runs` ((label, run dir) pairs) in one TensorBoard."""
+    done = transport.run(start_argv(profile, runs), timeout=180, stdin=HELPER.read_bytes())
     if done.returncode != 0:
         detail = (done.stderr or done.stdout).strip().splitlines()
         last = detail[-1] if detail else f"exit code {done.returncode}"

@@ -43,7 +43,7 @@ def test_tb_on_the_login_node_prints_the_tunnel_line(testbed: dict, tmp_path: Pa
         deadline = time.monotonic() + 60
         while True:
             try:  # TensorBoard loads in the background: the tag may not exist yet (HTTP 400)
-                with urllib.request.urlopen(url + "data/plugin/scalars/scalars?run=.&tag=loss", timeout=10) as r:
+                with urllib.request.urlopen(url + "data/plugin/scalars/scalars?run=900001&tag=loss", timeout=10) as r:
                     points = json.loads(r.read())
             except urllib.error.HTTPError:
                 points = []
