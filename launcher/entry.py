@@ -16,6 +16,7 @@ from launcher import installed_version
 from launcher.env import RankEnv, rank_env, setdefault_env, torchrun_vars
 from launcher.preempt import StopFlag
 from launcher.rankfail import reports_fatal_errors
+from launcher.report import expose_to_commands
 from launcher.rundir import RunDir
 from launcher.spec import RunSpec, read_run_spec
 
@@ -48,6 +49,7 @@ def run_rank(run_dir: str, replace_process: Optional[bool] = None) -> int:
     command = run_spec.job.command
     if command is not None:
         setdefault_env(run_spec.run.nccl_env, os.environ)  # the user's NCCL gets the cluster preset too
+        expose_to_commands(run_spec.run.run_dir, os.environ)  # `from launcher.report import report` works
         if replace_process is None:
             replace_process = "SUBMITIT_EXECUTOR" not in os.environ
         return run_command(command, os.environ, replace_process)

@@ -19,7 +19,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Optional, TextIO
+from typing import Any, MutableMapping, Optional, TextIO
 
 from launcher.rundir import RunDir
 from launcher.tbwriter import ScalarWriter, scalars_of
@@ -33,6 +33,25 @@ def rank_from_env(environ: Optional[dict[str, str]] = None) -> int:
     """The global rank (torchrun's RANK, else Slurm's SLURM_PROCID, else 0)."""
     env = os.environ if environ is None else environ
     return int(env.get("RANK") or env.get("SLURM_PROCID") or 0)
+
+
+def expose_to_commands(run_dir: str, environ: MutableMapping[str, str]) -> None:
+    """Let a `command:` job's own python import launcher.report, whichever python3 its PATH finds.
+
+    A folder holding only a link to this `launcher` package joins the END of PYTHONPATH: the
+    user's own entries keep precedence, and no other package of meshrun's environment leaks in.
+    Every rank rewrites the link atomically (a requeued job may run another install).
+    """
+    lib = RunDir(run_dir).pylib
+    os.makedirs(lib, mode=0o700, exist_ok=True)
+    tmp = os.path.join(lib, f".launcher.{os.getpid()}.tmp")
+    if os.path.lexists(tmp):
+        os.unlink(tmp)
+    os.symlink(os.path.dirname(os.path.abspath(__file__)), tmp, target_is_directory=True)
+    os.replace(tmp, os.path.join(lib, "launcher"))
+    paths = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if lib not in paths:
+        environ["PYTHONPATH"] = os.pathsep.join([*paths, lib])
 
 
 class Heartbeat:

@@ -20,6 +20,7 @@ usually lives on a cluster, not on the machine that names it.
       tasks/N/               a sweep task's own run dir (same layout)
       .meshrun/              scheduler internals: local state, submitit's files, the lock
         progress/rank-N.json every rank's heartbeat: {"rank", "step", "phase", "time"}
+        pylib/launcher       a link to meshrun's launcher package, on a command job's PYTHONPATH
 """
 
 from __future__ import annotations
@@ -76,6 +77,11 @@ class RunDir:
     def tensorboard(self) -> str:
         """Rank 0's TensorBoard event files (report() and the built-in trainer write them)."""
         return self.path(self.TENSORBOARD)
+
+    @property
+    def pylib(self) -> str:
+        """Holds only a link to the `launcher` package: a command job's python imports report() from it."""
+        return self.path(self.INTERNAL, "pylib")
 
     def progress(self, rank: int) -> str:
         """A rank's heartbeat, rewritten every step: {"rank", "step", "phase", "time"} (hang detection reads it)."""

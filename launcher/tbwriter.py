@@ -40,7 +40,10 @@ class ScalarWriter:
         try:
             from tensorboard.summary.writer.event_file_writer import EventFileWriter
         except ImportError as exc:
-            print(f"[meshrun] no TensorBoard event files: cannot import tensorboard ({exc})", file=sys.stderr)
+            print(
+                f"[meshrun] no TensorBoard event files: {sys.executable} cannot import tensorboard ({exc})",
+                file=sys.stderr,
+            )
             return
         self._writer = EventFileWriter(logdir, flush_secs=FLUSH_SECS)
 

@@ -5,6 +5,7 @@ its tasks (old runs without event files are converted from metrics.jsonl)."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -158,3 +159,20 @@ def test_jobs_on_two_clusters_are_refused_in_one_line(tmp_path: Path) -> None:
         "meshrun: error: JOB: '801 802': these jobs run on 2 clusters (local, testbed); one `meshrun tb` serves "
         "one cluster's runs: start one per cluster"
     ]
+
+
+def test_the_command_example_reports_through_report(tmp_path: Path) -> None:
+    """examples/command.yaml calls report() from the python3 on PATH: status, metrics.jsonl, TensorBoard, heartbeats."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    venv = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # as in an activated venv
+    out = meshrun(tmp_path, "submit", "examples/command.yaml", "-c", "local", "--wait", check=True, env=venv)
+    job_id, run_dir = submitted(out)
+    row = status(tmp_path, job_id)
+    assert row["progress"]["step"] == 3 and abs(row["progress"]["loss"] - 1 / 3) < 1e-9
+    assert [(r["step"], r["loss"]) for r in metrics(run_dir)] == [(1, 1.0), (2, 0.5), (3, 1 / 3)]
+    events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
+    assert [(e.step, round(e.value, 6)) for e in events.Scalars("loss")] == [(1, 1.0), (2, 0.5), (3, 0.333333)]
+    for rank in (0, 1):
+        beat = json.loads((run_dir / ".meshrun" / "progress" / f"rank-{rank}.json").read_text())
+        assert (beat["rank"], beat["step"], beat["phase"]) == (rank, 3, "step")

@@ -98,3 +98,58 @@ def test_mfu_is_achieved_model_flops_over_the_profiles_gpu_peak() -> None:
     assert peak_tflops("fake") is None and peak_tflops("") is None
     # 6N+12LdT FLOPs/token x tokens/s / ranks = 494.5 TFLOP/s per rank on an H200: half its peak.
     assert mfu(494.5, peak_tflops("h200") or 0) == pytest.approx(0.5)
+
+
+def _record(step: int, wait: float) -> dict[str, float]:
+    return {
+        "step": step,
+        "loss": 2.0,
+        "lr": 1e-3,
+        "grad_norm": 1.0,
+        "tokens_per_s": 1000.0,
+        "step_time_s": 0.5,
+        "data_wait_s": wait,
+        "tflops_per_rank": 494.5,
+        "time": 1.0,
+    }
+
+
+def test_metrics_log_adds_mfu_only_with_a_known_peak_and_tensorboard_gets_the_rest(tmp_path: Path) -> None:
+    from launcher.metrics import MetricsLog
+
+    with_peak, without = tmp_path / "gpu", tmp_path / "cpu"
+    for run_dir, peak in ((with_peak, peak_tflops("h200")), (without, None)):
+        log = MetricsLog(str(run_dir), enabled=True, steps=2, peak_tflops=peak)
+        log.write(_record(1, 0.05), extra={"gpu_memory/peak_allocated_gib": 3.5})
+        log.close()
+    (line,) = [json.loads(x) for x in (with_peak / "metrics.jsonl").read_text().splitlines()]
+    assert line["mfu"] == pytest.approx(0.5) and "data_wait_fraction" not in line  # jsonl keeps its keys
+    assert "mfu" not in json.loads((without / "metrics.jsonl").read_text())
+    tb = RunDir(str(with_peak)).tensorboard
+    assert _scalars(tb, "mfu") == [(1, pytest.approx(0.5))]
+    assert _scalars(tb, "data_wait_fraction") == [(1, pytest.approx(0.1))]
+    assert _scalars(tb, "gpu_memory/peak_allocated_gib") == [(1, 3.5)]
+
+
+def test_data_starvation_is_said_once_after_several_logged_steps(tmp_path: Path, capsys) -> None:
+    from launcher.metrics import MetricsLog
+
+    log = MetricsLog(str(tmp_path), enabled=True, steps=9)
+    for step, wait in enumerate([0.2, 0.2, 0.05, 0.2, 0.2], start=1):  # 40%, but never 3 in a row
+        log.write(_record(step, wait))
+    assert "starves" not in capsys.readouterr().out
+    for step in range(6, 10):
+        log.write(_record(step, 0.2))
+    log.close()
+    out = capsys.readouterr().out
+    assert out.count("data loading starves the GPUs: data wait is 40% of the step time") == 1
+
+
+def test_mfu_peak_says_why_there_is_none() -> None:
+    from launcher.gpus import mfu_peak
+
+    assert mfu_peak("h100", cuda=True) == (989.0, "")
+    assert mfu_peak("", cuda=True, device_name="NVIDIA H200") == (989.0, "")  # no type in the profile
+    assert mfu_peak("h200", cuda=False) == (None, "the ranks compute on the CPU (MFU is measured against a GPU's peak)")
+    peak, why = mfu_peak("fake", cuda=True, device_name="Mystery GPU")
+    assert peak is None and "'fake'" in why and "PEAK_BF16_TFLOPS in launcher/gpus.py" in why
