@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +26,8 @@ STOP_GRACE_S = 60
 """How long ranks may take to save and exit after a cancel or the time limit before they are killed."""
 FAILED_PEER_GRACE_S = 10
 """How long the other ranks get to exit after one rank failed, before they are killed."""
+SIDECAR_STOP_S = 5
+"""How long the sidecar gets to stop after the ranks ended, before it is killed."""
 
 
 def rank_main(run_dir: str) -> int:
@@ -122,6 +125,7 @@ class Supervisor:
         self.state_path = local_state_path(self.run_dir.root, job_id)
         self.spec = read_run_spec(run_dir)
         self.cancelled = False
+        self.sidecar: Optional[subprocess.Popen[bytes]] = None
 
     def _on_term(self, signum: int, _frame: Any) -> None:
         self.cancelled = True
@@ -156,6 +160,7 @@ class Supervisor:
         os.makedirs(self.run_dir.logs, mode=0o700, exist_ok=True)
         executor, limit_s = self._executor()
         job = executor.submit(rank_main, self.run_dir.root)
+        self.sidecar = start_sidecar(self.run_dir.root, self.spec.job.resources.gpus_per_node)
         started = time.time()
         merge_state(
             self.state_path, state="RUNNING", started=started, controller_pid=int(job.job_id), time_limit_s=limit_s
@@ -225,6 +230,7 @@ class Supervisor:
         return codes, ""
 
     def _finish(self, job: Any, started: float, stopped: Optional[str]) -> int:
+        stop_sidecar(self.sidecar)
         if not job.done():
             job.cancel(check=False)
         _signal_group(signal.SIGKILL)  # nothing of the job outlives it (a rank's orphaned children)
@@ -261,6 +267,32 @@ class Supervisor:
         )
         print(f"[meshrun] local job {self.job_id} {final} {message}".rstrip(), flush=True)
         return 0 if final == "COMPLETED" else 1
+
+
+def start_sidecar(run_dir: str, gpus_per_node: int) -> Optional[subprocess.Popen[bytes]]:
+    """The job's sidecar (launcher.sidecar: metrics, the env record), in this process group so nothing
+    outlives the job; it sees the GPUs submitit gives the ranks. It never fails the job: None if it cannot start."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(gpus_per_node)))
+    try:
+        return subprocess.Popen([sys.executable, "-m", "launcher.sidecar", run_dir], env=env, stdin=subprocess.DEVNULL)
+    except OSError as exc:
+        print(f"[meshrun] no sidecar: {exc}", flush=True)
+        return None
+
+
+def stop_sidecar(proc: Optional[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM once the ranks are done; SIGKILL if it has not stopped after SIDECAR_STOP_S."""
+    if proc is None:
+        return
+    try:
+        proc.terminate()
+        try:
+            proc.wait(timeout=SIDECAR_STOP_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=SIDECAR_STOP_S)
+    except (OSError, subprocess.TimeoutExpired):
+        pass  # the process group's SIGKILL that follows ends it
 
 
 def _read_code(path: str) -> Optional[int]:

@@ -96,6 +96,13 @@ def _rank_command(plan: Plan) -> tuple[list[str], list[str]]:
     return [], ["apptainer", "exec", *gpu, *binds, box.image, *python]
 
 
+def _sidecar_command(rank_command: list[str]) -> list[str]:
+    """The sidecar's command words: the ranks' own (python, or the container's), module launcher.sidecar."""
+    if rank_command[-1] != "launcher":
+        raise InternalError(f"rank command {rank_command!r} does not end with the launcher module")
+    return [*rank_command[:-1], "launcher.sidecar"]
+
+
 def context(plan: Plan) -> dict[str, Any]:
     spec, cluster, res = plan.spec, plan.cluster, plan.spec.resources
     srun_flags, rank_command = _rank_command(plan)
@@ -130,7 +137,8 @@ def context(plan: Plan) -> dict[str, Any]:
             (key, Verbatim(f'"${{{key}+x}}"'), value) for key, value in sorted(cluster.interconnect.nccl.items())
         ],
         "job_env": sorted(spec.env.items()),
-        "sidecar": False,  # the sidecar issue turns this on; the template block is the seam
+        "sidecar": True,  # one `python -m launcher.sidecar` per node beside the ranks (launcher/sidecar)
+        "sidecar_command": _sidecar_command(rank_command),
         "python": backend(cluster.scheduler).interpreter(cluster),
         "srun_flags": srun_flags,
         "rank_command": rank_command,

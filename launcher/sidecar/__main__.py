@@ -1,4 +1,4 @@
-"""`python -m launcher.sidecar RUN_DIR`: this node's sidecar until SIGTERM or until its parent is gone.
+"""`python -m launcher.sidecar RUN_DIR`: this node's sidecar until SIGTERM (or SIGUSR2) or until its parent is gone.
 
 It never fails the job: whatever goes wrong is one line in RUN_DIR/logs/sidecar-NODE.log and exit 0.
 """
@@ -34,7 +34,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     def on_signal(signum: int, _frame: Any) -> None:
         stop.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    # SIGUSR2 is how the batch script stops it: srun passes USR2 on to the tasks, where a TERM would
+    # make srun kill the step outright.
+    for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # meant for the ranks; never this process's death
     parent = os.getppid()

@@ -6,6 +6,7 @@ import json
 import time
 from pathlib import Path
 
+from launcher.sidecar.loop import node_name
 from tests.integration.cli import meshrun, metrics, status, submitted
 
 TINY = [
@@ -40,7 +41,13 @@ def test_submit_wait_trains_and_records(tmp_path: Path, corpus: Path) -> None:
     # The run dir holds the spec as submitted, the resolved spec, the script and per-rank logs.
     assert {"job.yaml", "spec.json", "run.sh", "logs", ".meshrun"} <= {p.name for p in run_dir.iterdir()}
     # logs/ holds what a person reads; submitit's pickles and logs live in the hidden .meshrun/.
-    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["rank-0.log", "rank-1.log", "supervisor.log"]
+    sidecar = f"sidecar-{node_name({})}.log"  # the job's sidecar (launcher/sidecar)
+    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == [
+        "rank-0.log",
+        "rank-1.log",
+        sidecar,
+        "supervisor.log",
+    ]
     assert (run_dir / ".meshrun" / "jobs" / f"{job_id}.json").is_file()
     assert json.loads((run_dir / "spec.json").read_text())["job"]["train"]["steps"] == 12
     row = status(tmp_path, job_id)
