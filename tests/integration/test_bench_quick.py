@@ -45,6 +45,10 @@ QUICK: dict[str, tuple[list[str], list[str]]] = {
         ["--quick"],
         [rf"meshrun loop : +{NUMBER} tokens/s", rf"minimal loop : +{NUMBER} tokens/s", rf"ratio +: {NUMBER}"],
     ),
+    "sidecar.py": (
+        ["--quick"],
+        [rf"ratio with/without {NUMBER} +overhead -?{NUMBER}%", rf"sidecar CPU +: +{NUMBER}% of one core"],
+    ),
     "gpu_train.py": (["--quick"], [rf"steps [0-9]+-[0-9]+: {NUMBER} ms/step, {NUMBER} tokens/s, .*MFU"]),
     "gpu_ops.py": (
         ["all", "--quick"],
