@@ -153,3 +153,18 @@ def test_mfu_peak_says_why_there_is_none() -> None:
     assert mfu_peak("h200", cuda=False) == (None, "the ranks compute on the CPU (MFU is measured against a GPU's peak)")
     peak, why = mfu_peak("fake", cuda=True, device_name="Mystery GPU")
     assert peak is None and "'fake'" in why and "PEAK_BF16_TFLOPS in launcher/gpus.py" in why
+
+
+def test_the_plan_carries_the_partitions_gpu_type_and_old_spec_files_still_load(tmp_path: Path) -> None:
+    from launcher.spec import dumps_run_spec, read_run_spec
+    from submit.cluster import load_profile
+    from submit.plan import plan_file
+
+    plan = plan_file(REPO / "examples" / "h100-8node.yaml", load_profile("h200-ndr"), home="/home/u", run_dir="/r")
+    assert plan.run_spec.run.gpu_type == "h200" and peak_tflops(plan.run_spec.run.gpu_type) == 989.0
+    local = plan_file(REPO / "examples" / "tiny.yaml", load_profile("local"), home="/home/u", run_dir="/r")
+    assert local.run_spec.run.gpu_type == ""
+    old = json.loads(dumps_run_spec(plan.run_spec))
+    del old["run"]["gpu_type"]  # a spec.json written before the field existed
+    (tmp_path / "spec.json").write_text(json.dumps(old))
+    assert read_run_spec(tmp_path).run.gpu_type == ""
