@@ -29,6 +29,8 @@ ENV_CHECK_S = 30.0
 """How often the other nodes' environment records are compared with this one's."""
 POLL_S = 1.0
 """The longest the loop sleeps between checks that its parent is still there."""
+LogFn = Callable[[str], None]
+"""Where one line goes (a Log; a list's append in tests)."""
 
 
 def node_name(environ: Mapping[str, str]) -> str:
@@ -71,7 +73,7 @@ class Periodic:
     errors: int = field(default=0)
 
 
-def run_tasks(tasks: list[Periodic], stop: threading.Event, alive: Callable[[], bool], log: Log) -> str:
+def run_tasks(tasks: list[Periodic], stop: threading.Event, alive: Callable[[], bool], log: LogFn) -> str:
     """Run the tasks until `stop` is set or `alive()` turns false; returns why it stopped."""
     while not stop.is_set():
         if not alive():
@@ -98,7 +100,7 @@ class Settings:
     node_rank: int = 0
 
 
-def read_settings(run_dir: RunDir, environ: Mapping[str, str], log: Log) -> Settings:
+def read_settings(run_dir: RunDir, environ: Mapping[str, str], log: LogFn) -> Settings:
     from launcher.spec import read_run_spec  # torch-free
 
     node_rank = int(environ.get("SLURM_NODEID", "0") or 0)
@@ -118,7 +120,7 @@ class Sidecar:
         run_dir: RunDir,
         node: str,
         environ: Mapping[str, str],
-        log: Log,
+        log: LogFn,
         open_nvml: Callable[[], Any] = load_nvml,
         host: Optional[Host] = None,
     ) -> None:

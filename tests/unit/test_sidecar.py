@@ -344,14 +344,14 @@ def test_a_failing_task_is_logged_and_the_loop_goes_on() -> None:
         if len(runs) == 3:
             stop.set()
 
-    why = loop.run_tasks([loop.Periodic("bad", 0.01, bad), loop.Periodic("good", 0.01, good)], stop, lambda: True, log)  # type: ignore[arg-type]
+    why = loop.run_tasks([loop.Periodic("bad", 0.01, bad), loop.Periodic("good", 0.01, good)], stop, lambda: True, log)
     assert why == "stop requested" and len(runs) == 3
     assert log == ["bad failed (1x so far): OSError: disk full"]
 
 
 def test_the_loop_ends_when_its_parent_is_gone() -> None:
     alive = iter([True, True, False])
-    why = loop.run_tasks([loop.Periodic("t", 0.01, lambda: None)], threading.Event(), lambda: next(alive), Lines())  # type: ignore[arg-type]
+    why = loop.run_tasks([loop.Periodic("t", 0.01, lambda: None)], threading.Event(), lambda: next(alive), Lines())
     assert why == "its parent is gone"
 
 
