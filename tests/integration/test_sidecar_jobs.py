@@ -65,6 +65,10 @@ def test_a_two_node_slurm_job_has_a_sidecar_per_node_gone_when_the_ranks_end(tes
         "--set",
         "resources.nodes=2",
         *SHORT,
+        # 4 ranks x 1 CPU fill each testbed node: the ranks' step must still start beside the sidecar's
+        # (without --overlap it would wait for the sidecar's CPU, and the sidecar waits for the ranks).
+        "--set",
+        "resources.tasks_per_node=4",
         *COMMAND,
         "--wait",
         timeout=300,
