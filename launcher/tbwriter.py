@@ -32,11 +32,11 @@ def scalars_of(record: Mapping[str, Any], skip: tuple[str, ...] = ("step", "time
 class ScalarWriter:
     """Scalars to one TensorBoard log dir; a no-op (with one line on stderr) without tensorboard installed."""
 
-    def __init__(self, logdir: str, first_step: Optional[int] = None) -> None:
+    def __init__(self, logdir: str, first_step: Optional[int] = None, session_start: bool = True) -> None:
         self._writer: Any = None
         self._first_step = first_step
         """Where this attempt starts (its resume step); None: at the first step written."""
-        self._started = False
+        self._started = not session_start  # a sample counter (the sidecar) purges nothing
         try:
             from tensorboard.summary.writer.event_file_writer import EventFileWriter
         except ImportError as exc:
@@ -63,7 +63,14 @@ class ScalarWriter:
             self._writer.add_event(event_pb2.Event(wall_time=now, step=first, session_log=start))
             self._started = True
         values = [summary_pb2.Summary.Value(tag=tag, simple_value=value) for tag, value in scalars.items()]
+        if not values:
+            return
         self._writer.add_event(event_pb2.Event(wall_time=now, step=step, summary=summary_pb2.Summary(value=values)))
+
+    @property
+    def enabled(self) -> bool:
+        """False without tensorboard installed (then every call is a no-op)."""
+        return self._writer is not None
 
     def flush(self) -> None:
         if self._writer is not None:

@@ -22,6 +22,7 @@ from launcher.rundir import RunDir
 from launcher.sidecar import envrecord
 from launcher.sidecar.host import Host
 from launcher.sidecar.nvml import Gpus, NvmlUnavailable, discover, load_nvml, resolve
+from launcher.tbwriter import scalars_of
 
 DEFAULT_INTERVAL_S = 5.0
 """Sampling interval when spec.json cannot be read (the spec's own default is the same)."""
@@ -155,13 +156,13 @@ class Sidecar:
         return Gpus(nvml, targets, self.log)
 
     def _open_tb(self) -> Any:
-        from launcher.sidecar.tb import Scalars
+        from launcher.tbwriter import ScalarWriter  # the trainer's writer: one way to write event files
 
-        try:
-            return Scalars(self.run_dir.sidecar_tensorboard(self.node))
-        except ImportError as exc:
-            self.log(f"no TensorBoard files: cannot import tensorboard ({exc}); gpu.jsonl has every sample")
+        writer = ScalarWriter(self.run_dir.sidecar_tensorboard(self.node), session_start=False)
+        if not writer.enabled:
+            self.log("no TensorBoard files: cannot import tensorboard; gpu.jsonl has every sample")
             return None
+        return writer
 
     def rank_of(self, local_rank: Optional[int]) -> Optional[int]:
         if local_rank is None:
@@ -192,7 +193,7 @@ class Sidecar:
             finally:
                 os.close(fd)
         if self.tb is not None:
-            self.tb.add(self.samples, scalars, now)
+            self.tb.add(self.samples, scalars_of(scalars, skip=()), now)
             self.tb.flush()
         self.samples += 1
 
