@@ -179,7 +179,10 @@ class Supervisor:
             if stopped is None:
                 if self._cancel_requested():
                     stopped, deadline = "CANCELLED", now + STOP_GRACE_S
-                    _signal_ranks(controller, signal.SIGTERM)  # they save a checkpoint and exit
+                    # The whole job, as scancel does: the ranks save a checkpoint and exit, and a
+                    # command's own program gets it too (submitit's workers ignore TERM, and a cancel
+                    # in the first second reached the group before the program existed).
+                    _signal_group(signal.SIGTERM)
                 elif now - started > limit_s:
                     stopped, deadline = "TIMEOUT", now + STOP_GRACE_S
                     _signal_ranks(controller, signal.SIGUSR1)
