@@ -74,3 +74,21 @@ def metrics(run_dir: Path) -> list[dict[str, Any]]:
         return []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip() and line.endswith("}")]
     return [r for r in rows if "event" not in r]  # step lines only (checkpoint events are lines of their own)
+
+
+# A tiny GPT on the local cluster: two ranks, a few seconds a step count.
+TINY = [
+    "examples/tiny.yaml",
+    "-c",
+    "local",
+    "--set",
+    "train.model.n_layers=2",
+    "--set",
+    "train.model.d_model=64",
+    "--set",
+    "train.model.seq_len=64",
+    "--set",
+    "train.eval_every=0",
+    "--set",
+    "train.log_every=1",
+]

@@ -8,23 +8,7 @@ import time
 from pathlib import Path
 
 from launcher.sidecar.loop import node_name
-from tests.integration.cli import meshrun, metrics, status, submitted
-
-TINY = [
-    "examples/tiny.yaml",
-    "-c",
-    "local",
-    "--set",
-    "train.model.n_layers=2",
-    "--set",
-    "train.model.d_model=64",
-    "--set",
-    "train.model.seq_len=64",
-    "--set",
-    "train.eval_every=0",
-    "--set",
-    "train.log_every=1",
-]
+from tests.integration.cli import TINY, meshrun, metrics, status, submitted
 
 
 def _tiny(corpus: Path, *extra: str) -> list[str]:

@@ -20,24 +20,9 @@ from typing import Any, Callable
 from submit.registry import JobRecord, Registry
 from tests.integration import sshbed
 from tests.integration.cli import REPO, env_for, meshrun, metrics, status, submitted
+from tests.integration.cli import TINY as CLI_TINY
 
-TINY = [
-    "examples/tiny.yaml",
-    "-c",
-    "local",
-    "--set",
-    "train.model.n_layers=2",
-    "--set",
-    "train.model.d_model=64",
-    "--set",
-    "train.model.seq_len=64",
-    "--set",
-    "train.eval_every=0",
-    "--set",
-    "train.log_every=1",
-    "--set",
-    "train.steps=4",
-]
+TINY = [*CLI_TINY, "--set", "train.steps=4"]
 WANTED = {"loss", "grad_norm", "tokens_per_s", "data_wait_fraction", "step_time_s", "lr"}
 
 

@@ -9,25 +9,8 @@ from submit.cli import progress_line
 from submit.cli_jobs import status_table
 from submit.cluster import load_profile
 from submit.plan import run_dir_for
-from submit.status import Status
 from submit.textwidth import display_width
-
-
-def _status(**kw: object) -> Status:
-    base = dict(
-        job_id="1",
-        cluster="local",
-        name="n",
-        state="RUNNING",
-        run_dir="/r",
-        submitted_at=0.0,
-        done=False,
-        succeeded=False,
-        elapsed_s=75,
-        time_limit_s=600,
-        progress={"step": 5, "loss": 2.0},
-    )
-    return Status(**{**base, **kw})  # type: ignore[arg-type]
+from tests.unit.test_local_and_wait import _status
 
 
 def test_status_columns_line_up_with_wide_and_emoji_names() -> None:
