@@ -76,7 +76,7 @@ def metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [r for r in rows if "event" not in r]  # step lines only (checkpoint events are lines of their own)
 
 
-# A tiny GPT on the local cluster: two ranks, a few seconds a step count.
+# A tiny GPT on the local cluster (two ranks): the spec the local integration tests train.
 TINY = [
     "examples/tiny.yaml",
     "-c",
