@@ -17,7 +17,7 @@ from launcher.env import RankEnv, rank_env, setdefault_env, torchrun_vars
 from launcher.preempt import StopFlag
 from launcher.rankfail import reports_fatal_errors
 from launcher.report import expose_to_commands
-from launcher.rundir import RunDir
+from launcher.rundir import NODE_DIR_ENV, NodeDir, RunDir, expand_node_path, node_name
 from launcher.spec import RunSpec, read_run_spec
 
 
@@ -30,6 +30,27 @@ def prepare_env(run_spec: RunSpec, environ: MutableMapping[str, str]) -> None:
     # As torchrun does: one rank's math threads = its CPUs (torch's default, one per core of the
     # machine, makes co-located ranks spin in each other's OpenMP barriers). Set before torch loads.
     setdefault_env({"OMP_NUM_THREADS": str(run_spec.job.resources.cpus_per_task)}, environ)
+    node = node_dir_for(run_spec, environ)
+    environ[NODE_DIR_ENV] = node.root  # the heartbeat and the stack dump go here (the sidecar reads them)
+    setdefault_env(flight_recorder_env(node), environ)
+
+
+def node_dir_for(run_spec: RunSpec, environ: Mapping[str, str]) -> NodeDir:
+    """This node's NodeDir for the run (the sidecar computes the same from the same spec)."""
+    scratch = expand_node_path(run_spec.run.scratch_dir)
+    return RunDir(run_spec.run.run_dir).node_dir(scratch, node_name(environ))
+
+
+def flight_recorder_env(node: NodeDir) -> dict[str, str]:
+    """PyTorch's NCCL flight recorder on, dumping into the node dir when the sidecar writes to a rank's
+    pipe (a hang's diagnosis) or when a collective times out. Ignored by gloo (CPU) ranks."""
+    os.makedirs(os.path.dirname(node.nccl_prefix), mode=0o700, exist_ok=True)
+    return {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": node.nccl_prefix,
+        "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": node.nccl_pipe_prefix,
+    }
 
 
 @reports_fatal_errors  # bad input: one line, rank-error.txt, exit 2 (also under submitit)

@@ -5,23 +5,26 @@
 
 Under meshrun ($MESHRUN_RUN_DIR set by the job script) rank 0 appends {"step", ...scalars,
 "time"} to RUN_DIR/metrics.jsonl (what `meshrun status` and the logs read) and writes the
-same scalars to RUN_DIR/tensorboard/; every rank stamps its heartbeat
-RUN_DIR/.meshrun/progress/rank-N.json = {"rank", "step", "phase", "time"} (what hang detection
-reads). The built-in trainer stamps the same heartbeat through `Heartbeat`. Outside meshrun
+same scalars to RUN_DIR/tensorboard/; every rank stamps its heartbeat in its node's
+NodeDir (progress/rank-N.json = {"rank", "step", "phase", "time", "pid", ...}: what hang detection
+reads) and arms a stack dump on SIGUSR2 for the sidecar's diagnosis. The built-in trainer stamps the same heartbeat through `Heartbeat`. Outside meshrun
 report() does nothing and says so once.
 """
 
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Any, MutableMapping, Optional, TextIO
 
-from launcher.rundir import RunDir
+from launcher.rundir import NODE_DIR_ENV, NodeDir, RunDir, node_name
 from launcher.tbwriter import ScalarWriter, scalars_of
 
 RUN_DIR_ENV = "MESHRUN_RUN_DIR"
@@ -54,19 +57,54 @@ def expose_to_commands(run_dir: str, environ: MutableMapping[str, str]) -> None:
         environ["PYTHONPATH"] = os.pathsep.join([*paths, lib])
 
 
+def node_dir_from_env(run_dir: str) -> NodeDir:
+    """This node's NodeDir: $MESHRUN_NODE_DIR (every rank of a meshrun job has it), else the run dir's."""
+    given = os.environ.get(NODE_DIR_ENV, "")
+    return NodeDir(given) if given else RunDir(run_dir).node_dir("", node_name(os.environ))
+
+
+STACK_SIGNAL = signal.SIGUSR2
+"""On this signal a rank writes every thread's Python stack to its NodeDir.stack file (faulthandler, in C:
+it works while the rank is stuck in a collective). The sidecar sends it only to a pid whose heartbeat
+names it, so a program that never registered the handler is never signalled."""
+
+
 class Heartbeat:
-    """One rank's progress file, replaced atomically (a reader never sees half a file)."""
+    """One rank's progress file, replaced atomically (a reader never sees half a file).
+
+    It also arms the stack dump: faulthandler writes to the open stack file on STACK_SIGNAL.
+    """
 
     def __init__(self, run_dir: str, rank: int) -> None:
         self.rank = rank
-        self.path = RunDir(run_dir).progress(rank)
+        node = node_dir_from_env(run_dir)
+        self.path = node.progress(rank)
         self._tmp = f"{self.path}.{os.getpid()}.tmp"
         os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+        self.stack_signal = self._arm_stack_dump(node.stack(rank))
 
-    def stamp(self, step: int, phase: str = "step") -> None:
+    def _arm_stack_dump(self, path: str) -> Optional[int]:
+        if threading.current_thread() is not threading.main_thread():
+            return None  # faulthandler.register is process-wide but must be called where signals are allowed
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            self._stack_file = os.fdopen(fd, "w", encoding="utf-8")  # kept open: the C handler writes to its fd
+            faulthandler.register(STACK_SIGNAL, file=self._stack_file, all_threads=True, chain=False)
+        except (OSError, RuntimeError, ValueError):
+            return None
+        return int(STACK_SIGNAL)
+
+    def stamp(self, step: int, phase: str = "step", busy_s: Optional[float] = None) -> None:
+        """Record that this rank reached `step` in `phase`; `busy_s`: its own work time in the last step
+        (what straggler detection compares; synchronous training makes every rank's wall time the same)."""
         if phase not in PHASES:
             raise ValueError(f"phase {phase!r}: use one of {', '.join(PHASES)}")
-        beat = {"rank": self.rank, "step": int(step), "phase": phase, "time": time.time()}
+        beat: dict[str, Any] = {"rank": self.rank, "step": int(step), "phase": phase, "time": time.time()}
+        beat["pid"] = os.getpid()
+        if self.stack_signal is not None:
+            beat["stack_signal"] = self.stack_signal
+        if busy_s is not None:
+            beat["busy_s"] = round(float(busy_s), 6)
         fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(json.dumps(beat))

@@ -17,10 +17,17 @@ usually lives on a cluster, not on the machine that names it.
       rank-error.txt         the first rank's one-line fatal error, if any
       logs/                  what a person reads: the batch log, rank-N.log and sidecar-NODE.log
       checkpoints/           unless the cluster has a checkpoint root
+      diagnosis/             a hang's diagnosis: verdict.txt/.json, NODE/ (stacks, heartbeats, GPUs)
+      stragglers.json        the sidecars: ranks persistently slower than the median (absent: none)
       tasks/N/               a sweep task's own run dir (same layout)
       .meshrun/              scheduler internals: local state, submitit's files, the lock
         progress/rank-N.json every rank's heartbeat: {"rank", "step", "phase", "time"}
         pylib/launcher       a link to meshrun's launcher package, on a command job's PYTHONPATH
+        nodes/NODE/          a node's own files when the cluster has no node-local scratch (see NodeDir)
+        steptimes/NODE.json  each node's sidecar: its ranks' recent step and busy times (straggler input)
+
+A node's own files live in its NodeDir: on node-local scratch (`paths.scratch` in the cluster
+profile) when there is one, else under RUN_DIR/.meshrun/nodes/NODE/.
 """
 
 from __future__ import annotations
@@ -28,11 +35,15 @@ from __future__ import annotations
 import json
 import os
 import posixpath
+import re
+import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 JOB_ID_ENV = "MESHRUN_JOB_ID"
 """Set by the local backend for its supervisor: which job id's state file it writes."""
+NODE_DIR_ENV = "MESHRUN_NODE_DIR"
+"""Set for every rank (launcher.entry): this node's NodeDir, where its heartbeat and stack dump go."""
 ATTEMPTS_FILE = "resume-attempts.json"
 """The crash-loop guard's counts, beside the checkpoints (in the checkpoint dir, not the run dir)."""
 
@@ -54,6 +65,8 @@ class RunDir:
     RANK_ERROR = "rank-error.txt"
     LOGS = "logs"
     CHECKPOINTS = "checkpoints"
+    DIAGNOSIS = "diagnosis"
+    STRAGGLERS = "stragglers.json"
     TASKS = "tasks"
     INTERNAL = ".meshrun"
     SCRIPTS = {"slurm": "job.sbatch", "local": "run.sh"}
@@ -83,9 +96,39 @@ class RunDir:
         """Holds only a link to the `launcher` package: a command job's python imports report() from it."""
         return self.path(self.INTERNAL, "pylib")
 
-    def progress(self, rank: int) -> str:
-        """A rank's heartbeat, rewritten every step: {"rank", "step", "phase", "time"} (hang detection reads it)."""
-        return self.path(self.INTERNAL, "progress", f"rank-{rank}.json")
+    def node_dir(self, scratch_dir: str, node: str) -> NodeDir:
+        """A node's own files: on its node-local scratch when the cluster has one, else in the run dir."""
+        if scratch_dir:
+            return NodeDir(posixpath.join(scratch_dir, node))
+        return NodeDir(self.path(self.INTERNAL, "nodes", node))
+
+    @property
+    def diagnosis(self) -> str:
+        """A hang's diagnosis, collected before anything is killed (see launcher/sidecar)."""
+        return self.path(self.DIAGNOSIS)
+
+    @property
+    def verdict(self) -> str:
+        """The hang's one-paragraph verdict (what `meshrun status` shows)."""
+        return self.path(self.DIAGNOSIS, "verdict.txt")
+
+    @property
+    def verdict_json(self) -> str:
+        """The verdict as data: {"time", "step", "phase", "verdict", "ranks": [{"rank", "node", "step", "phase", "where"}]}."""
+        return self.path(self.DIAGNOSIS, "verdict.json")
+
+    def node_diagnosis(self, node: str) -> str:
+        """One node's part of the diagnosis: rank-N.stack.txt, heartbeats.json, gpus.json, nccl-trace-rank-N."""
+        return self.path(self.DIAGNOSIS, node)
+
+    @property
+    def stragglers(self) -> str:
+        """{"time", "factor", "median_s", "stragglers": [{"rank", "node", "busy_s", "ratio"}]} (node rank 0's sidecar)."""
+        return self.path(self.STRAGGLERS)
+
+    def step_times(self, node: str) -> str:
+        """A node's ranks' recent step times, shared so that one sidecar can compare all nodes."""
+        return self.path(self.INTERNAL, "steptimes", f"{node}.json")
 
     @property
     def gpu_metrics(self) -> str:
@@ -151,6 +194,53 @@ class RunDir:
     def task(self, index: int) -> RunDir:
         """A sweep task's own run dir."""
         return RunDir(self.path(self.TASKS, str(index)))
+
+
+@dataclass(frozen=True)
+class NodeDir:
+    """One node's own files for one run: heartbeats, stack dumps and (with scratch) staged checkpoints.
+
+    On node-local scratch the heartbeat every rank rewrites every step costs shared storage nothing.
+    """
+
+    root: str
+
+    def path(self, *parts: str) -> str:
+        return posixpath.join(self.root, *parts)
+
+    def progress(self, rank: int) -> str:
+        """A rank's heartbeat, rewritten every step: {"rank", "step", "phase", "time", "pid", ...}."""
+        return self.path("progress", f"rank-{rank}.json")
+
+    def stack(self, rank: int) -> str:
+        """Where a rank's faulthandler writes every thread's Python stack when the sidecar asks (a signal)."""
+        return self.path("progress", f"rank-{rank}.stack")
+
+    @property
+    def staging(self) -> str:
+        """Checkpoints saved here first when the cluster has scratch; the sidecar copies them to shared storage."""
+        return self.path("checkpoints")
+
+    @property
+    def nccl_prefix(self) -> str:
+        """PyTorch's NCCL flight recorder: dumps go to PREFIX<rank> (TORCH_NCCL_DEBUG_INFO_TEMP_FILE)."""
+        return self.path("nccl", "trace-rank-")
+
+    @property
+    def nccl_pipe_prefix(self) -> str:
+        """Writing to PIPE<rank>.pipe asks a rank for a flight-recorder dump (TORCH_NCCL_DEBUG_INFO_PIPE_FILE)."""
+        return self.path("nccl", "pipe-rank-")
+
+
+def expand_node_path(path: str) -> str:
+    """A node-local path from the profile as this node sees it (`~`, $USER and other variables expanded here)."""
+    return os.path.expanduser(os.path.expandvars(path)) if path else path
+
+
+def node_name(environ: Mapping[str, str]) -> str:
+    """Slurm's name of this node (two nodes may share a hostname), else the short hostname; file-name safe."""
+    name = environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0] or "node"
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
 
 
 def local_state_path(run_dir: str, job_id: str) -> str:

@@ -153,10 +153,48 @@ class Sidecar:
 
     interval_s: float = 5.0
     """Seconds between samples (gpu.jsonl, TensorBoard); 0.1-3600. Shorter costs the ranks more CPU."""
+    final_copy_s: float = 300.0
+    """When the ranks end, how long the sidecar may still copy checkpoints staged on scratch to shared storage."""
 
     def __post_init__(self) -> None:
         if not 0.1 <= self.interval_s <= 3600:
             raise SchemaError("sidecar.interval_s", self.interval_s, "give 0.1 to 3600 seconds (default 5)")
+        if not 0 <= self.final_copy_s <= 86400:
+            raise SchemaError("sidecar.final_copy_s", self.final_copy_s, "give 0 to 86400 seconds (default 300)")
+
+
+@dataclass(frozen=True)
+class Watchdog:
+    """Hang and straggler detection by each node's sidecar, from the ranks' heartbeats (see README, Hangs)."""
+
+    enabled: bool = True
+    """Declare a hang (diagnose, then end the job with exit 76 for a requeue) when no rank progresses in time."""
+    step_factor: float = 5.0
+    """A step hangs after step_factor x the median recent step time + step_floor_s (at least 2x the slowest)."""
+    step_floor_s: float = 60.0
+    """Added to every step timeout: a pause in the first steps or a slow logging step is not a hang."""
+    setup_timeout_s: float = 1200.0
+    """Start-up (process group, model build, resume) may take this long before the first step."""
+    eval_timeout_s: float = 1200.0
+    """One validation pass may take this long."""
+    checkpoint_timeout_s: float = 1200.0
+    """One checkpoint save may take this long."""
+    straggler_factor: float = 1.5
+    """A rank whose recent busy time per step exceeds this multiple of all ranks' median is named a straggler."""
+    diagnosis_wait_s: float = 30.0
+    """How long the node that found the hang waits for every node's part of the diagnosis before the verdict."""
+
+    def __post_init__(self) -> None:
+        for key in ("step_floor_s", "setup_timeout_s", "eval_timeout_s", "checkpoint_timeout_s", "diagnosis_wait_s"):
+            value = getattr(self, key)
+            if not 1 <= value <= 7 * 86400:
+                raise SchemaError(f"watchdog.{key}", value, "give 1 to 604800 seconds")
+        if not 1 <= self.step_factor <= 1000:
+            raise SchemaError("watchdog.step_factor", self.step_factor, "give a multiple of 1 to 1000 (default 5)")
+        if not 1 < self.straggler_factor <= 100:
+            raise SchemaError(
+                "watchdog.straggler_factor", self.straggler_factor, "give a factor above 1, at most 100 (default 1.5)"
+            )
 
 
 @dataclass(frozen=True)
@@ -180,7 +218,9 @@ class JobSpec:
     code: Code = field(default_factory=Code)
     """Which project files are shipped to the cluster with the job."""
     sidecar: Sidecar = field(default_factory=Sidecar)
-    """The per-node sidecar's settings (sampling interval)."""
+    """The per-node sidecar's settings (sampling interval, the final checkpoint copy)."""
+    watchdog: Watchdog = field(default_factory=Watchdog)
+    """Hang and straggler detection (the sidecar, from the ranks' heartbeats)."""
 
     def __post_init__(self) -> None:
         if not self.name.strip() or len(self.name) > 128:
@@ -227,6 +267,9 @@ class RunInfo:
     meshrun_version: str = ""
     """The meshrun that planned and rendered the job; a rank running another one says so in its log
     ("" in a spec.json written before meshrun recorded it)."""
+    scratch_dir: str = ""
+    """This run's folder on each node's local scratch (the profile's paths.scratch); "" when the cluster has
+    none. Each node uses SCRATCH_DIR/NODE (launcher.rundir.RunDir.node_dir): checkpoints are staged there."""
     gpu_type: str = ""
     """The partition's GPU type from the cluster profile (h100, h200, ...): MFU is measured against its
     peak (launcher.gpus); "" when the profile names none (then the device's own name is looked up)."""

@@ -353,12 +353,16 @@ def make_plan(
     run_dir = run_dir or run_dir_for(spec, cluster, home)
     ckpt_root = cluster.paths.checkpoint_root and expand_home(cluster.paths.checkpoint_root, home)
     ckpt_dir = f"{ckpt_root.rstrip('/')}/{Path(run_dir).name}" if ckpt_root else f"{run_dir}/checkpoints"
+    # Node-local: `~` and $VARS in it are the node's own, expanded there (launcher.rundir.expand_node_path).
+    scratch = cluster.paths.scratch
+    scratch_dir = f"{scratch.rstrip('/') or '/'}/meshrun/{Path(run_dir).name}" if scratch else ""
     info = RunInfo(
         cluster=cluster.name,
         scheduler=cluster.scheduler,
         run_dir=run_dir,
         nccl_env=dict(cluster.interconnect.nccl),
         checkpoint_dir=ckpt_dir,
+        scratch_dir=scratch_dir,
         time_limit_s=parse_time(spec.resources.time),
         meshrun_version=__version__,
         gpu_type=(part.gpu_type or "") if part else "",

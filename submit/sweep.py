@@ -90,7 +90,12 @@ def _task(
         label = " ".join(_sets(combo))
         raise InputError(f"--sweep {label}: {exc.key}", exc.value, exc.fix) from None
     # Checkpoints of the tasks must not share a folder (the planner would name it after "N").
-    info = dataclasses.replace(plan.run_spec.run, checkpoint_dir=f"{base.run_spec.run.checkpoint_dir}/task-{index}")
+    base_run = base.run_spec.run
+    info = dataclasses.replace(
+        plan.run_spec.run,
+        checkpoint_dir=f"{base_run.checkpoint_dir}/task-{index}",
+        scratch_dir=f"{base_run.scratch_dir}/task-{index}" if base_run.scratch_dir else "",
+    )
     return Task(
         index=index,
         overrides=combo,

@@ -24,7 +24,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if len(argv) != 1 or argv[0].startswith("-"):
         print(USAGE, file=sys.stderr)
         return EXIT_INPUT
-    from launcher.sidecar.loop import Log, Sidecar, node_name, run_tasks
+    from launcher.rundir import node_name
+    from launcher.sidecar.loop import Log, Sidecar, run_tasks
 
     run_dir = RunDir(os.path.abspath(argv[0]))
     node = node_name(os.environ)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import socket
 import sys
 import threading
 import time
@@ -32,12 +30,6 @@ POLL_S = 1.0
 """The longest the loop sleeps between checks that its parent is still there."""
 LogFn = Callable[[str], None]
 """Where one line goes (a Log; a list's append in tests)."""
-
-
-def node_name(environ: Mapping[str, str]) -> str:
-    """Slurm's name of this node (two nodes may share a hostname), else the short hostname; file-name safe."""
-    name = environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0] or "node"
-    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
 
 
 class Log:

@@ -8,8 +8,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from launcher.rundir import RunDir
-from launcher.sidecar.loop import node_name
+from launcher.rundir import RunDir, node_name
 from tests.integration.cli import meshrun, submitted
 
 SHORT = ["--set", "sidecar.interval_s=0.3", "--set", "resources.tasks_per_node=1"]

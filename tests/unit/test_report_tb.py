@@ -12,7 +12,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from launcher.gpus import mfu, peak_tflops
-from launcher.rundir import RunDir
+from launcher.rundir import NodeDir, RunDir, node_name
 from launcher.tbwriter import ScalarWriter
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,6 +38,11 @@ def _run(code: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
+def _node(run: RunDir) -> NodeDir:
+    """Where report() stamps without $MESHRUN_NODE_DIR: the run dir's own folder for this node."""
+    return run.node_dir("", node_name(os.environ))
+
+
 def test_report_on_rank_0_writes_metrics_tensorboard_and_heartbeat(tmp_path: Path) -> None:
     run = RunDir(str(tmp_path / "run"))
     _run(
@@ -50,8 +55,8 @@ def test_report_on_rank_0_writes_metrics_tensorboard_and_heartbeat(tmp_path: Pat
     assert lines[1]["bad"] is None and isinstance(lines[0]["time"], float)  # strict JSON, no NaN
     assert _scalars(run.tensorboard, "loss") == [(1, 4.0), (2, 3.5)]
     assert "bad" not in EventAccumulator(run.tensorboard).Reload().Tags()["scalars"]
-    beat = json.loads(Path(run.progress(0)).read_text())
-    assert set(beat) == {"rank", "step", "phase", "time"}
+    beat = json.loads(Path(_node(run).progress(0)).read_text())
+    assert set(beat) == {"rank", "step", "phase", "time", "pid", "stack_signal"}
     assert (beat["rank"], beat["step"], beat["phase"]) == (0, 3, "eval")
     assert os.stat(run.metrics).st_mode & 0o777 == 0o600
 
@@ -59,7 +64,7 @@ def test_report_on_rank_0_writes_metrics_tensorboard_and_heartbeat(tmp_path: Pat
 def test_report_on_other_ranks_stamps_only_the_heartbeat(tmp_path: Path) -> None:
     run = RunDir(str(tmp_path / "run"))
     _run("report(7, loss=1.0)", MESHRUN_RUN_DIR=run.root, RANK="3")
-    assert json.loads(Path(run.progress(3)).read_text())["step"] == 7
+    assert json.loads(Path(_node(run).progress(3)).read_text())["step"] == 7
     assert not os.path.exists(run.metrics) and not os.path.exists(run.tensorboard)
 
 

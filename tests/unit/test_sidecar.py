@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from launcher.rundir import RunDir
+from launcher.rundir import RunDir, node_name
 from launcher.schema import SchemaError, load
 from launcher.sidecar import env_mismatches, loop, nvml
 from launcher.sidecar.host import Host
@@ -195,7 +195,7 @@ def test_sidecar_with_nvml_writes_gpu_lines_by_uuid_env_record_and_tensorboard(
         "SLURM_JOB_ID": "7",
     }
     log = loop.Log(run_dir.sidecar_log("n2"), "n2")
-    sidecar = loop.Sidecar(run_dir, loop.node_name(environ), environ, log)
+    sidecar = loop.Sidecar(run_dir, node_name(environ), environ, log)
     sidecar.sample()
     sidecar.close()
     lines = gpu_lines(run_dir)
