@@ -232,6 +232,16 @@ class NodeDir:
         return self.path("nccl", "pipe-rank-")
 
 
+def attempt_id(environ: Mapping[str, str]) -> str:
+    """This start of the job: Slurm's job id and restart count (a requeue is a new attempt), or the local job id.
+
+    Files one attempt leaves on a node (heartbeats, staged checkpoints, a hang claim) name it, so the
+    next attempt never mistakes them for its own.
+    """
+    job = environ.get("SLURM_JOB_ID") or environ.get(JOB_ID_ENV) or "nojob"
+    return f"{job}.{environ.get('SLURM_RESTART_COUNT') or 0}"
+
+
 def expand_node_path(path: str) -> str:
     """A node-local path from the profile as this node sees it (`~`, $USER and other variables expanded here)."""
     return os.path.expanduser(os.path.expandvars(path)) if path else path
