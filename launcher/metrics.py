@@ -71,10 +71,11 @@ class MetricsLog:
             self.file = os.fdopen(fd, "a", encoding="utf-8")
             self.board = ScalarWriter(RunDir(run_dir).tensorboard)
 
-    def stamp(self, step: int, phase: str) -> None:
-        """This rank's heartbeat (every rank, every step): what it does now, for hang detection."""
+    def stamp(self, step: int, phase: str, busy_s: Optional[float] = None) -> None:
+        """This rank's heartbeat (every rank, every step): what it does now, for hang detection;
+        `busy_s`, its own work in the step before, for straggler detection."""
         if self.beat is not None:
-            self.beat.stamp(step, phase)
+            self.beat.stamp(step, phase, busy_s)
 
     def resume_at(self, step: int) -> None:
         """This attempt's first step: TensorBoard drops what an earlier attempt logged from there on."""

@@ -32,6 +32,7 @@ profile) when there is one, else under RUN_DIR/.meshrun/nodes/NODE/.
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import posixpath
@@ -244,7 +245,11 @@ def attempt_id(environ: Mapping[str, str]) -> str:
 
 def expand_node_path(path: str) -> str:
     """A node-local path from the profile as this node sees it (`~`, $USER and other variables expanded here)."""
-    return os.path.expanduser(os.path.expandvars(path)) if path else path
+    if not path:
+        return path
+    user = os.environ.get("USER") or getpass.getuser()  # a batch job or container may not export USER
+    path = path.replace("${USER}", user).replace("$USER", user)
+    return os.path.expanduser(os.path.expandvars(path))
 
 
 def node_name(environ: Mapping[str, str]) -> str:

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from launcher.exitcodes import EXIT_FAILED, EXIT_INPUT, EXIT_REQUEUE
+from launcher.exitcodes import EXIT_FAILED, EXIT_INPUT, EXIT_NO_PROGRESS, EXIT_REQUEUE
 from launcher.rundir import JOB_ID_ENV, RunDir, local_state_path, merge_state, read_state
 
 STOP_GRACE_S = 60
@@ -126,6 +126,7 @@ class Supervisor:
         self.spec = read_run_spec(run_dir)
         self.cancelled = False
         self.sidecar: Optional[subprocess.Popen[bytes]] = None
+        self.sidecar_stop_s = self.spec.job.sidecar.final_copy_s + SIDECAR_STOP_S
 
     def _on_term(self, signum: int, _frame: Any) -> None:
         self.cancelled = True
@@ -233,7 +234,7 @@ class Supervisor:
         return codes, ""
 
     def _finish(self, job: Any, started: float, stopped: Optional[str]) -> int:
-        stop_sidecar(self.sidecar)
+        stop_sidecar(self.sidecar, self.sidecar_stop_s)
         if not job.done():
             job.cancel(check=False)
         _signal_group(signal.SIGKILL)  # nothing of the job outlives it (a rank's orphaned children)
@@ -250,6 +251,9 @@ class Supervisor:
             final, message = "PREEMPTED", "checkpoint saved: `meshrun resume` continues it"
         elif codes is not None and not any(codes) and stopped is None:
             final, message = "COMPLETED", ""
+        elif agreed == EXIT_NO_PROGRESS:
+            final = "FAILED"  # the sidecar found a hang, diagnosed it and ended the ranks
+            message = f"no progress (exit {EXIT_NO_PROGRESS}): {_first_sentence(self.run_dir.verdict)}"
         else:
             final = "FAILED"
             message = rank_error or (f"rank exit codes {codes}" if codes else message)
@@ -283,14 +287,15 @@ def start_sidecar(run_dir: str, gpus_per_node: int) -> Optional[subprocess.Popen
         return None
 
 
-def stop_sidecar(proc: Optional[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM once the ranks are done; SIGKILL if it has not stopped after SIDECAR_STOP_S."""
+def stop_sidecar(proc: Optional[subprocess.Popen[bytes]], timeout_s: float = SIDECAR_STOP_S) -> None:
+    """SIGTERM once the ranks are done (it first copies checkpoints staged on scratch, within
+    sidecar.final_copy_s); SIGKILL if it has not stopped after `timeout_s`."""
     if proc is None:
         return
     try:
         proc.terminate()
         try:
-            proc.wait(timeout=SIDECAR_STOP_S)
+            proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=SIDECAR_STOP_S)
@@ -310,6 +315,13 @@ def _first_line(path: str) -> str:
         return Path(path).read_text(errors="replace").strip().splitlines()[0][:500]
     except (OSError, IndexError):
         return ""
+
+
+def _first_sentence(path: str) -> str:
+    """The verdict's first sentence (where and when the hang was found); `meshrun status JOB` shows all."""
+    text = _first_line(path)
+    head, dot, _ = text.partition(". ")
+    return (head + dot).strip() or "a hang (see `meshrun status JOB`)"
 
 
 def _job_exit_code(codes: Optional[list[int]], final: str) -> int:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from launcher import resume, trainstate
+from launcher.busy import BusyClock
 from launcher.checkpoint import Checkpointer
 from launcher.checkpoint import step_dir as ckpt_step_dir
 from launcher.data import (
@@ -33,6 +34,7 @@ from launcher.data import (
     val_steps,
 )
 from launcher.env import RankEnv, setdefault_env
+from launcher.faults import faults_for
 from launcher.gpus import mfu_peak
 from launcher.metrics import MetricsLog, perplexity
 from launcher.model import GPT, ModelPart, param_count
@@ -262,13 +264,13 @@ def train(run_spec: RunSpec, env: RankEnv, flag: Optional[StopFlag] = None) -> i
     torch.manual_seed(job.trainer.seed)
     own_flag = flag is None
     flag = StopFlag().install() if flag is None else flag
-    init_distributed(env, runtime)
     peak, no_mfu = mfu_peak(run_spec.run.gpu_type, runtime.cuda, device_name(runtime))
     metrics = MetricsLog(
         run_spec.run.run_dir, enabled=env.rank == 0, steps=job.trainer.steps, peak_tflops=peak, rank=env.rank
     )
-    metrics.stamp(0, "setup")
+    metrics.stamp(0, "setup")  # before the rendezvous: a hang there is a hang in setup
     try:
+        init_distributed(env, runtime)
         trainer = build_trainer(job, env, runtime, dataset)
         saver = make_checkpointer(run_spec, env, metrics)
         first = start_step(trainer, saver, run_spec, env)
@@ -285,7 +287,8 @@ def train(run_spec: RunSpec, env: RankEnv, flag: Optional[StopFlag] = None) -> i
         if own_flag:
             flag.uninstall()
         metrics.close()
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def device_name(runtime: Runtime) -> str:
@@ -372,12 +375,17 @@ def run_loop(
     every = run_spec.job.checkpoint.every if run_spec else 0
     prefetch = Prefetcher(t.stream, pin_memory=t.runtime.cuda)
     clock = _Clock(first - 1)
+    busy = BusyClock(t.runtime.cuda)
+    faults = faults_for(env.rank, env.restart_count)
     try:
         for step in range(first, last + 1):
-            metrics.stamp(step, "step")
+            metrics.stamp(step, "step", busy.last)
+            busy.start()
+            faults.at_step(step)
             micro_batches, wait = prefetch.next_step()
             clock.waited += wait
             result = train_step(t, step, micro_batches)
+            busy.stop()
             validate = eval_due(cfg, step, last)
             if step % cfg.log_every == 0 or step == last or validate:
                 log_step(

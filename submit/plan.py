@@ -353,9 +353,10 @@ def make_plan(
     run_dir = run_dir or run_dir_for(spec, cluster, home)
     ckpt_root = cluster.paths.checkpoint_root and expand_home(cluster.paths.checkpoint_root, home)
     ckpt_dir = f"{ckpt_root.rstrip('/')}/{Path(run_dir).name}" if ckpt_root else f"{run_dir}/checkpoints"
-    # Node-local: `~` and $VARS in it are the node's own, expanded there (launcher.rundir.expand_node_path).
+    # Node-local, and often shared by every user of the node: one private folder per user ($USER, like
+    # `~`, is expanded on the node itself: launcher.rundir.expand_node_path), one per run inside it.
     scratch = cluster.paths.scratch
-    scratch_dir = f"{scratch.rstrip('/') or '/'}/meshrun/{Path(run_dir).name}" if scratch else ""
+    scratch_dir = f"{scratch.rstrip('/')}/meshrun-$USER/{Path(run_dir).name}" if scratch else ""
     info = RunInfo(
         cluster=cluster.name,
         scheduler=cluster.scheduler,

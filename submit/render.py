@@ -8,6 +8,7 @@ through as written.
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 from functools import lru_cache
@@ -96,6 +97,10 @@ def _rank_command(plan: Plan) -> tuple[list[str], list[str]]:
     return [], ["apptainer", "exec", *gpu, *binds, box.image, *python]
 
 
+SIDECAR_STOP_MARGIN_S = 5
+"""Beyond sidecar.final_copy_s, how long the batch script waits for the sidecar to stop by itself."""
+
+
 def _sidecar_command(rank_command: list[str]) -> list[str]:
     """The sidecar's command words: the ranks' own (python, or the container's), module launcher.sidecar."""
     if rank_command[-1] != "launcher":
@@ -139,6 +144,7 @@ def context(plan: Plan) -> dict[str, Any]:
         "job_env": sorted(spec.env.items()),
         "sidecar": True,  # one `python -m launcher.sidecar` per node beside the ranks (launcher/sidecar)
         "sidecar_command": _sidecar_command(rank_command),
+        "sidecar_stop_s": math.ceil(spec.sidecar.final_copy_s) + SIDECAR_STOP_MARGIN_S,
         "python": backend(cluster.scheduler).interpreter(cluster),
         "srun_flags": srun_flags,
         "rank_command": rank_command,
