@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--rank", default="0", help="this rank's log (default 0); 0,3 or all: merged, each line prefixed [rank N]"
     )
     which.add_argument("--batch", action="store_true", help="the batch shell's (or local supervisor's) log")
+    which.add_argument(
+        "--diagnosis", action="store_true", help="a hang's diagnosis: the verdict, every rank's stack, the heartbeats"
+    )
     p.add_argument("-c", "--cluster", help="the job's cluster, if the id is ambiguous")
 
     p = verbs.add_parser("cancel", help="cancel a job (or a whole job array)")

@@ -35,8 +35,24 @@ def table(rows: Sequence[Sequence[str]]) -> str:
 
 
 def status_table(found: Sequence[Any]) -> str:
-    rows = [("JOB", "CLUSTER", "NAME", "STATE", "STEP", "LOSS", "RESTARTS", "CKPT", "ELAPSED", "RUN DIR")]
-    for s in found:
+    notes = [finding_note(s) for s in found]
+    noted = any(notes)  # the NOTE column only when a job has something to say: the table stays narrow
+    rows = [
+        (
+            "JOB",
+            "CLUSTER",
+            "NAME",
+            "STATE",
+            "STEP",
+            "LOSS",
+            "RESTARTS",
+            "CKPT",
+            "ELAPSED",
+            *noted * ("NOTE",),
+            "RUN DIR",
+        )
+    ]
+    for s, note in zip(found, notes):
         loss = s.progress.get("loss")
         rows.append(
             (
@@ -49,10 +65,66 @@ def status_table(found: Sequence[Any]) -> str:
                 str(s.restarts),
                 str(s.progress.get("checkpoint_step", "-")),
                 _clock(s.elapsed_s) if s.elapsed_s is not None else "-",
+                *noted * (note or "-",),
                 s.run_dir,
             )
         )
     return table(rows)
+
+
+def finding_note(status: Any) -> str:
+    """The list view's short marker of what the sidecars found ("" when nothing)."""
+    notes = []
+    if status.verdict is not None:
+        step = status.verdict.get("step")
+        notes.append(f"hang at step {step}" if isinstance(step, int) else "hang")
+    if status.stragglers:
+        notes.append(f"{len(status.stragglers)} straggler{'s' if len(status.stragglers) > 1 else ''}")
+    return ", ".join(notes)
+
+
+def _when(seconds: Any) -> str:
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool):
+        return ""
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
+    except (OverflowError, OSError, ValueError):
+        return ""
+
+
+def _hang_head(verdict: dict[str, Any]) -> str:
+    """ "hang: at step 7 (phase step), 2026-12-01 03:20:11, found by n1 after 95 s without progress"."""
+    step, phase, found_by, silent = (verdict.get(k) for k in ("step", "phase", "found_by", "silent_s"))
+    parts = [f"at step {step}" if isinstance(step, int) else "", f"(phase {phase})" if isinstance(phase, str) else ""]
+    head = " ".join(p for p in parts if p)
+    when = _when(verdict.get("time"))
+    more = [when] if when else []
+    if isinstance(found_by, str) and isinstance(silent, (int, float)):
+        more.append(f"found by {found_by} after {silent:.0f} s without progress")
+    return ", ".join(p for p in [head, *more] if p)
+
+
+def detail_lines(status: Any, width: int = 100) -> list[str]:
+    """One job's findings under its table row: the hang's verdict, stragglers, environment mismatches."""
+    import textwrap
+
+    from submit.textwidth import printable
+
+    lines = []
+    if status.verdict is not None:
+        lines.append(printable(f"hang: {_hang_head(status.verdict)}".rstrip(": ")))
+        paragraph = printable(" ".join(str(status.verdict.get("verdict") or "").split()))
+        lines += textwrap.wrap(paragraph, width, initial_indent="  ", subsequent_indent="  ")
+        lines.append(f"  the diagnosis: meshrun logs {status.job_id} --diagnosis")
+    if status.stragglers:
+        named = [
+            f"rank {s['rank']} ({s.get('node', '?')}) {float(s['ratio']):.1f}x"
+            + (" the median busy time" if not i else "")
+            for i, s in enumerate(status.stragglers)
+        ]
+        lines.append(printable("stragglers: " + ", ".join(named)))
+    lines += [printable(f"environment: {line}") for line in status.env_mismatches]
+    return lines
 
 
 def _records(args: argparse.Namespace, registry: Any) -> list[Any]:
@@ -68,14 +140,20 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     registry = Registry()
     records = _records(args, registry)
+    detail = bool(args.jobs) and len(records) == 1  # one job asked for by id: its detail view
     clusters = api.Clusters()
     try:
         if args.watch:
             return watch(records, clusters, registry, args.json)
-        found = api.statuses(records, clusters, registry)
+        found = api.statuses(records, clusters, registry, detail=detail)
     finally:
         clusters.close()
-    sys.stdout.write(json.dumps([s.as_json() for s in found], indent=2) + "\n" if args.json else status_table(found))
+    if args.json:
+        sys.stdout.write(json.dumps([s.as_json() for s in found], indent=2) + "\n")
+    else:
+        sys.stdout.write(
+            status_table(found) + "".join(f"{line}\n" for f in found if detail for line in detail_lines(f))
+        )
     return 0
 
 
@@ -143,6 +221,8 @@ def cmd_logs(args: argparse.Namespace) -> int:
     clusters = api.Clusters()
     try:
         transport = clusters.transport_for(record)
+        if getattr(args, "diagnosis", False):
+            return _print_diagnosis(transport, record)
         if args.batch:
             sources = [logs.Source(api.log_path(record, None))]
         else:
@@ -163,6 +243,18 @@ def cmd_logs(args: argparse.Namespace) -> int:
             )
     finally:
         clusters.close()
+    return 0
+
+
+def _print_diagnosis(transport: Any, record: Any) -> int:
+    from submit import logs
+
+    files = logs.fetch_diagnosis(transport, record.run_dir)
+    text = logs.format_diagnosis(files, record.job_id, record.run_dir)
+    if not files:
+        print(f"meshrun: {text}", end="", file=sys.stderr)
+        return 0
+    sys.stdout.write(text)
     return 0
 
 

@@ -6,16 +6,21 @@ If the connection drops, it reconnects and restarts every tail at its offset, so
 no byte is lost or repeated. When the job has ended (checked with backoff, one
 round trip each), what is left past each offset is read once more and it stops.
 With several ranks each line is prefixed `[rank N] `; partial lines wait for their end.
+`--diagnosis` prints a hang's diagnosis (the sidecar's files under RUN_DIR/diagnosis) in one command.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import posixpath
 import queue
+import re
+import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import BinaryIO, Optional, Sequence, TextIO
+from typing import Any, BinaryIO, Optional, Sequence, TextIO
 
 from launcher.rundir import RunDir
 from submit import api
@@ -204,3 +209,113 @@ class Follower:
         raise ClusterError(
             f"lost the connection to {self.record.cluster} and could not reconnect ({RECONNECT_ATTEMPTS} tries): {last}"
         )
+
+
+# ------------------------------------------------------------------ `logs JOB --diagnosis`
+
+# $1 marker, $2 cap, $3 the diagnosis dir, then the patterns (relative paths) whose text is printed.
+# Every file's name and size comes back; only those texts do (an NCCL flight-recorder dump is binary).
+DIAGNOSIS_SCRIPT = (
+    'm=$1; cap=$2; d=$3; shift 3; [ -d "$d" ] || exit 0; for f in "$d"/* "$d"/*/*; do [ -f "$f" ] || continue; '
+    'r=${f#"$d"/}; printf "\\n%s file %s %s\\n" "$m" "$(wc -c < "$f" | tr -d " ")" "$r"; '
+    'for p in "$@"; do case $r in $p) head -c "$cap" -- "$f"; break;; esac; done; done; exit 0'
+)
+SHOWN = (posixpath.basename(RunDir("").verdict), "*/rank-*.stack.txt", "*/heartbeats.json")
+"""What is printed of a diagnosis (the sidecar's file names, see RunDir.node_diagnosis); the rest is listed."""
+DIAGNOSIS_CAP = 262144
+
+
+@dataclass(frozen=True)
+class DiagnosisFile:
+    path: str
+    """Relative to RUN_DIR/diagnosis: verdict.txt, NODE/rank-N.stack.txt, NODE/heartbeats.json, ..."""
+    size: int
+    text: Optional[str]
+    """Its text (capped) when it is one of SHOWN; None for the files only listed."""
+
+
+def diagnosis_argv(run_dir: str, marker: str) -> list[str]:
+    return ["sh", "-c", DIAGNOSIS_SCRIPT, "sh", marker, str(DIAGNOSIS_CAP), RunDir(run_dir).diagnosis, *SHOWN]
+
+
+def parse_diagnosis(output: str, marker: str) -> list[DiagnosisFile]:
+    found = []
+    for part in output.split(f"\n{marker} file ")[1:]:
+        head, newline, text = part.partition("\n")
+        size, _, path = head.partition(" ")
+        shown = any(fnmatch.fnmatchcase(path, p) for p in SHOWN)
+        found.append(DiagnosisFile(path, int(size) if size.isdigit() else 0, text if shown and newline else None))
+    return found
+
+
+def fetch_diagnosis(transport: Transport, run_dir: str) -> list[DiagnosisFile]:
+    """Every file of the run's diagnosis, in ONE command (locally or over SSH); [] when there is none."""
+    marker = f"MESHRUN-{secrets.token_hex(8)}"
+    done = transport.run(diagnosis_argv(run_dir, marker), timeout=120).check("reading the diagnosis")
+    return parse_diagnosis(done.stdout, marker)
+
+
+def _rank_key(path: str) -> tuple[int, str]:
+    match = re.search(r"rank-(\d+)", path)
+    return (int(match.group(1)) if match else -1, path)
+
+
+def _beat_rank(beat: dict[str, Any]) -> int:
+    rank = beat.get("rank")
+    return rank if isinstance(rank, int) else -1
+
+
+def _beat_time(beat: dict[str, Any]) -> list[str]:
+    when = beat.get("time")
+    if not isinstance(when, (int, float)) or isinstance(when, bool):
+        return [f"time {when}"] if "time" in beat else []
+    try:
+        return [f"last beat {time.strftime('%H:%M:%S', time.localtime(when))}"]
+    except (OverflowError, OSError, ValueError):
+        return [f"time {when}"]
+
+
+def heartbeat_lines(text: str) -> list[str]:
+    """heartbeats.json as one line per rank, or its text as it is when it is not the expected shape."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return text.rstrip("\n").splitlines()
+    rows = list(data.values()) if isinstance(data, dict) else data if isinstance(data, list) else []
+    beats = [r for r in rows if isinstance(r, dict)]
+    if not beats:
+        return text.rstrip("\n").splitlines()
+    keys = ("step", "phase", "pid")
+    return [
+        f"rank {b.get('rank', '?')}: " + ", ".join([*(f"{k} {b[k]}" for k in keys if k in b), *_beat_time(b)])
+        for b in sorted(beats, key=_beat_rank)
+    ]
+
+
+def format_diagnosis(files: Sequence[DiagnosisFile], job_id: str, run_dir: str) -> str:
+    """The verdict, then per node every rank's stack (a header line each), its heartbeats and what else is there."""
+    if not files:
+        return f"no hang was diagnosed for {job_id} (nothing in {RunDir(run_dir).diagnosis})\n"
+    out: list[str] = []
+    verdict = next((f for f in files if f.path == SHOWN[0]), None)
+    out += ["== verdict", (verdict.text or "").rstrip("\n") if verdict else "(no verdict.txt)", ""]
+    nodes = sorted({f.path.split("/", 1)[0] for f in files if "/" in f.path})
+    for node in nodes:
+        mine = sorted((f for f in files if f.path.startswith(node + "/")), key=lambda f: _rank_key(f.path))
+        out.append(f"== node {node}")
+        for f in mine:
+            name = f.path.split("/", 1)[1]
+            if f.text is not None and name.endswith(".stack.txt"):
+                rank = _rank_key(name)[0]
+                out += [f"-- rank {rank} stack ({name})", f.text.rstrip("\n"), ""]
+        for f in mine:
+            if f.text is not None and not f.path.endswith(".stack.txt"):
+                out += [f"-- heartbeats ({f.path.split('/', 1)[1]})", *heartbeat_lines(f.text), ""]
+        others = [f"{f.path.split('/', 1)[1]} ({f.size} bytes)" for f in mine if f.text is None]
+        if others:
+            out += ["-- also here: " + ", ".join(others), ""]
+    loose = [f"{f.path} ({f.size} bytes)" for f in files if "/" not in f.path and f is not verdict]
+    if loose:
+        out.append("also: " + ", ".join(loose))
+    out.append(f"(files in {RunDir(run_dir).diagnosis})")
+    return "\n".join(out) + "\n"

@@ -42,6 +42,12 @@ class Status:
     """The last metrics.jsonl line: step, loss, ... (empty before the first step)."""
     exit_code: Optional[int] = None
     """The job's exit code once it ended (2: bad input), when the scheduler knows it."""
+    verdict: Optional[dict[str, Any]] = None
+    """A hang's verdict (RUN_DIR/diagnosis/verdict.json: "time", "step", "phase", "verdict", "ranks", ...)."""
+    stragglers: list[dict[str, Any]] = field(default_factory=list)
+    """Ranks persistently slower than the median: [{"rank", "node", "busy_s", "ratio"}]."""
+    env_mismatches: list[str] = field(default_factory=list)
+    """Versions that differ between the nodes (asked for one job's detail view only; else [])."""
 
     def as_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -97,13 +103,15 @@ def _unreachable(record: JobRecord, why: str) -> Status:
     )
 
 
-def _cluster_statuses(group: Sequence[JobRecord], transport: Transport) -> list[Status]:
+def _cluster_statuses(group: Sequence[JobRecord], transport: Transport, detail: bool) -> list[Status]:
     from submit.schedulers import backend
 
     by_scheduler: dict[str, list[JobRecord]] = defaultdict(list)
     for record in group:
         by_scheduler[record.scheduler].append(record)
-    return [s for name, records in by_scheduler.items() for s in backend(name).statuses(records, transport)]
+    return [
+        s for name, records in by_scheduler.items() for s in backend(name).statuses(records, transport, detail=detail)
+    ]
 
 
 def warn_to_stderr(message: str) -> None:
@@ -115,15 +123,17 @@ def statuses(
     clusters: TransportSource,
     registry: Optional[Registry] = None,
     warn: Callable[[str], None] = warn_to_stderr,
+    detail: bool = False,
 ) -> list[Status]:
-    """The status of each record, in order: one round trip per cluster."""
+    """The status of each record, in order: one round trip per cluster. `detail` also compares
+    the nodes' environment records (one job's view: the records of many jobs would be a lot to fetch)."""
     by_cluster: dict[str, list[JobRecord]] = defaultdict(list)
     for record in records:
         by_cluster[record.profile or record.cluster].append(record)  # the profile file: one cluster
     found: dict[tuple[str, str], Status] = {}
     for cluster, group in by_cluster.items():
         try:
-            found_here = _cluster_statuses(group, clusters.transport_for(group[0]))
+            found_here = _cluster_statuses(group, clusters.transport_for(group[0]), detail)
         except ConnectionLost:
             raise  # the caller reconnects
         except MeshrunError as exc:

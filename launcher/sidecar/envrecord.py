@@ -1,5 +1,6 @@
 """The environment record: each node's hostname, GPUs, driver, CUDA, torch, NCCL and meshrun versions,
-written to RUN_DIR/env/NODE.json; env_mismatches() names what differs between nodes. Torch-free:
+written to RUN_DIR/env/NODE.json; env_mismatches() (launcher/envcheck.py, shared with `meshrun status`)
+names what differs between nodes. Torch-free:
 versions come from package metadata, never from importing torch.
 """
 
@@ -11,10 +12,10 @@ import platform
 import socket
 import time
 from importlib import metadata
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
-COMPARED = ("driver", "cuda", "torch", "nccl", "meshrun", "python")
-"""Versions that must agree between the nodes of one run (a mismatch is a warning)."""
+from launcher.envcheck import COMPARED, env_mismatches, read_records
+
 NCCL_DISTRIBUTIONS = ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11")
 """The NCCL wheels torch's CUDA builds depend on; a torch with NCCL linked in has none (then omitted)."""
 
@@ -67,39 +68,4 @@ def write_record(path: str, record: Mapping[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def read_records(folder: str, run: Optional[str] = None) -> list[dict[str, Any]]:
-    """Every node's record in `folder` (RUN_DIR/env), only run `run`'s when given; unreadable ones skipped."""
-    records = []
-    try:
-        names = sorted(n for n in os.listdir(folder) if n.endswith(".json") and not n.startswith("."))
-    except OSError:
-        return []
-    for name in names:
-        try:
-            with open(os.path.join(folder, name), encoding="utf-8") as handle:
-                record = json.load(handle)
-        except (OSError, ValueError):
-            continue
-        if isinstance(record, dict) and (run is None or record.get("run") == run):
-            records.append(record)
-    return records
-
-
-def env_mismatches(records: Iterable[Mapping[str, Any]]) -> list[str]:
-    """One line per version that differs between nodes, e.g.
-    "driver differs between nodes: 550.54 on n1; 535.104 on n2". Pure; [] when all agree."""
-    lines = []
-    records = list(records)
-    for key in COMPARED:
-        nodes_by_value: dict[str, list[str]] = {}
-        for record in records:
-            value = record.get(key)
-            if value is None:
-                continue  # not known there (no NVML, no NCCL wheel): nothing to compare
-            nodes_by_value.setdefault(str(value), []).append(str(record.get("node", "?")))
-        if len(nodes_by_value) > 1:
-            parts = "; ".join(
-                f"{value} on {', '.join(sorted(nodes))}" for value, nodes in sorted(nodes_by_value.items())
-            )
-            lines.append(f"{key} differs between nodes: {parts}")
-    return lines
+__all__ = ["COMPARED", "NCCL_DISTRIBUTIONS", "build_record", "env_mismatches", "read_records", "write_record"]

@@ -110,7 +110,8 @@ class Backend(Protocol):
     def schedule(self, request: Request, transport: Transport) -> str:
         """Send the request; returns the job id."""
 
-    def statuses(self, records: Sequence[JobRecord], transport: Transport) -> list[Status]: ...
+    def statuses(self, records: Sequence[JobRecord], transport: Transport, detail: bool = False) -> list[Status]:
+        """One Status per record; `detail`: also the nodes' environment mismatches."""
 
     def cancel(self, records: Sequence[JobRecord], transport: Transport) -> None: ...
 

@@ -24,6 +24,7 @@ from typing import Any, Optional, Sequence
 
 from launcher.rundir import JOB_ID_ENV, RunDir, local_state_path, merge_state, read_state
 from launcher.spec import JobSpec
+from submit import findings
 from submit.cluster import ClusterProfile
 from submit.errors import ClusterError, InputError
 from submit.plan import Plan
@@ -77,8 +78,8 @@ class LocalBackend:
             transport.put(request.files, request.run_dir)
             return _start(request.run_dir, request.argv)
 
-    def statuses(self, records: Sequence[JobRecord], transport: Transport) -> list[Status]:
-        return [_status(record, transport) for record in records]
+    def statuses(self, records: Sequence[JobRecord], transport: Transport, detail: bool = False) -> list[Status]:
+        return [_status(record, transport, detail) for record in records]
 
     def cancel(self, records: Sequence[JobRecord], transport: Transport) -> None:
         for record in records:
@@ -227,7 +228,7 @@ def submitit_state(run_dir: str, job_id: str) -> dict[str, Any]:
     return {"state": "COMPLETED"}
 
 
-def _status(record: JobRecord, transport: Transport) -> Status:
+def _status(record: JobRecord, transport: Transport, detail: bool = False) -> Status:
     if not os.path.isdir(record.run_dir):
         state: dict[str, Any] = {"state": "UNKNOWN", "message": f"the run dir {record.run_dir} is gone"}
     else:
@@ -239,6 +240,7 @@ def _status(record: JobRecord, transport: Transport) -> Status:
     name = state.get("state", "UNKNOWN")
     started, ended = state.get("started"), state.get("ended")
     elapsed = int((ended or now()) - started) if started else None
+    found = findings.findings_from(findings.read_files(record.run_dir, detail), record.submitted_at)
     return Status(
         job_id=record.job_id,
         cluster=record.cluster,
@@ -253,6 +255,9 @@ def _status(record: JobRecord, transport: Transport) -> Status:
         reason=state.get("message") or None,
         progress=last_metrics(transport, record.run_dir),
         exit_code=state.get("exit_code"),
+        verdict=found.verdict,
+        stragglers=found.stragglers,
+        env_mismatches=found.env_mismatches,
     )
 
 

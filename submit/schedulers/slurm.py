@@ -1,7 +1,8 @@
 """The Slurm backend: sbatch, squeue + sacct, scancel, the batch log; over any transport.
 
 A submit writes the run dir and runs `sbatch --parsable` in ONE round trip; status asks
-squeue, one batched sacct and every run's metrics tail in ONE remote command per cluster.
+squeue, one batched sacct, every run's metrics tail and the sidecars' findings (a hang's
+verdict, stragglers, environment mismatches) in ONE remote command per cluster.
 The command lines and parsers of Slurm's stable output are in `slurm_cli`.
 """
 
@@ -11,6 +12,7 @@ from typing import Optional, Sequence
 
 from launcher.rundir import RunDir
 from launcher.spec import JobSpec
+from submit import findings
 from submit.cluster import ClusterProfile
 from submit.plan import Plan
 from submit.registry import JobRecord
@@ -63,19 +65,23 @@ class SlurmBackend:
             done.check("sbatch")
         return slurm_cli.parse_sbatch(done.stdout)
 
-    def statuses(self, records: Sequence[JobRecord], transport: Transport) -> list[Status]:
-        """ONE remote round trip per BATCH_JOBS jobs."""
+    def statuses(self, records: Sequence[JobRecord], transport: Transport, detail: bool = False) -> list[Status]:
+        """ONE remote round trip per BATCH_JOBS jobs (the sidecars' findings of every job included)."""
         if len(records) > BATCH_JOBS:  # keeps one command line well under sshd's packet limit (256 KiB)
             return [
                 s
                 for i in range(0, len(records), BATCH_JOBS)
-                for s in self.statuses(records[i : i + BATCH_JOBS], transport)
+                for s in self.statuses(records[i : i + BATCH_JOBS], transport, detail)
             ]
-        results = batch(transport, query_argvs(records), timeout=120)
+        marker = findings.new_marker()
+        extra = findings.findings_argv([r.run_dir for r in records], detail, marker)
+        results = batch(transport, [*query_argvs(records), extra], timeout=120)
         states = states_from(records, results[0], results[1])
-        tails, errors = results[2 : 2 + len(records)], results[2 + len(records) :]
+        tails, errors = results[2 : 2 + len(records)], results[2 + len(records) : 2 + 2 * len(records)]
+        files = findings.split_findings(results[-1].stdout, len(records), marker)
         return [
-            _status(record, states[record.job_id], tail, error) for record, tail, error in zip(records, tails, errors)
+            _status(record, states[record.job_id], tail, error, findings.findings_from(found, record.submitted_at))
+            for record, tail, error, found in zip(records, tails, errors, files)
         ]
 
     def cancel(self, records: Sequence[JobRecord], transport: Transport) -> None:
@@ -124,7 +130,13 @@ def _exit_code(text: Optional[str]) -> Optional[int]:
     return int(head) if head.isdigit() else None
 
 
-def _status(record: JobRecord, job: slurm_cli.JobState, tail: Result, error: Result) -> Status:
+def _status(
+    record: JobRecord,
+    job: slurm_cli.JobState,
+    tail: Result,
+    error: Result,
+    found: findings.Findings = findings.NOTHING,
+) -> Status:
     progress = parse_metrics_tail(tail.stdout) if tail.returncode == 0 else {}
     rank_error = error.stdout.strip().splitlines()[0] if error.returncode == 0 and error.stdout.strip() else None
     # A failed job says why in the ranks' own words (bad input, a crash), as on the local cluster.
@@ -144,6 +156,9 @@ def _status(record: JobRecord, job: slurm_cli.JobState, tail: Result, error: Res
         reason=reason,
         progress=progress,
         exit_code=_exit_code(job.exit_code) if job.done else None,
+        verdict=found.verdict,
+        stragglers=found.stragglers,
+        env_mismatches=found.env_mismatches,
     )
 
 

@@ -7,7 +7,14 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-CONTRACT = {"launcher.schema", "launcher.spec", "launcher.rundir", "launcher.exitcodes", "launcher.parallel_dims"}
+CONTRACT = {
+    "launcher.schema",
+    "launcher.spec",
+    "launcher.rundir",
+    "launcher.exitcodes",
+    "launcher.parallel_dims",
+    "launcher.envcheck",
+}
 """The torch-free contract: all that `submit` may import of `launcher`."""
 SCHEDULER_TEST = re.compile(r"""scheduler\s*(==|!=|\bin\b|\bnot in\b)\s*[\(\[\{]?\s*["'](local|slurm)["']""")
 

@@ -1,0 +1,162 @@
+"""What the sidecars found, as `meshrun status` shows it: a hang's verdict, stragglers, environment mismatches.
+
+The sidecars write RUN_DIR/diagnosis/verdict.json (and verdict.txt), RUN_DIR/stragglers.json and
+RUN_DIR/env/NODE.json. Every one is optional and may be half-written or garbled: each is read
+size-capped and parsed here, and whatever does not parse is left out, never raised.
+
+Over SSH the files of every job come back in the status round trip the backend already makes:
+`findings_argv` is ONE command for all jobs (a constant script; every path a positional parameter),
+and `split_findings` takes its output apart again. On this machine `read_files` reads the same files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import posixpath
+import secrets
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+from launcher.envcheck import env_mismatches, newest_run, parse_record
+from launcher.rundir import RunDir
+
+CAP_BYTES = 65536
+"""Read at most this much of each file: a status of many jobs stays small whatever a sidecar wrote."""
+SLACK_S = 300.0
+"""Clock difference allowed between this machine and the cluster when deciding a finding's age."""
+
+_HERE = RunDir("")
+VERDICT_JSON = _HERE.verdict_json
+VERDICT_TXT = _HERE.verdict
+STRAGGLERS = _HERE.stragglers
+ENV_DIR = _HERE.path(RunDir.ENV)
+
+# $1 marker, $2 cap, $3 verdict.json, $4 verdict.txt, $5 stragglers.json, $6 env dir ("": skip), then the run dirs.
+FINDINGS_SCRIPT = (
+    'm=$1; cap=$2; v=$3; t=$4; s=$5; e=$6; shift 6; for d in "$@"; do printf "\\n%s run\\n" "$m"; '
+    'for f in "$d/$v" "$d/$t" "$d/$s" ${e:+"$d/$e"/*.json}; do [ -f "$f" ] || continue; '
+    'printf "\\n%s file %s\\n" "$m" "${f#"$d"/}"; head -c "$cap" -- "$f"; done; done; exit 0'
+)
+
+
+@dataclass(frozen=True)
+class Findings:
+    """The sidecars' findings for one job (all empty: nothing found, or nothing readable)."""
+
+    verdict: Optional[dict[str, Any]] = None
+    """The hang's verdict.json (its "verdict" paragraph always a string), None when no hang was diagnosed."""
+    stragglers: list[dict[str, Any]] = field(default_factory=list)
+    """[{"rank", "node", "busy_s", "ratio"}] from stragglers.json."""
+    env_mismatches: list[str] = field(default_factory=list)
+    """One line per version that differs between the newest run's nodes."""
+
+
+NOTHING = Findings()
+
+
+def new_marker() -> str:
+    """A separator no file can forge: random per call, as submit.transport.batch's."""
+    return f"MESHRUN-{secrets.token_hex(8)}"
+
+
+def findings_argv(run_dirs: Sequence[str], with_env: bool, marker: str) -> list[str]:
+    """One command printing every job's finding files, each after a line naming it."""
+    env = ENV_DIR if with_env else ""
+    cap = str(CAP_BYTES)
+    return ["sh", "-c", FINDINGS_SCRIPT, "sh", marker, cap, VERDICT_JSON, VERDICT_TXT, STRAGGLERS, env, *run_dirs]
+
+
+def split_findings(output: str, jobs: int, marker: str) -> list[dict[str, str]]:
+    """`findings_argv`'s output -> per job, {path relative to the run dir: text}; {} for jobs it lacks."""
+    found: list[dict[str, str]] = []
+    for chunk in output.split(f"\n{marker} run\n")[1 : jobs + 1]:
+        files: dict[str, str] = {}
+        for part in chunk.split(f"\n{marker} file ")[1:]:
+            name, _, text = part.partition("\n")
+            files[name] = text
+        found.append(files)
+    return found + [{} for _ in range(jobs - len(found))]
+
+
+def _read(path: str) -> Optional[str]:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(CAP_BYTES).decode(errors="replace")
+    except OSError:
+        return None
+
+
+def read_files(run_dir: str, with_env: bool) -> dict[str, str]:
+    """The same files as `findings_argv`, read on this machine (the local cluster)."""
+    import os
+
+    root = RunDir(run_dir)
+    names = [VERDICT_JSON, VERDICT_TXT, STRAGGLERS]
+    if with_env:
+        try:
+            listed = sorted(os.listdir(root.path(ENV_DIR)))
+        except OSError:
+            listed = []
+        names += [posixpath.join(ENV_DIR, n) for n in listed if n.endswith(".json") and not n.startswith(".")]
+    found = {name: _read(root.path(name)) for name in names}
+    return {name: text for name, text in found.items() if text is not None}
+
+
+def _json_object(text: Optional[str]) -> dict[str, Any]:
+    try:
+        value = json.loads(text or "")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _number(value: Any) -> Optional[float]:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None
+
+
+def _recent(found: Mapping[str, Any], submitted_at: float) -> bool:
+    """From this job, not from an earlier job of the same run dir (a resume starts a new job there)."""
+    when = _number(found.get("time"))
+    return when is None or when >= submitted_at - SLACK_S
+
+
+def parse_verdict(data_text: Optional[str], paragraph: Optional[str]) -> Optional[dict[str, Any]]:
+    """verdict.json, its paragraph falling back on verdict.txt (a verdict.json too big or half-written)."""
+    data = _json_object(data_text)
+    text = data.get("verdict") if isinstance(data.get("verdict"), str) else (paragraph or "").strip()
+    if not text and not isinstance(data.get("step"), int):
+        return None  # neither a paragraph nor a step: nothing a person could act on
+    ranks = data.get("ranks")
+    return {
+        **data,
+        "verdict": text,
+        "ranks": [r for r in ranks if isinstance(r, dict)] if isinstance(ranks, list) else [],
+    }
+
+
+def parse_stragglers(text: Optional[str]) -> tuple[Optional[float], list[dict[str, Any]]]:
+    """(the report's time, its stragglers with a rank and a ratio); garbled entries left out."""
+    data = _json_object(text)
+    listed = data.get("stragglers")
+    found = [
+        s
+        for s in (listed if isinstance(listed, list) else [])
+        if isinstance(s, dict) and isinstance(s.get("rank"), int) and _number(s.get("ratio")) is not None
+    ]
+    return _number(data.get("time")), found
+
+
+def findings_from(files: Mapping[str, str], submitted_at: float) -> Findings:
+    """Findings from the files' texts (by path relative to the run dir). Pure; never raises."""
+    verdict = parse_verdict(files.get(VERDICT_JSON), files.get(VERDICT_TXT))
+    if verdict is not None and not _recent(verdict, submitted_at):
+        verdict = None
+    when, stragglers = parse_stragglers(files.get(STRAGGLERS))
+    if when is not None and when < submitted_at - SLACK_S:
+        stragglers = []
+    prefix = ENV_DIR + "/"
+    records = [parse_record(text) for name, text in sorted(files.items()) if name.startswith(prefix)]
+    mismatches = env_mismatches(newest_run(r for r in records if r is not None))
+    return Findings(verdict=verdict, stragglers=stragglers, env_mismatches=mismatches)
