@@ -93,15 +93,10 @@ def _when(seconds: Any) -> str:
 
 
 def _hang_head(verdict: dict[str, Any]) -> str:
-    """ "hang: at step 7 (phase step), 2026-12-01 03:20:11, found by n1 after 95 s without progress"."""
-    step, phase, found_by, silent = (verdict.get(k) for k in ("step", "phase", "found_by", "silent_s"))
-    parts = [f"at step {step}" if isinstance(step, int) else "", f"(phase {phase})" if isinstance(phase, str) else ""]
-    head = " ".join(p for p in parts if p)
-    when = _when(verdict.get("time"))
-    more = [when] if when else []
-    if isinstance(found_by, str) and isinstance(silent, (int, float)):
-        more.append(f"found by {found_by} after {silent:.0f} s without progress")
-    return ", ".join(p for p in [head, *more] if p)
+    """When the hang was declared, and in which attempt (a requeued job has several); the paragraph says the rest."""
+    attempt = verdict.get("attempt")
+    parts = [_when(verdict.get("time")), f"attempt {attempt}" if isinstance(attempt, str) and attempt else ""]
+    return ", ".join(p for p in parts if p)
 
 
 def detail_lines(status: Any, width: int = 100) -> list[str]:

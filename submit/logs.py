@@ -261,8 +261,8 @@ def _rank_key(path: str) -> tuple[int, str]:
 
 
 def _beat_rank(beat: dict[str, Any]) -> int:
-    rank = beat.get("rank")
-    return rank if isinstance(rank, int) else -1
+    rank = str(beat.get("rank"))
+    return int(rank) if rank.isdigit() else -1
 
 
 def _beat_time(beat: dict[str, Any]) -> list[str]:
@@ -276,20 +276,29 @@ def _beat_time(beat: dict[str, Any]) -> list[str]:
 
 
 def heartbeat_lines(text: str) -> list[str]:
-    """heartbeats.json as one line per rank, or its text as it is when it is not the expected shape."""
+    """heartbeats.json ({"node", "attempt", "time", "beats": {RANK: beat}, "step_times": {RANK: [s, ...]}})
+    as one line per rank; its text as it is when it has another shape (half-written, garbled)."""
     try:
         data = json.loads(text)
     except ValueError:
+        data = None
+    beats = data.get("beats") if isinstance(data, dict) else None
+    if not isinstance(beats, dict) or not all(isinstance(b, dict) for b in beats.values()):
         return text.rstrip("\n").splitlines()
-    rows = list(data.values()) if isinstance(data, dict) else data if isinstance(data, list) else []
-    beats = [r for r in rows if isinstance(r, dict)]
-    if not beats:
-        return text.rstrip("\n").splitlines()
-    keys = ("step", "phase", "pid")
+    times = data.get("step_times") if isinstance(data, dict) else None
+    rows = [{"rank": rank, **beat} for rank, beat in beats.items()]
     return [
-        f"rank {b.get('rank', '?')}: " + ", ".join([*(f"{k} {b[k]}" for k in keys if k in b), *_beat_time(b)])
-        for b in sorted(beats, key=_beat_rank)
+        _beat_line(b, times.get(str(b["rank"])) if isinstance(times, dict) else None)
+        for b in sorted(rows, key=_beat_rank)
     ]
+
+
+def _beat_line(beat: dict[str, Any], step_times: Any) -> str:
+    parts = [f"{k} {beat[k]}" for k in ("step", "phase", "pid") if k in beat] + _beat_time(beat)
+    recent = [t for t in step_times if isinstance(t, (int, float))] if isinstance(step_times, list) else []
+    if recent:
+        parts.append(f"last step {recent[-1]:.2f} s")
+    return f"rank {beat['rank']}" + (": " + ", ".join(parts) if parts else "")
 
 
 def format_diagnosis(files: Sequence[DiagnosisFile], job_id: str, run_dir: str) -> str:

@@ -198,7 +198,7 @@ def test_the_detail_view_shows_the_verdict_wrapped_stragglers_and_mismatches() -
     )
     lines = detail_lines(found, width=80)
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(NOW))
-    assert lines[0] == f"hang: at step 7 (phase step), {when}, found by n1 after 95 s without progress"
+    assert lines[0] == f"hang: {when}, attempt 41.0"
     wrapped = lines[1 : lines.index("  the diagnosis: meshrun logs 41 --diagnosis")]
     assert len(wrapped) > 1 and all(len(line) <= 80 and line.startswith("  ") for line in wrapped)
     assert "\x1b" not in "".join(lines) and "\\x1b" in wrapped[-1]
@@ -218,7 +218,15 @@ def _diagnosis(root: Path, heartbeats: Optional[str] = None) -> Path:
                 f"diagnosis/{node}/rank-{rank}.stack.txt",
                 f'Thread 0x1 (most recent call first):\n  File "train.py", line {80 + rank}\n',
             )
-        beats = [{"rank": r, "step": 7 if r != 3 else 6, "phase": "step", "pid": 100 + r, "time": NOW} for r in ranks]
+        beats = {
+            "node": node,
+            "attempt": "41.0",
+            "time": NOW,
+            "beats": {
+                str(r): {"step": 7 if r != 3 else 6, "phase": "step", "pid": 100 + r, "time": NOW} for r in ranks
+            },
+            "step_times": {str(r): [0.2, 0.25] for r in ranks},
+        }
         _write(root, f"diagnosis/{node}/heartbeats.json", heartbeats if heartbeats is not None else beats)
         _write(root, f"diagnosis/{node}/gpus.json", {"gpus": []})
         _write(root, f"diagnosis/{node}/nccl-trace-rank-{ranks[0]}", b"\x80\x04\x95binary pickle\x00\xff")
@@ -245,7 +253,10 @@ def test_logs_diagnosis_prints_the_verdict_stacks_and_heartbeats_and_lists_the_r
         lines.index("-- rank 3 stack (rank-3.stack.txt)") > n2 > lines.index("-- rank 1 stack (rank-1.stack.txt)") > n1
     )
     assert '  File "train.py", line 83' in lines
-    assert f"rank 3: step 6, phase step, pid 103, last beat {time.strftime('%H:%M:%S', time.localtime(NOW))}" in lines
+    assert (
+        f"rank 3: step 6, phase step, pid 103, last beat {time.strftime('%H:%M:%S', time.localtime(NOW))}, last step 0.25 s"
+        in lines
+    )
     assert "-- also here: gpus.json (12 bytes), nccl-trace-rank-2 (18 bytes)" in lines
     assert "binary pickle" not in text and "also: verdict.json" in text
 
@@ -254,8 +265,12 @@ def test_logs_diagnosis_survives_garbled_heartbeats_and_says_when_there_is_none(
     run_dir = _diagnosis(tmp_path / "r", heartbeats='{"rank": 0, "st')
     text = format_diagnosis(fetch_diagnosis(LocalTransport(), str(run_dir)), "41", str(run_dir))
     assert '{"rank": 0, "st' in text
-    assert heartbeat_lines('{"0": {"rank": 0, "step": 3}}') == ["rank 0: step 3"]
+    assert heartbeat_lines('{"beats": {"10": {"step": 3}, "2": {}}, "step_times": 5}') == [
+        "rank 2",
+        "rank 10: step 3",
+    ]
     assert heartbeat_lines("[1, 2]") == ["[1, 2]"]
+    assert heartbeat_lines('{"beats": {"0": 5}}') == ['{"beats": {"0": 5}}']
     empty = tmp_path / "empty"
     empty.mkdir()
     assert fetch_diagnosis(LocalTransport(), str(empty)) == []
