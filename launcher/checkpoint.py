@@ -11,10 +11,19 @@ M-th step if asked) and never deletes the newest complete checkpoint.
 
 Checkpoints are as private as the run dir, wherever they live (a cluster's shared
 checkpoint root included): folders 0700, files 0600, set explicitly, whatever the umask.
+
+With node-local scratch (`stage_root`), every rank saves into `STAGE/step-N.tmp` on its own
+node; when DCP's save returns, every shard of every node is written (its final all_reduce
+gathers every rank's write results, the coordinator writes `.metadata`, then broadcasts), so
+each node coordinator marks its node's part staged (`meshrun-staged.json` last, fsync,
+rename to `STAGE/step-N`). The sidecar's copier (launcher/sidecar/copier.py) then copies
+every node's part to the shared root and commits it there with the same marker-last rule;
+the trainer never waits for that copy. Resume always reads the shared root.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -25,7 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from launcher.rundir import node_name
+
 MARKER = "meshrun-complete.json"
+STAGED = "meshrun-staged.json"
+"""A node's part of a save, complete on its node-local scratch (not yet a checkpoint anywhere)."""
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _TMP_DIR = re.compile(r"^step-(\d{8,})\.tmp$")
 
@@ -40,13 +53,22 @@ def step_dir(root: Path, step: int) -> Path:
 
 def complete_steps(root: Path) -> list[int]:
     """Steps of the complete (marked) checkpoints under root, ascending."""
+    return _marked_steps(root, MARKER)
+
+
+def staged_steps(stage_root: Path) -> list[int]:
+    """Steps whose part on this node's scratch is staged (marked), ascending."""
+    return _marked_steps(stage_root, STAGED)
+
+
+def _marked_steps(root: Path, marker: str) -> list[int]:
     root = Path(root)
     if not root.is_dir():
         return []
     steps = []
     for entry in root.iterdir():
         match = _STEP_DIR.match(entry.name)
-        if match and (entry / MARKER).is_file():
+        if match and (entry / marker).is_file():
             steps.append(int(match.group(1)))
     return sorted(steps)
 
@@ -72,8 +94,11 @@ def resolve(root: Path, step: Optional[int] = None) -> Optional[Path]:
     return path
 
 
-def read_marker(path: Path) -> dict[str, Any]:
-    return json.loads((Path(path) / MARKER).read_text())
+def read_marker(path: Path, marker: str = MARKER) -> dict[str, Any]:
+    data = json.loads((Path(path) / marker).read_text())
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{Path(path) / marker} is not a JSON object")
+    return data
 
 
 def retention_victims(steps: list[int], keep: int, keep_every: int = 0) -> list[int]:
@@ -128,7 +153,7 @@ def write_private(path: Path, text: str, fsync: bool = False) -> None:
             os.fsync(handle.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -140,7 +165,7 @@ def commit(tmp: Path, final: Path, info: dict[str, Any]) -> None:
     """Marker last, fsync, rename: after this returns the checkpoint is durable and complete."""
     make_private_files(tmp)  # the shards, before they become a checkpoint anyone may read
     write_private(tmp / MARKER, json.dumps({**info, "committed_at": time.time()}, sort_keys=True), fsync=True)
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     if (final / MARKER).is_file():
         # A complete twin from an earlier life of the job at the same step: keep it (replacing
         # it would leave a moment with no complete newest checkpoint).
@@ -149,7 +174,18 @@ def commit(tmp: Path, final: Path, info: dict[str, Any]) -> None:
     if final.exists():  # an unmarked leftover cannot be loaded anyway
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
+
+
+def stage(tmp: Path, final: Path, info: dict[str, Any]) -> None:
+    """A node's part on its scratch: staged marker last, fsync, rename (replacing a leftover of that step)."""
+    make_private_files(tmp)
+    write_private(tmp / STAGED, json.dumps({**info, "staged_at": time.time()}, sort_keys=True), fsync=True)
+    fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
 
 
 def remove_stale(root: Path) -> list[Path]:
@@ -177,7 +213,7 @@ def apply_retention(root: Path, keep: int, keep_every: int = 0) -> list[int]:
 class _Pending:
     step: int
     tmp: Path
-    future: Optional[Future]
+    future: Optional[Future[Any]]
     info: dict[str, Any]
     started: float
     stall_s: float = 0.0
@@ -200,8 +236,19 @@ class Checkpointer:
         process_group: Any = None,
         coordinator: bool = True,
         on_commit: Optional[OnCommit] = None,
+        stage_root: Optional[Path] = None,
+        node_coordinator: Optional[bool] = None,
+        attempt: str = "",
+        nodes: int = 1,
+        node_rank: int = 0,
     ) -> None:
+        """`stage_root`: this node's scratch staging folder (saves are staged there, the sidecar copies
+        them to `root`); `node_coordinator`: this rank prepares and marks its node's part (local
+        rank 0; default: `coordinator`); `attempt`, `nodes`, `node_rank` go into the staged marker."""
         self.root = Path(root)
+        self.stage_root = Path(stage_root) if stage_root is not None else None
+        self.node_coordinator = coordinator if node_coordinator is None else node_coordinator
+        self.attempt, self.nodes, self.node_rank = attempt, nodes, node_rank
         self.keep, self.keep_every = keep, keep_every
         self.async_save = async_save
         self.group = process_group
@@ -217,6 +264,9 @@ class Checkpointer:
         if self.coordinator:
             make_private_dir(self.root)
             remove_stale(self.root)
+        if self.stage_root is not None and self.node_coordinator:
+            make_private_dir(self.stage_root)
+            remove_stale(self.stage_root)  # staged steps stay: the copier decides about them
         self._barrier()
 
     def _barrier(self) -> None:
@@ -227,11 +277,12 @@ class Checkpointer:
 
     def save(self, step: int, state: dict[str, Any], info: dict[str, Any]) -> None:
         """Start saving `state` as step N (waits for a save still in flight first)."""
-        import torch.distributed.checkpoint as dcp
+        dcp: Any = importlib.import_module("torch.distributed.checkpoint")  # its names are not re-exported for mypy
 
         self.wait()
-        tmp = self.root / f"step-{step:08d}.tmp"
-        if self.coordinator:
+        base = self.stage_root if self.stage_root is not None else self.root
+        tmp = base / f"step-{step:08d}.tmp"
+        if self.node_coordinator if self.stage_root is not None else self.coordinator:
             shutil.rmtree(tmp, ignore_errors=True)
             make_private_dir(tmp)
         self._barrier()
@@ -290,12 +341,20 @@ class Checkpointer:
         assert pending is not None
         if pending.future is not None:
             pending.future.result()  # re-raises a failed write: the .tmp stays unmarked, so ignored
-        if self.coordinator:
-            info = {
-                **pending.info,
-                "step": pending.step,
-                "save_seconds": round(time.perf_counter() - pending.started, 3),
-            }
+        info = {**pending.info, "step": pending.step, "save_seconds": round(time.perf_counter() - pending.started, 3)}
+        if self.stage_root is not None:
+            # Every node's shards are written (see the module doc): each node marks its own part.
+            # No shared commit and no retention here: the copier does both on shared storage.
+            if self.node_coordinator:
+                part = {
+                    "attempt": self.attempt,
+                    "node": node_name(os.environ),
+                    "node_rank": self.node_rank,
+                    "nodes": self.nodes,
+                    "info": info,
+                }
+                stage(pending.tmp, step_dir(self.stage_root, pending.step), {**part, "step": pending.step})
+        elif self.coordinator:
             commit(pending.tmp, step_dir(self.root, pending.step), info)
             apply_retention(self.root, self.keep, self.keep_every)
         self.last_committed = pending.step
@@ -304,7 +363,7 @@ class Checkpointer:
 
     def load(self, state: dict[str, Any], path: Path) -> dict[str, Any]:
         """Load `state` in place from a complete checkpoint; returns its marker."""
-        import torch.distributed.checkpoint as dcp
+        dcp: Any = importlib.import_module("torch.distributed.checkpoint")  # its names are not re-exported for mypy
 
         if not (Path(path) / MARKER).is_file():
             raise CheckpointError(f"{path} has no completeness marker: it is a partial save and is never loaded")
@@ -314,6 +373,6 @@ class Checkpointer:
 
 def saved_keys(path: Path) -> set[str]:
     """The state-dict keys a checkpoint holds (for optional per-rank entries such as RNG states)."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
