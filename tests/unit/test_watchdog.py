@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -399,6 +400,7 @@ def test_node_rank_0_compares_every_nodes_busy_times(tmp_path: Path) -> None:
 
 # --- a real stack dump ---------------------------------------------------------------------------------
 
+FAST = Settings(step_factor=1, step_floor_s=1, setup_timeout_s=1, diagnosis_wait_s=5)
 RANK_SCRIPT = """\
 import sys, time
 from launcher.report import Heartbeat
@@ -426,6 +428,37 @@ stuck_here() if rank == 1 else global_grad_norm()
 """
 
 
+def run_until_ended(dog: wd.Watchdog, procs: list[subprocess.Popen[bytes]], log: Lines) -> None:
+    """Tick like the sidecar (every 0.2 s here) until the watchdog ended the ranks; they must die by SIGKILL."""
+    try:
+        deadline = time.monotonic() + 30
+        while not dog.ended and time.monotonic() < deadline:
+            dog.tick()
+            time.sleep(0.2)
+        assert dog.ended, log
+        for proc in procs:
+            assert proc.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def start_ranks(
+    script: Path, run: RunDir, node_dir: NodeDir, extra_env: dict[str, str]
+) -> list[subprocess.Popen[bytes]]:
+    env = {**os.environ, **extra_env, "MESHRUN_RUN_DIR": run.root, "MESHRUN_NODE_DIR": node_dir.root}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(rank), run.root], env=env, stdout=subprocess.PIPE)
+        for rank in (0, 1)
+    ]
+    for proc in procs:
+        assert proc.stdout is not None and proc.stdout.readline() == b"stuck\n"
+    return procs
+
+
 def test_real_ranks_are_dumped_diagnosed_and_killed(tmp_path: Path) -> None:
     """Two real processes stamp heartbeats through launcher.report.Heartbeat and hang (one in `stuck_here`,
     one in a function named all_reduce); a third pid has a heartbeat without stack_signal. The watchdog with
@@ -434,7 +467,6 @@ def test_real_ranks_are_dumped_diagnosed_and_killed(tmp_path: Path) -> None:
     node_dir = run.node_dir("", "n1")
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
-    settings = Settings(step_factor=1, step_floor_s=1, setup_timeout_s=1, diagnosis_wait_s=5)
     calls: list[tuple[int, int]] = []
 
     def kill(pid: int, sig: int) -> None:
@@ -442,30 +474,11 @@ def test_real_ranks_are_dumped_diagnosed_and_killed(tmp_path: Path) -> None:
         os.kill(pid, sig)
 
     log = Lines()
-    dog = wd.Watchdog(run, node_dir, "n1", 0, 1, [0, 1, 2], settings, "7.0", log, kill=kill)
-    env = {**os.environ, "MESHRUN_RUN_DIR": run.root, "MESHRUN_NODE_DIR": node_dir.root}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    procs = [
-        subprocess.Popen([sys.executable, str(script), str(rank), run.root], env=env, stdout=subprocess.PIPE)
-        for rank in (0, 1)
-    ]
+    dog = wd.Watchdog(run, node_dir, "n1", 0, 1, [0, 1, 2], FAST, "7.0", log, kill=kill)
     unarmed = subprocess.Popen(["sleep", "600"])  # a program that never registered the stack dump
-    try:
-        for proc in procs:
-            assert proc.stdout is not None and proc.stdout.readline() == b"stuck\n"
-        beat(node_dir, 2, 3, time.time(), pid=unarmed.pid)
-        deadline = time.monotonic() + 20
-        while not dog.ended and time.monotonic() < deadline:
-            dog.tick()
-            time.sleep(0.2)
-        assert dog.ended, log
-        for proc in (*procs, unarmed):
-            assert proc.wait(timeout=10) == -signal.SIGKILL
-    finally:
-        for proc in (*procs, unarmed):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    procs = [*start_ranks(script, run, node_dir, {}), unarmed]
+    beat(node_dir, 2, 3, time.time(), pid=unarmed.pid)
+    run_until_ended(dog, procs, log)
     pids = {procs[0].pid: 0, procs[1].pid: 1, unarmed.pid: 2}
     assert sorted(pids[pid] for pid, sig in calls if sig == signal.SIGUSR2) == [0, 1]
     assert sorted(pids[pid] for pid, sig in calls if sig == signal.SIGKILL) == [0, 1, 2]
@@ -481,3 +494,51 @@ def test_real_ranks_are_dumped_diagnosed_and_killed(tmp_path: Path) -> None:
     assert f"rank 2 (n1, pid {unarmed.pid}) gave no stack" in text
     assert "stuck_here" in Path(run.node_diagnosis("n1"), "rank-1.stack.txt").read_text()
     assert Path(run.exit_code).read_text() == "76\n"
+
+
+GLOO_SCRIPT = """\
+import sys, time
+import torch
+import torch.distributed as dist
+from launcher.report import Heartbeat
+
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", rank=rank, world_size=2)
+Heartbeat(sys.argv[2], rank).stamp(1)
+
+
+def stuck_here():
+    time.sleep(600)
+
+
+def global_grad_norm():
+    dist.all_reduce(torch.ones(1))
+
+
+print("stuck", flush=True)
+stuck_here() if rank == 1 else global_grad_norm()
+"""
+
+
+def test_a_real_gloo_all_reduce_is_named_with_its_caller(tmp_path: Path) -> None:
+    """Rank 0 blocks in a real torch.distributed all_reduce that rank 1 never joins (it sleeps)."""
+    pytest.importorskip("torch")
+    run = RunDir(str(tmp_path / "run"))
+    node_dir = run.node_dir("", "n1")
+    script = tmp_path / "gloo_rank.py"
+    script.write_text(GLOO_SCRIPT)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = Lines()
+    dog = wd.Watchdog(run, node_dir, "n1", 0, 1, [0, 1], FAST, "8.0", log)
+    procs = start_ranks(script, run, node_dir, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    run_until_ended(dog, procs, log)
+    lines = GLOO_SCRIPT.splitlines()
+    caller_line = lines.index("    dist.all_reduce(torch.ones(1))") + 1
+    verdict = json.loads(Path(run.verdict_json).read_text())
+    assert [(r["rank"], r["state"], r["where"]) for r in verdict["ranks"]] == [
+        (0, "collective", f"all_reduce (called from {script}:{caller_line} global_grad_norm)"),
+        (1, "stalled", f"stuck_here ({script}:{lines.index('    time.sleep(600)') + 1})"),
+    ]
+    assert "torch/distributed/distributed_c10d.py" in Path(run.node_diagnosis("n1"), "rank-0.stack.txt").read_text()
