@@ -90,3 +90,10 @@ class RankTrack:
         if isinstance(beat.get("busy_s"), (int, float)):
             self.busy.append(float(beat["busy_s"]))
         return True
+
+    def medians(self) -> dict[str, Optional[float]]:
+        """What the node shares for straggler detection: recent median busy and step time."""
+        return {
+            "busy_s": statistics.median(self.busy) if self.busy else None,
+            "step_s": statistics.median(self.durations) if self.durations else None,
+        }

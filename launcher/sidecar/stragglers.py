@@ -7,14 +7,29 @@ slow step (a checkpoint, a page fault) names nobody.
 
 from __future__ import annotations
 
+import os
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
+
+from launcher.rundir import RunDir
+from launcher.sidecar.beats import read_json
 
 STREAK = 3
 """Consecutive checks over the factor before a rank is named ("persistently")."""
 FRESH_S = 60.0
 """A node's step-time file older than this is left out (that node's sidecar is gone or stuck)."""
+
+
+def read_step_times(run_dir: RunDir, node: str) -> list[dict[str, Any]]:
+    """Every node's shared step times (RunDir.step_times), of whichever attempt."""
+    folder = os.path.dirname(run_dir.step_times(node))
+    try:
+        names = sorted(name for name in os.listdir(folder) if name.endswith(".json"))
+    except OSError:
+        return []
+    files = [read_json(os.path.join(folder, name)) for name in names]
+    return [data for data in files if data is not None]
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ import json
 import os
 import signal
 import stat
-import statistics
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -34,7 +33,7 @@ from launcher.sidecar.beats import (
     read_json,
     write_text,
 )
-from launcher.sidecar.stragglers import StragglerTracker, rank_times
+from launcher.sidecar.stragglers import StragglerTracker, rank_times, read_step_times
 from launcher.spec import Watchdog as WatchdogSettings
 
 STALE_GRACE_S = 5.0
@@ -372,12 +371,8 @@ class Watchdog:
 
     def _missing_nodes(self, done: set[str], now: float) -> list[str]:
         """The nodes without a part, by name where their shared step times name them."""
-        folder = os.path.dirname(self.run_dir.step_times(self.node))
-        known = set()
-        for name in os.listdir(folder) if os.path.isdir(folder) else []:
-            data = read_json(os.path.join(folder, name))
-            if data is not None and data.get("attempt") == self.attempt:
-                known.add(str(data.get("node")))
+        shared = read_step_times(self.run_dir, self.node)
+        known = {str(data.get("node")) for data in shared if data.get("attempt") == self.attempt}
         missing = sorted(known - done)
         unnamed = self.nodes - len(done) - len(missing)
         if unnamed > 0:
@@ -404,20 +399,12 @@ class Watchdog:
 
     # --- stragglers -------------------------------------------------------------------------------
     def _share_step_times(self, now: float) -> None:
-        ranks = {}
-        for rank, track in self.tracks.items():
-            if track.beat:
-                ranks[str(rank)] = {
-                    "busy_s": statistics.median(track.busy) if track.busy else None,
-                    "step_s": statistics.median(track.durations) if track.durations else None,
-                }
+        ranks = {str(rank): track.medians() for rank, track in self.tracks.items() if track.beat}
         data = {"node": self.node, "attempt": self.attempt, "time": now, "ranks": ranks}
         atomic_json(self.run_dir.step_times(self.node), data)
 
     def _check_stragglers(self, now: float) -> None:
-        folder = os.path.dirname(self.run_dir.step_times(self.node))
-        files = [read_json(os.path.join(folder, name)) for name in sorted(os.listdir(folder)) if name.endswith(".json")]
-        times = rank_times([f for f in files if f is not None], self.attempt, now)
+        times = rank_times(read_step_times(self.run_dir, self.node), self.attempt, now)
         if not times:
             return
         report, scalars = self.stragglers.check(times, now)
