@@ -29,7 +29,9 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -42,6 +44,8 @@ NODES_DIR = ".meshrun-nodes"
 """In `SHARED/step-N.tmp/`: one done file per node (kept in the checkpoint: its files' checksums)."""
 CHUNK = 8 << 20
 """Read/write size of the streamed copy (large: few syscalls, the hash keeps up)."""
+MAX_WORKERS = 8
+"""Files copied at once (a node's part has a file per rank): hashing and I/O spread over cores."""
 RETRY_MAX_S = 30.0
 """The longest wait before a failed copy is tried again (the backoff doubles from 1 s)."""
 LogFn = Callable[[str], None]
@@ -51,36 +55,86 @@ class CopyError(RuntimeError):
     """A file whose copy on shared storage does not match its source."""
 
 
-def _hash_file(path: Path) -> tuple[int, str]:
-    digest, size = hashlib.sha256(), 0
-    buffer = bytearray(CHUNK)
-    view = memoryview(buffer)
+class _Hasher:
+    """sha256 of a stream of chunks, hashed on a second thread while the caller does its I/O.
+
+    hashlib releases the GIL on large buffers, so hashing chunk i overlaps writing chunk i and
+    reading chunk i+1: the copy costs about max(I/O, hashing), not their sum. Two buffers take
+    turns; one is refilled only after its hash is done.
+    """
+
+    def __init__(self, pool: ThreadPoolExecutor) -> None:
+        self.digest, self.size, self.pool = hashlib.sha256(), 0, pool
+        self.buffers = (bytearray(CHUNK), bytearray(CHUNK))
+        self.pending: Optional[Future[None]] = None
+        self.turn = 0
+
+    def fill(self, handle: Any) -> Optional[memoryview]:
+        """Read the next chunk into a free buffer; None at the end."""
+        buffer = self.buffers[self.turn]
+        self.turn ^= 1
+        count = handle.readinto(buffer)
+        return memoryview(buffer)[:count] if count else None
+
+    def add(self, chunk: memoryview) -> None:
+        if self.pending is not None:
+            self.pending.result()  # sha256 is sequential: chunk i before chunk i+1
+        self.size += len(chunk)
+        self.pending = self.pool.submit(self.digest.update, chunk)
+
+    def result(self) -> tuple[int, str]:
+        if self.pending is not None:
+            self.pending.result()
+        return self.size, self.digest.hexdigest()
+
+
+def _hash_file(path: Path, pool: ThreadPoolExecutor) -> tuple[int, str]:
+    hasher = _Hasher(pool)
     with open(path, "rb", buffering=0) as handle:
-        while count := handle.readinto(buffer):
-            digest.update(view[:count])
-            size += count
-    return size, digest.hexdigest()
+        while (chunk := hasher.fill(handle)) is not None:
+            hasher.add(chunk)
+    return hasher.result()
 
 
-def copy_file(src: Path, dst: Path) -> tuple[int, str]:
-    """Stream `src` to `dst` (0600), hashing on the way, fsync; returns (size, sha256) of what was read."""
-    digest, size = hashlib.sha256(), 0
-    buffer = bytearray(CHUNK)
-    view = memoryview(buffer)
+def copy_file(src: Path, dst: Path, pool: ThreadPoolExecutor) -> tuple[int, str]:
+    """Stream `src` to `dst` (0600), hashing on the way, then fsync it while reading it back.
+
+    Returns (size, sha256) of what was read; raises CopyError when the read-back differs. The
+    read-back runs during the fsync (both must finish before anyone relies on the file): it
+    checks what the kernel holds for the file, which is what the fsync makes durable.
+    """
+    hasher = _Hasher(pool)
     fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, ckpt.FILE_MODE)
     try:
         os.fchmod(fd, ckpt.FILE_MODE)
         with open(src, "rb", buffering=0) as handle:
-            while count := handle.readinto(buffer):
-                digest.update(view[:count])
+            while (chunk := hasher.fill(handle)) is not None:
+                hasher.add(chunk)
                 written = 0
-                while written < count:
-                    written += os.write(fd, view[written:count])
-                size += count
-        os.fsync(fd)
+                while written < len(chunk):
+                    written += os.write(fd, chunk[written:])
+        expected = hasher.result()
+        synced: list[BaseException] = []
+        syncer = threading.Thread(target=_fsync_into, args=(fd, synced))
+        syncer.start()
+        try:
+            got = _hash_file(dst, pool)
+        finally:
+            syncer.join()
+        if synced:
+            raise synced[0]
     finally:
         os.close(fd)
-    return size, digest.hexdigest()
+    if got != expected:
+        raise CopyError(f"{dst} does not match {src} after the copy (size or sha256)")
+    return expected
+
+
+def _fsync_into(fd: int, errors: list[BaseException]) -> None:
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        errors.append(exc)
 
 
 def part_files(staged: Path) -> list[str]:
@@ -141,23 +195,27 @@ def copy_part(staged_step_dir: Path, shared_root: Path, node: str, node_rank: in
     ckpt.make_private_dir(tmp)
     ckpt.make_private_dir(done.parent)
     done.unlink(missing_ok=True)  # from here until the new one, this node's part is not done
-    files: dict[str, list[Any]] = {}
-    for rel in part_files(staged):
-        src, dst = staged / rel, tmp / rel
-        if dst.parent != tmp:
-            ckpt.make_private_dir(dst.parent)
-        expected = _hash_file(src) if dst.is_file() and dst.stat().st_size == src.stat().st_size else None
-        if expected is None or _hash_file(dst) != expected:
-            expected = copy_file(src, dst)
-            if _hash_file(dst) != expected:
-                raise CopyError(f"{dst} does not match {src} after the copy (size or sha256)")
-        files[rel] = list(expected)
+    rels = part_files(staged)
+    workers = max(1, min(len(rels), os.cpu_count() or 1, MAX_WORKERS))
+    with ThreadPoolExecutor(workers) as files_pool, ThreadPoolExecutor(workers) as hash_pool:
+        sums = files_pool.map(lambda rel: _copy_verified(staged / rel, tmp / rel, tmp, hash_pool), rels)
+        files = {rel: list(result) for rel, result in zip(rels, sums)}
     record = {"node": node, "node_rank": node_rank, "attempt": attempt, "step": step, "files": files}
     if node_rank == 0:
         record["info"] = marker.get("info", {})  # what the commit's marker says (the trainer's info)
     _write_atomic(done, record)
     _mark_copied(staged, record)
     return True
+
+
+def _copy_verified(src: Path, dst: Path, tmp: Path, pool: ThreadPoolExecutor) -> tuple[int, str]:
+    """One file: kept when it is already there and verifies, else copied, fsynced and read back."""
+    if dst.parent != tmp:
+        ckpt.make_private_dir(dst.parent)
+    expected = _hash_file(src, pool) if dst.is_file() and dst.stat().st_size == src.stat().st_size else None
+    if expected is None or _hash_file(dst, pool) != expected:
+        expected = copy_file(src, dst, pool)
+    return expected
 
 
 def _mark_copied(staged: Path, record: dict[str, Any]) -> None:

@@ -41,6 +41,14 @@ QUICK: dict[str, tuple[list[str], list[str]]] = {
             rf"ratio load/read {NUMBER}",
         ],
     ),
+    "copier.py": (
+        ["--quick"],
+        [
+            rf"async save stall +{NUMBER} s +{NUMBER} s +{NUMBER}",
+            rf"copy vs cp -r +{NUMBER} MB/s +{NUMBER} MB/s +{NUMBER}",
+            rf"copy vs cp -r \+ sync +{NUMBER} MB/s +{NUMBER} MB/s +{NUMBER}",
+        ],
+    ),
     "throughput.py": (
         ["--quick"],
         [rf"meshrun loop : +{NUMBER} tokens/s", rf"minimal loop : +{NUMBER} tokens/s", rf"ratio +: {NUMBER}"],
