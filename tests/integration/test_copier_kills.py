@@ -7,8 +7,13 @@ with SIGKILL after a random delay, then the other's too if it is still running. 
 checkpoint that shows up marked on shared storage must hold exactly the sources' files, byte for
 byte (sha256). Then both copiers run again and must complete the checkpoint.
 
-5 trials in CI; MESHRUN_SOAK=1 runs 20 (the issue's soak count). The seed of each trial is in its
-id, so a failing trial reruns the same delays.
+The same trials run on the real 2-node Slurm testbed, each node's copier started by
+`srun -N2 --ntasks-per-node=1` on its own node (n1, n2).
+
+5 local trials and 2 on the testbed in CI; MESHRUN_SOAK=1 runs 20 of each (the issue's soak
+count). The seed of each trial is in its id, so a failing trial reruns the same delays. A copier
+that writes its done file before copying (a deliberate bug) fails about 5 of 20 local trials and
+16 of 20 on the testbed.
 """
 
 from __future__ import annotations
@@ -145,3 +150,65 @@ def test_a_killed_copier_never_leaves_a_marked_partial_checkpoint_and_a_rerun_co
     assert watcher.seen == {STEP: "ok"}
     assert not ckpt.staged_steps(tmp_path / "node0")  # node 0 committed, then pruned its part
     assert not list(shared.glob("*.tmp"))
+
+
+NODE_SCRIPT = """
+set -m  # the copier gets its own process group: the kill takes its copy child too, as a node's death does
+node=$SLURM_NODEID
+secs=$([ "$node" = 0 ] && echo "$SECS0" || echo "$SECS1")
+"$PY" -m launcher.sidecar.copier run "$ROOT/node$node" "$ROOT/shared" "$SLURMD_NODENAME" "$node" 2 "$ATTEMPT" 3 0 "$secs" &
+pid=$!
+if [ "$node" = "$VICTIM" ]; then
+  # Aimed trials wait for the victim's copy to begin (its first file on shared storage), then the delay.
+  if [ -n "$FIRST" ]; then for _ in $(seq 2500); do [ -e "$FIRST" ] && break; sleep 0.002; done; fi
+  sleep "$DELAY"; kill -KILL -- "-$pid" 2>/dev/null
+fi
+wait "$pid"
+true
+"""
+
+
+def srun_copiers(root: Path, victim: int, delay: float, seconds: tuple[float, float], aim: bool = False) -> None:
+    env = dict(os.environ, PY=sys.executable, ROOT=str(root), ATTEMPT=ATTEMPT, VICTIM=str(victim), FIRST="")
+    if aim:
+        env["FIRST"] = str(root / "shared" / f"step-{STEP:08d}.tmp" / sorted(PARTS[victim])[0])
+    env |= {"DELAY": f"{delay:.3f}", "SECS0": str(seconds[0]), "SECS1": str(seconds[1])}
+    done = subprocess.run(
+        ["srun", "-N2", "--ntasks-per-node=1", "--time=2", "bash", "-c", NODE_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+TESTBED_TRIALS = 20 if os.environ.get("MESHRUN_SOAK") == "1" else 2
+
+
+@pytest.mark.parametrize("seed", range(TESTBED_TRIALS))
+def test_on_two_slurm_nodes_a_killed_copier_leaves_no_marked_partial_checkpoint(
+    testbed: dict[str, object], tmp_path: Path, seed: int
+) -> None:
+    """The same trial with each node's copier started by srun on its own Slurm node (n1, n2)."""
+    rng = random.Random(1000 + seed)
+    sources = stage_nodes(tmp_path, rng)
+    shared = tmp_path / "shared"
+    watcher = Watcher(shared, sources)
+    watcher.start()
+    try:
+        if rng.random() < 0.5:
+            srun_copiers(tmp_path, rng.choice((0, 1)), delay=rng.uniform(0.0, 0.6), seconds=(1.5, 20))
+        else:  # aimed inside the copy window
+            srun_copiers(tmp_path, rng.choice((0, 1)), delay=rng.uniform(0.0, 0.05), seconds=(1.5, 20), aim=True)
+        check_marked(shared, sources, watcher.seen)
+        assert all(verdict == "ok" for verdict in watcher.seen.values()), watcher.seen
+        srun_copiers(tmp_path, victim=-1, delay=0, seconds=(30, 30))
+    finally:
+        watcher.halt.set()
+        watcher.join()
+    check_marked(shared, sources, watcher.seen)
+    assert watcher.seen == {STEP: "ok"}
+    assert not list(shared.glob("*.tmp"))
+    done = ckpt.step_dir(shared, STEP) / copier.NODES_DIR
+    assert {copier.read_json(done / f"{rank}.json")["node"] for rank in (0, 1)} == {"n1", "n2"}  # two Slurm nodes
