@@ -4,8 +4,9 @@ The trainer stages each node's part of a save on that node's scratch (launcher/c
 `STAGE/step-N/` with `meshrun-staged.json` written last). Here, on every node:
 
 - copy: a child process (`python -m launcher.sidecar.copier copy ...`) copies the node's part
-  into `SHARED/step-N.tmp/`: per file a streamed copy hashed on the way (sha256), fsync, then a
-  check of the destination (size, and sha256 read back); then the node's done file
+  into `SHARED/step-N.tmp/` (launcher/sidecar/copyfile.py): per file a streamed copy hashed on
+  the way (sha256), fsync, and a check of the destination (size, and sha256 read back; files in
+  parallel); then the node's done file
   `SHARED/step-N.tmp/.meshrun-nodes/<node_rank>.json` (tmp + fsync + rename) and, on scratch,
   `meshrun-copied.json`. A child killed half way is simply run again: files whose copy does not
   verify are redone, verified ones are kept.
@@ -23,118 +24,29 @@ Torch-free and stdlib only: the sidecar runs it beside the ranks.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from launcher import checkpoint as ckpt
 from launcher.exitcodes import EXIT_FAILED, EXIT_INPUT
+from launcher.sidecar.copyfile import CopyError, copy_file, hash_file
 
 COPIED = "meshrun-copied.json"
 """On scratch, in a staged step: this node's part is verified on shared storage."""
 NODES_DIR = ".meshrun-nodes"
 """In `SHARED/step-N.tmp/`: one done file per node (kept in the checkpoint: its files' checksums)."""
-CHUNK = 8 << 20
-"""Read/write size of the streamed copy (large: few syscalls, the hash keeps up)."""
 MAX_WORKERS = 8
 """Files copied at once (a node's part has a file per rank): hashing and I/O spread over cores."""
 RETRY_MAX_S = 30.0
 """The longest wait before a failed copy is tried again (the backoff doubles from 1 s)."""
 LogFn = Callable[[str], None]
-
-
-class CopyError(RuntimeError):
-    """A file whose copy on shared storage does not match its source."""
-
-
-class _Hasher:
-    """sha256 of a stream of chunks, hashed on a second thread while the caller does its I/O.
-
-    hashlib releases the GIL on large buffers, so hashing chunk i overlaps writing chunk i and
-    reading chunk i+1: the copy costs about max(I/O, hashing), not their sum. Two buffers take
-    turns; one is refilled only after its hash is done.
-    """
-
-    def __init__(self, pool: ThreadPoolExecutor) -> None:
-        self.digest, self.size, self.pool = hashlib.sha256(), 0, pool
-        self.buffers = (bytearray(CHUNK), bytearray(CHUNK))
-        self.pending: Optional[Future[None]] = None
-        self.turn = 0
-
-    def fill(self, handle: Any) -> Optional[memoryview]:
-        """Read the next chunk into a free buffer; None at the end."""
-        buffer = self.buffers[self.turn]
-        self.turn ^= 1
-        count = handle.readinto(buffer)
-        return memoryview(buffer)[:count] if count else None
-
-    def add(self, chunk: memoryview) -> None:
-        if self.pending is not None:
-            self.pending.result()  # sha256 is sequential: chunk i before chunk i+1
-        self.size += len(chunk)
-        self.pending = self.pool.submit(self.digest.update, chunk)
-
-    def result(self) -> tuple[int, str]:
-        if self.pending is not None:
-            self.pending.result()
-        return self.size, self.digest.hexdigest()
-
-
-def _hash_file(path: Path, pool: ThreadPoolExecutor) -> tuple[int, str]:
-    hasher = _Hasher(pool)
-    with open(path, "rb", buffering=0) as handle:
-        while (chunk := hasher.fill(handle)) is not None:
-            hasher.add(chunk)
-    return hasher.result()
-
-
-def copy_file(src: Path, dst: Path, pool: ThreadPoolExecutor) -> tuple[int, str]:
-    """Stream `src` to `dst` (0600), hashing on the way, then fsync it while reading it back.
-
-    Returns (size, sha256) of what was read; raises CopyError when the read-back differs. The
-    read-back runs during the fsync (both must finish before anyone relies on the file): it
-    checks what the kernel holds for the file, which is what the fsync makes durable.
-    """
-    hasher = _Hasher(pool)
-    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, ckpt.FILE_MODE)
-    try:
-        os.fchmod(fd, ckpt.FILE_MODE)
-        with open(src, "rb", buffering=0) as handle:
-            while (chunk := hasher.fill(handle)) is not None:
-                hasher.add(chunk)
-                written = 0
-                while written < len(chunk):
-                    written += os.write(fd, chunk[written:])
-        expected = hasher.result()
-        synced: list[BaseException] = []
-        syncer = threading.Thread(target=_fsync_into, args=(fd, synced))
-        syncer.start()
-        try:
-            got = _hash_file(dst, pool)
-        finally:
-            syncer.join()
-        if synced:
-            raise synced[0]
-    finally:
-        os.close(fd)
-    if got != expected:
-        raise CopyError(f"{dst} does not match {src} after the copy (size or sha256)")
-    return expected
-
-
-def _fsync_into(fd: int, errors: list[BaseException]) -> None:
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        errors.append(exc)
 
 
 def part_files(staged: Path) -> list[str]:
@@ -181,7 +93,8 @@ def _write_atomic(path: Path, data: dict[str, Any]) -> None:
 
 def copy_part(staged_step_dir: Path, shared_root: Path, node: str, node_rank: int) -> bool:
     """Copy, fsync and verify this node's part of a staged step into `SHARED/step-N.tmp/`, then write
-    its done file. True: the part is verified on shared storage (or the step is complete there)."""
+    its done file. True once the part is verified on shared storage (or the step is complete there);
+    a file that does not verify raises CopyError, an I/O failure OSError (the caller retries)."""
     staged = Path(staged_step_dir)
     marker = ckpt.read_marker(staged, ckpt.STAGED)
     step, attempt = int(marker["step"]), str(marker["attempt"])
@@ -212,8 +125,8 @@ def _copy_verified(src: Path, dst: Path, tmp: Path, pool: ThreadPoolExecutor) ->
     """One file: kept when it is already there and verifies, else copied, fsynced and read back."""
     if dst.parent != tmp:
         ckpt.make_private_dir(dst.parent)
-    expected = _hash_file(src, pool) if dst.is_file() and dst.stat().st_size == src.stat().st_size else None
-    if expected is None or _hash_file(dst, pool) != expected:
+    expected = hash_file(src, pool) if dst.is_file() and dst.stat().st_size == src.stat().st_size else None
+    if expected is None or hash_file(dst, pool) != expected:
         expected = copy_file(src, dst, pool)
     return expected
 
@@ -241,6 +154,10 @@ def commit_ready(shared_root: Path, nodes: int, attempt: str, keep: int, keep_ev
     committed = []
     for entry in sorted(Path(shared_root).glob("step-*.tmp")):
         step = int(entry.name[len("step-") : -len(".tmp")])
+        if (ckpt.step_dir(shared_root, step) / ckpt.MARKER).is_file():
+            # A late copier recreated the folder just as the step committed: a leftover, never needed.
+            shutil.rmtree(entry, ignore_errors=True)
+            continue
         info = ready(shared_root, step, nodes, attempt)
         if info is None:
             continue

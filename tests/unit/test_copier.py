@@ -80,6 +80,13 @@ def test_commit_waits_for_every_node_and_checks_sizes(tmp_path: Path) -> None:
         for rel in copier.part_files(ckpt.step_dir(staging, 10)):
             assert sha(final / rel) == sha(ckpt.step_dir(staging, 10) / rel)
     assert not (final / ckpt.STAGED).exists()
+    # A node that copies again as the step commits (it saw neither the marker nor its done file)
+    # leaves a twin folder: the next commit round removes it, and keeps the checkpoint.
+    copier.copy_part(ckpt.step_dir(b, 10), shared, "n1", 1)
+    assert not copier.shared_tmp(shared, 10).is_dir()  # complete on shared: nothing to copy
+    copier.shared_tmp(shared, 10).mkdir()
+    assert copier.commit_ready(shared, 2, ATTEMPT, keep=3, keep_every=0) == []
+    assert not copier.shared_tmp(shared, 10).exists() and ckpt.complete_steps(shared) == [10]
 
 
 def test_commit_applies_retention_on_shared_storage(tmp_path: Path) -> None:
