@@ -221,7 +221,8 @@ class _Pending:
 
 
 OnCommit = Callable[[int, float], None]
-"""Called with (step, save stall in seconds) after each commit, whichever call committed it."""
+"""Called with (step, save stall in seconds) after each commit (with `stage_root`: after each node's
+part is staged), whichever call finished it."""
 
 
 class Checkpointer:
@@ -256,6 +257,8 @@ class Checkpointer:
         self._pending: Optional[_Pending] = None
         self.last_save_stall_s = 0.0
         self.last_committed: Optional[int] = None
+        """The newest step this Checkpointer finished: committed on `root`, or with `stage_root`
+        staged on scratch (its shared copy is the sidecar's, and may still be under way)."""
         self._staging: Any = None
         self.on_commit = on_commit
 
