@@ -3,7 +3,7 @@
     .venv/bin/python bench/sidecar.py [--steps N] [--rounds R] [--interval S] [--quick]
 
 One in-process rank runs the trainer's own loop (bench/trainer_setup.py) beside a real sidecar process
-on the same run dir, started once (its start is not measured): rounds alternate (ABBA) between the
+on the same run dir (sampling, reading the rank's heartbeat for the hang watch), started once (its start is not measured): rounds alternate (ABBA) between the
 sidecar paused (SIGSTOP: no sidecar) and running (SIGCONT). The sidecar samples every --interval seconds: 1 s by default,
 five times the spec's default rate, so the figure is an upper bound. On a GPU machine it reads NVML
 for every visible GPU; here it reads /proc only. The ratio is of the medians. Goal: overhead < 1%.
@@ -47,7 +47,8 @@ def job_for(data: Path, steps: int, interval_s: float) -> JobSpec:
 
 def timed_round(t: Trainer, first: int, steps: int, run_dir: Path) -> float:
     """Seconds for `steps` steps of the trainer's own loop."""
-    metrics = MetricsLog(str(run_dir), enabled=True, steps=t.cfg.steps)
+    # rank 0 stamps its heartbeat (in both arms): the sidecar's hang watch reads it every second.
+    metrics = MetricsLog(str(run_dir), enabled=True, steps=t.cfg.steps, rank=0)
     real_stdout, sys.stdout = sys.stdout, open(os.devnull, "w")
     try:
         start = time.perf_counter()

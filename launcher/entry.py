@@ -46,9 +46,10 @@ def flight_recorder_env(node: NodeDir) -> dict[str, str]:
     pipe (a hang's diagnosis) or when a collective times out. Ignored by gloo (CPU) ranks."""
     os.makedirs(os.path.dirname(node.nccl_prefix), mode=0o700, exist_ok=True)
     return {
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        # torch >= 2.6 names (TORCH_FR_*); the older TORCH_NCCL_TRACE_* ones only warn.
+        "TORCH_FR_BUFFER_SIZE": "2000",
+        "TORCH_FR_DUMP_TEMP_FILE": node.nccl_prefix,
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": node.nccl_prefix,
         "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": node.nccl_pipe_prefix,
     }
 

@@ -71,7 +71,7 @@ def choose(root: Path, requested: Optional[int] = None) -> Choice:
         path = ckpt.resolve(root, requested)  # raises CheckpointError if incomplete
         assert path is not None
         return _count(root, attempts, requested, f"resuming from the requested step {requested}")
-    notes = []
+    notes: list[str] = []
     for step in reversed(ckpt.complete_steps(root)):
         if attempts.get(str(step), 0) < MAX_ATTEMPTS:
             return _count(root, attempts, step, "; ".join(notes + [f"resuming from step {step}"]))

@@ -33,6 +33,7 @@ from launcher.data import (
     check_train_data,
     val_steps,
 )
+from launcher.entry import node_dir_for
 from launcher.env import RankEnv, setdefault_env
 from launcher.faults import faults_for
 from launcher.gpus import mfu_peak
@@ -43,7 +44,7 @@ from launcher.parallel import apply_data_parallel, apply_tensor_parallel, build_
 from launcher.parallel_dims import Coordinates, ParallelDims
 from launcher.pipeline import Executor, PipelineExecutor, PlainExecutor, StepLoss
 from launcher.preempt import EXIT_FINISHED, EXIT_GAVE_UP, EXIT_REQUEUE, StopFlag, agree
-from launcher.rundir import RunDir
+from launcher.rundir import RunDir, attempt_id
 from launcher.runtime import Runtime, check_tasks, init_distributed, pick_runtime
 from launcher.schema import SchemaError
 from launcher.spec import JobSpec, RunSpec, Train
@@ -314,7 +315,8 @@ def make_checkpointer(run_spec: RunSpec, env: RankEnv, metrics: Optional[Metrics
     policy = run_spec.job.checkpoint
     group = dist.new_group(backend="gloo") if env.world_size > 1 else None
     root = Path(run_spec.run.checkpoint_dir or RunDir(run_spec.run.run_dir).default_checkpoints)
-    on_commit = _committed(root, metrics) if env.rank == 0 and metrics is not None else None
+    staged = bool(run_spec.run.scratch_dir)
+    on_commit = _committed(root, metrics, staged) if env.rank == 0 and metrics is not None else None
     saver = Checkpointer(
         root,
         keep=policy.keep,
@@ -323,20 +325,29 @@ def make_checkpointer(run_spec: RunSpec, env: RankEnv, metrics: Optional[Metrics
         process_group=group,
         coordinator=env.rank == 0,
         on_commit=on_commit,
+        # With node-local scratch the save is staged there (the stall pays for the fast disk only) and
+        # the node's sidecar copies it to `root`; resume always reads `root`.
+        stage_root=Path(node_dir_for(run_spec, os.environ).staging) if staged else None,
+        node_coordinator=env.local_rank == 0,
+        attempt=attempt_id(os.environ),
+        nodes=env.num_nodes,
+        node_rank=env.node_rank,
     )
     saver.prepare()
     return saver
 
 
-def _committed(root: Path, metrics: MetricsLog) -> Callable[[int, float], None]:
+def _committed(root: Path, metrics: MetricsLog, staged: bool) -> Callable[[int, float], None]:
     """Rank 0's reaction to every commit, whichever call commits it (a poll, the next save's
-    wait, the final save, a save on a signal): the metrics event and the crash-loop guard."""
+    wait, the final save, a save on a signal): the metrics event and the crash-loop guard.
+    A save staged on scratch is not yet on shared storage: the sidecar's copier resets the guard
+    when it commits there, and the event says "staged"."""
 
     def on_commit(step: int, stall_s: float) -> None:
-        resume.progress_made(root)  # a newer checkpoint: earlier failed resumes stop counting
-        metrics.event(
-            {"event": "checkpoint", "checkpoint_step": step, "save_stall_s": round(stall_s, 4), "time": time.time()}
-        )
+        if not staged:
+            resume.progress_made(root)  # a newer checkpoint: earlier failed resumes stop counting
+        event = {"event": "checkpoint", "checkpoint_step": step, "save_stall_s": round(stall_s, 4)}
+        metrics.event({**event, **({"staged": True} if staged else {}), "time": time.time()})
 
     return on_commit
 

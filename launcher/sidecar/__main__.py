@@ -50,7 +50,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         sidecar = Sidecar(run_dir, node, os.environ, log)
         why = run_tasks(sidecar.tasks(), stop, lambda: os.getppid() == parent, log)
-        log(f"stopped: {why} ({sidecar.samples} samples)")
+        log(f"stopping: {why} ({sidecar.samples} samples)")
+        sidecar.finish_copies()
+        log("stopped")
     except BaseException as exc:  # never into the job: one line, exit 0
         log(f"stopped by an error: {type(exc).__name__}: {exc}")
     finally:

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from launcher import checkpoint as ckpt
+from launcher import resume
 from launcher.exitcodes import EXIT_FAILED, EXIT_INPUT
 from launcher.sidecar.copyfile import CopyError, copy_file, hash_file
 
@@ -164,6 +165,7 @@ def commit_ready(shared_root: Path, nodes: int, attempt: str, keep: int, keep_ev
         ckpt.commit(entry, ckpt.step_dir(shared_root, step), {**info, "step": step, "copied_at": time.time()})
         committed.append(step)
     if committed:
+        resume.progress_made(Path(shared_root))  # a newer complete checkpoint: the crash-loop guard resets
         ckpt.apply_retention(Path(shared_root), keep, keep_every)
     return committed
 

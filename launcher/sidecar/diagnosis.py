@@ -257,7 +257,8 @@ def verdict(
         parts.append(f"{', '.join(missing)} sent no diagnosis within {wait_s:.0f} s.")
     parts.append(
         f"Stacks, heartbeats and GPU state: {diagnosis_dir}/. "
-        "The job ends with exit 76 and is requeued from its last checkpoint."
+        "The job ends with exit 76 (no progress): Slurm requeues it from its last checkpoint (on the local "
+        "cluster `meshrun resume` does)."
     )
     text = " ".join(parts)
     data: dict[str, Any] = {

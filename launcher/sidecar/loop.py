@@ -2,13 +2,14 @@
 
 A task is a name, an interval and a function. A task that raises is logged (its first error, then
 every tenfold count) and runs again at its next turn: nothing here ever ends the job. Sampling and
-the environment check are tasks today; the hang watch and the checkpoint copier plug in as more.
+the environment check, the hang watch (watchdog.py) and the checkpoint copier (copier.py) are tasks.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import threading
 import time
@@ -16,16 +17,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, TextIO
 
-from launcher.rundir import RunDir
+from launcher.rundir import RunDir, attempt_id, expand_node_path
 from launcher.sidecar import envrecord
+from launcher.sidecar.copier import Copier
 from launcher.sidecar.host import Host
 from launcher.sidecar.nvml import Gpus, NvmlUnavailable, discover, load_nvml, resolve
+from launcher.sidecar.watchdog import Watchdog as HangWatch
+from launcher.spec import Watchdog
 from launcher.tbwriter import scalars_of
 
 DEFAULT_INTERVAL_S = 5.0
 """Sampling interval when spec.json cannot be read (the spec's own default is the same)."""
 ENV_CHECK_S = 30.0
 """How often the other nodes' environment records are compared with this one's."""
+WATCH_S = 1.0
+"""How often the hang watch reads the heartbeats and the copier looks for staged checkpoints."""
 POLL_S = 1.0
 """The longest the loop sleeps between checks that its parent is still there."""
 LogFn = Callable[[str], None]
@@ -88,9 +94,25 @@ def run_tasks(tasks: list[Periodic], stop: threading.Event, alive: Callable[[], 
 
 @dataclass(frozen=True)
 class Settings:
+    """What the sidecar takes from spec.json and the Slurm environment."""
+
     interval_s: float = DEFAULT_INTERVAL_S
     tasks_per_node: int = 1
     node_rank: int = 0
+    nodes: int = 1
+    watchdog: Optional[Watchdog] = None
+    """Hang and straggler detection settings; None when spec.json is unusable (no watchdog then)."""
+    scratch_dir: str = ""
+    """This run's node-local scratch ("" without: no staging, no copier)."""
+    checkpoint_dir: str = ""
+    keep: int = 3
+    keep_every: int = 0
+    final_copy_s: float = 0.0
+
+    @property
+    def ranks(self) -> range:
+        """The global ranks on this node (Slurm's block distribution, as launcher.env assumes)."""
+        return range(self.node_rank * self.tasks_per_node, (self.node_rank + 1) * self.tasks_per_node)
 
 
 def read_settings(run_dir: RunDir, environ: Mapping[str, str], log: LogFn) -> Settings:
@@ -98,11 +120,23 @@ def read_settings(run_dir: RunDir, environ: Mapping[str, str], log: LogFn) -> Se
 
     node_rank = int(environ.get("SLURM_NODEID", "0") or 0)
     try:
-        job = read_run_spec(Path(run_dir.root)).job
+        spec = read_run_spec(Path(run_dir.root))
     except Exception as exc:
-        log(f"spec.json unusable ({exc}): sampling every {DEFAULT_INTERVAL_S:g} s, one rank per GPU")
+        log(f"spec.json unusable ({exc}): sampling every {DEFAULT_INTERVAL_S:g} s, one rank per GPU, no watchdog")
         return Settings(node_rank=node_rank)
-    return Settings(job.sidecar.interval_s, job.tasks_per_node, node_rank)
+    job = spec.job
+    return Settings(
+        interval_s=job.sidecar.interval_s,
+        tasks_per_node=job.tasks_per_node,
+        node_rank=node_rank,
+        nodes=int(environ.get("SLURM_NNODES") or job.resources.nodes),
+        watchdog=job.watchdog if job.watchdog.enabled else None,
+        scratch_dir=spec.run.scratch_dir,
+        checkpoint_dir=spec.run.checkpoint_dir or run_dir.default_checkpoints,
+        keep=job.checkpoint.keep,
+        keep_every=job.checkpoint.keep_every,
+        final_copy_s=job.sidecar.final_copy_s,
+    )
 
 
 class Sidecar:
@@ -128,6 +162,63 @@ class Sidecar:
         self.mismatches_logged: set[str] = set()
         self.record = envrecord.build_record(node, environ, self.gpus.describe() if self.gpus else None)
         envrecord.write_record(run_dir.env_record(node), self.record)
+        self.node_dir = run_dir.node_dir(expand_node_path(self.settings.scratch_dir), node)
+        self.attempt = attempt_id(environ)
+        self.watchdog = self._open_watchdog()
+        self.copier = self._open_copier()
+
+    def _open_watchdog(self) -> Optional[HangWatch]:
+        s = self.settings
+        if s.watchdog is None:
+            self.log("no hang watch (watchdog.enabled is false, or spec.json is unusable)")
+            return None
+        return HangWatch(
+            self.run_dir,
+            self.node_dir,
+            self.node,
+            s.node_rank,
+            s.nodes,
+            s.ranks,
+            s.watchdog,
+            self.attempt,
+            self.log,
+            gpu_snapshot=self.gpu_snapshot,
+            on_scalars=self.add_scalars,
+        )
+
+    def _open_copier(self) -> Optional[Copier]:
+        s = self.settings
+        if not s.scratch_dir:
+            return None  # no node-local scratch: the ranks save straight to shared storage
+        self.log(f"checkpoints are staged in {self.node_dir.staging} and copied to {s.checkpoint_dir}")
+        return Copier(
+            self.node_dir.staging,
+            s.checkpoint_dir,
+            self.node,
+            s.node_rank,
+            s.nodes,
+            self.attempt,
+            s.keep,
+            s.keep_every,
+            self.log,
+        )
+
+    def gpu_snapshot(self) -> list[dict[str, Any]]:
+        """The node's GPUs (and host) now, for a hang's diagnosis."""
+        now = time.time()
+        rows = (
+            [{"kind": "gpu", "rank": self.rank_of(r["local_rank"]), **r} for r in self.gpus.sample(now)]
+            if self.gpus
+            else []
+        )
+        host = self.host.sample()
+        return [*rows, {"kind": "host", **host}] if host else rows
+
+    def add_scalars(self, scalars: dict[str, float]) -> None:
+        """Scalars from the watchdog (straggler ratios) into this node's TensorBoard files."""
+        if self.tb is not None:
+            self.tb.add(self.samples, scalars_of(scalars, skip=()), time.time())
+            self.tb.flush()
 
     def _open_gpus(self, open_nvml: Callable[[], Any]) -> Optional[Gpus]:
         visible_env = self.environ.get("CUDA_VISIBLE_DEVICES")
@@ -198,7 +289,13 @@ class Sidecar:
                 self.log(f"warning: {line}")
 
     def tasks(self) -> list[Periodic]:
+        extra = []
+        if self.watchdog is not None:
+            extra.append(Periodic("hang watch", WATCH_S, self.watchdog.tick))
+        if self.copier is not None:
+            extra.append(Periodic("checkpoint copier", WATCH_S, self.copier.tick))
         return [
+            *extra,
             Periodic("sample", self.settings.interval_s, self.sample),
             Periodic(
                 "env check",
@@ -207,6 +304,22 @@ class Sidecar:
                 next_at=time.monotonic() + min(ENV_CHECK_S, 2 * self.settings.interval_s),
             ),
         ]
+
+    def finish_copies(self) -> None:
+        """When the ranks have ended: copy what is still only on scratch, within sidecar.final_copy_s."""
+        if self.copier is not None:
+            self.copier.drain(time.monotonic() + self.settings.final_copy_s)
+            self._clear_scratch()
+
+    def _clear_scratch(self) -> None:
+        """The attempt is over: its files on this node's scratch go. What was copied is verified on shared
+        storage (node rank 0 commits from there), what was not was logged as lost, and no later attempt
+        ever uses another's staged steps."""
+        shutil.rmtree(self.node_dir.root, ignore_errors=True)
+        try:
+            os.rmdir(os.path.dirname(self.node_dir.root))  # the run's scratch folder, once every node's is gone
+        except OSError:
+            pass
 
     def close(self) -> None:
         if self.tb is not None:

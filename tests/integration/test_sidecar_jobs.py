@@ -41,7 +41,7 @@ def check_sidecar_outputs(run_dir: Path, nodes: list[str]) -> None:
         assert record["node"] == node and record["meshrun"] and record["torch"] and record["driver"] is None
         log = Path(rd.sidecar_log(node)).read_text()
         assert "host CPU, memory and disk I/O only" in log or "the job has no GPUs here" in log, log
-        assert "stopped: stop requested" in log and "error" not in log.lower(), log
+        assert "stopping: stop requested" in log and "error" not in log.lower(), log
         assert list(Path(rd.sidecar_tensorboard(node)).glob("events.out.tfevents.*")), node
     assert sorted(p.stem for p in (run_dir / "env").glob("*.json")) == sorted(nodes)
 

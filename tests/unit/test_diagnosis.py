@@ -133,7 +133,8 @@ def test_the_verdict_names_the_stalled_rank_first_and_groups_the_waiting_ones() 
         "Rank 1 (n1, pid 123) stalled in inject_hang (launcher/faults.py:20), not in a collective, behind at "
         "step 6; ranks 0, 2, 3 (n1, n2) wait in all_reduce (called from launcher/optim.py:55 global_grad_norm). "
         "Stacks, heartbeats and GPU state: /runs/r/diagnosis/. "
-        "The job ends with exit 76 and is requeued from its last checkpoint."
+        "The job ends with exit 76 (no progress): Slurm requeues it from its last checkpoint (on the local "
+        "cluster `meshrun resume` does)."
     )
     assert data["attempt"] == "42.0" and data["found_by"] == "n1" and data["verdict"] == text
     assert data["ranks"][1] == {

@@ -374,7 +374,7 @@ def test_the_process_samples_at_the_spec_interval_and_stops_on_sigterm(tmp_path:
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=5) == 0
     log = Path(run_dir.sidecar_log("n1")).read_text()
-    assert "stopped: stop requested" in log and "Traceback" not in log
+    assert "stopping: stop requested" in log and log.rstrip().endswith("stopped") and "Traceback" not in log
 
 
 def test_main_never_raises_into_the_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

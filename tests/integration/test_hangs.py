@@ -1,0 +1,122 @@
+"""Hangs, end to end: one rank made to hang (launcher/faults.py), found by the real sidecar, diagnosed
+(its stack, its node), the job ended with exit 76; on the real Slurm testbed it is requeued and finishes."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from launcher.exitcodes import EXIT_NO_PROGRESS
+from launcher.rundir import RunDir, node_name
+from tests.integration.cli import TINY, meshrun, metrics, status, submitted
+
+FLOOR_S = 3
+"""watchdog.step_floor_s in these tests: a tiny step takes ~50 ms, so the step timeout is ~FLOOR_S once
+the sidecar has seen a few steps (before its third sighting the setup timeout applies: hang late)."""
+WATCH = [
+    "--set",
+    f"watchdog.step_floor_s={FLOOR_S}",
+    "--set",
+    "watchdog.diagnosis_wait_s=10",
+    "--set",
+    "train.log_every=1",
+    "--set",
+    "train.eval_every=0",
+    "--set",
+    "checkpoint.every=20",
+]
+
+
+def _wait(home: Path, job_id: str, want: set[str], timeout: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while (row := status(home, job_id))["state"] not in want:
+        assert time.monotonic() < deadline, row
+        time.sleep(0.5)
+    return row
+
+
+def _wait_for_step(run_dir: Path, step: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while max((r.get("step", 0) for r in metrics(run_dir)), default=0) < step:
+        assert time.monotonic() < deadline, f"step {step} not reached in {run_dir}"
+        time.sleep(0.1)
+
+
+def _verdict(run_dir: Path) -> dict[str, Any]:
+    return json.loads(Path(RunDir(str(run_dir)).verdict_json).read_text())
+
+
+def _rank(verdict: dict[str, Any], rank: int) -> dict[str, Any]:
+    return next(r for r in verdict["ranks"] if r["rank"] == rank)
+
+
+def test_local_hang_is_found_within_the_timeout_diagnosed_and_ends_with_76(tmp_path: Path, corpus: Path) -> None:
+    args = [*TINY, "--set", f"data.path={corpus}", "--set", "train.steps=1000", *WATCH]
+    job_id, run_dir = submitted(
+        meshrun(tmp_path, "submit", *args, "--set", "env.MESHRUN_TEST_HANG=1:80", check=True)
+    )
+    _wait_for_step(run_dir, 79)
+    hung_at = time.monotonic()
+    row = _wait(tmp_path, job_id, {"FAILED", "COMPLETED", "CANCELLED"}, timeout=120)
+    ended_after = time.monotonic() - hung_at
+    assert row["state"] == "FAILED" and row["exit_code"] == EXIT_NO_PROGRESS, row
+    assert row["verdict"] and "inject_hang" in row["verdict"]["verdict"], row  # status carries the verdict
+
+    verdict = _verdict(run_dir)
+    node = node_name({})
+    assert verdict["step"] == 80 and verdict["phase"] == "step" and verdict["found_by"] == node
+    # Found within the timeout in force (a few tiny steps + the floor) plus the sidecar's 1 s tick.
+    assert FLOOR_S <= verdict["timeout_s"] < FLOOR_S + 2, verdict
+    assert verdict["silent_s"] < verdict["timeout_s"] + 2.5, verdict
+    assert ended_after < 60, ended_after
+    hung, waiting = _rank(verdict, 1), _rank(verdict, 0)
+    assert hung["state"] == "stalled" and "inject_hang" in hung["where"] and "faults.py" in hung["where"], hung
+    assert waiting["state"] == "collective", waiting
+    assert hung["node"] == node and "Rank 1 " in verdict["verdict"], verdict["verdict"]
+    stack = Path(RunDir(str(run_dir)).node_diagnosis(node), "rank-1.stack.txt").read_text()
+    assert "inject_hang" in stack and "run_loop" in stack
+
+    shown = meshrun(tmp_path, "status", job_id, check=True).stdout
+    assert "inject_hang" in shown, shown
+    diagnosis = meshrun(tmp_path, "logs", job_id, "--diagnosis", check=True).stdout
+    assert "inject_hang" in diagnosis and "rank 1" in diagnosis.lower(), diagnosis
+
+
+def test_testbed_hang_on_the_second_node_is_requeued_resumes_and_finishes(
+    testbed: dict, tmp_path: Path, corpus: Path
+) -> None:
+    args = [
+        "examples/two-node.yaml",
+        "-c",
+        "testbed",
+        "--set",
+        "resources.tasks_per_node=1",
+        "--set",
+        "parallel.dp=2",
+        "--set",
+        f"data.path={corpus}",
+        "--set",
+        "train.steps=80",
+        "--set",
+        "env.MESHRUN_TEST_HANG=1:50",
+        *WATCH,
+    ]
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, check=True))
+    row = _wait(tmp_path, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
+    batch = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    assert row["state"] == "COMPLETED" and row["restarts"] == 1, (row, batch)
+    assert f"ranks exited with status {EXIT_NO_PROGRESS}" in batch and "requeueing: restart 1" in batch, batch
+
+    verdict = _verdict(run_dir)
+    hung = _rank(verdict, 1)
+    assert hung["node"] == "n2" and hung["state"] == "stalled" and "inject_hang" in hung["where"], verdict
+    assert _rank(verdict, 0)["node"] == "n1" and _rank(verdict, 0)["state"] == "collective", verdict
+    assert "n2" in verdict["verdict"] and "inject_hang" in verdict["verdict"], verdict["verdict"]
+    for node in ("n1", "n2"):  # every node sent its part before anything was killed
+        assert (Path(RunDir(str(run_dir)).node_diagnosis(node)) / "done.json").exists(), node
+    rank0 = (run_dir / "logs" / "rank-0.log").read_text()
+    assert "resuming from step 40" in rank0, rank0[-2000:]
+    steps = [r["step"] for r in metrics(run_dir)]
+    assert steps[-1] == 80 and steps.count(41) == 2  # steps 41.. ran again after the resume from 40
