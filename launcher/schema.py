@@ -189,7 +189,11 @@ def parse_text(tp: Any, text: str, key: str) -> Any:
     origin = get_origin(base)
     if origin in (tuple, list):
         item = get_args(base)[0]
-        return [parse_text(item, part, key) for part in text.split(",")] if text else []
+        if text.startswith("[") and text.endswith("]"):  # YAML's flow form, as in the spec: [python3, x.py]
+            parts = [part.strip() for part in text[1:-1].split(",")] if text[1:-1].strip() else []
+        else:
+            parts = text.split(",") if text else []
+        return [parse_text(item, part, key) for part in parts]
     if base is bool:
         lowered = text.lower()
         if lowered in ("true", "yes", "1", "on"):

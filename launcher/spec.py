@@ -181,11 +181,20 @@ class Watchdog:
     """One checkpoint save may take this long."""
     straggler_factor: float = 1.5
     """A rank whose recent busy time per step exceeds this multiple of all ranks' median is named a straggler."""
+    straggler_check_s: float = 10.0
+    """How often each node shares its ranks' step times and stragglers are looked for (named after 3 checks)."""
     diagnosis_wait_s: float = 30.0
     """How long the node that found the hang waits for every node's part of the diagnosis before the verdict."""
 
     def __post_init__(self) -> None:
-        for key in ("step_floor_s", "setup_timeout_s", "eval_timeout_s", "checkpoint_timeout_s", "diagnosis_wait_s"):
+        for key in (
+            "step_floor_s",
+            "setup_timeout_s",
+            "eval_timeout_s",
+            "checkpoint_timeout_s",
+            "diagnosis_wait_s",
+            "straggler_check_s",
+        ):
             value = getattr(self, key)
             if not 1 <= value <= 7 * 86400:
                 raise SchemaError(f"watchdog.{key}", value, "give 1 to 604800 seconds")

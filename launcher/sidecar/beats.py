@@ -86,7 +86,11 @@ class RankTrack:
             return False
         if prev.get("phase") == beat.get("phase") == "step" and beat["step"] > prev["step"]:
             # per step: a tick may see step N, then N+3 when steps are shorter than a tick
-            self.durations.append(max(0.0, (beat["time"] - prev["time"]) / (beat["step"] - prev["step"])))
+            # one entry per step it covers: 20 fast steps between two ticks are 20 known steps (the warm-up
+            # guard counts steps, not sightings), each at the average
+            steps = beat["step"] - prev["step"]
+            per_step = max(0.0, (beat["time"] - prev["time"]) / steps)
+            self.durations.extend([per_step] * min(steps, RECENT))
         if isinstance(beat.get("busy_s"), (int, float)):
             self.busy.append(float(beat["busy_s"]))
         return True

@@ -38,8 +38,6 @@ from launcher.spec import Watchdog as WatchdogSettings
 
 STALE_GRACE_S = 5.0
 """Beats older than the watchdog's start minus this are a previous attempt's leftovers."""
-SHARE_EVERY_S = 10.0
-"""How often a node shares its ranks' step times (and node rank 0 checks for stragglers)."""
 STACK_WAIT_S = 5.0
 """How long a node waits for its ranks' stack and flight-recorder dumps before writing its part."""
 ORPHAN_CLAIM_S = 15.0
@@ -100,7 +98,7 @@ class Watchdog:
         now = self.clock()
         self._read_beats(now)
         if now >= self.next_share:
-            self.next_share = now + SHARE_EVERY_S
+            self.next_share = now + self.settings.straggler_check_s  # node rank 0 checks as often
             self._share_step_times(now)
             if self.node_rank == 0:
                 self._check_stragglers(now)

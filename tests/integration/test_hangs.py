@@ -54,9 +54,7 @@ def _rank(verdict: dict[str, Any], rank: int) -> dict[str, Any]:
 
 def test_local_hang_is_found_within_the_timeout_diagnosed_and_ends_with_76(tmp_path: Path, corpus: Path) -> None:
     args = [*TINY, "--set", f"data.path={corpus}", "--set", "train.steps=1000", *WATCH]
-    job_id, run_dir = submitted(
-        meshrun(tmp_path, "submit", *args, "--set", "env.MESHRUN_TEST_HANG=1:80", check=True)
-    )
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, "--set", "env.MESHRUN_TEST_HANG=1:80", check=True))
     _wait_for_step(run_dir, 79)
     hung_at = time.monotonic()
     row = _wait(tmp_path, job_id, {"FAILED", "COMPLETED", "CANCELLED"}, timeout=120)
@@ -120,3 +118,57 @@ def test_testbed_hang_on_the_second_node_is_requeued_resumes_and_finishes(
     assert "resuming from step 40" in rank0, rank0[-2000:]
     steps = [r["step"] for r in metrics(run_dir)]
     assert steps[-1] == 80 and steps.count(41) == 2  # steps 41.. ran again after the resume from 40
+
+
+# A `command:` job that reports progress (launcher.report) gets the same watch: rank 1 stops reporting.
+REPORTING_SCRIPT = """
+import os, time
+from launcher.report import report
+
+def wait_for_peer():  # rank 1: stuck in the user's own code
+    while True:
+        time.sleep(1)
+
+def all_reduce():  # rank 0: waits for rank 1 in what stands for a collective
+    while True:
+        time.sleep(1)
+
+rank = int(os.environ["RANK"])
+for step in range(1, 10_000):
+    report(step, loss=1.0 / step)
+    if step == 40:
+        wait_for_peer() if rank == 1 else all_reduce()
+    time.sleep(0.05)
+"""
+
+
+def test_a_command_job_that_reports_progress_is_watched_too(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(REPORTING_SCRIPT)
+    args = ["examples/command.yaml", "-c", "local", "--set", f"command=[python3, {script}]", *WATCH[:4]]
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, check=True))
+    row = _wait(tmp_path, job_id, {"FAILED", "COMPLETED", "CANCELLED"}, timeout=120)
+    assert row["state"] == "FAILED" and row["exit_code"] == EXIT_NO_PROGRESS, row
+    verdict = _verdict(run_dir)
+    hung = _rank(verdict, 1)
+    assert hung["state"] == "stalled" and "wait_for_peer" in hung["where"] and "train.py" in hung["where"], hung
+    assert _rank(verdict, 0)["state"] == "collective", verdict
+
+
+def test_a_straggler_is_named_in_its_file_and_in_status(tmp_path: Path, corpus: Path) -> None:
+    args = [*TINY, "--set", f"data.path={corpus}", "--set", "train.steps=100000", *WATCH]
+    slow = ["--set", "env.MESHRUN_TEST_SLOW=1:0.2", "--set", "watchdog.straggler_check_s=1"]
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, *slow, check=True))
+    found = Path(RunDir(str(run_dir)).stragglers)
+    deadline = time.monotonic() + 90
+    try:
+        while not (found.exists() and json.loads(found.read_text() or "{}").get("stragglers")):
+            assert time.monotonic() < deadline, "no straggler named"
+            time.sleep(0.5)
+        (straggler,) = json.loads(found.read_text())["stragglers"]
+        assert straggler["rank"] == 1 and straggler["ratio"] > 1.5, straggler
+        shown = meshrun(tmp_path, "status", job_id, check=True).stdout
+        assert "stragglers: rank 1" in shown, shown
+        assert "straggler: rank 1" in Path(RunDir(str(run_dir)).sidecar_log(node_name({}))).read_text().lower()
+    finally:
+        meshrun(tmp_path, "cancel", job_id)

@@ -218,6 +218,9 @@ def test_set_casts_to_the_field_type() -> None:
     )
     assert spec.trainer.steps == 60 or spec.train is None  # train cleared, command set
     assert spec.command == ("python", "x.py") and spec.env["FOO"] == "1"
+    # A list also takes YAML's flow form, as written in a spec file (no "[python" argv word).
+    spec, _ = load_job(TINY, ["command=[python, x.py, --lr, 0.1]", "train=null"])
+    assert spec.command == ("python", "x.py", "--lr", "0.1")
     spec, _ = load_job(TINY, ["train.steps=7", "train.lr=0.01", "train.activation_checkpointing=true"])
     assert (spec.trainer.steps, spec.trainer.lr, spec.trainer.activation_checkpointing) == (7, 0.01, True)
 
