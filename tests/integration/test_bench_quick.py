@@ -57,6 +57,7 @@ QUICK: dict[str, tuple[list[str], list[str]]] = {
         ["--quick"],
         [rf"ratio with/without {NUMBER} +overhead -?{NUMBER}%", rf"sidecar CPU +: +{NUMBER}% of one core"],
     ),
+    "hang.py": (["--quick"], [rf"detection latency / timeout = {NUMBER} \(goal <= {NUMBER}"]),
     "gpu_train.py": (["--quick"], [rf"steps [0-9]+-[0-9]+: {NUMBER} ms/step, {NUMBER} tokens/s, .*MFU"]),
     "gpu_ops.py": (
         ["all", "--quick"],
