@@ -39,7 +39,7 @@ import posixpath
 import re
 import socket
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 JOB_ID_ENV = "MESHRUN_JOB_ID"
 """Set by the local backend for its supervisor: which job id's state file it writes."""
@@ -273,14 +273,20 @@ def read_state(path: str) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def merge_state(path: str, **fields: Any) -> dict[str, Any]:
-    """Merge fields into a JSON state file, atomically (readers may look at any moment); private (0600)."""
-    state = {**read_state(path), **fields}
+def write_json(path: str, data: Mapping[str, Any], indent: Optional[int] = None) -> None:
+    """Write a private (0600) JSON file atomically: a temporary beside it, then a rename, so that a reader
+    (another node, another process) never sees half a file. Its folder is created 0700 if missing."""
     folder = os.path.dirname(path)
     os.makedirs(folder, mode=0o700, exist_ok=True)
     tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        json.dump(state, handle, sort_keys=True)
+        json.dump(data, handle, indent=indent, sort_keys=True)
     os.replace(tmp, path)
+
+
+def merge_state(path: str, **fields: Any) -> dict[str, Any]:
+    """Merge fields into a JSON state file, atomically (readers may look at any moment); private (0600)."""
+    state = {**read_state(path), **fields}
+    write_json(path, state)
     return state

@@ -6,7 +6,7 @@ import json
 import os
 import statistics
 from collections import deque
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from launcher.spec import Watchdog as WatchdogSettings
 
@@ -14,17 +14,6 @@ RECENT = 20
 """Step durations (per rank) the step timeout looks at."""
 WARMUP_DURATIONS = 3
 """With fewer step durations known, a step gets the setup timeout (warm-up, compilation)."""
-
-
-def atomic_json(path: str, data: Mapping[str, Any]) -> None:
-    """Write JSON so that a reader never sees half a file (a temporary beside it, then a rename); 0600."""
-    folder = os.path.dirname(path)
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        json.dump(data, handle, sort_keys=True)
-    os.replace(tmp, path)
 
 
 def read_json(path: str) -> Optional[dict[str, Any]]:

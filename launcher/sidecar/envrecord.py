@@ -6,8 +6,6 @@ versions come from package metadata, never from importing torch.
 
 from __future__ import annotations
 
-import json
-import os
 import platform
 import socket
 import time
@@ -15,6 +13,7 @@ from importlib import metadata
 from typing import Any, Mapping, Optional
 
 from launcher.envcheck import COMPARED, env_mismatches, read_records
+from launcher.rundir import write_json
 
 NCCL_DISTRIBUTIONS = ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11")
 """The NCCL wheels torch's CUDA builds depend on; a torch with NCCL linked in has none (then omitted)."""
@@ -59,13 +58,7 @@ def build_record(node: str, environ: Mapping[str, str], gpus: Optional[Mapping[s
 
 def write_record(path: str, record: Mapping[str, Any]) -> None:
     """Atomically (readers on other nodes may look at any moment)."""
-    folder = os.path.dirname(path)
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        json.dump(record, handle, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    write_json(path, record, indent=1)
 
 
 __all__ = ["COMPARED", "NCCL_DISTRIBUTIONS", "build_record", "env_mismatches", "read_records", "write_record"]

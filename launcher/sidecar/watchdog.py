@@ -22,12 +22,11 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from launcher.exitcodes import EXIT_NO_PROGRESS
-from launcher.rundir import NodeDir, RunDir
+from launcher.rundir import NodeDir, RunDir, write_json
 from launcher.sidecar import diagnosis
 from launcher.sidecar.beats import (
     WARMUP_DURATIONS,
     RankTrack,
-    atomic_json,
     file_size,
     phase_timeout,
     read_json,
@@ -228,7 +227,7 @@ class Watchdog:
             os.mkdir(self.run_dir.path(RunDir.DIAGNOSIS, f"{CLAIM}.replace.{self.attempt}"), 0o700)
         except FileExistsError:
             return  # another node of this attempt is replacing it
-        atomic_json(self.claim_path, data)
+        write_json(self.claim_path, data)
         self.log(
             f"claimed the hang for attempt {self.attempt} (replaced a stale claim): collecting every node's diagnosis"
         )
@@ -299,7 +298,7 @@ class Watchdog:
                     dst.write(src.read())
         beats = {str(rank): beat for rank, beat in self.live_beats().items()}
         steps = {str(rank): list(t.durations) for rank, t in self.tracks.items()}
-        atomic_json(
+        write_json(
             os.path.join(folder, "heartbeats.json"),
             {"node": self.node, "attempt": self.attempt, "time": now, "beats": beats, "step_times": steps},
         )
@@ -307,8 +306,8 @@ class Watchdog:
             gpus: list[dict[str, Any]] = self.gpu_snapshot()
         except Exception as exc:  # a GPU snapshot must not cost the rest of the diagnosis
             gpus = [{"error": f"{type(exc).__name__}: {exc}"}]
-        atomic_json(os.path.join(folder, "gpus.json"), {"gpus": gpus})
-        atomic_json(
+        write_json(os.path.join(folder, "gpus.json"), {"gpus": gpus})
+        write_json(
             os.path.join(folder, "done.json"),
             {"attempt": self.attempt, "node": self.node, "time": now, "ranks": list(self.ranks), "stacks": stacks},
         )
@@ -363,7 +362,7 @@ class Watchdog:
         text, data = diagnosis.verdict(hang, evidence, missing, self.settings.diagnosis_wait_s, self.run_dir.diagnosis)
         write_text(self.run_dir.verdict, text + "\n")
         write_text(self.run_dir.exit_code, f"{EXIT_NO_PROGRESS}\n")
-        atomic_json(self.run_dir.verdict_json, data)  # last: every node ends its ranks once it exists
+        write_json(self.run_dir.verdict_json, data)  # last: every node ends its ranks once it exists
         self.log(f"verdict: {text}")
         return True
 
@@ -399,13 +398,13 @@ class Watchdog:
     def _share_step_times(self, now: float) -> None:
         ranks = {str(rank): track.medians() for rank, track in self.tracks.items() if track.beat}
         data = {"node": self.node, "attempt": self.attempt, "time": now, "ranks": ranks}
-        atomic_json(self.run_dir.step_times(self.node), data)
+        write_json(self.run_dir.step_times(self.node), data)
 
     def _check_stragglers(self, now: float) -> None:
         times = rank_times(read_step_times(self.run_dir, self.node), self.attempt, now)
         if not times:
             return
         report, scalars = self.stragglers.check(times, now)
-        atomic_json(self.run_dir.stragglers, report)
+        write_json(self.run_dir.stragglers, report)
         if self.on_scalars is not None:
             self.on_scalars(scalars)

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -65,6 +66,23 @@ def status(home: Path, job_id: str, env: Optional[dict[str, str]] = None) -> dic
     out = meshrun(home, "status", job_id, "--json", check=True, env=env)
     (row,) = json.loads(out.stdout)
     return row
+
+
+def wait_for_state(home: Path, job_id: str, want: set[str], timeout: float = 240) -> dict[str, Any]:
+    """`meshrun status JOB --json` until the job's state is one of `want`; its row."""
+    deadline = time.monotonic() + timeout
+    while (row := status(home, job_id))["state"] not in want:
+        assert time.monotonic() < deadline, row
+        time.sleep(0.5)
+    return row
+
+
+def wait_for_step(run_dir: Path, step: int, timeout: float = 120) -> None:
+    """Until rank 0 has logged `step` to metrics.jsonl."""
+    deadline = time.monotonic() + timeout
+    while max((r.get("step", 0) for r in metrics(run_dir)), default=0) < step:
+        assert time.monotonic() < deadline, f"step {step} not reached in {run_dir}"
+        time.sleep(0.1)
 
 
 def metrics(run_dir: Path) -> list[dict[str, Any]]:

@@ -10,7 +10,7 @@ from typing import Any
 
 from launcher.exitcodes import EXIT_NO_PROGRESS
 from launcher.rundir import RunDir, node_name
-from tests.integration.cli import TINY, meshrun, metrics, status, submitted
+from tests.integration.cli import TINY, meshrun, metrics, submitted, wait_for_state, wait_for_step
 
 FLOOR_S = 3
 """watchdog.step_floor_s in these tests: a tiny step takes ~50 ms, so the step timeout is ~FLOOR_S once
@@ -29,21 +29,6 @@ WATCH = [
 ]
 
 
-def _wait(home: Path, job_id: str, want: set[str], timeout: float) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while (row := status(home, job_id))["state"] not in want:
-        assert time.monotonic() < deadline, row
-        time.sleep(0.5)
-    return row
-
-
-def _wait_for_step(run_dir: Path, step: int, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while max((r.get("step", 0) for r in metrics(run_dir)), default=0) < step:
-        assert time.monotonic() < deadline, f"step {step} not reached in {run_dir}"
-        time.sleep(0.1)
-
-
 def _verdict(run_dir: Path) -> dict[str, Any]:
     return json.loads(Path(RunDir(str(run_dir)).verdict_json).read_text())
 
@@ -55,9 +40,9 @@ def _rank(verdict: dict[str, Any], rank: int) -> dict[str, Any]:
 def test_local_hang_is_found_within_the_timeout_diagnosed_and_ends_with_76(tmp_path: Path, corpus: Path) -> None:
     args = [*TINY, "--set", f"data.path={corpus}", "--set", "train.steps=1000", *WATCH]
     job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, "--set", "env.MESHRUN_TEST_HANG=1:80", check=True))
-    _wait_for_step(run_dir, 79)
+    wait_for_step(run_dir, 79)
     hung_at = time.monotonic()
-    row = _wait(tmp_path, job_id, {"FAILED", "COMPLETED", "CANCELLED"}, timeout=120)
+    row = wait_for_state(tmp_path, job_id, {"FAILED", "COMPLETED", "CANCELLED"}, timeout=120)
     ended_after = time.monotonic() - hung_at
     assert row["state"] == "FAILED" and row["exit_code"] == EXIT_NO_PROGRESS, row
     assert row["verdict"] and "inject_hang" in row["verdict"]["verdict"], row  # status carries the verdict
@@ -102,7 +87,7 @@ def test_testbed_hang_on_the_second_node_is_requeued_resumes_and_finishes(
         *WATCH,
     ]
     job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, check=True))
-    row = _wait(tmp_path, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
+    row = wait_for_state(tmp_path, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
     batch = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
     assert row["state"] == "COMPLETED" and row["restarts"] == 1, (row, batch)
     assert f"ranks exited with status {EXIT_NO_PROGRESS}" in batch and "requeueing: restart 1" in batch, batch
@@ -147,7 +132,7 @@ def test_a_command_job_that_reports_progress_is_watched_too(tmp_path: Path) -> N
     script.write_text(REPORTING_SCRIPT)
     args = ["examples/command.yaml", "-c", "local", "--set", f"command=[python3, {script}]", *WATCH[:4]]
     job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, check=True))
-    row = _wait(tmp_path, job_id, {"FAILED", "COMPLETED", "CANCELLED"}, timeout=120)
+    row = wait_for_state(tmp_path, job_id, {"FAILED", "COMPLETED", "CANCELLED"}, timeout=120)
     assert row["state"] == "FAILED" and row["exit_code"] == EXIT_NO_PROGRESS, row
     verdict = _verdict(run_dir)
     hung = _rank(verdict, 1)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from launcher import checkpoint as ckpt
 from launcher.export import consolidated_state
 from submit.schedulers import slurm_cli as slurm
-from tests.integration.cli import meshrun, metrics, status, submitted
+from tests.integration.cli import meshrun, metrics, status, submitted, wait_for_state, wait_for_step
 
 STEPS = 150
 
@@ -47,21 +47,6 @@ def _two_ranks_on_two_nodes(corpus: Path, *extra: str) -> list[str]:
     ]
 
 
-def _wait(home: Path, job_id: str, want: set[str], timeout: float = 240) -> dict:
-    deadline = time.monotonic() + timeout
-    while (row := status(home, job_id))["state"] not in want:
-        assert time.monotonic() < deadline, row
-        time.sleep(1)
-    return row
-
-
-def _wait_for_step(run_dir: Path, step: int, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while max((r.get("step", 0) for r in metrics(run_dir)), default=0) < step:
-        assert time.monotonic() < deadline, f"step {step} not reached in {run_dir}"
-        time.sleep(0.2)
-
-
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
     root = Path(json.loads((run_dir / "spec.json").read_text())["run"]["checkpoint_dir"])
     tensors, meta = consolidated_state(ckpt.latest(root))
@@ -78,13 +63,13 @@ def test_preempted_slurm_job_requeues_with_the_same_id_and_matches_an_uninterrup
 ) -> None:
     ref_id, ref_dir = submitted(meshrun(tmp_path, "submit", *_two_ranks_on_two_nodes(corpus), check=True))
     job_id, run_dir = submitted(meshrun(tmp_path, "submit", *_two_ranks_on_two_nodes(corpus), check=True))
-    _wait_for_step(run_dir, 3)
+    wait_for_step(run_dir, 3)
     # What a preemption (or the pre-timeout signal) does: USR1 to the batch shell.
     subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)
-    row = _wait(tmp_path, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
+    row = wait_for_state(tmp_path, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
     assert row["state"] == "COMPLETED" and row["restarts"] == 1, row
     assert row["progress"]["checkpoint_step"] == STEPS
-    _wait(tmp_path, ref_id, {"COMPLETED"})
+    wait_for_state(tmp_path, ref_id, {"COMPLETED"})
     # Status came from accounting itself (one batched sacct), not only from a fallback.
     acct = subprocess.run(slurm.sacct_argv([ref_id, job_id]), capture_output=True, text=True)
     assert acct.returncode == 0, acct.stderr
@@ -134,9 +119,9 @@ def test_local_cancel_saves_then_resume_finishes_and_export_writes_safetensors(t
         *_train_args(corpus, steps=400),
     ]
     job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, check=True))
-    _wait_for_step(run_dir, 5)
+    wait_for_step(run_dir, 5)
     meshrun(tmp_path, "cancel", job_id, check=True)
-    row = _wait(tmp_path, job_id, {"CANCELLED", "FAILED"})
+    row = wait_for_state(tmp_path, job_id, {"CANCELLED", "FAILED"})
     assert row["state"] == "CANCELLED" and row["progress"].get("checkpoint_step", 0) >= 5, row
     out = meshrun(tmp_path, "resume", job_id, "--wait", check=True)
     assert f"resumed job {job_id} as job local-" in out.stdout and "COMPLETED" in out.stdout
@@ -152,9 +137,9 @@ def test_resume_a_stopped_slurm_job_in_its_run_dir(testbed: dict, tmp_path: Path
     # No requeue allowed: the signalled job saves, stops, and waits for a person.
     args = _two_ranks_on_two_nodes(corpus, "--set", "checkpoint.max_restarts=0")
     job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, check=True))
-    _wait_for_step(run_dir, 3)
+    wait_for_step(run_dir, 3)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)
-    row = _wait(tmp_path, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
+    row = wait_for_state(tmp_path, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
     assert row["state"] == "FAILED" and row["restarts"] == 0, row
     assert "restart limit (0) reached" in (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
     out = meshrun(tmp_path, "resume", job_id, "--wait", timeout=300)
