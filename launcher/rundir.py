@@ -25,6 +25,7 @@ usually lives on a cluster, not on the machine that names it.
         pylib/launcher       a link to meshrun's launcher package, on a command job's PYTHONPATH
         nodes/NODE/          a node's own files when the cluster has no node-local scratch (see NodeDir)
         steptimes/NODE.json  each node's sidecar: its ranks' recent step and busy times (straggler input)
+        last-beats/NODE.json each node's ranks' last heartbeats when its sidecar stopped
 
 A node's own files live in its NodeDir: on node-local scratch (`paths.scratch` in the cluster
 profile) when there is one, else under RUN_DIR/.meshrun/nodes/NODE/.
@@ -126,6 +127,10 @@ class RunDir:
     def stragglers(self) -> str:
         """{"time", "factor", "median_s", "stragglers": [{"rank", "node", "busy_s", "ratio"}]} (node rank 0's sidecar)."""
         return self.path(self.STRAGGLERS)
+
+    def last_beats(self, node: str) -> str:
+        """A node's ranks' last heartbeats when its sidecar stopped: {"node", "attempt", "beats": {rank: beat}}."""
+        return self.path(self.INTERNAL, "last-beats", f"{node}.json")
 
     def step_times(self, node: str) -> str:
         """A node's ranks' recent step times, shared so that one sidecar can compare all nodes."""

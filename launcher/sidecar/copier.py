@@ -5,8 +5,8 @@ The trainer stages each node's part of a save on that node's scratch (launcher/c
 
 - copy: a child process (`python -m launcher.sidecar.copier copy ...`) copies the node's part
   into `SHARED/step-N.tmp/` (launcher/sidecar/copyfile.py): per file a streamed copy hashed on
-  the way (sha256), fsync, and a check of the destination (size, and sha256 read back; files in
-  parallel); then the node's done file
+  the way (sha256), fsync, and a check of the destination (its size, and its bytes read back
+  against the source; files in parallel); then the node's done file
   `SHARED/step-N.tmp/.meshrun-nodes/<node_rank>.json` (tmp + fsync + rename) and, on scratch,
   `meshrun-copied.json`. A child killed half way is simply run again: files whose copy does not
   verify are redone, verified ones are kept.
@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 from launcher import checkpoint as ckpt
 from launcher import resume
 from launcher.exitcodes import EXIT_FAILED, EXIT_INPUT
-from launcher.sidecar.copyfile import CopyError, copy_file, hash_file
+from launcher.sidecar.copyfile import CopyError, copy_file, hash_file, same_bytes
 
 COPIED = "meshrun-copied.json"
 """On scratch, in a staged step: this node's part is verified on shared storage."""
@@ -126,10 +126,14 @@ def _copy_verified(src: Path, dst: Path, tmp: Path, pool: ThreadPoolExecutor) ->
     """One file: kept when it is already there and verifies, else copied, fsynced and read back."""
     if dst.parent != tmp:
         ckpt.make_private_dir(dst.parent)
-    expected = hash_file(src, pool) if dst.is_file() and dst.stat().st_size == src.stat().st_size else None
-    if expected is None or hash_file(dst, pool) != expected:
-        expected = copy_file(src, dst, pool)
-    return expected
+    if dst.is_file() and same_bytes(src, dst):
+        fd = os.open(dst, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # a copier killed after writing it may have died before its fsync
+        finally:
+            os.close(fd)
+        return hash_file(src, pool)
+    return copy_file(src, dst, pool)
 
 
 def _mark_copied(staged: Path, record: dict[str, Any]) -> None:

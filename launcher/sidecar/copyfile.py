@@ -1,5 +1,10 @@
-"""One file copied to shared storage and checked: a streamed copy hashed on the way (sha256), then
-the fsync while the copy is read back and hashed again. Torch-free, stdlib only."""
+"""One file copied to shared storage and checked: a streamed copy hashed on the way (sha256, what the
+done file records), then the fsync while the copy is read back and compared with its source, byte for
+byte. Torch-free, stdlib only.
+
+The read-back compares bytes rather than hashing the copy a second time: the comparison finds every
+difference a second sha256 would, and on a node's few cores the hash, not the disk, bounds the copy
+(sha256 runs at ~1.3 GB/s a core; comparing two page-cached chunks is many times faster)."""
 
 from __future__ import annotations
 
@@ -64,7 +69,8 @@ def hash_file(path: Path, pool: ThreadPoolExecutor) -> tuple[int, str]:
 def copy_file(src: Path, dst: Path, pool: ThreadPoolExecutor) -> tuple[int, str]:
     """Stream `src` to `dst` (0600), hashing on the way, then fsync it while reading it back.
 
-    Returns (size, sha256) of what was read; raises CopyError when the read-back differs. The
+    Returns (size, sha256) of what was read; raises CopyError when the read-back differs from the
+    source. The
     read-back runs during the fsync (both must finish before anyone relies on the file): it
     checks what the kernel holds for the file, which is what the fsync makes durable.
     """
@@ -83,16 +89,32 @@ def copy_file(src: Path, dst: Path, pool: ThreadPoolExecutor) -> tuple[int, str]
         syncer = threading.Thread(target=_fsync_into, args=(fd, synced))
         syncer.start()
         try:
-            got = hash_file(dst, pool)
+            same = same_bytes(src, dst)
         finally:
             syncer.join()
         if synced:
             raise synced[0]
     finally:
         os.close(fd)
-    if got != expected:
-        raise CopyError(f"{dst} does not match {src} after the copy (size or sha256)")
+    if not same:
+        raise CopyError(f"{dst} does not match {src} after the copy (size or bytes)")
     return expected
+
+
+def same_bytes(src: Path, dst: Path) -> bool:
+    """Whether two files hold the same bytes (read back in chunks: what the kernel holds for `dst`)."""
+    with open(src, "rb", buffering=0) as a, open(dst, "rb", buffering=0) as b:
+        if os.fstat(a.fileno()).st_size != os.fstat(b.fileno()).st_size:
+            return False
+        left, right = bytearray(CHUNK), bytearray(CHUNK)
+        while True:
+            count = a.readinto(left)
+            if count != b.readinto(right):
+                return False
+            if not count:
+                return True
+            if memoryview(left)[:count] != memoryview(right)[:count]:
+                return False
 
 
 def _fsync_into(fd: int, errors: list[BaseException]) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, TextIO
 
-from launcher.rundir import RunDir, attempt_id, expand_node_path
+from launcher.rundir import RunDir, attempt_id, expand_node_path, read_state, write_json
 from launcher.sidecar import envrecord
 from launcher.sidecar.copier import Copier
 from launcher.sidecar.host import Host
@@ -30,6 +30,8 @@ DEFAULT_INTERVAL_S = 5.0
 """Sampling interval when spec.json cannot be read (the spec's own default is the same)."""
 ENV_CHECK_S = 30.0
 """How often the other nodes' environment records are compared with this one's."""
+STALE_BEAT_S = 5.0
+"""Heartbeats older than the sidecar's start by more than this are an earlier attempt's."""
 WATCH_S = 1.0
 """How often the hang watch reads the heartbeats and the copier looks for staged checkpoints."""
 POLL_S = 1.0
@@ -70,6 +72,23 @@ class Periodic:
     run: Callable[[], None]
     next_at: float = 0.0
     errors: int = field(default=0)
+
+
+def process_alive(pid: Any) -> bool:
+    """Whether `pid` names a running process (a zombie, ended but not yet reaped, is not)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
 
 
 def run_tasks(tasks: list[Periodic], stop: threading.Event, alive: Callable[[], bool], log: LogFn) -> str:
@@ -162,6 +181,7 @@ class Sidecar:
         self.mismatches_logged: set[str] = set()
         self.record = envrecord.build_record(node, environ, self.gpus.describe() if self.gpus else None)
         envrecord.write_record(run_dir.env_record(node), self.record)
+        self.started = time.time()
         self.node_dir = run_dir.node_dir(expand_node_path(self.settings.scratch_dir), node)
         self.attempt = attempt_id(environ)
         self.watchdog = self._open_watchdog()
@@ -304,6 +324,25 @@ class Sidecar:
                 next_at=time.monotonic() + min(ENV_CHECK_S, 2 * self.settings.interval_s),
             ),
         ]
+
+    def last_beats(self) -> dict[str, dict[str, Any]]:
+        """This node's ranks' newest heartbeats of this attempt, by rank."""
+        beats = {}
+        for rank in self.settings.ranks:
+            beat = read_state(self.node_dir.progress(rank))
+            if beat and float(beat.get("time", 0)) >= self.started - STALE_BEAT_S:
+                beats[str(rank)] = beat
+        return beats
+
+    def ranks_alive(self) -> bool:
+        """Whether a rank of this node (a pid its heartbeat names) still runs."""
+        return any(process_alive(beat.get("pid")) for beat in self.last_beats().values())
+
+    def record_last_beats(self) -> None:
+        """Each rank's last step and phase into the run dir (scratch is cleared): what a post-mortem reads."""
+        beats = self.last_beats()
+        if beats:
+            write_json(self.run_dir.last_beats(self.node), {"node": self.node, "attempt": self.attempt, "beats": beats})
 
     def finish_copies(self) -> None:
         """When the ranks have ended: copy what is still only on scratch, within sidecar.final_copy_s."""

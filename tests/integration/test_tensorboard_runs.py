@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
+from launcher.rundir import RunDir, node_name
 from submit.registry import JobRecord, Registry
 from tests.integration import sshbed
 from tests.integration.cli import REPO, env_for, meshrun, metrics, status, submitted
@@ -66,13 +67,17 @@ def _two_runs(home: Path, corpus: Path) -> dict[str, Path]:
     return dict(jobs)
 
 
+def _last_beats(run_dir: Path) -> dict[str, dict]:
+    return json.loads(Path(RunDir(str(run_dir)).last_beats(node_name({}))).read_text())["beats"]
+
+
 def test_two_local_runs_in_one_tensorboard_and_in_meshrun_tb(tmp_path: Path, corpus: Path) -> None:
     runs = _two_runs(tmp_path, corpus)
     for run_dir in runs.values():
         assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
         assert all("mfu" not in r for r in metrics(run_dir))  # CPU ranks: no MFU, said once in the log
         assert (run_dir / "logs" / "rank-0.log").read_text().count("no MFU: the ranks compute on the CPU") == 1
-        beat = json.loads((run_dir / ".meshrun" / "progress" / "rank-1.json").read_text())
+        beat = _last_beats(run_dir)["1"]  # what the sidecar kept of the heartbeats on (cleared) scratch
         assert (beat["rank"], beat["step"], beat["phase"]) == (1, 4, "checkpoint")
     work_dir = tmp_path / ".local" / "share" / "meshrun"
     port = _free_port()
@@ -159,5 +164,5 @@ def test_the_command_example_reports_through_report(tmp_path: Path) -> None:
     events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
     assert [(e.step, round(e.value, 6)) for e in events.Scalars("loss")] == [(1, 1.0), (2, 0.5), (3, 0.333333)]
     for rank in (0, 1):
-        beat = json.loads((run_dir / ".meshrun" / "progress" / f"rank-{rank}.json").read_text())
+        beat = _last_beats(run_dir)[str(rank)]
         assert (beat["rank"], beat["step"], beat["phase"]) == (rank, 3, "step")
