@@ -113,7 +113,9 @@ def same_bytes(src: Path, dst: Path) -> bool:
                 return False
             if not count:
                 return True
-            if memoryview(left)[:count] != memoryview(right)[:count]:
+            # bytearray == bytearray is one memcmp (memoryview == compares item by item, 50x slower);
+            # only the last, short chunk pays for a slice
+            if (left != right) if count == CHUNK else (left[:count] != right[:count]):
                 return False
 
 
