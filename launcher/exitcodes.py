@@ -19,6 +19,9 @@ EXIT_NO_PROGRESS = 76
 """The watchdog saw no step finish in time (a hang): requeue from the last checkpoint, or stop."""
 EXIT_GAVE_UP = 77
 """The crash-loop guard stopped the job: the same checkpoints kept failing. Never requeued."""
+EXIT_DIVERGED = 78
+"""The loss went NaN or inf: stopped at once, nothing non-finite saved. Never requeued (it would diverge
+again): lower the learning rate or look at the data, then `meshrun resume` from the last finite checkpoint."""
 
 EXIT_NAMES = {
     EXIT_FINISHED: "finished",
@@ -27,7 +30,8 @@ EXIT_NAMES = {
     EXIT_REQUEUE: "saved for requeue",
     EXIT_NO_PROGRESS: "no progress",
     EXIT_GAVE_UP: "gave up (crash loop)",
+    EXIT_DIVERGED: "diverged (non-finite loss)",
 }
 
-NOT_REQUEUED = (EXIT_FINISHED, EXIT_INPUT, EXIT_GAVE_UP)
-"""Codes the batch script never requeues: done, bad input, crash loop."""
+NOT_REQUEUED = (EXIT_FINISHED, EXIT_INPUT, EXIT_GAVE_UP, EXIT_DIVERGED)
+"""Codes the batch script never requeues: done, bad input, crash loop, divergence."""

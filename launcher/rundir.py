@@ -19,6 +19,7 @@ usually lives on a cluster, not on the machine that names it.
       checkpoints/           unless the cluster has a checkpoint root
       diagnosis/             a hang's diagnosis: verdict.txt/.json, NODE/ (stacks, heartbeats, GPUs)
       stragglers.json        the sidecars: ranks persistently slower than the median (absent: none)
+      alerts.jsonl           rank 0 and node 0's sidecar: one JSON line per alert (see launcher/alerts.py)
       tasks/N/               a sweep task's own run dir (same layout)
       .meshrun/              scheduler internals: local state, submitit's files, the lock
         progress/rank-N.json every rank's heartbeat: {"rank", "step", "phase", "time"}
@@ -69,6 +70,7 @@ class RunDir:
     CHECKPOINTS = "checkpoints"
     DIAGNOSIS = "diagnosis"
     STRAGGLERS = "stragglers.json"
+    ALERTS = "alerts.jsonl"
     TASKS = "tasks"
     INTERNAL = ".meshrun"
     SCRIPTS = {"slurm": "job.sbatch", "local": "run.sh"}
@@ -131,6 +133,16 @@ class RunDir:
     def last_beats(self, node: str) -> str:
         """A node's ranks' last heartbeats when its sidecar stopped: {"node", "attempt", "beats": {rank: beat}}."""
         return self.path(self.INTERNAL, "last-beats", f"{node}.json")
+
+    @property
+    def alerts(self) -> str:
+        """One JSON line per alert: {"time", "step", "rule", "value", "threshold", "rank", "node", "message"}.
+        Written only from node 0 (rank 0 and its sidecar: appends from one machine stay whole lines)."""
+        return self.path(self.ALERTS)
+
+    def node_alerts(self, node: str) -> str:
+        """Another node's sidecar's alerts, which node 0's sidecar forwards into alerts.jsonl."""
+        return self.path(self.INTERNAL, "alerts", f"{node}.jsonl")
 
     def step_times(self, node: str) -> str:
         """A node's ranks' recent step times, shared so that one sidecar can compare all nodes."""

@@ -128,6 +128,8 @@ class Checkpoint:
     """Save in the background: training waits only while the state is copied to CPU memory."""
     resume_step: Optional[int] = None
     """Resume from exactly this step (it must be complete); the newest complete one when unset."""
+    keep_best: bool = False
+    """Also keep the complete checkpoint with the lowest validation loss (its marker records it); never retained away."""
     max_restarts: int = 20
     """Requeue at most this many times (preemption, time limit, failure) before stopping."""
 
@@ -207,6 +209,50 @@ class Watchdog:
 
 
 @dataclass(frozen=True)
+class Alerts:
+    """Rules over what the job records; each writes RUN_DIR/alerts.jsonl and a log line (README, Alerts).
+    A rule is off at 0 (or false)."""
+
+    loss_spike_factor: float = 3.0
+    """Alert when the loss exceeds this multiple of its median over the last `window` logged steps."""
+    grad_norm_spike_factor: float = 10.0
+    """Alert when the grad norm exceeds this multiple of its median over the last `window` logged steps."""
+    window: int = 50
+    """Logged steps the spike rules take their median over (they wait for 10 before judging)."""
+    val_patience: int = 5
+    """Alert when the validation loss has not improved over this many evaluations."""
+    data_wait_fraction: float = 0.2
+    """Alert when the data wait takes more than this fraction of the step time (3 logged steps in a row)."""
+    gpu_util_below_pct: float = 30.0
+    """Alert when a GPU's utilisation stays below this for `gpu_util_minutes` (the sidecar)."""
+    gpu_util_minutes: float = 10.0
+    gpu_memory_fraction: float = 0.95
+    """Alert when a GPU's memory used exceeds this fraction of its capacity (the sidecar)."""
+    stragglers: bool = True
+    """Alert when the sidecar names a straggler."""
+    hangs: bool = True
+    """Alert when the sidecar declares a hang."""
+
+    def __post_init__(self) -> None:
+        for key in ("loss_spike_factor", "grad_norm_spike_factor"):
+            value = getattr(self, key)
+            if value != 0 and not 1 < value <= 1e6:
+                raise SchemaError(f"alerts.{key}", value, "give a factor above 1 (e.g. 3), or 0 to turn the rule off")
+        if not 2 <= self.window <= 100000:
+            raise SchemaError("alerts.window", self.window, "give 2 to 100000 logged steps (default 50)")
+        if not 0 <= self.val_patience <= 100000:
+            raise SchemaError("alerts.val_patience", self.val_patience, "give evaluations >= 1, or 0 to turn it off")
+        for key in ("data_wait_fraction", "gpu_memory_fraction"):
+            value = getattr(self, key)
+            if not 0 <= value < 1:
+                raise SchemaError(f"alerts.{key}", value, "give a fraction between 0 and 1 (0 turns the rule off)")
+        if not 0 <= self.gpu_util_below_pct <= 100:
+            raise SchemaError("alerts.gpu_util_below_pct", self.gpu_util_below_pct, "give 0-100 percent (0: off)")
+        if not 0 < self.gpu_util_minutes <= 10080:
+            raise SchemaError("alerts.gpu_util_minutes", self.gpu_util_minutes, "give minutes above 0, at most a week")
+
+
+@dataclass(frozen=True)
 class JobSpec:
     name: str
     """Job name, shown by Slurm and meshrun; any printable text (it is quoted, never executed)."""
@@ -230,6 +276,8 @@ class JobSpec:
     """The per-node sidecar's settings (sampling interval, the final checkpoint copy)."""
     watchdog: Watchdog = field(default_factory=Watchdog)
     """Hang and straggler detection (the sidecar, from the ranks' heartbeats)."""
+    alerts: Alerts = field(default_factory=Alerts)
+    """Alert rules and their thresholds (alerts.jsonl, the rank-0 log, status, `meshrun watch --notify`)."""
 
     def __post_init__(self) -> None:
         if not self.name.strip() or len(self.name) > 128:

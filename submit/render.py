@@ -155,6 +155,7 @@ def context(plan: Plan) -> dict[str, Any]:
         "rank_error_file": _name(RunDir.RANK_ERROR),
         "exit_input": exitcodes.EXIT_INPUT,
         "exit_gave_up": exitcodes.EXIT_GAVE_UP,
+        "exit_diverged": exitcodes.EXIT_DIVERGED,
         "code_dir": plan.code_dir,
         "array_size": len(plan.tasks),
     }

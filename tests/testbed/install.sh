@@ -4,10 +4,10 @@
 # Needs root (Debian 12). Usage: sh tests/testbed/install.sh
 set -eu
 
-PACKAGES="slurmctld slurmd slurm-client munge mariadb-server slurmdbd openssh-server"
+PACKAGES="slurmctld slurmd slurm-client munge mariadb-server slurmdbd openssh-server tmux"
 # One binary per thing testbed.py runs; keep in step with testbed.REQUIRED_BINARIES.
 BINARIES="slurmctld slurmd slurmdbd sinfo squeue sbatch srun scancel sacct sacctmgr scontrol
-munged mungekey mariadbd mariadb-install-db mariadb sshd ssh-keygen mknod"
+munged mungekey mariadbd mariadb-install-db mariadb sshd ssh-keygen mknod tmux"
 
 # sbin is often missing from a non-login PATH; the daemons live there.
 PATH="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:$PATH"

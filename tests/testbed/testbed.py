@@ -74,6 +74,7 @@ REQUIRED_BINARIES = (
     "sshd",
     "ssh-keygen",
     "mknod",
+    "tmux",  # not the testbed's: `meshrun top` is tested in a real terminal (tmux capture-pane)
 )
 
 ETC = TESTBED_DIR / "etc"
