@@ -92,7 +92,9 @@ def start_sidecar(run_dir: RunDir) -> subprocess.Popen[bytes]:
 
 
 def stop_sidecar(proc: subprocess.Popen[bytes]) -> None:
-    proc.send_signal(signal.SIGTERM)
+    # USR2, as the batch script sends once the ranks have ended (a TERM would make it wait for this
+    # process, the rank, to end first).
+    proc.send_signal(signal.SIGUSR2)
     if proc.wait(timeout=30) != 0:
         raise SystemExit(f"bench/sidecar.py: the sidecar exited {proc.returncode}")
 
