@@ -11,4 +11,5 @@ bash tests/testbed/install.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check --quiet .
 .venv/bin/mypy
-exec .venv/bin/python -m pytest -q "$@"
+# --durations: every run ends with its 20 slowest tests (CI time is shared: watch what grows).
+exec .venv/bin/python -m pytest -q --durations=20 "$@"
