@@ -379,7 +379,7 @@ def progress_line(status: Any, total_steps: Optional[int]) -> str:
     if step is not None:
         parts.append(f"step {step}/{total_steps}" if total_steps else f"step {step}")
     if "loss" in status.progress:
-        parts.append(f"loss {status.progress['loss']:.4f}")
+        parts.append(f"loss {loss_text(status.progress['loss'])}")
     if status.elapsed_s is not None:
         parts.append(f"elapsed {_clock(status.elapsed_s)}")
         if status.time_limit_s and not status.done:
@@ -387,6 +387,13 @@ def progress_line(status: Any, total_steps: Optional[int]) -> str:
     if status.reason and not status.done:
         parts.append(f"({status.reason})")
     return " ".join(parts)
+
+
+def loss_text(loss: Any) -> str:
+    """A loss for a person: a diverged job writes null (strict JSON has no NaN), shown as nan."""
+    if isinstance(loss, (int, float)) and not isinstance(loss, bool):
+        return f"{loss:.4f}"
+    return "nan" if loss is None else "-"
 
 
 def wait_for(
