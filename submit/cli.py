@@ -405,6 +405,7 @@ def wait_for(
 
     out = out if out is not None else sys.stderr
     tty, last, started = out.isatty(), None, time.monotonic()
+    shown: set[str] = set()  # the alerts already printed, by their record
     while True:
         try:
             status = api.statuses([record], clusters, registry)[0]
@@ -412,6 +413,10 @@ def wait_for(
             clusters.close()  # the job runs on regardless: reconnect at the next poll
             time.sleep(_poll_interval(time.monotonic() - started, record.scheduler))
             continue
+        new = [a for a in status.alerts if json.dumps(a, sort_keys=True) not in shown]
+        for alert in new:  # each new alert once, on a line of its own above the progress line
+            shown.add(json.dumps(alert, sort_keys=True))
+            out.write(("\r\x1b[2K" if tty else "") + "ALERT " + cli_jobs.alert_line(alert) + "\n")
         line = progress_line(status, total_steps)
         # Piped output gets a line only when the state or the step changes, not every tick.
         changed = (status.state, status.progress.get("step")) != last

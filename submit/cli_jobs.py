@@ -16,6 +16,8 @@ from typing import Any, NoReturn, Sequence
 from submit.errors import InputError
 
 WATCH_FIRST_S, WATCH_MAX_S = 2.0, 30.0
+DETAIL_ALERTS = 10
+"""`status JOB` lists this many of the newest alerts."""
 
 
 def _clock(seconds: Any) -> str:
@@ -37,6 +39,7 @@ def table(rows: Sequence[Sequence[str]]) -> str:
 def status_table(found: Sequence[Any]) -> str:
     notes = [finding_note(s) for s in found]
     noted = any(notes)  # the NOTE column only when a job has something to say: the table stays narrow
+    alerted = any(s.alerts for s in found)  # the ALERTS column likewise
     rows = [
         (
             "JOB",
@@ -48,6 +51,7 @@ def status_table(found: Sequence[Any]) -> str:
             "RESTARTS",
             "CKPT",
             "ELAPSED",
+            *alerted * ("ALERTS",),
             *noted * ("NOTE",),
             "RUN DIR",
         )
@@ -61,15 +65,29 @@ def status_table(found: Sequence[Any]) -> str:
                 s.name,
                 s.state,
                 str(s.progress.get("step", "-")),
-                f"{loss:.4f}" if isinstance(loss, (int, float)) else "-",
+                f"{loss:.4f}" if isinstance(loss, (int, float)) else "nan" if "loss" in s.progress else "-",
                 str(s.restarts),
                 str(s.progress.get("checkpoint_step", "-")),
                 _clock(s.elapsed_s) if s.elapsed_s is not None else "-",
+                *alerted * (alerts_note(s.alerts),),
                 *noted * (note or "-",),
                 s.run_dir,
             )
         )
     return table(rows)
+
+
+def alerts_note(alerts: Sequence[dict[str, Any]]) -> str:
+    """The ALERTS cell: how many, and the newest one's rule ("2 loss_spike"); "-" when none."""
+    return f"{len(alerts)} {alerts[-1].get('rule')}" if alerts else "-"
+
+
+def alert_line(alert: dict[str, Any]) -> str:
+    """One alert for a person: when, the rule, where, the message."""
+    from submit.textwidth import printable
+
+    where = "".join(f" {key} {alert[key]}" for key in ("step", "rank", "node") if alert.get(key) is not None)
+    return printable(f"{_when(alert.get('time'))} {alert.get('rule')}{where}: {alert.get('message', '')}".strip())
 
 
 def finding_note(status: Any) -> str:
@@ -119,6 +137,9 @@ def detail_lines(status: Any, width: int = 100) -> list[str]:
         ]
         lines.append(printable("stragglers: " + ", ".join(named)))
     lines += [printable(f"environment: {line}") for line in status.env_mismatches]
+    if status.alerts:
+        lines.append(f"alerts ({len(status.alerts)} recent, newest last; all: {status.run_dir}/alerts.jsonl):")
+        lines += [f"  {alert_line(a)}" for a in status.alerts[-DETAIL_ALERTS:]]
     return lines
 
 

@@ -32,11 +32,22 @@ VERDICT_TXT = _HERE.verdict
 STRAGGLERS = _HERE.stragglers
 ENV_DIR = _HERE.path(RunDir.ENV)
 
-# $1 marker, $2 cap, $3 verdict.json, $4 verdict.txt, $5 stragglers.json, $6 env dir ("": skip), then the run dirs.
+ALERTS = _HERE.alerts
+GPU_METRICS = _HERE.gpu_metrics
+TAIL_BYTES = 16384
+"""Of the appended files (alerts.jsonl, gpu.jsonl) only the newest TAIL_BYTES come back: the newest lines."""
+ALERTS_KEPT = 50
+"""A status keeps a job's newest ALERTS_KEPT alerts."""
+
+# $1 marker, $2 cap, $3 verdict.json, $4 verdict.txt, $5 stragglers.json, $6 env dir ("": skip),
+# $7 alerts.jsonl, $8 gpu.jsonl ("": skip), $9 the tail cap, then the run dirs. The first files are read
+# from their start (head), the appended ones from their end (tail): their newest lines.
 FINDINGS_SCRIPT = (
-    'm=$1; cap=$2; v=$3; t=$4; s=$5; e=$6; shift 6; for d in "$@"; do printf "\\n%s run\\n" "$m"; '
+    'm=$1; cap=$2; v=$3; t=$4; s=$5; e=$6; a=$7; g=$8; tc=$9; shift 9; for d in "$@"; do printf "\\n%s run\\n" "$m"; '
     'for f in "$d/$v" "$d/$t" "$d/$s" ${e:+"$d/$e"/*.json}; do [ -f "$f" ] || continue; '
-    'printf "\\n%s file %s\\n" "$m" "${f#"$d"/}"; head -c "$cap" -- "$f"; done; done; exit 0'
+    'printf "\\n%s file %s\\n" "$m" "${f#"$d"/}"; head -c "$cap" -- "$f"; done; '
+    'for f in "$d/$a" ${g:+"$d/$g"}; do [ -f "$f" ] || continue; '
+    'printf "\\n%s file %s\\n" "$m" "${f#"$d"/}"; tail -c "$tc" -- "$f"; done; done; exit 0'
 )
 
 
@@ -50,6 +61,10 @@ class Findings:
     """[{"rank", "node", "busy_s", "ratio"}] from stragglers.json."""
     env_mismatches: list[str] = field(default_factory=list)
     """One line per version that differs between the newest run's nodes."""
+    alerts: list[dict[str, Any]] = field(default_factory=list)
+    """This job's newest alert records (launcher/alerts.py), oldest first."""
+    gpus: list[dict[str, Any]] = field(default_factory=list)
+    """The newest gpu.jsonl sample of each GPU (asked for by `meshrun top` only; else [])."""
 
 
 NOTHING = Findings()
@@ -60,11 +75,12 @@ def new_marker() -> str:
     return f"MESHRUN-{secrets.token_hex(8)}"
 
 
-def findings_argv(run_dirs: Sequence[str], with_env: bool, marker: str) -> list[str]:
+def findings_argv(run_dirs: Sequence[str], with_env: bool, marker: str, with_gpus: bool = False) -> list[str]:
     """One command printing every job's finding files, each after a line naming it."""
     env = ENV_DIR if with_env else ""
-    cap = str(CAP_BYTES)
-    return ["sh", "-c", FINDINGS_SCRIPT, "sh", marker, cap, VERDICT_JSON, VERDICT_TXT, STRAGGLERS, env, *run_dirs]
+    gpus = GPU_METRICS if with_gpus else ""
+    caps = (str(CAP_BYTES), VERDICT_JSON, VERDICT_TXT, STRAGGLERS, env, ALERTS, gpus, str(TAIL_BYTES))
+    return ["sh", "-c", FINDINGS_SCRIPT, "sh", marker, *caps, *run_dirs]
 
 
 def split_findings(output: str, jobs: int, marker: str) -> list[dict[str, str]]:
@@ -87,11 +103,22 @@ def _read(path: str) -> Optional[str]:
         return None
 
 
-def read_files(run_dir: str, with_env: bool) -> dict[str, str]:
+def _tail(path: str) -> Optional[str]:
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, 2)
+            handle.seek(max(0, handle.tell() - TAIL_BYTES))
+            return handle.read(TAIL_BYTES).decode(errors="replace")
+    except OSError:
+        return None
+
+
+def read_files(run_dir: str, with_env: bool, with_gpus: bool = False) -> dict[str, str]:
     """The same files as `findings_argv`, read on this machine (the local cluster)."""
     import os
 
     root = RunDir(run_dir)
+    tails = {name: _tail(root.path(name)) for name in (ALERTS, *(GPU_METRICS,) * with_gpus)}
     names = [VERDICT_JSON, VERDICT_TXT, STRAGGLERS]
     if with_env:
         try:
@@ -99,7 +126,7 @@ def read_files(run_dir: str, with_env: bool) -> dict[str, str]:
         except OSError:
             listed = []
         names += [posixpath.join(ENV_DIR, n) for n in listed if n.endswith(".json") and not n.startswith(".")]
-    found = {name: _read(root.path(name)) for name in names}
+    found = {**{name: _read(root.path(name)) for name in names}, **tails}
     return {name: text for name, text in found.items() if text is not None}
 
 
@@ -159,4 +186,40 @@ def findings_from(files: Mapping[str, str], submitted_at: float) -> Findings:
     prefix = ENV_DIR + "/"
     records = [parse_record(text) for name, text in sorted(files.items()) if name.startswith(prefix)]
     mismatches = env_mismatches(newest_run(r for r in records if r is not None))
-    return Findings(verdict=verdict, stragglers=stragglers, env_mismatches=mismatches)
+    alerts = [a for a in parse_alerts(files.get(ALERTS)) if _recent(a, submitted_at)][-ALERTS_KEPT:]
+    gpus = parse_gpus(files.get(GPU_METRICS), submitted_at)
+    return Findings(verdict=verdict, stragglers=stragglers, env_mismatches=mismatches, alerts=alerts, gpus=gpus)
+
+
+def _json_lines(text: Optional[str]) -> list[dict[str, Any]]:
+    """Every whole JSON object line of a tail (its cut first line, or a line being written, is skipped)."""
+    rows = []
+    for line in (text or "").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def parse_alerts(text: Optional[str]) -> list[dict[str, Any]]:
+    """alerts.jsonl's records (launcher/alerts.py), oldest first; a record naming no known rule is left out."""
+    from launcher.alerts import RULES
+
+    return [row for row in _json_lines(text) if row.get("rule") in RULES]
+
+
+def parse_gpus(text: Optional[str], submitted_at: float) -> list[dict[str, Any]]:
+    """The newest sample of each GPU (by node and uuid) in a gpu.jsonl tail, ordered by rank."""
+    newest: dict[tuple[str, str], dict[str, Any]] = {}
+    for row in _json_lines(text):
+        if row.get("kind") == "gpu" and _recent(row, submitted_at):
+            newest[(str(row.get("node")), str(row.get("uuid", row.get("rank"))))] = row
+    return sorted(newest.values(), key=_rank_order)
+
+
+def _rank_order(row: Mapping[str, Any]) -> int:
+    rank = row.get("rank")
+    return rank if isinstance(rank, int) else 1 << 30

@@ -9,6 +9,7 @@ shown to the person, not only as UNREACHABLE.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -48,6 +49,13 @@ class Status:
     """Ranks persistently slower than the median: [{"rank", "node", "busy_s", "ratio"}]."""
     env_mismatches: list[str] = field(default_factory=list)
     """Versions that differ between the nodes (asked for one job's detail view only; else [])."""
+    alerts: list[dict[str, Any]] = field(default_factory=list)
+    """The job's newest alerts (RUN_DIR/alerts.jsonl records: time, step, rule, value, threshold, rank, node,
+    message), oldest first."""
+    losses: list[Optional[float]] = field(default_factory=list)
+    """The recent steps' losses, oldest first (None: non-finite); asked for by `meshrun top` only."""
+    gpus: list[dict[str, Any]] = field(default_factory=list)
+    """The newest gpu.jsonl sample of each GPU (util_pct, mem_used_mib, mem_total_mib, ...); `top` only."""
 
     def as_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -80,13 +88,38 @@ def parse_metrics_tail(text: str) -> dict[str, Any]:
     return found
 
 
-def last_metrics(transport: Transport, run_dir: str) -> dict[str, Any]:
-    """The newest complete line of metrics.jsonl (reads only the file's tail)."""
+HISTORY_LINES = 60
+"""`meshrun top`'s loss history: the newest metrics lines it fetches (a few kB per job)."""
+
+
+def parse_losses(text: str) -> list[Optional[float]]:
+    """The step lines' losses of a metrics tail, oldest first (None for a diverged step's null loss)."""
+    losses: list[Optional[float]] = []
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and "event" not in row and "loss" in row:
+            loss = row["loss"]
+            ok = isinstance(loss, (int, float)) and not isinstance(loss, bool) and math.isfinite(loss)
+            losses.append(float(loss) if ok else None)
+    return losses[-HISTORY_LINES:]
+
+
+def metrics_tail(transport: Transport, run_dir: str, live: bool = False) -> str:
+    """The tail of metrics.jsonl: its last 8 kB (with `live`, enough for the loss history)."""
     path = RunDir(run_dir).metrics
     size = transport.size(path)
     if not size:
-        return {}
-    return parse_metrics_tail(transport.read_bytes(path, max(0, size - 8192), 8192).decode(errors="replace"))
+        return ""
+    want = 65536 if live else 8192
+    return transport.read_bytes(path, max(0, size - want), want).decode(errors="replace")
+
+
+def last_metrics(transport: Transport, run_dir: str) -> dict[str, Any]:
+    """The newest complete line of metrics.jsonl (reads only the file's tail)."""
+    return parse_metrics_tail(metrics_tail(transport, run_dir))
 
 
 def _unreachable(record: JobRecord, why: str) -> Status:
@@ -103,14 +136,16 @@ def _unreachable(record: JobRecord, why: str) -> Status:
     )
 
 
-def _cluster_statuses(group: Sequence[JobRecord], transport: Transport, detail: bool) -> list[Status]:
+def _cluster_statuses(group: Sequence[JobRecord], transport: Transport, detail: bool, live: bool) -> list[Status]:
     from submit.schedulers import backend
 
     by_scheduler: dict[str, list[JobRecord]] = defaultdict(list)
     for record in group:
         by_scheduler[record.scheduler].append(record)
     return [
-        s for name, records in by_scheduler.items() for s in backend(name).statuses(records, transport, detail=detail)
+        s
+        for name, records in by_scheduler.items()
+        for s in backend(name).statuses(records, transport, detail=detail, live=live)
     ]
 
 
@@ -124,16 +159,18 @@ def statuses(
     registry: Optional[Registry] = None,
     warn: Callable[[str], None] = warn_to_stderr,
     detail: bool = False,
+    live: bool = False,
 ) -> list[Status]:
     """The status of each record, in order: one round trip per cluster. `detail` also compares
-    the nodes' environment records (one job's view: the records of many jobs would be a lot to fetch)."""
+    the nodes' environment records (one job's view: the records of many jobs would be a lot to fetch);
+    `live` also brings the loss history and the newest GPU samples (`meshrun top`), in the same trip."""
     by_cluster: dict[str, list[JobRecord]] = defaultdict(list)
     for record in records:
         by_cluster[record.profile or record.cluster].append(record)  # the profile file: one cluster
     found: dict[tuple[str, str], Status] = {}
     for cluster, group in by_cluster.items():
         try:
-            found_here = _cluster_statuses(group, clusters.transport_for(group[0]), detail)
+            found_here = _cluster_statuses(group, clusters.transport_for(group[0]), detail, live)
         except ConnectionLost:
             raise  # the caller reconnects
         except MeshrunError as exc:

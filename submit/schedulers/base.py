@@ -110,8 +110,11 @@ class Backend(Protocol):
     def schedule(self, request: Request, transport: Transport) -> str:
         """Send the request; returns the job id."""
 
-    def statuses(self, records: Sequence[JobRecord], transport: Transport, detail: bool = False) -> list[Status]:
-        """One Status per record; `detail`: also the nodes' environment mismatches."""
+    def statuses(
+        self, records: Sequence[JobRecord], transport: Transport, detail: bool = False, live: bool = False
+    ) -> list[Status]:
+        """One Status per record; `detail`: also the nodes' environment mismatches; `live`: also the loss
+        history and the newest GPU samples (`meshrun top`)."""
 
     def cancel(self, records: Sequence[JobRecord], transport: Transport) -> None: ...
 

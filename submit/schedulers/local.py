@@ -30,7 +30,7 @@ from submit.errors import ClusterError, InputError
 from submit.plan import Plan
 from submit.registry import JobRecord, now
 from submit.schedulers.base import Request, run_dir_files
-from submit.status import FINAL, Status, last_metrics
+from submit.status import FINAL, Status, metrics_tail, parse_losses, parse_metrics_tail
 from submit.transport import Transport
 
 ACTIVE = ("PENDING", "RUNNING")
@@ -78,8 +78,10 @@ class LocalBackend:
             transport.put(request.files, request.run_dir)
             return _start(request.run_dir, request.argv)
 
-    def statuses(self, records: Sequence[JobRecord], transport: Transport, detail: bool = False) -> list[Status]:
-        return [_status(record, transport, detail) for record in records]
+    def statuses(
+        self, records: Sequence[JobRecord], transport: Transport, detail: bool = False, live: bool = False
+    ) -> list[Status]:
+        return [_status(record, transport, detail, live) for record in records]
 
     def cancel(self, records: Sequence[JobRecord], transport: Transport) -> None:
         for record in records:
@@ -228,7 +230,7 @@ def submitit_state(run_dir: str, job_id: str) -> dict[str, Any]:
     return {"state": "COMPLETED"}
 
 
-def _status(record: JobRecord, transport: Transport, detail: bool = False) -> Status:
+def _status(record: JobRecord, transport: Transport, detail: bool = False, live: bool = False) -> Status:
     if not os.path.isdir(record.run_dir):
         state: dict[str, Any] = {"state": "UNKNOWN", "message": f"the run dir {record.run_dir} is gone"}
     else:
@@ -240,7 +242,8 @@ def _status(record: JobRecord, transport: Transport, detail: bool = False) -> St
     name = state.get("state", "UNKNOWN")
     started, ended = state.get("started"), state.get("ended")
     elapsed = int((ended or now()) - started) if started else None
-    found = findings.findings_from(findings.read_files(record.run_dir, detail), record.submitted_at)
+    found = findings.findings_from(findings.read_files(record.run_dir, detail, live), record.submitted_at)
+    tail = metrics_tail(transport, record.run_dir, live)
     return Status(
         job_id=record.job_id,
         cluster=record.cluster,
@@ -253,11 +256,14 @@ def _status(record: JobRecord, transport: Transport, detail: bool = False) -> St
         elapsed_s=elapsed,
         time_limit_s=None if name in FINAL else state.get("time_limit_s"),
         reason=state.get("message") or None,
-        progress=last_metrics(transport, record.run_dir),
+        progress=parse_metrics_tail(tail),
         exit_code=state.get("exit_code"),
         verdict=found.verdict,
         stragglers=found.stragglers,
         env_mismatches=found.env_mismatches,
+        alerts=found.alerts,
+        losses=parse_losses(tail) if live else [],
+        gpus=found.gpus,
     )
 
 

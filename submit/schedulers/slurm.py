@@ -18,7 +18,7 @@ from submit.plan import Plan
 from submit.registry import JobRecord
 from submit.schedulers import slurm_cli
 from submit.schedulers.base import Request, run_dir_files
-from submit.status import FINAL, Status, parse_metrics_tail
+from submit.status import FINAL, HISTORY_LINES, Status, parse_losses, parse_metrics_tail
 from submit.transport import Result, Transport, batch
 
 BATCH_JOBS = 1000
@@ -65,22 +65,27 @@ class SlurmBackend:
             done.check("sbatch")
         return slurm_cli.parse_sbatch(done.stdout)
 
-    def statuses(self, records: Sequence[JobRecord], transport: Transport, detail: bool = False) -> list[Status]:
-        """ONE remote round trip per BATCH_JOBS jobs (the sidecars' findings of every job included)."""
+    def statuses(
+        self, records: Sequence[JobRecord], transport: Transport, detail: bool = False, live: bool = False
+    ) -> list[Status]:
+        """ONE remote round trip per BATCH_JOBS jobs (the sidecars' findings and alerts of every job included;
+        `live`: each job's loss history and newest GPU samples too)."""
         if len(records) > BATCH_JOBS:  # keeps one command line well under sshd's packet limit (256 KiB)
             return [
                 s
                 for i in range(0, len(records), BATCH_JOBS)
-                for s in self.statuses(records[i : i + BATCH_JOBS], transport, detail)
+                for s in self.statuses(records[i : i + BATCH_JOBS], transport, detail, live)
             ]
         marker = findings.new_marker()
-        extra = findings.findings_argv([r.run_dir for r in records], detail, marker)
-        results = batch(transport, [*query_argvs(records), extra], timeout=120)
+        extra = findings.findings_argv([r.run_dir for r in records], detail, marker, with_gpus=live)
+        results = batch(transport, [*query_argvs(records, live), extra], timeout=120)
         states = states_from(records, results[0], results[1])
         tails, errors = results[2 : 2 + len(records)], results[2 + len(records) : 2 + 2 * len(records)]
         files = findings.split_findings(results[-1].stdout, len(records), marker)
         return [
-            _status(record, states[record.job_id], tail, error, findings.findings_from(found, record.submitted_at))
+            _status(
+                record, states[record.job_id], tail, error, findings.findings_from(found, record.submitted_at), live
+            )
             for record, tail, error, found in zip(records, tails, errors, files)
         ]
 
@@ -102,11 +107,12 @@ class SlurmBackend:
         return 2.0 if elapsed_s < 30 else 5.0 if elapsed_s < 300 else 10.0
 
 
-def query_argvs(records: Sequence[JobRecord]) -> list[list[str]]:
-    """squeue, sacct, one metrics tail per job, then each job's first rank error (if any):
-    what the single round trip runs."""
+def query_argvs(records: Sequence[JobRecord], live: bool = False) -> list[list[str]]:
+    """squeue, sacct, one metrics tail per job (`live`: the loss history's lines), then each job's first
+    rank error (if any): what the single round trip runs."""
     ids = [r.job_id for r in records]
-    tails = [["tail", "-n", "4", "--", RunDir(r.run_dir).metrics] for r in records]
+    lines = str(HISTORY_LINES + 4 if live else 4)
+    tails = [["tail", "-n", lines, "--", RunDir(r.run_dir).metrics] for r in records]
     errors = [["head", "-c", "500", "--", RunDir(r.run_dir).rank_error] for r in records]
     return [slurm_cli.squeue_argv(ids), slurm_cli.sacct_argv(ids), *tails, *errors]
 
@@ -136,8 +142,10 @@ def _status(
     tail: Result,
     error: Result,
     found: findings.Findings = findings.NOTHING,
+    live: bool = False,
 ) -> Status:
-    progress = parse_metrics_tail(tail.stdout) if tail.returncode == 0 else {}
+    text = tail.stdout if tail.returncode == 0 else ""
+    progress = parse_metrics_tail(text)
     rank_error = error.stdout.strip().splitlines()[0] if error.returncode == 0 and error.stdout.strip() else None
     # A failed job says why in the ranks' own words (bad input, a crash), as on the local cluster.
     reason = rank_error if job.done and not job.succeeded and rank_error else job.reason
@@ -159,6 +167,9 @@ def _status(
         verdict=found.verdict,
         stragglers=found.stragglers,
         env_mismatches=found.env_mismatches,
+        alerts=found.alerts,
+        losses=parse_losses(text) if live else [],
+        gpus=found.gpus,
     )
 
 

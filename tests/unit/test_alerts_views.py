@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import io
+import json
+import time
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from submit.cli import progress_line
 from submit.status import Status
@@ -26,3 +32,98 @@ def test_progress_line_shows_a_null_loss_as_nan() -> None:
     # A diverged job writes "loss": null (strict JSON has no NaN); --wait died formatting it.
     line = progress_line(_status(progress={"step": 3, "loss": None}), 10)
     assert "step 3/10" in line and "loss nan" in line
+
+
+# ------------------------------------------------------------------ alerts in the status round trip
+
+
+def _alert(rule: str, step: int, when: float = 0.0, **kw: Any) -> dict[str, Any]:
+    from launcher.alerts import Alert
+
+    return Alert(
+        rule, 9.0, 3.0, f"{rule} at {step}", step=step, rank=0, node="n1", time=when or time.time(), **kw
+    ).record()
+
+
+def test_the_remote_command_brings_each_jobs_newest_alerts_and_gpu_lines_capped(tmp_path: Path) -> None:
+    from launcher import alerts
+    from launcher.alerts import Alert
+    from submit import findings
+    from submit.transport import LocalTransport
+
+    busy, quiet = tmp_path / "busy", tmp_path / "quiet"
+    quiet.mkdir()
+    many = [Alert("loss_spike", float(i), 3.0, "spike", step=i) for i in range(2000)]  # far over the tail cap
+    alerts.append(str(busy / "alerts.jsonl"), many)
+    gpu = [
+        {"time": time.time(), "node": "n1", "kind": "gpu", "rank": r, "uuid": f"u{r}", "util_pct": 50 + r}
+        for r in (1, 0)
+    ]
+    (busy / "gpu.jsonl").write_text("".join(json.dumps(g) + "\n" for g in gpu))
+    marker = findings.new_marker()
+    dirs = [str(busy), str(quiet)]
+    done = LocalTransport().run(findings.findings_argv(dirs, False, marker, with_gpus=True))
+    got = findings.split_findings(done.stdout, 2, marker)
+    assert len(got[0][findings.ALERTS]) <= findings.TAIL_BYTES and got[1] == {}
+    assert got[0] == findings.read_files(str(busy), False, with_gpus=True)  # local and remote read the same
+    found = findings.findings_from(got[0], submitted_at=time.time() - 60)
+    assert len(found.alerts) == findings.ALERTS_KEPT and found.alerts[-1]["step"] == 1999  # the newest, in order
+    assert [g["util_pct"] for g in found.gpus] == [50, 51]  # by rank
+    no_gpus = findings.split_findings(
+        LocalTransport().run(findings.findings_argv(dirs, False, marker)).stdout, 2, marker
+    )
+    assert set(no_gpus[0]) == {findings.ALERTS}
+
+
+def test_an_earlier_jobs_alerts_in_the_same_run_dir_are_not_this_jobs() -> None:
+    from submit import findings
+
+    text = json.dumps(_alert("hang", 1, when=1000.0)) + "\n" + json.dumps(_alert("loss_spike", 7)) + "\n{garbled"
+    found = findings.findings_from({findings.ALERTS: text}, submitted_at=time.time() - 10)
+    assert [a["rule"] for a in found.alerts] == ["loss_spike"]
+
+
+def test_the_list_gets_an_alerts_column_only_when_a_job_has_alerts() -> None:
+    from submit.cli_jobs import detail_lines, status_table
+
+    quiet = _status(progress={"step": 3, "loss": 2.5})
+    assert "ALERTS" not in status_table([quiet])
+    noisy = _status(job_id="j2", alerts=[_alert("nonfinite_loss", 3), _alert("loss_spike", 5)], progress={"loss": None})
+    lines = status_table([quiet, noisy]).splitlines()
+    head = lines[0].split()
+    assert "ALERTS" in head
+    assert lines[2].split()[head.index("ALERTS")] == "2" and "2 loss_spike" in lines[2]
+    assert lines[2].split()[head.index("LOSS")] == "nan"
+    detail = detail_lines(noisy)
+    assert (
+        detail[0].startswith("alerts (2 recent") and "loss_spike step 5 rank 0 node n1: loss_spike at 5" in detail[-1]
+    )
+
+
+def test_json_carries_the_alert_records() -> None:
+    record = _alert("gpu_util_low", 4)
+    assert _status(alerts=[record]).as_json()["alerts"] == [record]
+
+
+def test_wait_prints_each_new_alert_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from submit import api, cli
+    from submit.registry import JobRecord
+
+    first, second = _alert("loss_spike", 2), _alert("nonfinite_loss", 3)
+    seq = iter(
+        [
+            _status(progress={"step": 2, "loss": 5.0}, alerts=[first]),
+            _status(progress={"step": 3, "loss": None}, alerts=[first, second]),
+            _status(state="FAILED", done=True, progress={"step": 3, "loss": None}, alerts=[first, second]),
+        ]
+    )
+    monkeypatch.setattr(api, "statuses", lambda records, clusters, registry=None: [next(seq)])
+    monkeypatch.setattr(cli.time, "sleep", lambda s: None)
+    out = io.StringIO()
+    cli.wait_for(JobRecord("1", "c", "n", "/r", "local", 0.0, None, "h"), None, None, total_steps=5, out=out)
+    lines = out.getvalue().splitlines()
+    assert [line.split()[3] for line in lines if line.startswith("ALERT")] == [
+        "loss_spike",
+        "nonfinite_loss",
+    ]
+    assert lines[-1] == "[FAILED] step 3/5 loss nan"
