@@ -19,11 +19,12 @@ from typing import Any, Callable, Mapping, Optional, TextIO
 
 from launcher.rundir import RunDir, attempt_id, expand_node_path, read_state, write_json
 from launcher.sidecar import envrecord
+from launcher.sidecar.alerting import Alerting
 from launcher.sidecar.copier import Copier
 from launcher.sidecar.host import Host
 from launcher.sidecar.nvml import Gpus, NvmlUnavailable, discover, load_nvml, resolve
 from launcher.sidecar.watchdog import Watchdog as HangWatch
-from launcher.spec import Watchdog
+from launcher.spec import Alerts, Watchdog
 from launcher.tbwriter import scalars_of
 
 DEFAULT_INTERVAL_S = 5.0
@@ -127,6 +128,8 @@ class Settings:
     keep: int = 3
     keep_every: int = 0
     final_copy_s: float = 0.0
+    alerts: Alerts = field(default_factory=Alerts)
+    """The GPU, straggler and hang rules' thresholds (launcher/sidecar/alerting.py)."""
 
     @property
     def ranks(self) -> range:
@@ -155,6 +158,7 @@ def read_settings(run_dir: RunDir, environ: Mapping[str, str], log: LogFn) -> Se
         keep=job.checkpoint.keep,
         keep_every=job.checkpoint.keep_every,
         final_copy_s=job.sidecar.final_copy_s,
+        alerts=job.alerts,
     )
 
 
@@ -184,6 +188,7 @@ class Sidecar:
         self.started = time.time()
         self.node_dir = run_dir.node_dir(expand_node_path(self.settings.scratch_dir), node)
         self.attempt = attempt_id(environ)
+        self.alerting = Alerting(run_dir, node, self.settings.node_rank, self.settings.alerts, log, self.step)
         self.watchdog = self._open_watchdog()
         self.copier = self._open_copier()
 
@@ -204,6 +209,8 @@ class Sidecar:
             self.log,
             gpu_snapshot=self.gpu_snapshot,
             on_scalars=self.add_scalars,
+            on_straggler=self.alerting.on_straggler,
+            on_verdict=self.alerting.on_verdict,
         )
 
     def _open_copier(self) -> Optional[Copier]:
@@ -233,6 +240,11 @@ class Sidecar:
         )
         host = self.host.sample()
         return [*rows, {"kind": "host", **host}] if host else rows
+
+    def step(self) -> Optional[int]:
+        """The node's newest step (its ranks' heartbeats, as the hang watch reads them), for alerts."""
+        steps = [b["step"] for b in self.watchdog.live_beats().values()] if self.watchdog is not None else []
+        return max(steps) if steps else None
 
     def add_scalars(self, scalars: dict[str, float]) -> None:
         """Scalars from the watchdog (straggler ratios) into this node's TensorBoard files."""
@@ -276,6 +288,7 @@ class Sidecar:
         """One line per GPU and one for the host, appended to gpu.jsonl in one write; scalars to TensorBoard."""
         now = time.time()
         lines: list[dict[str, Any]] = []
+        gpu_rows: list[dict[str, Any]] = []
         scalars: dict[str, Any] = {}
         host = self.host.sample()
         if host:
@@ -284,6 +297,7 @@ class Sidecar:
         for row in self.gpus.sample(now) if self.gpus else []:
             rank = self.rank_of(row["local_rank"])
             lines.append({"time": round(now, 3), "node": self.node, "kind": "gpu", "rank": rank, **row})
+            gpu_rows.append(lines[-1])
             label = f"rank{rank}" if rank is not None else row["uuid"][:12]
             scalars.update(
                 {f"gpu/{label}/{key}": value for key, value in row.items() if key not in ("cuda_index", "local_rank")}
@@ -298,6 +312,7 @@ class Sidecar:
         if self.tb is not None:
             self.tb.add(self.samples, scalars_of(scalars, skip=()), now)
             self.tb.flush()
+        self.alerting.on_sample(gpu_rows, now)
         self.samples += 1
 
     def check_env(self) -> None:
@@ -314,6 +329,8 @@ class Sidecar:
             extra.append(Periodic("hang watch", WATCH_S, self.watchdog.tick))
         if self.copier is not None:
             extra.append(Periodic("checkpoint copier", WATCH_S, self.copier.tick))
+        if self.alerting.forwarder is not None:
+            extra.append(Periodic("alert forwarding", WATCH_S, self.alerting.forward))
         return [
             *extra,
             Periodic("sample", self.settings.interval_s, self.sample),
@@ -361,6 +378,7 @@ class Sidecar:
             pass
 
     def close(self) -> None:
+        self.alerting.forward()  # what the other nodes wrote in the last second
         if self.tb is not None:
             self.tb.close()
         if self.gpus is not None:

@@ -70,6 +70,8 @@ class StragglerTracker:
     log: Callable[[str], None]
     streaks: dict[int, int] = field(default_factory=dict)
     named: set[int] = field(default_factory=set)
+    on_named: Optional[Callable[[RankTime, float, float, float, float], None]] = None
+    """Called (rank time, ratio, median, factor, now) when a rank is named, once per streak (alerts)."""
 
     def check(self, times: list[RankTime], now: float) -> tuple[dict[str, Any], dict[str, float]]:
         """One check: stragglers.json's content and the ratio scalars (one per rank)."""
@@ -92,6 +94,8 @@ class StragglerTracker:
                         f"straggler: rank {t.rank} ({t.node}) takes {t.value_s:.3g} s per step, "
                         f"{ratio:.2f}x the median {median:.3g} s (factor {self.factor:g})"
                     )
+                    if self.on_named is not None:
+                        self.on_named(t, ratio, median, self.factor, now)
             elif t.rank in self.named:
                 self.named.discard(t.rank)
                 self.log(f"rank {t.rank} ({t.node}) is no longer a straggler ({ratio:.2f}x the median)")

@@ -32,7 +32,7 @@ from launcher.sidecar.beats import (
     read_json,
     write_text,
 )
-from launcher.sidecar.stragglers import StragglerTracker, rank_times, read_step_times
+from launcher.sidecar.stragglers import RankTime, StragglerTracker, rank_times, read_step_times
 from launcher.spec import Watchdog as WatchdogSettings
 
 STALE_GRACE_S = 5.0
@@ -64,6 +64,8 @@ class Watchdog:
         clock: Callable[[], float] = time.time,
         kill: Callable[[int, int], None] = os.kill,
         on_scalars: Optional[Callable[[dict[str, float]], None]] = None,
+        on_straggler: Optional[Callable[[RankTime, float, float, float, float], None]] = None,
+        on_verdict: Optional[Callable[[dict[str, Any], float], None]] = None,
     ) -> None:
         self.run_dir, self.node_dir, self.node, self.node_rank = run_dir, node_dir, node, node_rank
         self.nodes, self.ranks, self.settings, self.attempt = nodes, tuple(ranks), settings, attempt
@@ -76,7 +78,8 @@ class Watchdog:
         self.logged_timeout: Optional[float] = None
         self.said_no_beats = False
         self.next_share = self.created
-        self.stragglers = StragglerTracker(settings.straggler_factor, log)
+        self.stragglers = StragglerTracker(settings.straggler_factor, log, on_named=on_straggler)
+        self.on_verdict = on_verdict
         self.contribution = ""  # "", "waiting", "done"
         self.waiting_since = 0.0
         self.dumps: dict[str, int] = {}  # dump file -> size before the signal (or last seen size)
@@ -393,6 +396,9 @@ class Watchdog:
                     self.log(f"cannot kill rank {rank} (pid {pid}): {exc}")
         self.log(f"hang verdict: killed ranks {', '.join(killed) or 'none (already gone)'}; the job ends with exit 76")
         self._ended = True
+        verdict = self._ours(self.run_dir.verdict_json)
+        if self.on_verdict is not None and verdict is not None:
+            self.on_verdict(verdict, self.clock())  # after the kill: an alert never delays the job's end
 
     # --- stragglers -------------------------------------------------------------------------------
     def _share_step_times(self, now: float) -> None:
