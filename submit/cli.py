@@ -1,4 +1,4 @@
-"""The `meshrun` command: clusters, render, submit, status, logs, cancel, tb, trust, data.
+"""The `meshrun` command: clusters, render, submit, status, logs, cancel, tb, trust, data, watch, top.
 
 Bad input exits 2 with one line on stderr naming the key, the value and the fix;
 a cluster problem exits 1 with one line. Never a traceback for either.
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TextIO
 
 from launcher.schema import SchemaError
-from submit import cli_ckpt, cli_jobs
+from submit import cli_ckpt, cli_jobs, cli_live
 from submit.errors import EXIT_INPUT, InputError, InternalError, MeshrunError
 
 DEFAULT_CLUSTER = "local"
@@ -128,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     cli_ckpt.add_parsers(verbs)
+    cli_live.add_parsers(verbs)
 
     p = verbs.add_parser("data", help="build the byte-level token corpus from text on this machine")
     p.add_argument(
@@ -479,6 +480,8 @@ VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
     "data": cmd_data,
     "resume": cli_ckpt.cmd_resume,
     "export": cli_ckpt.cmd_export,
+    "watch": cli_live.cmd_watch,
+    "top": cli_live.cmd_top,
 }
 
 

@@ -34,17 +34,18 @@ ENV_DIR = _HERE.path(RunDir.ENV)
 
 ALERTS = _HERE.alerts
 GPU_METRICS = _HERE.gpu_metrics
+SPEC = RunDir.SPEC
 TAIL_BYTES = 16384
 """Of the appended files (alerts.jsonl, gpu.jsonl) only the newest TAIL_BYTES come back: the newest lines."""
 ALERTS_KEPT = 50
 """A status keeps a job's newest ALERTS_KEPT alerts."""
 
 # $1 marker, $2 cap, $3 verdict.json, $4 verdict.txt, $5 stragglers.json, $6 env dir ("": skip),
-# $7 alerts.jsonl, $8 gpu.jsonl ("": skip), $9 the tail cap, then the run dirs. The first files are read
+# $7 alerts.jsonl, $8 gpu.jsonl ("": skip, and spec.json too), $9 the tail cap, $10 spec.json, then the run dirs. The first files are read
 # from their start (head), the appended ones from their end (tail): their newest lines.
 FINDINGS_SCRIPT = (
-    'm=$1; cap=$2; v=$3; t=$4; s=$5; e=$6; a=$7; g=$8; tc=$9; shift 9; for d in "$@"; do printf "\\n%s run\\n" "$m"; '
-    'for f in "$d/$v" "$d/$t" "$d/$s" ${e:+"$d/$e"/*.json}; do [ -f "$f" ] || continue; '
+    'm=$1; cap=$2; v=$3; t=$4; s=$5; e=$6; a=$7; g=$8; tc=$9; sp=${10}; shift 10; for d in "$@"; do printf "\\n%s run\\n" "$m"; '
+    'for f in "$d/$v" "$d/$t" "$d/$s" ${e:+"$d/$e"/*.json} ${g:+"$d/$sp"}; do [ -f "$f" ] || continue; '
     'printf "\\n%s file %s\\n" "$m" "${f#"$d"/}"; head -c "$cap" -- "$f"; done; '
     'for f in "$d/$a" ${g:+"$d/$g"}; do [ -f "$f" ] || continue; '
     'printf "\\n%s file %s\\n" "$m" "${f#"$d"/}"; tail -c "$tc" -- "$f"; done; done; exit 0'
@@ -65,6 +66,8 @@ class Findings:
     """This job's newest alert records (launcher/alerts.py), oldest first."""
     gpus: list[dict[str, Any]] = field(default_factory=list)
     """The newest gpu.jsonl sample of each GPU (asked for by `meshrun top` only; else [])."""
+    steps: Optional[int] = None
+    """The trainer's train.steps from spec.json (`meshrun top` only; None for a command job)."""
 
 
 NOTHING = Findings()
@@ -79,7 +82,7 @@ def findings_argv(run_dirs: Sequence[str], with_env: bool, marker: str, with_gpu
     """One command printing every job's finding files, each after a line naming it."""
     env = ENV_DIR if with_env else ""
     gpus = GPU_METRICS if with_gpus else ""
-    caps = (str(CAP_BYTES), VERDICT_JSON, VERDICT_TXT, STRAGGLERS, env, ALERTS, gpus, str(TAIL_BYTES))
+    caps = (str(CAP_BYTES), VERDICT_JSON, VERDICT_TXT, STRAGGLERS, env, ALERTS, gpus, str(TAIL_BYTES), SPEC)
     return ["sh", "-c", FINDINGS_SCRIPT, "sh", marker, *caps, *run_dirs]
 
 
@@ -119,7 +122,7 @@ def read_files(run_dir: str, with_env: bool, with_gpus: bool = False) -> dict[st
 
     root = RunDir(run_dir)
     tails = {name: _tail(root.path(name)) for name in (ALERTS, *(GPU_METRICS,) * with_gpus)}
-    names = [VERDICT_JSON, VERDICT_TXT, STRAGGLERS]
+    names = [VERDICT_JSON, VERDICT_TXT, STRAGGLERS, *(SPEC,) * with_gpus]
     if with_env:
         try:
             listed = sorted(os.listdir(root.path(ENV_DIR)))
@@ -188,7 +191,24 @@ def findings_from(files: Mapping[str, str], submitted_at: float) -> Findings:
     mismatches = env_mismatches(newest_run(r for r in records if r is not None))
     alerts = [a for a in parse_alerts(files.get(ALERTS)) if _recent(a, submitted_at)][-ALERTS_KEPT:]
     gpus = parse_gpus(files.get(GPU_METRICS), submitted_at)
-    return Findings(verdict=verdict, stragglers=stragglers, env_mismatches=mismatches, alerts=alerts, gpus=gpus)
+    return Findings(
+        verdict=verdict,
+        stragglers=stragglers,
+        env_mismatches=mismatches,
+        alerts=alerts,
+        gpus=gpus,
+        steps=parse_steps(files.get(SPEC)),
+    )
+
+
+def parse_steps(text: Optional[str]) -> Optional[int]:
+    """spec.json's job.trainer.steps (a command job has no steps)."""
+    job = _json_object(text).get("job")
+    if not isinstance(job, dict) or job.get("command"):
+        return None
+    trainer = job.get("trainer")
+    steps = trainer.get("steps") if isinstance(trainer, dict) else None
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
 
 
 def _json_lines(text: Optional[str]) -> list[dict[str, Any]]:

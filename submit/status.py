@@ -56,6 +56,8 @@ class Status:
     """The recent steps' losses, oldest first (None: non-finite); asked for by `meshrun top` only."""
     gpus: list[dict[str, Any]] = field(default_factory=list)
     """The newest gpu.jsonl sample of each GPU (util_pct, mem_used_mib, mem_total_mib, ...); `top` only."""
+    steps: Optional[int] = None
+    """The trainer's total steps (from spec.json; `top` only)."""
 
     def as_json(self) -> dict[str, Any]:
         return dict(self.__dict__)

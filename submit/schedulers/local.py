@@ -264,6 +264,7 @@ def _status(record: JobRecord, transport: Transport, detail: bool = False, live:
         alerts=found.alerts,
         losses=parse_losses(tail) if live else [],
         gpus=found.gpus,
+        steps=found.steps,
     )
 
 

@@ -170,6 +170,7 @@ def _status(
         alerts=found.alerts,
         losses=parse_losses(text) if live else [],
         gpus=found.gpus,
+        steps=found.steps,
     )
 
 
