@@ -127,3 +127,22 @@ def test_wait_prints_each_new_alert_once(monkeypatch: pytest.MonkeyPatch) -> Non
         "nonfinite_loss",
     ]
     assert lines[-1] == "[FAILED] step 3/5 loss nan"
+
+
+# ------------------------------------------------------------------ top's cells
+
+
+def test_top_cells_step_of_steps_time_left_and_a_non_finite_loss_in_the_sparkline() -> None:
+    from submit import findings, top
+
+    assert top.sparkline([3.0, None, 2.0]) == "█!▁" and top.sparkline([None]) == "!" and top.sparkline([]) == ""
+    spec = json.dumps({"job": {"command": None, "trainer": {"steps": 100}}})
+    assert findings.parse_steps(spec) == 100
+    assert findings.parse_steps(json.dumps({"job": {"command": ["sleep", "1"]}})) is None
+    assert findings.parse_steps("{cut") is None
+    running = _status(progress={"step": 40, "loss": None, "step_time_s": 0.5}, steps=100, losses=[2.0, None])
+    assert top.time_left(running) == 30.0
+    cells = top.row(running)
+    assert cells[4:7] == ("40/100", "nan", "▁!") and cells[11] == "0:00:30"
+    limited = _status(elapsed_s=60, time_limit_s=600)
+    assert top.time_left(limited) == 540.0 and top.row(limited)[9:11] == ("-", "-")
