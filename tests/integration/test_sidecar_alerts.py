@@ -1,0 +1,69 @@
+"""The sidecar's alerts end to end on `local`: a real straggler and a real hang (launcher/faults.py), found by
+the real sidecar, each one `straggler` / `hang` line in RUN_DIR/alerts.jsonl and one line in its log."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from launcher import alerts
+from launcher.exitcodes import EXIT_NO_PROGRESS
+from launcher.rundir import RunDir, node_name
+from tests.integration.cli import TINY, meshrun, submitted, wait_for_state, wait_for_step
+
+FAST = [
+    "--set",
+    "watchdog.step_floor_s=3",
+    "--set",
+    "watchdog.diagnosis_wait_s=10",
+    "--set",
+    "train.log_every=1",
+    "--set",
+    "train.eval_every=0",
+    "--set",
+    "checkpoint.every=20",
+]
+"""As in test_hangs.py: a tiny step takes ~50 ms, so the step timeout is ~3 s once a few steps are timed."""
+
+
+def sidecar_alerts(run_dir: Path, rule: str) -> list[dict[str, Any]]:
+    return [r for r in alerts.read(RunDir(str(run_dir)).alerts) if r["rule"] == rule]
+
+
+def test_a_straggler_is_one_alert_line_and_one_log_line(tmp_path: Path, corpus: Path) -> None:
+    args = [*TINY, "--set", f"data.path={corpus}", "--set", "train.steps=100000", *FAST]
+    slow = ["--set", "env.MESHRUN_TEST_SLOW=1:0.2", "--set", "watchdog.straggler_check_s=1"]
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, *slow, check=True))
+    deadline = time.monotonic() + 90
+    try:
+        while not sidecar_alerts(run_dir, "straggler"):
+            assert time.monotonic() < deadline, "no straggler alert"
+            time.sleep(0.5)
+        time.sleep(3)  # three more checks: the same streak raises nothing more
+        (alert,) = sidecar_alerts(run_dir, "straggler")
+    finally:
+        meshrun(tmp_path, "cancel", job_id)
+    named = json.loads(Path(RunDir(str(run_dir)).stragglers).read_text())["stragglers"]
+    assert alert["rank"] == 1 and alert["node"] == node_name({}) and alert["threshold"] == 1.5, alert
+    assert alert["value"] > 1.5 and any(s["rank"] == 1 for s in named), (alert, named)
+    assert isinstance(alert["step"], int) and alert["step"] > 0, alert
+    log = Path(RunDir(str(run_dir)).sidecar_log(node_name({}))).read_text()
+    assert log.count("ALERT straggler") == 1 and f"rank 1: {alert['message']}" in log, log[-2000:]
+
+
+def test_a_hang_is_one_alert_with_the_verdicts_first_sentence(tmp_path: Path, corpus: Path) -> None:
+    args = [*TINY, "--set", f"data.path={corpus}", "--set", "train.steps=1000", *FAST]
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, "--set", "env.MESHRUN_TEST_HANG=1:30", check=True))
+    wait_for_step(run_dir, 29)
+    row = wait_for_state(tmp_path, job_id, {"FAILED", "COMPLETED", "CANCELLED"}, timeout=120)
+    assert row["state"] == "FAILED" and row["exit_code"] == EXIT_NO_PROGRESS, row
+    verdict = json.loads(Path(RunDir(str(run_dir)).verdict_json).read_text())
+    (alert,) = sidecar_alerts(run_dir, "hang")
+    assert alert["message"] == verdict["verdict"].split(". ")[0] + ".", (alert, verdict["verdict"])
+    assert alert["message"].startswith("Hang at step 30 (phase step), found by "), alert
+    assert (alert["rank"], alert["node"], alert["step"]) == (1, node_name({}), 30), alert
+    assert alert["value"] == verdict["silent_s"] and alert["threshold"] == verdict["timeout_s"], alert
+    log = Path(RunDir(str(run_dir)).sidecar_log(node_name({}))).read_text()
+    assert log.count("ALERT hang") == 1, log[-2000:]
