@@ -7,7 +7,8 @@ metadata, so its future completes last), the coordinator writes the completeness
 marker last, fsyncs it and the directory, and renames `step-N.tmp` to `step-N`.
 Resume takes the newest directory that has the marker; an unmarked one is never
 loaded. At most one save is in flight. Retention keeps the newest K (and every
-M-th step if asked) and never deletes the newest complete checkpoint.
+M-th step if asked, and with keep_best the one with the lowest recorded val_loss) and never
+deletes the newest complete checkpoint.
 
 Checkpoints are as private as the run dir, wherever they live (a cluster's shared
 checkpoint root included): folders 0700, files 0600, set explicitly, whatever the umask.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import re
 import shutil
@@ -37,6 +39,8 @@ from typing import Any, Callable, Optional
 from launcher.rundir import node_name
 
 MARKER = "meshrun-complete.json"
+VAL_LOSS = "val_loss"
+"""The marker key of a checkpoint's validation loss (saved at an eval step with checkpoint.keep_best)."""
 STAGED = "meshrun-staged.json"
 """A node's part of a save, complete on its node-local scratch (not yet a checkpoint anywhere)."""
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
@@ -101,15 +105,38 @@ def read_marker(path: Path, marker: str = MARKER) -> dict[str, Any]:
     return data
 
 
-def retention_victims(steps: list[int], keep: int, keep_every: int = 0) -> list[int]:
-    """Which complete checkpoints retention deletes: all but the newest `keep` and the
-    multiples of `keep_every`; never the newest one."""
+def retention_victims(steps: list[int], keep: int, keep_every: int = 0, best: Optional[int] = None) -> list[int]:
+    """Which complete checkpoints retention deletes: all but the newest `keep`, the multiples of
+    `keep_every` and `best`; never the newest one."""
     if not steps:
         return []
     kept = set(sorted(steps)[-max(keep, 1) :])
     if keep_every > 0:
         kept |= {s for s in steps if s % keep_every == 0}
+    if best is not None:
+        kept.add(best)
     return [s for s in sorted(steps) if s not in kept]
+
+
+def lowest_val_loss(val_losses: dict[int, float]) -> Optional[tuple[int, float]]:
+    """(step, val_loss) of the lowest value (the newer step on a tie); None when there is none."""
+    if not val_losses:
+        return None
+    step = min(val_losses, key=lambda s: (val_losses[s], -s))
+    return step, val_losses[step]
+
+
+def best(root: Path) -> Optional[tuple[int, float]]:
+    """The complete checkpoint whose marker records the lowest val_loss (checkpoint.keep_best)."""
+    found: dict[int, float] = {}
+    for step in complete_steps(root):
+        try:
+            value = read_marker(step_dir(root, step)).get(VAL_LOSS)
+        except (OSError, ValueError, CheckpointError):
+            continue  # unmarked by a concurrent retention, or unreadable: not a candidate
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            found[step] = float(value)
+    return lowest_val_loss(found)
 
 
 DIR_MODE, FILE_MODE = 0o700, 0o600
@@ -200,7 +227,11 @@ def remove_stale(root: Path) -> list[Path]:
 
 
 def apply_retention(root: Path, keep: int, keep_every: int = 0) -> list[int]:
-    victims = retention_victims(complete_steps(root), keep, keep_every)
+    """Delete what retention_victims names. The checkpoint with the lowest recorded val_loss is always
+    kept: only keep_best jobs record one (so the sidecar's copier, which commits copies with the
+    trainer's marker info, keeps it too without being told)."""
+    lowest = best(root)
+    victims = retention_victims(complete_steps(root), keep, keep_every, lowest[0] if lowest else None)
     for step in victims:
         path = step_dir(root, step)
         # Unmark first: a half-deleted directory must never look complete.

@@ -15,34 +15,11 @@ from launcher.rundir import RunDir
 from launcher.tbwriter import ScalarWriter, scalars_of
 
 METRICS_FILE = RunDir.METRICS
-STARVED_FRACTION = 0.2
-"""Data wait above this share of the step time means the input pipeline, not the GPUs, sets the pace."""
-STARVED_LOGS = 3
-"""... for this many logged steps in a row before the log says so (once)."""
 
 
 def perplexity(loss: float) -> float:
     """exp(loss), inf where that overflows a float (a diverged run), never an exception."""
     return math.exp(loss) if loss < 700 else math.inf
-
-
-class StarvationWatch:
-    """Says once when the data-wait fraction stays above STARVED_FRACTION for STARVED_LOGS logged steps."""
-
-    def __init__(self, threshold: float = STARVED_FRACTION, patience: int = STARVED_LOGS) -> None:
-        self.threshold, self.patience = threshold, patience
-        self.run, self.warned = 0, False
-
-    def observe(self, fraction: float) -> Optional[str]:
-        self.run = self.run + 1 if fraction > self.threshold else 0
-        if self.warned or self.run < self.patience:
-            return None
-        self.warned = True
-        return (
-            f"[meshrun] warning: data loading starves the GPUs: data wait is {fraction:.0%} of the step time "
-            f"(above {self.threshold:.0%} for {self.run} logged steps); use a faster disk for data.path, "
-            "or a bigger global batch per step"
-        )
 
 
 class MetricsLog:
@@ -62,7 +39,6 @@ class MetricsLog:
         """The GPU's dense bf16 peak: `mfu` joins each record when known."""
         self.file: Optional[TextIO] = None
         self.board: Optional[ScalarWriter] = None
-        self.starved = StarvationWatch()
         self.beat = Heartbeat(run_dir, rank) if rank is not None else None
         if enabled:
             Path(run_dir).mkdir(parents=True, exist_ok=True)
@@ -98,10 +74,8 @@ class MetricsLog:
     def _board(self, record: dict[str, Any], extra: Mapping[str, float]) -> None:
         scalars = scalars_of(record, skip=("step", "time", "restart_count"))
         if record.get("step_time_s"):
+            # A starved input pipeline is said by the data_wait alert (launcher/lossrules.py).
             scalars["data_wait_fraction"] = record["data_wait_s"] / record["step_time_s"]
-            warning = self.starved.observe(scalars["data_wait_fraction"])
-            if warning:
-                print(warning, flush=True)
         if self.board is not None:
             self.board.add(int(record["step"]), {**scalars, **extra}, record.get("time"))
 

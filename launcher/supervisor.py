@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from launcher.exitcodes import EXIT_FAILED, EXIT_INPUT, EXIT_NO_PROGRESS, EXIT_REQUEUE
+from launcher.exitcodes import EXIT_DIVERGED, EXIT_FAILED, EXIT_INPUT, EXIT_NO_PROGRESS, EXIT_REQUEUE
 from launcher.rundir import JOB_ID_ENV, RunDir, local_state_path, merge_state, read_state
 
 STOP_GRACE_S = 60
@@ -254,6 +254,12 @@ class Supervisor:
         elif agreed == EXIT_NO_PROGRESS:
             final = "FAILED"  # the sidecar found a hang, diagnosed it and ended the ranks
             message = f"no progress (exit {EXIT_NO_PROGRESS}): {_first_sentence(self.run_dir.verdict)}"
+        elif agreed == EXIT_DIVERGED:
+            final = "FAILED"  # never requeued: it would diverge again (alerts.jsonl has the step)
+            message = (
+                f"diverged (exit {EXIT_DIVERGED}): the loss went NaN/inf; lower train.lr or check the data, "
+                "then `meshrun resume JOB --set train.lr=...` continues from the last finite checkpoint"
+            )
         else:
             final = "FAILED"
             message = rank_error or (f"rank exit codes {codes}" if codes else message)

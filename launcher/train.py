@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from launcher import resume, trainstate
+from launcher import divergence, resume, trainstate
 from launcher.busy import BusyClock
 from launcher.checkpoint import Checkpointer
 from launcher.checkpoint import step_dir as ckpt_step_dir
@@ -35,15 +35,17 @@ from launcher.data import (
 )
 from launcher.entry import node_dir_for
 from launcher.env import RankEnv, setdefault_env
+from launcher.exitcodes import EXIT_DIVERGED
 from launcher.faults import faults_for
 from launcher.gpus import mfu_peak
+from launcher.losswatch import Watch as _Watch
 from launcher.metrics import MetricsLog, perplexity
 from launcher.model import GPT, ModelPart, param_count
 from launcher.optim import LossScaler, build_optimizer, clip_factor, global_grad_norm, lr_at, scale_grads_
 from launcher.parallel import apply_data_parallel, apply_tensor_parallel, build_mesh, uses_fsdp_precision
 from launcher.parallel_dims import Coordinates, ParallelDims
 from launcher.pipeline import Executor, PipelineExecutor, PlainExecutor, StepLoss
-from launcher.preempt import EXIT_FINISHED, EXIT_GAVE_UP, EXIT_REQUEUE, StopFlag, agree
+from launcher.preempt import EXIT_FINISHED, EXIT_GAVE_UP, EXIT_REQUEUE, StopFlag
 from launcher.rundir import RunDir, attempt_id
 from launcher.runtime import Runtime, check_tasks, init_distributed, pick_runtime
 from launcher.schema import SchemaError
@@ -388,36 +390,51 @@ def run_loop(
     clock = _Clock(first - 1)
     busy = BusyClock(t.runtime.cuda)
     faults = faults_for(env.rank, env.restart_count)
+    sentinel = divergence.Sentinel(t.runtime.device, check_norm=not t.scaler.enabled)
+    watch = _Watch.for_job(t.job, env, run_spec)
     try:
         for step in range(first, last + 1):
             metrics.stamp(step, "step", busy.last)
             busy.start()
             faults.at_step(step)
             micro_batches, wait = prefetch.next_step()
-            clock.waited += wait
+            clock.waited += wait + faults.delay_data()
             result = train_step(t, step, micro_batches)
+            sentinel.observe(step, result.loss.total, result.grad_norm)
             busy.stop()
             validate = eval_due(cfg, step, last)
-            if step % cfg.log_every == 0 or step == last or validate:
-                log_step(
+            logged = step % cfg.log_every == 0 or step == last or validate
+            if logged:
+                record = log_step(
                     t, env, metrics, step, result, clock, saver.last_committed if saver else None, validate=validate
                 )
+                watch.logged(record)
+            save_due = (
+                saver is not None and run_spec is not None and (step == last or bool(every and step % every == 0))
+            )
+            if flag is None and not (logged or save_due):
+                continue
+            # The stop flag's all-reduce carries the non-finite check (no extra sync): see divergence.py.
+            stopping, bad_step = divergence.agree(bool(flag and flag.raised), sentinel)
+            if bad_step is not None:
+                watch.diverged(bad_step, saver)
+                return EXIT_DIVERGED
             if saver is None or run_spec is None:
                 continue
             saver.poll()
-            if flag is not None and agree(flag.raised, device=t.runtime.device):
+            if stopping:
                 metrics.stamp(step, "checkpoint")
-                _save_now(saver, t, step, env, run_spec)
+                _save_now(saver, t, step, env, run_spec, watch.val_loss(step))
                 if env.rank == 0:
                     print(
-                        f"[meshrun] stopping after step {step} on {flag.describe() if flag.raised else 'a peer'}"
+                        f"[meshrun] stopping after step {step} on {flag.describe() if flag and flag.raised else 'a peer'}"
                         f"'s signal: checkpoint saved, exit {EXIT_REQUEUE} (requeue)",
                         flush=True,
                     )
                 return EXIT_REQUEUE
-            if step == last or (every and step % every == 0):
+            if save_due:
                 metrics.stamp(step, "checkpoint")
-                trainstate.save(saver, t, step, env, run_spec)
+                trainstate.save(saver, t, step, env, run_spec, watch.val_loss(step))
         if saver is not None:
             saver.wait()
         return EXIT_FINISHED
@@ -433,9 +450,11 @@ class _Clock:
     last_time: float = field(default_factory=time.perf_counter)
 
 
-def _save_now(saver: Checkpointer, t: Trainer, step: int, env: RankEnv, run_spec: RunSpec) -> None:
+def _save_now(
+    saver: Checkpointer, t: Trainer, step: int, env: RankEnv, run_spec: RunSpec, val_loss: Optional[float]
+) -> None:
     if saver.last_committed != step:
-        trainstate.save(saver, t, step, env, run_spec)
+        trainstate.save(saver, t, step, env, run_spec, val_loss)
     saver.wait()
 
 
@@ -448,8 +467,9 @@ def log_step(
     clock: _Clock,
     checkpoint_step: Optional[int] = None,
     validate: Optional[bool] = None,
-) -> None:
-    """One metrics.jsonl record (and human line) covering the steps since the last one."""
+) -> dict[str, Any]:
+    """One metrics.jsonl record (and human line) covering the steps since the last one; returns it
+    (every rank builds it: its loss and val_loss are global)."""
     cfg = t.cfg
     tokens_per_step = cfg.global_batch * cfg.model.seq_len
     loss = mean_over_ranks(result.loss.total, result.loss.count)  # also syncs: timings are real
@@ -479,3 +499,4 @@ def log_step(
         record["val_ppl"] = perplexity(record["val_loss"])
     metrics.write(record, extra=gpu_memory(t.runtime))
     clock.last_time, clock.last_step, clock.waited = time.perf_counter(), step, 0.0
+    return record

@@ -11,7 +11,7 @@ in the checkpoint with the same world size). The job spec rides in the marker, l
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -51,13 +51,24 @@ def marker_job(run_spec: RunSpec) -> dict[str, Any]:
     return {key: value for key, value in to_plain(run_spec.job).items() if key != "env"}
 
 
-def save(saver: ckpt.Checkpointer, t: Trainer, step: int, env: RankEnv, run_spec: RunSpec) -> None:
-    info = {
+def save(
+    saver: ckpt.Checkpointer,
+    t: Trainer,
+    step: int,
+    env: RankEnv,
+    run_spec: RunSpec,
+    val_loss: Optional[float] = None,
+) -> None:
+    """Start saving step N; `val_loss` (the step's validation, with checkpoint.keep_best) goes into the
+    marker, where retention and `export --best` find it."""
+    info: dict[str, Any] = {
         "layout": {"dp": t.dims.dp, "tp": t.dims.tp, "pp": t.dims.pp},
         "world_size": env.world_size,
         "restart_count": env.restart_count,
         "job": marker_job(run_spec),
     }
+    if val_loss is not None:
+        info[ckpt.VAL_LOSS] = val_loss
     saver.save(step, app_state(t, step, env), info)
 
 

@@ -10,6 +10,8 @@ local transport; the login node over SSH, then downloads the file).
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import secrets
 import shlex
 import sys
@@ -138,6 +140,46 @@ def _remote_script(setup: tuple[str, ...], python: str, argv: list[str], code: O
     return "\n".join([*lines, "exec " + shlex.join([python, *argv])])
 
 
+MARKER = "meshrun-complete.json"
+"""launcher.checkpoint.MARKER (a unit test keeps them equal: submit imports only launcher's contract)."""
+_VAL_LOSS = re.compile(r"/step-(\d{8,})/" + re.escape(MARKER) + r':"val_loss": ([-+0-9.eE]+)$')
+
+
+def best_checkpoint(transport: Transport, root: str) -> Optional[tuple[int, float]]:
+    """(step, val_loss) of the complete checkpoint under `root` whose marker records the lowest
+    val_loss (`checkpoint.keep_best`); None when none does. One command over the transport (for
+    `meshrun status` and `export --best`): grep over the markers, no listing round trips."""
+    argv = ["find", root, "-mindepth", "2", "-maxdepth", "2", "-name", MARKER]
+    argv += ["-exec", "grep", "-H", "-o", '"val_loss": [^,}]*', "{}", "+"]
+    found: dict[int, float] = {}
+    for line in transport.run(argv, timeout=60).stdout.splitlines():
+        match = _VAL_LOSS.search(line.strip())
+        if match:
+            try:
+                value = float(match.group(2))
+            except ValueError:
+                continue
+            if math.isfinite(value):
+                found[int(match.group(1))] = value
+    if not found:
+        return None
+    step = min(found, key=lambda s: (found[s], -s))  # as launcher.checkpoint.lowest_val_loss
+    return step, found[step]
+
+
+def best_step(record: JobRecord, transport: Transport) -> int:
+    """The step `export --best` exports; one line saying why when there is none."""
+    found = best_checkpoint(transport, checkpoint_dir(record, transport))
+    if found is None:
+        raise InputError(
+            "--best",
+            record.job_id,
+            "no complete checkpoint of this job records a val_loss: submit with checkpoint.keep_best: true "
+            "and checkpoint.every a multiple of train.eval_every (or export --step N)",
+        )
+    return found[0]
+
+
 def check_output(out: Path) -> Path:
     """-o names a file whose folder exists (checked before anything runs on the cluster)."""
     out = Path(out).expanduser().absolute()
@@ -155,10 +197,14 @@ def export(
     out: Path,
     step: Optional[int],
     progress: Callable[[str], None] = lambda line: None,
+    best: bool = False,
 ) -> str:
     """Write consolidated safetensors weights to `out`; returns the checkpoint exported. Without
-    --step the launcher takes the newest complete step itself, again if retention deletes it mid-read."""
+    --step the launcher takes the newest complete step itself, again if retention deletes it mid-read;
+    with `best` the one with the lowest recorded val_loss (retention never deletes it)."""
     out = check_output(out)
+    if best:
+        step = best_step(record, transport)
     root = checkpoint_dir(record, transport)
     ckpt = root if step is None else f"{root}/step-{step:08d}"
     args = ["-m", "launcher.export", ckpt]

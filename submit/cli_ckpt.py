@@ -1,4 +1,4 @@
-"""The checkpoint verbs: `meshrun resume JOB [--wait]` and `meshrun export JOB -o FILE`."""
+"""The checkpoint verbs: `meshrun resume JOB [--wait]` and `meshrun export JOB -o FILE [--step N | --best]`."""
 
 from __future__ import annotations
 
@@ -28,7 +28,13 @@ def add_parsers(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p = verbs.add_parser("export", help="write a job's checkpoint as one consolidated safetensors file")
     p.add_argument("job")
     p.add_argument("-o", "--output", type=Path, required=True, help="the .safetensors file to write")
-    p.add_argument("--step", type=int, help="this checkpoint step (default: the newest complete one)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--step", type=int, help="this checkpoint step (default: the newest complete one)")
+    which.add_argument(
+        "--best",
+        action="store_true",
+        help="the checkpoint with the lowest validation loss (checkpoint.keep_best keeps it)",
+    )
     p.add_argument("-c", "--cluster", help="the job's cluster, if the id is ambiguous")
 
 
@@ -70,6 +76,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             args.output,
             args.step,
             progress=(lambda line: print(f"\r{line}", end="", file=sys.stderr)) if tty else (lambda line: None),
+            best=args.best,
         )
     finally:
         clusters.close()

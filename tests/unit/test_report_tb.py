@@ -136,20 +136,6 @@ def test_metrics_log_adds_mfu_only_with_a_known_peak_and_tensorboard_gets_the_re
     assert _scalars(tb, "gpu_memory/peak_allocated_gib") == [(1, 3.5)]
 
 
-def test_data_starvation_is_said_once_after_several_logged_steps(tmp_path: Path, capsys) -> None:
-    from launcher.metrics import MetricsLog
-
-    log = MetricsLog(str(tmp_path), enabled=True, steps=9)
-    for step, wait in enumerate([0.2, 0.2, 0.05, 0.2, 0.2], start=1):  # 40%, but never 3 in a row
-        log.write(_record(step, wait))
-    assert "starves" not in capsys.readouterr().out
-    for step in range(6, 10):
-        log.write(_record(step, 0.2))
-    log.close()
-    out = capsys.readouterr().out
-    assert out.count("data loading starves the GPUs: data wait is 40% of the step time") == 1
-
-
 def test_mfu_peak_says_why_there_is_none() -> None:
     from launcher.gpus import mfu_peak
 
