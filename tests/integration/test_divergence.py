@@ -56,6 +56,10 @@ def test_a_diverging_job_stops_at_once_with_78_and_saves_nothing_non_finite(tmp_
     assert not list(root.glob("step-*.tmp"))
     tensors, _ = consolidated_state(ckpt.step_dir(root, max(steps)))
     assert all(bool(t.isfinite().all()) for t in tensors.values())
+    # No checkpoint.keep_best: no marker records a val_loss, so there is no best to export.
+    none = meshrun(tmp_path, "export", job_id, "--best", "-o", str(tmp_path / "best.safetensors"))
+    assert none.returncode == 2 and "checkpoint.keep_best" in none.stderr, none
+    assert len(none.stderr.strip().splitlines()) == 1 and "Traceback" not in none.stderr
 
 
 def test_a_starved_job_fires_data_wait(tmp_path: Path, corpus: Path) -> None:
