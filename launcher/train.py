@@ -381,7 +381,8 @@ def run_loop(
 
     With a saver: checkpoints every checkpoint.every steps and at the end; with a flag: every
     step the ranks agree whether any of them was signalled, and if so all save after the same
-    step and return EXIT_REQUEUE.
+    step and return EXIT_REQUEUE. A NaN/inf loss or grad norm stops every rank before any save of
+    that step and returns EXIT_DIVERGED (when it is checked: launcher/divergence.py).
     """
     cfg = t.cfg
     last = cfg.steps if last is None else last
