@@ -7,11 +7,12 @@ Heavy imports (paramiko, the follower) happen inside the verbs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import signal
 import sys
 import time
-from typing import Any, NoReturn, Sequence
+from typing import Any, NoReturn, Optional, Sequence
 
 from submit.errors import InputError
 
@@ -137,6 +138,12 @@ def detail_lines(status: Any, width: int = 100) -> list[str]:
         ]
         lines.append(printable("stragglers: " + ", ".join(named)))
     lines += [printable(f"environment: {line}") for line in status.env_mismatches]
+    if status.best_checkpoint is not None:
+        best = status.best_checkpoint
+        lines.append(
+            f"best checkpoint: step {best['step']}, val_loss {best['val_loss']:.4f} "
+            f"(meshrun export {status.job_id} --best)"
+        )
     if status.alerts:
         lines.append(f"alerts ({len(status.alerts)} recent, newest last; all: {status.run_dir}/alerts.jsonl):")
         lines += [f"  {alert_line(a)}" for a in status.alerts[-DETAIL_ALERTS:]]
@@ -162,8 +169,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         if args.watch:
             return watch(records, clusters, registry, args.json)
         found = api.statuses(records, clusters, registry, detail=detail)
+        best = _best_checkpoint(records[0], clusters) if detail and found else None
     finally:
         clusters.close()
+    if best is not None:
+        found = [dataclasses.replace(found[0], best_checkpoint={"step": best[0], "val_loss": best[1]})]
     if args.json:
         sys.stdout.write(json.dumps([s.as_json() for s in found], indent=2) + "\n")
     else:
@@ -171,6 +181,18 @@ def cmd_status(args: argparse.Namespace) -> int:
             status_table(found) + "".join(f"{line}\n" for f in found if detail for line in detail_lines(f))
         )
     return 0
+
+
+def _best_checkpoint(record: Any, clusters: Any) -> Optional[tuple[int, float]]:
+    """The job's best checkpoint (checkpoint.keep_best) for its detail view: two more commands, one job only."""
+    from submit.checkpoints import best_checkpoint, checkpoint_dir
+    from submit.errors import ClusterError, InputError
+
+    try:
+        transport = clusters.transport_for(record)
+        return best_checkpoint(transport, checkpoint_dir(record, transport))
+    except (ClusterError, InputError, OSError):
+        return None  # the detail view shows what it has; `meshrun export --best` says why
 
 
 def watch(records: Sequence[Any], clusters: Any, registry: Any, as_json: bool) -> int:

@@ -47,6 +47,8 @@ class Status:
     """A hang's verdict (RUN_DIR/diagnosis/verdict.json: "time", "step", "phase", "verdict", "ranks", ...)."""
     stragglers: list[dict[str, Any]] = field(default_factory=list)
     """Ranks persistently slower than the median: [{"rank", "node", "busy_s", "ratio"}]."""
+    best_checkpoint: Optional[dict[str, Any]] = None
+    """{"step", "val_loss"} of the checkpoint checkpoint.keep_best keeps (one job's detail view only)."""
     env_mismatches: list[str] = field(default_factory=list)
     """Versions that differ between the nodes (asked for one job's detail view only; else [])."""
     alerts: list[dict[str, Any]] = field(default_factory=list)

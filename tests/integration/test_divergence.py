@@ -83,6 +83,8 @@ def test_keep_best_survives_retention_and_exports(tmp_path: Path, corpus: Path) 
     root = run_dir / "checkpoints"
     assert set(ckpt.complete_steps(root)) == {best_step, 30}, (ckpt.complete_steps(root), vals)
     assert ckpt.best(root) == (best_step, vals[best_step])
+    shown = meshrun(tmp_path, "status", job_id, check=True).stdout
+    assert f"best checkpoint: step {best_step}, val_loss {vals[best_step]:.4f}" in shown, shown
 
     out = tmp_path / "best.safetensors"
     done = meshrun(tmp_path, "export", job_id, "--best", "-o", str(out), check=True)

@@ -12,6 +12,7 @@ CONTRACT = {
     "launcher.spec",
     "launcher.rundir",
     "launcher.exitcodes",
+    "launcher.alerts",  # the alert record: rank 0 and the sidecars write it, status and watch read it
     "launcher.parallel_dims",
     "launcher.envcheck",
 }
