@@ -64,3 +64,21 @@ def test_dry_run_touches_nothing(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert '"accumulation": 2' in out.stdout
     assert not (tmp_path / "state").exists()
+
+
+def test_bad_alert_thresholds_and_an_unknown_rule_are_refused_before_submission(tmp_path: Path) -> None:
+    cases = {
+        "alerts.loss_spike_factor=0.5": "alerts.loss_spike_factor: 0.5: give a factor above 1",
+        "alerts.gpu_memory_fraction=1.5": "alerts.gpu_memory_fraction: 1.5: give a fraction between 0 and 1",
+        "alerts.window=1": "alerts.window: 1: give 2 to 100000 logged steps",
+        "alerts.nan_loss=true": "unknown key",
+    }
+    for override, message in cases.items():
+        out = _run(["submit", "examples/tiny.yaml", "-c", "local", "--dry-run", "--set", override], tmp_path)
+        assert out.returncode == 2 and message in out.stderr, (override, out.stderr)
+        assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    spec = tmp_path / "job.yaml"  # in the file too, with its line
+    spec.write_text("name: x\nalerts:\n  grad_norm_spike: 3\n")
+    out = _run(["submit", str(spec), "-c", "local", "--dry-run"], tmp_path)
+    assert out.returncode == 2 and f"{spec}:3: alerts.grad_norm_spike" in out.stderr, out.stderr
+    assert "did you mean 'grad_norm_spike_factor'?" in out.stderr
