@@ -195,18 +195,28 @@ def _best_checkpoint(record: Any, clusters: Any) -> Optional[tuple[int, float]]:
         return None  # the detail view shows what it has; `meshrun export --best` says why
 
 
-def watch(records: Sequence[Any], clusters: Any, registry: Any, as_json: bool) -> int:
-    """Refresh until every job is done: one round trip per cluster each time, backing off
-    (2 s, growing to 30 s) while nothing changes; a terminal is redrawn, a pipe gets changes only."""
+def refresh(records: Sequence[Any], clusters: Any, registry: Any) -> Optional[list[Any]]:
+    """One status refresh for a loop that follows jobs; None when a connection was lost (closed:
+    the next refresh reconnects)."""
     from submit import api
     from submit.transport import ConnectionLost
 
+    try:
+        found: list[Any] = api.statuses(records, clusters, registry)
+    except ConnectionLost:
+        clusters.close()
+        return None
+    return found
+
+
+def watch(records: Sequence[Any], clusters: Any, registry: Any, as_json: bool) -> int:
+    """Refresh until every job is done: one round trip per cluster each time, backing off
+    (2 s, growing to 30 s) while nothing changes; a terminal is redrawn, a pipe gets changes only."""
+
     tty, interval, last = sys.stdout.isatty(), WATCH_FIRST_S, None
     while True:
-        try:
-            found = api.statuses(records, clusters, registry)
-        except ConnectionLost:
-            clusters.close()  # the next refresh reconnects
+        found = refresh(records, clusters, registry)
+        if found is None:
             time.sleep(interval)
             continue
         key = [(s.job_id, s.state, s.progress.get("step")) for s in found]

@@ -69,6 +69,17 @@ class Findings:
     steps: Optional[int] = None
     """The trainer's train.steps from spec.json (`meshrun top` only; None for a command job)."""
 
+    def status_fields(self) -> dict[str, Any]:
+        """The Status fields these fill, for every backend's status builder alike."""
+        return {
+            "verdict": self.verdict,
+            "stragglers": self.stragglers,
+            "env_mismatches": self.env_mismatches,
+            "alerts": self.alerts,
+            "gpus": self.gpus,
+            "steps": self.steps,
+        }
+
 
 NOTHING = Findings()
 

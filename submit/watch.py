@@ -144,16 +144,12 @@ def follow(
     seen: Optional[Seen] = None,
 ) -> int:
     """Refresh every `interval` s until every job is done (or unreachable); 0, or 1 if one was unreachable."""
-    from submit import api
-    from submit.cli_jobs import _watch_end
-    from submit.transport import ConnectionLost
+    from submit.cli_jobs import _watch_end, refresh
 
     out, seen = out or sys.stdout, seen or Seen()
     while True:
-        try:
-            found = api.statuses(records, clusters, registry)
-        except ConnectionLost:
-            clusters.close()  # the next refresh reconnects
+        found = refresh(records, clusters, registry)
+        if found is None:
             time.sleep(interval)
             continue
         handle(found, seen, argv, out)

@@ -258,13 +258,8 @@ def _status(record: JobRecord, transport: Transport, detail: bool = False, live:
         reason=state.get("message") or None,
         progress=parse_metrics_tail(tail),
         exit_code=state.get("exit_code"),
-        verdict=found.verdict,
-        stragglers=found.stragglers,
-        env_mismatches=found.env_mismatches,
-        alerts=found.alerts,
         losses=parse_losses(tail) if live else [],
-        gpus=found.gpus,
-        steps=found.steps,
+        **found.status_fields(),
     )
 
 

@@ -164,13 +164,8 @@ def _status(
         reason=reason,
         progress=progress,
         exit_code=_exit_code(job.exit_code) if job.done else None,
-        verdict=found.verdict,
-        stragglers=found.stragglers,
-        env_mismatches=found.env_mismatches,
-        alerts=found.alerts,
         losses=parse_losses(text) if live else [],
-        gpus=found.gpus,
-        steps=found.steps,
+        **found.status_fields(),
     )
 
 

@@ -110,3 +110,30 @@ TINY = [
     "--set",
     "train.log_every=1",
 ]
+
+
+# Settings that make the sidecar's hang watch quick in tests: a tiny step takes ~50 ms, so the step
+# timeout is ~3 s once a few steps are timed (before that the setup timeout applies: hang late).
+FAST_WATCH = [
+    "--set",
+    "watchdog.step_floor_s=3",
+    "--set",
+    "watchdog.diagnosis_wait_s=10",
+    "--set",
+    "train.log_every=1",
+    "--set",
+    "train.eval_every=0",
+    "--set",
+    "checkpoint.every=20",
+]
+
+# Two ranks, one on each of the testbed's two nodes.
+TWO_NODES = [
+    "examples/two-node.yaml",
+    "-c",
+    "testbed",
+    "--set",
+    "resources.tasks_per_node=1",
+    "--set",
+    "parallel.dp=2",
+]

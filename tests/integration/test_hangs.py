@@ -10,23 +10,19 @@ from typing import Any
 
 from launcher.exitcodes import EXIT_NO_PROGRESS
 from launcher.rundir import RunDir, node_name
-from tests.integration.cli import TINY, meshrun, metrics, submitted, wait_for_state, wait_for_step
+from tests.integration.cli import (
+    FAST_WATCH,
+    TINY,
+    TWO_NODES,
+    meshrun,
+    metrics,
+    submitted,
+    wait_for_state,
+    wait_for_step,
+)
 
 FLOOR_S = 3
-"""watchdog.step_floor_s in these tests: a tiny step takes ~50 ms, so the step timeout is ~FLOOR_S once
-the sidecar has seen a few steps (before its third sighting the setup timeout applies: hang late)."""
-WATCH = [
-    "--set",
-    f"watchdog.step_floor_s={FLOOR_S}",
-    "--set",
-    "watchdog.diagnosis_wait_s=10",
-    "--set",
-    "train.log_every=1",
-    "--set",
-    "train.eval_every=0",
-    "--set",
-    "checkpoint.every=20",
-]
+"""watchdog.step_floor_s in FAST_WATCH: the step timeout is then ~FLOOR_S."""
 
 
 def _verdict(run_dir: Path) -> dict[str, Any]:
@@ -38,7 +34,7 @@ def _rank(verdict: dict[str, Any], rank: int) -> dict[str, Any]:
 
 
 def test_local_hang_is_found_within_the_timeout_diagnosed_and_ends_with_76(tmp_path: Path, corpus: Path) -> None:
-    args = [*TINY, "--set", f"data.path={corpus}", "--set", "train.steps=1000", *WATCH]
+    args = [*TINY, "--set", f"data.path={corpus}", "--set", "train.steps=1000", *FAST_WATCH]
     job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, "--set", "env.MESHRUN_TEST_HANG=1:80", check=True))
     wait_for_step(run_dir, 79)
     hung_at = time.monotonic()
@@ -71,20 +67,14 @@ def test_testbed_hang_on_the_second_node_is_requeued_resumes_and_finishes(
     testbed: dict, tmp_path: Path, corpus: Path
 ) -> None:
     args = [
-        "examples/two-node.yaml",
-        "-c",
-        "testbed",
-        "--set",
-        "resources.tasks_per_node=1",
-        "--set",
-        "parallel.dp=2",
+        *TWO_NODES,
         "--set",
         f"data.path={corpus}",
         "--set",
         "train.steps=80",
         "--set",
         "env.MESHRUN_TEST_HANG=1:50",
-        *WATCH,
+        *FAST_WATCH,
     ]
     job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, check=True))
     row = wait_for_state(tmp_path, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
@@ -130,7 +120,7 @@ for step in range(1, 10_000):
 def test_a_command_job_that_reports_progress_is_watched_too(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(REPORTING_SCRIPT)
-    args = ["examples/command.yaml", "-c", "local", "--set", f"command=[python3, {script}]", *WATCH[:4]]
+    args = ["examples/command.yaml", "-c", "local", "--set", f"command=[python3, {script}]", *FAST_WATCH[:4]]
     job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, check=True))
     row = wait_for_state(tmp_path, job_id, {"FAILED", "COMPLETED", "CANCELLED"}, timeout=120)
     assert row["state"] == "FAILED" and row["exit_code"] == EXIT_NO_PROGRESS, row
@@ -141,7 +131,7 @@ def test_a_command_job_that_reports_progress_is_watched_too(tmp_path: Path) -> N
 
 
 def test_a_straggler_is_named_in_its_file_and_in_status(tmp_path: Path, corpus: Path) -> None:
-    args = [*TINY, "--set", f"data.path={corpus}", "--set", "train.steps=100000", *WATCH]
+    args = [*TINY, "--set", f"data.path={corpus}", "--set", "train.steps=100000", *FAST_WATCH]
     slow = ["--set", "env.MESHRUN_TEST_SLOW=1:0.2", "--set", "watchdog.straggler_check_s=1"]
     job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, *slow, check=True))
     found = Path(RunDir(str(run_dir)).stragglers)

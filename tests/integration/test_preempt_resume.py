@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from launcher import checkpoint as ckpt
 from launcher.export import consolidated_state
 from submit.schedulers import slurm_cli as slurm
-from tests.integration.cli import meshrun, metrics, status, submitted, wait_for_state, wait_for_step
+from tests.integration.cli import TWO_NODES, meshrun, metrics, status, submitted, wait_for_state, wait_for_step
 
 STEPS = 150
 
@@ -35,13 +35,7 @@ def _train_args(corpus: Path, steps: int = STEPS) -> list[str]:
 
 def _two_ranks_on_two_nodes(corpus: Path, *extra: str) -> list[str]:
     return [
-        "examples/two-node.yaml",
-        "-c",
-        "testbed",
-        "--set",
-        "resources.tasks_per_node=1",
-        "--set",
-        "parallel.dp=2",
+        *TWO_NODES,
         *_train_args(corpus),
         *extra,
     ]

@@ -11,21 +11,7 @@ from typing import Any
 from launcher import alerts
 from launcher.exitcodes import EXIT_NO_PROGRESS
 from launcher.rundir import RunDir, node_name
-from tests.integration.cli import TINY, meshrun, submitted, wait_for_state, wait_for_step
-
-FAST = [
-    "--set",
-    "watchdog.step_floor_s=3",
-    "--set",
-    "watchdog.diagnosis_wait_s=10",
-    "--set",
-    "train.log_every=1",
-    "--set",
-    "train.eval_every=0",
-    "--set",
-    "checkpoint.every=20",
-]
-"""As in test_hangs.py: a tiny step takes ~50 ms, so the step timeout is ~3 s once a few steps are timed."""
+from tests.integration.cli import FAST_WATCH, TINY, meshrun, submitted, wait_for_state, wait_for_step
 
 
 def sidecar_alerts(run_dir: Path, rule: str) -> list[dict[str, Any]]:
@@ -33,7 +19,7 @@ def sidecar_alerts(run_dir: Path, rule: str) -> list[dict[str, Any]]:
 
 
 def test_a_straggler_is_one_alert_line_and_one_log_line(tmp_path: Path, corpus: Path) -> None:
-    args = [*TINY, "--set", f"data.path={corpus}", "--set", "train.steps=100000", *FAST]
+    args = [*TINY, "--set", f"data.path={corpus}", "--set", "train.steps=100000", *FAST_WATCH]
     slow = ["--set", "env.MESHRUN_TEST_SLOW=1:0.2", "--set", "watchdog.straggler_check_s=1"]
     job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, *slow, check=True))
     deadline = time.monotonic() + 90
@@ -54,7 +40,7 @@ def test_a_straggler_is_one_alert_line_and_one_log_line(tmp_path: Path, corpus: 
 
 
 def test_a_hang_is_one_alert_with_the_verdicts_first_sentence(tmp_path: Path, corpus: Path) -> None:
-    args = [*TINY, "--set", f"data.path={corpus}", "--set", "train.steps=1000", *FAST]
+    args = [*TINY, "--set", f"data.path={corpus}", "--set", "train.steps=1000", *FAST_WATCH]
     job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, "--set", "env.MESHRUN_TEST_HANG=1:30", check=True))
     wait_for_step(run_dir, 29)
     row = wait_for_state(tmp_path, job_id, {"FAILED", "COMPLETED", "CANCELLED"}, timeout=120)
