@@ -192,8 +192,8 @@ class Forwarder:
                     offset = end
             self.offsets[path] = offset
 
-    def forward(self) -> int:
-        """Append the new complete lines of every node's file to alerts.jsonl; how many were forwarded."""
+    def forward(self) -> list[Alert]:
+        """Append the new complete lines of every node's file to alerts.jsonl; returns them."""
         forwarded: list[Alert] = []
         for path in self.files():
             start = self.offsets.get(path, 0)
@@ -205,7 +205,7 @@ class Forwarder:
                     self.log(f"alerts: skipped a garbled line of {path}")
                 self.offsets[path] = end
         alerts.append(self.run_dir.alerts, forwarded)
-        return len(forwarded)
+        return forwarded
 
 
 def _complete_lines(path: str, start: int) -> list[tuple[int, bytes]]:
@@ -253,6 +253,23 @@ class Alerting:
             alerts.append(self.path, raised)
         except OSError as exc:
             self.log(f"alerts: cannot append to {self.path}: {exc}")
+        if self.node_rank == 0:
+            self.to_rank0_log(raised)
+
+    def to_rank0_log(self, raised: list[Alert]) -> None:
+        """The alerts' lines in rank 0's log too, where the loss rules' lines are (node 0 is rank 0's
+        node: these appends and the rank's own are whole lines of one machine)."""
+        if not raised:
+            return
+        text = "".join(f"{alert.line()} (sidecar {alert.node or self.node})\n" for alert in raised)
+        try:
+            fd = os.open(self.run_dir.rank_log(0), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                os.write(fd, text.encode())
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            self.log(f"alerts: cannot append to {self.run_dir.rank_log(0)}: {exc}")
 
     def on_sample(self, rows: list[dict[str, Any]], now: float) -> None:
         """A sample's GPU rows (with "rank"); without NVML there are none, and no GPU alerts."""
@@ -274,4 +291,4 @@ class Alerting:
 
     def forward(self) -> None:
         if self.forwarder is not None:
-            self.forwarder.forward()
+            self.to_rank0_log(self.forwarder.forward())

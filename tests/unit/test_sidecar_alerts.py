@@ -131,6 +131,7 @@ def test_the_sidecar_of_another_node_writes_its_own_file_and_node_0_forwards_it(
     node 0's forwarding task copies it into alerts.jsonl."""
     monkeypatch.setitem(sys.modules, "pynvml", fake_nvml.make([busy_gpu(used=140 * GIB)]))
     run_dir = spec_dir(tmp_path, gpu_memory_fraction=0.9)
+    Path(run_dir.logs).mkdir()  # a job's batch script makes it
     n2_log, n1_log = Lines(), Lines()
     n2 = loop.Sidecar(run_dir, "n2", {"SLURM_NODEID": "1", "SLURM_NNODES": "2"}, n2_log)
     n1 = loop.Sidecar(run_dir, "n1", {"SLURM_NODEID": "0", "SLURM_NNODES": "2"}, n1_log)
@@ -146,9 +147,12 @@ def test_the_sidecar_of_another_node_writes_its_own_file_and_node_0_forwards_it(
     assert not Path(run_dir.alerts).exists()
     next(t for t in n1.tasks() if t.name == "alert forwarding").run()
     assert alerts.read(run_dir.alerts) == [record]
+    rank0_log = Path(run_dir.rank_log(0)).read_text()  # and a line where rank 0's own alerts are
+    assert rank0_log == alerts.Alert(**record).line() + " (sidecar n2)\n", rank0_log
     n1.close()  # a last forward at stop: nothing new, nothing twice
     n2.close()
     assert alerts.read(run_dir.alerts) == [record]
+    assert Path(run_dir.rank_log(0)).read_text() == rank0_log
 
 
 # --- forwarding ------------------------------------------------------------------------------------------
@@ -168,12 +172,12 @@ def test_forwarding_remembers_offsets_waits_for_a_half_written_line_and_skips_ga
     n3.write_text(alert_line("gpu_util_low", 1.5, "n3"))
     log = Lines()
     forwarder = Forwarder(run_dir, log)
-    assert forwarder.forward() == 3
+    assert len(forwarder.forward()) == 3
     assert [r["time"] for r in alerts.read(run_dir.alerts)] == [1.0, 2.0, 1.5]
-    assert forwarder.forward() == 0  # nothing new: nothing twice
+    assert forwarder.forward() == []  # nothing new: nothing twice
     with n2.open("a") as handle:
         handle.write(third[20:] + "{not json\n")
-    assert forwarder.forward() == 1
+    assert len(forwarder.forward()) == 1
     assert [r["time"] for r in alerts.read(run_dir.alerts)] == [1.0, 2.0, 1.5, 3.0]
     assert log == [f"alerts: skipped a garbled line of {n2}"]
 
