@@ -62,7 +62,8 @@ def report(
     message = (
         f"the loss went non-finite at step {step}{f' ({seen})' if seen else ''}: stopped at once with exit "
         f"{EXIT_DIVERGED}, nothing non-finite saved ({last}). Lower train.lr, check the data, then "
-        "`meshrun resume JOB --set train.lr=...` resumes from the last finite checkpoint"
+        "`meshrun resume JOB --set train.lr=...` resumes from the last finite checkpoint (add "
+        "--set checkpoint.resume_step=N for an earlier one, from before the loss climbed)"
     )
     alert = alerts.Alert("nonfinite_loss", None, None, message, step=step, rank=0, node=node, time=time.time())
     alerts.append(RunDir(run_dir).alerts, [alert])

@@ -258,7 +258,8 @@ class Supervisor:
             final = "FAILED"  # never requeued: it would diverge again (alerts.jsonl has the step)
             message = (
                 f"diverged (exit {EXIT_DIVERGED}): the loss went NaN/inf; lower train.lr or check the data, "
-                "then `meshrun resume JOB --set train.lr=...` continues from the last finite checkpoint"
+                "then `meshrun resume JOB --set train.lr=...` continues from the last finite checkpoint "
+                "(or --set checkpoint.resume_step=N: an earlier one)"
             )
         else:
             final = "FAILED"

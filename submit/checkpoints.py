@@ -36,9 +36,11 @@ RESUME_SETTABLE = (
     "checkpoint.keep",
     "checkpoint.keep_every",
     "checkpoint.max_restarts",
+    "checkpoint.resume_step",
 )
-"""What `resume --set` may change: the length, the schedule, the cadences, the requeue budget;
-never the model, the layout or the data, which the checkpoint must match."""
+"""What `resume --set` may change: the length, the schedule, the cadences, the requeue budget, which
+complete checkpoint to start from (an earlier one, before a loss climbed); never the model, the layout
+or the data, which the checkpoint must match."""
 
 
 def read_run_spec(record: JobRecord, transport: Transport) -> RunSpec:

@@ -61,6 +61,14 @@ def test_a_diverging_job_stops_at_once_with_78_and_saves_nothing_non_finite(tmp_
     assert none.returncode == 2 and "checkpoint.keep_best" in none.stderr, none
     assert len(none.stderr.strip().splitlines()) == 1 and "Traceback" not in none.stderr
 
+    # `meshrun resume` starts again from the last finite checkpoint (at lr 1e6 even that one's weights are
+    # already ruined, so here it diverges again; a real run resumes from one before the loss climbed, which
+    # `--set checkpoint.resume_step=N` picks).
+    fix = ["--set", "train.lr=3e-4", "--set", "checkpoint.resume_step=1", "--set", "train.steps=3"]
+    again = meshrun(tmp_path, "resume", job_id, *fix, "--wait")
+    assert "Traceback" not in again.stderr, again.stderr
+    assert "resuming from the requested step 1" in Path(RunDir(str(run_dir)).rank_log(0)).read_text(errors="replace")
+
 
 def test_a_starved_job_fires_data_wait(tmp_path: Path, corpus: Path) -> None:
     job_id, run_dir = _submit(tmp_path, corpus, "train.steps=8", "env.MESHRUN_TEST_DATA_DELAY=0.3")
