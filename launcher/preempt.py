@@ -2,7 +2,8 @@
 
 The handler does nothing but set a flag: no I/O, no collectives, no locks, which is
 what makes signal handlers deadlock (a rank stuck in NCCL while its handler waits
-on a save). Every step the ranks all-reduce the flag (MAX), so every rank stops
+on a save). Every step the ranks all-reduce the flag (MAX, in launcher.divergence.agree, which
+carries the non-finite-loss check in the same collective), so every rank stops
 after the same step, saves a normal checkpoint, and exits with EXIT_REQUEUE. The
 batch script, not the rank, decides whether to requeue.
 """
@@ -56,15 +57,3 @@ class StopFlag:
 
     def describe(self) -> str:
         return signal.Signals(self.signum).name if self.signum is not None else "none"
-
-
-def agree(local: bool, group: object = None, device: object = None) -> bool:
-    """True on every rank if any rank's flag is up: one tiny all-reduce per step."""
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return local
-    flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return bool(flag.item())

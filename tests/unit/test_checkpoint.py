@@ -13,7 +13,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from launcher import checkpoint as ckpt
-from launcher.preempt import StopFlag, agree
+from launcher.divergence import Sentinel
+from launcher.divergence import agree as agree_and_check
+from launcher.preempt import StopFlag
 
 
 def _fake_complete(root: Path, step: int) -> Path:
@@ -116,6 +118,11 @@ def test_loading_an_unmarked_directory_is_refused(tmp_path: Path, group) -> None
     (tmp_path / "step-00000005").mkdir()
     with pytest.raises(ckpt.CheckpointError, match="no completeness marker"):
         ckpt.Checkpointer(tmp_path, keep=1).load({}, tmp_path / "step-00000005")
+
+
+def agree(local: bool) -> bool:
+    """The loop's per-step agreement on the stop flag (with no non-finite step seen)."""
+    return agree_and_check(local, Sentinel(torch.device("cpu"), check_norm=True))[0]
 
 
 def test_signal_only_sets_a_flag_and_ranks_agree(group) -> None:
