@@ -71,6 +71,8 @@ class RunDir:
     DIAGNOSIS = "diagnosis"
     STRAGGLERS = "stragglers.json"
     ALERTS = "alerts.jsonl"
+    DEEPSPEED_CONFIG = "deepspeed.json"
+    """train.engine: deepspeed: the DeepSpeed config generated from the spec (written for inspection)."""
     TASKS = "tasks"
     INTERNAL = ".meshrun"
     SCRIPTS = {"slurm": "job.sbatch", "local": "run.sh"}

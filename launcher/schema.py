@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import difflib
+import json
 import re
 import types
 import typing
@@ -211,6 +212,11 @@ def parse_text(tp: Any, text: str, key: str) -> Any:
             return float(text)
         except ValueError:
             raise SchemaError(key, text, "expected a number") from None
+    if base is Any:  # a free-form value (the deepspeed: section): JSON's true, 5e8, [1, 2]; else the text
+        try:
+            return json.loads(text)
+        except ValueError:
+            return text
     if dataclasses.is_dataclass(base) or origin in (dict, collections.abc.Mapping):
         raise SchemaError(key, text, f"this key is a section; set one of its keys, e.g. --set {key}.<key>=VALUE")
     return text

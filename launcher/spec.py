@@ -12,7 +12,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Mapping, Optional
+from typing import Any, Literal, Mapping, Optional
 
 from launcher.rundir import RunDir
 from launcher.schema import SchemaError, load, to_plain
@@ -56,6 +56,13 @@ class Parallel:
     """With tp > 1, also split norms and the residual stream over the sequence (seq_len must divide by tp)."""
     pp_schedule: Literal["1f1b", "gpipe"] = "1f1b"
     """Pipeline schedule when pp > 1; its micro-batches are the step's accumulation micro-batches."""
+    zero: Optional[int] = None
+    """DeepSpeed ZeRO stage 0-3 (train.engine: deepspeed only; unset: 2). The native engine shards with
+    dp_mode instead (fsdp is ZeRO-3-like, ddp ZeRO-0)."""
+    offload_optimizer: bool = False
+    """DeepSpeed: keep the optimizer state (and its step) in CPU memory (ZeRO 1-3)."""
+    offload_params: bool = False
+    """DeepSpeed: keep the parameters in CPU memory between uses (ZeRO-3 only): models larger than the GPUs."""
 
 
 @dataclass(frozen=True)
@@ -74,10 +81,15 @@ class Model:
     """SwiGLU hidden size as a multiple of d_model (rounded up to a multiple of 64)."""
 
 
+Engine = Literal["native", "deepspeed"]
+
+
 @dataclass(frozen=True)
 class Train:
     model: Model = field(default_factory=Model)
     """The GPT-style model to train."""
+    engine: Engine = "native"
+    """native (FSDP2/DDP + DTensor TP + pipelining) or deepspeed (ZeRO 0-3, CPU offload; dp only)."""
     steps: int = 100
     """Optimizer steps."""
     precision: Precision = "fp32"
@@ -278,6 +290,9 @@ class JobSpec:
     """Hang and straggler detection (the sidecar, from the ranks' heartbeats)."""
     alerts: Alerts = field(default_factory=Alerts)
     """Alert rules and their thresholds (alerts.jsonl, the rank-0 log, status, `meshrun watch --notify`)."""
+    deepspeed: Mapping[str, Any] = field(default_factory=dict)
+    """DeepSpeed config keys over the generated ones (train.engine: deepspeed); keys the spec already sets
+    (batch sizes, ZeRO stage, offload, precision, clipping) are refused: set them in the spec."""
 
     def __post_init__(self) -> None:
         if not self.name.strip() or len(self.name) > 128:
@@ -289,6 +304,9 @@ class JobSpec:
             raise SchemaError("command", list(self.command), "give either `train` or `command`, not both")
         if self.command is not None and not self.command:
             raise SchemaError("command", [], "give the program and its arguments, e.g. [python, train.py]")
+        from launcher import dsconfig  # here, not at the top: dsconfig reads JobSpec
+
+        dsconfig.check(self)
 
     @property
     def trainer(self) -> Train:

@@ -15,6 +15,7 @@ CONTRACT = {
     "launcher.alerts",  # the alert record: rank 0 and the sidecars write it, status and watch read it
     "launcher.parallel_dims",
     "launcher.envcheck",
+    "launcher.dsconfig",  # the DeepSpeed config generated from the spec: checked with it, written by the planner
 }
 """The torch-free contract: all that `submit` may import of `launcher`."""
 SCHEDULER_TEST = re.compile(r"""scheduler\s*(==|!=|\bin\b|\bnot in\b)\s*[\(\[\{]?\s*["'](local|slurm)["']""")
