@@ -170,7 +170,7 @@ def field_type(cls: type, dotted: str) -> Any:
             tp = get_type_hints(tp)[part]
         elif get_origin(tp) in (dict, collections.abc.Mapping):
             tp = get_args(tp)[1]
-        else:
+        elif tp is not Any:  # Any (the deepspeed: section) is free-form: deepspeed.a.b sets a nested key
             raise SchemaError(walked, None, "this key holds a single value and has no sub-keys")
     return tp
 
