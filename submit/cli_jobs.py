@@ -119,12 +119,12 @@ def _hang_head(verdict: dict[str, Any]) -> str:
 
 
 def detail_lines(status: Any, width: int = 100) -> list[str]:
-    """One job's findings under its table row: the hang's verdict, stragglers, environment mismatches."""
+    """One job's findings under its table row: the engine, the hang's verdict, stragglers, environment mismatches."""
     import textwrap
 
     from submit.textwidth import printable
 
-    lines = []
+    lines = [f"engine: {printable(status.engine)}"] if status.engine else []
     if status.verdict is not None:
         lines.append(printable(f"hang: {_hang_head(status.verdict)}".rstrip(": ")))
         paragraph = printable(" ".join(str(status.verdict.get("verdict") or "").split()))

@@ -18,6 +18,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
+from launcher import dsconfig
 from launcher.envcheck import env_mismatches, newest_run, parse_record
 from launcher.rundir import RunDir
 
@@ -41,11 +42,11 @@ ALERTS_KEPT = 50
 """A status keeps a job's newest ALERTS_KEPT alerts."""
 
 # $1 marker, $2 cap, $3 verdict.json, $4 verdict.txt, $5 stragglers.json, $6 env dir ("": skip),
-# $7 alerts.jsonl, $8 gpu.jsonl ("": skip, and spec.json too), $9 the tail cap, $10 spec.json, then the run dirs. The first files are read
+# $7 alerts.jsonl, $8 gpu.jsonl ("": skip), $9 the tail cap, $10 spec.json ("": skip), then the run dirs. The first files are read
 # from their start (head), the appended ones from their end (tail): their newest lines.
 FINDINGS_SCRIPT = (
     'm=$1; cap=$2; v=$3; t=$4; s=$5; e=$6; a=$7; g=$8; tc=$9; sp=${10}; shift 10; for d in "$@"; do printf "\\n%s run\\n" "$m"; '
-    'for f in "$d/$v" "$d/$t" "$d/$s" ${e:+"$d/$e"/*.json} ${g:+"$d/$sp"}; do [ -f "$f" ] || continue; '
+    'for f in "$d/$v" "$d/$t" "$d/$s" ${e:+"$d/$e"/*.json} ${sp:+"$d/$sp"}; do [ -f "$f" ] || continue; '
     'printf "\\n%s file %s\\n" "$m" "${f#"$d"/}"; head -c "$cap" -- "$f"; done; '
     'for f in "$d/$a" ${g:+"$d/$g"}; do [ -f "$f" ] || continue; '
     'printf "\\n%s file %s\\n" "$m" "${f#"$d"/}"; tail -c "$tc" -- "$f"; done; done; exit 0'
@@ -67,7 +68,9 @@ class Findings:
     gpus: list[dict[str, Any]] = field(default_factory=list)
     """The newest gpu.jsonl sample of each GPU (asked for by `meshrun top` only; else [])."""
     steps: Optional[int] = None
-    """The trainer's train.steps from spec.json (`meshrun top` only; None for a command job)."""
+    """The trainer's train.steps from spec.json (one job's detail view and `meshrun top`; None for a command job)."""
+    engine: Optional[str] = None
+    """The engine from spec.json, e.g. 'deepspeed ZeRO-2, optimizer offload' (as `steps`)."""
 
     def status_fields(self) -> dict[str, Any]:
         """The Status fields these fill, for every backend's status builder alike."""
@@ -78,6 +81,7 @@ class Findings:
             "alerts": self.alerts,
             "gpus": self.gpus,
             "steps": self.steps,
+            "engine": self.engine,
         }
 
 
@@ -90,10 +94,12 @@ def new_marker() -> str:
 
 
 def findings_argv(run_dirs: Sequence[str], with_env: bool, marker: str, with_gpus: bool = False) -> list[str]:
-    """One command printing every job's finding files, each after a line naming it."""
+    """One command printing every job's finding files, each after a line naming it. spec.json (steps, engine)
+    comes with the detail view (`with_env`) and `top` (`with_gpus`) only: a long list needs neither."""
     env = ENV_DIR if with_env else ""
     gpus = GPU_METRICS if with_gpus else ""
-    caps = (str(CAP_BYTES), VERDICT_JSON, VERDICT_TXT, STRAGGLERS, env, ALERTS, gpus, str(TAIL_BYTES), SPEC)
+    spec = SPEC if with_env or with_gpus else ""
+    caps = (str(CAP_BYTES), VERDICT_JSON, VERDICT_TXT, STRAGGLERS, env, ALERTS, gpus, str(TAIL_BYTES), spec)
     return ["sh", "-c", FINDINGS_SCRIPT, "sh", marker, *caps, *run_dirs]
 
 
@@ -133,7 +139,7 @@ def read_files(run_dir: str, with_env: bool, with_gpus: bool = False) -> dict[st
 
     root = RunDir(run_dir)
     tails = {name: _tail(root.path(name)) for name in (ALERTS, *(GPU_METRICS,) * with_gpus)}
-    names = [VERDICT_JSON, VERDICT_TXT, STRAGGLERS, *(SPEC,) * with_gpus]
+    names = [VERDICT_JSON, VERDICT_TXT, STRAGGLERS, *(SPEC,) * (with_env or with_gpus)]
     if with_env:
         try:
             listed = sorted(os.listdir(root.path(ENV_DIR)))
@@ -209,17 +215,30 @@ def findings_from(files: Mapping[str, str], submitted_at: float) -> Findings:
         alerts=alerts,
         gpus=gpus,
         steps=parse_steps(files.get(SPEC)),
+        engine=parse_engine(files.get(SPEC)),
     )
 
 
-def parse_steps(text: Optional[str]) -> Optional[int]:
-    """spec.json's job.trainer.steps (a command job has no steps)."""
+def _spec_job(text: Optional[str]) -> dict[str, Any]:
+    """spec.json's `job` object ({} when absent or garbled)."""
     job = _json_object(text).get("job")
-    if not isinstance(job, dict) or job.get("command"):
+    return job if isinstance(job, dict) else {}
+
+
+def parse_steps(text: Optional[str]) -> Optional[int]:
+    """spec.json's job.train.steps (a command job has no steps)."""
+    job = _spec_job(text)
+    if job.get("command"):
         return None
-    trainer = job.get("trainer")
-    steps = trainer.get("steps") if isinstance(trainer, dict) else None
+    train = job.get("train")
+    steps = train.get("steps") if isinstance(train, dict) else None
     return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
+
+
+def parse_engine(text: Optional[str]) -> Optional[str]:
+    """spec.json's engine in one phrase ('native (fsdp)', 'deepspeed ZeRO-3, optimizer offload'); None for a
+    command job or a spec.json that does not parse."""
+    return dsconfig.plain_summary(_spec_job(text))
 
 
 def _json_lines(text: Optional[str]) -> list[dict[str, Any]]:

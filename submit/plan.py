@@ -16,8 +16,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from launcher import schema
+from launcher import dsconfig, schema
 from launcher.parallel_dims import ParallelDims
+from launcher.rundir import RunDir
 from launcher.schema import SchemaError
 from launcher.spec import JobSpec, Resources, RunInfo, RunSpec
 from submit import __version__
@@ -420,6 +421,20 @@ def plan_file(
     return make_plan(spec, submitted, cluster, run_dir, home)
 
 
+def _engine(plan: Plan) -> dict[str, Any]:
+    """The engine, and for DeepSpeed its ZeRO stage, what is offloaded and where its config is written."""
+    spec = plan.spec
+    if not dsconfig.uses_deepspeed(spec):
+        return {"engine": spec.trainer.engine}
+    par = spec.parallel
+    return {
+        "engine": "deepspeed",
+        "zero": dsconfig.zero_stage(spec),
+        "offload": dsconfig.offload(par.offload_optimizer, par.offload_params) or "none",
+        "deepspeed_config": RunDir(plan.run_dir).path(RunDir.DEEPSPEED_CONFIG),
+    }
+
+
 def describe(plan: Plan) -> dict[str, Any]:
     """A short summary for humans and --dry-run."""
     spec = plan.spec
@@ -434,6 +449,9 @@ def describe(plan: Plan) -> dict[str, Any]:
     if spec.command is None:
         t, p = spec.trainer, spec.parallel
         out.update(dp=p.dp, tp=p.tp, pp=p.pp, dp_mode=p.dp_mode, accumulation=t.global_batch // (t.micro_batch * p.dp))
+        out.update(_engine(plan))
+        if out["engine"] == "deepspeed":
+            del out["dp_mode"]  # ZeRO shards instead; dp_mode is the native engine's
         if p.pp > 1:  # the accumulation micro-batches are the pipeline's
             out["pp_schedule"] = p.pp_schedule
         if p.tp > 1:

@@ -59,7 +59,10 @@ class Status:
     gpus: list[dict[str, Any]] = field(default_factory=list)
     """The newest gpu.jsonl sample of each GPU (util_pct, mem_used_mib, mem_total_mib, ...); `top` only."""
     steps: Optional[int] = None
-    """The trainer's total steps (from spec.json; `top` only)."""
+    """The trainer's total steps (from spec.json; one job's detail view and `top` only)."""
+    engine: Optional[str] = None
+    """The trainer's engine, e.g. 'deepspeed ZeRO-2, optimizer offload' (from spec.json; one job's detail view
+    and `top` only; None for a command job)."""
 
     def as_json(self) -> dict[str, Any]:
         return dict(self.__dict__)

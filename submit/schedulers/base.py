@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence
 
 import yaml
 
+from launcher import dsconfig
 from launcher.rundir import RunDir
 from launcher.spec import dumps_run_spec
 from submit.transport import Upload
@@ -68,19 +69,29 @@ class Request:
 
 
 def run_dir_files(plan: Plan, script_name: str, script: str) -> dict[str, Upload]:
-    """The run dir as submitted: the spec as written, the resolved spec, the script, logs/
-    (and each sweep task's spec and logs/). Names come from the run-dir contract."""
+    """The run dir as submitted: the spec as written, the resolved spec, the script, logs/, the generated
+    DeepSpeed config of a deepspeed job (and each sweep task's spec, logs/ and DeepSpeed config: a sweep
+    may change the batch or the ZeRO stage). Names come from the run-dir contract."""
     files = {
         RunDir.JOB_YAML: Upload(yaml.safe_dump(plan.submitted, sort_keys=False, allow_unicode=True).encode()),
         RunDir.SPEC: Upload(dumps_run_spec(plan.run_spec).encode()),
         script_name: Upload(script.encode(), 0o700),
         f"{RunDir.LOGS}/": Upload(b"", 0o700),
+        **_deepspeed_config("", plan.spec),
     }
     for task in plan.tasks:
         prefix = f"{RunDir.TASKS}/{task.index}"
         files[f"{prefix}/{RunDir.SPEC}"] = Upload(dumps_run_spec(task.run_spec).encode())
         files[f"{prefix}/{RunDir.LOGS}/"] = Upload(b"", 0o700)
+        files.update(_deepspeed_config(f"{prefix}/", task.run_spec.job))
     return files
+
+
+def _deepspeed_config(prefix: str, job: JobSpec) -> dict[str, Upload]:
+    """{prefix + deepspeed.json: the config} for a deepspeed job, for a person to inspect; else {}."""
+    if not dsconfig.uses_deepspeed(job):
+        return {}
+    return {f"{prefix}{RunDir.DEEPSPEED_CONFIG}": Upload(dsconfig.dumps(job).encode())}
 
 
 class Backend(Protocol):

@@ -136,7 +136,7 @@ def test_top_cells_step_of_steps_time_left_and_a_non_finite_loss_in_the_sparklin
     from submit import findings, top
 
     assert top.sparkline([3.0, None, 2.0]) == "█!▁" and top.sparkline([None]) == "!" and top.sparkline([]) == ""
-    spec = json.dumps({"job": {"command": None, "trainer": {"steps": 100}}})
+    spec = json.dumps({"job": {"command": None, "train": {"steps": 100}}})
     assert findings.parse_steps(spec) == 100
     assert findings.parse_steps(json.dumps({"job": {"command": ["sleep", "1"]}})) is None
     assert findings.parse_steps("{cut") is None
