@@ -345,3 +345,18 @@ def test_status_detail_shows_the_engine_from_spec_json(tmp_path: Path) -> None:
     assert findings.parse_engine("{cut") is None
     garbled = {"job": {"train": {"engine": "deepspeed"}, "parallel": {"zero": "2"}}}
     assert findings.parse_engine(json.dumps(garbled)) is None
+
+
+def test_the_slurm_round_trip_brings_spec_json_for_the_detail_view_only(tmp_path: Path) -> None:
+    """findings_argv is the one remote command of a Slurm status: run here by a real sh."""
+    from submit.transport import LocalTransport
+
+    run_dir = tmp_path / "it's a $(run)"
+    run_dir.mkdir()
+    spec = run_dir_files(_plan(DEEPSPEED, "parallel.zero=1"), "run.sh", "")[RunDir.SPEC].data
+    (run_dir / "spec.json").write_bytes(spec)  # type: ignore[arg-type]
+    marker = findings.new_marker()
+    for detail, engine in ((True, "deepspeed ZeRO-1"), (False, None)):
+        done = LocalTransport().run(findings.findings_argv([str(run_dir)], detail, marker))
+        (files,) = findings.split_findings(done.stdout, 1, marker)
+        assert findings.findings_from(files, 0.0).engine == engine, (detail, sorted(files))

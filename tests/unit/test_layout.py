@@ -16,6 +16,7 @@ CONTRACT = {
     "launcher.parallel_dims",
     "launcher.envcheck",
     "launcher.dsconfig",  # the DeepSpeed config generated from the spec: checked with it, written by the planner
+    "launcher.dskeys",  # the DeepSpeed keys dsconfig checks a deepspeed: section against
 }
 """The torch-free contract: all that `submit` may import of `launcher`."""
 SCHEDULER_TEST = re.compile(r"""scheduler\s*(==|!=|\bin\b|\bnot in\b)\s*[\(\[\{]?\s*["'](local|slurm)["']""")
