@@ -360,3 +360,16 @@ def test_the_slurm_round_trip_brings_spec_json_for_the_detail_view_only(tmp_path
         done = LocalTransport().run(findings.findings_argv([str(run_dir)], detail, marker))
         (files,) = findings.split_findings(done.stdout, 1, marker)
         assert findings.findings_from(files, 0.0).engine == engine, (detail, sorted(files))
+
+
+def test_the_local_backends_status_json_carries_the_engine(tmp_path: Path) -> None:
+    from submit.schedulers.local import BACKEND as LOCAL
+    from submit.transport import LocalTransport
+    from tests.unit.test_status_findings import _record
+
+    spec = run_dir_files(_plan(DEEPSPEED, "parallel.offload_optimizer=true"), "run.sh", "")[RunDir.SPEC].data
+    (tmp_path / "spec.json").write_bytes(spec)  # type: ignore[arg-type]
+    (found,) = LOCAL.statuses([_record("local-1", tmp_path, "local")], LocalTransport(), detail=True)
+    assert json.loads(json.dumps(found.as_json()))["engine"] == "deepspeed ZeRO-2, optimizer offload"
+    (listed,) = LOCAL.statuses([_record("local-1", tmp_path, "local")], LocalTransport())
+    assert listed.engine is None  # the list view does not read spec.json
