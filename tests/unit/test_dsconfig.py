@@ -373,3 +373,21 @@ def test_the_local_backends_status_json_carries_the_engine(tmp_path: Path) -> No
     assert json.loads(json.dumps(found.as_json()))["engine"] == "deepspeed ZeRO-2, optimizer offload"
     (listed,) = LOCAL.statuses([_record("local-1", tmp_path, "local")], LocalTransport())
     assert listed.engine is None  # the list view does not read spec.json
+
+
+@pytest.mark.parametrize(
+    "zero, offload_optimizer, offload_params", [(0, False, False), (2, True, False), (3, True, True)]
+)
+def test_the_generated_config_with_accepted_overrides_parses_in_the_installed_deepspeed(
+    zero: int, offload_optimizer: bool, offload_params: bool
+) -> None:
+    _deepspeed()
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    tuned = {"zero_optimization": {"reduce_bucket_size": 5.0e8, "stage3_prefetch_bucket_size": 1000}}
+    job = _job(tuned, dp=1, zero=zero, offload_optimizer=offload_optimizer, offload_params=offload_params)
+    parsed = DeepSpeedConfig(dsconfig.generate(job))  # world size 1 here: 16 = micro 4 x accumulation 4
+    assert parsed.zero_optimization_stage == zero and parsed.gradient_accumulation_steps == 4
+    assert parsed.zero_config.reduce_bucket_size == 500_000_000 and parsed.zero_config.prefetch_bucket_size == 1000
+    assert (parsed.zero_config.offload_optimizer is not None) == offload_optimizer
+    assert (parsed.zero_config.offload_param is not None) == offload_params
