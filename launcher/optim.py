@@ -1,9 +1,8 @@
 """Optimizer, learning-rate schedule, the true global gradient norm, clipping and fp16 loss scaling.
 
-The gradient norm is the one of the whole model, whatever the layout: DTensor
-gradients (sharded by FSDP over dp, by TP over tp, or both) are reduced to full
-norms, and the squares of the pipeline stages' norms are summed over the pp group,
-so every rank holds the same number a single process would compute.
+The gradient norm is the one of the whole model, whatever the layout (DTensor
+gradients sharded by FSDP over dp, by TP over tp, or both; pipeline stages), so every
+rank holds the number a single process would compute, from one all-reduce.
 """
 
 from __future__ import annotations
@@ -19,9 +18,9 @@ from torch import nn
 from launcher.spec import Train
 
 try:  # a public name since torch 2.4; the private module keeps older builds working
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate
 except ImportError:  # pragma: no cover
-    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+    from torch.distributed._tensor import DTensor, Replicate  # type: ignore[no-redef]
 
 
 def build_optimizer(params: Iterable[nn.Parameter], cfg: Train) -> torch.optim.AdamW:
@@ -59,19 +58,71 @@ def _grad_groups(params: Iterable[nn.Parameter]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
+def _replication(g: torch.Tensor, plain_copies: int) -> int:
+    """How many ranks hold this very gradient (shard): its local square is counted that many times.
+
+    A DTensor is copied over the mesh dims it is Replicate on; a plain tensor over
+    every rank of its pipeline stage (world / pp), since only the stages differ.
+    """
+    if not isinstance(g, DTensor):
+        return plain_copies
+    mesh = g.device_mesh
+    return math.prod(mesh.size(i) for i, p in enumerate(g.placements) if p.is_replicate())
+
+
+def _local_shard(g: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a gradient; a Partial one (not seen in meshrun's layouts) is reduced first."""
+    if not isinstance(g, DTensor):
+        return g
+    if any(p.is_partial() for p in g.placements):  # partial sums: their squares do not add up
+        g = g.redistribute(g.device_mesh, [Replicate() if p.is_partial() else p for p in g.placements])
+    return g.to_local()
+
+
+def _spans_ranks(grads: list[torch.Tensor], pp_group: Optional[dist.ProcessGroup]) -> bool:
+    """True when some rank holds a gradient another lacks: a shard, or another pipeline stage's."""
+    if pp_group is not None:
+        return True
+    return any(isinstance(g, DTensor) and not all(p.is_replicate() for p in g.placements) for g in grads)
+
+
 def global_grad_norm(
     params: list[nn.Parameter], device: torch.device, pp_group: Optional[dist.ProcessGroup] = None
 ) -> torch.Tensor:
-    """The L2 norm of all gradients of the whole model (a 0-dim fp32 tensor, the same on every rank)."""
+    """The L2 norm of all gradients of the whole model (a 0-dim fp32 tensor, the same on every rank).
+
+    One collective at most, whatever the layout: each rank sums the squares of its local
+    shards, each divided by the number of ranks holding the same shard, and one
+    all_reduce(SUM) over the world adds them up (the pipeline stages' too). Reducing
+    each DTensor group's Partial norm instead costs one collective per group and, over a
+    2-D mesh, two sequential all-reduces each.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    distributed = dist.is_available() and dist.is_initialized() and _spans_ranks(grads, pp_group)
     squares = torch.zeros((), dtype=torch.float32, device=device)
-    for grads in _grad_groups(params):
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)
-        if isinstance(norm, DTensor):  # partial norms of the shards -> the full norm (a collective)
-            norm = norm.full_tensor()
-        squares = squares + norm.float().pow(2)
-    if pp_group is not None:  # each stage holds different parameters: add their squares
-        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=pp_group)
+    for (copies, _, _), locals_ in _local_groups(grads, pp_group, distributed).items():
+        norms = torch.stack(torch._foreach_norm(locals_, 2.0)).to(device=device, dtype=torch.float32)
+        squares = squares + norms.pow(2).sum() / copies
+    if distributed:  # every rank adds its part of the squares: one all-reduce over the world
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM)
     return squares.sqrt()
+
+
+def _local_groups(
+    grads: list[torch.Tensor], pp_group: Optional[dist.ProcessGroup], distributed: bool
+) -> dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]]:
+    """Local shards grouped by (copies, device, dtype): one foreach norm per group.
+
+    Not `distributed` (every rank holds every gradient whole): each counts once.
+    """
+    plain_copies = dist.get_world_size() // (dist.get_world_size(pp_group) if pp_group else 1) if distributed else 1
+    groups: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        local = _local_shard(g)
+        copies = _replication(g, plain_copies) if distributed else 1
+        if local.numel():
+            groups.setdefault((copies, local.device, local.dtype), []).append(local)
+    return groups
 
 
 def scale_grads_(params: list[nn.Parameter], factor: torch.Tensor) -> None:
@@ -103,6 +154,13 @@ class LossScaler:
 
     def loss_multiplier(self) -> float:
         return self.scale if self.enabled else 1.0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Stateful: what a checkpoint keeps of it (an exact resume continues the same growth count)."""
+        return {"scale": self.scale, "good_steps": self._good_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale, self._good_steps = float(state["scale"]), int(state["good_steps"])
 
     def update(self, finite: bool) -> bool:
         """Record one step's outcome; True when the optimizer may step."""

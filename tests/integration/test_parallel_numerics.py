@@ -16,8 +16,10 @@ schedules, FSDP2 and replicate (dp_mode ddp with tp/pp) and activation checkpoin
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -25,7 +27,7 @@ from typing import Any, Iterator
 import pytest
 
 from launcher.spec import Model, Parallel, Train
-from tests.integration.ranks import finish, make_run, metrics, start, tiny_train
+from tests.integration.ranks import finish, free_port, make_run, metrics, rank_environ, start, tiny_train
 
 STEPS = 10
 LOSS_RTOL = 1e-5
@@ -69,6 +71,7 @@ CASES = [
     Case(1, 2, 1),
     Case(1, 1, 2, schedule="1f1b"),
     Case(2, 2, 1, sequence_parallel=True),
+    Case(2, 2, 1, mode="ddp"),
     Case(2, 1, 2, mode="ddp", schedule="gpipe"),  # ddp with pp: FSDP2's replicate
     Case(1, 2, 2, sequence_parallel=True, schedule="gpipe", checkpointing=True),
     Case(2, 2, 2, schedule="1f1b"),
@@ -151,3 +154,59 @@ def test_layout_matches_one_process(case: Case, singles: dict[str, list[dict]], 
     print(f"{case.name}: max relative differences {worst}")
     # Only rank 0 writes metrics, though the loss is computed on the last pipeline stage.
     assert all(not re.search(r"^step \d+/", out, re.M) for out in outputs[1:])
+    assert not any(SEQUENTIAL_WARNING.search(out) for out in outputs), "DTensor reduced over mesh dims one by one"
+
+
+# ------------------------------------------------------------------ the global grad norm: one collective
+
+NORM_WORLDS = {  # dp x tp x pp : mode, by world size; every layout of a world runs in the same ranks
+    2: ["2x1x1:fsdp", "2x1x1:ddp", "1x2x1:fsdp", "1x1x2:fsdp"],
+    4: ["2x2x1:fsdp", "2x2x1:ddp", "2x1x2:fsdp", "1x2x2:fsdp"],
+}
+NORM_LAYOUTS = [layout for layouts in NORM_WORLDS.values() for layout in layouts]
+GRADNORM_RANK = Path(__file__).with_name("gradnorm_rank.py")
+# A DTensor reduction over two mesh dims logs this ("2 sequential all_reduce operations will be performed").
+SEQUENTIAL_WARNING = re.compile(r"sequential all_reduce|_NormPartial|flatten mesh dimensions")
+
+
+@pytest.fixture(scope="module")
+def norm_runs() -> dict[str, list[tuple[dict, str]]]:
+    """Both worlds' ranks run gradnorm_rank.py at once; per layout, each rank's result and its whole output."""
+    procs = {}
+    for world, layouts in NORM_WORLDS.items():
+        port = free_port()
+        procs[world] = [
+            subprocess.Popen(
+                [sys.executable, str(GRADNORM_RANK), *layouts],
+                env=rank_environ(rank, world, port),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for rank in range(world)
+        ]
+    runs: dict[str, list[tuple[dict, str]]] = {}
+    for ranks in procs.values():
+        for out in finish(ranks):
+            for line in out.splitlines():
+                if line.startswith('{"layout"'):
+                    result = json.loads(line)
+                    runs.setdefault(result["layout"], []).append((result, out))
+    return runs
+
+
+@pytest.mark.parametrize("layout", NORM_LAYOUTS)
+def test_grad_norm_is_the_one_process_norm_from_one_all_reduce(
+    layout: str, norm_runs: dict[str, list[tuple[dict, str]]]
+) -> None:
+    """Known gradients placed like the trainer's parameters: every rank's norm is the whole model's."""
+    world = next(w for w, layouts in NORM_WORLDS.items() if layout in layouts)
+    results = norm_runs[layout]
+    assert len(results) == world, results
+    only_ddp = layout == "2x1x1:ddp"  # torch's DDP: gradients already whole on every rank, nothing to reduce
+    for rank, (got, out) in enumerate(results):
+        assert relative(got["reference"], got["norm"]) <= 1e-6, f"rank {rank}: {got['norm']} vs {got['reference']}"
+        assert got["norm"] == results[0][0]["norm"], f"rank {rank}: {got['norm']} vs rank 0's {results[0][0]['norm']}"
+        ops = [name for name in got["collectives"] if "c10d" in name]  # the dispatcher op of each collective
+        assert ops == ([] if only_ddp else ["c10d::allreduce_"]), f"rank {rank} ran {ops}"
+        assert not SEQUENTIAL_WARNING.search(out), out
