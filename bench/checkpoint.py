@@ -72,14 +72,14 @@ def main() -> None:
             msd, osd = get_state_dict(model, opt)
             return {"model": msd, "optim": osd}
 
-        sync.save(1, state(), {})  # warm-up: page cache, first-call costs
-        asyn.save(1, state(), {})
+        sync.save(1, ckpt.dcp_writer(sync, state()), {})  # warm-up: page cache, first-call costs
+        asyn.save(1, ckpt.dcp_writer(asyn, state()), {})
         asyn.wait()
-        t_sync = min(timed(lambda s=s: sync.save(s, state(), {})) for s in (2, 3))
+        t_sync = min(timed(lambda s=s: sync.save(s, ckpt.dcp_writer(sync, state()), {})) for s in (2, 3))
         stalls, totals = [], []
         for step in (2, 3):
             start = time.perf_counter()
-            asyn.save(step, state(), {})
+            asyn.save(step, ckpt.dcp_writer(asyn, state()), {})
             stalls.append(time.perf_counter() - start)
             asyn.wait()
             totals.append(time.perf_counter() - start)
@@ -89,7 +89,7 @@ def main() -> None:
             timed(lambda i=i: subprocess.run(["cp", "-r", str(path), str(root / f"cp{i}")], check=True))
             for i in range(2)
         )
-        t_load = min(timed(lambda: sync.load(state(), path)) for _ in range(2))
+        t_load = min(timed(lambda: sync.dcp_load(state(), path)) for _ in range(2))
         t_cat = min(
             timed(lambda: subprocess.run(f"cat {path}/* > /dev/null", shell=True, check=True)) for _ in range(2)
         )

@@ -49,12 +49,12 @@ def best(fn: Callable[[int], Any]) -> float:
 
 def stalls(saver: ckpt.Checkpointer, state: Callable[[], dict[str, Any]], first: int) -> float:
     """The least time training waited for a save (a warm-up first: page cache, allocations)."""
-    saver.save(first, state(), {})
+    saver.save(first, ckpt.dcp_writer(saver, state()), {})
     saver.wait()
     waits = []
     for step in range(first + 1, first + 1 + ROUNDS):
         start = time.perf_counter()
-        saver.save(step, state(), {})
+        saver.save(step, ckpt.dcp_writer(saver, state()), {})
         waits.append(time.perf_counter() - start)
         saver.wait()
     return min(waits)

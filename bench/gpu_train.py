@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from trainer_setup import corpus, single_rank_trainer  # noqa: E402
 
+from launcher.ckptmanager import CheckpointManager  # noqa: E402
 from launcher.env import rank_env  # noqa: E402
 from launcher.gpus import peak_tflops  # noqa: E402
 from launcher.metrics import METRICS_FILE, MetricsLog  # noqa: E402
@@ -113,11 +114,16 @@ def main() -> None:
                 flush=True,
             )
             if args.compile:
-                for block in t.model.layers.values():
+                for block in t.engine.model.layers.values():
                     block.compile()
             if t.runtime.cuda:
                 torch.cuda.reset_peak_memory_stats(device)
-            run_loop(t, rank_env({}), MetricsLog(tmp, enabled=True, steps=cfg.steps))
+            run_loop(
+                t,
+                rank_env({}),
+                MetricsLog(tmp, enabled=True, steps=cfg.steps),
+                CheckpointManager.off(rank_env({}), "a benchmark saves nothing"),
+            )
             peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if t.runtime.cuda else 0.0
         rows = [json.loads(line) for line in (Path(tmp) / METRICS_FILE).read_text().splitlines()]
     report(rows[args.warmup :], cfg, name, peak_mem)

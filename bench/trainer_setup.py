@@ -19,7 +19,8 @@ from launcher.data import TokenDataset  # noqa: E402
 from launcher.env import rank_env  # noqa: E402
 from launcher.runtime import check_tasks, init_distributed, pick_runtime  # noqa: E402
 from launcher.spec import JobSpec  # noqa: E402
-from launcher.train import Trainer, build_trainer, check_layout  # noqa: E402
+from launcher.train import check_layout  # noqa: E402
+from launcher.trainer import Trainer, build_trainer  # noqa: E402
 
 
 def corpus(folder: Path, tokens: int) -> Path:

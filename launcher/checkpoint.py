@@ -1,7 +1,8 @@
 """Checkpoints that are either complete or ignored.
 
-A save writes `step-N.tmp/` with torch.distributed.checkpoint (sharded, each rank its
-own part; async: training waits only for staging to CPU memory). When every rank's
+A save writes `step-N.tmp/` with the engine's writer: torch.distributed.checkpoint for the native
+engine (sharded, each rank its own part; async: training waits only for staging to CPU memory),
+DeepSpeed's own save plus DCP for the trainer's state for the deepspeed engine. When every rank's
 part is written (DCP's coordinator gathers the write results before it writes its
 metadata, so its future completes last), the coordinator writes the completeness
 marker last, fsyncs it and the directory, and renames `step-N.tmp` to `step-N`.
@@ -34,7 +35,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 from launcher.rundir import node_name
 
@@ -45,6 +46,11 @@ STAGED = "meshrun-staged.json"
 """A node's part of a save, complete on its node-local scratch (not yet a checkpoint anywhere)."""
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _TMP_DIR = re.compile(r"^step-(\d{8,})\.tmp$")
+
+
+Writer = Callable[[Path], Optional["Future[Any]"]]
+"""An engine's writer: fills the folder it is given (`step-N.tmp/`) with a checkpoint's files; returns the
+future of a write still under way (an async save), or None once everything is written."""
 
 
 class CheckpointError(RuntimeError):
@@ -309,10 +315,8 @@ class Checkpointer:
         if dist.is_initialized():
             dist.barrier(group=self.group)
 
-    def save(self, step: int, state: dict[str, Any], info: dict[str, Any]) -> None:
-        """Start saving `state` as step N (waits for a save still in flight first)."""
-        dcp: Any = importlib.import_module("torch.distributed.checkpoint")  # its names are not re-exported for mypy
-
+    def save(self, step: int, write: Writer, info: dict[str, Any]) -> None:
+        """Start saving step N: `write` (the engine's) fills `step-N.tmp/`; waits for a save still in flight first."""
         self.wait()
         base = self.stage_root if self.stage_root is not None else self.root
         tmp = base / f"step-{step:08d}.tmp"
@@ -321,18 +325,23 @@ class Checkpointer:
             make_private_dir(tmp)
         self._barrier()
         began = time.perf_counter()
-        if self.async_save:
+        self._pending = _Pending(step, tmp, write(tmp), info, began)
+        self.last_save_stall_s = self._pending.stall_s = time.perf_counter() - began
+        if self._pending.future is None:
+            self._finish()
+
+    def dcp_save(self, state: dict[str, Any], tmp: Path, asynchronous: Optional[bool] = None) -> Optional[Future[Any]]:
+        """Write `state` into `tmp` with torch.distributed.checkpoint on the checkpoint group: in the background
+        (training waits only for the copy to CPU memory) when async (checkpoint.async_save), else now."""
+        dcp: Any = importlib.import_module("torch.distributed.checkpoint")  # its names are not re-exported for mypy
+
+        if self.async_save if asynchronous is None else asynchronous:
             future = dcp.async_save(
                 state, checkpoint_id=str(tmp), process_group=self.group, async_stager=self._stager()
             )
-            future = getattr(future, "upload_completion", future)  # AsyncSaveResponse on newer torch
-            self._pending = _Pending(step, tmp, future, info, began)
-        else:
-            dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
-            self._pending = _Pending(step, tmp, None, info, began)
-        self.last_save_stall_s = self._pending.stall_s = time.perf_counter() - began
-        if not self.async_save:
-            self._finish()
+            return cast("Future[Any]", getattr(future, "upload_completion", future))  # AsyncSaveResponse on newer torch
+        dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
+        return None
 
     def _stager(self) -> Any:
         """One stager for the whole run: its CPU staging buffers are allocated once and reused, so
@@ -395,14 +404,24 @@ class Checkpointer:
         if self.on_commit is not None:
             self.on_commit(pending.step, pending.stall_s)
 
-    def load(self, state: dict[str, Any], path: Path) -> dict[str, Any]:
-        """Load `state` in place from a complete checkpoint; returns its marker."""
+    def dcp_load(self, state: dict[str, Any], path: Path) -> dict[str, Any]:
+        """Load `state` in place from complete checkpoint `path` (DCP, on the checkpoint group); returns its marker."""
         dcp: Any = importlib.import_module("torch.distributed.checkpoint")  # its names are not re-exported for mypy
 
-        if not (Path(path) / MARKER).is_file():
-            raise CheckpointError(f"{path} has no completeness marker: it is a partial save and is never loaded")
+        check_complete(path)
         dcp.load(state, checkpoint_id=str(path), process_group=self.group)
         return read_marker(path)
+
+
+def dcp_writer(saver: Checkpointer, state: dict[str, Any]) -> Writer:
+    """The writer of a plain DCP checkpoint of `state` (the native engine's; tests and benches too)."""
+    return lambda tmp: saver.dcp_save(state, tmp)
+
+
+def check_complete(path: Path) -> None:
+    """Refuse a folder without the completeness marker (a partial save is never loaded)."""
+    if not (Path(path) / MARKER).is_file():
+        raise CheckpointError(f"{path} has no completeness marker: it is a partial save and is never loaded")
 
 
 def saved_keys(path: Path) -> set[str]:

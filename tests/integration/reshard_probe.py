@@ -12,13 +12,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from launcher import trainstate
 from launcher.checkpoint import Checkpointer
+from launcher.ckptmanager import CheckpointManager
 from launcher.data import TokenDataset
 from launcher.env import rank_env
 from launcher.runtime import init_distributed, pick_runtime
 from launcher.spec import read_run_spec
-from launcher.train import build_trainer
+from launcher.trainer import build_trainer
 
 
 def main(run_dir: Path, checkpoint: Path) -> None:
@@ -29,10 +29,10 @@ def main(run_dir: Path, checkpoint: Path) -> None:
     try:
         dataset = TokenDataset(job.data.path, job.trainer.model.seq_len, job.data.val_fraction)
         t = build_trainer(job, env, runtime, dataset)
-        trainstate.load(Checkpointer(checkpoint.parent, keep=1, coordinator=False), t, checkpoint, env)
+        CheckpointManager(Checkpointer(checkpoint.parent, keep=1, coordinator=False), None, env).load(t, checkpoint)
         full = {
             name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for name, p in t.model.state_dict().items()
+            for name, p in t.engine.model.state_dict().items()
         }
         if t.coords.dp == 0 and t.coords.tp == 0:  # one writer per pipeline stage
             torch.save(full, run_dir / f"probe-{env.rank}.pt")

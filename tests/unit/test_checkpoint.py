@@ -88,7 +88,7 @@ def test_dcp_round_trip_commits_and_retains(tmp_path: Path, group, async_save: b
     for step in (1, 2, 3):
         _train_one(model, opt)
         msd, osd = get_state_dict(model, opt)
-        saver.save(step, {"model": msd, "optim": osd, "step": step}, {"layout": "1x1x1"})
+        saver.save(step, ckpt.dcp_writer(saver, {"model": msd, "optim": osd, "step": step}), {"layout": "1x1x1"})
         # Async: training goes on while the save is in flight, and it is not complete until
         # committed (by the next poll/save/wait). Sync: complete on return.
         assert saver.in_flight is async_save
@@ -102,7 +102,7 @@ def test_dcp_round_trip_commits_and_retains(tmp_path: Path, group, async_save: b
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
     msd, osd = get_state_dict(fresh, fresh_opt)
     state = {"model": msd, "optim": osd, "step": 0}
-    marker = saver.load(state, ckpt.latest(root))
+    marker = saver.dcp_load(state, ckpt.latest(root))
     set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     assert marker["step"] == 3 and state["step"] == 3
     for key, value in fresh.state_dict().items():
@@ -117,7 +117,7 @@ def test_dcp_round_trip_commits_and_retains(tmp_path: Path, group, async_save: b
 def test_loading_an_unmarked_directory_is_refused(tmp_path: Path, group) -> None:
     (tmp_path / "step-00000005").mkdir()
     with pytest.raises(ckpt.CheckpointError, match="no completeness marker"):
-        ckpt.Checkpointer(tmp_path, keep=1).load({}, tmp_path / "step-00000005")
+        ckpt.Checkpointer(tmp_path, keep=1).dcp_load({}, tmp_path / "step-00000005")
 
 
 def agree(local: bool) -> bool:

@@ -219,7 +219,8 @@ RANK = textwrap.dedent(
                               node_coordinator=True, attempt="77.0", nodes=2, node_rank=rank)
     saver.prepare()
     for step in (3, 4):
-        saver.save(step, {"model": model.state_dict(), f"rank{rank}": torch.full((4,), float(rank + step))}, {"w": 2})
+        state = {"model": model.state_dict(), f"rank{rank}": torch.full((4,), float(rank + step))}
+        saver.save(step, ckpt.dcp_writer(saver, state), {"w": 2})
     saver.close()
     assert staged == [3, 4] and saver.last_committed == 4, staged
     assert not shared.exists() or not list(shared.iterdir()), "the trainer writes nothing to shared storage"
@@ -257,7 +258,7 @@ def test_a_two_rank_save_staged_on_two_nodes_ends_complete_on_shared_and_loads(t
         expected = torch.nn.Linear(32, 16).state_dict()
         state = {"model": {k: torch.zeros_like(v) for k, v in expected.items()}}
         state |= {"rank0": torch.zeros(4), "rank1": torch.zeros(4)}
-        marker = ckpt.Checkpointer(shared, keep=1).load(state, ckpt.step_dir(shared, 4))
+        marker = ckpt.Checkpointer(shared, keep=1).dcp_load(state, ckpt.step_dir(shared, 4))
     finally:
         dist.destroy_process_group()
     assert marker["step"] == 4 and marker["w"] == 2
@@ -277,7 +278,7 @@ def test_a_staged_save_on_one_process_goes_to_scratch_only(tmp_path: Path) -> No
         saver.prepare()
         assert not (scratch / "step-00000001.tmp").exists() and shared.is_dir()
         for step in (2, 3):
-            saver.save(step, {"t": torch.arange(5) + step}, {"k": "v"})
+            saver.save(step, ckpt.dcp_writer(saver, {"t": torch.arange(5) + step}), {"k": "v"})
         saver.close()
     finally:
         dist.destroy_process_group()

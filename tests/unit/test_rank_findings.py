@@ -16,12 +16,12 @@ from torch import nn
 
 from launcher import checkpoint as ckpt
 from launcher import rankfail, resume
+from launcher.ckptmanager import marker_job
 from launcher.data import Layout, TokenDataset, TrainStream, check_token_ids, check_train_data, largest_token
 from launcher.rundir import RunDir
 from launcher.schema import SchemaError
 from launcher.spec import JobSpec, Model, RunInfo, RunSpec, SpecFileError, Train, dumps_run_spec, read_run_spec
 from launcher.train import eval_due
-from launcher.trainstate import marker_job
 
 
 def _mode(path: Path) -> int:
@@ -60,7 +60,7 @@ def test_checkpoints_under_a_checkpoint_root_are_private(tmp_path: Path, group: 
     saver = ckpt.Checkpointer(root, keep=1, async_save=True)
     saver.prepare()
     for step in (1, 2):
-        saver.save(step, {"model": _state()}, {"job": {"name": "x"}})
+        saver.save(step, ckpt.dcp_writer(saver, {"model": _state()}), {"job": {"name": "x"}})
         tmp = root / f"step-{step:08d}.tmp"
         assert _mode(tmp) == 0o700  # the tmp dir, while the shards are written
     saver.close()
@@ -93,8 +93,8 @@ def test_every_commit_calls_on_commit_whichever_call_commits_it(tmp_path: Path, 
     seen: list[int] = []
     saver = ckpt.Checkpointer(tmp_path, keep=5, async_save=async_save, on_commit=lambda step, stall: seen.append(step))
     saver.prepare()
-    saver.save(1, {"model": _state()}, {})
-    saver.save(2, {"model": _state()}, {})  # async: step 1 commits inside this save's wait
+    saver.save(1, ckpt.dcp_writer(saver, {"model": _state()}), {})
+    saver.save(2, ckpt.dcp_writer(saver, {"model": _state()}), {})  # async: step 1 commits inside this save's wait
     saver.close()  # and step 2 here
     assert seen == [1, 2] == ckpt.complete_steps(tmp_path)
 
