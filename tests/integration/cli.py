@@ -15,6 +15,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 # What only the testbed's login node has: a "laptop" that reaches it over SSH must not see them.
 CLUSTER_ONLY = ("SLURM_CONF", "MESHRUN_TESTBED_VENV")
+SOAK = os.environ.get("MESHRUN_SOAK") == "1"
+"""Soak tests run a few trials in CI and their full count (20+) with MESHRUN_SOAK=1."""
+
+
+def trials(ci: int, soak: int = 20) -> int:
+    """How many trials a soak test runs: `ci` in CI, `soak` under MESHRUN_SOAK=1."""
+    return soak if SOAK else ci
 
 
 def env_for(home: Path, laptop: bool = False) -> dict[str, str]:

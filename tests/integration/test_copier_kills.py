@@ -32,8 +32,9 @@ import pytest
 
 from launcher import checkpoint as ckpt
 from launcher.sidecar import copier
+from tests.integration.cli import trials
 
-TRIALS = 20 if os.environ.get("MESHRUN_SOAK") == "1" else 5
+TRIALS = trials(5)
 ATTEMPT = "4242.0"
 STEP = 100
 PARTS = {  # node rank -> {file: size}: a few MB per node, several files each
@@ -183,7 +184,7 @@ def srun_copiers(root: Path, victim: int, delay: float, seconds: tuple[float, fl
     assert done.returncode == 0, done.stderr
 
 
-TESTBED_TRIALS = 20 if os.environ.get("MESHRUN_SOAK") == "1" else 2
+TESTBED_TRIALS = trials(2)
 
 
 @pytest.mark.parametrize("seed", range(TESTBED_TRIALS))
