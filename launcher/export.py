@@ -6,13 +6,16 @@ CHECKPOINT is a step folder (`ROOT/step-N`) or a checkpoint root, whose newest c
 step is exported; if retention deletes that step while it loads (a run still saving
 with a small `checkpoint.keep`), the then-newest one is taken instead. Runs in one process on any machine that can read the checkpoint (no GPU, no process
 group): the model is rebuilt from the spec recorded in the checkpoint's marker and
-its weights are loaded from the shards whatever (dp, tp, pp) layout saved them.
+its weights are loaded from the shards whatever (dp, tp, pp) layout saved them. A checkpoint of
+the deepspeed engine (the marker's job says `train.engine: deepspeed`) is consolidated by
+DeepSpeed's own code from its save in `step-N/deepspeed/`, whatever ZeRO stage sharded it.
 The file holds the full model's parameters under their usual names, plus metadata
 (step, model config) as safetensors' string map.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -25,13 +28,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from launcher import checkpoint as ckpt
-from launcher import schema
+from launcher import dsconfig, schema
 from launcher.model import GPT
 from launcher.spec import JobSpec
 
 USAGE = "usage: python -m launcher.export CHECKPOINT OUT.safetensors"
 ATTEMPTS = 5
 _STEP = re.compile(r"^step-(\d+)(\.tmp)?$")
+DEEPSPEED_TAG = "deepspeed"
+"""The deepspeed engine's own save inside a step folder: save_checkpoint(step_dir, tag=DEEPSPEED_TAG)."""
 
 
 class OutputError(ValueError):
@@ -88,9 +93,12 @@ def consolidated_state(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, s
     model = GPT(job.trainer.model, seed=job.trainer.seed)
     state = {"model": model.state_dict()}
     try:
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        if job.trainer.engine == "deepspeed":
+            state["model"] = deepspeed_weights(path, job, state["model"])
+        else:
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load(state, checkpoint_id=str(path), no_dist=True)
     except Exception:
         if not (Path(path) / ckpt.MARKER).is_file():  # retention unmarks before it deletes
             raise Vanished(
@@ -105,6 +113,42 @@ def consolidated_state(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, s
         "model": json.dumps(schema.to_plain(job.trainer.model), sort_keys=True),
     }
     return tensors, meta
+
+
+def deepspeed_weights(path: Path, job: JobSpec, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The full model from DeepSpeed's own save in `path/deepspeed/`, by DeepSpeed's own consolidation.
+
+    ZeRO 1-3: the fp32 master weights gathered from every rank's shards (zero_to_fp32, as DeepSpeed's
+    own script does); ZeRO-0 keeps whole weights in the model states file. The engine wraps the GPT
+    itself, so the names are the GPT's; loading into `like` (strict) proves it and keeps the native
+    export's names, shapes and dtypes.
+    """
+    folder = Path(path) / DEEPSPEED_TAG
+    try:
+        if dsconfig.zero_stage(job) == 0:
+            # DeepSpeed's pickle holds its config and client state besides tensors: not weights_only.
+            states = torch.load(folder / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+            saved = states["module"]
+        else:
+            # The consolidation is CPU work: no accelerator probing (a warning, or CUDA set up on a GPU
+            # login node). DeepSpeed logs to stdout, where the export's one line of output goes.
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+            with contextlib.redirect_stdout(sys.stderr):
+                from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+                saved = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DEEPSPEED_TAG)
+    except ImportError as exc:
+        raise ckpt.CheckpointError(
+            f"{path} was saved by the deepspeed engine and reading it needs DeepSpeed ({exc}); "
+            "install it: pip install 'meshrun[deepspeed]'"
+        ) from None
+    missing, unexpected = set(like) - set(saved), set(saved) - set(like)
+    if missing or unexpected:
+        raise ckpt.CheckpointError(
+            f"{folder}: DeepSpeed's weights do not match train.model (missing {sorted(missing)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]}); export it with the spec it was trained with"
+        )
+    return {name: saved[name].to(like[name].dtype) for name in like}
 
 
 def check_output(out: Path) -> Path:

@@ -1,0 +1,134 @@
+"""`python -m launcher.export` of a checkpoint saved by the deepspeed engine: DeepSpeed's own save in
+`step-N/deepspeed/` (ZeRO-2: optimizer shards per rank; ZeRO-3: parameter shards too) becomes one
+safetensors file with the GPT's names, equal to the trained module's full parameters.
+
+The checkpoint is made here as the engine makes it: 2 gloo ranks run deepspeed.initialize on
+launcher.model.GPT, train 2 steps (so the weights are not the init's), save_checkpoint(step_dir.tmp,
+tag="deepspeed"), and rank 0 commits the marker whose job says train.engine: deepspeed. Each rank also
+saves the full parameters it trained (gathered under ZeRO-3) as the reference."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from launcher import checkpoint as ckpt
+from launcher import schema
+from launcher.spec import Checkpoint, Data, JobSpec, Model, Parallel, Resources, Train
+from tests.integration.ranks import REPO, free_port, rank_environ
+
+pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed (bash scripts/setup.sh installs it)")
+
+STEP = 2
+
+
+def job_for(zero: int) -> JobSpec:
+    return JobSpec(
+        name=f"ds-export-zero{zero}",
+        resources=Resources(tasks_per_node=2),
+        parallel=Parallel(dp=2, zero=zero),
+        train=Train(model=Model(n_layers=2, d_model=64, n_heads=4, seq_len=32), engine="deepspeed", seed=3),
+        data=Data(path="/nonexistent/tokens.u16"),  # never read: the weights are all export needs
+        checkpoint=Checkpoint(),
+    )
+
+
+def save_like_the_engine(folder: str, zero: int) -> None:
+    """One rank (this process, under RANK/WORLD_SIZE/MASTER_*): train, save, and rank 0 commits."""
+    import deepspeed
+
+    from launcher.model import GPT, loss_fn
+
+    deepspeed.init_distributed()
+    rank, root = torch.distributed.get_rank(), Path(folder)
+    job = job_for(zero)
+    model = GPT(job.trainer.model, seed=job.trainer.seed)
+    config = {"train_micro_batch_size_per_gpu": 2, "train_batch_size": 4, "zero_optimization": {"stage": zero}}
+    # A torch optimizer: DeepSpeed's own Adam would compile an op first; the consolidation is the same.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(STEP):
+        tokens = torch.randint(0, job.trainer.model.vocab_size, (2, 33), generator=gen)
+        engine.backward(loss_fn(engine(tokens[:, :-1]), tokens[:, 1:]))
+        engine.step()
+    tmp = ckpt.step_dir(root, STEP).with_suffix(".tmp")
+    engine.save_checkpoint(str(tmp), tag="deepspeed", save_latest=False)
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params) if zero == 3 else contextlib.nullcontext():
+        full = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+    torch.save(full, root / f"reference-rank{rank}.pt")
+    torch.distributed.barrier()  # every rank's shards are written before the marker
+    if rank == 0:
+        info = {"step": STEP, "job": {k: v for k, v in schema.to_plain(job).items() if k != "env"}}
+        ckpt.commit(tmp, ckpt.step_dir(root, STEP), info)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def make_checkpoint(root: Path, zero: int) -> dict[str, torch.Tensor]:
+    """2 real ranks save a checkpoint under `root`; the full parameters they trained (both agree)."""
+    root.mkdir(parents=True)
+    port = free_port()
+    code = f"from tests.integration.test_export_deepspeed import save_like_the_engine as s; s({str(root)!r}, {zero})"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            cwd=REPO,
+            env={**rank_environ(rank, 2, port), "DS_ACCELERATOR": "cpu"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(outputs)
+    refs = [torch.load(root / f"reference-rank{r}.pt") for r in range(2)]
+    assert refs[0].keys() == refs[1].keys() and all(torch.equal(refs[0][k], refs[1][k]) for k in refs[0])
+    return refs[0]
+
+
+def export(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "launcher.export", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_export_consolidates_deepspeed_zero_shards_into_the_gpt_weights(tmp_path: Path, zero: int) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from launcher.model import GPT
+
+    root = tmp_path / "checkpoints"
+    trained = make_checkpoint(root, zero)
+    step = ckpt.step_dir(root, STEP)
+    shards = sorted(p.name for p in (step / "deepspeed").iterdir())
+    assert len([s for s in shards if s.endswith("optim_states.pt")]) == 2, shards  # really sharded
+    if zero == 3:
+        assert len([s for s in shards if s.endswith("model_states.pt") and "zero_pp_rank" in s]) == 2, shards
+
+    out = tmp_path / "model.safetensors"
+    done = export(str(root), str(out))  # the checkpoint root: its newest complete step, as for native
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout == f"wrote {out} ({len(trained)} tensors) from {step}\n", done.stdout
+
+    weights = load_file(str(out))
+    job = job_for(zero)
+    init = GPT(job.trainer.model, seed=job.trainer.seed).state_dict()
+    assert sorted(weights) == sorted(trained) == sorted(init)
+    for name, tensor in trained.items():
+        assert weights[name].dtype == torch.float32 and weights[name].shape == init[name].shape, name
+        assert torch.equal(weights[name], tensor), f"{name}: max diff {(weights[name] - tensor).abs().max()}"
+    assert any(not torch.equal(weights[n], init[n]) for n in init)  # trained weights, not a fresh model's
+    # Loads as the native export's file does: a plain GPT takes it strictly, metadata names the step.
+    GPT(job.trainer.model).load_state_dict(weights, strict=True)
+    with safe_open(str(out), "pt") as f:
+        assert f.metadata()["step"] == str(STEP) and f.metadata()["format"] == "meshrun-gpt"
