@@ -1,0 +1,207 @@
+"""The deepspeed engine with real ranks (CPU, gloo, fp32): parity with the native engine, kill -9 and
+requeue on the real Slurm testbed, cancel / resume / export through the real CLI on `local`.
+
+Parity: one pair of gloo processes (ds_probe.py) builds every engine in turn with build_trainer, as
+the launcher does, and trains the reference model (4 layers, d_model 64, seq 32; global batch 8 =
+micro 2 x dp 2 x accumulation 2) for 10 steps from the same seed and data: the native engine (FSDP2),
+ZeRO 0, 1, 2, 3 and ZeRO-2 with optimizer offload (DeepSpeed's CPU Adam). One pair instead of one
+`meshrun submit` per engine saves ~20-30 s of start-up for each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from launcher import checkpoint as ckpt
+from launcher.data import Layout, TokenDataset, val_steps
+from launcher.model import GPT, loss_fn
+from launcher.spec import Model, read_run_spec
+from tests.integration.cli import TINY, TWO_NODES, meshrun, metrics, status, submitted, wait_for_state
+from tests.integration.ranks import TIMEOUT_S, finish, free_port, make_run, rank_environ, tiny_train
+
+pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed (bash scripts/setup.sh installs it)")
+
+PROBE = Path(__file__).with_name("ds_probe.py")
+STEPS = 10
+MODEL = Model(n_layers=4, d_model=64, n_heads=4, seq_len=32)  # test_parallel_numerics.py's reference model
+CASES = ["zero0", "zero1", "zero2", "zero3", "zero2-offload"]
+
+# Tolerances, relative, at every step. Both engines run the same fp32 model from the same weights on the
+# same batches with the same AdamW (torch's own under ZeRO 0-3): only the order of float32 sums differs
+# (DeepSpeed averages gradients in flat buckets, FSDP2 reduce-scatters per parameter), as between the
+# native layouts (test_parallel_numerics.py): measured ~1e-7 for the loss, ~1e-6 for the grad norm.
+LOSS_RTOL = 1e-5
+NORM_RTOL = 5e-5
+# DeepSpeed's CPU Adam is its own vectorised C++ AdamW (fused multiply-adds, its own sqrt and division
+# order): each step's update differs in the last bits, and the difference compounds over the steps.
+# Measured here ~1e-7 after 10 steps, like the others; 10x the room keeps longer or other runs green.
+OFFLOAD_RTOL = 1e-4
+# The CLI tests run meshrun in a fresh HOME: the jobs reuse the ops DeepSpeed compiled under the real one
+# (torch's default folder, ~/.cache/torch_extensions/py311_cpu) instead of compiling them again (~60 s each).
+EXTENSIONS = {
+    "TORCH_EXTENSIONS_DIR": os.environ.get(
+        "TORCH_EXTENSIONS_DIR",
+        str(Path.home() / ".cache" / "torch_extensions" / f"py{sys.version_info.major}{sys.version_info.minor}_cpu"),
+    )
+}
+
+
+@pytest.fixture(scope="module")
+def probed(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> dict[str, dict[str, Any]]:
+    """Every case's losses and grad norms, from one pair of ranks."""
+    train = tiny_train(model=MODEL, steps=STEPS, global_batch=8, micro_batch=2, eval_every=0)
+    run_dir = make_run(tmp_path_factory.mktemp("probe"), "probe", corpus, 2, train=train)
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(PROBE), str(run_dir), "native", *CASES],
+            env=rank_environ(rank, 2, port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    out = finish(procs)[0]
+    return {r["case"]: r for r in (json.loads(l) for l in out.splitlines() if l.startswith('{"case"'))}
+
+
+def relative(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(a), 1e-12)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_zero_stage_trains_like_the_native_engine(case: str, probed: dict[str, dict[str, Any]]) -> None:
+    ref, got = probed["native"], probed[case]
+    labels = {"zero2-offload": ["deepspeed", "ZeRO-2", "optimizer offload"]}
+    assert got["describe"] == labels.get(case, ["deepspeed", f"ZeRO-{case[-1]}"]), got["describe"]
+    assert len(got["loss"]) == STEPS and ref["loss"][-1] < ref["loss"][0] - 1.0  # it learns: not a flat line
+    loss_tol = OFFLOAD_RTOL if "offload" in case else LOSS_RTOL
+    norm_tol = OFFLOAD_RTOL if "offload" in case else NORM_RTOL
+    rows = [
+        f"step {i + 1:2d}  loss {a:.9f} vs {b:.9f} ({relative(a, b):.1e})  "
+        f"grad_norm {n:.9f} vs {m:.9f} ({relative(n, m):.1e})"
+        for i, (a, b, n, m) in enumerate(zip(ref["loss"], got["loss"], ref["grad_norm"], got["grad_norm"]))
+    ]
+    table = f"native vs {case} (loss tolerance {loss_tol:.0e}, grad_norm {norm_tol:.0e}):\n" + "\n".join(rows)
+    assert all(relative(a, b) <= loss_tol for a, b in zip(ref["loss"], got["loss"])), table
+    assert all(relative(a, b) <= norm_tol for a, b in zip(ref["grad_norm"], got["grad_norm"])), table
+    print(table)
+
+
+# ------------------------------------------------------------------ kill -9, requeue, resume (Slurm testbed)
+
+TESTBED_STEPS = 40
+
+
+def _deepspeed_args(corpus: Path, zero: int, steps: int, every: int) -> list[str]:
+    sets = {
+        "train.engine": "deepspeed",
+        "parallel.zero": zero,
+        "data.path": corpus,
+        "train.steps": steps,
+        "train.log_every": 1,
+        "train.eval_every": 0,
+        "checkpoint.every": every,
+    }
+    return [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
+
+
+def _rank_pids(run_dir: Path) -> list[int]:
+    """The job's rank processes (`python -m launcher RUN_DIR`; not the sidecar, launcher.sidecar)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().decode().split("\0")[:-1]
+        except (OSError, ValueError):
+            continue
+        if argv[-3:] == ["-m", "launcher", str(run_dir)] or argv[-2:] == ["launcher", str(run_dir)]:
+            pids.append(int(proc.name))
+    return pids
+
+
+def _wait_for_commit(run_dir: Path, step: int, timeout: float = 180) -> None:
+    """Until rank 0 logs a step after checkpoint `step` was committed (the row's checkpoint_step)."""
+    deadline = time.monotonic() + timeout
+    while not any(r.get("checkpoint_step", 0) >= step for r in metrics(run_dir)):
+        assert time.monotonic() < deadline, f"no commit of step {step} in {run_dir}: {metrics(run_dir)[-3:]}"
+        time.sleep(0.05)
+
+
+def test_kill_9_requeue_resumes_zero2_to_the_uninterrupted_final_loss(
+    testbed: dict, tmp_path: Path, corpus: Path
+) -> None:
+    args = [*TWO_NODES, *_deepspeed_args(corpus, 2, TESTBED_STEPS, every=10)]
+    ref_id, ref_dir = submitted(meshrun(tmp_path, "submit", *args, env=EXTENSIONS, check=True))
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, env=EXTENSIONS, check=True))
+    _wait_for_commit(run_dir, 10)
+    pids = _rank_pids(run_dir)
+    assert len(pids) == 2, pids  # one rank on each "node"
+    os.kill(pids[-1], signal.SIGKILL)  # a rank dies mid-run: srun ends the other, the batch script requeues
+    row = wait_for_state(tmp_path, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=TIMEOUT_S)
+    batch = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    assert row["state"] == "COMPLETED" and row["restarts"] == 1, (row, batch)
+    assert "requeueing: restart 1" in batch, batch
+    rank0 = (run_dir / "logs" / "rank-0.log").read_text()
+    assert "deepspeed engine, ZeRO-2" in rank0 and "resuming from step" in rank0, rank0
+    wait_for_state(tmp_path, ref_id, {"COMPLETED"}, timeout=TIMEOUT_S)
+    ref, got = metrics(ref_dir), metrics(run_dir)
+    assert [r["step"] for r in got] == list(range(1, TESTBED_STEPS + 1)), [r["step"] for r in got]
+    # Bit-identical: fp32 on CPU, the same ranks, DeepSpeed's fp32 master partitions and Adam moments
+    # restored exactly, the data position and every rank's RNG from the DCP part of the checkpoint.
+    assert got[-1]["loss"] == ref[-1]["loss"], [(a["loss"], b["loss"]) for a, b in zip(ref, got)]
+    assert [r["loss"] for r in got] == [r["loss"] for r in ref]
+    marker = ckpt.read_marker(ckpt.latest(Path(read_run_spec(run_dir).run.checkpoint_dir)))
+    assert marker["engine"] == "deepspeed" and marker["step"] == TESTBED_STEPS, marker
+
+
+# ------------------------------------------------------------------ cancel, resume, export (local, real CLI)
+
+
+def _val_loss(weights: dict[str, torch.Tensor], run_dir: Path) -> float:
+    """The validation loss of `weights` in this process, over the run's validation set."""
+    job = read_run_spec(run_dir).job
+    cfg = job.trainer
+    model = GPT(cfg.model, seed=cfg.seed)
+    model.load_state_dict(weights)
+    dataset = TokenDataset(job.data.path, cfg.model.seq_len, job.data.val_fraction)
+    layout = Layout(cfg.global_batch, cfg.micro_batch, dp_rank=0, dp_size=1)
+    with torch.no_grad():
+        losses = [float(loss_fn(model(x), y)) for mbs in val_steps(dataset, layout, cfg.eval_sequences) for x, y in mbs]
+    return sum(losses) / len(losses)
+
+
+def test_local_zero3_cancel_resume_and_export_of_the_consolidated_model(tmp_path: Path, corpus: Path) -> None:
+    steps = 60
+    args = [*TINY, *_deepspeed_args(corpus, 3, steps, every=5), "--set", f"train.eval_every={steps}"]
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, env=EXTENSIONS, check=True))
+    _wait_for_commit(run_dir, 5)
+    meshrun(tmp_path, "cancel", job_id, check=True)
+    row = wait_for_state(tmp_path, job_id, {"CANCELLED", "FAILED"})
+    assert row["state"] == "CANCELLED" and row["progress"].get("checkpoint_step", 0) >= 5, row
+    out = meshrun(tmp_path, "resume", job_id, "--wait", env=EXTENSIONS, timeout=TIMEOUT_S, check=True)
+    assert f"resumed job {job_id} as job local-" in out.stdout and "COMPLETED" in out.stdout, out.stdout
+    assert status(tmp_path, out.stdout.split()[5])["state"] == "COMPLETED"
+    rows = metrics(run_dir)
+    assert rows[-1]["step"] == steps and "val_loss" in rows[-1], rows[-1]
+    assert "resuming from step" in (run_dir / "logs" / "rank-0.log").read_text()
+    target = tmp_path / "model.safetensors"
+    meshrun(tmp_path, "export", job_id, "-o", str(target), check=True)
+    weights = load_file(str(target))
+    cfg = read_run_spec(run_dir).job.trainer
+    like = GPT(cfg.model, seed=cfg.seed).state_dict()
+    assert {k: tuple(v.shape) for k, v in weights.items()} == {k: tuple(v.shape) for k, v in like.items()}
+    # ZeRO-3 shards every parameter over both ranks: only whole, correctly gathered weights give back
+    # the loss the ranks measured on the validation set at the last step (same set, same micro batches).
+    assert relative(rows[-1]["val_loss"], _val_loss(weights, run_dir)) <= LOSS_RTOL, rows[-1]
