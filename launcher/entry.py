@@ -54,6 +54,16 @@ def flight_recorder_env(node: NodeDir) -> dict[str, str]:
     }
 
 
+def accelerator_env(gpus_per_node: int) -> dict[str, str]:
+    """DS_ACCELERATOR=cpu for a job that asked for no GPUs (a value the user set wins).
+
+    DeepSpeed picks its accelerator by probing: a node whose GPUs Slurm does not hide (no cgroup
+    device constraint) would make a CPU job's script take CUDA and NCCL, and where nothing is found it
+    warns on every rank. The job's own spec says which it is; DeepSpeed then uses gloo on CPU.
+    """
+    return {} if gpus_per_node > 0 else {"DS_ACCELERATOR": "cpu"}
+
+
 @reports_fatal_errors  # bad input: one line, rank-error.txt, exit 2 (also under submitit)
 def run_rank(run_dir: str, replace_process: Optional[bool] = None) -> int:
     """Run this rank of the job in `run_dir`; returns its exit code.
@@ -71,6 +81,7 @@ def run_rank(run_dir: str, replace_process: Optional[bool] = None) -> int:
     command = run_spec.job.command
     if command is not None:
         setdefault_env(run_spec.run.nccl_env, os.environ)  # the user's NCCL gets the cluster preset too
+        setdefault_env(accelerator_env(run_spec.job.resources.gpus_per_node), os.environ)
         expose_to_commands(run_spec.run.run_dir, os.environ)  # `from launcher.report import report` works
         if replace_process is None:
             replace_process = "SUBMITIT_EXECUTOR" not in os.environ
