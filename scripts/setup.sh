@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv and install meshrun into it (editable), with the CPU torch wheel pinned.
+# Create .venv and install meshrun into it (editable), with the CPU torch wheel pinned, and the
+# deepspeed extra with its CPU ops compiled at install time.
 # Idempotent: a second run with unchanged requirements takes a fraction of a second.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,10 +11,34 @@ python=${PYTHON:-python3}
 
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 stamp=.venv/.meshrun-installed
-want=$(cat pyproject.toml constraints/cpu.txt | sha256sum | cut -c1-16)
+# This script is in the hash too: a change in how things are installed reinstalls them.
+want=$(cat pyproject.toml constraints/cpu.txt scripts/setup.sh | sha256sum | cut -c1-16)
+pip=(.venv/bin/pip install --quiet --disable-pip-version-check -c constraints/cpu.txt)
+
+# The CPU ops DeepSpeed would otherwise JIT-compile on first use, into ~/.cache/torch_extensions, on
+# every new machine and in every CI run: cpu_adam (optimizer offload, ~60-160 s here) and the shared
+# memory collectives every CPU process group loads in init_distributed() (~60 s). Built once here.
+ds_ops=(DS_BUILD_CPU_ADAM=1 DS_BUILD_SHM_COMM=1 DS_ACCELERATOR=cpu)
+ds_ops_installed() {
+  DS_ACCELERATOR=cpu .venv/bin/python - >/dev/null 2>&1 <<'PY'
+import sys
+from deepspeed.git_version_info import installed_ops
+sys.exit(not (installed_ops.get("cpu_adam") and installed_ops.get("deepspeed_shm_comm")))
+PY
+}
+
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # constraints/cpu.txt pins the CPU torch wheel; the package itself asks only for a range
   # so that a cluster keeps its CUDA build.
-  .venv/bin/pip install --quiet --disable-pip-version-check -c constraints/cpu.txt -e '.[dev]'
+  "${pip[@]}" -e '.[dev]'
+  # DeepSpeed builds against the torch above (its setup imports torch): no build isolation, after
+  # torch. ninja first: the op build uses it (without it, a slow serial compile). No pip cache: a
+  # cached wheel built without the ops would be reused as is.
+  "${pip[@]}" ninja
+  env "${ds_ops[@]}" "${pip[@]}" --no-build-isolation --no-cache-dir -e '.[dev,deepspeed]'
+  if ! ds_ops_installed; then  # a DeepSpeed installed earlier without the ops: rebuild it with them
+    env "${ds_ops[@]}" "${pip[@]}" --no-build-isolation --no-cache-dir --force-reinstall --no-deps deepspeed
+    ds_ops_installed || { echo "setup: DeepSpeed's CPU ops did not build (is g++ installed?)" >&2; exit 1; }
+  fi
   echo "$want" > "$stamp"
 fi
