@@ -1,8 +1,9 @@
 """`python -m launcher.export` of a checkpoint saved by the deepspeed engine: DeepSpeed's own save in
-`step-N/deepspeed/` (ZeRO-2: optimizer shards per rank; ZeRO-3: parameter shards too) becomes one
-safetensors file with the GPT's names, equal to the trained module's full parameters.
+`step-N/deepspeed/` (ZeRO-0: whole weights in the model states file; ZeRO-2: optimizer shards per rank;
+ZeRO-3: parameter shards too) becomes one safetensors file with the GPT's names, equal to the trained
+module's full parameters.
 
-The checkpoint is made here as the engine makes it: 2 gloo ranks run deepspeed.initialize on
+The checkpoints are made here as the engine makes them: 2 gloo ranks run deepspeed.initialize on
 launcher.model.GPT, train 2 steps (so the weights are not the init's), save_checkpoint(step_dir.tmp,
 tag="deepspeed"), and rank 0 commits the marker whose job says train.engine: deepspeed. Each rank also
 saves the full parameters it trained (gathered under ZeRO-3) as the reference."""
@@ -13,6 +14,7 @@ import contextlib
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -38,15 +40,24 @@ def job_for(zero: int) -> JobSpec:
     )
 
 
-def save_like_the_engine(folder: str, zero: int) -> None:
-    """One rank (this process, under RANK/WORLD_SIZE/MASTER_*): train, save, and rank 0 commits."""
+STAGES = (0, 2, 3)
+
+
+def save_like_the_engine(folder: str) -> None:
+    """One rank (this process, under RANK/WORLD_SIZE/MASTER_*): for each ZeRO stage, train, save under
+    FOLDER/zeroN, and rank 0 commits. One process group for all three: a process start is most of the cost."""
     import deepspeed
 
+    deepspeed.init_distributed()
+    for zero in STAGES:
+        save_one(deepspeed, Path(folder) / f"zero{zero}", zero)
+    torch.distributed.destroy_process_group()
+
+
+def save_one(deepspeed: Any, root: Path, zero: int) -> None:
     from launcher.model import GPT, loss_fn
 
-    deepspeed.init_distributed()
-    rank, root = torch.distributed.get_rank(), Path(folder)
-    job = job_for(zero)
+    rank, job = torch.distributed.get_rank(), job_for(zero)
     model = GPT(job.trainer.model, seed=job.trainer.seed)
     config = {"train_micro_batch_size_per_gpu": 2, "train_batch_size": 4, "zero_optimization": {"stage": zero}}
     # A torch optimizer: DeepSpeed's own Adam would compile an op first; the consolidation is the same.
@@ -68,14 +79,14 @@ def save_like_the_engine(folder: str, zero: int) -> None:
         info = {"step": STEP, "job": {k: v for k, v in schema.to_plain(job).items() if k != "env"}}
         ckpt.commit(tmp, ckpt.step_dir(root, STEP), info)
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
 
 
-def make_checkpoint(root: Path, zero: int) -> dict[str, torch.Tensor]:
-    """2 real ranks save a checkpoint under `root`; the full parameters they trained (both agree)."""
-    root.mkdir(parents=True)
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2 real ranks save a checkpoint per ZeRO stage under ROOT/zeroN; ROOT."""
+    root = tmp_path_factory.mktemp("ds-checkpoints")
     port = free_port()
-    code = f"from tests.integration.test_export_deepspeed import save_like_the_engine as s; s({str(root)!r}, {zero})"
+    code = f"from tests.integration.test_export_deepspeed import save_like_the_engine as s; s({str(root)!r})"
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", code],
@@ -89,6 +100,11 @@ def make_checkpoint(root: Path, zero: int) -> dict[str, torch.Tensor]:
     ]
     outputs = [p.communicate(timeout=240)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(outputs)
+    return root
+
+
+def trained(root: Path) -> dict[str, torch.Tensor]:
+    """The full parameters the ranks trained (both agree)."""
     refs = [torch.load(root / f"reference-rank{r}.pt") for r in range(2)]
     assert refs[0].keys() == refs[1].keys() and all(torch.equal(refs[0][k], refs[1][k]) for k in refs[0])
     return refs[0]
@@ -100,31 +116,33 @@ def export(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("zero", [2, 3])
-def test_export_consolidates_deepspeed_zero_shards_into_the_gpt_weights(tmp_path: Path, zero: int) -> None:
+@pytest.mark.parametrize("zero", STAGES)
+def test_export_consolidates_deepspeed_zero_shards_into_the_gpt_weights(saved: Path, tmp_path: Path, zero: int) -> None:
     from safetensors import safe_open
     from safetensors.torch import load_file
 
     from launcher.model import GPT
 
-    root = tmp_path / "checkpoints"
-    trained = make_checkpoint(root, zero)
+    root = saved / f"zero{zero}"
+    weights_of = trained(root)
     step = ckpt.step_dir(root, STEP)
     shards = sorted(p.name for p in (step / "deepspeed").iterdir())
-    assert len([s for s in shards if s.endswith("optim_states.pt")]) == 2, shards  # really sharded
-    if zero == 3:
-        assert len([s for s in shards if s.endswith("model_states.pt") and "zero_pp_rank" in s]) == 2, shards
+    # Really sharded as the stage says: optimizer state per rank from ZeRO-1 on, parameters too under ZeRO-3.
+    assert len([s for s in shards if s.endswith("optim_states.pt")]) == (2 if zero else 0), shards
+    assert len([s for s in shards if s.startswith("zero_pp_rank") and s.endswith("model_states.pt")]) == (
+        2 if zero == 3 else 0
+    ), shards
 
     out = tmp_path / "model.safetensors"
     done = export(str(root), str(out))  # the checkpoint root: its newest complete step, as for native
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout == f"wrote {out} ({len(trained)} tensors) from {step}\n", done.stdout
+    assert done.stdout == f"wrote {out} ({len(weights_of)} tensors) from {step}\n", done.stdout
 
     weights = load_file(str(out))
     job = job_for(zero)
     init = GPT(job.trainer.model, seed=job.trainer.seed).state_dict()
-    assert sorted(weights) == sorted(trained) == sorted(init)
-    for name, tensor in trained.items():
+    assert sorted(weights) == sorted(weights_of) == sorted(init)
+    for name, tensor in weights_of.items():
         assert weights[name].dtype == torch.float32 and weights[name].shape == init[name].shape, name
         assert torch.equal(weights[name], tensor), f"{name}: max diff {(weights[name] - tensor).abs().max()}"
     assert any(not torch.equal(weights[n], init[n]) for n in init)  # trained weights, not a fresh model's
