@@ -126,9 +126,15 @@ def _rank_pids(run_dir: Path) -> list[int]:
             argv = (proc / "cmdline").read_bytes().decode().split("\0")[:-1]
         except (OSError, ValueError):
             continue
-        if argv[-3:] == ["-m", "launcher", str(run_dir)] or argv[-2:] == ["launcher", str(run_dir)]:
+        # srun's own command line ends the same way: a rank is the python process itself.
+        if len(argv) == 4 and Path(argv[0]).name.startswith("python") and argv[1:] == ["-m", "launcher", str(run_dir)]:
             pids.append(int(proc.name))
-    return pids
+    return [pid for pid in pids if _parent(pid) not in pids]  # a rank's forked helpers share its command line
+
+
+def _parent(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[1])
 
 
 def _wait_for_commit(run_dir: Path, step: int, timeout: float = 180) -> None:
@@ -156,12 +162,16 @@ def test_kill_9_requeue_resumes_zero2_to_the_uninterrupted_final_loss(
     rank0 = (run_dir / "logs" / "rank-0.log").read_text()
     assert "deepspeed engine, ZeRO-2" in rank0 and "resuming from step" in rank0, rank0
     wait_for_state(tmp_path, ref_id, {"COMPLETED"}, timeout=TIMEOUT_S)
-    ref, got = metrics(ref_dir), metrics(run_dir)
-    assert [r["step"] for r in got] == list(range(1, TESTBED_STEPS + 1)), [r["step"] for r in got]
+    ref, rows = metrics(ref_dir), metrics(run_dir)
+    # metrics.jsonl is appended to: the steps after the checkpoint that ran before the kill come twice.
+    got = list({r["step"]: r for r in rows}.values())
+    assert [r["step"] for r in got] == list(range(1, TESTBED_STEPS + 1)), [r["step"] for r in rows]
+    assert len(rows) > TESTBED_STEPS, "the kill came after the last step: nothing was redone"
     # Bit-identical: fp32 on CPU, the same ranks, DeepSpeed's fp32 master partitions and Adam moments
     # restored exactly, the data position and every rank's RNG from the DCP part of the checkpoint.
     assert got[-1]["loss"] == ref[-1]["loss"], [(a["loss"], b["loss"]) for a, b in zip(ref, got)]
     assert [r["loss"] for r in got] == [r["loss"] for r in ref]
+    assert all(r["loss"] == ref[r["step"] - 1]["loss"] for r in rows)  # the redone steps too
     marker = ckpt.read_marker(ckpt.latest(Path(read_run_spec(run_dir).run.checkpoint_dir)))
     assert marker["engine"] == "deepspeed" and marker["step"] == TESTBED_STEPS, marker
 
