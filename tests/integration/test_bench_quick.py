@@ -58,6 +58,10 @@ QUICK: dict[str, tuple[list[str], list[str]]] = {
         [rf"ratio with/without {NUMBER} +overhead -?{NUMBER}%", rf"sidecar CPU +: +{NUMBER}% of one core"],
     ),
     "hang.py": (["--quick"], [rf"detection latency / timeout = {NUMBER} \(goal <= {NUMBER}"]),
+    "deepspeed.py": (
+        ["--quick"],
+        [rf"^ZeRO-{z} +{NUMBER} +{NUMBER}(  +{NUMBER} \( *{NUMBER}\)){{4}}$" for z in range(4)],
+    ),
     "gpu_train.py": (["--quick"], [rf"steps [0-9]+-[0-9]+: {NUMBER} ms/step, {NUMBER} tokens/s, .*MFU"]),
     "gpu_ops.py": (
         ["all", "--quick"],
