@@ -4,6 +4,7 @@ report their loss, on `local` and on the real 2-node Slurm testbed."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -13,8 +14,6 @@ import pytest
 
 from launcher.rundir import RunDir
 from tests.integration.cli import REPO, meshrun, submitted
-
-pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed (bash scripts/setup.sh installs it)")
 
 SPEC = "examples/deepspeed-command.yaml"
 STEPS = 12
@@ -36,6 +35,27 @@ def check_trained(run_dir: Path, ranks: int) -> None:
     assert "Setting accelerator to CPU" not in log and "Traceback" not in log, log
 
 
+needs_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None,
+    reason="the deepspeed extra is not installed (bash scripts/setup.sh installs it)",
+)
+
+
+@pytest.mark.parametrize("user_value", [None, "mine"])
+def test_a_command_job_without_gpus_gets_ds_accelerator_cpu_unless_the_user_set_it(
+    tmp_path: Path, user_value: str | None
+) -> None:
+    show = "command=python3,-c,import os; print('DS_ACCELERATOR=' + os.environ['DS_ACCELERATOR'])"  # no comma: --set splits
+    sets = ["--set", "resources.tasks_per_node=1", "--set", show]
+    if user_value is not None:
+        sets += ["--set", f"env.DS_ACCELERATOR={user_value}"]
+    out = meshrun(tmp_path, "submit", "examples/command.yaml", "-c", "local", *sets, "--wait", check=True)
+    _, run_dir = submitted(out)
+    log = (run_dir / "logs" / "rank-0.log").read_text()
+    assert f"DS_ACCELERATOR={user_value or 'cpu'}\n" in log, log
+
+
+@needs_deepspeed
 def test_deepspeed_script_trains_as_a_command_job_on_local(tmp_path: Path) -> None:
     # On `local` the ranks run in the run dir (no code snapshot), so the script is named by its full path.
     script = str(REPO / "examples" / "deepspeed_train.py")
@@ -47,6 +67,7 @@ def test_deepspeed_script_trains_as_a_command_job_on_local(tmp_path: Path) -> No
     check_trained(run_dir, 2)
 
 
+@needs_deepspeed
 def test_deepspeed_script_trains_as_a_command_job_on_the_slurm_testbed(testbed: dict, tmp_path: Path) -> None:
     # The example as shipped: on Slurm the ranks run in the code snapshot, where its relative path holds.
     # One rank on each node: init_distributed() rendezvouses across "nodes" through MASTER_ADDR/PORT.
