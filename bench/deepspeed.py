@@ -14,6 +14,11 @@ rank's partitions, ds_tensor), of every gradient (the module's and the optimizer
 the optimizer's state (Adam's moments) and of fp32 master copies the optimizer steps when they are
 not the parameters themselves. Beside each, the simple expected value for P parameters, dp ranks:
 params 4P (ZeRO-3: 4P/dp), grads 4P (ZeRO-2/3: 4P/dp), Adam state 8P (ZeRO 1-3: 8P/dp).
+These are held at the optimizer step, not the peak in backward: ZeRO-0 and ZeRO-1 hold the whole
+gradient (4P) until the accumulation boundary, where ZeRO-1 reduces it into its partition (4P/dp, what
+the table shows). Measured (CPU, fp32, 0.92M params): params, grads and Adam state are the expected
+values to within DeepSpeed's padding; ZeRO-1 and ZeRO-2 also keep an fp32 master copy of the rank's
+partition (4P/dp) even in fp32 training, ZeRO-3 steps its partitions in place (no copy).
 --quick: a tiny model, 2 steps x 1 round (CI's check that the bench runs; its ratios mean little).
 """
 
