@@ -217,8 +217,19 @@ def _request(
     elif profile.ssh is not None:
         home, present = snapshot.probe(transport, plan.work_dir, snap)
         plan = with_home(plan, home)
-    plan = api.with_code_dir(plan, snap)
+    plan = api.with_code_dir(plan, snap, _project_dir(args, profile, plan))
     return plan, api.dryrun(plan, getattr(args, "after", ())), present
+
+
+def _project_dir(args: argparse.Namespace, profile: Any, plan: Any) -> Optional[str]:
+    """Where a cluster that runs this machine's files in place runs them: the project (code.root, else the
+    git work tree holding the spec), else the spec's folder. None for a cluster that ships a snapshot."""
+    from submit import snapshot
+    from submit.schedulers import backend
+
+    if backend(profile.scheduler).ships_code:
+        return None
+    return str(snapshot.project_root(args.spec.parent, plan.spec.code) or args.spec.parent.resolve())
 
 
 def cmd_render(args: argparse.Namespace) -> int:

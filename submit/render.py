@@ -9,6 +9,7 @@ through as written.
 from __future__ import annotations
 
 import math
+import posixpath
 import re
 import shlex
 from functools import lru_cache
@@ -146,6 +147,7 @@ def context(plan: Plan) -> dict[str, Any]:
         "sidecar_command": _sidecar_command(rank_command),
         "sidecar_stop_s": math.ceil(spec.sidecar.final_copy_s) + SIDECAR_STOP_MARGIN_S,
         "python": backend(cluster.scheduler).interpreter(cluster),
+        "python_dir": posixpath.dirname(backend(cluster.scheduler).interpreter(cluster)),
         "srun_flags": srun_flags,
         "rank_command": rank_command,
         "max_restarts": spec.checkpoint.max_restarts,

@@ -29,7 +29,7 @@ def _golden_text(cluster: str, example: Path) -> str:
         plan = plan_file(example, profile, home=HOME, run_dir=run_dir)
     except InputError as exc:
         return f"ERROR: {exc}\n"
-    return render(plan).replace(sys.executable, "<python>")
+    return render(plan).replace(sys.executable, "<python>").replace(os.path.dirname(sys.executable), "<python-dir>")
 
 
 @pytest.mark.parametrize("cluster", SHIPPED)
