@@ -23,14 +23,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trainer_setup import REPO, corpus, single_rank_trainer  # noqa: E402
+from trainer_setup import REPO, corpus, single_rank_trainer, timed_steps  # noqa: E402
 
-from launcher.ckptmanager import CheckpointManager  # noqa: E402
-from launcher.env import rank_env  # noqa: E402
 from launcher.metrics import MetricsLog  # noqa: E402
 from launcher.rundir import RunDir  # noqa: E402
 from launcher.spec import Data, JobSpec, Model, Resources, RunInfo, RunSpec, Sidecar, Train, write_run_spec  # noqa: E402
-from launcher.train import run_loop  # noqa: E402
 from launcher.trainer import Trainer  # noqa: E402
 
 MODEL = Model(n_layers=4, d_model=128, n_heads=4, vocab_size=256, seq_len=128)
@@ -53,16 +50,7 @@ def timed_round(t: Trainer, first: int, steps: int, run_dir: Path) -> float:
     metrics = MetricsLog(str(run_dir), enabled=True, steps=t.cfg.steps, rank=0)
     real_stdout, sys.stdout = sys.stdout, open(os.devnull, "w")
     try:
-        start = time.perf_counter()
-        run_loop(
-            t,
-            rank_env({}),
-            metrics,
-            CheckpointManager.off(rank_env({}), "a benchmark saves nothing"),
-            first=first,
-            last=first + steps - 1,
-        )
-        elapsed = time.perf_counter() - start
+        elapsed = timed_steps(t, metrics, first, steps)
     finally:
         sys.stdout.close()
         sys.stdout = real_stdout

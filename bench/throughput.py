@@ -20,16 +20,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
-from trainer_setup import corpus, single_rank_trainer  # noqa: E402
+from trainer_setup import corpus, single_rank_trainer, timed_steps  # noqa: E402
 
-from launcher.ckptmanager import CheckpointManager  # noqa: E402
 from launcher.data import TrainStream  # noqa: E402
-from launcher.env import rank_env  # noqa: E402
 from launcher.metrics import MetricsLog  # noqa: E402
 from launcher.model import GPT, loss_fn  # noqa: E402
 from launcher.optim import build_optimizer, lr_at  # noqa: E402
 from launcher.spec import Data, JobSpec, Model, Resources, Train  # noqa: E402
-from launcher.train import run_loop  # noqa: E402
 from launcher.trainer import Trainer  # noqa: E402
 
 MODEL = Model(n_layers=4, d_model=128, n_heads=4, vocab_size=256, seq_len=128)
@@ -53,16 +50,7 @@ def job_for(data: Path, steps: int) -> JobSpec:
 def meshrun_round(t: Trainer, first: int, steps: int, run_dir: Path) -> float:
     """Seconds for `steps` steps of the trainer's own loop (prefetch, step, metrics every log_every)."""
     metrics = MetricsLog(str(run_dir), enabled=True, steps=t.cfg.steps)
-    start = time.perf_counter()
-    run_loop(
-        t,
-        rank_env({}),
-        metrics,
-        CheckpointManager.off(rank_env({}), "a benchmark saves nothing"),
-        first=first,
-        last=first + steps - 1,
-    )
-    elapsed = time.perf_counter() - start
+    elapsed = timed_steps(t, metrics, first, steps)
     metrics.close()
     return elapsed
 

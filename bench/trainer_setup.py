@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -14,12 +15,14 @@ if str(REPO) not in sys.path:
 
 import torch.distributed as dist  # noqa: E402
 
+from launcher.ckptmanager import CheckpointManager  # noqa: E402
 from launcher.corpus import build_corpus  # noqa: E402
 from launcher.data import TokenDataset  # noqa: E402
 from launcher.env import rank_env  # noqa: E402
+from launcher.metrics import MetricsLog  # noqa: E402
 from launcher.runtime import check_tasks, init_distributed, pick_runtime  # noqa: E402
 from launcher.spec import JobSpec  # noqa: E402
-from launcher.train import check_layout  # noqa: E402
+from launcher.train import check_layout, run_loop  # noqa: E402
 from launcher.trainer import Trainer, build_trainer  # noqa: E402
 
 
@@ -43,3 +46,11 @@ def single_rank_trainer(job: JobSpec) -> Iterator[Trainer]:
         yield build_trainer(job, env, runtime, dataset)
     finally:
         dist.destroy_process_group()
+
+
+def timed_steps(t: Trainer, metrics: MetricsLog, first: int, steps: int) -> float:
+    """Seconds for steps first..first+steps-1 of the trainer's own loop, saving nothing (a bench's rounds)."""
+    off = CheckpointManager.off(t.env, "a benchmark saves nothing")
+    start = time.perf_counter()
+    run_loop(t, t.env, metrics, off, first=first, last=first + steps - 1)
+    return time.perf_counter() - start
