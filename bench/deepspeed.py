@@ -158,7 +158,7 @@ def rank_main(run_dir: Path, steps: int, rounds: int) -> None:
     from launcher.data import TokenDataset
     from launcher.env import rank_env
     from launcher.metrics import MetricsLog
-    from launcher.model import param_count
+    from launcher.modelshape import param_count
     from launcher.runtime import init_distributed, pick_runtime
     from launcher.spec import read_run_spec
     from launcher.train import run_loop

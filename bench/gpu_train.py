@@ -30,7 +30,7 @@ from launcher.ckptmanager import CheckpointManager  # noqa: E402
 from launcher.env import rank_env  # noqa: E402
 from launcher.gpus import peak_tflops  # noqa: E402
 from launcher.metrics import METRICS_FILE, MetricsLog  # noqa: E402
-from launcher.model import flops_per_token, param_count  # noqa: E402
+from launcher.modelshape import flops_per_token, param_count  # noqa: E402
 from launcher.spec import Data, JobSpec, Model, Parallel, Resources, Train  # noqa: E402
 from launcher.train import run_loop  # noqa: E402
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -24,56 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from launcher.modelshape import ModelPart, ffn_hidden, flops_per_token
 from launcher.spec import Model as ModelConfig
 
 INIT_STD = 0.02
 ROPE_THETA = 10000.0
-
-
-def ffn_hidden(cfg: ModelConfig) -> int:
-    """SwiGLU hidden size: ffn_mult * d_model rounded up to a multiple of 64 (tensor-core friendly)."""
-    return int(math.ceil(cfg.ffn_mult * cfg.d_model / 64) * 64)
-
-
-def param_count(cfg: ModelConfig, exclude_embedding: bool = False) -> int:
-    """Parameters of the whole model, from the config alone (no model needed: MFU, planning)."""
-    d, h, v = cfg.d_model, ffn_hidden(cfg), cfg.vocab_size
-    per_block = 4 * d * d + 3 * d * h + 2 * d  # q, k, v, o; w1, w2, w3; two norms
-    embedding = 0 if exclude_embedding else v * d
-    return embedding + cfg.n_layers * per_block + d + d * v  # + final norm + untied head
-
-
-def flops_per_token(cfg: ModelConfig) -> int:
-    """Training FLOPs per token (forward + backward): 6N + 12*L*d*T (PaLM/Megatron).
-
-    N excludes the embedding table (a lookup, not a matmul) but keeps the untied
-    head; the second term is attention's QK^T and AV over the full sequence.
-    """
-    return 6 * param_count(cfg, exclude_embedding=True) + 12 * cfg.n_layers * cfg.d_model * cfg.seq_len
-
-
-@dataclass(frozen=True)
-class ModelPart:
-    """Which pieces of the model one rank builds: a pipeline stage, or the whole model."""
-
-    first_layer: int
-    """Global index of the first block built."""
-    end_layer: int
-    """One past the last block built."""
-    embed: bool = True
-    """Build the token embedding (the first stage)."""
-    head: bool = True
-    """Build the final norm and the output head (the last stage)."""
-
-    @staticmethod
-    def whole(cfg: ModelConfig) -> ModelPart:
-        return ModelPart(0, cfg.n_layers)
-
-    @staticmethod
-    def stage(cfg: ModelConfig, stage: int, stages: int) -> ModelPart:
-        """Stage `stage` of `stages` equal stages (stages divides n_layers; ParallelDims checks)."""
-        per = cfg.n_layers // stages
-        return ModelPart(stage * per, (stage + 1) * per, embed=stage == 0, head=stage == stages - 1)
 
 
 class RMSNorm(nn.Module):

@@ -28,7 +28,7 @@ from launcher.faults import faults_for
 from launcher.gpus import mfu_peak
 from launcher.losswatch import Watch as _Watch
 from launcher.metrics import MetricsLog, perplexity
-from launcher.model import param_count
+from launcher.modelshape import param_count
 from launcher.parallel_dims import ParallelDims
 from launcher.preempt import EXIT_FINISHED, EXIT_GAVE_UP, EXIT_REQUEUE, StopFlag
 from launcher.runtime import Runtime, check_tasks, init_distributed, pick_runtime

@@ -22,10 +22,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 STEPS = 12
 
 
-def gpu_run(root: Path, precision: str) -> Path:
+def gpu_run(root: Path, precision: str, engine: str = "native") -> Path:
     corpus = root / "logging.u16"
     build_corpus(corpus, roots=[Path(sysconfig.get_paths()["stdlib"]) / "logging"])
-    run_dir = root / precision
+    run_dir = root / f"{engine}-{precision}"
     run_dir.mkdir()
     train = tiny_train(
         model=Model(n_layers=4, d_model=256, n_heads=4, seq_len=256),
@@ -36,9 +36,10 @@ def gpu_run(root: Path, precision: str) -> Path:
         eval_every=STEPS,
         eval_sequences=32,
         activation_checkpointing=True,
+        engine=engine,
     )
     job = JobSpec(
-        name=f"gpu-{precision}",
+        name=f"gpu-{engine}-{precision}",
         resources=Resources(gpus_per_node=1),
         parallel=Parallel(),
         train=train,
@@ -59,5 +60,20 @@ def test_mixed_precision_training_on_one_gpu(tmp_path: Path, precision: str) -> 
     assert all(isinstance(x, float) and math.isfinite(x) for x in losses), losses
     assert losses[-1] < losses[0] - 0.5, losses
     assert math.isfinite(rows[-1]["val_loss"]) and rows[-1]["val_ppl"] > 1.0
+    if precision == "fp16":
+        assert rows[-1]["loss_scale"] > 0
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_deepspeed_engine_mixed_precision_on_one_gpu(tmp_path: Path, precision: str) -> None:
+    """The deepspeed engine (ZeRO-2, DeepSpeed's own bf16 / fp16 loss scaling) on CUDA through NCCL."""
+    pytest.importorskip("deepspeed")
+    run_dir = gpu_run(tmp_path, precision, engine="deepspeed")
+    (out,) = finish(start(run_dir, 1))
+    assert "nccl on cuda" in out and "deepspeed engine, ZeRO-2" in out and f"precision {precision}" in out, out
+    rows = metrics(run_dir)
+    losses = [r["loss"] for r in rows]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] - 0.5, losses
     if precision == "fp16":
         assert rows[-1]["loss_scale"] > 0

@@ -6,7 +6,7 @@ as the launcher does), trains steps 1..train.steps from the same seed and the sa
 (t.train_step on the Trainer's own stream, the learning rate of each step), and rank 0 prints one
 JSON line: {"case": CASE, "loss": [...], "grad_norm": [...]} (the global mean loss of every step).
 
-Cases: `native` (FSDP2), `zero0`..`zero3` (the deepspeed engine), `zero2-offload` (ZeRO-2 with
+Cases: `native` (FSDP2), `zero0`..`zero3` (the deepspeed engine), `zero3-offload-params` (ZeRO-3, parameters and optimizer in CPU memory), `zero2-offload` (ZeRO-2 with
 DeepSpeed's CPU Adam). Run by tests/integration/test_deepspeed_engine.py.
 """
 
@@ -35,7 +35,12 @@ def job_for(base: JobSpec, case: str) -> JobSpec:
     if case == "native":
         return base
     stage, _, extra = case.removeprefix("zero").partition("-")
-    parallel = dataclasses.replace(base.parallel, zero=int(stage), offload_optimizer=extra == "offload")
+    parallel = dataclasses.replace(
+        base.parallel,
+        zero=int(stage),
+        offload_optimizer=extra in ("offload", "offload-params"),
+        offload_params=extra == "offload-params",
+    )
     train = dataclasses.replace(base.trainer, engine="deepspeed")
     return dataclasses.replace(base, train=train, parallel=parallel)
 

@@ -4,7 +4,7 @@ requeue on the real Slurm testbed, cancel / resume / export through the real CLI
 Parity: one pair of gloo processes (ds_probe.py) builds every engine in turn with build_trainer, as
 the launcher does, and trains the reference model (4 layers, d_model 64, seq 32; global batch 8 =
 micro 2 x dp 2 x accumulation 2) for 10 steps from the same seed and data: the native engine (FSDP2),
-ZeRO 0, 1, 2, 3 and ZeRO-2 with optimizer offload (DeepSpeed's CPU Adam). One pair instead of one
+ZeRO 0, 1, 2, 3, ZeRO-2 with optimizer offload (DeepSpeed's CPU Adam) and ZeRO-3 with parameters offloaded too. One pair instead of one
 `meshrun submit` per engine saves ~20-30 s of start-up for each.
 """
 
@@ -35,7 +35,7 @@ pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed (b
 PROBE = Path(__file__).with_name("ds_probe.py")
 STEPS = 10
 MODEL = Model(n_layers=4, d_model=64, n_heads=4, seq_len=32)  # test_parallel_numerics.py's reference model
-CASES = ["zero0", "zero1", "zero2", "zero3", "zero2-offload"]
+CASES = ["zero0", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload-params"]
 
 # Tolerances, relative, at every step. Both engines run the same fp32 model from the same weights on the
 # same batches with the same AdamW (torch's own under ZeRO 0-3): only the order of float32 sums differs
@@ -84,7 +84,10 @@ def relative(a: float, b: float) -> float:
 @pytest.mark.parametrize("case", CASES)
 def test_zero_stage_trains_like_the_native_engine(case: str, probed: dict[str, dict[str, Any]]) -> None:
     ref, got = probed["native"], probed[case]
-    labels = {"zero2-offload": ["deepspeed", "ZeRO-2", "optimizer offload"]}
+    labels = {
+        "zero2-offload": ["deepspeed", "ZeRO-2", "optimizer offload"],
+        "zero3-offload-params": ["deepspeed", "ZeRO-3", "optimizer offload", "parameter offload"],
+    }
     assert got["describe"] == labels.get(case, ["deepspeed", f"ZeRO-{case[-1]}"]), got["describe"]
     assert len(got["loss"]) == STEPS and ref["loss"][-1] < ref["loss"][0] - 1.0  # it learns: not a flat line
     loss_tol = OFFLOAD_RTOL if "offload" in case else LOSS_RTOL

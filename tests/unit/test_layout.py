@@ -15,6 +15,7 @@ CONTRACT = {
     "launcher.alerts",  # the alert record: rank 0 and the sidecars write it, status and watch read it
     "launcher.parallel_dims",
     "launcher.envcheck",
+    "launcher.modelshape",  # parameter counts and FLOPs from the config: the planner sizes models with them
     "launcher.dsconfig",  # the DeepSpeed config generated from the spec: checked with it, written by the planner
     "launcher.dskeys",  # the DeepSpeed keys dsconfig checks a deepspeed: section against
 }

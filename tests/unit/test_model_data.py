@@ -11,7 +11,8 @@ import torch
 
 from launcher.corpus import build_corpus, iter_sources
 from launcher.data import Layout, Prefetcher, TokenDataset, TrainStream, val_steps
-from launcher.model import GPT, ModelPart, ffn_hidden, flops_per_token, loss_fn, param_count
+from launcher.model import GPT, ModelPart, loss_fn
+from launcher.modelshape import ffn_hidden, flops_per_token, param_count, part_param_count
 from launcher.parallel_dims import ParallelDims
 from launcher.spec import Model
 
@@ -46,6 +47,14 @@ def test_param_count_and_flops() -> None:
     assert model.num_params(exclude_embedding=True) == model.num_params() - v * d
     assert model.flops_per_token() == 6 * model.num_params(exclude_embedding=True) + 12 * n * d * 32
     assert param_count(TINY) == model.num_params() and flops_per_token(TINY) == model.flops_per_token()
+
+
+def test_part_param_count_is_what_each_pipeline_stage_builds() -> None:
+    cfg = Model(n_layers=4, d_model=64, n_heads=4, vocab_size=256, seq_len=32)
+    parts = [ModelPart.stage(cfg, stage, 2) for stage in range(2)]
+    built = [sum(p.numel() for p in GPT(cfg, part=part).parameters()) for part in parts]
+    assert [part_param_count(cfg, part) for part in parts] == built
+    assert sum(built) == param_count(cfg)
 
 
 def test_pipeline_stages_hold_exactly_the_whole_models_weights() -> None:

@@ -1,0 +1,71 @@
+"""The GPT's shape from its config alone: parameter counts (whole, or one pipeline stage's), training FLOPs.
+
+Torch-free (part of the contract submit may import): the planner (`meshrun plan`) sizes models with the
+same numbers the trainer reports, and launcher/model.py builds exactly these parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from launcher.spec import Model as ModelConfig
+
+
+def ffn_hidden(cfg: ModelConfig) -> int:
+    """SwiGLU hidden size: ffn_mult * d_model rounded up to a multiple of 64 (tensor-core friendly)."""
+    return int(math.ceil(cfg.ffn_mult * cfg.d_model / 64) * 64)
+
+
+def param_count(cfg: ModelConfig, exclude_embedding: bool = False) -> int:
+    """Parameters of the whole model, from the config alone (no model needed: MFU, planning)."""
+    d, v = cfg.d_model, cfg.vocab_size
+    embedding = 0 if exclude_embedding else v * d
+    return embedding + cfg.n_layers * block_param_count(cfg) + d + d * v  # + final norm + untied head
+
+
+def flops_per_token(cfg: ModelConfig) -> int:
+    """Training FLOPs per token (forward + backward): 6N + 12*L*d*T (PaLM/Megatron).
+
+    N excludes the embedding table (a lookup, not a matmul) but keeps the untied
+    head; the second term is attention's QK^T and AV over the full sequence.
+    """
+    return 6 * param_count(cfg, exclude_embedding=True) + 12 * cfg.n_layers * cfg.d_model * cfg.seq_len
+
+
+@dataclass(frozen=True)
+class ModelPart:
+    """Which pieces of the model one rank builds: a pipeline stage, or the whole model."""
+
+    first_layer: int
+    """Global index of the first block built."""
+    end_layer: int
+    """One past the last block built."""
+    embed: bool = True
+    """Build the token embedding (the first stage)."""
+    head: bool = True
+    """Build the final norm and the output head (the last stage)."""
+
+    @staticmethod
+    def whole(cfg: ModelConfig) -> ModelPart:
+        return ModelPart(0, cfg.n_layers)
+
+    @staticmethod
+    def stage(cfg: ModelConfig, stage: int, stages: int) -> ModelPart:
+        """Stage `stage` of `stages` equal stages (stages divides n_layers; ParallelDims checks)."""
+        per = cfg.n_layers // stages
+        return ModelPart(stage * per, (stage + 1) * per, embed=stage == 0, head=stage == stages - 1)
+
+
+def block_param_count(cfg: ModelConfig) -> int:
+    """Parameters of one transformer block: q, k, v, o; w1, w2, w3; two norms."""
+    d, h = cfg.d_model, ffn_hidden(cfg)
+    return 4 * d * d + 3 * d * h + 2 * d
+
+
+def part_param_count(cfg: ModelConfig, part: ModelPart) -> int:
+    """Parameters one model part builds: its blocks, plus the embedding (first stage) and the final norm and
+    untied head (last stage)."""
+    d, v = cfg.d_model, cfg.vocab_size
+    blocks = (part.end_layer - part.first_layer) * block_param_count(cfg)
+    return blocks + (v * d if part.embed else 0) + ((d + d * v) if part.head else 0)
