@@ -1,0 +1,111 @@
+"""`meshrun plan --mesh`: count each rank's model-state bytes on the real, sharded model, on this machine.
+
+Torch-free glue: the counting (launcher/meshcount.py: the real model on the meta device, split by the
+real parallel code in a fake world of the job's size) needs torch, which the caller's side never
+imports. So it runs in a subprocess of the job's interpreter, gets the resolved JobSpec as JSON on stdin,
+and answers one JSON line; this module turns that into the planner's StageBytes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from launcher.exitcodes import EXIT_INPUT
+from launcher.schema import to_plain
+from launcher.spec import JobSpec
+from submit.errors import ClusterError, InputError, InternalError
+
+TIMEOUT_S = 600.0
+"""A 8,192-rank 70B count takes seconds; minutes mean something is wrong."""
+
+
+@dataclass(frozen=True)
+class StageBytes:
+    """What one rank of a pipeline stage holds (submit.estimate's interface; the same fields)."""
+
+    stage: int
+    """Pipeline stage."""
+    params: int
+    """Bytes of parameters one rank of this stage holds (model state, not transient gathers)."""
+    grads: int
+    """Bytes of gradients it holds at the optimizer step."""
+    optimizer: int
+    """Bytes of optimizer state (+ fp32 master copies where the engine keeps extra ones)."""
+
+
+def argv(python: str) -> list[str]:
+    """The command that counts: the job's interpreter running launcher.meshcount."""
+    return [python, "-m", "launcher.meshcount"]
+
+
+def run(spec: JobSpec, python: str = sys.executable, timeout: float = TIMEOUT_S) -> list[StageBytes]:
+    """Per pipeline stage, the bytes one rank holds, counted on the real model split for the spec's layout.
+
+    Bad input the counter finds (a layout it cannot build) is an InputError naming the key; a counter
+    that cannot run or breaks is a ClusterError / InternalError with its last line.
+    """
+    try:
+        done = subprocess.run(
+            argv(python), input=json.dumps(to_plain(spec)), capture_output=True, text=True, timeout=timeout
+        )
+    except FileNotFoundError:
+        raise InputError("python", python, "no such interpreter: give the Python that has torch") from None
+    except subprocess.TimeoutExpired:
+        raise ClusterError(f"the mesh dry run ({' '.join(argv(python))}) took over {timeout:.0f} s; stopped") from None
+    if done.returncode == EXIT_INPUT:
+        raise _input_error(done.stdout, done.stderr)
+    if done.returncode != 0:
+        raise _failure(python, done.stderr)
+    return parse(done.stdout)
+
+
+def parse(stdout: str) -> list[StageBytes]:
+    """StageBytes from launcher.meshcount's JSON line (the last line of its output)."""
+    try:
+        data = json.loads(stdout.strip().splitlines()[-1])
+        return [
+            StageBytes(int(s["stage"]), int(s["params"]), int(s["grads"]), int(s["optimizer"])) for s in data["stages"]
+        ]
+    except (ValueError, IndexError, KeyError, TypeError) as exc:
+        raise InternalError(f"launcher.meshcount printed {stdout[-200:]!r}, not its JSON ({exc})") from None
+
+
+def _input_error(stdout: str, stderr: str) -> InputError:
+    """The counter's bad input again as an InputError: its JSON names the key, value and fix."""
+    try:
+        found: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])["error"]
+        return InputError(str(found["key"]), found["value"], str(found["fix"]))
+    except (ValueError, IndexError, KeyError, TypeError):
+        return InputError("spec", _last_line(stderr), "the mesh dry run refused it")
+
+
+def _failure(python: str, stderr: str) -> MeshCheckError:
+    last = _last_line(stderr)
+    if "No module named 'torch'" in stderr:
+        return MeshCheckError(f"the mesh dry run needs torch in {python} ({last}); install meshrun there")
+    return MeshCheckError(f"the mesh dry run failed: {last}")
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+class MeshCheckError(ClusterError):
+    """The counter could not run here (no torch in that interpreter) or failed: exit 1, with its last line."""
+
+
+def table(stages: Sequence[StageBytes]) -> list[str]:
+    """Human lines: per stage, params, grads, optimizer and their sum per rank, in GiB."""
+    gib = 1024**3
+    rows = [f"{'stage':>5}  {'params':>9}  {'grads':>9}  {'optimizer':>9}  {'total':>9}  (GiB per rank)"]
+    for s in stages:
+        total = s.params + s.grads + s.optimizer
+        rows.append(
+            f"{s.stage:>5}  {s.params / gib:9.2f}  {s.grads / gib:9.2f}  {s.optimizer / gib:9.2f}  {total / gib:9.2f}"
+        )
+    return rows
