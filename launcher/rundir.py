@@ -20,6 +20,7 @@ usually lives on a cluster, not on the machine that names it.
       diagnosis/             a hang's diagnosis: verdict.txt/.json, NODE/ (stacks, heartbeats, GPUs)
       stragglers.json        the sidecars: ranks persistently slower than the median (absent: none)
       alerts.jsonl           rank 0 and node 0's sidecar: one JSON line per alert (see launcher/alerts.py)
+      doctor/rank-N.json     `meshrun doctor`: each rank's preflight results (launcher/doctor.py)
       tasks/N/               a sweep task's own run dir (same layout)
       .meshrun/              scheduler internals: local state, submitit's files, the lock
         progress/rank-N.json every rank's heartbeat: {"rank", "step", "phase", "time"}
@@ -73,6 +74,8 @@ class RunDir:
     ALERTS = "alerts.jsonl"
     DEEPSPEED_CONFIG = "deepspeed.json"
     """train.engine: deepspeed: the DeepSpeed config generated from the spec (written for inspection)."""
+    DOCTOR = "doctor"
+    """`meshrun doctor`'s job: one rank-N.json of preflight results per rank (launcher/doctor.py)."""
     TASKS = "tasks"
     INTERNAL = ".meshrun"
     SCRIPTS = {"slurm": "job.sbatch", "local": "run.sh"}
@@ -154,6 +157,10 @@ class RunDir:
     def gpu_metrics(self) -> str:
         """The sidecars' samples: one JSON line per GPU (and one per node's host) per interval."""
         return self.path(self.GPU_METRICS)
+
+    def doctor_result(self, rank: int) -> str:
+        """A doctor job's rank's results: versions, GPUs, storage, compute and all-reduce figures."""
+        return self.path(self.DOCTOR, f"rank-{rank}.json")
 
     def env_record(self, node: str) -> str:
         """A node's environment record (written by its sidecar)."""

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TextIO
 
 from launcher.schema import SchemaError
-from submit import cli_ckpt, cli_jobs, cli_live
+from submit import cli_ckpt, cli_doctor, cli_jobs, cli_live
 from submit.errors import EXIT_INPUT, InputError, InternalError, MeshrunError
 
 DEFAULT_CLUSTER = "local"
@@ -129,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cli_ckpt.add_parsers(verbs)
     cli_live.add_parsers(verbs)
+    cli_doctor.add_parsers(verbs)
 
     p = verbs.add_parser("data", help="build the byte-level token corpus from text on this machine")
     p.add_argument(
@@ -493,6 +494,7 @@ VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
     "export": cli_ckpt.cmd_export,
     "watch": cli_live.cmd_watch,
     "top": cli_live.cmd_top,
+    "doctor": cli_doctor.cmd_doctor,
 }
 
 

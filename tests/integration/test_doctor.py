@@ -1,0 +1,74 @@
+"""`meshrun doctor` end to end: the real preflight job through the normal submission path, on the real
+2-node Slurm testbed (a row per node; a node made slow is failed and excluded) and on `local` (a node
+made broken is failed with its reason). The faults come from launcher/doctor.py's test variables, which
+the submitting environment passes to the ranks as sbatch does for any variable."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from launcher.rundir import RunDir, node_name
+from tests.integration.cli import meshrun
+
+
+def rows(stdout: str) -> dict[str, list[str]]:
+    """The table's node rows by node name (the header row starts with NODE)."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("NODE "))
+    found = {}
+    for line in lines[start + 1 :]:
+        if not line.strip() or line.split()[-1] not in ("PASS", "WARN", "FAIL"):
+            break  # the reasons and notes under the table
+        found[line.split()[0]] = line.split()
+    return found
+
+
+def test_doctor_on_the_slurm_testbed_has_a_row_per_node_and_fails_the_slow_one(testbed: dict, tmp_path: Path) -> None:
+    # The testbed's GPUs are device files nothing can compute on: the CPU subset (--gpus-per-node 0).
+    out = meshrun(
+        tmp_path,
+        "doctor",
+        "-c",
+        "testbed",
+        "--gpus-per-node",
+        "0",
+        "--storage-mib",
+        "4",
+        env={"MESHRUN_TEST_DOCTOR_SLOW": "n2"},
+        timeout=180,
+    )
+    text = out.stdout + out.stderr
+    print(out.stdout)  # the table, for the record (pytest -s)
+    assert out.returncode == 1, text  # a bad node: exit 1, the cluster failed
+    table = rows(out.stdout)
+    assert sorted(table) == ["n1", "n2"], text
+    assert table["n1"][-1] in ("PASS", "WARN") and table["n2"][-1] == "FAIL", text
+    assert "n2: FAIL storage: slow: ckpt write" in out.stdout, text
+    assert "across 2 nodes: all-reduce bus bandwidth" in out.stdout, text  # gloo across the two slurmds
+    assert "skipped GPUs, the GEMM sniff and NCCL" in out.stdout, text
+    assert out.stdout.rstrip().endswith("add to submit: --exclude n2"), text
+    # Every rank (2 per node) measured the intra-node all-reduce, and the run went through the registry.
+    run_dir = next(line.split("run dir ", 1)[1] for line in out.stdout.splitlines() if line.startswith("doctor: job"))
+    ranks = [json.loads(Path(RunDir(run_dir).doctor_result(r)).read_text()) for r in range(4)]
+    assert [r["node"] for r in ranks] == ["n1", "n1", "n2", "n2"]
+    assert all(r["phase"] == "done" and r["comm"]["intra_node_busbw_gbps"] > 0 for r in ranks), ranks
+    job_id = out.stdout.split("doctor: job ", 1)[1].split()[0]
+    assert job_id in meshrun(tmp_path, "status", "--json", check=True).stdout
+
+
+def test_doctor_on_local_fails_a_broken_node_with_its_reason(tmp_path: Path) -> None:
+    node = node_name({})
+    out = meshrun(tmp_path, "doctor", "-c", "local", "--storage-mib", "2", env={"MESHRUN_TEST_DOCTOR_FAIL": node})
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text
+    assert rows(out.stdout)[node][-1] == "FAIL", text
+    assert f"{node}: FAIL compute: rank 0: RuntimeError: MESHRUN_TEST_DOCTOR_FAIL" in out.stdout, text
+    assert f"--exclude {node}" in out.stdout, text
+
+
+def test_doctor_on_local_passes_a_healthy_node(tmp_path: Path) -> None:
+    out = meshrun(tmp_path, "doctor", "-c", "local", "--storage-mib", "2")
+    assert out.returncode == 0, out.stdout + out.stderr
+    (row,) = rows(out.stdout).values()
+    assert row[-1] == "PASS" and out.stdout.rstrip().endswith("no bad nodes"), out.stdout
