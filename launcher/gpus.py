@@ -20,13 +20,53 @@ PEAK_BF16_TFLOPS = {
 """Dense (no sparsity) bf16 TFLOP/s of one GPU, from the SXM datasheets."""
 
 
+MEMORY_BANDWIDTH_GBS = {
+    "a100": 2039.0,
+    "h100": 3350.0,
+    "h200": 4800.0,
+    "gh200": 4900.0,
+    "b200": 8000.0,
+    "l40s": 864.0,
+}
+"""HBM bandwidth of one GPU in GB/s (10^9 bytes/s), from the same datasheets (A100: the 80 GB SXM)."""
+
+MEMORY_GB = {
+    "a100": 80.0,
+    "h100": 80.0,
+    "h200": 141.0,
+    "gh200": 144.0,
+    "b200": 180.0,
+    "l40s": 48.0,
+}
+"""Memory of one GPU, the datasheet's figure as profiles write gpu_memory_gb (the planner's fallback when a
+partition sets none)."""
+
+FP32_FRACTION = 67.0 / 989.0
+"""fp32 matmuls (no TF32: torch's default) run at about this fraction of the bf16 tensor peak (H100 SXM)."""
+
+
+def _lookup(table: dict[str, float], name: str) -> Optional[float]:
+    """The entry of the longest table key that `name` contains ("gh200" is never taken for "h200")."""
+    lowered = name.lower()
+    for key in sorted(table, key=len, reverse=True):
+        if key in lowered:
+            return table[key]
+    return None
+
+
 def peak_tflops(name: str) -> Optional[float]:
     """The dense bf16 peak of a GPU type or device name, None when the table does not know it."""
-    lowered = name.lower()
-    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
-        if key in lowered:
-            return PEAK_BF16_TFLOPS[key]
-    return None
+    return _lookup(PEAK_BF16_TFLOPS, name)
+
+
+def memory_bandwidth_gbs(name: str) -> Optional[float]:
+    """HBM bandwidth (GB/s) of a GPU type or device name, None when the table does not know it."""
+    return _lookup(MEMORY_BANDWIDTH_GBS, name)
+
+
+def memory_gb(name: str) -> Optional[float]:
+    """Memory (GB) of a GPU type or device name, None when the table does not know it."""
+    return _lookup(MEMORY_GB, name)
 
 
 def mfu(tflops_per_rank: float, peak: float) -> float:

@@ -83,6 +83,12 @@ class Interconnect:
     """InfiniBand HCAs used for GPU traffic, e.g. mlx5_0 ... mlx5_7."""
     nccl: Mapping[str, str] = field(default_factory=dict)
     """NCCL/network environment preset exported before the ranks start (NCCL_IB_HCA, ...)."""
+    nvlink_gbytes_s: float = 150.0
+    """Bus bandwidth of one GPU inside its NVLink domain, GB/s (nccl-tests' busbw of a large all-reduce; the
+    planner's tensor-parallel and in-node data-parallel traffic). Default: a conservative NVLink figure."""
+    ib_gbytes_s: float = 12.5
+    """Bus bandwidth of one GPU across nodes, GB/s (its share of the InfiniBand/RoCE fabric: 400 Gb/s NDR
+    per GPU is 50). Default: 100 Gb/s per GPU."""
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ CONTRACT = {
     "launcher.modelshape",  # parameter counts and FLOPs from the config: the planner sizes models with them
     "launcher.dsconfig",  # the DeepSpeed config generated from the spec: checked with it, written by the planner
     "launcher.dskeys",  # the DeepSpeed keys dsconfig checks a deepspeed: section against
+    "launcher.gpus",  # GPU peaks, memory and bandwidth: the planner times and fits jobs with them
+    "launcher.presets",  # model-size presets, expanded when a spec is loaded
 }
 """The torch-free contract: all that `submit` may import of `launcher`."""
 SCHEDULER_TEST = re.compile(r"""scheduler\s*(==|!=|\bin\b|\bnot in\b)\s*[\(\[\{]?\s*["'](local|slurm)["']""")

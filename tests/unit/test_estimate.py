@@ -1,0 +1,154 @@
+"""The planner's memory and time model (submit/estimate.py) against published figures and measured ones."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from launcher.modelshape import flops_per_token, param_count
+from launcher.spec import JobSpec, Model, Parallel, Resources, Train
+from submit import estimate
+from submit.estimate import Hardware, megatron_layer_activations, memory_per_gpu, model_state_bytes, step_time
+
+LLAMA7B = Model(n_layers=32, d_model=4096, n_heads=32, vocab_size=32000, seq_len=4096, ffn_mult=2.6875)
+H100 = Hardware(peak_tflops=989, memory_gbs=3350, gpus_per_node=8, nvlink_gbytes_s=360, ib_gbytes_s=45)
+
+
+def job(model: Model = LLAMA7B, nodes: int = 1, precision: str = "bf16", engine: str = "native", **kw: Any) -> JobSpec:
+    train_keys = {"global_batch", "micro_batch", "activation_checkpointing"}
+    train = {k: kw.pop(k) for k in list(kw) if k in train_keys}
+    train.setdefault("global_batch", 64)
+    train.setdefault("micro_batch", 1)
+    return JobSpec(
+        name="t",
+        resources=Resources(nodes=nodes, gpus_per_node=8),
+        parallel=Parallel(**kw),
+        train=Train(model=model, precision=precision, engine=engine, **train),  # type: ignore[arg-type]
+    )
+
+
+def per_param(spec: JobSpec) -> float:
+    """Model-state bytes per parameter on one GPU (the ZeRO paper's unit)."""
+    (stage,) = model_state_bytes(spec)
+    return (stage.params + stage.grads + stage.optimizer) / param_count(spec.trainer.model)
+
+
+@pytest.mark.parametrize(
+    "zero, expected",
+    [(0, lambda nd: 16), (1, lambda nd: 4 + 12 / nd), (2, lambda nd: 2 + 14 / nd), (3, lambda nd: 16 / nd)],
+)
+@pytest.mark.parametrize("nd", [8, 64])
+def test_zero_paper_model_state_bytes_per_parameter(zero: int, expected: Any, nd: int) -> None:
+    """Rajbhandari et al. 2020, Figure 1: mixed-precision Adam keeps 2 + 2 + 12 bytes per parameter; ZeRO-1
+    partitions the 12, ZeRO-2 also the gradients' 2, ZeRO-3 everything, over Nd data-parallel GPUs."""
+    spec = job(engine="deepspeed", dp=nd, zero=zero, nodes=nd // 8, global_batch=nd)
+    assert per_param(spec) == pytest.approx(expected(nd), rel=1e-6)
+
+
+P = param_count(LLAMA7B)
+
+
+@pytest.mark.parametrize(
+    "zero, params, grads, optimizer",
+    [
+        (0, 4 * P, 4 * P, 8 * P),
+        (1, 4 * P, 4 * P, (8 + 4) * P / 2),  # grads: the backward's full set (4P/dp only by the step)
+        (2, 4 * P, 4 * P / 2, (8 + 4) * P / 2),
+        (3, 4 * P / 2, 4 * P / 2, 8 * P / 2),
+    ],
+)
+def test_deepspeed_fp32_bytes_match_the_measured_engine(
+    zero: int, params: float, grads: float, optimizer: float
+) -> None:
+    """bench/deepspeed.py measured the real engine (CPU fp32, dp 2): ZeRO 1-2 keep an fp32 master partition
+    beside Adam's 8 bytes, ZeRO-3 none."""
+    (stage,) = model_state_bytes(job(engine="deepspeed", dp=2, zero=zero, precision="fp32", global_batch=2))
+    assert (stage.params, stage.grads, stage.optimizer) == pytest.approx((params, grads, optimizer), rel=1e-6)
+
+
+def test_offloaded_state_leaves_the_gpu() -> None:
+    on_gpu = memory_per_gpu(job(engine="deepspeed", dp=8, zero=3))
+    both = memory_per_gpu(job(engine="deepspeed", dp=8, zero=3, offload_optimizer=True, offload_params=True))
+    assert (both.params, both.optimizer) == (0, 0)
+    assert both.cpu == on_gpu.params + on_gpu.optimizer
+    assert both.grads == on_gpu.grads and both.total < on_gpu.total
+
+
+def test_native_fsdp_shards_what_ddp_replicates() -> None:
+    ddp = model_state_bytes(job(dp=8, dp_mode="ddp"))[0]
+    fsdp = model_state_bytes(job(dp=8, dp_mode="fsdp"))[0]
+    assert (ddp.params, ddp.grads, ddp.optimizer) == (4 * P, 4 * P, 8 * P)  # fp32 master, grads, AdamW x2
+    assert fsdp.params * 8 == pytest.approx(ddp.params, rel=1e-6)
+    assert fsdp.optimizer * 8 == pytest.approx(ddp.optimizer, rel=1e-6)
+
+
+def test_tp_splits_all_but_the_norms_and_pp_stages_carry_embedding_and_head() -> None:
+    cfg = LLAMA7B
+    d, v = cfg.d_model, cfg.vocab_size
+    tp4 = model_state_bytes(job(dp=2, tp=4))[0]
+    norms = cfg.n_layers * 2 * d + d
+    assert tp4.params == 4 * -(-((P - norms) // 4 + norms) // 2)
+    stages = model_state_bytes(job(dp=2, pp=4, global_batch=64))
+    first, middle, last = stages[0].params, stages[1].params, stages[3].params
+    assert (stages[1].params, stages[1].optimizer) == (stages[2].params, stages[2].optimizer)  # blocks only
+    assert first - middle == 4 * v * d // 2  # the embedding, sharded over dp 2
+    assert last - middle == 4 * (v * d + d) // 2  # the head and the final norm
+    worst = memory_per_gpu(job(dp=2, pp=4, global_batch=64))
+    assert worst.stage in (0, 3)
+
+
+def test_activations_follow_megatron_with_tp_sp_and_checkpointing() -> None:
+    s, b, h, a = 4096, 1, 4096, 32
+    assert megatron_layer_activations(s, b, h, a) == s * b * h * (34 + 5 * a * s / h)
+    assert megatron_layer_activations(s, b, h, a, tp=8) == s * b * h * (10 + 24 / 8 + 5 * a * s / (h * 8))
+    assert megatron_layer_activations(s, b, h, a, tp=8, sequence_parallel=True) == pytest.approx(
+        megatron_layer_activations(s, b, h, a) / 8
+    )
+    plain = memory_per_gpu(job(dp=8)).activations
+    logits = s * b * LLAMA7B.vocab_size * (2 + 8)
+    # fused attention (SDPA) keeps no s x s scores: 34 sbh per layer, 16-bit
+    assert plain == 32 * s * b * h * 34 + logits
+    ac = memory_per_gpu(job(dp=8, activation_checkpointing=True)).activations
+    assert ac == 32 * 2 * s * b * h + s * b * h * 34 + logits  # each block's input + one block recomputed
+    sp = memory_per_gpu(job(dp=1, tp=8, sequence_parallel=True)).activations
+    no_sp = memory_per_gpu(job(dp=1, tp=8)).activations
+    assert sp - logits == pytest.approx(32 * s * b * h * 34 / 8, rel=1e-9) and no_sp > sp
+    assert memory_per_gpu(job(dp=8, precision="fp32")).activations == 2 * 32 * s * b * h * 34 + s * b * 32000 * 12
+
+
+def test_pipeline_stages_hold_their_micro_batches_in_flight() -> None:
+    one_f = estimate.activation_bytes(job(dp=2, pp=4, global_batch=64), 0)
+    last = estimate.activation_bytes(job(dp=2, pp=4, global_batch=64), 3)
+    gpipe = estimate.activation_bytes(job(dp=2, pp=4, global_batch=64, pp_schedule="gpipe"), 0)
+    layer = 8 * 4096 * 4096 * 34
+    assert one_f == 4 * layer  # 1F1B: stage 0 holds pp micro-batches
+    assert gpipe == 32 * layer  # GPipe: all 32 of the step
+    assert last == layer + 4096 * 32000 * 10
+
+
+def test_megatron_flops_formula() -> None:
+    """Narayanan et al. 2021: 72 B s L h^2 (1 + s/(6h) + V/(12 h L)) training FLOPs per step, for a GPT whose
+    MLP holds 8h^2 (our SwiGLU with ffn_mult 8/3 at d = 3072: 3 x 3072 x 8192) and an untied head."""
+    cfg = Model(n_layers=24, d_model=3072, n_heads=24, vocab_size=50304, seq_len=2048, ffn_mult=8 / 3)
+    b, s, L, h, V = 16, cfg.seq_len, cfg.n_layers, cfg.d_model, cfg.vocab_size
+    megatron = 72 * b * s * L * h**2 * (1 + s / (6 * h) + V / (12 * h * L))
+    assert flops_per_token(cfg) * b * s == pytest.approx(megatron, rel=1e-4)  # the norms' 6 x 3d L are the rest
+    spec = job(model=cfg, dp=8, global_batch=b)
+    assert step_time(spec, H100).flops_per_step == flops_per_token(cfg) * b * s
+
+
+def test_step_time_terms() -> None:
+    base = step_time(job(dp=8), H100)
+    assert base.tp_comm_s == base.pp_comm_s == base.bubble == 0
+    assert base.compute_s == pytest.approx(base.flops_per_step / (8 * 989e12 * estimate.COMPUTE_EFFICIENCY))
+    assert base.tokens_per_s == pytest.approx(64 * 4096 / base.step_s)
+    assert 0.3 < base.mfu < estimate.COMPUTE_EFFICIENCY
+    ac = step_time(job(dp=8, activation_checkpointing=True), H100)
+    assert ac.compute_s == pytest.approx(base.compute_s * 4 / 3)
+    pp = step_time(job(dp=2, pp=4, global_batch=16), H100)
+    assert pp.bubble == pytest.approx(3 / (8 + 3))
+    tp = step_time(job(dp=1, tp=8), H100)
+    assert tp.tp_comm_s > 0 and tp.dp_comm_s == 0
+    across = step_time(job(dp=16, nodes=2), H100)
+    assert across.dp_comm_s > step_time(job(dp=8), H100).dp_comm_s  # InfiniBand, not NVLink
