@@ -26,10 +26,7 @@ PEAK_WARN = 0.4
 HARD_VERSIONS = ("torch", "nccl")
 """Versions that must agree across nodes (collectives of different builds hang or fail); others warn."""
 SOFT_VERSIONS = ("cuda", "driver", "meshrun", "python")
-EXPECTED_BW_FIELDS = {
-    "intra": ("intra_node_busbw_gbps", "nvlink_busbw_gbps", "nvlink_gbps"),
-    "inter": ("inter_node_busbw_gbps", "ib_busbw_gbps", "network_gbps"),
-}
+EXPECTED_BW_FIELDS = {"intra": ("nvlink_gbytes_s",), "inter": ("ib_gbytes_s",)}
 """Interconnect fields (GB/s) the doctor compares measured bus bandwidth against, when the profile has them."""
 
 
@@ -244,8 +241,11 @@ def check_storage(ranks: Sequence[Mapping[str, Any]], best: Mapping[str, float])
     return Check("storage", worst.verdict, ", ".join(cells) + " MB/s", worst.why)
 
 
-def expected_bw(interconnect: Interconnect, which: str) -> Optional[float]:
-    """The profile's expected bus bandwidth in GB/s, if its Interconnect has such a field and sets it."""
+def expected_bw(interconnect: Interconnect, which: str, opts: Options) -> Optional[float]:
+    """The profile's expected bus bandwidth per GPU in GB/s (None: the profile has no such field, or the job
+    has no GPUs: gloo on CPUs is not what NCCL gets over NVLink or InfiniBand)."""
+    if opts.gpus_per_node == 0:
+        return None
     for name in EXPECTED_BW_FIELDS[which]:
         value = getattr(interconnect, name, None)
         if isinstance(value, (int, float)) and value > 0:
@@ -296,7 +296,7 @@ def judge(
         key: _best(nodes, lambda r, k=key: ((r.get("storage") or {}).get(k) or {}).get("mbps"))
         for key in STORAGE_LABELS
     }
-    intra = expected_bw(profile.interconnect, "intra")
+    intra = expected_bw(profile.interconnect, "intra", opts)
     rows = []
     for node, ranks in nodes.items():
         got = [r for r in ranks if not r.get("missing")]
@@ -319,7 +319,7 @@ def notes(present: Sequence[Mapping[str, Any]], opts: Options, profile: ClusterP
     if opts.gpus_per_node == 0:
         out.append("CPU job: skipped GPUs, the GEMM sniff and NCCL; the all-reduce ran over gloo")
     inter = [r["comm"]["inter_node_busbw_gbps"] for r in present if "inter_node_busbw_gbps" in (r.get("comm") or {})]
-    expected = expected_bw(profile.interconnect, "inter")
+    expected = expected_bw(profile.interconnect, "inter", opts)
     if inter:
         line = f"across {opts.nodes} nodes: all-reduce bus bandwidth {min(inter):g} GB/s"
         if expected:
@@ -329,7 +329,9 @@ def notes(present: Sequence[Mapping[str, Any]], opts: Options, profile: ClusterP
         out.append(line)
     elif opts.nodes == 1:
         out.append("one node: no across-node all-reduce (ask for --nodes 2 or more)")
-    if expected_bw(profile.interconnect, "intra") is None and expected is None:
+    if opts.gpus_per_node == 0:
+        out.append("bandwidth not compared with the profile's interconnect: gloo on CPUs is not what NCCL gets")
+    elif expected_bw(profile.interconnect, "intra", opts) is None and expected is None:
         out.append("bandwidth not compared with the profile: its interconnect names no expected bandwidth")
     return out
 
