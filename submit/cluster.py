@@ -103,6 +103,8 @@ class Defaults:
     """Ask for whole nodes (--exclusive)."""
     signal_seconds: int = 120
     """How long before the time limit the job is told to checkpoint (--signal=B:USR1@N)."""
+    exclude: tuple[str, ...] = ()
+    """Nodes no job may use (--exclude), e.g. the bad nodes `meshrun doctor` lists; `submit --exclude` adds to it."""
 
 
 @dataclass(frozen=True)
