@@ -28,6 +28,10 @@ QUICK: dict[str, tuple[list[str], list[str]]] = {
             rf"expand_hostlist 10,000 hosts: {NUMBER} ms .*ratio {NUMBER}",
         ],
     ),
+    "plan_mesh.py": (
+        ["--quick"],
+        [rf"^ +8,192 +128 +{NUMBER} +{NUMBER} +{NUMBER} +{NUMBER} +{NUMBER} +{NUMBER}$", rf"8,192 ranks: {NUMBER} s"],
+    ),
     "cli_startup.py": (
         ["--quick"],
         [rf"meshrun --help +{NUMBER} +{NUMBER} +no$", rf"meshrun render +{NUMBER} +{NUMBER} +no$"],
