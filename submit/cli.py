@@ -81,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="[KIND:]JOB",
         help="start only after JOB succeeded (KIND: ok, any, notok, start; repeatable)",
     )
+    p.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="NODE[,NODE...]",
+        help="never run on these nodes (added to the profile's defaults.exclude; `meshrun doctor` names bad ones)",
+    )
 
     p = verbs.add_parser("status", help="the state of submitted jobs")
     p.add_argument("jobs", nargs="*", help="job ids, or a job array's id (default: the most recent jobs)")
@@ -299,8 +306,9 @@ def print_request(plan: Any, snap: Any, request: Any, as_json: bool) -> None:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     from submit.cluster import load_profile
+    from submit.doctor import with_exclude
 
-    profile = load_profile(args.cluster)
+    profile = with_exclude(load_profile(args.cluster), args.exclude)
     _check_submit_flags(args, profile.scheduler)
     plan = _plan(args, profile)  # every input error surfaces before any connection
     snap = _snapshot(args, profile, plan)

@@ -9,7 +9,7 @@ no cluster is touched here (submit/cli_doctor.py submits, waits and reads).
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Mapping, Optional, Sequence
 
 from launcher.gpus import peak_tflops
@@ -65,6 +65,17 @@ def job_spec(profile: ClusterProfile, opts: Options) -> dict[str, Any]:
         "checkpoint": {"max_restarts": 0},  # a preflight that failed is the answer, never requeued
         "env": {"OMP_NUM_THREADS": "1"},
     }
+
+
+def with_exclude(profile: ClusterProfile, flags: Sequence[str]) -> ClusterProfile:
+    """The profile with `submit --exclude n1,n7` (repeatable) added to its own defaults.exclude."""
+    from submit.render import check_node_names  # jinja2 comes with it: only when --exclude is given
+
+    names = [name.strip() for flag in flags for name in flag.split(",") if name.strip()]
+    if not names:
+        return profile
+    exclude = check_node_names("--exclude", [*profile.defaults.exclude, *check_node_names("--exclude", names)])
+    return replace(profile, defaults=replace(profile.defaults, exclude=exclude))
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import posixpath
 import re
 import shlex
 from functools import lru_cache
-from typing import Any
+from typing import Any, Sequence
 
 import jinja2
 
@@ -30,6 +30,8 @@ VERSION = __version__
 """The meshrun that renders: the script's header and spec.json record it."""
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _LABEL_UNSAFE = re.compile(r"[^A-Za-z0-9._+-]")
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+"""A node name for --exclude: needs no quoting (sbatch's #SBATCH parser knows none), so no hostlist ranges."""
 
 
 class Verbatim(str):
@@ -71,6 +73,16 @@ def _name(word: str) -> Verbatim:
     if not re.fullmatch(r"[A-Za-z0-9._-]+", word):
         raise InternalError(f"run-dir name {word!r} would need quoting")
     return Verbatim(word)
+
+
+def check_node_names(key: str, names: Sequence[str]) -> tuple[str, ...]:
+    """Node names for --exclude, each checked, duplicates dropped (first order kept)."""
+    for name in names:
+        if not NODE_NAME.fullmatch(name):
+            raise InputError(
+                key, name, "list node names as Slurm shows them, e.g. n1,n7 (letters, digits, . _ -; no ranges)"
+            )
+    return tuple(dict.fromkeys(names))
 
 
 def _setup_lines(plan: Plan) -> list[Verbatim]:
@@ -127,6 +139,7 @@ def context(plan: Plan) -> dict[str, Any]:
         "qos": cluster.defaults.qos,
         "constraint": cluster.defaults.constraint,
         "exclusive": cluster.defaults.exclusive,
+        "exclude": ",".join(check_node_names("defaults.exclude", cluster.defaults.exclude)),
         "memory_gb": res.memory_gb,
         "signal_seconds": min(cluster.defaults.signal_seconds, max(plan.time_seconds // 2, 1)),
         "run_dir": plan.run_dir,

@@ -72,3 +72,14 @@ def test_doctor_on_local_passes_a_healthy_node(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     (row,) = rows(out.stdout).values()
     assert row[-1] == "PASS" and out.stdout.rstrip().endswith("no bad nodes"), out.stdout
+
+
+def test_submit_exclude_keeps_the_job_off_that_node_on_the_slurm_testbed(testbed: dict, tmp_path: Path) -> None:
+    # One task on one node: Slurm would take n1 first; --exclude n1 (what doctor prints) must move it to n2.
+    show = "command=python3,-c,import os; print('on ' + os.environ['SLURMD_NODENAME'])"  # no comma: --set splits
+    sets = ["--set", "resources.tasks_per_node=1", "--set", show]
+    out = meshrun(tmp_path, "submit", "examples/command.yaml", "-c", "testbed", *sets, "--exclude", "n1", "--wait")
+    assert out.returncode == 0, out.stdout + out.stderr
+    run_dir = Path(next(l.split(": ", 1)[1] for l in out.stdout.splitlines() if l.startswith("run dir: ")))
+    assert "on n2\n" in (run_dir / "logs" / "rank-0.log").read_text()
+    assert "#SBATCH --exclude=n1\n" in (run_dir / "job.sbatch").read_text()

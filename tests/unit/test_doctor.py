@@ -13,6 +13,7 @@ from launcher.spec import JobSpec
 from submit.cli import main
 from submit.cluster import load_profile
 from submit.doctor import Options, job_spec, judge, table
+from submit.errors import InputError
 from submit.plan import make_plan
 
 H200 = load_profile("h200-ndr")
@@ -185,3 +186,27 @@ def test_bad_input_is_one_line_naming_the_flag(argv: list[str], flag: str, capsy
     assert main(["doctor", "-c", "testbed", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"meshrun: error: {flag}") and err.count("\n") == 1, err
+
+
+def test_exclude_from_the_profile_and_the_flag_is_rendered_once_each() -> None:
+    from dataclasses import replace
+
+    from submit.doctor import with_exclude
+    from submit.plan import plan_file
+    from submit.render import render
+
+    testbed = load_profile("testbed")
+    mine = replace(testbed, defaults=replace(testbed.defaults, exclude=("n7",)))
+    plan = plan_file(example_spec(), with_exclude(mine, ["n1,n7", "gpu-12.rack3"]), home="/root")
+    assert "\n#SBATCH --exclude=n7,n1,gpu-12.rack3\n" in render(plan)
+    assert "--exclude" not in render(plan_file(example_spec(), testbed, home="/root"))
+    bad = replace(testbed, defaults=replace(testbed.defaults, exclude=("n1;reboot",)))
+    with pytest.raises(InputError) as caught:
+        render(plan_file(example_spec(), bad, home="/root"))
+    assert caught.value.key == "defaults.exclude" and caught.value.value == "n1;reboot"
+
+
+def example_spec() -> Any:
+    from pathlib import Path
+
+    return Path(__file__).resolve().parents[2] / "examples" / "command.yaml"
