@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.schema import to_plain
-from submit import meshcheck
+from submit import estimate, meshcheck
 from submit.cluster import load_profile
 from submit.plan import plan_file
 
@@ -54,11 +54,7 @@ def spec_for(nodes: int, model: dict[str, Any]) -> dict[str, Any]:
 
 
 def planned_bytes(spec: Any) -> int:
-    """The planner's largest per-rank model state (submit.estimate), or 0 where the planner is absent."""
-    try:
-        from submit import estimate
-    except ImportError:
-        return 0
+    """The planner's largest per-rank model state (submit.estimate)."""
     return max(s.params + s.grads + s.optimizer for s in estimate.model_state_bytes(spec))
 
 
@@ -75,7 +71,7 @@ def one_run(path: Path) -> tuple[float, float, float, int, int]:
     return t_plan, t_mesh, seconds, planned, max(s.params + s.grads + s.optimizer for s in stages)
 
 
-def counted(spec: Any) -> tuple[list[meshcheck.StageBytes], float]:
+def counted(spec: Any) -> tuple[list[estimate.StageBytes], float]:
     """meshcheck.run's stages, and the count's own seconds from the JSON it printed."""
     done = subprocess.run(
         meshcheck.argv(sys.executable), input=json.dumps(to_plain(spec)), capture_output=True, text=True, check=True

@@ -3,7 +3,8 @@
 Torch-free glue: the counting (launcher/meshcount.py: the real model on the meta device, split by the
 real parallel code in a fake world of the job's size) needs torch, which the caller's side never
 imports. So it runs in a subprocess of the job's interpreter, gets the resolved JobSpec as JSON on stdin,
-and answers one JSON line; this module turns that into the planner's StageBytes.
+and answers one JSON line; this module turns that into the planner's StageBytes (submit.estimate), so
+the two answers compare field by field.
 """
 
 from __future__ import annotations
@@ -11,30 +12,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 from launcher.exitcodes import EXIT_INPUT
 from launcher.schema import to_plain
 from launcher.spec import JobSpec
 from submit.errors import ClusterError, InputError, InternalError
+from submit.estimate import StageBytes
 
 TIMEOUT_S = 600.0
 """A 8,192-rank 70B count takes seconds; minutes mean something is wrong."""
-
-
-@dataclass(frozen=True)
-class StageBytes:
-    """What one rank of a pipeline stage holds (submit.estimate's interface; the same fields)."""
-
-    stage: int
-    """Pipeline stage."""
-    params: int
-    """Bytes of parameters one rank of this stage holds (model state, not transient gathers)."""
-    grads: int
-    """Bytes of gradients it holds at the optimizer step."""
-    optimizer: int
-    """Bytes of optimizer state (+ fp32 master copies where the engine keeps extra ones)."""
 
 
 def argv(python: str) -> list[str]:

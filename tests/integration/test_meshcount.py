@@ -18,8 +18,9 @@ from launcher import meshcount
 from launcher.meshcount import Held, StageBytes
 from launcher.schema import SchemaError, to_plain
 from launcher.spec import JobSpec, Model, Parallel, Resources, Train
-from submit import meshcheck
+from submit import estimate, meshcheck
 from submit.errors import InputError
+from submit.estimate import StageBytes as PlannedBytes
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = Model(n_layers=4, d_model=64, n_heads=4, vocab_size=256, seq_len=32)
@@ -138,6 +139,8 @@ LAYOUTS_64 = {
     "pp": dict(dp=8, pp=8),
     "3D": dict(dp=2, tp=8, pp=4),
     "3D ddp": dict(dp=2, tp=8, pp=4, mode="ddp"),
+    "deepspeed ZeRO-1": dict(dp=64, engine="deepspeed", zero=1),
+    "deepspeed ZeRO-3 + offload": dict(dp=64, engine="deepspeed", zero=3, offload_optimizer=True),
 }
 
 
@@ -147,7 +150,6 @@ SMALL = Model(n_layers=8, d_model=128, n_heads=8, vocab_size=256, seq_len=64)
 @pytest.mark.parametrize("name", sorted(LAYOUTS_64))
 @pytest.mark.parametrize("model", [SMALL, SEVEN_B], ids=["small", "7B"])
 def test_the_planner_agrees_with_the_mesh_count_within_1_percent(name: str, model: Model) -> None:
-    estimate = pytest.importorskip("submit.estimate", reason="submit/estimate.py (the planner) has not landed")
     spec = job(model=model, gpus=8, precision="bf16", **LAYOUTS_64[name])  # type: ignore[arg-type]
     counted = meshcount.count(spec)
     planned = estimate.model_state_bytes(spec)
@@ -170,7 +172,7 @@ def test_meshcheck_runs_the_count_in_the_jobs_interpreter_for_8192_ranks() -> No
     # A middle stage: 10 blocks, matrices over tp x dp = 1024 ranks, the two norms over dp = 128.
     matrices, norms = 4 * 8192 * 8192 + 3 * 8192 * 28672, 2 * 8192
     per_rank = 10 * (matrices // 1024 + norms // 128)
-    assert stages[3] == meshcheck.StageBytes(3, 4 * per_rank, 4 * per_rank, 8 * per_rank)
+    assert stages[3] == PlannedBytes(3, 4 * per_rank, 4 * per_rank, 8 * per_rank)  # the planner's type
     assert stages[0].params > stages[3].params < stages[7].params  # the embedding, the head
 
 
