@@ -4,7 +4,8 @@
 #   bash bench/gpu.sh            # from anywhere; uses $PYTHON, else the repo's .venv, else python3
 #   GPU_SH_LOGS=DIR bash bench/gpu.sh   # keep every step's full output in DIR (default: a temp dir)
 #
-# Runs: pytest -q tests/gpu (mixed-precision training on one GPU); bench/gpu_train.py (a ~1B GPT through
+# Runs: pytest -q tests/gpu (mixed-precision training on one GPU; `meshrun doctor`'s checks on every
+# local GPU: `pytest -s tests/gpu/test_doctor_gpu.py` prints its figures); bench/gpu_train.py (a ~1B GPT through
 # the trainer: ms/step, tokens/s, MFU); bench/gpu_ops.py all (NVML read per GPU, bf16 GEMM TFLOP/s, NCCL
 # all-reduce bus bandwidth across the local GPUs). Each step has a time limit, so a hang shows as a
 # failed row instead of a stuck script. Exits 0 only if every step passed. Without a CUDA GPU it stops
