@@ -4,6 +4,7 @@ spec through the real planner, and its bad input (one line naming the flag, exit
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any, Optional
 
 import pytest
@@ -210,3 +211,29 @@ def example_spec() -> Any:
     from pathlib import Path
 
     return Path(__file__).resolve().parents[2] / "examples" / "command.yaml"
+
+
+def test_busbw_is_nccl_tests_formula_and_slow_storage_is_slower_by_its_factor(tmp_path: Any) -> None:
+    from launcher import doctor
+
+    assert doctor.busbw(1.0, 8_000_000_000, 8) == pytest.approx(8 * 2 * 7 / 8)  # algbw 8 GB/s x 2(n-1)/n
+    assert doctor.injected(doctor.SLOW_ENV, "n2", {doctor.SLOW_ENV: "n1, n2"})
+    assert not doctor.injected(doctor.SLOW_ENV, "n2", {doctor.SLOW_ENV: "n22"})
+    fast = doctor.write_mbps(str(tmp_path / "a"), "x.bin", 2, slow=False)
+    slow = doctor.write_mbps(str(tmp_path / "a"), "x.bin", 2, slow=True)
+    assert slow < fast / 10 and not any((tmp_path / "a").iterdir())  # measured, then removed
+    (tmp_path / "f").write_text("x")
+    found = doctor.measured(lambda: doctor.write_mbps(str(tmp_path / "f" / "sub"), "x.bin", 1, slow=False))
+    assert found["error"].startswith(("FileExistsError", "NotADirectoryError")), found
+
+
+def test_results_are_read_per_rank_and_a_missing_or_torn_file_is_none(tmp_path: Any) -> None:
+    from launcher.rundir import RunDir
+    from submit.cli_doctor import read_results
+    from submit.transport import LocalTransport
+
+    run = RunDir(str(tmp_path))
+    (tmp_path / "doctor").mkdir()
+    Path(run.doctor_result(0)).write_text('{"rank": 0, "node": "n1"}')
+    Path(run.doctor_result(2)).write_text('{"rank": 2, "no')
+    assert read_results(LocalTransport(), str(tmp_path), 3) == [{"rank": 0, "node": "n1"}, None, None]
