@@ -79,6 +79,9 @@ class Model:
     """Tokens per training sequence."""
     ffn_mult: float = 2.6667
     """SwiGLU hidden size as a multiple of d_model (rounded up to a multiple of 64)."""
+    preset: Optional[str] = None
+    """A model-size preset (llama-7b, llama-70b, gpt2-small, ...: launcher/presets.py) setting the keys above;
+    expanded when the spec is loaded, keys given explicitly win."""
 
 
 Engine = Literal["native", "deepspeed"]

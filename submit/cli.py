@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TextIO
 
 from launcher.schema import SchemaError
-from submit import cli_ckpt, cli_doctor, cli_jobs, cli_live
+from submit import cli_ckpt, cli_doctor, cli_jobs, cli_live, cli_plan
 from submit.errors import EXIT_INPUT, InputError, InternalError, MeshrunError
 
 DEFAULT_CLUSTER = "local"
@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="with --dry-run: the request as JSON fields")
     p.add_argument("--wait", action="store_true", help="wait for the end; exit 0 only if it succeeded")
+    p.add_argument("--force", action="store_true", help="submit even when the plan says it cannot fit the GPUs")
     p.add_argument(
         "--after",
         action="append",
@@ -135,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     cli_ckpt.add_parsers(verbs)
+    cli_plan.add_parsers(verbs)
     cli_live.add_parsers(verbs)
     cli_doctor.add_parsers(verbs)
 
@@ -311,6 +313,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
     profile = with_exclude(load_profile(args.cluster), args.exclude)
     _check_submit_flags(args, profile.scheduler)
     plan = _plan(args, profile)  # every input error surfaces before any connection
+    if not args.force:
+        from submit.plan import check_fit
+
+        check_fit(plan)  # a job that cannot fit its GPUs: refused before paying for it
     snap = _snapshot(args, profile, plan)
     if args.dry_run and profile.ssh is None:
         plan, request, _ = _request(args, profile, plan, snap)
@@ -500,6 +506,7 @@ VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
     "data": cmd_data,
     "resume": cli_ckpt.cmd_resume,
     "export": cli_ckpt.cmd_export,
+    "plan": cli_plan.cmd_plan,
     "watch": cli_live.cmd_watch,
     "top": cli_live.cmd_top,
     "doctor": cli_doctor.cmd_doctor,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from launcher import dsconfig, schema
+from launcher import dsconfig, presets, schema
 from launcher.parallel_dims import ParallelDims
 from launcher.rundir import RunDir
 from launcher.schema import SchemaError
@@ -91,10 +91,38 @@ def load_job(path: Path, overrides: Sequence[str] = ()) -> tuple[JobSpec, dict[s
         data = schema.apply_overrides(JobSpec, doc.data, overrides)
     except SchemaError as exc:
         raise InputError(f"--set {exc.key}", exc.value, exc.fix) from None
+    data = expand_preset(data, overrides)
     try:
         return schema.load(JobSpec, data), data
     except SchemaError as exc:
         raise doc.error(exc) from None
+
+
+def _set_keys(overrides: Sequence[str]) -> set[str]:
+    return {item.split("=", 1)[0].strip() for item in overrides}
+
+
+def expand_preset(data: dict[str, Any], overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """`train.model.preset` -> its shape keys (launcher/presets.py). Keys given explicitly win: a preset in
+    the file yields to the file's (and --set's) model keys; a preset given by --set replaces the file's
+    model keys and yields only to --set's, so `--set train.model.preset=llama-70b` sizes any spec."""
+    train = data.get("train")
+    model = train.get("model") if isinstance(train, dict) else None
+    if not isinstance(train, dict) or not isinstance(model, dict) or model.get("preset") is None:
+        return data
+    name = model["preset"]
+    if not isinstance(name, str) or name not in presets.PRESETS:
+        valid = ", ".join(presets.PRESETS)
+        raise InputError(
+            "train.model.preset", name, f"unknown preset{schema.closest(str(name), presets.PRESETS)}; valid: {valid}"
+        )
+    given = _set_keys(overrides)
+    if "train.model.preset" in given:
+        explicit = {k: v for k, v in model.items() if f"train.model.{k}" in given}
+    else:
+        explicit = dict(model)
+    expanded = {**presets.preset(name), **explicit, "preset": name}
+    return {**data, "train": {**train, "model": expanded}}
 
 
 def parse_time(text: str, key: str = "resources.time") -> int:
@@ -321,6 +349,41 @@ def check_parallel(spec: JobSpec, cluster: ClusterProfile) -> None:
     if not spec.resources.gpus_per_node and t.precision != "fp32":
         raise InputError(
             "train.precision", t.precision, "CPU ranks train in fp32; set train.precision=fp32 or ask for GPUs"
+        )
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.1f} GiB"
+
+
+def check_fit(plan: Plan) -> None:
+    """Refuse a GPU trainer job whose estimated memory per GPU exceeds its partition's (submit; --force skips
+    this): one line with the plan's numbers and the nearest layout that fits (submit/recommend.py).
+    CPU jobs, command jobs and partitions of unknown GPU memory are never refused."""
+    from submit import estimate, recommend
+
+    part = plan.partition
+    specs = [task.run_spec.job for task in plan.tasks] or [plan.spec]
+    for spec in specs:
+        if part is None or spec.command is not None or not spec.resources.gpus_per_node:
+            continue
+        size = recommend.gpu_memory(part)
+        memory = estimate.memory_per_gpu(spec)
+        if estimate.fits(memory, size) is not False:
+            continue
+        assert size is not None
+        p = spec.parallel
+        layout = f"dp={p.dp} tp={p.tp} pp={p.pp} " + (
+            f"zero={dsconfig.zero_stage(spec)}" if dsconfig.uses_deepspeed(spec) else p.dp_mode
+        )
+        raise InputError(
+            "parallel",
+            layout,
+            f"needs {_gib(memory.total)} per GPU (params {_gib(memory.params)}, grads {_gib(memory.grads)}, "
+            f"optimizer {_gib(memory.optimizer)}, activations {_gib(memory.activations)}, allowance "
+            f"{_gib(memory.allowance)}) > {_gib(estimate.usable_bytes(size))} usable of {size:g} GiB on partition "
+            f"{part.name!r} ({part.gpu_type or 'GPU'}); {recommend.nearest_fix(spec, plan.cluster, part)} "
+            f"(`meshrun plan` shows the estimate; --force submits anyway)",
         )
 
 
