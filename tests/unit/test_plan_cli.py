@@ -60,7 +60,9 @@ def test_submit_refuses_70b_in_ddp_on_8_h100_with_the_fix(tmp_path: Path, capsys
 def test_submit_names_the_nearest_layout_that_fits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "submit", str(write_spec(tmp_path, LLAMA7B)), "-c", "h100-ndr")
     assert code == 2
-    assert err.rstrip().endswith("set parallel.dp_mode=fsdp (`meshrun plan` shows the estimate; --force submits anyway)")
+    assert err.rstrip().endswith(
+        "set parallel.dp_mode=fsdp (`meshrun plan` shows the estimate; --force submits anyway)"
+    )
 
 
 def test_force_submits_what_does_not_fit_and_a_job_that_fits_passes(
