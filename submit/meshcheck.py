@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from typing import Any, Sequence
 
 from launcher.exitcodes import EXIT_INPUT
@@ -86,13 +87,59 @@ class MeshCheckError(ClusterError):
     """The counter could not run here (no torch in that interpreter) or failed: exit 1, with its last line."""
 
 
+AGREEMENT = 0.01
+"""The planner and the count agree when each of a stage's three figures is within 1% of the count."""
+
+FIELDS = ("params", "grads", "optimizer")
+
+
+def summary(spec: JobSpec, python: str = sys.executable) -> dict[str, Any]:
+    """`meshrun plan --mesh`'s "mesh" object: per stage the counted bytes beside the planner's, the largest
+    relative difference, whether all agree within AGREEMENT, and the dry run's wall time."""
+    from submit.estimate import model_state_bytes
+
+    started = time.perf_counter()
+    counted = run(spec, python)
+    seconds = time.perf_counter() - started
+    stages = []
+    for mine, planned in zip(counted, model_state_bytes(spec)):
+        diff = max((_relative(getattr(planned, f), getattr(mine, f)) for f in FIELDS), key=abs)
+        row: dict[str, Any] = {"stage": mine.stage, **{f: getattr(mine, f) for f in FIELDS}}
+        row.update(planned={f: getattr(planned, f) for f in FIELDS}, difference=round(diff, 6))
+        stages.append(row)
+    agrees = all(abs(row["difference"]) <= AGREEMENT for row in stages)
+    return {"world_size": spec.world_size, "stages": stages, "agrees": agrees, "seconds": round(seconds, 3)}
+
+
+def _relative(planned: int, counted: int) -> float:
+    """The planner's error relative to the count, signed (negative: the planner says less)."""
+    return (planned - counted) / counted if counted else float(planned != 0)
+
+
+def lines(mesh: dict[str, Any]) -> list[str]:
+    """`summary` for a person: a line of verdict, then per stage the counted GiB and the planner's difference."""
+    verdict = "agrees with" if mesh["agrees"] else "DIFFERS from"
+    head = (
+        f"mesh dry run ({mesh['world_size']:,} ranks, real model split in a fake world, {mesh['seconds']:.1f} s): "
+        f"{verdict} the plan (within {AGREEMENT:.0%})"
+    )
+    stages = [StageBytes(row["stage"], *(row[f] for f in FIELDS)) for row in mesh["stages"]]
+    rows = table(stages)
+    rows[0] += "  planner"
+    for i, row in enumerate(mesh["stages"], start=1):
+        rows[i] += f"  {row['difference']:+.2%}" if row["difference"] else "  same"
+    return [head, *("  " + r for r in rows)]
+
+
 def table(stages: Sequence[StageBytes]) -> list[str]:
-    """Human lines: per stage, params, grads, optimizer and their sum per rank, in GiB."""
-    gib = 1024**3
-    rows = [f"{'stage':>5}  {'params':>9}  {'grads':>9}  {'optimizer':>9}  {'total':>9}  (GiB per rank)"]
+    """Human lines: per stage, params, grads, optimizer and their sum per rank (GiB, or MiB when small)."""
+    largest = max((s.params + s.grads + s.optimizer for s in stages), default=0)
+    unit, size = ("GiB", 1024**3) if largest >= 1024**3 else ("MiB", 1024**2)
+    rows = [f"{'stage':>5}  {'params':>9}  {'grads':>9}  {'optimizer':>9}  {'total':>9}  ({unit} per rank)"]
     for s in stages:
         total = s.params + s.grads + s.optimizer
         rows.append(
-            f"{s.stage:>5}  {s.params / gib:9.2f}  {s.grads / gib:9.2f}  {s.optimizer / gib:9.2f}  {total / gib:9.2f}"
+            f"{s.stage:>5}  {s.params / size:9.2f}  {s.grads / size:9.2f}  {s.optimizer / size:9.2f}  "
+            f"{total / size:9.2f}"
         )
     return rows

@@ -200,3 +200,23 @@ def test_meshcheck_raises_the_counters_bad_input_as_an_input_error() -> None:
 
 def test_held_is_what_the_rank_sees() -> None:
     assert meshcount.count_rank(job(), 0) == Held(WHOLE, 4 * WHOLE)
+
+
+def test_plan_mesh_summary_sets_the_count_beside_the_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`meshrun plan --mesh`'s object and lines: per stage the counted bytes, the planner's, the difference;
+    a planner 2% off is called out."""
+    spec = job(dp=2, tp=2, pp=2)
+    mesh = meshcheck.summary(spec)
+    assert mesh["agrees"] and mesh["world_size"] == 8
+    assert [row["params"] for row in mesh["stages"]] == [s.params for s in meshcount.count(spec)]
+    assert all(abs(row["difference"]) <= 0.01 for row in mesh["stages"])
+    assert "agrees with the plan" in meshcheck.lines(mesh)[0]
+
+    def off(spec: JobSpec) -> list[PlannedBytes]:
+        return [PlannedBytes(s.stage, s.params, s.grads, int(s.optimizer * 0.98)) for s in meshcount.count(spec)]
+
+    monkeypatch.setattr(estimate, "model_state_bytes", off)
+    mesh = meshcheck.summary(spec)
+    assert not mesh["agrees"] and mesh["stages"][0]["difference"] == pytest.approx(-0.02, abs=1e-4)
+    text = "\n".join(meshcheck.lines(mesh))
+    assert "DIFFERS from the plan" in text and "-2.00%" in text, text
