@@ -237,3 +237,19 @@ def test_results_are_read_per_rank_and_a_missing_or_torn_file_is_none(tmp_path: 
     Path(run.doctor_result(0)).write_text('{"rank": 0, "node": "n1"}')
     Path(run.doctor_result(2)).write_text('{"rank": 2, "no')
     assert read_results(LocalTransport(), str(tmp_path), 3) == [{"rank": 0, "node": "n1"}, None, None]
+
+
+def test_a_slow_gloo_all_reduce_only_warns_while_a_slow_nccl_one_fails() -> None:
+    testbed = load_profile("testbed")
+    cpu = Options(nodes=2, partition=testbed.partition(None), gpus_per_node=0)
+    results = [
+        rank(r, f"n{1 + r // 2}", comm={"backend": "gloo", "intra_node_busbw_gbps": 1.0 if r < 2 else 0.1})
+        for r in range(4)
+    ]
+    for res in results:
+        res.update(gpus={"count": 0, "devices": []}, compute={"skipped": "CPU"})
+        if res["rank"] % 2 == 0:  # each node's local rank 0 measures storage
+            res["storage"] = {"checkpoint": {"path": "/tmp/c", "mbps": 500.0}}
+    assert {r.node: r.verdict for r in judge(results, cpu, testbed, "0.1.0").rows} == {"n1": "pass", "n2": "warn"}
+    nccl = cluster(comm={"backend": "nccl", "intra_node_busbw_gbps": 37.0})
+    assert verdicts(nccl)["gpu2"] == "fail"
