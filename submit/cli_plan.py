@@ -35,6 +35,16 @@ def add_parsers(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="override a spec key, e.g. --set train.model.preset=llama-70b (repeatable)",
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON (stable keys: README)")
+    p.add_argument(
+        "--mesh",
+        action="store_true",
+        help="also count each rank's model-state bytes on the real model, split by the real parallel code in a "
+        "fake world of the job's size (needs torch here; seconds for thousands of ranks)",
+    )
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
 def _gib(n: float) -> str:
@@ -123,7 +133,7 @@ def render(out: dict[str, Any], spec: Any) -> str:
 
     m, t, p = spec.trainer.model, spec.trainer, spec.parallel
     lines = [
-        f"model: {out['params'] / 1e9:.2f}B parameters (n_layers {m.n_layers}, d_model {m.d_model}, n_heads "
+        f"model: {_count(out['params'])} parameters (n_layers {m.n_layers}, d_model {m.d_model}, n_heads "
         f"{m.n_heads}, vocab {m.vocab_size}, seq_len {m.seq_len}), {out['flops_per_step']:.3g} FLOPs per step",
         f"layout: {spec.resources.nodes} node(s) x {spec.resources.gpus_per_node} GPUs: dp {p.dp} tp {p.tp} pp "
         f"{p.pp}, micro_batch {t.micro_batch}, global_batch {t.global_batch}, {t.precision}, engine {t.engine}",
@@ -183,8 +193,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "plan estimates the built-in trainer (train:); a command job's memory is its own program's",
         )
     out = build(plan.spec, profile, plan.partition)
+    if args.mesh:
+        from submit import meshcheck
+
+        out["mesh"] = meshcheck.summary(plan.spec)
     if args.json:
         print(json.dumps(out, indent=2))
     else:
         print(render(out, plan.spec), end="")
+        if args.mesh:
+            print("\n".join(meshcheck.lines(out["mesh"])))
     return 0

@@ -220,3 +220,30 @@ def test_plan_mesh_summary_sets_the_count_beside_the_plan(monkeypatch: pytest.Mo
     assert not mesh["agrees"] and mesh["stages"][0]["difference"] == pytest.approx(-0.02, abs=1e-4)
     text = "\n".join(meshcheck.lines(mesh))
     assert "DIFFERS from the plan" in text and "-2.00%" in text, text
+
+
+def test_meshrun_plan_mesh_through_the_cli(tmp_path: Path) -> None:
+    """The real verb: the example 64-GPU job, `meshrun plan --mesh` (text and --json), and a layout error."""
+    from tests.integration.cli import meshrun
+
+    spec = str(REPO / "examples" / "h100-8node.yaml")
+    out = meshrun(tmp_path, "plan", spec, "-c", "h100-ndr", "--mesh", "--json", check=True)
+    mesh = json.loads(out.stdout)["mesh"]
+    assert mesh["world_size"] == 64 and mesh["agrees"], mesh
+    # 24 blocks + embedding + head over tp 4 (norms whole), then fsdp over dp 16: fp32
+    d, v, hidden = 2048, 50304, 5504
+    elements = (24 * (4 * d * d + 3 * d * hidden) + 2 * v * d) // 64 + (24 * 2 * d + d) // 16
+    assert mesh["stages"] == [
+        {
+            "stage": 0,
+            "params": 4 * elements,
+            "grads": 4 * elements,
+            "optimizer": 8 * elements,
+            "planned": {"params": 4 * elements, "grads": 4 * elements, "optimizer": 8 * elements},
+            "difference": 0.0,
+        }
+    ]
+    text = meshrun(tmp_path, "plan", spec, "-c", "h100-ndr", "--mesh", check=True).stdout
+    assert "mesh dry run (64 ranks, real model split in a fake world" in text and "agrees with the plan" in text
+    bad = meshrun(tmp_path, "plan", spec, "-c", "h100-ndr", "--mesh", "--set", "parallel.tp=3")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "parallel" in bad.stderr, bad
