@@ -126,9 +126,16 @@ def layouts(spec: JobSpec, cluster: ClusterProfile, part: Partition, nodes: int)
             for micro in _divisors(t.global_batch // dims.dp):
                 if micro > MAX_MICRO_BATCH or dims.batch_problem(t.global_batch, micro):
                     continue
-                for mode in ("zero",) if deepspeed else ("fsdp", "ddp"):
+                for mode in _zero_stages(spec) if deepspeed else ("fsdp", "ddp"):
                     for ac in (False, True):
                         yield _apply(spec, nodes, gpus, dims, sp, micro, mode, ac)
+
+
+def _zero_stages(spec: JobSpec) -> list[str]:
+    """The ZeRO stages the spec's offload settings allow (optimizer offload: 1-3; parameter offload: 3)."""
+    par = spec.parallel
+    low = 3 if par.offload_params else 1 if par.offload_optimizer else 0
+    return [f"zero{stage}" for stage in range(low, 4)]
 
 
 def _apply(
@@ -136,7 +143,9 @@ def _apply(
 ) -> JobSpec:
     par = spec.parallel
     parallel = replace(par, dp=dims.dp, tp=dims.tp, pp=dims.pp, sequence_parallel=sp)
-    if mode != "zero":
+    if mode.startswith("zero"):
+        parallel = replace(parallel, zero=int(mode[4:]))
+    else:
         parallel = replace(parallel, dp_mode=mode)  # type: ignore[arg-type]
     resources = replace(spec.resources, nodes=nodes, gpus_per_node=gpus, tasks_per_node=None)
     train = replace(spec.trainer, micro_batch=micro, activation_checkpointing=ac)

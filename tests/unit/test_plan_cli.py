@@ -145,3 +145,15 @@ def test_every_preset_is_a_valid_model(name: str) -> None:
     model = Model(**PRESETS[name])
     assert model.d_model % model.n_heads == 0 and (model.d_model // model.n_heads) % 2 == 0
     assert model.vocab_size % 8 == 0 or name.startswith("llama-")  # tp up to 8 splits the vocabulary
+
+
+def test_deepspeed_jobs_get_a_zero_stage_that_fits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """13B in ZeRO-0 keeps 16 bytes a parameter on every GPU (208 GB): refused, with a stage that fits."""
+    path = write_spec(tmp_path, {"preset": "llama-13b"}, engine="deepspeed")
+    text = path.read_text().replace("dp_mode: ddp", "zero: 0")
+    path.write_text(text)
+    code, _, err = run(capsys, "submit", str(path), "-c", "h100-ndr")
+    assert code == 2 and "dp=8 tp=1 pp=1 zero=0" in err and "set parallel.zero=3" in err
+    code, out, err = run(capsys, "plan", str(path), "-c", "h100-ndr", "--json")
+    rec = json.loads(out)["recommended"]
+    assert code == 0 and rec["zero"] == 3 and "dp_mode" not in rec
