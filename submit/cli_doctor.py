@@ -51,8 +51,8 @@ def options(args: argparse.Namespace, profile: Any) -> Any:
         part = profile.partition(args.partition)
     except InputError as exc:
         raise InputError("--partition", exc.value, exc.fix) from None
-    # A cluster that ships code runs jobs on other machines (several nodes); the local one is this machine.
-    several = backend(profile.scheduler).ships_code and (part.max_nodes or 2) >= 2
+    # A cluster that is not this machine has several nodes (the local one is this machine: one node).
+    several = backend(profile.scheduler).over_ssh and (part.max_nodes or 2) >= 2
     nodes = args.nodes if args.nodes is not None else (2 if several else 1)
     if nodes < 1:
         raise InputError("--nodes", nodes, "check at least 1 node")

@@ -14,6 +14,7 @@ from typing import Any, Literal, Mapping, Optional, Sequence
 
 from launcher.gpus import peak_tflops
 from submit.cluster import ClusterProfile, Interconnect, Partition
+from submit.errors import InputError
 
 Verdict = Literal["pass", "warn", "fail", "skip"]
 RANK_ORDER = {"skip": 0, "pass": 1, "warn": 2, "fail": 3}
@@ -74,6 +75,12 @@ def with_exclude(profile: ClusterProfile, flags: Sequence[str]) -> ClusterProfil
     names = [name.strip() for flag in flags for name in flag.split(",") if name.strip()]
     if not names:
         return profile
+    from submit.schedulers import backend
+
+    if not backend(profile.scheduler).over_ssh:
+        raise InputError(
+            "--exclude", names[0], f"the {profile.scheduler} cluster is this one machine: it has no nodes to leave out"
+        )
     exclude = check_node_names("--exclude", [*profile.defaults.exclude, *check_node_names("--exclude", names)])
     return replace(profile, defaults=replace(profile.defaults, exclude=exclude))
 

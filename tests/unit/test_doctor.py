@@ -253,3 +253,11 @@ def test_a_slow_gloo_all_reduce_only_warns_while_a_slow_nccl_one_fails() -> None
     assert {r.node: r.verdict for r in judge(results, cpu, testbed, "0.1.0").rows} == {"n1": "pass", "n2": "warn"}
     nccl = cluster(comm={"backend": "nccl", "intra_node_busbw_gbps": 37.0})
     assert verdicts(nccl)["gpu2"] == "fail"
+
+
+def test_exclude_on_the_local_cluster_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["submit", str(example_spec()), "-c", "local", "--exclude", "n1", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err == "meshrun: error: --exclude: 'n1': the local cluster is this one machine: it has no nodes to leave out\n"
+    )
