@@ -150,7 +150,10 @@ def check_missing(ranks: Sequence[Mapping[str, Any]]) -> Optional[Check]:
     late = [r["rank"] for r in ranks if not r.get("missing") and r.get("phase") != "done"]
     if gone:
         return Check(
-            "ranks", "fail", "no results", f"rank(s) {gone} wrote no results: the job's logs/rank-N.log say why"
+            "ranks",
+            "fail",
+            "no results",
+            f"rank(s) {gone} wrote no results: the run dir's logs/rank-{gone[0]}.log says why",
         )
     if late:
         return Check("ranks", "fail", "unfinished", f"rank(s) {late} stopped before the all-reduce finished")
