@@ -70,6 +70,12 @@ def dims_of(job: JobSpec) -> ParallelDims:
     if job.train is None:
         raise SchemaError("train", None, "a command job's model is your program: the mesh dry run counts train: jobs")
     par, model = job.parallel, job.trainer.model
+    if model.d_model % model.n_heads or (model.d_model // model.n_heads) % 2:  # what GPT() refuses, as input
+        raise SchemaError(
+            "train.model.d_model",
+            model.d_model,
+            f"must split into n_heads({model.n_heads}) heads of an even size (rotary embeddings rotate pairs)",
+        )
     dims = ParallelDims(par.dp, par.tp, par.pp)
     problem = dims.problem(
         job.world_size,

@@ -196,6 +196,8 @@ def test_meshcheck_raises_the_counters_bad_input_as_an_input_error() -> None:
     assert caught.value.key == "parallel.tp" and caught.value.value == 8
     with pytest.raises(SchemaError):
         meshcount.count(JobSpec(name="cmd", command=("true",)))
+    with pytest.raises(SchemaError, match="train.model.d_model: 68: must split into n_heads"):
+        meshcount.count(job(model=Model(n_layers=4, d_model=68, n_heads=4, vocab_size=256, seq_len=32)))
 
 
 def test_held_is_what_the_rank_sees() -> None:
