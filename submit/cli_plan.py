@@ -65,11 +65,11 @@ def _choice_json(choice: Any, spec: Any) -> Optional[dict[str, Any]]:
 def build(spec: Any, cluster: Any, partition: Any) -> dict[str, Any]:
     """The plan's JSON object (README documents every key)."""
     from launcher.modelshape import param_count
-    from submit import estimate, recommend
+    from submit import estimate, recommend, steptime
 
     memory = estimate.memory_per_gpu(spec)
     hw = recommend.hardware(cluster, partition) if partition is not None else None
-    time = estimate.step_time(spec, hw) if hw is not None and spec.resources.gpus_per_node else None
+    time = steptime.step_time(spec, hw) if hw is not None and spec.resources.gpus_per_node else None
     fits = {
         p.name: estimate.fits(memory, recommend.gpu_memory(p)) if p.gpus_per_node else None for p in cluster.partitions
     }

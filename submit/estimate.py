@@ -4,9 +4,13 @@
 Every figure is bytes on ONE GPU (the worst pipeline stage, unless a stage is named), split into:
 - params, grads, optimizer: the model state the engine keeps (`model_state_bytes`, the interface the
   mesh dry run, launcher/meshcount.py, counts from the real model);
-- activations: Megatron's sbh(34 + 5as/h) bytes per layer (Korthikanti et al. 2022, 16-bit activations),
-  divided by tp as Megatron does (with sequence parallelism all of it, without only the 24 sbh/t inside
-  the tensor-parallel matmuls), kept for the micro-batches in flight, plus the logits of the loss;
+- activations: Megatron's method (Korthikanti et al. 2022: the bytes each layer saves for its backward,
+  per s*b*h; the tensor-parallel parts / tp, all of it / tp with sequence parallelism; each micro-batch in
+  flight), with this model's own coefficients (LAYER_BYTES, counted from launcher/model.py's saved tensors)
+  instead of Megatron's sbh(34 + 5as/h): that assumes a GeLU MLP of 4h, dropout masks and all-16-bit
+  tensors, where ours has a SwiGLU (four tensors of ffn_hidden), fp32 RMSNorm upcasts and fused attention
+  (no s x s scores). A 16-bit-parameter layer of ffn 8/3 h keeps ~45 sbh bytes against Megatron's 34.
+  Plus the loss's logits on the last stage;
 - allowance: what is neither: a fixed CUDA context (cuBLAS workspace, NCCL buffers), the transient working
   copies the engine makes (FSDP's gathered blocks, DDP's gradient buckets, the 16-bit weight copies of
   mixed precision) and a fragmentation share of everything else (see `allowance_bytes`).
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from launcher import dsconfig
-from launcher.modelshape import ModelPart, block_param_count
+from launcher.modelshape import ModelPart, block_param_count, ffn_hidden
 from launcher.spec import JobSpec
 from launcher.spec import Model as ModelConfig
 
@@ -75,7 +79,7 @@ class Memory:
         return {key: int(getattr(self, key)) for key in keys}
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
@@ -91,7 +95,7 @@ def local_params(cfg: ModelConfig, part: ModelPart, tp: int) -> int:
     layers = part.end_layer - part.first_layer
     norms = layers * 2 * d + (d if part.head else 0)
     split = layers * (block_param_count(cfg) - 2 * d) + (v * d if part.embed else 0) + (d * v if part.head else 0)
-    return _cdiv(split, tp) + norms
+    return cdiv(split, tp) + norms
 
 
 def _native_state(spec: JobSpec, local: int) -> tuple[int, int, int, int]:
@@ -99,7 +103,7 @@ def _native_state(spec: JobSpec, local: int) -> tuple[int, int, int, int]:
     whatever the precision (the 16-bit copies are transient); fsdp shards all three over dp, ddp replicates."""
     dp = spec.parallel.dp
     shard = dp if spec.parallel.dp_mode == "fsdp" else 1
-    n = _cdiv(local, shard)
+    n = cdiv(local, shard)
     return 4 * n, 4 * n, 8 * n, 0
 
 
@@ -110,9 +114,9 @@ def _deepspeed_state(spec: JobSpec, n: int) -> tuple[int, int, int, int]:
     par, dp, stage = spec.parallel, spec.parallel.dp, dsconfig.zero_stage(spec)
     w = 2 if mixed(spec) else 4
     optimizer_per_param = 12 if (mixed(spec) or stage in (1, 2)) else 8
-    params = w * (_cdiv(n, dp) if stage == 3 else n)
-    grads = w * (_cdiv(n, dp) if stage >= 2 else n)  # ZeRO-1 holds every gradient through the backward
-    optimizer = optimizer_per_param * (_cdiv(n, dp) if stage >= 1 else n)
+    params = w * (cdiv(n, dp) if stage == 3 else n)
+    grads = w * (cdiv(n, dp) if stage >= 2 else n)  # ZeRO-1 holds every gradient through the backward
+    optimizer = optimizer_per_param * (cdiv(n, dp) if stage >= 1 else n)
     cpu = 0
     if par.offload_optimizer:
         cpu, optimizer = cpu + optimizer, 0
@@ -161,23 +165,69 @@ def in_flight(spec: JobSpec, stage: int) -> int:
     return micro if par.pp_schedule == "gpipe" else min(par.pp - stage, micro)
 
 
+@dataclass(frozen=True)
+class LayerBytes:
+    """Bytes per s*b*h element position that one block of launcher/model.py saves for its backward, by the
+    dtypes it computes in (counted from its saved tensors: tests/unit/test_estimate.py checks them)."""
+
+    whole: float
+    """Kept whole on every tp rank without sequence parallelism: each RMSNorm's fp32 upcast and output, and
+    the inputs of the projections after it."""
+    attention: float
+    """Split over tp: rotated q and k, v, the fused attention's output (no s x s scores: SDPA)."""
+    ffn: float
+    """Split over tp, per ffn_hidden/d_model: the SwiGLU's w1 and w3 outputs, their silu, the product."""
+    checkpoint: float
+    """Kept per layer under activation checkpointing: the block's input (the residual stream)."""
+
+
+LAYER_BYTES = {
+    "fp32": LayerBytes(whole=24, attention=16, ffn=16, checkpoint=4),
+    "autocast": LayerBytes(whole=26, attention=8, ffn=8, checkpoint=4),  # fp32 residual, 16-bit matmul inputs
+    "16-bit": LayerBytes(whole=16, attention=8, ffn=8, checkpoint=2),  # 16-bit params: FSDP2's or DeepSpeed's
+}
+"""By how the job computes: fp32; autocast (mixed precision over fp32 parameters: dp 1, or torch DDP);
+16-bit parameters (FSDP2's MixedPrecisionPolicy whenever dp > 1 with fsdp, tp or pp; DeepSpeed's bf16/fp16)."""
+
+
+def compute_mode(spec: JobSpec) -> str:
+    """Which LAYER_BYTES row the job's ranks compute in (launcher/parallel.py: uses_fsdp_precision)."""
+    par = spec.parallel
+    if not mixed(spec):
+        return "fp32"
+    if dsconfig.uses_deepspeed(spec) or (par.dp > 1 and (par.dp_mode == "fsdp" or par.tp > 1 or par.pp > 1)):
+        return "16-bit"
+    return "autocast"
+
+
+def layer_activation_bytes(spec: JobSpec) -> float:
+    """One block's saved activations for one micro-batch on one rank: sbh x (whole + (attention + ffn x
+    ffn_hidden/d_model) / tp); with sequence parallelism all of it / tp (as Megatron counts it)."""
+    cfg, par = spec.trainer.model, spec.parallel
+    row = LAYER_BYTES[compute_mode(spec)]
+    sbh = cfg.seq_len * spec.trainer.micro_batch * cfg.d_model
+    split = row.attention + row.ffn * ffn_hidden(cfg) / cfg.d_model
+    if par.sequence_parallel and par.tp > 1:
+        return sbh * (row.whole + split) / par.tp
+    return sbh * (row.whole + split / par.tp)
+
+
 def activation_bytes(spec: JobSpec, stage: int) -> int:
-    """Activations one rank of `stage` holds at its peak. With activation checkpointing each layer keeps
-    only its input (2sbh, /t under sequence parallelism) and one layer's full set lives during its
-    recompute. fp32 activations take twice the 16-bit formula. The last stage adds the loss's logits
-    (the head's output is whole on every tp rank): the compute-dtype logits, their fp32 copy and its grad."""
+    """Activations one rank of `stage` holds at its peak: its layers' saved tensors for each micro-batch in
+    flight. With activation checkpointing each layer keeps only its input (/tp under sequence parallelism)
+    and one layer's full set lives during its recompute. The last stage adds the loss's logits (the head's
+    output is whole on every tp rank): the logits, the fp32 log-softmax and its gradient."""
     cfg, par, t = spec.trainer.model, spec.parallel, spec.trainer
-    s, b, h = cfg.seq_len, t.micro_batch, cfg.d_model
-    sp = par.sequence_parallel and par.tp > 1
-    full = megatron_layer_activations(s, b, h, cfg.n_heads, par.tp, sp, scores=False)
+    full = layer_activation_bytes(spec)
     layers = cfg.n_layers // par.pp
     if t.activation_checkpointing:
-        kept = layers * 2 * s * b * h / (par.tp if sp else 1) * in_flight(spec, stage) + full
+        sbh = cfg.seq_len * t.micro_batch * cfg.d_model
+        per_layer = sbh * LAYER_BYTES[compute_mode(spec)].checkpoint / (par.tp if par.sequence_parallel else 1)
+        kept = layers * per_layer * in_flight(spec, stage) + full
     else:
         kept = layers * full * in_flight(spec, stage)
-    scale = 1 if mixed(spec) else 2
-    logits = s * b * cfg.vocab_size * ((2 if mixed(spec) else 4) + 8) if stage == par.pp - 1 else 0
-    return int(kept * scale + logits)
+    logits = cfg.seq_len * t.micro_batch * cfg.vocab_size * ((2 if mixed(spec) else 4) + 8)
+    return int(kept + (logits if stage == par.pp - 1 else 0))
 
 
 def working_bytes(spec: JobSpec, stage: int) -> int:
@@ -235,137 +285,3 @@ def fits(memory: Memory, gpu_memory_gb: Optional[float]) -> Optional[bool]:
     if not gpu_memory_gb:
         return None
     return memory.total <= usable_bytes(gpu_memory_gb)
-
-
-# ------------------------------------------------------------------ time
-
-COMPUTE_EFFICIENCY = 0.5
-"""Share of the GPU's dense peak the model's matmuls reach between communications (large-model training on
-H100s reaches 40-55% MFU; the communication terms below take the rest)."""
-CPU_ADAM_GBS = 20.0
-"""Memory bandwidth (GB/s) DeepSpeed's CPU Adam gets when the optimizer is offloaded."""
-PCIE_GBS = 25.0
-"""Host<->GPU bandwidth (GB/s) of one GPU: offloaded gradients go down, updated parameters come back."""
-ADAM_BYTES_PER_PARAM = 28
-"""An AdamW step reads the fp32 param, grad and two states and writes the param and states: 28 bytes."""
-
-
-@dataclass(frozen=True)
-class StepTime:
-    """One optimizer step's estimated time on a GPU partition, and what follows from it."""
-
-    flops_per_step: int
-    """Model FLOPs of a step: (6N + 12 L d s) per token x global_batch x seq_len (no recompute counted)."""
-    compute_s: float
-    """The matmuls: hardware FLOPs (x 4/3 with activation checkpointing) / (GPUs x peak x efficiency)."""
-    bubble: float
-    """The pipeline's idle share (pp-1)/(m+pp-1), m micro-batches per step; 0 without pipelining."""
-    tp_comm_s: float
-    """Tensor-parallel all-reduces (4 per layer and micro-batch, 6 with recompute), not overlapped."""
-    pp_comm_s: float
-    """Activations and their grads between pipeline stages, not overlapped."""
-    dp_comm_s: float
-    """Data-parallel gradient reduction and FSDP/ZeRO-3 parameter gathers, overlapped with compute."""
-    optimizer_s: float
-    """The optimizer step: memory-bound (28 bytes per local parameter at HBM speed, or CPU Adam + PCIe)."""
-    step_s: float
-    """max(pipeline compute + tp + pp traffic, dp traffic) + the optimizer step."""
-    tokens_per_s: float
-    """global_batch x seq_len / step_s."""
-    mfu: float
-    """Model FLOPs per second over the GPUs' dense bf16 peak."""
-
-    def as_json(self) -> dict[str, float]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """What the time model needs of a partition and its interconnect."""
-
-    peak_tflops: float
-    """Dense bf16 TFLOP/s of one GPU."""
-    memory_gbs: float
-    """HBM bandwidth of one GPU, GB/s."""
-    gpus_per_node: int
-    """GPUs of one node (a group wider than this crosses nodes)."""
-    nvlink_gbytes_s: float
-    """Bus bandwidth inside a node, GB/s."""
-    ib_gbytes_s: float
-    """Bus bandwidth across nodes, GB/s per GPU."""
-
-
-def _ring(n: int) -> float:
-    """A ring collective's traffic factor (n-1)/n (an all-reduce moves twice it)."""
-    return (n - 1) / n if n > 1 else 0.0
-
-
-def _dp_bytes(spec: JobSpec, local: int, micro: int) -> float:
-    """Bytes one rank's data-parallel collectives move in a step (busbw terms: all-reduce 2(n-1)/n x size,
-    all-gather and reduce-scatter (n-1)/n x size). FSDP2 reduces every micro-batch; torch DDP once a step."""
-    par, w = spec.parallel, 2 if mixed(spec) else 4
-    f = _ring(par.dp)
-    if dsconfig.uses_deepspeed(spec):
-        stage = dsconfig.zero_stage(spec)
-        if stage == 3:
-            return f * local * 3 * w * micro
-        if stage == 2:
-            return f * local * w * (micro + 1)
-        return f * local * w * (2 if stage == 0 else 3)
-    if par.dp_mode == "fsdp":
-        gathers = 2 if par.pp == 1 else 1  # pipelined stages keep the gathered params through the backward
-        return f * local * (gathers * w + 4) * micro
-    if par.tp == 1 and par.pp == 1:
-        return 2 * f * local * 4  # torch DDP: one fp32 all-reduce, the other micro-batches under no_sync
-    return 2 * f * local * 4 * micro  # FSDP2's replicate: every micro-batch
-
-
-def _optimizer_s(spec: JobSpec, local: int, hw: Hardware) -> float:
-    par = spec.parallel
-    sharded = dsconfig.uses_deepspeed(spec) and dsconfig.zero_stage(spec) >= 1 or par.dp_mode == "fsdp"
-    n = _cdiv(local, par.dp) if sharded else local
-    if dsconfig.uses_deepspeed(spec) and par.offload_optimizer:
-        return n * ADAM_BYTES_PER_PARAM / (CPU_ADAM_GBS * 1e9) + n * 2 * 4 / (PCIE_GBS * 1e9)
-    return n * ADAM_BYTES_PER_PARAM / (hw.memory_gbs * 1e9)
-
-
-def step_time(spec: JobSpec, hw: Hardware) -> StepTime:
-    """The step time model (README, `meshrun plan`): compute at COMPUTE_EFFICIENCY of the peak (fp32 at
-    gpus.FP32_FRACTION of it), the pipeline bubble, tp/pp traffic in series, dp traffic overlapped."""
-    from launcher.gpus import FP32_FRACTION
-    from launcher.modelshape import flops_per_token
-
-    cfg, par, t = spec.trainer.model, spec.parallel, spec.trainer
-    world = par.dp * par.tp * par.pp
-    micro = max(t.global_batch // (t.micro_batch * par.dp), 1)
-    tokens = t.global_batch * cfg.seq_len
-    flops = flops_per_token(cfg) * tokens
-    rate = hw.peak_tflops * 1e12 * COMPUTE_EFFICIENCY * (1 if mixed(spec) else FP32_FRACTION)
-    compute = flops * (4 / 3 if t.activation_checkpointing else 1) / (world * rate)
-    w = 2 if mixed(spec) else 4
-    activation = cfg.seq_len * t.micro_batch * cfg.d_model * w  # one micro-batch's hidden states
-    in_node = hw.nvlink_gbytes_s * 1e9
-    tp_calls = (6 if t.activation_checkpointing else 4) * (cfg.n_layers // par.pp) * micro
-    tp_comm = tp_calls * 2 * _ring(par.tp) * activation / in_node
-    stage_ranks = par.dp * par.tp  # consecutive ranks: a stage fills whole nodes once this reaches a node
-    pp_bw = hw.ib_gbytes_s * 1e9 if stage_ranks >= hw.gpus_per_node else in_node
-    pp_comm = 2 * micro * activation / par.tp / pp_bw if par.pp > 1 else 0.0
-    bubble = (par.pp - 1) / (micro + par.pp - 1)
-    local = max(local_params(cfg, ModelPart.stage(cfg, s, par.pp), par.tp) for s in range(par.pp))
-    dp_bw = hw.ib_gbytes_s * 1e9 if stage_ranks > hw.gpus_per_node else in_node
-    dp_comm = _dp_bytes(spec, local, micro) / dp_bw
-    optimizer = _optimizer_s(spec, local, hw)
-    pipeline = (compute + tp_comm + pp_comm) / (1 - bubble)
-    step = max(pipeline, dp_comm) + optimizer
-    return StepTime(
-        flops_per_step=flops,
-        compute_s=compute,
-        bubble=bubble,
-        tp_comm_s=tp_comm,
-        pp_comm_s=pp_comm,
-        dp_comm_s=dp_comm,
-        optimizer_s=optimizer,
-        step_s=step,
-        tokens_per_s=tokens / step,
-        mfu=flops / (step * world * hw.peak_tflops * 1e12),
-    )

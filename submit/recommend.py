@@ -17,7 +17,8 @@ from launcher.gpus import memory_bandwidth_gbs, memory_gb, peak_tflops
 from launcher.parallel_dims import ParallelDims
 from launcher.spec import JobSpec
 from submit.cluster import ClusterProfile, Partition
-from submit.estimate import Hardware, Memory, StepTime, fits, memory_per_gpu, step_time
+from submit.estimate import Memory, fits, memory_per_gpu
+from submit.steptime import Hardware, StepTime, step_time
 
 MAX_MICRO_BATCH = 64
 """The largest micro-batch the search tries."""

@@ -8,8 +8,9 @@ import pytest
 
 from launcher.modelshape import flops_per_token, param_count
 from launcher.spec import JobSpec, Model, Parallel, Resources, Train
-from submit import estimate
-from submit.estimate import Hardware, megatron_layer_activations, memory_per_gpu, model_state_bytes, step_time
+from submit import estimate, steptime
+from submit.estimate import megatron_layer_activations, memory_per_gpu, model_state_bytes
+from submit.steptime import Hardware, step_time
 
 LLAMA7B = Model(n_layers=32, d_model=4096, n_heads=32, vocab_size=32000, seq_len=4096, ffn_mult=2.6875)
 H100 = Hardware(peak_tflops=989, memory_gbs=3350, gpus_per_node=8, nvlink_gbytes_s=360, ib_gbytes_s=45)
@@ -98,33 +99,47 @@ def test_tp_splits_all_but_the_norms_and_pp_stages_carry_embedding_and_head() ->
     assert worst.stage in (0, 3)
 
 
-def test_activations_follow_megatron_with_tp_sp_and_checkpointing() -> None:
+def test_megatron_activation_formula() -> None:
+    """Korthikanti et al. 2022, the reference our coefficients replace: sbh(34 + 5as/h) per layer."""
     s, b, h, a = 4096, 1, 4096, 32
     assert megatron_layer_activations(s, b, h, a) == s * b * h * (34 + 5 * a * s / h)
     assert megatron_layer_activations(s, b, h, a, tp=8) == s * b * h * (10 + 24 / 8 + 5 * a * s / (h * 8))
     assert megatron_layer_activations(s, b, h, a, tp=8, sequence_parallel=True) == pytest.approx(
         megatron_layer_activations(s, b, h, a) / 8
     )
-    plain = memory_per_gpu(job(dp=8)).activations
-    logits = s * b * LLAMA7B.vocab_size * (2 + 8)
-    # fused attention (SDPA) keeps no s x s scores: 34 sbh per layer, 16-bit
-    assert plain == 32 * s * b * h * 34 + logits
+    assert megatron_layer_activations(s, b, h, a, scores=False) == s * b * h * 34
+
+
+SBH = 4096 * 1 * 4096
+RATIO = 11008 / 4096  # llama-7b's ffn_hidden / d_model
+LOGITS = 4096 * 32000 * (2 + 8)  # the compute-dtype logits, the fp32 log-softmax and its grad
+
+
+def test_activations_with_tp_sp_checkpointing_and_precision() -> None:
+    half = SBH * (16 + 8 + 8 * RATIO)  # FSDP2's 16-bit parameters
+    assert memory_per_gpu(job(dp=8)).activations == int(32 * half + LOGITS)
     ac = memory_per_gpu(job(dp=8, activation_checkpointing=True)).activations
-    assert ac == 32 * 2 * s * b * h + s * b * h * 34 + logits  # each block's input + one block recomputed
-    sp = memory_per_gpu(job(dp=1, tp=8, sequence_parallel=True)).activations
-    no_sp = memory_per_gpu(job(dp=1, tp=8)).activations
-    assert sp - logits == pytest.approx(32 * s * b * h * 34 / 8, rel=1e-9) and no_sp > sp
-    assert memory_per_gpu(job(dp=8, precision="fp32")).activations == 2 * 32 * s * b * h * 34 + s * b * 32000 * 12
+    assert ac == int(32 * 2 * SBH + half + LOGITS)  # each block's 16-bit input + one block recomputed
+    tp = memory_per_gpu(job(dp=2, tp=4)).activations
+    sp = memory_per_gpu(job(dp=2, tp=4, sequence_parallel=True)).activations
+    assert tp == int(32 * SBH * (16 + (8 + 8 * RATIO) / 4) + LOGITS)  # the norms' tensors stay whole
+    assert sp == int(32 * half / 4 + LOGITS)
+    # dp 1: no FSDP2 mixed precision, autocast over fp32 parameters (fp32 residual and norms)
+    assert memory_per_gpu(job(dp=1, tp=8)).activations == int(32 * SBH * (26 + (8 + 8 * RATIO) / 8) + LOGITS)
+    autocast = memory_per_gpu(job(dp=1)).activations  # one rank: autocast over fp32 parameters
+    assert autocast == int(32 * SBH * (26 + 8 + 8 * RATIO) + LOGITS)
+    fp32 = memory_per_gpu(job(dp=8, precision="fp32")).activations
+    assert fp32 == int(32 * SBH * (24 + 16 + 16 * RATIO) + 4096 * 32000 * 12)
 
 
 def test_pipeline_stages_hold_their_micro_batches_in_flight() -> None:
+    layer = 8 * SBH * (16 + 8 + 8 * RATIO)  # 32 layers over 4 stages
     one_f = estimate.activation_bytes(job(dp=2, pp=4, global_batch=64), 0)
     last = estimate.activation_bytes(job(dp=2, pp=4, global_batch=64), 3)
     gpipe = estimate.activation_bytes(job(dp=2, pp=4, global_batch=64, pp_schedule="gpipe"), 0)
-    layer = 8 * 4096 * 4096 * 34
-    assert one_f == 4 * layer  # 1F1B: stage 0 holds pp micro-batches
-    assert gpipe == 32 * layer  # GPipe: all 32 of the step
-    assert last == layer + 4096 * 32000 * 10
+    assert one_f == int(4 * layer)  # 1F1B: stage 0 holds pp micro-batches
+    assert gpipe == int(32 * layer)  # GPipe: all 32 of the step
+    assert last == int(layer + LOGITS)
 
 
 def test_megatron_flops_formula() -> None:
@@ -141,9 +156,9 @@ def test_megatron_flops_formula() -> None:
 def test_step_time_terms() -> None:
     base = step_time(job(dp=8), H100)
     assert base.tp_comm_s == base.pp_comm_s == base.bubble == 0
-    assert base.compute_s == pytest.approx(base.flops_per_step / (8 * 989e12 * estimate.COMPUTE_EFFICIENCY))
+    assert base.compute_s == pytest.approx(base.flops_per_step / (8 * 989e12 * steptime.COMPUTE_EFFICIENCY))
     assert base.tokens_per_s == pytest.approx(64 * 4096 / base.step_s)
-    assert 0.3 < base.mfu < estimate.COMPUTE_EFFICIENCY
+    assert 0.3 < base.mfu < steptime.COMPUTE_EFFICIENCY
     ac = step_time(job(dp=8, activation_checkpointing=True), H100)
     assert ac.compute_s == pytest.approx(base.compute_s * 4 / 3)
     pp = step_time(job(dp=2, pp=4, global_batch=16), H100)
@@ -152,3 +167,43 @@ def test_step_time_terms() -> None:
     assert tp.tp_comm_s > 0 and tp.dp_comm_s == 0
     across = step_time(job(dp=16, nodes=2), H100)
     assert across.dp_comm_s > step_time(job(dp=8), H100).dp_comm_s  # InfiniBand, not NVLink
+
+
+def _saved_bytes(cfg: Model, micro: int, mode: str) -> int:
+    """Bytes of the activations the real GPT (launcher/model.py) saves for its backward in one forward on
+    the CPU: every saved tensor's storage once, less the parameters and autocast's weight copies."""
+    import torch
+
+    from launcher.model import GPT
+
+    model = GPT(cfg).train()
+    if mode == "16-bit":
+        model = model.to(torch.bfloat16)  # what FSDP2's MixedPrecisionPolicy computes with
+    weights = {tuple(p.shape) for p in model.parameters()}
+    held = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    saved: dict[int, int] = {}
+
+    def pack(t: Any) -> Any:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in held and tuple(t.shape) not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    tokens = torch.randint(0, cfg.vocab_size, (micro, cfg.seq_len))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+            model(tokens)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("ffn_mult", [2.0, 8 / 3])
+@pytest.mark.parametrize("mode, precision, dp", [("fp32", "fp32", 1), ("autocast", "bf16", 1), ("16-bit", "bf16", 2)])
+def test_layer_activations_are_what_the_real_model_saves(ffn_mult: float, mode: str, precision: str, dp: int) -> None:
+    """The truth for a small model: one more block adds exactly LAYER_BYTES' count (to 1%: the RMSNorm
+    scale and the attention's logsumexp are per row, not per element, and left out)."""
+    # 3 x 160 tokens: no activation has a weight's shape (the filter for autocast's weight copies)
+    shape = {"d_model": 192, "n_heads": 3, "vocab_size": 256, "seq_len": 160, "ffn_mult": ffn_mult}
+    two, four = (_saved_bytes(Model(n_layers=n, **shape), 3, mode) for n in (2, 4))
+    spec = job(model=Model(n_layers=2, **shape), precision=precision, dp=dp, global_batch=3 * dp, micro_batch=3)
+    assert estimate.compute_mode(spec) == mode
+    assert (four - two) / 2 == pytest.approx(estimate.layer_activation_bytes(spec), rel=0.01)
