@@ -157,3 +157,14 @@ def test_deepspeed_jobs_get_a_zero_stage_that_fits(tmp_path: Path, capsys: pytes
     code, out, err = run(capsys, "plan", str(path), "-c", "h100-ndr", "--json")
     rec = json.loads(out)["recommended"]
     assert code == 0 and rec["zero"] == 3 and "dp_mode" not in rec
+
+
+def test_a_model_that_fits_nowhere_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A million-token sequence: the last stage's logits alone (whole on every tp rank) outgrow any H100."""
+    spec = str(write_spec(tmp_path, {**LLAMA7B, "seq_len": 1 << 20}, dp_mode="fsdp"))
+    code, _, err = run(capsys, "submit", spec, "-c", "h100-ndr")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "no layout fits any number of 'gpu' nodes (up to 64)" in err
+    code, out, _ = run(capsys, "plan", spec, "-c", "h100-ndr", "--json")
+    plan = json.loads(out)
+    assert code == 0 and plan["fits"] is False and plan["recommended"] is None and "gpus" not in plan["partitions"][0]
