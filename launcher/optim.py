@@ -70,13 +70,15 @@ def _replication(g: torch.Tensor, plain_copies: int) -> int:
     return math.prod(mesh.size(i) for i, p in enumerate(g.placements) if p.is_replicate())
 
 
-def _local_shard(g: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a gradient; a Partial one (not seen in meshrun's layouts) is reduced first."""
-    if not isinstance(g, DTensor):
-        return g
-    if any(p.is_partial() for p in g.placements):  # partial sums: their squares do not add up
-        g = g.redistribute(g.device_mesh, [Replicate() if p.is_partial() else p for p in g.placements])
-    return g.to_local()
+def _settled(g: torch.Tensor) -> torch.Tensor:
+    """The gradient with its Partial mesh dims summed (Replicate): partial sums' squares do not add up.
+
+    Sequence parallelism leaves its norm weights' gradients Partial over tp (each tp rank holds the sum
+    over its sequence shard): those cost one all-reduce each, and count once per tp copy afterwards.
+    """
+    if isinstance(g, DTensor) and any(p.is_partial() for p in g.placements):
+        return g.redistribute(g.device_mesh, [Replicate() if p.is_partial() else p for p in g.placements])
+    return g
 
 
 def _spans_ranks(grads: list[torch.Tensor], pp_group: Optional[dist.ProcessGroup]) -> bool:
@@ -91,7 +93,8 @@ def global_grad_norm(
 ) -> torch.Tensor:
     """The L2 norm of all gradients of the whole model (a 0-dim fp32 tensor, the same on every rank).
 
-    One collective at most, whatever the layout: each rank sums the squares of its local
+    One collective (plus one per Partial gradient: sequence-parallel norm weights), whatever the layout: each
+    rank sums the squares of its local
     shards, each divided by the number of ranks holding the same shard, and one
     all_reduce(SUM) over the world adds them up (the pipeline stages' too). Reducing
     each DTensor group's Partial norm instead costs one collective per group and, over a
@@ -117,8 +120,8 @@ def _local_groups(
     """
     plain_copies = dist.get_world_size() // (dist.get_world_size(pp_group) if pp_group else 1) if distributed else 1
     groups: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for g in grads:
-        local = _local_shard(g)
+    for g in map(_settled, grads):
+        local = g.to_local() if isinstance(g, DTensor) else g
         copies = _replication(g, plain_copies) if distributed else 1
         if local.numel():
             groups.setdefault((copies, local.device, local.dtype), []).append(local)

@@ -99,7 +99,7 @@ def read_results(transport: Any, run_dir: str, world: int) -> list[Optional[dict
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from launcher import installed_version
+    from submit import installed_version
     from submit import api, snapshot
     from submit.cli import _home, _profile_path, wait_for
     from submit.cluster import load_profile

@@ -145,7 +145,7 @@ def test_two_nodes_train_dp2_tp2_with_tp_inside_each_node(testbed: dict, tmp_pat
     log = _train_layout(
         tmp_path, corpus, ParallelDims(dp=2, tp=2, pp=1), ["parallel.dp_mode=fsdp", "parallel.sequence_parallel=true"]
     )
-    assert "4 rank(s), dp=2 tp=2 pp=1 (fsdp, sequence parallel), gloo on cpu" in log, log
+    assert "4 rank(s), dp=2 tp=2 pp=1 (native engine, fsdp, sequence parallel), gloo on cpu" in log, log
     assert "global batch 16 = micro 4 x dp 2 x accumulation 2" in log, log
 
 
@@ -156,7 +156,7 @@ def test_two_nodes_train_dp2_pp2_with_the_pipeline_across_nodes(testbed: dict, t
     log = _train_layout(
         tmp_path, corpus, ParallelDims(dp=2, tp=1, pp=2), ["parallel.dp_mode=ddp", "parallel.pp_schedule=1f1b"]
     )
-    assert "4 rank(s), dp=2 tp=1 pp=2 (ddp, 1f1b), gloo on cpu" in log, log
+    assert "4 rank(s), dp=2 tp=1 pp=2 (native engine, ddp, 1f1b), gloo on cpu" in log, log
     assert "global batch 16 = micro 4 x dp 2 x accumulation 2" in log, log
 
 
