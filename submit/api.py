@@ -138,8 +138,14 @@ def submit(
     spec_dir: Path = Path("."),
     after: Sequence[str] = (),
     profile_path: Optional[str] = None,
+    force: bool = False,
 ) -> list[JobRecord]:
-    """dryrun + schedule: build the request, send it, record the job."""
+    """dryrun + schedule: build the request, send it, record the job. A GPU job that cannot fit its
+    partition's memory is refused first (InputError, as `meshrun submit` does), unless `force`."""
+    if not force:
+        from submit.plan import check_fit
+
+        check_fit(plan)
     return schedule(dryrun(plan, after), plan, registry, transport, spec_dir, profile_path)
 
 

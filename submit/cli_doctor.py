@@ -99,8 +99,7 @@ def read_results(transport: Any, run_dir: str, world: int) -> list[Optional[dict
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from submit import installed_version
-    from submit import api, snapshot
+    from submit import api, installed_version, snapshot
     from submit.cli import _home, _profile_path, wait_for
     from submit.cluster import load_profile
     from submit.doctor import judge, table

@@ -168,3 +168,22 @@ def test_a_model_that_fits_nowhere_says_so(tmp_path: Path, capsys: pytest.Captur
     code, out, _ = run(capsys, "plan", spec, "-c", "h100-ndr", "--json")
     plan = json.loads(out)
     assert code == 0 and plan["fits"] is False and plan["recommended"] is None and "gpus" not in plan["partitions"][0]
+
+
+def test_the_python_api_refuses_what_cannot_fit_before_sending_anything(tmp_path: Path) -> None:
+    """submit.api.submit checks the fit as the CLI does (the transport is never used), unless force=True."""
+    from submit import api
+    from submit.cluster import load_profile
+    from submit.errors import InputError
+    from submit.plan import plan_file
+
+    plan = plan_file(write_spec(tmp_path, LLAMA70B), load_profile("h100-ndr"))
+
+    class NoTransport:
+        def __getattr__(self, name: str) -> Any:
+            raise AssertionError(f"the transport was used ({name}) before the fit check")
+
+    with pytest.raises(InputError, match="needs .* per GPU"):
+        api.submit(plan, registry=None, transport=NoTransport())  # type: ignore[arg-type]
+    with pytest.raises(AssertionError, match="transport was used"):
+        api.submit(plan, registry=None, transport=NoTransport(), force=True)  # type: ignore[arg-type]
