@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from launcher.modelshape import StageBytes
 from launcher.schema import to_plain
 from submit import estimate, meshcheck
 from submit.cluster import load_profile
@@ -71,7 +72,7 @@ def one_run(path: Path) -> tuple[float, float, float, int, int]:
     return t_plan, t_mesh, seconds, planned, max(s.params + s.grads + s.optimizer for s in stages)
 
 
-def counted(spec: Any) -> tuple[list[estimate.StageBytes], float]:
+def counted(spec: Any) -> tuple[list[StageBytes], float]:
     """meshcheck.run's stages, and the count's own seconds from the JSON it printed."""
     done = subprocess.run(
         meshcheck.argv(sys.executable), input=json.dumps(to_plain(spec)), capture_output=True, text=True, check=True

@@ -17,7 +17,7 @@ ranks of a stage and finds them equal). Middle stages build the same blocks unde
 count serves all of them.
 
 Launcher side: never imports submit. submit/meshcheck.py runs this module with the job's interpreter
-and builds submit.estimate.StageBytes from the JSON it prints. Bad input: one line, exit 2.
+and builds launcher.modelshape.StageBytes from the JSON it prints. Bad input: one line, exit 2.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Iterator, TextIO
 
 from launcher.exitcodes import EXIT_FAILED, EXIT_INPUT
-from launcher.modelshape import ModelPart
+from launcher.modelshape import ModelPart, StageBytes
 from launcher.parallel_dims import ParallelDims
 from launcher.schema import SchemaError, load
 from launcher.spec import JobSpec
@@ -39,20 +39,6 @@ from launcher.spec import JobSpec
 FP32 = 4
 ADAM_STATES = 2
 """AdamW keeps exp_avg and exp_avg_sq per parameter, in the parameter's dtype (fp32 masters here)."""
-
-
-@dataclass(frozen=True)
-class StageBytes:
-    """What one rank of a pipeline stage holds (the same fields as submit.estimate.StageBytes)."""
-
-    stage: int
-    """Pipeline stage."""
-    params: int
-    """Bytes of parameters one rank of this stage holds (model state, not transient gathers)."""
-    grads: int
-    """Bytes of gradients it holds at the optimizer step."""
-    optimizer: int
-    """Bytes of optimizer state (+ fp32 master copies where the engine keeps extra ones)."""
 
 
 @dataclass(frozen=True)

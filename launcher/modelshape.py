@@ -69,3 +69,18 @@ def part_param_count(cfg: ModelConfig, part: ModelPart) -> int:
     d, v = cfg.d_model, cfg.vocab_size
     blocks = (part.end_layer - part.first_layer) * block_param_count(cfg)
     return blocks + (v * d if part.embed else 0) + ((d + d * v) if part.head else 0)
+
+
+@dataclass(frozen=True)
+class StageBytes:
+    """Model-state bytes one rank of a pipeline stage holds: the planner's estimate (submit/estimate.py) and the
+    mesh dry run's count (launcher/meshcount.py) are both lists of these, one per stage."""
+
+    stage: int
+    """Pipeline stage."""
+    params: int
+    """Bytes of parameters one rank of this stage holds (model state, not transient gathers)."""
+    grads: int
+    """Bytes of gradients it holds at the optimizer step (ZeRO-1: the backward's full set, its peak)."""
+    optimizer: int
+    """Bytes of optimizer state (+ fp32 master copies where the engine keeps extra ones)."""

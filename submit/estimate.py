@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from launcher import dsconfig
-from launcher.modelshape import ModelPart, block_param_count, ffn_hidden
+from launcher.modelshape import ModelPart, StageBytes, block_param_count, ffn_hidden
 from launcher.spec import JobSpec
 from launcher.spec import Model as ModelConfig
 
@@ -35,20 +35,6 @@ HEADROOM = 0.05
 """A job fits when its total is at most gpu_memory_gb x (1 - HEADROOM): 5% of the GPU is left free."""
 DS_BUCKET_ELEMENTS = 500_000_000
 """DeepSpeed's default reduce/all-gather bucket (reduce_bucket_size, 5e8 elements): ZeRO 1-2 working set."""
-
-
-@dataclass(frozen=True)
-class StageBytes:
-    """Model-state bytes one rank of a pipeline stage holds (the planner's and the mesh dry run's interface)."""
-
-    stage: int
-    """Pipeline stage."""
-    params: int
-    """Bytes of parameters one rank of this stage holds (model state, not transient gathers)."""
-    grads: int
-    """Bytes of gradients it holds at the optimizer step (ZeRO-1: the backward's full set, its peak)."""
-    optimizer: int
-    """Bytes of optimizer state (+ fp32 master copies where the engine keeps extra ones)."""
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,10 @@ import time
 from typing import Any, Sequence
 
 from launcher.exitcodes import EXIT_INPUT
+from launcher.modelshape import StageBytes
 from launcher.schema import to_plain
 from launcher.spec import JobSpec
 from submit.errors import ClusterError, InputError, InternalError
-from submit.estimate import StageBytes
 
 TIMEOUT_S = 600.0
 """A 8,192-rank 70B count takes seconds; minutes mean something is wrong."""

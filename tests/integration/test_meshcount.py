@@ -16,11 +16,11 @@ import pytest
 
 from launcher import meshcount
 from launcher.meshcount import Held, StageBytes
+from launcher.modelshape import StageBytes as PlannedBytes
 from launcher.schema import SchemaError, to_plain
 from launcher.spec import JobSpec, Model, Parallel, Resources, Train
 from submit import estimate, meshcheck
 from submit.errors import InputError
-from submit.estimate import StageBytes as PlannedBytes
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = Model(n_layers=4, d_model=64, n_heads=4, vocab_size=256, seq_len=32)
