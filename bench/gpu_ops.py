@@ -17,12 +17,12 @@ import argparse
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from launcher.doctor import busbw, seconds_per_call  # one timing and one busbw for the doctor and the bench
 
 BENCH = Path(__file__).resolve().parent
 
@@ -59,32 +59,13 @@ def nvml(quick: bool) -> None:
         pynvml.nvmlShutdown()
 
 
-def _time(fn: Callable[[], object], iters: int, cuda: bool) -> float:
-    """Seconds per call after two warm-up calls (CUDA: measured with events, not host clocks)."""
-    for _ in range(2):
-        fn()
-    if cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1000 / iters
-    begin = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - begin) / iters
-
-
 def gemm(quick: bool) -> None:
     cuda = torch.cuda.is_available() and not quick
     n, iters = (256, 3) if quick else (8192, 50)
     device = "cuda" if cuda else "cpu"
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    seconds = _time(lambda: torch.mm(a, b), iters, cuda)
+    seconds = seconds_per_call(lambda: torch.mm(a, b), iters, cuda)
     achieved = 2 * n**3 / seconds
     name = torch.cuda.get_device_name() if cuda else "cpu"
     sys.path.insert(0, str(BENCH))
@@ -109,14 +90,13 @@ def allreduce(quick: bool) -> None:
             data = torch.ones(
                 size // 2, dtype=torch.bfloat16 if cuda else torch.float32, device="cuda" if cuda else "cpu"
             )
-            seconds = _time(lambda d=data: dist.all_reduce(d), 3 if quick else 20, cuda)
-            algbw = data.numel() * data.element_size() / seconds
-            results.append((size, algbw * 2 * (world - 1) / world))
+            seconds = seconds_per_call(lambda d=data: dist.all_reduce(d), 3 if quick else 20, cuda)
+            results.append((size, busbw(seconds, data.numel() * data.element_size(), world)))
         if rank == 0:
-            size, busbw = results[-1]
+            size, gbytes_s = results[-1]
             backend = "nccl" if cuda else "gloo"
             value = (
-                f"{busbw / 1e9:.1f} GB/s bus bandwidth ({backend}, {world} ranks, {size / 2**20:.0f} MiB)"
+                f"{gbytes_s:.1f} GB/s bus bandwidth ({backend}, {world} ranks, {size / 2**20:.0f} MiB)"
                 if world > 1
                 else "n/a (one GPU: nothing to all-reduce across)"
             )

@@ -119,17 +119,30 @@ def gemm_tflops(local_rank: int, broken: bool) -> dict[str, Any]:
     n, iters = 8192, 30
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        torch.mm(a, b)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        torch.mm(a, b)
-    end.record()
-    torch.cuda.synchronize()
-    seconds = start.elapsed_time(end) / 1000 / iters
+    seconds = seconds_per_call(lambda: torch.mm(a, b), iters, cuda=True)
     return {"tflops": round(2 * n**3 / seconds / 1e12, 2), "device": torch.cuda.get_device_name(), "n": n}
+
+
+def seconds_per_call(fn: Callable[[], object], iters: int, cuda: bool) -> float:
+    """Seconds per call of `fn` after two warm-up calls; on CUDA measured with events, not host clocks
+    (bench/gpu_ops.py times its GEMM and all-reduce with this too)."""
+    import torch
+
+    for _ in range(2):
+        fn()
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return float(start.elapsed_time(end)) / 1000 / iters
+    begin = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - begin) / iters
 
 
 # ------------------------------------------------------------------ storage

@@ -29,7 +29,7 @@ from launcher.engine import StepResult
 from launcher.env import RankEnv
 from launcher.model import GPT, ModelPart
 from launcher.optim import LossScaler, build_optimizer, clip_factor, global_grad_norm, scale_grads_
-from launcher.parallel import apply_data_parallel, apply_tensor_parallel, build_mesh, uses_fsdp_precision
+from launcher.parallel import apply_data_parallel, apply_tensor_parallel, build_mesh
 from launcher.parallel_dims import ParallelDims
 from launcher.pipeline import Executor, PipelineExecutor, PlainExecutor, StepLoss
 from launcher.runtime import Runtime
@@ -95,7 +95,7 @@ class NativeEngine:
         if dims.tp > 1:
             apply_tensor_parallel(model, mesh["tp"], par.sequence_parallel)
         module = apply_data_parallel(model, par.dp_mode, dims, mesh["dp"], runtime)
-        autocast_dtype = None if uses_fsdp_precision(par.dp_mode, dims) else runtime.amp_dtype
+        autocast_dtype = None if dims.fsdp_wraps(par.dp_mode) else runtime.amp_dtype
         scaler = LossScaler(enabled=runtime.amp_dtype == torch.float16)
         executor: Executor
         if dims.pp > 1:

@@ -129,11 +129,6 @@ def mixed_precision(runtime: Runtime) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=runtime.amp_dtype, reduce_dtype=torch.float32)
 
 
-def uses_fsdp_precision(mode: str, dims: ParallelDims) -> bool:
-    """True when FSDP2 (fully_shard or replicate) applies mixed precision; otherwise autocast does."""
-    return dims.dp > 1 and (mode == "fsdp" or dims.tp > 1 or dims.pp > 1)
-
-
 def apply_data_parallel(model: GPT, mode: str, dims: ParallelDims, dp_mesh: DeviceMesh, runtime: Runtime) -> nn.Module:
     """Wrap the model part for data parallelism; returns the module to call (DDP wraps, FSDP2 does not).
 

@@ -18,31 +18,14 @@ from typing import Any, Callable, Optional, Sequence, TextIO
 
 from launcher.schema import SchemaError
 from submit import cli_ckpt, cli_doctor, cli_jobs, cli_live, cli_plan
+from submit.cli_args import cluster_arg, overrides_arg
 from submit.errors import EXIT_INPUT, InputError, InternalError, MeshrunError
-
-DEFAULT_CLUSTER = "local"
-
-
-def _cluster_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "-c",
-        "--cluster",
-        default=os.environ.get("MESHRUN_CLUSTER", DEFAULT_CLUSTER),
-        help="cluster profile name or YAML file (default: $MESHRUN_CLUSTER or local)",
-    )
 
 
 def _spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec", type=Path, help="job spec YAML (see examples/)")
-    _cluster_arg(parser)
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a spec key, e.g. --set train.steps=100 (repeatable)",
-    )
+    cluster_arg(parser)
+    overrides_arg(parser, "override a spec key, e.g. --set train.steps=100 (repeatable)")
     parser.add_argument(
         "--sweep",
         action="append",

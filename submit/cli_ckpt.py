@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from submit.cli_args import overrides_arg
+
 
 def add_parsers(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = verbs.add_parser(
@@ -14,14 +16,10 @@ def add_parsers(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument("job")
     p.add_argument("--wait", action="store_true", help="wait for the end; exit 0 only if it succeeded")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="change what may change on a resume (train.steps, the lr schedule, cadences, "
-        "checkpoint.max_restarts); repeatable",
+    overrides_arg(
+        p,
+        "change what may change on a resume (train.steps, the lr schedule, cadences, checkpoint.max_restarts); "
+        "repeatable",
     )
     p.add_argument("-c", "--cluster", help="the job's cluster, if the id is ambiguous")
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any, Optional
 
+from submit.cli_args import cluster_arg
 from submit.errors import InputError
 
 FLAG_FOR_KEY = {
@@ -23,12 +23,7 @@ FLAG_FOR_KEY = {
 
 def add_parsers(verbs: Any) -> None:
     p = verbs.add_parser("doctor", help="a short preflight job: versions, GPUs, all-reduce, GEMM, storage per node")
-    p.add_argument(
-        "-c",
-        "--cluster",
-        default=os.environ.get("MESHRUN_CLUSTER", "local"),
-        help="cluster profile name or YAML file (default: $MESHRUN_CLUSTER or local)",
-    )
+    cluster_arg(p)
     p.add_argument("--nodes", type=int, help="nodes to check (default: 2 where the cluster has several, else 1)")
     p.add_argument("--partition", help="partition to check (default: the profile's default partition)")
     p.add_argument(

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 from typing import Any, Optional
 
+from submit.cli_args import cluster_arg, overrides_arg
 from submit.errors import InputError
 
 
@@ -20,20 +20,8 @@ def add_parsers(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "plan", help="memory per GPU, fit, step time and the recommended layout of a job; submits nothing"
     )
     p.add_argument("spec", type=Path, help="job spec YAML (see examples/)")
-    p.add_argument(
-        "-c",
-        "--cluster",
-        default=os.environ.get("MESHRUN_CLUSTER", "local"),
-        help="cluster profile name or YAML file (default: $MESHRUN_CLUSTER or local)",
-    )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a spec key, e.g. --set train.model.preset=llama-70b (repeatable)",
-    )
+    cluster_arg(p)
+    overrides_arg(p, "override a spec key, e.g. --set train.model.preset=llama-70b (repeatable)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (stable keys: README)")
     p.add_argument(
         "--mesh",
@@ -45,10 +33,6 @@ def add_parsers(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:,.1f} GiB"
 
 
 def _choice_json(choice: Any, spec: Any) -> Optional[dict[str, Any]]:
@@ -95,7 +79,7 @@ def build(spec: Any, cluster: Any, partition: Any) -> dict[str, Any]:
         "usable_bytes": estimate.usable_bytes(recommend.gpu_memory(partition) or 0) if partition else None,
         "fits": fits.get(partition.name) if partition is not None else None,
         "fits_by_partition": fits,
-        "flops_per_step": time.flops_per_step if time else _flops(spec),
+        "flops_per_step": time.flops_per_step if time else steptime.flops_per_step(spec),
         "step_time_s": time.step_s if time else None,
         "tokens_per_s": time.tokens_per_s if time else None,
         "mfu": time.mfu if time else None,
@@ -103,12 +87,6 @@ def build(spec: Any, cluster: Any, partition: Any) -> dict[str, Any]:
         "recommended": recommended,
         "partitions": table,
     }
-
-
-def _flops(spec: Any) -> int:
-    from launcher.modelshape import flops_per_token
-
-    return int(flops_per_token(spec.trainer.model) * spec.trainer.global_batch * spec.trainer.model.seq_len)
 
 
 def _layout_text(layout: dict[str, Any]) -> str:
@@ -130,6 +108,7 @@ def render(out: dict[str, Any], spec: Any) -> str:
     """The plan for a person."""
     from submit.cli_jobs import table
     from submit.estimate import CONTEXT_BYTES, FRAGMENTATION, HEADROOM
+    from submit.estimate import gib as _gib
 
     m, t, p = spec.trainer.model, spec.trainer, spec.parallel
     lines = [

@@ -23,6 +23,7 @@ from typing import Optional
 
 from launcher import dsconfig
 from launcher.modelshape import ModelPart, StageBytes, block_param_count, ffn_hidden
+from launcher.parallel_dims import ParallelDims
 from launcher.spec import JobSpec
 from launcher.spec import Model as ModelConfig
 
@@ -63,6 +64,11 @@ class Memory:
     def as_json(self) -> dict[str, int]:
         keys = ("params", "grads", "optimizer", "activations", "allowance", "total", "cpu")
         return {key: int(getattr(self, key)) for key in keys}
+
+
+def gib(n: float) -> str:
+    """Bytes as GiB for a person (the plan's table, submit's refusal)."""
+    return f"{n / 2**30:,.1f} GiB"
 
 
 def cdiv(a: int, b: int) -> int:
@@ -177,11 +183,11 @@ LAYER_BYTES = {
 
 
 def compute_mode(spec: JobSpec) -> str:
-    """Which LAYER_BYTES row the job's ranks compute in (launcher/parallel.py: uses_fsdp_precision)."""
+    """Which LAYER_BYTES row the job's ranks compute in (the trainer's own rule: ParallelDims.fsdp_wraps)."""
     par = spec.parallel
     if not mixed(spec):
         return "fp32"
-    if dsconfig.uses_deepspeed(spec) or (par.dp > 1 and (par.dp_mode == "fsdp" or par.tp > 1 or par.pp > 1)):
+    if dsconfig.uses_deepspeed(spec) or ParallelDims(par.dp, par.tp, par.pp).fsdp_wraps(par.dp_mode):
         return "16-bit"
     return "autocast"
 

@@ -352,15 +352,12 @@ def check_parallel(spec: JobSpec, cluster: ClusterProfile) -> None:
         )
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:,.1f} GiB"
-
-
 def check_fit(plan: Plan) -> None:
     """Refuse a GPU trainer job whose estimated memory per GPU exceeds its partition's (submit; --force skips
     this): one line with the plan's numbers and the nearest layout that fits (submit/recommend.py).
     CPU jobs, command jobs and partitions of unknown GPU memory are never refused."""
     from submit import estimate, recommend
+    from submit.estimate import gib as _gib
 
     part = plan.partition
     specs = [task.run_spec.job for task in plan.tasks] or [plan.spec]

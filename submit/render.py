@@ -124,6 +124,7 @@ def _sidecar_command(rank_command: list[str]) -> list[str]:
 def context(plan: Plan) -> dict[str, Any]:
     spec, cluster, res = plan.spec, plan.cluster, plan.spec.resources
     srun_flags, rank_command = _rank_command(plan)
+    python = backend(cluster.scheduler).interpreter(cluster)
     return {
         "version": VERSION,
         "cluster_name": cluster.name,
@@ -159,8 +160,8 @@ def context(plan: Plan) -> dict[str, Any]:
         "sidecar": True,  # one `python -m launcher.sidecar` per node beside the ranks (launcher/sidecar)
         "sidecar_command": _sidecar_command(rank_command),
         "sidecar_stop_s": math.ceil(spec.sidecar.final_copy_s) + SIDECAR_STOP_MARGIN_S,
-        "python": backend(cluster.scheduler).interpreter(cluster),
-        "python_dir": posixpath.dirname(backend(cluster.scheduler).interpreter(cluster)),
+        "python": python,
+        "python_dir": posixpath.dirname(python),
         "srun_flags": srun_flags,
         "rank_command": rank_command,
         "max_restarts": spec.checkpoint.max_restarts,

@@ -104,6 +104,12 @@ def _optimizer_s(spec: JobSpec, local: int, hw: Hardware) -> float:
     return n * ADAM_BYTES_PER_PARAM / (hw.memory_gbs * 1e9)
 
 
+def flops_per_step(spec: JobSpec) -> int:
+    """Model FLOPs of one optimizer step: (6N + 12 L d s) per token x global_batch x seq_len."""
+    cfg = spec.trainer.model
+    return int(flops_per_token(cfg) * spec.trainer.global_batch * cfg.seq_len)
+
+
 def step_time(spec: JobSpec, hw: Hardware) -> StepTime:
     """The step time model (README, `meshrun plan`): compute at COMPUTE_EFFICIENCY of the peak (fp32 at
     gpus.FP32_FRACTION of it), the pipeline bubble, tp/pp traffic in series, dp traffic overlapped."""
@@ -111,7 +117,7 @@ def step_time(spec: JobSpec, hw: Hardware) -> StepTime:
     world = par.dp * par.tp * par.pp
     micro = max(t.global_batch // (t.micro_batch * par.dp), 1)
     tokens = t.global_batch * cfg.seq_len
-    flops = flops_per_token(cfg) * tokens
+    flops = flops_per_step(spec)
     rate = hw.peak_tflops * 1e12 * COMPUTE_EFFICIENCY * (1 if mixed(spec) else FP32_FRACTION)
     compute = flops * (4 / 3 if t.activation_checkpointing else 1) / (world * rate)
     w = 2 if mixed(spec) else 4
