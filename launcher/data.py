@@ -23,6 +23,7 @@ import torch
 
 from launcher.corpus import read_sidecar
 from launcher.schema import SchemaError
+from launcher.spec import Data
 
 Split = Literal["train", "val"]
 MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -99,6 +100,11 @@ class TokenDataset:
         """Inputs and targets, each (len(indices), seq_len)."""
         rows = torch.stack([self.sample(split, i) for i in indices])
         return rows[:, :-1], rows[:, 1:]
+
+
+def open_dataset(data: Data, seq_len: int) -> TokenDataset:
+    """The data the spec names, as the trainer reads it."""
+    return TokenDataset(data.path, seq_len, data.val_fraction)
 
 
 def largest_token(tokens: torch.Tensor, chunk: int = 1 << 22) -> tuple[int, int]:

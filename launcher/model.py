@@ -1,4 +1,5 @@
-"""GPT reference model, Llama-style: RMSNorm, rotary embeddings, causal SDPA, SwiGLU, untied head.
+"""GPT reference model, Llama-style: RMSNorm, rotary embeddings, causal SDPA with optional grouped-query
+attention (n_kv_heads), SwiGLU, a head optionally tied to the embedding.
 
 Laid out for the parallel code (torchtitan's shape): blocks live in `layers`, an
 nn.ModuleDict keyed by their global index, so a pipeline stage builds only the
@@ -27,7 +28,6 @@ from launcher.modelshape import ModelPart, ffn_hidden, flops_per_token
 from launcher.spec import Model as ModelConfig
 
 INIT_STD = 0.02
-ROPE_THETA = 10000.0
 
 
 class RMSNorm(nn.Module):
@@ -43,7 +43,7 @@ class RMSNorm(nn.Module):
         return out.type_as(x) * self.weight
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float = ROPE_THETA) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin, each (seq_len, head_dim), for the rotate-half form of rotary embeddings."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
@@ -64,9 +64,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.head_dim = cfg.d_model // cfg.n_heads
+        kv_dim = cfg.kv_heads * self.head_dim  # grouped-query attention: fewer key/value heads than queries
         self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.wk = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.wv = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.wk = nn.Linear(cfg.d_model, kv_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, kv_dim, bias=False)
         self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -78,7 +79,9 @@ class Attention(nn.Module):
         q = apply_rope(self._heads(self.wq(x)), cos, sin)
         k = apply_rope(self._heads(self.wk(x)), cos, sin)
         v = self._heads(self.wv(x))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # Each key/value head serves n_heads / n_kv_heads consecutive query heads (Llama's repeat_kv);
+        # the ratio is the same on every tensor-parallel rank, which holds its share of both.
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         b, _, t, _ = out.shape
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -132,7 +135,11 @@ class GPT(nn.Module):
             self.output: Optional[nn.Linear] = (
                 nn.Linear(cfg.d_model, cfg.vocab_size, bias=False) if self.part.head else None
             )
-        cos, sin = rope_tables(cfg.seq_len, cfg.d_model // cfg.n_heads)
+        if cfg.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            # One matrix, two uses: named once (tok_embeddings.weight) by named_parameters, so it is
+            # initialised, optimised and counted once.
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(cfg.seq_len, cfg.d_model // cfg.n_heads, cfg.rope_theta)
         # Not persistent: derived from the config, so checkpoints need not carry them.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

@@ -74,7 +74,15 @@ class Model:
     n_heads: int = 4
     """Attention heads (d_model must be divisible by it, and it by tp)."""
     vocab_size: int = 256
-    """Vocabulary size; 256 for the byte-level corpus `meshrun data` builds."""
+    """Vocabulary size; 256 for a byte-level token file. 0 takes it from the tokenizer `meshrun data` saved
+    beside data.path (its `.json` record)."""
+    n_kv_heads: int = 0
+    """Key/value heads: fewer than n_heads is grouped-query attention (n_heads must be divisible by it, and
+    it by tp); 0 means n_heads (full multi-head attention)."""
+    tie_embeddings: bool = False
+    """Share one matrix between the token embedding and the output head (GPT-2, small Llamas); pp must be 1."""
+    rope_theta: float = 10000.0
+    """Rotary embeddings' base (Llama 2: 10000, Llama 3: 500000)."""
     seq_len: int = 128
     """Tokens per training sequence."""
     ffn_mult: float = 2.6667
@@ -82,6 +90,25 @@ class Model:
     preset: Optional[str] = None
     """A model-size preset (llama-7b, llama-70b, gpt2-small, ...: launcher/presets.py) setting the keys above;
     expanded when the spec is loaded, keys given explicitly win."""
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads < 0 or (self.n_kv_heads and self.n_heads % self.n_kv_heads):
+            raise SchemaError(
+                "train.model.n_kv_heads",
+                self.n_kv_heads,
+                f"give a divisor of n_heads ({self.n_heads}), or 0 for full multi-head attention",
+            )
+        if self.vocab_size < 0:
+            raise SchemaError(
+                "train.model.vocab_size", self.vocab_size, "give the vocabulary size, or 0: the tokenizer's"
+            )
+        if not 1.0 < self.rope_theta <= 1e9:
+            raise SchemaError("train.model.rope_theta", self.rope_theta, "give a base above 1, e.g. 10000 or 500000")
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads, n_kv_heads resolved (0: one per query head)."""
+        return self.n_kv_heads or self.n_heads
 
 
 Engine = Literal["native", "deepspeed"]
@@ -121,14 +148,33 @@ class Train:
     """Recompute each block's activations in backward to save memory."""
     seed: int = 0
     """Random seed (model init, data order)."""
+    init_from: Optional[str] = None
+    """Start from these weights (a safetensors file in meshrun's or Hugging Face Llama naming, as the ranks
+    see it) instead of a random init: fine-tuning. Ignored once the run has a checkpoint to resume."""
+
+
+@dataclass(frozen=True)
+class BlendSource:
+    """One token file of a blend."""
+
+    path: str
+    """A token file as the ranks see it (built by `meshrun data`)."""
+    weight: float = 1.0
+    """Its share of the training sequences, relative to the other files' weights (above 0)."""
 
 
 @dataclass(frozen=True)
 class Data:
     path: str = "~/.cache/meshrun/data/stdlib.u16"
-    """Token file as seen by the ranks (uint16 tokens); build one with `meshrun data`."""
+    """Token file as seen by the ranks (uint16 or uint32 tokens); build one with `meshrun data`."""
+    val_path: Optional[str] = None
+    """A separate validation token file. Unset: the held-out documents `meshrun data` wrote beside `path`
+    (its `.json` record names them), else the tail `val_fraction` of `path`."""
     val_fraction: float = 0.05
-    """Tail fraction of the file held out for validation."""
+    """Fraction held out for validation from a token file that has no held-out file (the tail of the stream)."""
+    blend: tuple[BlendSource, ...] = ()
+    """Train on several token files mixed by weight (deterministic, resumable, the same for any layout)
+    instead of `path` alone; validation still comes from `path` (or `val_path`)."""
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ Rank 0 appends one JSON line per logged step to RUN_DIR/metrics.jsonl (see metri
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -17,10 +18,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from launcher import divergence
+from launcher import divergence, tokens, weights
 from launcher.busy import BusyClock
 from launcher.ckptmanager import CheckpointManager
-from launcher.data import Prefetcher, TokenDataset, check_token_ids, check_train_data
+from launcher.data import Prefetcher, TokenDataset, check_token_ids, check_train_data, open_dataset
 from launcher.engine import StepResult
 from launcher.env import RankEnv, setdefault_env
 from launcher.exitcodes import EXIT_DIVERGED
@@ -110,10 +111,13 @@ def train(run_spec: RunSpec, env: RankEnv, flag: Optional[StopFlag] = None) -> i
 
     `flag` is the stop flag the caller installed (launcher.entry does, before importing torch).
     """
-    job = run_spec.job
+    tokens.check_data_files(run_spec.job)
+    weights.check_init_from(run_spec.job)
+    job = tokens.resolve_vocab(run_spec.job)  # vocab_size 0: the tokenizer's
+    run_spec = dataclasses.replace(run_spec, job=job)
     check_tasks(job, env)
     check_layout(job, env)
-    dataset = TokenDataset(job.data.path, job.trainer.model.seq_len, job.data.val_fraction)
+    dataset = open_dataset(job.data, job.trainer.model.seq_len)
     check_data(job, dataset)
     setdefault_env(run_spec.run.nccl_env, os.environ)  # the cluster preset, unless the user set a key
     runtime = pick_runtime(job, env, os.environ)

@@ -142,9 +142,12 @@ def submit(
 ) -> list[JobRecord]:
     """dryrun + schedule: build the request, send it, record the job. A GPU job that cannot fit its
     partition's memory is refused first (InputError, as `meshrun submit` does), unless `force`."""
-    if not force:
-        from submit.plan import check_fit
+    from submit.plan import check_files, check_fit
+    from submit.transport import LocalTransport
 
+    if isinstance(transport, LocalTransport):
+        check_files(plan)  # over SSH, the ranks check their files when they start
+    if not force:
         check_fit(plan)
     return schedule(dryrun(plan, after), plan, registry, transport, spec_dir, profile_path)
 

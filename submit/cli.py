@@ -296,6 +296,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
     profile = with_exclude(load_profile(args.cluster), args.exclude)
     _check_submit_flags(args, profile.scheduler)
     plan = _plan(args, profile)  # every input error surfaces before any connection
+    if profile.ssh is None:
+        from submit.plan import check_files
+
+        check_files(plan)  # a missing token or weights file, seen from here (a login node, the local cluster)
     if not args.force:
         from submit.plan import check_fit
 

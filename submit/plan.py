@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from launcher import dsconfig, presets, schema
+from launcher import dsconfig, presets, schema, tokens, weights
 from launcher.parallel_dims import ParallelDims
 from launcher.rundir import RunDir
 from launcher.schema import SchemaError
@@ -399,6 +399,15 @@ def run_dir_for(spec: JobSpec, cluster: ClusterProfile, home: str, now: Optional
     return f"{base}/runs/{slug(spec.name)}-{stamp}-{secrets.token_hex(2)}"
 
 
+def check_files(plan: Plan) -> None:
+    """The files the ranks will read (data, init weights) exist, where this machine sees their filesystem
+    (the local cluster, a login node; not a laptop: over SSH the ranks check when they start). At submit
+    time, beside check_fit: planning and rendering a job need no data."""
+    home = os.path.expanduser("~")
+    tokens.check_data_files(plan.spec, home)
+    weights.check_init_from(plan.spec, home)
+
+
 def make_plan(
     spec: JobSpec,
     submitted: dict[str, Any],
@@ -408,9 +417,11 @@ def make_plan(
 ) -> Plan:
     """Validate everything, then resolve the run dir. `home` is the cluster user's home."""
     check_ranges(spec)
+    home = home or os.path.expanduser("~")
+    if home != REMOTE_HOME:  # the ranks' files may be visible from here (the local cluster, a login node)
+        spec = tokens.resolve_vocab(spec, home)
     part = check_resources(spec, cluster)
     check_parallel(spec, cluster)
-    home = home or os.path.expanduser("~")
     run_dir = run_dir or run_dir_for(spec, cluster, home)
     ckpt_root = cluster.paths.checkpoint_root and expand_home(cluster.paths.checkpoint_root, home)
     ckpt_dir = f"{ckpt_root.rstrip('/')}/{Path(run_dir).name}" if ckpt_root else f"{run_dir}/checkpoints"

@@ -34,7 +34,7 @@ from launcher import checkpoint as ckpt
 from launcher.sidecar import copier
 from tests.integration.cli import trials
 
-TRIALS = trials(5)
+TRIALS = trials(3)
 ATTEMPT = "4242.0"
 STEP = 100
 PARTS = {  # node rank -> {file: size}: a few MB per node, several files each

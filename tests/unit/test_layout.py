@@ -20,6 +20,8 @@ CONTRACT = {
     "launcher.dskeys",  # the DeepSpeed keys dsconfig checks a deepspeed: section against
     "launcher.gpus",  # GPU peaks, memory and bandwidth: the planner times and fits jobs with them
     "launcher.presets",  # model-size presets, expanded when a spec is loaded
+    "launcher.tokens",  # the token file's record: the planner checks data files and takes the vocab from it
+    "launcher.weights",  # train.init_from's names and shapes, read from the safetensors header
 }
 """The torch-free contract: all that `submit` may import of `launcher`."""
 SCHEDULER_TEST = re.compile(r"""scheduler\s*(==|!=|\bin\b|\bnot in\b)\s*[\(\[\{]?\s*["'](local|slurm)["']""")
