@@ -106,7 +106,12 @@ def consolidated_state(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, s
                 f"complete steps now: {_complete(Path(path).parent)}"
             ) from None
         raise
-    tensors = {name: t.detach().contiguous().cpu() for name, t in state["model"].items()}
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in state["model"].items():
+        t = t.detach().contiguous().cpu()
+        # A tied head (output.weight) is the embedding's tensor; safetensors refuses shared storage, so the
+        # file holds both names, the second as a copy: it loads into a GPT with strict=True either way.
+        tensors[name] = t.clone() if any(t.data_ptr() == u.data_ptr() for u in tensors.values()) else t
     meta = {
         "format": "meshrun-gpt",
         "step": str(marker["step"]),

@@ -71,6 +71,8 @@ def dims_of(job: JobSpec) -> ParallelDims:
         vocab_size=model.vocab_size,
         seq_len=model.seq_len,
         sequence_parallel=par.sequence_parallel,
+        n_kv_heads=model.n_kv_heads,
+        tie_embeddings=model.tie_embeddings,
     )
     if problem:
         raise SchemaError(problem.key, problem.value, problem.fix)

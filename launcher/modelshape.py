@@ -17,20 +17,33 @@ def ffn_hidden(cfg: ModelConfig) -> int:
     return int(math.ceil(cfg.ffn_mult * cfg.d_model / 64) * 64)
 
 
+def kv_dim(cfg: ModelConfig) -> int:
+    """Width of the key and value projections: kv_heads x head size (d_model under full multi-head attention)."""
+    return cfg.kv_heads * (cfg.d_model // cfg.n_heads)
+
+
+def head_param_count(cfg: ModelConfig) -> int:
+    """Parameters the output head adds: none when tied (it is the embedding's matrix), else d_model x vocab."""
+    return 0 if cfg.tie_embeddings else cfg.d_model * cfg.vocab_size
+
+
 def param_count(cfg: ModelConfig, exclude_embedding: bool = False) -> int:
-    """Parameters of the whole model, from the config alone (no model needed: MFU, planning)."""
+    """Parameters of the whole model, from the config alone (no model needed: MFU, planning); a tied head's
+    matrix is the embedding's, counted once (as GPT.num_params does)."""
     d, v = cfg.d_model, cfg.vocab_size
     embedding = 0 if exclude_embedding else v * d
-    return embedding + cfg.n_layers * block_param_count(cfg) + d + d * v  # + final norm + untied head
+    return embedding + cfg.n_layers * block_param_count(cfg) + d + head_param_count(cfg)  # + final norm + head
 
 
 def flops_per_token(cfg: ModelConfig) -> int:
     """Training FLOPs per token (forward + backward): 6N + 12*L*d*T (PaLM/Megatron).
 
-    N excludes the embedding table (a lookup, not a matmul) but keeps the untied
-    head; the second term is attention's QK^T and AV over the full sequence.
+    N excludes the embedding table (a lookup, not a matmul) but keeps the head's matmul,
+    tied or not; the second term is attention's QK^T and AV over the full sequence (over the
+    query heads, so grouped-query attention does not change it).
     """
-    return 6 * param_count(cfg, exclude_embedding=True) + 12 * cfg.n_layers * cfg.d_model * cfg.seq_len
+    matmul = param_count(cfg, exclude_embedding=True) + (cfg.d_model * cfg.vocab_size if cfg.tie_embeddings else 0)
+    return 6 * matmul + 12 * cfg.n_layers * cfg.d_model * cfg.seq_len
 
 
 @dataclass(frozen=True)
@@ -58,17 +71,19 @@ class ModelPart:
 
 
 def block_param_count(cfg: ModelConfig) -> int:
-    """Parameters of one transformer block: q, k, v, o; w1, w2, w3; two norms."""
+    """Parameters of one transformer block: q and o (d x d), k and v (d x kv_dim: smaller under grouped-query
+    attention); w1, w2, w3; two norms."""
     d, h = cfg.d_model, ffn_hidden(cfg)
-    return 4 * d * d + 3 * d * h + 2 * d
+    return 2 * d * d + 2 * d * kv_dim(cfg) + 3 * d * h + 2 * d
 
 
 def part_param_count(cfg: ModelConfig, part: ModelPart) -> int:
     """Parameters one model part builds: its blocks, plus the embedding (first stage) and the final norm and
-    untied head (last stage)."""
+    head (last stage); a tied head adds no matrix (tying needs both ends in one part: pp = 1)."""
     d, v = cfg.d_model, cfg.vocab_size
     blocks = (part.end_layer - part.first_layer) * block_param_count(cfg)
-    return blocks + (v * d if part.embed else 0) + ((d + d * v) if part.head else 0)
+    tied = cfg.tie_embeddings and part.embed and part.head
+    return blocks + (v * d if part.embed else 0) + ((d + (0 if tied else d * v)) if part.head else 0)
 
 
 @dataclass(frozen=True)

@@ -112,11 +112,30 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bo
         top["norm"] = SequenceParallel() if sequence_parallel else ReplicateParallel()
     if model.output is not None:  # vocab columns split; logits gathered whole for the plain loss
         top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+    tied = model.output is not None and model.output.weight is getattr(model.tok_embeddings, "weight", None)
     if top:
         parallelize_module(model, tp_mesh, top)
+    if tied:
+        retie(model)
     plan = block_plan(sequence_parallel)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, plan)
+
+
+def retie(model: GPT) -> None:
+    """Make the head use the embedding's sharded matrix again (tie_embeddings under tp).
+
+    parallelize_module distributes each module's parameters on its own, so the head got a second
+    DTensor; both split the (vocab, d_model) matrix by vocabulary rows (Shard(0): the embedding
+    row-wise, the head column-wise), so the embedding's shard is exactly the head's and one
+    parameter serves both, as on one rank.
+    """
+    assert model.tok_embeddings is not None and model.output is not None
+    embedding, head = model.tok_embeddings.weight, model.output.weight
+    placements = getattr(embedding, "placements", None), getattr(head, "placements", None)
+    if placements[0] != placements[1]:  # a bug in the plan above, not bad input
+        raise RuntimeError(f"tied weights shard differently: embedding {placements[0]}, head {placements[1]}")
+    model.output.weight = embedding
 
 
 # ------------------------------------------------------------------ data parallel

@@ -64,11 +64,15 @@ class ParallelDims:
         vocab_size: int = 0,
         seq_len: int = 0,
         sequence_parallel: bool = False,
+        n_kv_heads: int = 0,
+        tie_embeddings: bool = False,
     ) -> Optional[Problem]:
         """The first thing wrong with this layout, or None.
 
         The keyword arguments are optional so older callers keep working: vocab_size > 0 checks that
-        tp splits the embedding and the head; sequence_parallel checks that tp splits seq_len.
+        tp splits the embedding and the head; sequence_parallel checks that tp splits seq_len;
+        n_kv_heads > 0 checks that tp splits the key/value heads; tie_embeddings checks that one
+        stage holds both the embedding and the head (pp = 1).
         """
         product = f"dp({self.dp})*tp({self.tp})*pp({self.pp})={self.world_size}"
         for key, value in (("parallel.dp", self.dp), ("parallel.tp", self.tp), ("parallel.pp", self.pp)):
@@ -101,6 +105,21 @@ class ParallelDims:
                 self.tp,
                 f"train.model.n_heads({n_heads}) must be divisible by tp({self.tp}): "
                 f"{n_heads} % {self.tp} = {n_heads % self.tp}",
+            )
+        if n_kv_heads and n_kv_heads % self.tp:
+            return Problem(
+                "parallel.tp",
+                self.tp,
+                f"train.model.n_kv_heads({n_kv_heads}) must be divisible by tp({self.tp}) (each tp rank holds "
+                f"whole key/value heads): {n_kv_heads} % {self.tp} = {n_kv_heads % self.tp}; "
+                f"use a tp that divides {n_kv_heads}",
+            )
+        if tie_embeddings and self.pp > 1:
+            return Problem(
+                "parallel.pp",
+                self.pp,
+                "train.model.tie_embeddings shares one matrix between the first stage's embedding and the last "
+                "stage's head; use pp 1 or set train.model.tie_embeddings: false",
             )
         if vocab_size and vocab_size % self.tp:
             return Problem(

@@ -52,6 +52,8 @@ def check_layout(job: JobSpec, env: RankEnv) -> ParallelDims:
         vocab_size=cfg.model.vocab_size,
         seq_len=cfg.model.seq_len,
         sequence_parallel=par.sequence_parallel,
+        n_kv_heads=cfg.model.n_kv_heads,
+        tie_embeddings=cfg.model.tie_embeddings,
     ) or dims.batch_problem(cfg.global_batch, cfg.micro_batch)
     if problem:
         raise SchemaError(problem.key, problem.value, problem.fix)

@@ -111,9 +111,12 @@ def render(out: dict[str, Any], spec: Any) -> str:
     from submit.estimate import gib as _gib
 
     m, t, p = spec.trainer.model, spec.trainer, spec.parallel
+    kv = f" ({m.kv_heads} kv)" if m.kv_heads != m.n_heads else ""
+    tied = ", tied head" if m.tie_embeddings else ""
     lines = [
         f"model: {_count(out['params'])} parameters (n_layers {m.n_layers}, d_model {m.d_model}, n_heads "
-        f"{m.n_heads}, vocab {m.vocab_size}, seq_len {m.seq_len}), {out['flops_per_step']:.3g} FLOPs per step",
+        f"{m.n_heads}{kv}, vocab {m.vocab_size}{tied}, seq_len {m.seq_len}), {out['flops_per_step']:.3g} FLOPs "
+        "per step",
         f"layout: {spec.resources.nodes} node(s) x {spec.resources.gpus_per_node} GPUs: dp {p.dp} tp {p.tp} pp "
         f"{p.pp}, micro_batch {t.micro_batch}, global_batch {t.global_batch}, {t.precision}, engine {t.engine}",
         f"memory per GPU (stage {out['stage']}, the largest):",

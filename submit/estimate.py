@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from launcher import dsconfig
-from launcher.modelshape import ModelPart, StageBytes, block_param_count, ffn_hidden
+from launcher.modelshape import ModelPart, StageBytes, ffn_hidden, part_param_count
 from launcher.parallel_dims import ParallelDims
 from launcher.spec import JobSpec
 from launcher.spec import Model as ModelConfig
@@ -82,12 +82,12 @@ def mixed(spec: JobSpec) -> bool:
 
 def local_params(cfg: ModelConfig, part: ModelPart, tp: int) -> int:
     """Parameters one tp rank of a model part holds: the matmul weights, embedding and head split over tp
-    (launcher/parallel.py), the RMSNorm weights whole on every tp rank."""
-    d, v = cfg.d_model, cfg.vocab_size
+    (launcher/parallel.py), the RMSNorm weights whole on every tp rank (a tied head's matrix is the
+    embedding's: modelshape.part_param_count counts it once)."""
+    d = cfg.d_model
     layers = part.end_layer - part.first_layer
     norms = layers * 2 * d + (d if part.head else 0)
-    split = layers * (block_param_count(cfg) - 2 * d) + (v * d if part.embed else 0) + (d * v if part.head else 0)
-    return cdiv(split, tp) + norms
+    return cdiv(part_param_count(cfg, part) - norms, tp) + norms
 
 
 def _native_state(spec: JobSpec, local: int) -> tuple[int, int, int, int]:
@@ -166,7 +166,9 @@ class LayerBytes:
     """Kept whole on every tp rank without sequence parallelism: each RMSNorm's fp32 upcast and output, and
     the inputs of the projections after it."""
     attention: float
-    """Split over tp: rotated q and k, v, the fused attention's output (no s x s scores: SDPA)."""
+    """Split over tp: rotated q and k, v, the fused attention's output (no s x s scores: SDPA), four tensors of
+    d_model each under full multi-head attention; grouped-query attention's k and v are kv_heads/n_heads of
+    that (`attention_share`)."""
     ffn: float
     """Split over tp, per ffn_hidden/d_model: the SwiGLU's w1 and w3 outputs, their silu, the product."""
     checkpoint: float
@@ -192,13 +194,19 @@ def compute_mode(spec: JobSpec) -> str:
     return "autocast"
 
 
+def attention_share(cfg: ModelConfig) -> float:
+    """The attention's saved tensors against full multi-head attention's: q and the output stay d_model wide,
+    k and v shrink to kv_heads/n_heads of it (measured on the real model: tests/unit/test_estimate.py)."""
+    return (2 + 2 * cfg.kv_heads / cfg.n_heads) / 4
+
+
 def layer_activation_bytes(spec: JobSpec) -> float:
     """One block's saved activations for one micro-batch on one rank: sbh x (whole + (attention + ffn x
     ffn_hidden/d_model) / tp); with sequence parallelism all of it / tp (as Megatron counts it)."""
     cfg, par = spec.trainer.model, spec.parallel
     row = LAYER_BYTES[compute_mode(spec)]
     sbh = cfg.seq_len * spec.trainer.micro_batch * cfg.d_model
-    split = row.attention + row.ffn * ffn_hidden(cfg) / cfg.d_model
+    split = row.attention * attention_share(cfg) + row.ffn * ffn_hidden(cfg) / cfg.d_model
     if par.sequence_parallel and par.tp > 1:
         return sbh * (row.whole + split) / par.tp
     return sbh * (row.whole + split / par.tp)

@@ -340,6 +340,8 @@ def check_parallel(spec: JobSpec, cluster: ClusterProfile) -> None:
         vocab_size=m.vocab_size,
         seq_len=m.seq_len,
         sequence_parallel=p.sequence_parallel,
+        n_kv_heads=m.n_kv_heads,
+        tie_embeddings=m.tie_embeddings,
     )
     if problem:
         raise InputError(problem.key, problem.value, problem.fix)

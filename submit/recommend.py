@@ -121,6 +121,8 @@ def layouts(spec: JobSpec, cluster: ClusterProfile, part: Partition, nodes: int)
                 vocab_size=cfg.vocab_size,
                 seq_len=cfg.seq_len,
                 sequence_parallel=sp,
+                n_kv_heads=cfg.n_kv_heads,
+                tie_embeddings=cfg.tie_embeddings,
             )
             if problem or t.global_batch % dims.dp:
                 continue
