@@ -11,6 +11,7 @@ import collections.abc
 import dataclasses
 import difflib
 import json
+import math
 import re
 import types
 import typing
@@ -138,7 +139,10 @@ def _scalar(tp: Any, value: Any, key: str) -> Any:
         raise SchemaError(key, value, "expected a whole number")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            number = float(value) if isinstance(value, float) or abs(value) < 2**1000 else math.inf
+            if not math.isfinite(number):  # YAML's .nan/.inf, --set's nan/inf: no setting means either
+                raise SchemaError(key, value, "expected a finite number")
+            return number
         raise SchemaError(key, value, "expected a number")
     if tp is str:
         if isinstance(value, str):

@@ -230,15 +230,16 @@ def _check_train_ranges(spec: JobSpec) -> None:
         ("train.model.seq_len", m.seq_len),
     ):
         _positive(key, value)
-    at_least_zero: tuple[tuple[str, float], ...] = (
-        ("train.warmup_steps", t.warmup_steps),
-        ("train.eval_every", t.eval_every),
-        ("train.weight_decay", t.weight_decay),
-        ("train.grad_clip", t.grad_clip),
-        ("train.min_lr", t.min_lr),
+    at_least_zero: tuple[tuple[str, float, str], ...] = (
+        ("train.warmup_steps", t.warmup_steps, "0: no warmup"),
+        ("train.eval_every", t.eval_every, "0: no validation"),
+        ("train.weight_decay", t.weight_decay, "0: no decay; e.g. 0.1"),
+        ("train.grad_clip", t.grad_clip, "0 turns clipping off; e.g. 1.0"),
+        ("train.min_lr", t.min_lr, "the cosine schedule's floor; e.g. lr / 10"),
     )
-    for key, number in at_least_zero:
-        _positive(key, number, 0)
+    for key, number, hint in at_least_zero:
+        if number < 0:
+            raise InputError(key, number, f"must be at least 0 ({hint})")
     if t.lr <= 0:
         raise InputError("train.lr", t.lr, "the learning rate must be positive, e.g. 3e-4")
     if t.eval_every > 0 and t.eval_sequences < t.global_batch:

@@ -1,0 +1,98 @@
+"""README's exit codes and the range checks nothing else exercised: each through the real CLI.
+
+Exit 1 is "the cluster failed" (here: its SSH port refuses the connection), exit 2 bad input:
+memory above a node's, an odd head size, negative or non-finite optimizer settings. Each is one
+line on stderr naming the key, the value and the fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from submit.cli import main
+from submit.registry import Registry
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / "examples" / "tiny.yaml")
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private HOME and XDG dirs: its own (empty) registry and no user profiles."""
+    for var, sub in (("HOME", ""), ("XDG_STATE_HOME", "state"), ("XDG_CONFIG_HOME", "config")):
+        monkeypatch.setenv(var, str(tmp_path / sub))
+    return tmp_path
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    return code, capsys.readouterr().err
+
+
+def unreachable_profile(tmp_path: Path) -> Path:
+    """A Slurm cluster behind an SSH port nothing listens on (port 9: discard, closed here)."""
+    known_hosts = tmp_path / "known_hosts"
+    known_hosts.write_text("")
+    data = {
+        "scheduler": "slurm",
+        "ssh": {"host": "127.0.0.1", "port": 9, "user": "nobody", "known_hosts": str(known_hosts)},
+        "paths": {"work_dir": str(tmp_path / "work")},
+        "partitions": [{"name": "debug", "cpus_per_node": 4, "max_time": "1:00:00", "max_nodes": 2, "default": True}],
+    }
+    path = tmp_path / "unreachable.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_a_cluster_that_fails_exits_1_with_one_line_and_records_nothing(
+    home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profile = unreachable_profile(home)
+    code, err = run(capsys, "submit", str(REPO / "examples" / "command.yaml"), "-c", str(profile))
+    assert code == 1, err
+    assert err.startswith("meshrun: error: ") and err.count("\n") == 1, err
+    assert "127.0.0.1:9" in err and "Traceback" not in err
+    assert Registry().recent(10) == []  # nothing recorded for a job that never started
+
+
+@pytest.mark.parametrize(
+    "override, named, fix",
+    [
+        ("resources.memory_gb=3", "resources.memory_gb: 3", "a node of 'debug' has 2 GiB; ask for at most that"),
+        ("train.model.d_model=132", "train.model.d_model: 132", "head size d_model/n_heads = 33 must be even"),
+        ("train.grad_clip=-0.5", "train.grad_clip: -0.5", "must be at least 0 (0 turns clipping off; e.g. 1.0)"),
+        ("train.weight_decay=-0.1", "train.weight_decay: -0.1", "must be at least 0 (0: no decay; e.g. 0.1)"),
+        ("train.min_lr=-1e-5", "train.min_lr: -1e-05", "must be at least 0 (the cosine schedule's floor"),
+        ("train.grad_clip=nan", "train.grad_clip: nan", "expected a finite number"),
+        ("train.lr=inf", "train.lr: inf", "expected a finite number"),
+        ("train.min_lr=-inf", "train.min_lr: -inf", "expected a finite number"),
+        ("train.lr=1e400", "train.lr: inf", "expected a finite number"),  # float() overflows to inf
+    ],
+)
+def test_bad_values_exit_2_with_key_value_and_fix(
+    home: Path, capsys: pytest.CaptureFixture[str], override: str, named: str, fix: str
+) -> None:
+    code, err = run(capsys, "render", TINY, "-c", "testbed", "--set", override)
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.startswith("meshrun: error: "), err
+    assert f"{named}: {fix}" in err, err
+
+
+@pytest.mark.parametrize(
+    "override", ["resources.memory_gb=2", "train.model.d_model=136", "train.grad_clip=0", "train.weight_decay=0"]
+)
+def test_the_edges_are_allowed(home: Path, capsys: pytest.CaptureFixture[str], override: str) -> None:
+    code, err = run(capsys, "render", TINY, "-c", "testbed", "--set", override)
+    assert code == 0, err
+
+
+def test_a_non_finite_number_in_the_file_is_refused_with_its_line(
+    home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = home / "job.yaml"
+    spec.write_text(Path(TINY).read_text().replace("train:\n", "train:\n  grad_clip: .nan\n", 1))
+    code, err = run(capsys, "render", str(spec), "-c", "testbed")
+    assert code == 2 and "job.yaml:" in err and "train.grad_clip: nan: expected a finite number" in err, err
