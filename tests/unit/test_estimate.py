@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -206,4 +207,18 @@ def test_layer_activations_are_what_the_real_model_saves(ffn_mult: float, mode: 
     two, four = (_saved_bytes(Model(n_layers=n, **shape), 3, mode) for n in (2, 4))
     spec = job(model=Model(n_layers=2, **shape), precision=precision, dp=dp, global_batch=3 * dp, micro_batch=3)
     assert estimate.compute_mode(spec) == mode
+    assert (four - two) / 2 == pytest.approx(estimate.layer_activation_bytes(spec), rel=0.01)
+
+
+@pytest.mark.parametrize("kv_heads", [3, 1])
+@pytest.mark.parametrize("mode, precision, dp", [("fp32", "fp32", 1), ("16-bit", "bf16", 2)])
+def test_grouped_query_attention_saves_narrower_keys_and_values(
+    kv_heads: int, mode: str, precision: str, dp: int
+) -> None:
+    """k and v are kv_heads/n_heads as wide; q and the attention's output are not (estimate.attention_share)."""
+    shape = {"d_model": 384, "n_heads": 6, "n_kv_heads": kv_heads, "vocab_size": 256, "seq_len": 160, "ffn_mult": 2.0}
+    two, four = (_saved_bytes(Model(n_layers=n, **shape), 3, mode) for n in (2, 4))
+    spec = job(model=Model(n_layers=2, **shape), precision=precision, dp=dp, global_batch=3 * dp, micro_batch=3)
+    full = replace(spec, train=replace(spec.trainer, model=replace(spec.trainer.model, n_kv_heads=0)))
+    assert estimate.layer_activation_bytes(spec) < estimate.layer_activation_bytes(full)
     assert (four - two) / 2 == pytest.approx(estimate.layer_activation_bytes(spec), rel=0.01)

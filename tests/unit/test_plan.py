@@ -91,6 +91,22 @@ def _plan(spec: Path, cluster: str, *overrides: str):
             r"gives 1 micro-batch\(es\) per step .* fewer than the pp\(2\) pipeline stages",
         ),
         ("local", GPT3D, ["parallel.pp_schedule=zb"], "parallel.pp_schedule", "must be one of 1f1b, gpipe"),
+        # Model options: grouped-query attention splits whole kv heads over tp; a tied head needs one stage.
+        ("local", TINY, ["train.model.n_kv_heads=3"], "train.model.n_kv_heads", r"give a divisor of n_heads \(4\)"),
+        (
+            "local",
+            GPT3D,
+            ["train.model.n_kv_heads=1"],
+            "parallel.tp",
+            r"n_kv_heads\(1\) must be divisible by tp\(2\).*1 % 2 = 1; use a tp that divides 1",
+        ),
+        (
+            "local",
+            GPT3D,
+            ["train.model.tie_embeddings=true"],
+            "parallel.pp",
+            "tie_embeddings shares one matrix .*; use pp 1 or set train.model.tie_embeddings: false",
+        ),
         # Validation runs whole global batches.
         (
             "local",
@@ -142,6 +158,8 @@ def test_errors_name_key_value_and_fix(cluster, spec, overrides, key, message) -
         ),  # tp 1 splits nothing
         ("local", TINY, ["checkpoint.keep_every=0", "checkpoint.max_restarts=0", "checkpoint.resume_step=1"]),
         ("local", TINY, ["checkpoint.resume_step=null"]),
+        ("local", GPT3D, ["train.model.n_kv_heads=2", "train.model.rope_theta=500000"]),  # 2 kv heads over tp 2
+        ("local", GPT3D, ["train.model.tie_embeddings=true", "parallel.pp=1", "parallel.dp=4"]),  # tied under tp 2
     ],
 )
 def test_edges_that_are_allowed(cluster, spec, overrides) -> None:
