@@ -10,9 +10,16 @@ from pathlib import Path
 from tests.integration import sshbed
 from tests.integration.sshbed import meshrun
 
-PWNED = Path("/tmp/meshrun-pwned")
-HOSTILE = f"$(touch {PWNED}) `touch {PWNED}` 'single' \"double\" spaces;x && touch {PWNED}"
-ODD_FILE = f"odd $(touch {PWNED}) 'q' \"d\" `x`.txt"
+
+def hostile(canary: Path) -> str:
+    """A value that creates `canary` (the fixture: each test's own file) if a shell ran it."""
+    return f"$(touch {canary}) `touch {canary}` 'single' \"double\" spaces;x && touch {canary}"
+
+
+def odd_file(canary: Path) -> str:
+    return f"odd $(touch {canary}) 'q' \"d\" `x`.txt"
+
+
 # No commas: --set splits a list on them.
 PROBE = (
     'import os; print("NAME=" + os.environ["MESHRUN_JOB_NAME"]); print("VALUE=" + os.environ["HOSTILE"]); '
@@ -20,8 +27,8 @@ PROBE = (
 )
 
 
-def test_hostile_values_arrive_literally_and_nothing_executes(testbed: dict, tmp_path: Path) -> None:
-    PWNED.unlink(missing_ok=True)
+def test_hostile_values_arrive_literally_and_nothing_executes(testbed: dict, tmp_path: Path, canary: Path) -> None:
+    HOSTILE, ODD_FILE = hostile(canary), odd_file(canary)
     profile = sshbed.profile(tmp_path)
     root = sshbed.project(tmp_path, {"probe.yaml": sshbed.command_spec("probe", ["true"]), ODD_FILE: HOSTILE})
     out = meshrun(
@@ -62,7 +69,7 @@ def test_hostile_values_arrive_literally_and_nothing_executes(testbed: dict, tmp
     assert name == HOSTILE
     status = json.loads(meshrun(tmp_path, "status", array, "--json", check=True).stdout)
     assert [s["name"] for s in status] == [f"{HOSTILE} [env.V={HOSTILE}]", f"{HOSTILE} [env.V=plain]"]
-    assert not PWNED.exists()
+    assert not canary.exists()
 
 
 def test_newline_in_a_value_is_refused_before_connecting(testbed: dict, tmp_path: Path) -> None:

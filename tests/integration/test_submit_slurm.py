@@ -23,7 +23,11 @@ SIZED_ELSEWHERE = {
     "h100-8node": "resources.gpus_per_node",  # a real 8-node H100 cluster
     "gpt-3d": "resources.cpus_per_task",
 }  # 8 ranks on one node of `local`
-HOSTILE = "$(touch /tmp/meshrun-pwned) `touch /tmp/meshrun-pwned` 'single' \"double\" spaces;x"
+
+
+def hostile(canary: Path) -> str:
+    """A value that creates `canary` (the fixture: each test's own file) if a shell ran it."""
+    return f"$(touch {canary}) `touch {canary}` 'single' \"double\" spaces;x"
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
@@ -160,8 +164,8 @@ def test_two_nodes_train_dp2_pp2_with_the_pipeline_across_nodes(testbed: dict, t
     assert "global batch 16 = micro 4 x dp 2 x accumulation 2" in log, log
 
 
-def test_hostile_name_and_env_reach_the_job_literally(testbed: dict, tmp_path: Path) -> None:
-    Path("/tmp/meshrun-pwned").unlink(missing_ok=True)
+def test_hostile_name_and_env_reach_the_job_literally(testbed: dict, tmp_path: Path, canary: Path) -> None:
+    HOSTILE = hostile(canary)
     probe = 'import os; print("NAME=" + os.environ["MESHRUN_JOB_NAME"]); print("VALUE=" + os.environ["HOSTILE"])'
     out = meshrun(
         tmp_path,
@@ -189,7 +193,7 @@ def test_hostile_name_and_env_reach_the_job_literally(testbed: dict, tmp_path: P
         ["squeue", "--states=all", "-h", "-j", job_id, "-o", "%j"], capture_output=True, text=True, check=True
     ).stdout.rstrip("\n")
     assert queued == HOSTILE
-    assert not Path("/tmp/meshrun-pwned").exists()
+    assert not canary.exists()
 
 
 @pytest.mark.parametrize("override", ["name=two\nlines", "env.X=a\nb", "resources.partition=debug\n"])

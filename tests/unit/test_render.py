@@ -53,7 +53,9 @@ def test_main_example_renders_on_every_shipped_cluster_that_fits() -> None:
     assert set(fits) == set(SHIPPED)
 
 
-HOSTILE = "$(touch /tmp/meshrun-pwned) `touch /tmp/meshrun-pwned` 'single' \"double\" spaces ; rm -rf /"
+def hostile(canary: Path) -> str:
+    """A value that creates `canary` (the fixture: each test's own file) if a shell ran it."""
+    return f"$(touch {canary}) `touch {canary}` 'single' \"double\" spaces ; rm -rf /"
 
 
 def _plan_with(tmp_path: Path, *overrides: str):
@@ -66,17 +68,19 @@ def _plan_with(tmp_path: Path, *overrides: str):
     )
 
 
-def test_hostile_values_are_quoted_and_reach_bash_literally(tmp_path: Path) -> None:
+def test_hostile_values_are_quoted_and_reach_bash_literally(tmp_path: Path, canary: Path) -> None:
+    HOSTILE = hostile(canary)
     script = render(_plan_with(tmp_path, f"name={HOSTILE}", f"env.HOSTILE={HOSTILE}"))
     # Run the environment part of the script in bash and read the values back.
     lines = [l for l in script.splitlines() if l.startswith(("export MESHRUN_JOB_NAME=", "export HOSTILE="))]
     probe = "\n".join(lines + ['printf "%s\\n%s\\n" "$MESHRUN_JOB_NAME" "$HOSTILE"'])
     out = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.splitlines() == [HOSTILE, HOSTILE]
-    assert not Path("/tmp/meshrun-pwned").exists()
+    assert not canary.exists()
 
 
-def test_sbatch_directives_carry_only_a_safe_label(tmp_path: Path) -> None:
+def test_sbatch_directives_carry_only_a_safe_label(tmp_path: Path, canary: Path) -> None:
+    HOSTILE = hostile(canary)
     script = render(_plan_with(tmp_path, f"name={HOSTILE}"))
     directive = next(l for l in script.splitlines() if l.startswith("#SBATCH --job-name="))
     assert directive == f"#SBATCH --job-name={sbatch_label(HOSTILE)}"

@@ -17,10 +17,14 @@ from submit.schedulers.slurm import query_argvs, states_from
 from submit.status import parse_metrics_tail
 from submit.transport import LocalTransport, Result, Upload, batch, tar_bytes
 
-HOSTILE = "$(touch /tmp/meshrun-pwned) `x` 'q' \"d\" a b;c"
+
+def hostile(canary: Path) -> str:
+    """A value (and file name) that creates `canary` (the fixture: each test's own file) if a shell ran it."""
+    return f"$(touch {canary}) `x` 'q' \"d\" a b;c"
 
 
-def test_batch_keeps_each_commands_output_code_and_quotes_everything() -> None:
+def test_batch_keeps_each_commands_output_code_and_quotes_everything(canary: Path) -> None:
+    HOSTILE = hostile(canary)
     out = batch(
         LocalTransport(),
         [["printf", "%s", HOSTILE], ["sh", "-c", "echo out; echo err >&2; exit 3"], ["printf", "a\n\nb\n"], ["true"]],
@@ -31,10 +35,11 @@ def test_batch_keeps_each_commands_output_code_and_quotes_everything() -> None:
         (0, "a\n\nb\n", ""),
         (0, "", ""),
     ]
-    assert not Path("/tmp/meshrun-pwned").exists()
+    assert not canary.exists()
 
 
 def test_put_writes_modes_folders_and_runs_then(tmp_path: Path) -> None:
+    HOSTILE = hostile(tmp_path / "pwned")
     files = {
         "a/b.txt": Upload(b"hi"),
         "run.sh": Upload(b"#!/bin/sh\n", 0o700),
@@ -46,17 +51,20 @@ def test_put_writes_modes_folders_and_runs_then(tmp_path: Path) -> None:
     assert (tmp_path / "d" / HOSTILE).read_bytes() == b"odd"
     assert (tmp_path / "d" / "run.sh").stat().st_mode & 0o777 == 0o700
     assert (tmp_path / "d").stat().st_mode & 0o777 == 0o700
+    assert not (tmp_path / "pwned").exists()
 
 
 def test_the_ssh_put_script_unpacks_the_same_tar(tmp_path: Path) -> None:
     from submit.transport import PUT_SCRIPT
 
+    HOSTILE = hostile(tmp_path / "pwned")
     files = {"a/b.txt": Upload(b"hi"), "x/": Upload(b"", 0o700), HOSTILE: Upload(b"odd", 0o600)}
     done = LocalTransport().run(
         ["sh", "-c", PUT_SCRIPT, "sh", str(tmp_path / "d"), "cat", str(tmp_path / "d/a/b.txt")], stdin=tar_bytes(files)
     )
     assert done.returncode == 0 and done.stdout == "hi", done.stderr
     assert (tmp_path / "d" / HOSTILE).read_bytes() == b"odd" and (tmp_path / "d" / "x").is_dir()
+    assert not (tmp_path / "pwned").exists()
 
 
 def _record(job_id: str, last_state: str = "SUBMITTED") -> JobRecord:

@@ -1,0 +1,22 @@
+"""Fixtures every test folder shares."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+
+@pytest.fixture
+def canary() -> Iterator[Path]:
+    """A file that a shell-injection probe would create: each test its own, so no test sees another's
+    leftover. Short (job names hold at most 128 characters) and absolute, so that a job running in
+    any folder of this machine, the testbed's included, would create this very file."""
+    folder = Path(tempfile.mkdtemp(prefix="pwn-"))
+    try:
+        yield folder / "p"
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
