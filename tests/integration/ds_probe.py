@@ -7,7 +7,7 @@ as the launcher does), trains steps 1..train.steps from the same seed and the sa
 JSON line: {"case": CASE, "loss": [...], "grad_norm": [...]} (the global mean loss of every step).
 
 Cases: `native` (FSDP2), `zero0`..`zero3` (the deepspeed engine), `zero3-offload-params` (ZeRO-3, parameters and optimizer in CPU memory), `zero2-offload` (ZeRO-2 with
-DeepSpeed's CPU Adam). Run by tests/integration/test_deepspeed_engine.py.
+DeepSpeed's CPU Adam); any of them with `-gqa-tied` trains the model with grouped-query attention and a tied head. Run by tests/integration/test_deepspeed_engine.py.
 """
 
 from __future__ import annotations
@@ -29,9 +29,16 @@ from launcher.runtime import init_distributed, pick_runtime
 from launcher.spec import JobSpec, read_run_spec
 from launcher.trainer import build_trainer, mean_over_ranks
 
+GQA_TIED = "-gqa-tied"
+"""A case suffix: the base model with 2 key/value heads and its head tied to the embedding."""
+
 
 def job_for(base: JobSpec, case: str) -> JobSpec:
-    """The base job with the engine, ZeRO stage and offload the case names."""
+    """The base job with the engine, ZeRO stage and offload the case names (and the model, with GQA_TIED)."""
+    if case.endswith(GQA_TIED):
+        case = case.removesuffix(GQA_TIED)
+        model = dataclasses.replace(base.trainer.model, n_kv_heads=2, tie_embeddings=True)
+        base = dataclasses.replace(base, train=dataclasses.replace(base.trainer, model=model))
     if case == "native":
         return base
     stage, _, extra = case.removeprefix("zero").partition("-")

@@ -36,6 +36,9 @@ PROBE = Path(__file__).with_name("ds_probe.py")
 STEPS = 10
 MODEL = Model(n_layers=4, d_model=64, n_heads=4, seq_len=32)  # test_parallel_numerics.py's reference model
 CASES = ["zero0", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload-params"]
+GQA_TIED_CASES = ["native-gqa-tied", "zero1-gqa-tied", "zero3-gqa-tied"]
+"""The model with grouped-query attention and a tied head (ds_probe.py): ZeRO flattens or partitions the one
+shared matrix once, and its gradient gathers both uses, as FSDP2's does."""
 
 # Tolerances, relative, at every step. Both engines run the same fp32 model from the same weights on the
 # same batches with the same AdamW (torch's own under ZeRO 0-3): only the order of float32 sums differs
@@ -65,7 +68,7 @@ def probed(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> dict[str, 
     port = free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, str(PROBE), str(run_dir), "native", *CASES],
+            [sys.executable, str(PROBE), str(run_dir), "native", *CASES, *GQA_TIED_CASES],
             env=rank_environ(rank, 2, port),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -101,6 +104,20 @@ def test_zero_stage_trains_like_the_native_engine(case: str, probed: dict[str, d
     assert all(relative(a, b) <= loss_tol for a, b in zip(ref["loss"], got["loss"])), table
     assert all(relative(a, b) <= norm_tol for a, b in zip(ref["grad_norm"], got["grad_norm"])), table
     print(table)
+
+
+@pytest.mark.parametrize("case", GQA_TIED_CASES[1:])
+def test_zero_trains_a_gqa_model_with_a_tied_head_like_the_native_engine(
+    case: str, probed: dict[str, dict[str, Any]]
+) -> None:
+    ref, got = probed["native-gqa-tied"], probed[case]
+    assert ref["loss"] != probed["native"]["loss"]  # another model indeed
+    assert len(got["loss"]) == STEPS and ref["loss"][-1] < ref["loss"][0] - 1.0
+    assert all(relative(a, b) <= LOSS_RTOL for a, b in zip(ref["loss"], got["loss"])), (ref["loss"], got["loss"])
+    assert all(relative(a, b) <= NORM_RTOL for a, b in zip(ref["grad_norm"], got["grad_norm"])), (
+        ref["grad_norm"],
+        got["grad_norm"],
+    )
 
 
 # ------------------------------------------------------------------ kill -9, requeue, resume (Slurm testbed)

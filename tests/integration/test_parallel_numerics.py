@@ -11,7 +11,10 @@ difference of any layout is ~1e-7 relative (float32 rounding of sharded matmuls 
 reductions in another order), grad_norm ~3e-6.
 
 The layouts between them also cover the options: sequence parallelism, both pipeline
-schedules, FSDP2 and replicate (dp_mode ddp with tp/pp) and activation checkpointing.
+schedules, FSDP2 and replicate (dp_mode ddp with tp/pp) and activation checkpointing; and the model
+options: grouped-query attention (2 kv heads, split over tp 2) with a tied head under FSDP2 x tp (the
+head re-tied to the embedding's shard; its checkpoint exported and loaded whole), and grouped-query
+attention through a tp x pp pipeline. Each model's layouts are compared with its own one-process run.
 """
 
 from __future__ import annotations
@@ -25,19 +28,35 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+import torch
 
-from launcher.spec import Model, Parallel, Train
+from launcher import checkpoint as ckpt
+from launcher import export
+from launcher.model import GPT
+from launcher.spec import Checkpoint, Model, Parallel, Train
 from tests.integration.ranks import finish, free_port, make_run, metrics, rank_environ, start, tiny_train
 
 STEPS = 10
 LOSS_RTOL = 1e-5
 NORM_RTOL = 5e-5
 MODEL = Model(n_layers=4, d_model=64, n_heads=4, seq_len=32)
+MODELS = {
+    "mha": MODEL,
+    "gqa": Model(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, seq_len=32, rope_theta=500000.0),
+    "gqa-tied": Model(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, tie_embeddings=True, seq_len=32),
+}
+"""The models the layouts train, by name; each has its own one-process reference run."""
 
 
-def numerics_train(micro_batch: int, **overrides: Any) -> Train:
+def numerics_train(micro_batch: int, model: str = "mha", **overrides: Any) -> Train:
     return tiny_train(
-        model=MODEL, steps=STEPS, global_batch=8, micro_batch=micro_batch, eval_every=5, eval_sequences=16, **overrides
+        model=MODELS[model],
+        steps=STEPS,
+        global_batch=8,
+        micro_batch=micro_batch,
+        eval_every=5,
+        eval_sequences=16,
+        **overrides,
     )
 
 
@@ -50,6 +69,7 @@ class Case:
     sequence_parallel: bool = False
     schedule: str = "1f1b"
     checkpointing: bool = False
+    model: str = "mha"
 
     @property
     def world(self) -> int:
@@ -62,6 +82,7 @@ class Case:
             + (["sp"] if self.sequence_parallel else [])
             + ([self.schedule] if self.pp > 1 else [])
             + (["ac"] if self.checkpointing else [])
+            + ([self.model] if self.model != "mha" else [])
         )
         return f"dp{self.dp}-tp{self.tp}-pp{self.pp}-" + "-".join(extras)
 
@@ -75,6 +96,8 @@ CASES = [
     Case(2, 1, 2, mode="ddp", schedule="gpipe"),  # ddp with pp: FSDP2's replicate
     Case(1, 2, 2, sequence_parallel=True, schedule="gpipe", checkpointing=True),
     Case(2, 2, 2, schedule="1f1b"),
+    Case(2, 2, 1, model="gqa-tied"),
+    Case(1, 2, 2, schedule="1f1b", model="gqa"),
 ]
 
 
@@ -85,12 +108,14 @@ def run_single(root: Path, name: str, corpus: Path, train: Train) -> subprocess.
 
 @pytest.fixture(scope="module")
 def singles(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Iterator[dict[str, list[dict]]]:
-    """One-process runs, started together: the reference (micro 8), 4 x micro 2, and micro 8 with checkpointing."""
+    """One-process runs, started together: the reference (micro 8), 4 x micro 2, micro 8 with checkpointing,
+    and each other model's reference."""
     root = tmp_path_factory.mktemp("singles")
     trains = {
         "reference": numerics_train(8),
         "accumulation": numerics_train(2),
         "checkpointing": numerics_train(8, activation_checkpointing=True),
+        **{name: numerics_train(8, name) for name in MODELS if name != "mha"},
     }
     procs = {name: run_single(root, name, corpus, train) for name, train in trains.items()}
     for proc in procs.values():
@@ -137,7 +162,7 @@ def test_activation_checkpointing_changes_no_loss(singles: dict[str, list[dict]]
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_layout_matches_one_process(case: Case, singles: dict[str, list[dict]], tmp_path: Path, corpus: Path) -> None:
     micro = 2  # accumulation = 8 / (2 * dp): 4 or 2 micro-batches, each >= pp
-    train = numerics_train(micro, activation_checkpointing=case.checkpointing)
+    train = numerics_train(micro, case.model, activation_checkpointing=case.checkpointing)
     parallel = Parallel(
         dp=case.dp,
         tp=case.tp,
@@ -146,15 +171,33 @@ def test_layout_matches_one_process(case: Case, singles: dict[str, list[dict]], 
         sequence_parallel=case.sequence_parallel,
         pp_schedule=case.schedule,
     )  # type: ignore[arg-type]
-    run_dir = make_run(tmp_path, case.name, corpus, case.world, train=train, parallel=parallel)
+    saves = Checkpoint(every=STEPS) if case.model == "gqa-tied" else None
+    run_dir = make_run(tmp_path, case.name, corpus, case.world, train=train, parallel=parallel, checkpoint=saves)
     outputs = finish(start(run_dir, case.world))
     banner = f"dp={case.dp} tp={case.tp} pp={case.pp}"
     assert banner in outputs[0], outputs[0]
-    worst = compare(singles["reference"], metrics(run_dir))
+    worst = compare(singles["reference" if case.model == "mha" else case.model], metrics(run_dir))
     print(f"{case.name}: max relative differences {worst}")
     # Only rank 0 writes metrics, though the loss is computed on the last pipeline stage.
     assert all(not re.search(r"^step \d+/", out, re.M) for out in outputs[1:])
     assert not any(SEQUENTIAL_WARNING.search(out) for out in outputs), "DTensor reduced over mesh dims one by one"
+    if saves is not None:
+        check_tied_export(run_dir, tmp_path / "model.safetensors")
+
+
+def check_tied_export(run_dir: Path, out: Path) -> None:
+    """A tied model's checkpoint, saved sharded over dp x tp, exports to one file holding both names (the head
+    a copy: safetensors refuses shared storage) that loads strictly into one process's GPT, tied again."""
+    from safetensors.torch import load_file
+
+    assert export.main([str(ckpt.latest(run_dir / "checkpoints")), str(out)]) == 0
+    loaded = load_file(str(out))
+    assert torch.equal(loaded["output.weight"], loaded["tok_embeddings.weight"])
+    model = GPT(MODELS["gqa-tied"])
+    model.load_state_dict(loaded, strict=True)
+    assert model.output is not None and model.tok_embeddings is not None
+    assert model.output.weight is model.tok_embeddings.weight
+    assert torch.equal(model.output.weight, loaded["output.weight"])
 
 
 # ------------------------------------------------------------------ the global grad norm: one collective
