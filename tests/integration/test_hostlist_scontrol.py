@@ -5,10 +5,16 @@ configuration first (without one it tries DNS SRV records and dies), so the test
 two-line slurm.conf. It prints "Invalid hostlist: ..." on stderr and still exits 0 for a list it
 refuses, so refusal is read from stderr.
 
+The generated lists are seeded (SEED, or MESHRUN_HOSTLIST_SEED to explore others) and their number
+scales with `trials`: about a thousand lists in CI, tens of thousands with MESHRUN_SOAK=1.
+
 Where the installed Slurm (22.05 on the test machine) and expand_hostlist differ on purpose:
-- a suffix after the last bracket ("n[1-2]-ib") is valid from Slurm 23.11; 22.05 refuses it.
-  Such lists are checked directly when the installed scontrol takes them, else through
-  "n[1-2]-ib[0]" (valid in 22.05: the same names with a "0" appended).
+- a suffix after the last bracket ("login[1-2]-ib") is valid from Slurm 23.11 (SchedMD commit
+  0994b5f, "Extend hostlist to support suffix", June 2023; still so in 25.11); 22.05 refuses it.
+  meshrun follows the Slurm that supported clusters run: refusing such a list would fail every
+  job whose node list uses it there, while 22.05 never produces one. Such lists are checked
+  directly when the installed scontrol takes them, else through "n[1-2]-ib[0]" (valid in 22.05:
+  the same names with a "0" appended).
 - an unclosed '[' is an error from 23.11; 22.05 mangles it ("n[1-3" -> "n]", "[1-3" -> "1-3").
 - names that would keep a '[' or ']', and lists where Slurm logs an error yet prints (it then
   drops hosts silently), raise ValueError here.
@@ -16,6 +22,7 @@ Where the installed Slurm (22.05 on the test machine) and expand_hostlist differ
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import shutil
@@ -28,8 +35,9 @@ from typing import Callable, Optional, Sequence
 import pytest
 
 from launcher.env import expand_hostlist
+from tests.integration.cli import trials
 
-SEED = 20240611
+SEED = int(os.environ.get("MESHRUN_HOSTLIST_SEED", "20240611"))
 
 
 @dataclass(frozen=True)
@@ -46,15 +54,25 @@ Run = Callable[[Sequence[str]], dict[str, Scontrol]]
 
 
 @pytest.fixture(scope="module")
-def scontrol(tmp_path_factory: pytest.TempPathFactory) -> Run:
+def scontrol_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A clean environment with a two-line slurm.conf (and no SLURM_JOB_NODELIST, which scontrol
+    would fall back to for an empty argument)."""
+    conf = tmp_path_factory.mktemp("slurm") / "slurm.conf"
+    conf.write_text("ClusterName=hostlisttest\nSlurmctldHost=localhost\n")
+    return {"SLURM_CONF": str(conf), "PATH": "/usr/bin:/bin", "LC_ALL": "C"}
+
+
+def scontrol_binary() -> str:
     binary = shutil.which("scontrol") or "/usr/bin/scontrol"
     if not Path(binary).exists():
         # Fail, never skip (as tests/integration/conftest.py): a skip would look green.
         pytest.fail("scontrol not found: run `sh tests/testbed/install.sh` as root first", pytrace=False)
-    conf = tmp_path_factory.mktemp("slurm") / "slurm.conf"
-    conf.write_text("ClusterName=hostlisttest\nSlurmctldHost=localhost\n")
-    # A clean environment: with an empty argument scontrol would fall back to SLURM_JOB_NODELIST.
-    env = {"SLURM_CONF": str(conf), "PATH": "/usr/bin:/bin", "LC_ALL": "C"}
+    return binary
+
+
+@pytest.fixture(scope="module")
+def scontrol(scontrol_env: dict[str, str]) -> Run:
+    binary, env = scontrol_binary(), scontrol_env
 
     def one(text: str) -> Scontrol:
         # "--": a list that starts with '-' must not be read as an option.
@@ -75,6 +93,16 @@ def scontrol(tmp_path_factory: pytest.TempPathFactory) -> Run:
     if probe.hosts != ["n1", "n2"]:
         pytest.fail(f"scontrol show hostnames does not work here: {probe}", pytrace=False)
     return run
+
+
+@pytest.fixture(scope="module")
+def scontrol_version(scontrol_env: dict[str, str]) -> tuple[int, int]:
+    """(major, minor) of the installed Slurm: "slurm-wlm 22.05.8" -> (22, 5)."""
+    out = subprocess.run(
+        [scontrol_binary(), "--version"], env=scontrol_env, capture_output=True, text=True, timeout=60
+    ).stdout
+    major, minor = re.findall(r"\d+", out)[:2]
+    return int(major), int(minor)
 
 
 def expand_or_none(text: str) -> Optional[list[str]]:
@@ -242,17 +270,30 @@ def test_hand_picked_lists_match_scontrol(scontrol: Run) -> None:
 
 def test_generated_lists_match_scontrol(scontrol: Run) -> None:
     rng = random.Random(SEED)
-    texts = [hostlist(rng, token) for _ in range(250)]
+    texts = [hostlist(rng, token) for _ in range(trials(300, 20_000))]
     results = scontrol(texts)
     mismatches = [(t, results[t]) for t in texts if results[t].refused or expand_or_none(t) != results[t].hosts]
     assert not mismatches, mismatches[:5]
-    assert sum(len(r.hosts) for r in results.values()) > 2000  # the lists did expand
+    assert sum(len(r.hosts) for r in results.values()) > 8 * len(texts)  # the lists did expand
+    print(f"{len(texts)} generated hostlists agree with scontrol (seed {SEED})")
+
+
+def test_login_ib_suffix_is_expanded_as_slurm_23_11_does(scontrol: Run, scontrol_version: tuple[int, int]) -> None:
+    # Issue 13's example: the installed 22.05 refuses it, Slurm >= 23.11 gives these two names.
+    text = "login[1-2]-ib"
+    assert expand_hostlist(text) == ["login1-ib", "login2-ib"]
+    results = scontrol([text, "login[1-2]-ib[0]"])
+    if scontrol_version >= (23, 11):
+        assert results[text].hosts == ["login1-ib", "login2-ib"], results[text]
+    else:  # the same names, each plus "0", through a list 22.05 takes
+        assert results[text].refused, (scontrol_version, results[text])
+        assert results["login[1-2]-ib[0]"].hosts == ["login1-ib0", "login2-ib0"]
 
 
 def test_suffix_after_the_last_bracket(scontrol: Run) -> None:
     rng = random.Random(SEED + 1)
     oracle = {}
-    for _ in range(60):
+    for _ in range(trials(100, 5_000)):
         tokens = [suffixed_token(rng) for _ in range(rng.choice([1, 1, 2, 3]))]
         # 22.05 refuses "n[1-2]-ib" but takes "n[1-2]-ib[0]": the same names, each plus "0".
         oracle[join(rng, tokens)] = ",".join(tok + "[0]" for tok in tokens)
@@ -270,7 +311,7 @@ def test_suffix_after_the_last_bracket(scontrol: Run) -> None:
 
 def test_generated_invalid_lists_are_refused(scontrol: Run) -> None:
     rng = random.Random(SEED + 2)
-    texts = [invalid_hostlist(rng) for _ in range(120)]
+    texts = [invalid_hostlist(rng) for _ in range(trials(150, 5_000))]
     results = scontrol(texts)
     for text in texts:
         with pytest.raises(ValueError):
@@ -331,7 +372,7 @@ def test_unclosed_bracket(scontrol: Run, text: str) -> None:
 def test_random_junk_agrees_with_scontrol(scontrol: Run) -> None:
     rng = random.Random(SEED + 3)
     # Junk with text right after a ']' is a suffix: 23.11+ semantics, tested above.
-    texts = [t for t in (junk(rng) for _ in range(600)) if not re.search(r"\][^\], \[]", t)]
+    texts = [t for t in (junk(rng) for _ in range(trials(600, 20_000))) if not re.search(r"\][^\], \[]", t)]
     results = scontrol(texts)
     for text in texts:
         ours, theirs = expand_or_none(text), results[text]
@@ -342,7 +383,7 @@ def test_random_junk_agrees_with_scontrol(scontrol: Run) -> None:
                 expand_hostlist(text)
         else:
             assert ours == theirs.hosts, (text, theirs)
-    assert len(texts) > 300
+    assert len(texts) > trials(300, 10_000)
 
 
 def test_10k_hosts_match_scontrol(scontrol: Run) -> None:
