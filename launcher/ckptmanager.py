@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from launcher import checkpoint as ckpt
-from launcher import resume
+from launcher import initweights, resume
 from launcher.checkpoint import Checkpointer
 from launcher.entry import node_dir_for
 from launcher.env import RankEnv
@@ -67,14 +67,14 @@ class CheckpointManager:
         """The first step to run: 1, or one past the newest complete checkpoint (or the requested one);
         None when the crash-loop guard gave up."""
         if self.saver is None or self.run_spec is None:
-            return 1
+            return fresh_start(t)
         choice = self._choose(self.saver.root, self.run_spec.job.checkpoint.resume_step)
         if self.env.rank == 0:
             print(f"[meshrun] {choice.note}", flush=True)
         if choice.gave_up:
             return None
         if choice.step is None:
-            return 1
+            return fresh_start(t)
         return self.load(t, ckpt.step_dir(self.saver.root, choice.step)) + 1
 
     def load(self, t: Trainer, path: Path) -> int:
@@ -131,6 +131,14 @@ class CheckpointManager:
     def close(self) -> None:
         if self.saver is not None:
             self.saver.close()
+
+
+def fresh_start(t: Trainer) -> int:
+    """Step 1 of a run with no checkpoint to resume: from train.init_from's weights when it names some
+    (the deepspeed engine loaded them before DeepSpeed took the model: launcher/initweights.py)."""
+    if t.cfg.init_from and t.engine.name != "deepspeed":
+        initweights.start_from(t.engine.model, t.cfg.init_from, t.env.rank)
+    return 1
 
 
 def marker_job(run_spec: RunSpec) -> dict[str, Any]:

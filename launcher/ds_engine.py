@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from launcher import checkpoint as ckpt
-from launcher import dsconfig
+from launcher import dsconfig, initweights
 from launcher.checkpoint import Checkpointer, Writer
 from launcher.data import Layout, MicroBatches
 from launcher.engine import StepResult
@@ -96,6 +96,8 @@ class DeepSpeedEngine:
         where = torch.device("cpu") if par.offload_params else runtime.device
         with torch.device(where):
             model = GPT(cfg.model, seed=cfg.seed, activation_checkpointing=cfg.activation_checkpointing)
+        if cfg.init_from:  # before DeepSpeed copies (ZeRO 1-3: fp32 masters) and partitions it; a resume replaces it
+            initweights.start_from(model, cfg.init_from, env.rank)
         optimizer = build_optimizer(model, cfg, par.offload_optimizer)
         engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=dsconfig.generate(job), dist_init_required=False

@@ -1,26 +1,35 @@
-"""Consolidate a sharded checkpoint into one safetensors file, for use outside meshrun.
+"""Consolidate a sharded checkpoint into safetensors, for use outside meshrun.
 
-    python -m launcher.export CHECKPOINT OUT.safetensors
+    python -m launcher.export CHECKPOINT OUT [--format meshrun|hf] [--max-shard-size 5GB]
 
 CHECKPOINT is a step folder (`ROOT/step-N`) or a checkpoint root, whose newest complete
 step is exported; if retention deletes that step while it loads (a run still saving
-with a small `checkpoint.keep`), the then-newest one is taken instead. Runs in one process on any machine that can read the checkpoint (no GPU, no process
-group): the model is rebuilt from the spec recorded in the checkpoint's marker and
-its weights are loaded from the shards whatever (dp, tp, pp) layout saved them. A checkpoint of
-the deepspeed engine (the marker's job says `train.engine: deepspeed`) is consolidated by
-DeepSpeed's own code from its save in `step-N/deepspeed/`, whatever ZeRO stage sharded it.
-The file holds the full model's parameters under their usual names, plus metadata
-(step, model config) as safetensors' string map.
+with a small `checkpoint.keep`), the then-newest one is taken instead. Runs in one process on any machine
+that can read the checkpoint (no GPU, no process group), whatever (dp, tp, pp) layout saved it.
+
+Streamed: the names, shapes and dtypes come from the spec in the checkpoint's marker and DCP's metadata,
+so every file's header is written first, then the tensors are read a few at a time (DCP loads a partial
+state dict: only their bytes) and written as they arrive; the process holds at most
+shardwriter.HOLD_BYTES of tensors (or one larger tensor), never the model. A checkpoint of the deepspeed
+engine (the marker's job says `train.engine: deepspeed`) is consolidated by DeepSpeed's own code from
+its save in `step-N/deepspeed/`, whatever ZeRO stage sharded it: that one is held whole, then written.
+
+`meshrun` format: one file OUT, the GPT's own names, metadata (step, model config) in safetensors'
+string map. `hf` format: a folder OUT for transformers' LlamaForCausalLM (launcher/hfnames.py): Hugging
+Face names in `model.safetensors` or shards of at most --max-shard-size with their index, config.json,
+and the tokenizer `meshrun data` saved beside the run's token file, when there is one.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
 import re
 import sys
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -28,11 +37,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from launcher import checkpoint as ckpt
-from launcher import dsconfig, schema
-from launcher.model import GPT
-from launcher.spec import JobSpec
+from launcher import dsconfig, hfnames, schema
+from launcher import shardwriter as sw
+from launcher.spec import JobSpec, Model
 
-USAGE = "usage: python -m launcher.export CHECKPOINT OUT.safetensors"
+FORMATS = ("meshrun", "hf")
+DEFAULT_SHARD = "5GB"
 ATTEMPTS = 5
 _STEP = re.compile(r"^step-(\d+)(\.tmp)?$")
 DEEPSPEED_TAG = "deepspeed"
@@ -81,43 +91,87 @@ def choose(path: Path) -> tuple[Path, bool]:
     raise missing_step(path)
 
 
-def consolidated_state(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The full model's tensors from a complete checkpoint, and metadata about them."""
-    if not (Path(path) / ckpt.MARKER).is_file():
-        raise missing_step(Path(path))
+@dataclass
+class Source:
+    """A complete checkpoint's model tensors, read on demand: names and shapes from the marker's spec,
+    dtypes from DCP's metadata; `load` reads only the tensors asked for."""
+
+    path: Path
+    job: JobSpec
+    step: int
+    dtypes: dict[str, torch.dtype]
+    """Every GPT tensor (its state dict's names, in model order) and its saved dtype."""
+    _whole: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The deepspeed engine's consolidated model (DeepSpeed's code gathers it at once)."""
+
+    @property
+    def model(self) -> Model:
+        return self.job.trainer.model
+
+    def entries(self) -> list[sw.Entry]:
+        """The tensors in meshrun naming, in model order."""
+        shapes = hfnames.meshrun_shapes(self.model)
+        return [sw.Entry(name, shapes[name], dtype, name) for name, dtype in self.dtypes.items()]
+
+    def load(self, names: list[str]) -> dict[str, torch.Tensor]:
+        try:
+            if self.job.trainer.engine == "deepspeed":
+                if not self._whole:
+                    like = {n: torch.empty(s, dtype=self.dtypes[n], device="meta") for n, s in self._shapes().items()}
+                    self._whole = deepspeed_weights(self.path, self.job, like)
+                return {name: self._whole[name] for name in names}
+            shapes = self._shapes()
+            state = {"model": {name: torch.empty(shapes[name], dtype=self.dtypes[name]) for name in names}}
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load(state, checkpoint_id=str(self.path), no_dist=True)
+            return state["model"]
+        except Exception:
+            if not (self.path / ckpt.MARKER).is_file():  # retention unmarks before it deletes
+                raise Vanished(
+                    f"checkpoint {self.path} was deleted while it was read (retention: checkpoint.keep); "
+                    f"complete steps now: {_complete(self.path.parent)}"
+                ) from None
+            raise
+
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        return hfnames.meshrun_shapes(self.model)
+
+    def metadata(self) -> dict[str, str]:
+        return {
+            "format": "meshrun-gpt",
+            "step": str(self.step),
+            "model": json.dumps(schema.to_plain(self.model), sort_keys=True),
+        }
+
+
+def open_source(path: Path) -> Source:
+    """The checkpoint at `path` (complete), its spec and its tensors' dtypes; nothing loaded yet."""
+    path = Path(path)
+    if not (path / ckpt.MARKER).is_file():
+        raise missing_step(path)
     try:
         marker = ckpt.read_marker(path)
     except FileNotFoundError:
         raise Vanished(f"checkpoint {path} was deleted while it was read (retention: checkpoint.keep)") from None
     job = schema.load(JobSpec, marker["job"])
-    model = GPT(job.trainer.model, seed=job.trainer.seed)
-    state = {"model": model.state_dict()}
-    try:
-        if job.trainer.engine == "deepspeed":
-            state["model"] = deepspeed_weights(path, job, state["model"])
-        else:
-            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-                warnings.simplefilter("ignore", UserWarning)
-                dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    except Exception:
-        if not (Path(path) / ckpt.MARKER).is_file():  # retention unmarks before it deletes
-            raise Vanished(
-                f"checkpoint {path} was deleted while it was read (retention: checkpoint.keep); "
-                f"complete steps now: {_complete(Path(path).parent)}"
-            ) from None
-        raise
-    tensors: dict[str, torch.Tensor] = {}
-    for name, t in state["model"].items():
-        t = t.detach().contiguous().cpu()
-        # A tied head (output.weight) is the embedding's tensor; safetensors refuses shared storage, so the
-        # file holds both names, the second as a copy: it loads into a GPT with strict=True either way.
-        tensors[name] = t.clone() if any(t.data_ptr() == u.data_ptr() for u in tensors.values()) else t
-    meta = {
-        "format": "meshrun-gpt",
-        "step": str(marker["step"]),
-        "model": json.dumps(schema.to_plain(job.trainer.model), sort_keys=True),
-    }
-    return tensors, meta
+    names = list(hfnames.meshrun_shapes(job.trainer.model))
+    if job.trainer.engine == "deepspeed":  # DeepSpeed's consolidation gives the fp32 master weights
+        return Source(path, job, int(marker["step"]), dict.fromkeys(names, torch.float32))
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    missing = [name for name in names if f"model.{name}" not in saved]
+    if missing:
+        raise ckpt.CheckpointError(
+            f"{path}: tensor {missing[0]} of train.model is not in the checkpoint; export it with the spec it was saved with"
+        )
+    dtypes = {name: saved[f"model.{name}"].properties.dtype for name in names}  # type: ignore[union-attr]
+    return Source(path, job, int(marker["step"]), dtypes)
+
+
+def consolidated_state(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The full model's tensors from a complete checkpoint, and metadata about them (all in memory: tests)."""
+    source = open_source(path)
+    return source.load(list(source.dtypes)), source.metadata()
 
 
 def deepspeed_weights(path: Path, job: JobSpec, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -156,11 +210,14 @@ def deepspeed_weights(path: Path, job: JobSpec, like: dict[str, torch.Tensor]) -
     return {name: saved[name].to(like[name].dtype) for name in like}
 
 
-def check_output(out: Path) -> Path:
-    """OUT as an absolute file path whose folder exists and is writable (checked before any loading)."""
+def check_output(out: Path, fmt: str = "meshrun") -> Path:
+    """OUT as an absolute path whose folder exists and is writable (checked before any loading): a file for
+    the meshrun format; for hf a folder that is new, empty, or an earlier hf export (replaced)."""
     out = Path(os.path.abspath(out))
-    if out.is_dir():
+    if fmt == "meshrun" and out.is_dir():
         raise OutputError(f"{out}: is a directory; give a file name, e.g. {out / 'model.safetensors'}")
+    if fmt == "hf" and not hfnames.replaceable_folder(out):
+        raise OutputError(f"{out}: exists and is no earlier hf export; give a new folder name")
     if not out.parent.is_dir():
         raise OutputError(
             f"{out}: folder {out.parent} does not exist; create it (mkdir -p {out.parent}) or write elsewhere"
@@ -170,50 +227,78 @@ def check_output(out: Path) -> Path:
     return out
 
 
-def write_atomically(tensors: dict[str, torch.Tensor], meta: dict[str, str], out: Path) -> None:
-    """A temporary file in OUT's own folder, then a rename: OUT is whole or untouched, nothing is left over."""
-    from safetensors.torch import save_file
-
+def write_meshrun(source: Source, out: Path) -> int:
+    """OUT as one safetensors file in meshrun naming, streamed; written beside OUT, then renamed."""
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    entries = source.entries()
     try:
-        save_file(tensors, str(tmp), metadata=meta)
+        sw.write_file(tmp, entries, source.load, source.metadata())
         os.replace(tmp, out)
-    except Exception as exc:  # safetensors reports I/O errors as its own (Rust) exception type
-        tmp.unlink(missing_ok=True)
+    except OSError as exc:
         raise OutputError(f"{out}: cannot be written ({exc}); check the path and free space") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return len(entries)
 
 
-def load_newest(path: Path) -> tuple[Path, dict[str, torch.Tensor], dict[str, str]]:
-    """The chosen checkpoint's state; a newest-by-default one deleted mid-read is chosen again."""
+def load_newest(path: Path) -> Source:
+    """The chosen checkpoint; a newest-by-default one deleted before it was opened is chosen again."""
     for attempt in range(ATTEMPTS):
         chosen, retry = choose(path)
         try:
-            return (chosen, *consolidated_state(chosen))
+            return open_source(chosen)
         except ckpt.CheckpointError:
             if not retry or attempt == ATTEMPTS - 1:
                 raise
     raise AssertionError("unreachable")
 
 
-def export(path: Path, out: Path) -> tuple[int, Path]:
-    """Write OUT (atomically); returns the number of tensors and the step folder exported."""
-    out = check_output(Path(out))
-    chosen, tensors, meta = load_newest(Path(path))
-    write_atomically(tensors, meta, out)
-    return len(tensors), chosen
+def export(
+    path: Path, out: Path, fmt: str = "meshrun", max_shard_bytes: int = sw.parse_size(DEFAULT_SHARD)
+) -> tuple[int, Path, list[str]]:
+    """Write OUT (atomically); returns the number of tensors, the step folder exported and notes to print.
+    A newest-by-default checkpoint that retention deletes mid-write is exported again from the newest."""
+    out = check_output(Path(out), fmt)
+    newest = not (Path(path) / ckpt.MARKER).is_file()  # a root: its newest step, whichever that is now
+    for attempt in range(ATTEMPTS):
+        source = load_newest(Path(path))
+        try:
+            if fmt == "hf":
+                from launcher.hfexport import write_hf
+
+                count, notes = write_hf(source, out, max_shard_bytes)
+                return count, source.path, notes
+            return write_meshrun(source, out), source.path, []
+        except Vanished:
+            if not newest or attempt == ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m launcher.export", description=__doc__.split("\n")[0])
+    parser.add_argument("checkpoint", type=Path, help="a step folder (ROOT/step-N) or a checkpoint root (its newest)")
+    parser.add_argument("out", type=Path, help="the .safetensors file (meshrun) or the folder (hf) to write")
+    parser.add_argument("--format", choices=FORMATS, default="meshrun", help="meshrun's names, or Hugging Face Llama")
+    parser.add_argument("--max-shard-size", default=DEFAULT_SHARD, help="hf: the largest file (e.g. 5GB, 500MB)")
+    return parser.parse_args(argv)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2:
-        print(USAGE, file=sys.stderr)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        max_shard = sw.parse_size(args.max_shard_size)
+    except ValueError as exc:
+        print(f"meshrun export: --max-shard-size: {exc}", file=sys.stderr)
         return 2
     try:
-        count, chosen = export(Path(args[0]), Path(args[1]))
+        count, chosen, notes = export(args.checkpoint, args.out, args.format, max_shard)
     except (ckpt.CheckpointError, OutputError) as exc:
         print(f"meshrun export: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {args[1]} ({count} tensors) from {chosen}")
+    for note in notes:
+        print(note)
+    print(f"wrote {args.out} ({count} tensors) from {chosen}")
     return 0
 
 

@@ -4,7 +4,7 @@ resume starts the job's own script again in the same run dir (a new Slurm job, o
 new local supervisor); the ranks find the newest complete checkpoint themselves. It
 also clears the crash-loop guard's count: a person deciding to go on is new evidence.
 export runs `python -m launcher.export` where the checkpoint is (this machine for a
-local transport; the login node over SSH, then downloads the file).
+local transport; the login node over SSH, then downloads the file, or the folder's files for --format hf).
 """
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ import math
 import re
 import secrets
 import shlex
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from launcher import hfnames
 from launcher.rundir import ATTEMPTS_FILE, RunDir
 from launcher.spec import RunSpec, SpecFileError, loads_run_spec
 from submit.errors import ClusterError, InputError
@@ -182,10 +184,12 @@ def best_step(record: JobRecord, transport: Transport) -> int:
     return found[0]
 
 
-def check_output(out: Path) -> Path:
-    """-o names a file whose folder exists (checked before anything runs on the cluster)."""
+def check_output(out: Path, fmt: str = "meshrun") -> Path:
+    """-o names a file (--format hf: a folder) whose folder exists (checked before anything runs on the cluster)."""
     out = Path(out).expanduser().absolute()
-    if out.is_dir():
+    if fmt == "hf" and not hfnames.replaceable_folder(out):
+        raise InputError("-o/--output", str(out), "exists and is no earlier hf export; give a new folder name")
+    if fmt == "meshrun" and out.is_dir():
         raise InputError("-o/--output", str(out), f"is a folder; give a file name, e.g. {out / 'model.safetensors'}")
     if not out.parent.is_dir():
         raise InputError("-o/--output", str(out), f"folder {out.parent} does not exist; create it first")
@@ -200,28 +204,35 @@ def export(
     step: Optional[int],
     progress: Callable[[str], None] = lambda line: None,
     best: bool = False,
+    fmt: str = "meshrun",
+    max_shard_size: str = "5GB",
 ) -> str:
-    """Write consolidated safetensors weights to `out`; returns the checkpoint exported. Without
-    --step the launcher takes the newest complete step itself, again if retention deletes it mid-read;
-    with `best` the one with the lowest recorded val_loss (retention never deletes it)."""
-    out = check_output(out)
+    """Write consolidated safetensors weights to `out` (a file, or for fmt "hf" a Hugging Face folder);
+    returns the checkpoint exported. Without --step the launcher takes the newest complete step itself,
+    again if retention deletes it mid-read; with `best` the one with the lowest recorded val_loss
+    (retention never deletes it)."""
+    out = check_output(out, fmt)
     if best:
         step = best_step(record, transport)
     root = checkpoint_dir(record, transport)
     ckpt = root if step is None else f"{root}/step-{step:08d}"
     args = ["-m", "launcher.export", ckpt]
+    options = ["--format", fmt, "--max-shard-size", max_shard_size]
     if profile.ssh is None:
-        done = transport.run([sys.executable, *args, str(out)], timeout=3600)
+        done = transport.run([sys.executable, *args, str(out), *options], timeout=3600)
         done.check("export")
         return _exported(done.stdout, ckpt)
-    remote = f"{record.run_dir}/.export-{secrets.token_hex(4)}.safetensors"
-    script = _remote_script(profile.setup, profile.python, [*args, remote], code_dir(record, transport))
+    remote = f"{record.run_dir}/.export-{secrets.token_hex(4)}" + (".safetensors" if fmt == "meshrun" else "")
+    script = _remote_script(profile.setup, profile.python, [*args, remote, *options], code_dir(record, transport))
     done = transport.run(["bash", "-c", script], timeout=3600)
     try:
         done.check("export on the cluster")
-        _download(transport, remote, out, progress)
+        if fmt == "hf":
+            _download_folder(transport, remote, out, progress)
+        else:
+            _download(transport, remote, out, progress)
     finally:
-        transport.run(["rm", "-f", "--", remote])
+        transport.run(["rm", "-rf", "--", remote])
     return _exported(done.stdout, ckpt)
 
 
@@ -231,6 +242,18 @@ def _exported(stdout: str, asked: str) -> str:
         if " from " in line:
             return line.rsplit(" from ", 1)[1].strip()
     return asked
+
+
+def _download_folder(transport: Transport, remote: str, out: Path, progress: Callable[[str], None]) -> None:
+    """The export folder's files (flat: weights, index, config, tokenizer) into OUT, replaced whole."""
+    listing = transport.run(["ls", "-1", "--", remote]).check("list the export")
+    tmp = out.with_name(f".{out.name}.part")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for name in listing.stdout.split():
+        _download(transport, f"{remote}/{name}", tmp / name, progress)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.replace(out)
 
 
 def _download(transport: Transport, remote: str, out: Path, progress: Callable[[str], None]) -> None:

@@ -1,4 +1,5 @@
-"""The checkpoint verbs: `meshrun resume JOB [--wait]` and `meshrun export JOB -o FILE [--step N | --best]`."""
+"""The checkpoint verbs: `meshrun resume JOB [--wait]` and
+`meshrun export JOB -o OUT [--step N | --best] [--format meshrun|hf] [--max-shard-size 5GB]`."""
 
 from __future__ import annotations
 
@@ -23,9 +24,23 @@ def add_parsers(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument("-c", "--cluster", help="the job's cluster, if the id is ambiguous")
 
-    p = verbs.add_parser("export", help="write a job's checkpoint as one consolidated safetensors file")
+    p = verbs.add_parser(
+        "export", help="write a job's checkpoint as one safetensors file, or a Hugging Face Llama folder (--format hf)"
+    )
     p.add_argument("job")
-    p.add_argument("-o", "--output", type=Path, required=True, help="the .safetensors file to write")
+    p.add_argument(
+        "-o", "--output", type=Path, required=True, help="the .safetensors file to write (--format hf: the folder)"
+    )
+    p.add_argument(
+        "--format",
+        choices=("meshrun", "hf"),
+        default="meshrun",
+        help="meshrun: one file in meshrun's names; hf: a folder LlamaForCausalLM.from_pretrained loads "
+        "(config.json, sharded safetensors, the tokenizer)",
+    )
+    p.add_argument(
+        "--max-shard-size", default="5GB", help="--format hf: the largest safetensors file (e.g. 5GB, 500MB)"
+    )
     which = p.add_mutually_exclusive_group()
     which.add_argument("--step", type=int, help="this checkpoint step (default: the newest complete one)")
     which.add_argument(
@@ -75,6 +90,8 @@ def cmd_export(args: argparse.Namespace) -> int:
             args.step,
             progress=(lambda line: print(f"\r{line}", end="", file=sys.stderr)) if tty else (lambda line: None),
             best=args.best,
+            fmt=args.format,
+            max_shard_size=args.max_shard_size,
         )
     finally:
         clusters.close()
