@@ -254,7 +254,7 @@ def load_newest(path: Path) -> Source:
 
 
 def export(
-    path: Path, out: Path, fmt: str = "meshrun", max_shard_bytes: int = sw.parse_size(DEFAULT_SHARD)
+    path: Path, out: Path, fmt: str = "meshrun", max_shard_bytes: int = hfnames.parse_size(DEFAULT_SHARD)
 ) -> tuple[int, Path, list[str]]:
     """Write OUT (atomically); returns the number of tensors, the step folder exported and notes to print.
     A newest-by-default checkpoint that retention deletes mid-write is exported again from the newest."""
@@ -287,7 +287,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        max_shard = sw.parse_size(args.max_shard_size)
+        max_shard = hfnames.parse_size(args.max_shard_size)
     except ValueError as exc:
         print(f"meshrun export: --max-shard-size: {exc}", file=sys.stderr)
         return 2

@@ -32,6 +32,18 @@ _BLOCK = {
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
 HEAD, HF_HEAD = "output.weight", "lm_head.weight"
 """The output head's names; a tied head has no tensor of its own in Hugging Face's files."""
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 _MESHRUN_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _FROM_HF_BLOCK = {hf: ours for ours, hf in _BLOCK.items()}
@@ -132,3 +144,11 @@ def replaceable_folder(out: Path) -> bool:
         return not any(out.iterdir()) or "LlamaForCausalLM" in (out / "config.json").read_text()
     except OSError:
         return False
+
+
+def parse_size(text: str) -> int:
+    """'5GB' (10^9, as Hugging Face counts), '500MiB', '1000000' -> bytes; ValueError names the forms."""
+    match = _SIZE.match(text)
+    if match is None or float(match.group(1)) <= 0:
+        raise ValueError(f"{text!r} is no size; give e.g. 5GB, 500MB or 2GiB")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()])

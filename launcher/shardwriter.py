@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,18 +32,6 @@ DTYPES = {
 """torch dtype -> safetensors' name for it."""
 HOLD_BYTES = 64 << 20
 """How many tensor bytes one read loads at most (a larger tensor is read alone): export's working set."""
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
 
 
 @dataclass(frozen=True)
@@ -59,14 +46,6 @@ class Entry:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
-
-
-def parse_size(text: str) -> int:
-    """'5GB' (10^9, as Hugging Face counts), '500MiB', '1000000' -> bytes; ValueError names the forms."""
-    match = _SIZE.match(text)
-    if match is None or float(match.group(1)) <= 0:
-        raise ValueError(f"{text!r} is no size; give e.g. 5GB, 500MB or 2GiB")
-    return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()])
 
 
 def split_shards(entries: list[Entry], max_bytes: int) -> list[list[Entry]]:

@@ -212,6 +212,10 @@ def export(
     again if retention deletes it mid-read; with `best` the one with the lowest recorded val_loss
     (retention never deletes it)."""
     out = check_output(out, fmt)
+    try:
+        hfnames.parse_size(max_shard_size)
+    except ValueError as exc:
+        raise InputError("--max-shard-size", max_shard_size, str(exc).split("; ", 1)[1]) from None
     if best:
         step = best_step(record, transport)
     root = checkpoint_dir(record, transport)

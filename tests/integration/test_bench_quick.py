@@ -61,6 +61,14 @@ QUICK: dict[str, tuple[list[str], list[str]]] = {
         ["--quick"],
         [rf"ratio with/without {NUMBER} +overhead -?{NUMBER}%", rf"sidecar CPU +: +{NUMBER}% of one core"],
     ),
+    "export_memory.py": (
+        ["--quick"],
+        [  # streamed: the peak stays below the model's size; whole: the measurement sees the model
+            r"export streamed, meshrun: peak \+[0-9]+ MB, ratio peak/model 0\.[0-9]+$",
+            r"export streamed, hf +: peak \+[0-9]+ MB, ratio peak/model 0\.[0-9]+$",
+            r"export whole model +: peak \+[0-9]+ MB, ratio peak/model [1-9][0-9]*\.[0-9]+$",
+        ],
+    ),
     "hang.py": (["--quick"], [rf"detection latency / timeout = {NUMBER} \(goal <= {NUMBER}"]),
     "deepspeed.py": (
         ["--quick"],
