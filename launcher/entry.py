@@ -12,8 +12,11 @@ import sys
 from pathlib import Path
 from typing import Mapping, MutableMapping, Optional, Sequence
 
+from launcher import checkpoint as ckpt
 from launcher import installed_version
+from launcher import job as kit
 from launcher.env import RankEnv, rank_env, setdefault_env, torchrun_vars
+from launcher.exitcodes import EXIT_REQUEUE
 from launcher.preempt import StopFlag
 from launcher.rankfail import reports_fatal_errors
 from launcher.report import expose_to_commands
@@ -82,7 +85,8 @@ def run_rank(run_dir: str, replace_process: Optional[bool] = None) -> int:
     if command is not None:
         setdefault_env(run_spec.run.nccl_env, os.environ)  # the user's NCCL gets the cluster preset too
         setdefault_env(accelerator_env(run_spec.job.resources.gpus_per_node), os.environ)
-        expose_to_commands(run_spec.run.run_dir, os.environ)  # `from launcher.report import report` works
+        expose_to_commands(run_spec.run.run_dir, os.environ)  # `from launcher import job` works
+        os.environ.update(command_env(run_spec, env, os.environ))
         if replace_process is None:
             replace_process = "SUBMITIT_EXECUTOR" not in os.environ
         return run_command(command, os.environ, replace_process)
@@ -98,6 +102,22 @@ def run_rank(run_dir: str, replace_process: Optional[bool] = None) -> int:
     if env.rank == 0:
         record_exit(Path(run_spec.run.run_dir), code)
     return code
+
+
+def command_env(run_spec: RunSpec, env: RankEnv, environ: Mapping[str, str]) -> dict[str, str]:
+    """What a `command:` job's program learns beside the torchrun variables (launcher.job reads them):
+    where to write, where its checkpoints go (created 0700), which restart this is, how a stop is asked."""
+    checkpoints = run_spec.run.checkpoint_dir or RunDir(run_spec.run.run_dir).default_checkpoints
+    ckpt.make_private_dir(Path(checkpoints))
+    return {
+        kit.RUN_DIR_ENV: run_spec.run.run_dir,
+        kit.CHECKPOINT_DIR_ENV: checkpoints,
+        # Slurm's requeue count; the local supervisor sets its own (the earlier runs of this run dir).
+        kit.RESTART_COUNT_ENV: environ.get(kit.RESTART_COUNT_ENV) or str(env.restart_count),
+        # USR1: the time limit is near, or a preemption (the batch shell passes it on); TERM: scancel.
+        kit.STOP_SIGNALS_ENV: "SIGUSR1,SIGTERM",
+        kit.EXIT_REQUEUE_ENV: str(EXIT_REQUEUE),
+    }
 
 
 EXIT_FILE = RunDir.EXIT_CODE

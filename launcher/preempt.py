@@ -41,6 +41,10 @@ class StopFlag:
     def raised(self) -> bool:
         return self.signum is not None
 
+    @property
+    def installed(self) -> bool:
+        return bool(self._previous)
+
     def _handler(self, signum: int, _frame: Optional[FrameType]) -> None:
         if self.signum is None:
             self.signum, self.at = signum, time.time()

@@ -8,7 +8,8 @@ Under meshrun ($MESHRUN_RUN_DIR set by the job script) rank 0 appends {"step", .
 same scalars to RUN_DIR/tensorboard/; every rank stamps its heartbeat in its node's
 NodeDir (progress/rank-N.json = {"rank", "step", "phase", "time", "pid", ...}: what hang detection
 reads) and arms a stack dump on SIGUSR2 for the sidecar's diagnosis. The built-in trainer stamps the same heartbeat through `Heartbeat`. Outside meshrun
-report() does nothing and says so once.
+report() does nothing and says so once. Rank 0 also keeps the highest step reported so far in
+RUN_DIR/.meshrun/reported-step.json (`ProgressMark`): what the requeue policy (launcher.requeue) calls progress.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ import threading
 import time
 from typing import Any, MutableMapping, Optional, TextIO
 
-from launcher.rundir import NODE_DIR_ENV, NodeDir, RunDir, node_name
+from launcher.rundir import NODE_DIR_ENV, NodeDir, RunDir, node_name, read_state, write_json
 from launcher.tbwriter import ScalarWriter, scalars_of
 
 RUN_DIR_ENV = "MESHRUN_RUN_DIR"
+RESTART_COUNT_ENV = "MESHRUN_RESTART_COUNT"
+"""A command job's run number (launcher.entry sets it); a requeued run's metrics lines carry it, so status counts it."""
 PHASES = ("setup", "step", "eval", "checkpoint")
 """What a rank is doing; each may get its own hang timeout."""
 
@@ -118,25 +121,66 @@ def open_metrics(run_dir: str) -> TextIO:
     return os.fdopen(fd, "a", encoding="utf-8")
 
 
+def reported_step(run_dir: str) -> Optional[int]:
+    """The highest step rank 0 ever gave report() in this run dir (across restarts); None before the first."""
+    step = read_state(RunDir(run_dir).reported_step).get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+class ProgressMark:
+    """Rank 0's high-water mark of reported steps: only ever raised (a resumed run that reports steps it
+    already did before its crash is not progress), written at most once per MARK_EVERY_S (the run dir is
+    on shared storage) and on close."""
+
+    MARK_EVERY_S = 1.0
+
+    def __init__(self, run_dir: str) -> None:
+        self.path = RunDir(run_dir).reported_step
+        known = reported_step(run_dir)
+        self.step = -1 if known is None else known
+        self.unwritten = False
+        self.written_at = 0.0
+
+    def note(self, step: int) -> None:
+        if step <= self.step:
+            return
+        self.step, self.unwritten = int(step), True
+        if time.monotonic() - self.written_at >= self.MARK_EVERY_S:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.unwritten:
+            write_json(self.path, {"step": self.step, "time": time.time()})
+            self.unwritten, self.written_at = False, time.monotonic()
+
+
 class Reporter:
-    """What report() writes for one run dir: the heartbeat (every rank), metrics and TensorBoard (rank 0)."""
+    """What report() writes for one run dir: the heartbeat (every rank), metrics, TensorBoard and the
+    progress mark (rank 0)."""
 
     def __init__(self, run_dir: str, rank: int) -> None:
         self.heartbeat = Heartbeat(run_dir, rank)
         self.metrics: Optional[TextIO] = open_metrics(run_dir) if rank == 0 else None
         self.board = ScalarWriter(RunDir(run_dir).tensorboard) if rank == 0 else None
+        self.mark = ProgressMark(run_dir) if rank == 0 else None
+        restarts = os.environ.get(RESTART_COUNT_ENV, "")
+        self.restart = {"restart_count": int(restarts)} if restarts.isdigit() and int(restarts) else {}
 
     def report(self, step: int, phase: str, scalars: dict[str, float]) -> None:
         self.heartbeat.stamp(step, phase)
+        if self.mark is not None:
+            self.mark.note(step)
         if self.metrics is None or self.board is None or not scalars:
             return
         now = time.time()
         clean = {k: (v if math.isfinite(v) else None) for k, v in scalars.items()}  # strict JSON: no NaN
-        self.metrics.write(json.dumps({"step": int(step), **clean, "time": now}) + "\n")
+        self.metrics.write(json.dumps({"step": int(step), **clean, **self.restart, "time": now}) + "\n")
         self.metrics.flush()
         self.board.add(int(step), scalars_of(scalars), now)
 
     def close(self) -> None:
+        if self.mark is not None:
+            self.mark.flush()
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None

@@ -28,6 +28,8 @@ usually lives on a cluster, not on the machine that names it.
         nodes/NODE/          a node's own files when the cluster has no node-local scratch (see NodeDir)
         steptimes/NODE.json  each node's sidecar: its ranks' recent step and busy times (straggler input)
         last-beats/NODE.json each node's ranks' last heartbeats when its sidecar stopped
+        reported-step.json   rank 0's highest step given to report(): a command job's progress
+        requeue.json         the requeue policy's count of failed runs without progress (launcher.requeue)
 
 A node's own files live in its NodeDir: on node-local scratch (`paths.scratch` in the cluster
 profile) when there is one, else under RUN_DIR/.meshrun/nodes/NODE/.
@@ -212,6 +214,16 @@ class RunDir:
     def submitit(self) -> str:
         """submitit's pickles and its own logs (local cluster, submitit API jobs)."""
         return self.path(self.INTERNAL, "submitit")
+
+    @property
+    def reported_step(self) -> str:
+        """{"step", "time"}: the highest step rank 0 gave report(); what the requeue policy calls progress."""
+        return self.path(self.INTERNAL, "reported-step.json")
+
+    @property
+    def requeue_state(self) -> str:
+        """{"failures", "step"}: the requeue policy's memory across a command job's runs (launcher.requeue)."""
+        return self.path(self.INTERNAL, "requeue.json")
 
     @property
     def lock(self) -> str:

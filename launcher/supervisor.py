@@ -19,7 +19,17 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from launcher.exitcodes import EXIT_DIVERGED, EXIT_FAILED, EXIT_INPUT, EXIT_NO_PROGRESS, EXIT_REQUEUE
+from launcher.exitcodes import (
+    EXIT_DIVERGED,
+    EXIT_FAILED,
+    EXIT_GAVE_UP,
+    EXIT_INPUT,
+    EXIT_NO_PROGRESS,
+    EXIT_REQUEUE,
+    NOT_REQUEUED,
+)
+from launcher.job import RESTART_COUNT_ENV
+from launcher.requeue import crash_loop
 from launcher.rundir import JOB_ID_ENV, RunDir, local_state_path, merge_state, read_state
 
 STOP_GRACE_S = 60
@@ -160,6 +170,8 @@ class Supervisor:
             return self._record("CANCELLED", started=time.time(), codes=None, message="cancelled before start")
         os.makedirs(self.run_dir.logs, mode=0o700, exist_ok=True)
         executor, limit_s = self._executor()
+        # A command job's program learns which run this is (Slurm's SLURM_RESTART_COUNT has no local twin).
+        os.environ[RESTART_COUNT_ENV] = str(earlier_runs(self.run_dir.root, self.job_id))
         job = executor.submit(rank_main, self.run_dir.root)
         self.sidecar = start_sidecar(self.run_dir.root, self.spec.job.resources.gpus_per_node)
         started = time.time()
@@ -265,6 +277,12 @@ class Supervisor:
             final = "FAILED"
             message = rank_error or (f"rank exit codes {codes}" if codes else message)
         code = agreed if agreed is not None else _job_exit_code(codes, final)
+        if self.spec.job.command is not None:
+            # The batch script's crash-loop rule (launcher.requeue): nothing requeues here, but a second
+            # failure in a row without progress says so, with the same exit code.
+            clean = final != "FAILED" or stopped in ("CANCELLED", "TIMEOUT") or code in NOT_REQUEUED
+            if (gave_up := crash_loop(self.run_dir.root, failed=not clean)) is not None and not clean:
+                code, message = EXIT_GAVE_UP, f"gave up ({gave_up}); this run: {message}"
         return self._record(final, started, codes, message, code)
 
     def _record(
@@ -281,6 +299,12 @@ class Supervisor:
         )
         print(f"[meshrun] local job {self.job_id} {final} {message}".rstrip(), flush=True)
         return 0 if final == "COMPLETED" else 1
+
+
+def earlier_runs(run_dir: str, job_id: str) -> int:
+    """How many jobs ran in this run dir before `job_id` (each `meshrun resume` is a new local job)."""
+    jobs = Path(local_state_path(run_dir, job_id)).parent
+    return sum(1 for path in jobs.glob("*.json") if path.stem != job_id)
 
 
 def start_sidecar(run_dir: str, gpus_per_node: int) -> Optional[subprocess.Popen[bytes]]:

@@ -114,11 +114,12 @@ SIDECAR_STOP_MARGIN_S = 5
 """Beyond sidecar.final_copy_s, how long the batch script waits for the sidecar to stop by itself."""
 
 
-def _sidecar_command(rank_command: list[str]) -> list[str]:
-    """The sidecar's command words: the ranks' own (python, or the container's), module launcher.sidecar."""
+def _sidecar_command(rank_command: list[str], module: str = "launcher.sidecar") -> list[str]:
+    """A node-side module's command words (the sidecar, the requeue policy): the ranks' own (python, or the
+    container's), another module."""
     if rank_command[-1] != "launcher":
         raise InternalError(f"rank command {rank_command!r} does not end with the launcher module")
-    return [*rank_command[:-1], "launcher.sidecar"]
+    return [*rank_command[:-1], module]
 
 
 def context(plan: Plan) -> dict[str, Any]:
@@ -165,6 +166,7 @@ def context(plan: Plan) -> dict[str, Any]:
         "srun_flags": srun_flags,
         "rank_command": rank_command,
         "max_restarts": spec.checkpoint.max_restarts,
+        "requeue_command": _sidecar_command(rank_command, "launcher.requeue"),
         "exit_requeue": exitcodes.EXIT_REQUEUE,
         "exit_no_progress": exitcodes.EXIT_NO_PROGRESS,
         "exit_file": _name(RunDir.EXIT_CODE),

@@ -1,0 +1,139 @@
+"""Whether a job that stopped comes back: the one requeue decision. Torch-free, stdlib only.
+
+The batch script asks it once its ranks have exited:
+
+    python -m launcher.requeue RUN_DIR STATUS RESTARTS MAX_RESTARTS [--stop-requested] [--terminated]
+
+and gets one line, `ACTION CODE WHY`: ACTION is `requeue` or `stop`, CODE the status the job ends with,
+WHY the sentence for its log. The rules:
+
+- 0 (finished), 2 (bad input), 77 (crash loop) and 78 (diverged) end the job; so does a SIGTERM
+  (`scancel`, or Slurm ending the job itself) and the restart limit (`checkpoint.max_restarts`).
+- 75 (saved for requeue), 76 (no progress) and failures (a crash, a lost node: often transient) are
+  requeued, as is anything after the batch shell passed on a stop signal (a program that died of it).
+- A `command:` job has one more rule, the built-in trainer's crash-loop guard (launcher/resume.py) said
+  in its own terms: a failed run that reported no step beyond the highest one reported before it started
+  (launcher.report's progress mark) counts one; MAX_ATTEMPTS such runs in a row end the job with 77
+  instead of burning the allocation in a requeue loop. (The trainer's own guard counts its checkpoints.)
+
+The local supervisor never requeues (`meshrun resume` does), but applies the same crash-loop rule through
+`crash_loop`, so a command job there also ends "gave up (crash loop)" on its second failure in a row.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from launcher.exitcodes import EXIT_GAVE_UP, EXIT_NAMES, EXIT_REQUEUE, NOT_REQUEUED
+from launcher.report import reported_step
+from launcher.resume import MAX_ATTEMPTS
+from launcher.rundir import RunDir, read_state, write_json
+
+
+@dataclass(frozen=True)
+class Decision:
+    requeue: bool
+    code: int
+    """The status the job ends with when it is not requeued."""
+    why: str
+    """One sentence for the batch log."""
+
+    def line(self) -> str:
+        return f"{'requeue' if self.requeue else 'stop'} {self.code} {self.why}"
+
+
+def crash_loop(run_dir: str, failed: bool) -> Optional[str]:
+    """Count this run of a command job (call once per run, whatever its outcome); the give-up sentence when
+    MAX_ATTEMPTS failed runs in a row reported no new step, else None.
+
+    A run that reported a step beyond the previous high-water mark made progress and clears the count;
+    a clean stop (75, or a stop signal) neither counts nor clears it.
+    """
+    path = RunDir(run_dir).requeue_state
+    state = read_state(path)
+    before = state.get("step")
+    now = reported_step(run_dir)
+    progressed = now is not None and (not isinstance(before, int) or now > before)
+    failures = 0 if progressed else int(state.get("failures") or 0) + int(failed)
+    write_json(path, {"failures": failures, "step": now if now is not None else before})
+    if failures < MAX_ATTEMPTS:
+        return None
+    beyond = f"beyond step {now}" if now is not None else "at all"
+    return (
+        f"crash loop: {failures} runs in a row failed without reporting a step {beyond}; "
+        f"giving up instead of requeueing (exit {EXIT_GAVE_UP}): fix the program, then `meshrun resume` continues it"
+    )
+
+
+def decide(
+    run_dir: str,
+    status: int,
+    restarts: int,
+    max_restarts: int,
+    stop_requested: bool = False,
+    terminated: bool = False,
+    command_job: bool = False,
+) -> Decision:
+    """What the batch script does with a run that ended with `status` (see the module docstring)."""
+    ends = terminated or status in NOT_REQUEUED
+    failed = not ends and status != EXIT_REQUEUE and not stop_requested
+    # Every run moves the mark the next one is measured against, even one that is not requeued.
+    gave_up = crash_loop(run_dir, failed) if command_job else None
+    if terminated:
+        return Decision(False, status, f"SIGTERM (scancel, or Slurm ended the job): not requeueing (status {status})")
+    if status in NOT_REQUEUED:
+        return Decision(False, status, f"{EXIT_NAMES[status]} (exit {status}): not requeueing")
+    if gave_up is not None:
+        record_reason(run_dir, f"gave up ({gave_up})")
+        return Decision(False, EXIT_GAVE_UP, f"gave up ({gave_up})")
+    if restarts >= max_restarts:
+        return Decision(
+            False, status, f"restart limit ({max_restarts}) reached: not requeueing; `meshrun resume` continues it"
+        )
+    return Decision(True, status, f"requeueing: restart {restarts + 1} of at most {max_restarts}")
+
+
+def record_reason(run_dir: str, why: str) -> None:
+    """The job's one-line reason for `meshrun status` (RUN_DIR/rank-error.txt, which both schedulers
+    show for a failed job), unless a rank already wrote its own error there."""
+    path = Path(RunDir(run_dir).rank_error)
+    if not path.exists():
+        path.write_text(why + "\n")
+        path.chmod(0o600)
+
+
+def is_command_job(run_dir: str) -> bool:
+    from launcher.spec import read_run_spec  # torch-free
+
+    return read_run_spec(Path(run_dir)).job.command is not None
+
+
+USAGE = "usage: python -m launcher.requeue RUN_DIR STATUS RESTARTS MAX_RESTARTS [--stop-requested] [--terminated]"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    flags = {a for a in args if a.startswith("--")}
+    words = [a for a in args if not a.startswith("--")]
+    if len(words) != 4 or not all(w.isdigit() for w in words[1:]) or flags - {"--stop-requested", "--terminated"}:
+        print(USAGE, file=sys.stderr)
+        return 2
+    run_dir, (status, restarts, max_restarts) = words[0], map(int, words[1:])
+    decision = decide(
+        run_dir,
+        status,
+        restarts,
+        max_restarts,
+        stop_requested="--stop-requested" in flags,
+        terminated="--terminated" in flags,
+        command_job=is_command_job(run_dir),
+    )
+    print(decision.line(), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

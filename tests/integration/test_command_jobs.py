@@ -1,0 +1,84 @@
+"""`command:` jobs with the safety net (launcher.job, launcher.requeue), through the real CLI: the DDP example
+is preempted on the real Slurm testbed, requeued, and ends where an uninterrupted run does; a program that
+crashes at once ends after 2 attempts with exit 77 (gave up), on Slurm and on `local`."""
+
+from __future__ import annotations
+
+import ast
+import stat
+import subprocess
+from pathlib import Path
+
+from launcher.exitcodes import EXIT_GAVE_UP
+from tests.integration.cli import meshrun, metrics, status, submitted, wait_for_state, wait_for_step
+
+STEPS = 60
+DDP = ["examples/ddp.yaml", "-c", "testbed", "--set", "resources.nodes=2", "--set", "resources.tasks_per_node=1"]
+# A program that prints what meshrun told it, then fails at once (no commas: --set splits lists on them);
+# one rank, so that no peer's failure ends it before it prints.
+ONE_RANK = ["--set", "resources.nodes=1", "--set", "resources.tasks_per_node=1"]
+CRASH = (
+    "command=python3,-c,import os; print({k: os.environ[k] for k in os.environ if k.startswith('MESHRUN_')}); "
+    "raise SystemExit(3)"
+)
+
+
+def _ddp(steps: int = STEPS) -> list[str]:
+    return [*DDP, "--set", f"command=python3,examples/ddp_train.py,--steps,{steps},--save-every,25,--sleep,0.1"]
+
+
+def test_ddp_example_preempted_requeues_and_ends_with_the_loss_of_an_uninterrupted_run(
+    testbed: dict, tmp_path: Path
+) -> None:
+    ref_id, ref_dir = submitted(meshrun(tmp_path, "submit", *_ddp(), check=True))
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *_ddp(), check=True))
+    wait_for_step(run_dir, 8)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)  # what a preemption does
+    row = wait_for_state(tmp_path, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
+    assert row["state"] == "COMPLETED" and row["restarts"] == 1, row
+    wait_for_state(tmp_path, ref_id, {"COMPLETED"})
+    batch = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    assert "ranks exited with status 75" in batch and "requeueing: restart 1 of at most 20" in batch, batch
+    rank0 = (run_dir / "logs" / "rank-0.log").read_text()
+    stopped = int(rank0.split("stopping after step ")[1].split(":")[0])
+    assert 8 <= stopped < STEPS and f"resuming from step {stopped}" in rank0 and "restart 1" in rank0
+    pre, ref = metrics(run_dir), metrics(ref_dir)
+    assert [r["step"] for r in pre] == [r["step"] for r in ref] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in pre] == [r["loss"] for r in ref]  # bit-identical, the final one too
+    assert f"final loss {ref[-1]['loss']:.6f} at step {STEPS}" in rank0
+
+
+def test_a_command_that_crashes_at_once_gives_up_after_two_runs_on_slurm(testbed: dict, tmp_path: Path) -> None:
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *DDP, *ONE_RANK, "--set", CRASH, check=True))
+    row = wait_for_state(tmp_path, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
+    assert row["state"] == "FAILED" and row["exit_code"] == EXIT_GAVE_UP, row
+    assert row["reason"].startswith("gave up (crash loop: 2 runs in a row failed without reporting a step"), row
+    batch = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    assert batch.count("ranks exited with status 3") == 2 and "requeueing: restart 1 of at most 20" in batch
+    assert "[meshrun] gave up (crash loop" in batch
+    told = [
+        ast.literal_eval(line) for line in (run_dir / "logs" / "rank-0.log").read_text().splitlines() if line[:1] == "{"
+    ]
+    assert [t["MESHRUN_RESTART_COUNT"] for t in told] == ["0", "1"]
+    assert told[0]["MESHRUN_STOP_SIGNALS"] == "SIGUSR1,SIGTERM" and told[0]["MESHRUN_EXIT_REQUEUE"] == "75"
+    assert told[0]["MESHRUN_RUN_DIR"] == str(run_dir) and told[0]["MESHRUN_CHECKPOINT_DIR"].startswith(
+        "/tmp/meshrun-testbed/checkpoints/"
+    )
+
+
+def test_a_command_that_crashes_at_once_gives_up_on_its_second_local_run(tmp_path: Path) -> None:
+    args = ["examples/command.yaml", "-c", "local", *ONE_RANK, "--set", CRASH]
+    out = meshrun(tmp_path, "submit", *args, "--wait")
+    job_id, run_dir = submitted(out)
+    assert out.returncode == 1 and status(tmp_path, job_id)["exit_code"] == 3, out.stdout
+    out = meshrun(tmp_path, "resume", job_id, "--wait")
+    new_id = out.stdout.split()[5]
+    row = status(tmp_path, new_id)
+    assert row["state"] == "FAILED" and row["exit_code"] == EXIT_GAVE_UP, row
+    assert row["reason"].startswith("gave up (crash loop: 2 runs in a row"), row
+    told = [
+        ast.literal_eval(line) for line in (run_dir / "logs" / "rank-0.log").read_text().splitlines() if line[:1] == "{"
+    ]
+    assert [t["MESHRUN_RESTART_COUNT"] for t in told] == ["0", "1"]
+    checkpoints = Path(told[0]["MESHRUN_CHECKPOINT_DIR"])
+    assert checkpoints == run_dir / "checkpoints" and stat.S_IMODE(checkpoints.stat().st_mode) == 0o700

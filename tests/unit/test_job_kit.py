@@ -1,0 +1,201 @@
+"""launcher.job (the kit for a command job's own script) and launcher.requeue (the requeue decision)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from launcher import checkpoint as ckpt
+from launcher.exitcodes import EXIT_DIVERGED, EXIT_GAVE_UP, EXIT_INPUT, EXIT_NO_PROGRESS, EXIT_REQUEUE
+from launcher.report import ProgressMark, reported_step
+from launcher.requeue import crash_loop, decide, main
+from launcher.rundir import RunDir
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _script(code: str, env: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env={**os.environ, "PYTHONPATH": str(REPO), **env},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_a_stop_signal_before_the_first_should_stop_is_kept_not_fatal(tmp_path: Path) -> None:
+    # Under meshrun the handler is in place from the import: a USR1 that arrives before the script ever
+    # asks neither kills it (USR1's default action) nor is lost.
+    code = """
+        import os, signal, sys
+        from launcher import job
+        os.kill(os.getpid(), signal.SIGUSR1)
+        print("stop" if job.should_stop() else "go", "torch" in sys.modules)
+    """
+    out = _script(code, {"MESHRUN_STOP_SIGNALS": "SIGUSR1,SIGTERM"}, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["stop", "False"]  # and it never imported torch
+
+
+def test_should_stop_outside_meshrun_listens_from_its_first_call(tmp_path: Path) -> None:
+    code = """
+        import os, signal
+        from launcher import job
+        first = job.should_stop()
+        os.kill(os.getpid(), signal.SIGTERM)
+        print(first, job.should_stop())
+    """
+    env = {k: v for k, v in os.environ.items() if k != "MESHRUN_STOP_SIGNALS"}
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env={**env, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True"]
+
+
+def test_exit_for_requeue_exits_75_and_rank_0_records_it(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    code = "from launcher import job\njob.exit_for_requeue()\nprint('not reached')"
+    out = _script(code, {"MESHRUN_RUN_DIR": str(run_dir), "RANK": "0"}, tmp_path)
+    assert out.returncode == EXIT_REQUEUE and "not reached" not in out.stdout
+    assert (run_dir / RunDir.EXIT_CODE).read_text() == f"{EXIT_REQUEUE}\n"
+    out = _script(code, {"MESHRUN_RUN_DIR": str(tmp_path / "other"), "RANK": "1"}, tmp_path)
+    assert out.returncode == EXIT_REQUEUE and not (tmp_path / "other").exists()  # only rank 0 writes
+
+
+def test_latest_checkpoint_is_the_newest_complete_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from launcher import job
+
+    root = tmp_path / "ckpts"
+    monkeypatch.setenv(job.CHECKPOINT_DIR_ENV, str(root))
+    assert job.latest_checkpoint() is None
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    first = job.new_checkpoint(10)
+    (first / "state.pt").write_text("ten")
+    done = job.mark_complete(first, note="x")
+    assert done == ckpt.step_dir(root, 10) and not first.exists()
+    assert ckpt.read_marker(done)["step"] == 10 and ckpt.read_marker(done)["note"] == "x"
+    assert stat.S_IMODE((done / "state.pt").stat().st_mode) == 0o600
+    # An interrupted save (never marked) and a folder written under its final name but not marked: ignored.
+    (job.new_checkpoint(20) / "state.pt").write_text("half")
+    (root / "step-30").mkdir()
+    (root / "step-30" / "state.pt").write_text("thirty")
+    assert job.latest_checkpoint() == done
+    # A user's own `step-30` folder becomes a checkpoint once marked (under the canonical name).
+    assert job.mark_complete(root / "step-30") == ckpt.step_dir(root, 30) == job.latest_checkpoint()
+    assert (job.latest_checkpoint() / "state.pt").read_text() == "thirty"
+    with pytest.raises(ValueError, match="name it step-N"):
+        job.mark_complete(root / "final")
+    with pytest.raises(ValueError, match="put it in job.checkpoint_dir"):
+        (tmp_path / "step-40").mkdir()
+        job.mark_complete(tmp_path / "step-40")
+
+
+def test_the_progress_mark_only_rises_and_is_written_on_close(tmp_path: Path) -> None:
+    run = str(tmp_path)
+    mark = ProgressMark(run)
+    mark.note(5)  # the first one is written at once
+    assert reported_step(run) == 5
+    mark.note(9)  # within the second: kept in memory
+    assert reported_step(run) == 5
+    mark.flush()
+    assert reported_step(run) == 9
+    again = ProgressMark(run)  # a resumed run repeating steps it already did
+    again.note(7)
+    again.flush()
+    assert reported_step(run) == 9
+
+
+def _command_run(tmp_path: Path, reported: int | None = None) -> str:
+    run = str(tmp_path)
+    if reported is not None:
+        mark = ProgressMark(run)
+        mark.note(reported)
+        mark.flush()
+    return run
+
+
+DECISIONS = [
+    # status, restarts, stop requested, terminated -> requeue?, code, words in the line
+    (0, 0, False, False, False, 0, "finished"),
+    (EXIT_INPUT, 0, False, False, False, EXIT_INPUT, "bad input"),
+    (EXIT_GAVE_UP, 0, False, False, False, EXIT_GAVE_UP, "gave up (crash loop)"),
+    (EXIT_DIVERGED, 0, False, False, False, EXIT_DIVERGED, "diverged"),
+    (EXIT_REQUEUE, 0, False, False, True, EXIT_REQUEUE, "requeueing: restart 1 of at most 20"),
+    (EXIT_NO_PROGRESS, 3, False, False, True, EXIT_NO_PROGRESS, "requeueing: restart 4 of at most 20"),
+    (1, 0, False, False, True, 1, "requeueing: restart 1"),
+    (143, 0, False, True, False, 143, "SIGTERM"),
+    (EXIT_REQUEUE, 20, False, False, False, EXIT_REQUEUE, "restart limit (20) reached"),
+]
+
+
+@pytest.mark.parametrize("status,restarts,stop,term,requeue,code,words", DECISIONS)
+def test_the_decision_table(
+    tmp_path: Path, status: int, restarts: int, stop: bool, term: bool, requeue: bool, code: int, words: str
+) -> None:
+    for command_job in (False, True):  # a single run: the crash-loop rule never fires on the first failure
+        d = decide(str(tmp_path / str(command_job)), status, restarts, 20, stop, term, command_job)
+        assert (d.requeue, d.code) == (requeue, code) and words in d.why, d
+
+
+def test_a_command_job_that_fails_twice_without_progress_gives_up(tmp_path: Path) -> None:
+    run = _command_run(tmp_path)
+    first = decide(run, 1, 0, 20, command_job=True)
+    assert first.requeue
+    second = decide(run, 1, 1, 20, command_job=True)
+    assert (second.requeue, second.code) == (False, EXIT_GAVE_UP)
+    assert "crash loop: 2 runs in a row failed without reporting a step at all" in second.why
+    assert second.line().startswith(f"stop {EXIT_GAVE_UP} gave up (crash loop: ")
+    assert (Path(run) / RunDir.RANK_ERROR).read_text().startswith("gave up (crash loop")  # status's reason
+
+
+def test_progress_clears_the_count_and_repeating_old_steps_is_not_progress(tmp_path: Path) -> None:
+    run = _command_run(tmp_path, reported=100)
+    assert decide(run, 1, 0, 20, command_job=True).requeue  # got to 100, then failed: progress
+    assert decide(run, 1, 1, 20, command_job=True).requeue  # nothing new: 1 in a row
+    _command_run(tmp_path, reported=150)
+    assert decide(run, 1, 2, 20, command_job=True).requeue  # 150 > 100: cleared
+    assert decide(run, 1, 3, 20, command_job=True).requeue  # 1 in a row
+    d = decide(run, 1, 4, 20, command_job=True)  # resumed at 120, crashed at 150 again: 2 in a row
+    assert d.code == EXIT_GAVE_UP and "beyond step 150" in d.why
+
+
+def test_clean_stops_never_count_and_the_built_in_trainer_keeps_its_own_guard(tmp_path: Path) -> None:
+    run = _command_run(tmp_path)
+    for restarts in range(4):  # preempted again and again before reporting anything
+        assert decide(run, EXIT_REQUEUE, restarts, 20, command_job=True).requeue
+        assert decide(run, 137, restarts, 20, stop_requested=True, command_job=True).requeue  # died of USR1
+    trainer = str(tmp_path / "trainer")
+    assert all(decide(trainer, 1, r, 20, command_job=False).requeue for r in range(4))
+    assert crash_loop(run, failed=True) is None  # counts start from the clean stops' zero
+
+
+def test_the_batch_scripts_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "spec.json").write_text(
+        json.dumps(
+            {
+                "job": {"name": "x", "resources": {"nodes": 1, "tasks_per_node": 1}, "command": ["false"]},
+                "run": {"cluster": "testbed", "scheduler": "slurm", "run_dir": str(tmp_path)},
+            }
+        )
+    )
+    assert main([str(tmp_path), "1", "0", "20"]) == 0
+    assert capsys.readouterr().out == "requeue 1 requeueing: restart 1 of at most 20\n"
+    assert main([str(tmp_path), "1", "1", "20"]) == 0
+    assert capsys.readouterr().out.startswith(f"stop {EXIT_GAVE_UP} gave up (crash loop: 2 runs in a row")
+    assert main([str(tmp_path), "x", "1", "20"]) == 2
+    assert "usage:" in capsys.readouterr().err
