@@ -5,12 +5,15 @@ crashes at once ends after 2 attempts with exit 77 (gave up), on Slurm and on `l
 from __future__ import annotations
 
 import ast
+import os
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 from launcher.exitcodes import EXIT_GAVE_UP
 from tests.integration.cli import meshrun, metrics, status, submitted, wait_for_state, wait_for_step
+from tests.integration.ranks import free_port
 
 STEPS = 60
 DDP = ["examples/ddp.yaml", "-c", "testbed", "--set", "resources.nodes=2", "--set", "resources.tasks_per_node=1"]
@@ -82,3 +85,31 @@ def test_a_command_that_crashes_at_once_gives_up_on_its_second_local_run(tmp_pat
     assert [t["MESHRUN_RESTART_COUNT"] for t in told] == ["0", "1"]
     checkpoints = Path(told[0]["MESHRUN_CHECKPOINT_DIR"])
     assert checkpoints == run_dir / "checkpoints" and stat.S_IMODE(checkpoints.stat().st_mode) == 0o700
+
+
+AGREE = """
+import os, signal, sys
+from launcher import job
+import torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+before = job.should_stop()
+if rank == 1:
+    os.kill(os.getpid(), signal.SIGUSR1)  # only rank 1 is signalled
+print(rank, before, job.should_stop(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_should_stop_agrees_across_ranks_when_one_rank_is_signalled(tmp_path: Path) -> None:
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    base["MESHRUN_STOP_SIGNALS"] = "SIGUSR1,SIGTERM"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", AGREE], env={**base, "RANK": str(r)}, stdout=subprocess.PIPE, text=True, cwd=tmp_path
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=120)[0].split() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert outs == [["0", "False", "True"], ["1", "False", "True"]]
