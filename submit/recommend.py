@@ -95,8 +95,10 @@ def hardware(cluster: ClusterProfile, part: Partition) -> Optional[Hardware]:
     return Hardware(peak, bandwidth, part.gpus_per_node, net.nvlink_gbytes_s, net.ib_gbytes_s)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def _divisors(n: int, at_most: int) -> list[int]:
+    """The divisors of n up to `at_most`: a layout needs no more (pp <= the GPUs, micro <= MAX_MICRO_BATCH),
+    and n_layers or global_batch may be huge (fuzzing found n_layers 10^7 taking seconds)."""
+    return [d for d in range(1, min(n, at_most) + 1) if n % d == 0]
 
 
 def layouts(spec: JobSpec, cluster: ClusterProfile, part: Partition, nodes: int) -> Iterator[JobSpec]:
@@ -106,9 +108,9 @@ def layouts(spec: JobSpec, cluster: ClusterProfile, part: Partition, nodes: int)
     world = nodes * gpus
     deepspeed = dsconfig.uses_deepspeed(spec)
     domain = min(gpus, cluster.interconnect.nvlink_domain)
-    tps = [1] if deepspeed else [d for d in _divisors(domain) if cfg.n_heads % d == 0]
+    tps = [1] if deepspeed else [d for d in _divisors(domain, domain) if cfg.n_heads % d == 0]
     for tp in tps:
-        for pp in [1] if deepspeed else _divisors(cfg.n_layers):
+        for pp in [1] if deepspeed else _divisors(cfg.n_layers, world):
             if world % (tp * pp):
                 continue
             dims = ParallelDims(dp=world // (tp * pp), tp=tp, pp=pp)
@@ -126,7 +128,7 @@ def layouts(spec: JobSpec, cluster: ClusterProfile, part: Partition, nodes: int)
             )
             if problem or t.global_batch % dims.dp:
                 continue
-            for micro in _divisors(t.global_batch // dims.dp):
+            for micro in _divisors(t.global_batch // dims.dp, MAX_MICRO_BATCH):
                 if micro > MAX_MICRO_BATCH or dims.batch_problem(t.global_batch, micro):
                     continue
                 for mode in _zero_stages(spec) if deepspeed else ("fsdp", "ddp"):
