@@ -78,7 +78,10 @@ def scontrol(scontrol_env: dict[str, str]) -> Run:
 
     def one(text: str) -> Scontrol:
         # "--": a list that starts with '-' must not be read as an option.
-        done = subprocess.run([binary, "--", "show", "hostnames", text], env=env, capture_output=True, timeout=60)
+        try:
+            done = subprocess.run([binary, "--", "show", "hostnames", text], env=env, capture_output=True, timeout=10)
+        except subprocess.TimeoutExpired:  # a number past 64 bits can send Slurm into an endless loop
+            return Scontrol([], True, "timed out")
         out = done.stdout.decode("utf-8", "surrogateescape")
         err = done.stderr.decode("utf-8", "surrogateescape")
         refused = done.returncode != 0 or "Invalid hostlist" in err or "error:" in err
