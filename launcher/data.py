@@ -1,13 +1,16 @@
 """Memory-mapped token data, sampled disjointly across data-parallel ranks, resumable.
 
-The token file is split into non-overlapping windows of seq_len+1 tokens (inputs
-plus the shifted targets); the tail `val_fraction` is held out for validation.
-Every optimizer step draws `global_batch` windows from a per-epoch permutation
-seeded by (seed, epoch); dp rank r takes the r-th contiguous slice of them. The
-only state is how many windows have been consumed, counted globally, so a resume
-continues exactly, even with a different dp degree, as long as the global batch
-is unchanged. Ranks of one tp group and of one pipeline (the same dp rank) read the
-same windows; `Prefetcher` reads the next steps in a background thread.
+Each token file is split into non-overlapping windows of seq_len+1 tokens (inputs plus the shifted
+targets). Validation comes from `data.val_path`, else from the held-out documents `meshrun data` wrote
+beside `data.path` (its record names them), else from the tail `val_fraction` of `data.path`.
+
+Training reads `data.path`, or the files of `data.blend` mixed by weight. Global sample k of the run is
+a pure function of (seed, k): a fixed schedule of BLEND_PERIOD slots says which file it comes from and
+the how-manyth of that file's samples it is; each file walks its own per-epoch permutation. Every
+optimizer step draws `global_batch` samples and dp rank r takes the r-th contiguous slice of them. The
+only state is how many samples have been consumed, counted globally, so a resume continues exactly, even
+with a different dp degree, as long as the global batch is unchanged. Ranks of one tp group and of one
+pipeline (the same dp rank) read the same windows; `Prefetcher` reads the next steps in a background thread.
 """
 
 from __future__ import annotations
@@ -17,94 +20,227 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal, Optional
+from typing import Any, Iterator, Literal, Optional, Sequence
 
 import torch
 
-from launcher.corpus import read_sidecar
 from launcher.schema import SchemaError
 from launcher.spec import Data
+from launcher.tokens import read_record
 
 Split = Literal["train", "val"]
 MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
 """One optimizer step's micro batches on one rank: (inputs, targets), each (micro_batch, seq_len)."""
 _DTYPES = {"uint16": torch.uint16, "uint32": torch.uint32}
 _SUFFIX_DTYPES = {".u16": "uint16", ".u32": "uint32", ".bin": "uint16"}
+BLEND_PERIOD = 4096
+"""Slots of the blend schedule: each file's share of every 4,096 consecutive samples is its weight's,
+rounded to a slot (and at least one)."""
 
 
 def token_dtype(path: Path) -> str:
-    """The file's token dtype: from its `.json` sidecar, else from the suffix (.u32), else uint16."""
-    meta = read_sidecar(path)
-    if meta and "dtype" in meta:
-        if meta["dtype"] not in _DTYPES:
-            raise SchemaError(f"{path}.json dtype", meta["dtype"], f"expected one of {', '.join(_DTYPES)}")
-        return meta["dtype"]
+    """A token file's dtype: its record's (meshrun data), else from the suffix (.u32), else uint16."""
+    record = read_record(path)
+    if record is not None:
+        if record.dtype not in _DTYPES:
+            raise SchemaError(f"{path}.json dtype", record.dtype, f"expected one of {', '.join(_DTYPES)}")
+        return record.dtype
     return _SUFFIX_DTYPES.get(path.suffix, "uint16")
 
 
-def open_tokens(path: str | Path) -> torch.Tensor:
+def open_tokens(path: str | Path, key: str = "data.path") -> torch.Tensor:
     """Memory-map a token file as a 1-D integer tensor (private mapping: never written back)."""
     path = Path(path).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(
-            f"data.path: {str(path)!r}: no token file there; build it with "
-            f"`meshrun data` (or point data.path at a uint16 token file)"
-        )
+        raise SchemaError(key, str(path), "no token file there; build it with `meshrun data` or fix the path")
     dtype = token_dtype(path)
     itemsize = 2 if dtype == "uint16" else 4
     size = path.stat().st_size
     if size % itemsize:
         raise SchemaError(
-            "data.path",
-            str(path),
-            f"{size} bytes is not a whole number of {dtype} tokens; is it a token file of that dtype?",
+            key, str(path), f"{size} bytes is not a whole number of {dtype} tokens; is it a token file of that dtype?"
         )
+    if size == 0:
+        raise SchemaError(key, str(path), "the token file is empty; rebuild it (`meshrun data`) or name another file")
     return torch.from_file(str(path), shared=False, size=size // itemsize, dtype=_DTYPES[dtype])
 
 
+@dataclass(frozen=True)
+class Span:
+    """The windows of one region of a token file."""
+
+    key: str
+    """The spec key that names the file (for errors)."""
+    path: Path
+    tokens: torch.Tensor
+    """The whole file, memory-mapped."""
+    start: int
+    """First token of the region."""
+    windows: int
+    """Whole windows in the region."""
+
+    def window(self, index: int, length: int) -> torch.Tensor:
+        begin = self.start + index * length
+        return self.tokens[begin : begin + length].to(torch.int64)
+
+
+def blend_slots(weights: Sequence[float], period: int = BLEND_PERIOD) -> list[int]:
+    """Each source's slots in one period: its weight's share by largest remainder, at least one each."""
+    total = sum(weights)
+    exact = [w / total * period for w in weights]
+    slots = [max(1, int(e)) for e in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (-(exact[i] - int(exact[i])), i))
+    for i in by_remainder[: max(0, period - sum(slots))]:
+        slots[i] += 1
+    return slots
+
+
+def blend_order(slots: Sequence[int]) -> list[int]:
+    """The period's slots in order, interleaved evenly (smooth weighted round robin): a short run of steps
+    already holds every source near its share."""
+    period, current, order = sum(slots), [0] * len(slots), []
+    for _ in range(period):
+        for i, n in enumerate(slots):
+            current[i] += n
+        pick = max(range(len(slots)), key=lambda i: (current[i], -i))
+        current[pick] -= period
+        order.append(pick)
+    return order
+
+
+def nth_of_source(order: Sequence[int], sources: int) -> list[int]:
+    """For each slot of the period, how many earlier slots went to the same source."""
+    seen, nth = [0] * sources, []
+    for source in order:
+        nth.append(seen[source])
+        seen[source] += 1
+    return nth
+
+
 class TokenDataset:
-    """Train/val windows of `seq_len + 1` tokens over one memory-mapped token file."""
+    """Train windows of one or several token files (a blend) and the validation windows, seq_len + 1 tokens each."""
 
     def __init__(self, path: str | Path, seq_len: int, val_fraction: float = 0.05) -> None:
-        if not 0.0 <= val_fraction < 1.0:
-            raise SchemaError("data.val_fraction", val_fraction, "use a fraction in [0, 1)")
-        self.path = Path(path).expanduser()
-        self.tokens = open_tokens(self.path)
-        self.seq_len = seq_len
+        """One token file (`open_dataset` reads a spec's data section, blends included)."""
+        self._build(*dataset_spans(Data(path=str(path), val_fraction=val_fraction), seq_len), seq_len)
+
+    @classmethod
+    def from_spans(
+        cls, train: Sequence[Span], weights: Sequence[float], val: Optional[Span], seq_len: int
+    ) -> TokenDataset:
+        dataset = cls.__new__(cls)
+        dataset._build(train, weights, val, seq_len)
+        return dataset
+
+    def _build(self, train: Sequence[Span], weights: Sequence[float], val: Optional[Span], seq_len: int) -> None:
+        self.sources, self.val, self.seq_len = list(train), val, seq_len
         self.window = seq_len + 1  # non-overlapping: the windows of two ranks never share a token
-        n_val = int(len(self.tokens) * val_fraction)
-        self.val_start = len(self.tokens) - n_val
-        self.num_windows = {"train": self.val_start // self.window, "val": n_val // self.window}
-        if len(self.tokens) == 0:
-            raise SchemaError(
-                "data.path",
-                str(self.path),
-                "the token file is empty; rebuild it (`meshrun data`) or point data.path at another token file",
-            )
-        if self.num_windows["train"] == 0:
-            raise SchemaError(
-                "data.path",
-                str(self.path),
-                f"{self.val_start} training tokens are fewer than one "
-                f"window of seq_len+1={self.window}; use a bigger file or a shorter seq_len",
-            )
+        self.path = self.sources[0].path
+        self.slots = blend_slots(weights) if len(self.sources) > 1 else [1]
+        self.order = blend_order(self.slots)
+        self.rank_in_period = nth_of_source(self.order, len(self.slots))
+        self.offsets = [sum(s.windows for s in self.sources[:i]) for i in range(len(self.sources))]
+        self.num_windows = {"train": sum(s.windows for s in self.sources), "val": val.windows if val else 0}
+        self._perms: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """The first training file's tokens."""
+        return self.sources[0].tokens
+
+    def spans(self) -> list[Span]:
+        """Every region read, validation last."""
+        return self.sources + ([self.val] if self.val is not None else [])
+
+    def _permutation(self, source: int, epoch: int, seed: int) -> torch.Tensor:
+        # One cached permutation per file and seed: its samples walk its epochs forward, so at most one is
+        # live (streams of other seeds may share this dataset).
+        cached = self._perms.get((source, seed))
+        if cached is None or cached[0] != epoch:
+            mixed = (seed * 1_000_003 + epoch + (source << 40)) & 0x7FFF_FFFF_FFFF_FFFF
+            perm = torch.randperm(self.sources[source].windows, generator=torch.Generator().manual_seed(mixed))
+            self._perms[(source, seed)] = cached = (epoch, perm)
+        return cached[1]
+
+    def train_index(self, k: int, seed: int) -> int:
+        """Train window of global sample k (in the files' concatenated window numbering)."""
+        period, slot = divmod(k, len(self.order))
+        source = self.order[slot]
+        nth = period * self.slots[source] + self.rank_in_period[slot]  # the source's own sample count
+        epoch, at = divmod(nth, self.sources[source].windows)
+        return self.offsets[source] + int(self._permutation(source, epoch, seed)[at])
 
     def sample(self, split: Split, index: int) -> torch.Tensor:
         """Window `index` of `split` as int64 tokens, shape (seq_len + 1,)."""
         if not 0 <= index < self.num_windows[split]:
             raise IndexError(f"{split} window {index} out of range 0..{self.num_windows[split] - 1}")
-        start = (0 if split == "train" else self.val_start) + index * self.window
-        return self.tokens[start : start + self.window].to(torch.int64)
+        if split == "val":
+            assert self.val is not None
+            return self.val.window(index, self.window)
+        source = max(i for i, offset in enumerate(self.offsets) if offset <= index)
+        return self.sources[source].window(index - self.offsets[source], self.window)
 
     def batch(self, split: Split, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets, each (len(indices), seq_len)."""
         rows = torch.stack([self.sample(split, i) for i in indices])
         return rows[:, :-1], rows[:, 1:]
 
+    def signature(self) -> list[list[int]]:
+        """What a saved data position is valid for: each training file's windows and slots."""
+        return [[s.windows, n] for s, n in zip(self.sources, self.slots)]
+
+
+def whole(key: str, path: str | Path, window: int) -> Span:
+    tokens = open_tokens(path, key)
+    return Span(key, Path(path).expanduser(), tokens, 0, len(tokens) // window)
+
+
+def held_out_file(path: Path) -> Optional[Path]:
+    """The held-out documents `meshrun data` wrote beside token file `path`, if its record names them."""
+    record = read_record(path) if path.is_file() else None
+    return path.parent / record.val_path if record is not None and record.val_path else None
+
 
 def open_dataset(data: Data, seq_len: int) -> TokenDataset:
     """The data the spec names, as the trainer reads it."""
-    return TokenDataset(data.path, seq_len, data.val_fraction)
+    return TokenDataset.from_spans(*dataset_spans(data, seq_len), seq_len)
+
+
+def dataset_spans(data: Data, seq_len: int) -> tuple[list[Span], list[float], Optional[Span]]:
+    """The training regions with their weights, and the validation region, that `data` names."""
+    if not 0.0 <= data.val_fraction < 1.0:
+        raise SchemaError("data.val_fraction", data.val_fraction, "use a fraction in [0, 1)")
+    window = seq_len + 1
+    main = Path(data.path).expanduser()
+    separate = Path(data.val_path).expanduser() if data.val_path else held_out_file(main)
+    sources = [(f"data.blend[{i}].path", b.path, b.weight) for i, b in enumerate(data.blend)] or [
+        ("data.path", data.path, 1.0)
+    ]
+    val: Optional[Span] = None
+    if separate is not None:
+        val = whole("data.val_path" if data.val_path else "data.path", separate, window)
+    spans = []
+    for key, path, _ in sources:
+        span = whole(key, path, window)
+        if separate is None and span.path == main:  # validation is this file's tail: train on the rest only
+            n_val = int(len(span.tokens) * data.val_fraction)
+            head = len(span.tokens) - n_val
+            val = Span("data.path", main, span.tokens, head, n_val // window)
+            span = Span(key, span.path, span.tokens, 0, head // window)
+        spans.append(span)
+    if val is None and data.val_fraction > 0:  # a blend without data.path among its files: the tail of data.path
+        tokens = open_tokens(main, "data.path")
+        n_val = int(len(tokens) * data.val_fraction)
+        val = Span("data.path", main, tokens, len(tokens) - n_val, n_val // window)
+    for span in spans:
+        if span.windows == 0:
+            raise SchemaError(
+                span.key,
+                str(span.path),
+                f"{len(span.tokens)} tokens (before any held-out tail) give no training window of "
+                f"seq_len+1={window} tokens; use a bigger file or a shorter seq_len",
+            )
+    return spans, [w for _, _, w in sources], val
 
 
 def largest_token(tokens: torch.Tensor, chunk: int = 1 << 22) -> tuple[int, int]:
@@ -115,7 +251,7 @@ def largest_token(tokens: torch.Tensor, chunk: int = 1 << 22) -> tuple[int, int]
     """
     best, where = -1, -1
     for start in range(0, len(tokens), chunk):
-        part = tokens[start : start + chunk].to(torch.int32)
+        part = tokens[start : start + chunk].to(torch.int64)
         top = int(part.max())
         if top > best:
             best, where = top, start + int(part.argmax())
@@ -124,25 +260,32 @@ def largest_token(tokens: torch.Tensor, chunk: int = 1 << 22) -> tuple[int, int]
 
 def check_token_ids(dataset: TokenDataset, vocab_size: int) -> None:
     """Refuse ids the model's embedding cannot look up (they would end in torch's IndexError mid-step)."""
-    top, where = largest_token(dataset.tokens)
-    if top >= vocab_size:
-        raise SchemaError(
-            "data.path",
-            str(dataset.path),
-            f"token id {top} (at token {where}) is not below train.model.vocab_size={vocab_size}; "
-            f"raise train.model.vocab_size to at least {top + 1}, or rebuild the data with ids "
-            f"below {vocab_size}",
-        )
+    seen: set[Path] = set()
+    for span in dataset.spans():
+        if span.path in seen:
+            continue
+        seen.add(span.path)
+        top, where = largest_token(span.tokens)
+        if top >= vocab_size:
+            raise SchemaError(
+                span.key,
+                str(span.path),
+                f"token id {top} (at token {where}) is not below train.model.vocab_size={vocab_size}; "
+                f"raise train.model.vocab_size to at least {top + 1} (0 takes the tokenizer's), or rebuild "
+                f"the data with a tokenizer of at most {vocab_size} ids",
+            )
 
 
 def check_train_data(dataset: TokenDataset, global_batch: int) -> None:
     """Refuse a training split smaller than one global batch: every step would repeat the same sequences."""
     have = dataset.num_windows["train"]
     if have < global_batch:
+        first = dataset.sources[0]
+        tokens = sum(len(s.tokens) for s in dataset.sources)
         raise SchemaError(
-            "data.path",
-            str(dataset.path),
-            f"{len(dataset.tokens)} tokens give {have} training sequences of seq_len+1="
+            first.key,
+            str(first.path),
+            f"{tokens} tokens give {have} training sequences of seq_len+1="
             f"{dataset.window} tokens (after holding out data.val_fraction for validation), "
             f"fewer than one global batch of {global_batch}; use a bigger token file, or a "
             "smaller train.global_batch or train.model.seq_len",
@@ -181,19 +324,10 @@ class TrainStream:
     def __init__(self, dataset: TokenDataset, layout: Layout, seed: int) -> None:
         self.dataset, self.layout, self.seed = dataset, layout, seed
         self.consumed = 0  # windows drawn by all ranks together: the whole resumable position
-        self._perm: tuple[int, Optional[torch.Tensor]] = (-1, None)
-
-    def _permutation(self, epoch: int) -> torch.Tensor:
-        # One cached permutation: steps walk epochs forward, so at most one is live.
-        if self._perm[0] != epoch:
-            gen = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) & 0x7FFF_FFFF_FFFF_FFFF)
-            self._perm = (epoch, torch.randperm(self.dataset.num_windows["train"], generator=gen))
-        return self._perm[1]
 
     def window_index(self, k: int) -> int:
-        """Train window of global sample k (epochs reshuffle with a new permutation)."""
-        n = self.dataset.num_windows["train"]
-        return int(self._permutation(k // n)[k % n])
+        """Train window of global sample k (files and epochs as the dataset's schedule says)."""
+        return self.dataset.train_index(k, self.seed)
 
     def step_indices(self, consumed: Optional[int] = None) -> list[int]:
         """Windows this rank reads in the step that starts at position `consumed` (default: the next)."""
@@ -219,13 +353,14 @@ class TrainStream:
             "seed": self.seed,
             "window": self.dataset.window,
             "train_windows": self.dataset.num_windows["train"],
+            "blend": self.dataset.signature(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a saved position; refuses one taken over different data or windows."""
         mine = self.state_dict()
-        for key in ("seed", "window", "train_windows"):
-            if state[key] != mine[key]:
+        for key in ("seed", "window", "train_windows", "blend"):
+            if key in state and state[key] != mine[key]:  # "blend": not in checkpoints older than blends
                 # Bad input (exit 2, never requeued): a retry would refuse it again.
                 raise SchemaError(
                     "data.path",

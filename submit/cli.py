@@ -123,19 +123,38 @@ def build_parser() -> argparse.ArgumentParser:
     cli_live.add_parsers(verbs)
     cli_doctor.add_parsers(verbs)
 
-    p = verbs.add_parser("data", help="build the byte-level token corpus from text on this machine")
+    p = verbs.add_parser(
+        "data",
+        help="build a token file from text on this machine (.txt/.md/.jsonl/source files; bytes, BPE or your tokenizer)",
+    )
+    p.add_argument(
+        "inputs",
+        nargs="*",
+        metavar="INPUT",
+        help="folders, files or globs of text (default: Python's standard library .py sources)",
+    )
     p.add_argument(
         "--out",
         type=Path,
         default=Path("~/.cache/meshrun/data/stdlib.u16").expanduser(),
         help="token file to write (default: ~/.cache/meshrun/data/stdlib.u16)",
     )
+    p.add_argument("--source", type=Path, action="append", default=[], help=argparse.SUPPRESS)  # older name of INPUT
     p.add_argument(
-        "--source",
-        type=Path,
-        action="append",
-        help="folder of text to read (default: Python's standard library sources); repeatable",
+        "--tokenizer",
+        default="bytes",
+        help="bytes (default), bpe (trained here on the inputs, needs --vocab) or a tokenizer.json file",
     )
+    p.add_argument("--vocab", type=int, default=None, help="the BPE's vocabulary size, e.g. 32000")
+    p.add_argument("--eot", default=None, help="a tokenizer.json's end-of-text token (default: found by name)")
+    p.add_argument("--field", default="text", help="the text field of .jsonl lines (default: text)")
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.05,
+        help="documents held out for validation, written beside the token file (default 0.05; 0: none)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the held-out choice (default 0)")
     p.add_argument("--max-mb", type=float, default=16.0, help="at most this many MB of text (default 16)")
     return parser
 
@@ -448,22 +467,23 @@ def wait_for(
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    """Runs `python -m launcher.corpus`: the caller's side imports only launcher's torch-free contract."""
+    """Runs `python -m launcher.corpus`, which checks every option (one line, exit 2) and builds: the
+    caller's side imports only launcher's torch-free contract."""
     import subprocess
 
-    if args.max_mb <= 0:
-        raise InputError("--max-mb", args.max_mb, "give a positive size, e.g. 16")
-    for folder in args.source or ():
-        if not folder.is_dir():
-            raise InputError("--source", str(folder), "not a folder; give a folder of text files")
-    argv = [
-        sys.executable,
-        "-m",
-        "launcher.corpus",
-        str(args.out.expanduser()),
-        str(int(args.max_mb * 1e6)),
-        *(str(folder) for folder in args.source or ()),
+    inputs = [*args.inputs, *(str(folder) for folder in args.source)]
+    options = [
+        ("--tokenizer", args.tokenizer),
+        ("--vocab", args.vocab),
+        ("--eot", args.eot),
+        ("--field", args.field),
+        ("--val-fraction", args.val_fraction),
+        ("--seed", args.seed),
+        ("--max-bytes", int(args.max_mb * 1e6)),
     ]
+    flags = [f"{flag}={value}" for flag, value in options if value is not None]
+    # "--" ends the options: an input named like a flag is still a path.
+    argv = [sys.executable, "-m", "launcher.corpus", *flags, "--", str(args.out.expanduser()), *inputs]
     return subprocess.run(argv, check=False).returncode
 
 

@@ -69,6 +69,10 @@ QUICK: dict[str, tuple[list[str], list[str]]] = {
             r"export whole model +: peak \+[0-9]+ MB, ratio peak/model [1-9][0-9]*\.[0-9]+$",
         ],
     ),
+    "data_encode.py": (
+        ["--quick"],
+        [rf"ratio meshrun/tokenizers: {NUMBER}", rf"meshrun data \(bytes\) +: +{NUMBER} tokens/s"],
+    ),
     "hang.py": (["--quick"], [rf"detection latency / timeout = {NUMBER} \(goal <= {NUMBER}"]),
     "deepspeed.py": (
         ["--quick"],

@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.corpus import build_corpus, iter_sources
+from launcher.corpus import build_corpus
 from launcher.data import Layout, Prefetcher, TokenDataset, TrainStream, val_steps
 from launcher.model import GPT, ModelPart, loss_fn
 from launcher.modelshape import ffn_hidden, flops_per_token, param_count, part_param_count
 from launcher.parallel_dims import ParallelDims
 from launcher.spec import Model
+from launcher.textsources import Inputs, iter_files
 
 TINY = Model(n_layers=2, d_model=64, n_heads=4, vocab_size=256, seq_len=32, ffn_mult=2.6667)
 
@@ -122,29 +123,31 @@ def test_corpus_is_deterministic_and_byte_level(tmp_path: Path) -> None:
     (root / "b.py").write_text("print('b')\n")
     (root / "pkg" / "a.py").write_text("x = 'é'\n")
     (root / "pkg" / "__pycache__" / "c.py").write_text("skipped\n")
-    (root / "notes.txt").write_text("not python\n")
+    (root / "logo.png").write_bytes(b"\x89PNG")  # not a text format: skipped inside a folder
     first = build_corpus(tmp_path / "one.u16", roots=[root])
     second = build_corpus(tmp_path / "two.u16", roots=[root])
     assert first.sha256 == second.sha256 and first.sources == 2
     raw = (tmp_path / "one.u16").read_bytes()
     assert raw == (tmp_path / "two.u16").read_bytes()
-    expected = "print('b')\nx = 'é'\n".encode()  # sorted: b.py before pkg/a.py
-    assert torch.frombuffer(bytearray(raw), dtype=torch.int16).tolist() == list(expected)
+    # sorted: b.py before pkg/a.py; each document ends with the bytes tokenizer's end of text (NUL)
+    expected = [*b"print('b')\n", 0, *"x = 'é'\n".encode(), 0]
+    assert torch.frombuffer(bytearray(raw), dtype=torch.int16).tolist() == expected
     meta = json.loads((tmp_path / "one.u16.json").read_text())
     assert meta["tokens"] == len(expected) == first.tokens and meta["sha256"] == first.sha256
+    assert meta["eot_id"] == 0 and meta["vocab_size"] == 256 and meta["documents"] == 2
     assert not list(tmp_path.glob("*.tmp.*"))
 
 
 def test_corpus_max_bytes_and_default_roots_exclude_site_packages(tmp_path: Path) -> None:
     stats = build_corpus(tmp_path / "std.u16", max_bytes=50_000)
-    assert stats.tokens == 50_000
-    assert (tmp_path / "std.u16").stat().st_size == 100_000
-    first = next(iter_sources([Path(sysconfig.get_paths()["stdlib"])]))
+    assert stats.tokens == 50_000 + stats.documents  # the text read, plus one end of text per document
+    assert (tmp_path / "std.u16").stat().st_size == 2 * stats.tokens
+    first = next(iter_files(Inputs((sysconfig.get_paths()["stdlib"],), suffixes=(".py",))))
     assert "site-packages" not in first.parts
 
 
 def test_corpus_without_text_is_an_error(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="no .py text"):
+    with pytest.raises(ValueError, match="no .* text found"):
         build_corpus(tmp_path / "x.u16", roots=[tmp_path])
     assert not (tmp_path / "x.u16").exists()
 
@@ -153,19 +156,19 @@ def test_corpus_without_text_is_an_error(tmp_path: Path) -> None:
 
 
 def test_missing_file_says_how_to_build_it(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="meshrun data"):
+    with pytest.raises(ValueError, match="meshrun data"):
         TokenDataset(tmp_path / "nope.u16", seq_len=32)
 
 
 def test_split_and_windows(corpus: Path) -> None:
     ds = TokenDataset(corpus, seq_len=32, val_fraction=0.1)
     n = len(ds.tokens)
-    assert ds.val_start == n - int(n * 0.1)
+    assert ds.val is not None and ds.val.start == n - int(n * 0.1)
     x, y = ds.batch("train", [0, 1])
     assert x.shape == y.shape == (2, 32) and x.dtype == torch.int64
     assert torch.equal(x[0, 1:], y[0, :-1])  # targets are inputs shifted by one
     last_val = ds.sample("val", ds.num_windows["val"] - 1)
-    assert ds.val_start + ds.num_windows["val"] * 33 <= n and last_val.shape == (33,)
+    assert ds.val.start + ds.num_windows["val"] * 33 <= n and last_val.shape == (33,)
     with pytest.raises(IndexError):
         ds.sample("train", ds.num_windows["train"])
 
