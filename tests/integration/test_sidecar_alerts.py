@@ -41,15 +41,18 @@ def test_a_straggler_is_one_alert_line_and_one_log_line(tmp_path: Path, corpus: 
 
 def test_a_hang_is_one_alert_with_the_verdicts_first_sentence(tmp_path: Path, corpus: Path) -> None:
     args = [*TINY, "--set", f"data.path={corpus}", "--set", "train.steps=1000", *FAST_WATCH]
-    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, "--set", "env.MESHRUN_TEST_HANG=1:30", check=True))
-    wait_for_step(run_dir, 29)
+    # Step 120, not earlier: the watch times a step only once it has seen 3 step durations (before, a step
+    # gets the setup timeout), and on a loaded 2-core CI machine the sidecar can start after step 30
+    # (~2 s into training), which left the hang to the 1200 s setup timeout and failed this test.
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, "--set", "env.MESHRUN_TEST_HANG=1:120", check=True))
+    wait_for_step(run_dir, 119)
     row = wait_for_state(tmp_path, job_id, {"FAILED", "COMPLETED", "CANCELLED"}, timeout=120)
     assert row["state"] == "FAILED" and row["exit_code"] == EXIT_NO_PROGRESS, row
     verdict = json.loads(Path(RunDir(str(run_dir)).verdict_json).read_text())
     (alert,) = sidecar_alerts(run_dir, "hang")
     assert alert["message"] == verdict["verdict"].split(". ")[0] + ".", (alert, verdict["verdict"])
-    assert alert["message"].startswith("Hang at step 30 (phase step), found by "), alert
-    assert (alert["rank"], alert["node"], alert["step"]) == (1, node_name({}), 30), alert
+    assert alert["message"].startswith("Hang at step 120 (phase step), found by "), alert
+    assert (alert["rank"], alert["node"], alert["step"]) == (1, node_name({}), 120), alert
     assert alert["value"] == verdict["silent_s"] and alert["threshold"] == verdict["timeout_s"], alert
     log = Path(RunDir(str(run_dir)).sidecar_log(node_name({}))).read_text()
     assert log.count("ALERT hang") == 1, log[-2000:]
