@@ -194,6 +194,8 @@ def parse_text(tp: Any, text: str, key: str) -> Any:
     origin = get_origin(base)
     if origin in (tuple, list):
         item = get_args(base)[0]
+        if dataclasses.is_dataclass(item):  # a list of sections (data.blend): YAML's flow form
+            return _flow_sections(text, key)
         if text.startswith("[") and text.endswith("]"):  # YAML's flow form, as in the spec: [python3, x.py]
             parts = [part.strip() for part in text[1:-1].split(",")] if text[1:-1].strip() else []
         else:
@@ -224,6 +226,20 @@ def parse_text(tp: Any, text: str, key: str) -> Any:
     if dataclasses.is_dataclass(base) or origin in (dict, collections.abc.Mapping):
         raise SchemaError(key, text, f"this key is a section; set one of its keys, e.g. --set {key}.<key>=VALUE")
     return text
+
+
+def _flow_sections(text: str, key: str) -> list[Any]:
+    """`[{path: a.u16, weight: 3}, {path: b.u16}]`: the sections are checked later, as the spec's are."""
+    import yaml  # only here: a list of sections on the command line is rare, and the ranks never parse one
+
+    example = f"--set '{key}=[{{path: a.u16, weight: 3}}, {{path: b.u16, weight: 1}}]'"
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        raise SchemaError(key, text, f"not a YAML list; write it in flow form, e.g. {example}") from None
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise SchemaError(key, text, f"expected a list of sections in YAML's flow form, e.g. {example}")
+    return value
 
 
 def apply_overrides(cls: type, data: Mapping[str, Any], overrides: typing.Sequence[str]) -> dict[str, Any]:

@@ -226,9 +226,8 @@ def _check_train_ranges(spec: JobSpec) -> None:
         ("train.model.n_layers", m.n_layers),
         ("train.model.d_model", m.d_model),
         ("train.model.n_heads", m.n_heads),
-        ("train.model.vocab_size", m.vocab_size),
         ("train.model.seq_len", m.seq_len),
-    ):
+    ):  # not vocab_size: 0 takes the tokenizer's (tokens.resolve_vocab), below 0 the spec refuses
         _positive(key, value)
     at_least_zero: tuple[tuple[str, float, str], ...] = (
         ("train.warmup_steps", t.warmup_steps, "0: no warmup"),

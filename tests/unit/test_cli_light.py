@@ -60,7 +60,11 @@ def test_bad_input_is_one_line_exit_2_no_traceback(tmp_path: Path) -> None:
 
 
 def test_dry_run_touches_nothing(tmp_path: Path) -> None:
-    out = _run(["submit", "examples/tiny.yaml", "--dry-run", "--json"], tmp_path)
+    # A token file of its own: submit (--dry-run too) refuses a missing one, and the spec's default lives in
+    # the real home, which a fresh machine has not built.
+    data = tmp_path / "tokens.u16"
+    data.write_bytes(bytes(2 * 4096))
+    out = _run(["submit", "examples/tiny.yaml", "--dry-run", "--json", "--set", f"data.path={data}"], tmp_path)
     assert out.returncode == 0, out.stderr
     assert '"accumulation": 2' in out.stdout
     assert not (tmp_path / "state").exists()

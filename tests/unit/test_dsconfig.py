@@ -294,7 +294,7 @@ def test_the_top_level_scalar_kinds_match_deepspeeds_defaults() -> None:
 # ------------------------------------------------------------------ the CLI, the planner and status
 
 
-def test_a_refused_key_through_the_cli_is_one_line_and_exit_2(tmp_path: Path) -> None:
+def test_a_refused_key_through_the_cli_is_one_line_and_exit_2(tmp_path: Path, default_corpus: Path) -> None:
     args = ["submit", "examples/tiny.yaml", "-c", "local", "--set", DEEPSPEED]
     out = _run([*args, "--set", "deepspeed.zero_optimization.stage=1"], tmp_path)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr

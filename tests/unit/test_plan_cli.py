@@ -79,7 +79,9 @@ def test_force_submits_what_does_not_fit_and_a_job_that_fits_passes(
 
 
 @pytest.mark.parametrize("example", ["tiny.yaml", "gpt-3d.yaml", "command.yaml", "deepspeed-command.yaml"])
-def test_cpu_and_command_jobs_are_never_refused(example: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cpu_and_command_jobs_are_never_refused(
+    example: str, capsys: pytest.CaptureFixture[str], default_corpus: Path
+) -> None:
     code, _, err = run(capsys, "submit", str(REPO / "examples" / example), "-c", "local", "--dry-run")
     assert code == 0, err
 

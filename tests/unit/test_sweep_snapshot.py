@@ -164,7 +164,7 @@ def test_glob_rules(rel: str, patterns: tuple[str, ...], hit: bool) -> None:
     assert snapshot.matches(rel, patterns) is hit
 
 
-def test_dry_run_shows_tasks_and_the_code(tmp_path: Path) -> None:
+def test_dry_run_shows_tasks_and_the_code(tmp_path: Path, default_corpus: Path) -> None:
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path))
     out = subprocess.run(
         [
