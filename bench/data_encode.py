@@ -5,12 +5,13 @@
 Trains one byte-level BPE on the standard library's .py sources (the default corpus), saves it, then
 times, on the same documents:
 - baseline: `Tokenizer.encode_batch_fast` over every document at once (tokenizers' Rust threads, the
-  texts already in memory, nothing written): the fastest this tokenizer encodes here;
+  texts already in memory, nothing written, the tokenizer fresh from its file): the fastest it encodes here;
 - meshrun: the whole `meshrun data --tokenizer FILE` build (launcher.corpus.build): reading the files,
   encoding in batches, end-of-text tokens, the held-out split, writing and hashing the token files;
 - meshrun bytes: the same build with the bytes tokenizer (no baseline: a copy per byte).
-Prints tokens/s for each and the ratio meshrun / baseline (goal: >= 0.8, the writing and hashing
-costing at most a fifth). --quick: 2 MB of text, a 1,000-id BPE (what CI runs).
+Best of 3 alternating rounds. Prints tokens/s for each and the ratio meshrun / baseline (goal: >= 0.8,
+the reading, writing and hashing costing at most a fifth). --quick: 2 MB of text, a 1,000-id BPE, one
+round (what CI runs).
 """
 
 from __future__ import annotations
@@ -33,6 +34,15 @@ def timed_build(out: Path, inputs: Inputs, options: corpus.BuildOptions) -> tupl
     return time.perf_counter() - start, stats.tokens + stats.val_tokens
 
 
+def timed_encode(tokenizer_json: Path, texts: list[str]) -> float:
+    """Seconds tokenizers takes for the whole batch, with a tokenizer fresh from its file (a cold word
+    cache, as the build's own tokenizer starts)."""
+    hf = Tokenizer.from_file(str(tokenizer_json))
+    start = time.perf_counter()
+    hf.encode_batch_fast(texts, add_special_tokens=False)
+    return time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mb", type=float, default=32.0, help="MB of text (default 32)")
@@ -49,14 +59,14 @@ def main() -> None:
         )
         tokenizer_json = folder / trained.files["tokenizer"]
         texts = [d.decode("utf-8", "replace") for d in corpus.capped(iter_documents(inputs), max_bytes)]
-        hf = Tokenizer.from_file(str(tokenizer_json))
-        hf.encode_batch_fast(texts[:50], add_special_tokens=False)  # warm the thread pool
-        start = time.perf_counter()
-        encoded = hf.encode_batch_fast(texts, add_special_tokens=False)
-        base_s = time.perf_counter() - start
-        base_tokens = sum(len(e.ids) for e in encoded) + len(texts)  # + one end of text per document
         options = corpus.BuildOptions(tokenizer=str(tokenizer_json), val_fraction=0.05, max_bytes=max_bytes)
-        ours_s, ours_tokens = timed_build(folder / "user.u16", inputs, options)
+        base_s = ours_s = float("inf")
+        for _ in range(1 if args.quick else 3):  # alternating rounds, best of each: a shared machine's noise
+            base_s = min(base_s, timed_encode(tokenizer_json, texts))
+            round_s, ours_tokens = timed_build(folder / "user.u16", inputs, options)
+            ours_s = min(ours_s, round_s)
+        base_tokens = sum(len(e.ids) for e in Tokenizer.from_file(str(tokenizer_json)).encode_batch_fast(texts))
+        base_tokens += len(texts)  # + one end of text per document, as the token file holds
         bytes_s, bytes_tokens = timed_build(folder / "bytes.u16", inputs, corpus.BuildOptions(max_bytes=max_bytes))
     base_rate, ours_rate = base_tokens / base_s, ours_tokens / ours_s
     print(f"corpus: {mb:g} MB of text, {len(texts):,} documents, BPE vocab {vocab:,}")

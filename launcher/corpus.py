@@ -19,6 +19,7 @@ import sys
 import sysconfig
 import time
 from array import array
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Iterator, Optional, Sequence, TextIO
@@ -153,7 +154,7 @@ class TokenWriter:
         self.code = "H" if dtype == "uint16" else "I"
         self.tokens = self.documents = 0
 
-    def add(self, ids: array) -> None:
+    def add(self, ids: Sequence[int]) -> None:
         out = array(self.code, ids)
         out.append(self.eot_id)
         if sys.byteorder != "little":
@@ -181,11 +182,24 @@ def _batches(documents: Iterator[bytes]) -> Iterator[list[bytes]]:
 def encode_into(
     documents: Iterator[bytes], tokenizer: Tokenizer, train: TokenWriter, val: TokenWriter, options: BuildOptions
 ) -> None:
+    """Encode batch by batch, each batch's encoding (tokenizers' threads, without the GIL) overlapping the
+    reading of the next and the writing of the one before."""
     progress = Progress(options.progress)
-    for batch in _batches(documents):
-        for doc, ids in zip(batch, tokenizer.encode_batch(batch)):
+
+    def write(batch: list[bytes], encoded: Future[Sequence[Sequence[int]]]) -> None:
+        for doc, ids in zip(batch, encoded.result()):
             (val if held_out(doc, options.val_fraction, options.seed) else train).add(ids)
         progress.update(train.tokens + val.tokens, train.documents + val.documents)
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshrun-encode") as pool:
+        pending: Optional[tuple[list[bytes], Future[Sequence[Sequence[int]]]]] = None
+        for batch in _batches(documents):
+            encoding = pool.submit(tokenizer.encode_batch, batch)
+            if pending is not None:
+                write(*pending)
+            pending = (batch, encoding)
+        if pending is not None:
+            write(*pending)
     progress.update(train.tokens + val.tokens, train.documents + val.documents, final=True)
 
 

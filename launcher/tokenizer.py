@@ -11,7 +11,7 @@ import shutil
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional, Protocol
+from typing import Any, Iterable, Optional, Protocol, Sequence
 
 from launcher.schema import SchemaError
 from launcher.tokens import BYTES_VOCAB
@@ -31,7 +31,7 @@ class Tokenizer(Protocol):
     vocab_size: int
     eot_id: int
 
-    def encode_batch(self, documents: list[bytes]) -> list[array]:
+    def encode_batch(self, documents: list[bytes]) -> Sequence[Sequence[int]]:
         """Token ids of each document (without the end-of-text token)."""
         ...
 
@@ -47,8 +47,8 @@ class BytesTokenizer:
     vocab_size: int = BYTES_VOCAB
     eot_id: int = BYTES_EOT
 
-    def encode_batch(self, documents: list[bytes]) -> list[array]:
-        return [array("B", doc) for doc in documents]
+    def encode_batch(self, documents: list[bytes]) -> Sequence[Sequence[int]]:
+        return [array("B", doc) for doc in documents]  # array("H", bytes) would read byte pairs: widen per byte
 
     def save(self, path: Path) -> Optional[Path]:
         return None
@@ -61,11 +61,11 @@ class HFTokenizer:
         self.inner, self.eot_id, self.source = inner, eot_id, source
         self.vocab_size = int(inner.get_vocab_size(with_added_tokens=True))
 
-    def encode_batch(self, documents: list[bytes]) -> list[array]:
+    def encode_batch(self, documents: list[bytes]) -> Sequence[Sequence[int]]:
         texts = [doc.decode("utf-8", "replace") for doc in documents]  # a stray non-UTF-8 byte: U+FFFD
         # No special tokens per document (a Llama tokenizer would add <s>); documents are joined by EOT.
         encodings = self.inner.encode_batch_fast(texts, add_special_tokens=False)
-        return [array("I", enc.ids) for enc in encodings]
+        return [enc.ids for enc in encodings]  # lists: the token writer converts each once, to its dtype
 
     def save(self, path: Path) -> Optional[Path]:
         if self.source is not None:
