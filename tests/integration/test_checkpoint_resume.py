@@ -70,11 +70,19 @@ def test_signal_to_one_rank_saves_requeues_and_resumes_bit_identically(tmp_path:
 
 
 def test_kill_9_during_saves_never_loads_a_partial_checkpoint(tmp_path: Path, corpus: Path) -> None:
-    """Kills at random moments while a checkpoint is saved every step (6 in CI, 20 with MESHRUN_SOAK=1);
-    each restart resumes from a checkpoint that loads."""
+    """Kills at random moments while a checkpoint is saved every step (3 in CI, 20 with MESHRUN_SOAK=1);
+    each restart resumes from a checkpoint that loads, and the run then finishes."""
     rng = random.Random(1234)
+    # Each trial moves ~3 steps on: 400 steps leave room for 20; in CI 40 do for 3 (the finish saves every
+    # step too, and 400 saves were most of this test's 90 s there).
+    total_steps = trials(40, 400)
     run = make_run(
-        tmp_path, "kill", corpus, 2, train=_train(steps=400, log_every=1), checkpoint=Checkpoint(every=1, keep=2)
+        tmp_path,
+        "kill",
+        corpus,
+        2,
+        train=_train(steps=total_steps, log_every=1),
+        checkpoint=Checkpoint(every=1, keep=2),
     )
     root, resumed_from = run / "checkpoints", 0
     for trial in range(trials(3)):
@@ -96,7 +104,7 @@ def test_kill_9_during_saves_never_loads_a_partial_checkpoint(tmp_path: Path, co
         resumed_from = steps[-1]
     outputs = finish(start(run, 2))
     assert f"resuming from step {resumed_from}" in outputs[0]
-    assert metrics(run)[-1]["step"] == 400
+    assert metrics(run)[-1]["step"] == total_steps
 
 
 def test_resharding_a_221_checkpoint_to_112_and_one_process(tmp_path: Path, corpus: Path) -> None:
