@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Mapping, MutableMapping, Optional, Sequence
 
 from launcher import checkpoint as ckpt
-from launcher import installed_version
+from launcher import installed_version, secrets
 from launcher import job as kit
 from launcher.env import RankEnv, rank_env, setdefault_env, torchrun_vars
 from launcher.exitcodes import EXIT_REQUEUE
@@ -77,6 +77,9 @@ def run_rank(run_dir: str, replace_process: Optional[bool] = None) -> int:
     """
     run_spec = read_run_spec(Path(run_dir))
     prepare_env(run_spec, os.environ)
+    # The job's secrets, into this rank's environment only (the trainer's, or the program's it execs):
+    # read here from their files, never written anywhere; a missing or readable-by-others one is bad input.
+    secrets.apply(run_spec.job.secrets, run_spec.run.run_dir, os.environ)
     env = rank_env(os.environ)
     print(rank_banner(env, os.environ), flush=True)
     if (mismatch := version_mismatch(run_spec.run.meshrun_version, installed_version())) is not None:

@@ -31,6 +31,7 @@ from launcher.exitcodes import EXIT_GAVE_UP, EXIT_NAMES, EXIT_REQUEUE, NOT_REQUE
 from launcher.report import reported_step
 from launcher.resume import MAX_ATTEMPTS
 from launcher.rundir import RunDir, read_state, write_json
+from launcher.secrets import remove_dir, secrets_dir_for
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         terminated="--terminated" in flags,
         command_job=is_command_job(run_dir),
     )
+    if not decision.requeue:  # the job's final state: its env: secrets go (`meshrun resume` sends them again)
+        remove_dir(secrets_dir_for(run_dir))
     print(decision.line(), flush=True)
     return 0
 

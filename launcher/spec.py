@@ -9,15 +9,15 @@ with a `RunInfo` section that carries what the ranks need from the cluster.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional
 
 from launcher.rundir import RunDir
 from launcher.schema import SchemaError, load, to_plain
+from launcher.secrets import ENV_KEY as ENV_KEY  # re-exported: the name submit/cluster.py checks env keys with
+from launcher.secrets import parse_secrets
 
-ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 SPEC_FILE = RunDir.SPEC
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -331,6 +331,11 @@ class JobSpec:
     """Training data."""
     env: Mapping[str, str] = field(default_factory=dict)
     """Extra environment variables for every rank (never put secrets here: scripts are readable)."""
+    secrets: Any = field(default_factory=dict)
+    """Secret environment variables for every rank, by name: where each value comes from ({file: PATH} or
+    {env: NAME}), never the value itself; set at rank start, written nowhere (launcher/secrets.py). Loaded
+    as {NAME: SecretSource} by launcher.secrets.parse_secrets, not by the schema (Any here): its errors would
+    echo a value written where a source belongs."""
     code: Code = field(default_factory=Code)
     """Which project files are shipped to the cluster with the job."""
     sidecar: Sidecar = field(default_factory=Sidecar)
@@ -349,6 +354,7 @@ class JobSpec:
         for key in self.env:
             if not ENV_KEY.fullmatch(key):
                 raise SchemaError(f"env.{key}", key, "environment variable names match [A-Za-z_][A-Za-z0-9_]*")
+        object.__setattr__(self, "secrets", parse_secrets(self.secrets, self.env))  # typed, checked here
         if self.train is not None and self.command is not None:
             raise SchemaError("command", list(self.command), "give either `train` or `command`, not both")
         if self.command is not None and not self.command:
@@ -408,7 +414,12 @@ class RunSpec:
 
 
 def dumps_run_spec(run_spec: RunSpec) -> str:
-    return json.dumps(to_plain(run_spec), indent=2, sort_keys=True) + "\n"
+    plain = to_plain(run_spec)
+    # A job without secrets writes the spec.json it wrote before the key existed: the same rendered
+    # script, and a cluster whose launcher predates the key still reads it (loading fills the default).
+    if not plain["job"]["secrets"]:
+        del plain["job"]["secrets"]
+    return json.dumps(plain, indent=2, sort_keys=True) + "\n"
 
 
 def write_run_spec(run_spec: RunSpec, run_dir: Path) -> Path:

@@ -31,6 +31,7 @@ from launcher.exitcodes import (
 from launcher.job import RESTART_COUNT_ENV
 from launcher.requeue import crash_loop
 from launcher.rundir import JOB_ID_ENV, RunDir, local_state_path, merge_state, read_state
+from launcher.secrets import remove_dir, secrets_dir_for
 
 STOP_GRACE_S = 60
 """How long ranks may take to save and exit after a cancel or the time limit before they are killed."""
@@ -288,6 +289,7 @@ class Supervisor:
     def _record(
         self, final: str, started: float, codes: Optional[list[int]], message: str, exit_code: Optional[int] = None
     ) -> int:
+        remove_dir(secrets_dir_for(str(self.run_dir.root)))  # a final state: the env: secrets go (resume resends)
         merge_state(
             self.state_path,
             state=final,
@@ -373,6 +375,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         return Supervisor(run_dir, job_id).run()
     except Exception as exc:
+        remove_dir(secrets_dir_for(str(run_dir)))
         merge_state(
             local_state_path(str(run_dir), job_id), state="FAILED", ended=time.time(), message=f"supervisor: {exc}"
         )

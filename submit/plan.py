@@ -22,6 +22,7 @@ from launcher.rundir import RunDir
 from launcher.schema import SchemaError
 from launcher.spec import JobSpec, Resources, RunInfo, RunSpec
 from submit import __version__
+from submit import secrets as job_secrets
 from submit.cluster import ClusterProfile, Partition
 from submit.errors import InputError
 from submit.schedulers import backend
@@ -422,6 +423,8 @@ def make_plan(
     home = home or os.path.expanduser("~")
     if home != REMOTE_HOME:  # the ranks' files may be visible from here (the local cluster, a login node)
         spec = tokens.resolve_vocab(spec, home)
+    # Secrets: every env: source set here, file: sources private where visible; before any connection.
+    job_secrets.check(spec, cluster, visible=home != REMOTE_HOME)
     part = check_resources(spec, cluster)
     check_parallel(spec, cluster)
     run_dir = run_dir or run_dir_for(spec, cluster, home)
@@ -529,6 +532,8 @@ def describe(plan: Plan) -> dict[str, Any]:
             out["pp_schedule"] = p.pp_schedule
         if p.tp > 1:
             out["sequence_parallel"] = p.sequence_parallel
+    if spec.secrets:  # names and sources, never a value
+        out["secrets"] = job_secrets.sources(spec)
     if plan.tasks:
         out["tasks"] = [
             {"index": task.index, "overrides": dict(task.overrides), "run_dir": task.run_dir} for task in plan.tasks

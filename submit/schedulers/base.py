@@ -47,6 +47,11 @@ class Request:
     """The code snapshot the ranks import, if the backend ships code."""
     array_tasks: int = 0
     """Job-array tasks (a sweep); 0 for a single job."""
+    secrets_dir: str = ""
+    """The private folder the job's `env:` secrets are sent into before the start ("" when it has none)."""
+    secrets: Mapping[str, str] = field(default_factory=dict)
+    """{file in secrets_dir: the variable of this environment its value is read from when sent}: names only,
+    never a value (submit/secrets.py)."""
 
     def as_json(self) -> dict[str, Any]:
         files = [
@@ -64,6 +69,10 @@ class Request:
             "argv": list(self.argv),
             "files": files,
             "code_dir": self.code_dir,
+            "secrets": {
+                "dir": self.secrets_dir,
+                "files": {rel: f"env:{var}" for rel, var in sorted(self.secrets.items())},
+            },
             "script": self.script,
         }
 

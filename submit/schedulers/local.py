@@ -25,6 +25,7 @@ from typing import Any, Optional, Sequence
 from launcher.rundir import JOB_ID_ENV, RunDir, local_state_path, merge_state, read_state
 from launcher.spec import JobSpec
 from submit import findings
+from submit import secrets as job_secrets
 from submit.cluster import ClusterProfile
 from submit.errors import ClusterError, InputError
 from submit.plan import Plan
@@ -63,19 +64,23 @@ class LocalBackend:
             raise InputError("--after", after[0], "dependencies are Slurm's; the local cluster has none")
         script = render(plan)
         path = RunDir(plan.run_dir).script(self.name)
+        secrets_dir, secret_files = job_secrets.request_files(plan)
         return Request(
             scheduler=self.name,
             run_dir=plan.run_dir,
             script_path=path,
             script=script,
-            argv=("bash", path),
+            argv=job_secrets.plan_argv(plan, ("bash", path)),  # the supervisor never holds a secret: the ranks read it
             files=run_dir_files(plan, RunDir.SCRIPTS[self.name], script),
+            secrets_dir=secrets_dir,
+            secrets=secret_files,
         )
 
     def schedule(self, request: Request, transport: Transport) -> str:
         with _start_lock(request.run_dir):
             _refuse_live_writers(request.run_dir)
             transport.put(request.files, request.run_dir)
+            job_secrets.send(request.secrets_dir, request.secrets, transport)
             return _start(request.run_dir, request.argv)
 
     def statuses(
@@ -86,6 +91,7 @@ class LocalBackend:
     def cancel(self, records: Sequence[JobRecord], transport: Transport) -> None:
         for record in records:
             _cancel(record)
+        transport.run(job_secrets.forget_argv([r.run_dir for r in records], whole_array=False))
 
     def log_path(self, record: JobRecord, rank: Optional[int]) -> str:
         run_dir = RunDir(record.run_dir)
@@ -95,7 +101,9 @@ class LocalBackend:
         run_dir = RunDir(record.run_dir)
         with _start_lock(record.run_dir):
             _refuse_live_writers(record.run_dir)
-            return _start(record.run_dir, ("bash", run_dir.script(self.name)))
+            run_spec = job_secrets.run_spec_of(record, transport)
+            job_secrets.resend(run_spec, record.run_dir, transport)  # the supervisor removed them at the end
+            return _start(record.run_dir, job_secrets.scrubbed(("bash", run_dir.script(self.name)), [run_spec.job]))
 
     def poll_interval(self, elapsed_s: float) -> float:
         return 0.5  # reading a local file costs nothing

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 from launcher.rundir import RunDir
 from launcher.spec import JobSpec
 from submit import findings
+from submit import secrets as job_secrets
 from submit.cluster import ClusterProfile
 from submit.plan import Plan
 from submit.registry import JobRecord
@@ -45,23 +46,28 @@ class SlurmBackend:
         run_dir = RunDir(plan.run_dir)
         script = render(plan)
         name = RunDir.SCRIPTS[self.name]
+        sbatch = slurm_cli.sbatch_argv(run_dir.script(self.name), plan.spec.name, plan.run_dir, after)
+        secrets_dir, secret_files = job_secrets.request_files(plan)
         return Request(
             scheduler=self.name,
             run_dir=plan.run_dir,
             script_path=run_dir.script(self.name),
             script=script,
-            argv=tuple(slurm_cli.sbatch_argv(run_dir.script(self.name), plan.spec.name, plan.run_dir, after)),
+            argv=job_secrets.plan_argv(plan, sbatch),  # sbatch's environment is stored: no secret in it
             files=run_dir_files(plan, name, script),
             code_dir=plan.code_dir,
             array_tasks=len(plan.tasks),
+            secrets_dir=secrets_dir,
+            secrets=secret_files,
         )
 
     def schedule(self, request: Request, transport: Transport) -> str:
+        job_secrets.send(request.secrets_dir, request.secrets, transport)  # before the job can start
         done = transport.put(request.files, request.run_dir, then=request.argv, timeout=120)
         assert done is not None
         if done.returncode != 0:
             # Nothing is left behind by a failed submit: the run dir goes (it held only what we wrote).
-            transport.run(["rm", "-rf", "--", request.run_dir])
+            transport.run(["rm", "-rf", "--", request.run_dir, *([request.secrets_dir] if request.secrets_dir else [])])
             done.check("sbatch")
         return slurm_cli.parse_sbatch(done.stdout)
 
@@ -92,7 +98,9 @@ class SlurmBackend:
     def cancel(self, records: Sequence[JobRecord], transport: Transport) -> None:
         record = records[0]
         job_id = record.job_id.split("_")[0] if len(records) > 1 else record.job_id
-        transport.run(slurm_cli.scancel_argv(job_id)).check("scancel")
+        # The secrets folder goes with the cancel, in the same round trip (a pending job never ran to remove it).
+        forget = job_secrets.forget_argv([r.run_dir for r in records], whole_array=len(records) > 1)
+        batch(transport, [slurm_cli.scancel_argv(job_id), forget])[0].check("scancel")
 
     def log_path(self, record: JobRecord, rank: Optional[int]) -> str:
         run_dir = RunDir(record.run_dir)
@@ -100,6 +108,9 @@ class SlurmBackend:
 
     def restart(self, record: JobRecord, transport: Transport) -> str:
         argv = slurm_cli.sbatch_argv(RunDir(record.run_dir).script(self.name), record.name, record.run_dir, ())
+        run_spec = job_secrets.run_spec_of(record, transport)
+        job_secrets.resend(run_spec, record.run_dir, transport)  # removed when the job ended
+        argv = list(job_secrets.scrubbed(argv, [run_spec.job]))
         return slurm_cli.parse_sbatch(transport.run(argv, timeout=120).check("sbatch").stdout)
 
     def poll_interval(self, elapsed_s: float) -> float:

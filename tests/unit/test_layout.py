@@ -22,6 +22,7 @@ CONTRACT = {
     "launcher.presets",  # model-size presets, expanded when a spec is loaded
     "launcher.tokens",  # the token file's record: the planner checks data files and takes the vocab from it
     "launcher.weights",  # train.init_from's names and shapes, read from the safetensors header
+    "launcher.secrets",  # the spec's secrets: key (names and sources) and where an env: value waits on the cluster
     "launcher.hfnames",  # meshrun's GPT in Hugging Face Llama's names: init_from's shape check reads it
 }
 """The torch-free contract: all that `submit` may import of `launcher`."""
