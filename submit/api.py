@@ -184,7 +184,9 @@ class Clusters:
 
     def transport(self, key: str) -> Transport:
         if key not in self._transports:
-            self._transports[key] = connect(self.profile(key).ssh, self.profile(key).name)
+            # The key, not the profile's name: a refused host key's fix (`meshrun trust KEY`) must name
+            # the file a job was submitted with (-c my.yaml), which `meshrun trust NAME` would not find.
+            self._transports[key] = connect(self.profile(key).ssh, key)
         return self._transports[key]
 
     def transport_for(self, record: JobRecord) -> Transport:

@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -22,6 +24,7 @@ from tests.integration import cli
 from tests.testbed import testbed as tb
 
 SSHD_LOG = tb.LOG / "sshd.log"
+SSHD_START_S = 10.0
 
 
 def profile(tmp: Path, name: str = "sshbed", **ssh: Any) -> Path:
@@ -127,3 +130,128 @@ def first_line_with(stream: Any, needle: str, timeout: float = 60) -> Optional[s
         if not line:
             time.sleep(0.1)
     return None
+
+
+# ------------------------------------------------------------------ a second sshd (a jump host)
+
+
+def fingerprint(pub: Path) -> str:
+    """A public key's SHA256 fingerprint as `ssh-keygen -l` prints it (what an admin would publish)."""
+    out = subprocess.run(["ssh-keygen", "-lf", str(pub)], capture_output=True, text=True, check=True)
+    return out.stdout.split()[1]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the caller binds it next)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@dataclass
+class ExtraSshd:
+    """A second real OpenSSH sshd on 127.0.0.1, with a host key of its own, in front of the testbed's."""
+
+    folder: Path
+    """Its config, host key, PID file and log."""
+    port: int
+    """The loopback port it listens on (kept across restarts, so known_hosts names the same host)."""
+    process: Optional[subprocess.Popen[bytes]] = field(default=None, repr=False)
+    """The running sshd (-D: this is its own PID), None while stopped."""
+
+    @property
+    def host_key(self) -> Path:
+        return self.folder / "ssh_host_ed25519_key"
+
+    @property
+    def fingerprint(self) -> str:
+        """Its host key's fingerprint, as `ssh-keygen -l` prints it."""
+        return fingerprint(Path(f"{self.host_key}.pub"))
+
+    @property
+    def key_name(self) -> str:
+        """How known_hosts (and meshrun's messages) name it."""
+        return f"[127.0.0.1]:{self.port}"
+
+    @property
+    def log(self) -> Path:
+        return self.folder / "sshd.log"
+
+    def logins(self) -> int:
+        """Successful logins so far, counted by this sshd itself."""
+        return self.log.read_text(errors="replace").count("Accepted publickey") if self.log.exists() else 0
+
+    def new_host_key(self) -> None:
+        """A fresh host key (as a reinstalled host, or an impostor, would present)."""
+        for path in (self.host_key, Path(f"{self.host_key}.pub")):
+            path.unlink(missing_ok=True)
+        comment = f"meshrun-extra-sshd-{time.time_ns()}"
+        subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(self.host_key)], check=True
+        )
+
+    def start(self) -> None:
+        """Run sshd on `port` with the testbed's settings (key-only, root, forwarding) but this host key."""
+        kept = [
+            line
+            for line in (tb.ETC / "sshd_config").read_text().splitlines()
+            if not line.startswith(("Port ", "HostKey ", "PidFile ", "ListenAddress "))
+        ]
+        config = self.folder / "sshd_config"
+        head = [f"Port {self.port}", "ListenAddress 127.0.0.1", f"HostKey {self.host_key}"]
+        config.write_text("\n".join([*head, f"PidFile {self.folder / 'sshd.pid'}", *kept]) + "\n")
+        self.process = subprocess.Popen([tb._bin("sshd"), "-D", "-f", str(config), "-E", str(self.log)])
+        deadline = time.monotonic() + SSHD_START_S
+        while not _says_ssh(self.port):
+            running = self.process.poll() is None
+            assert running and time.monotonic() < deadline, f"extra sshd did not start: {self.log.read_text()}"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """Stop this sshd by its own PID (never by name: other testbeds run sshds too)."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        self.process = None
+
+    def restart_with_new_key(self) -> None:
+        """Stop, regenerate the host key, start again on the same port: the same host, another key."""
+        self.stop()
+        self.new_host_key()
+        self.start()
+
+
+def _says_ssh(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as conn:
+            return conn.recv(4).startswith(b"SSH-")
+    except OSError:
+        return False
+
+
+def extra_sshd(folder: Path) -> ExtraSshd:
+    """Start a second sshd with a new host key of its own on a free loopback port; the caller's fixture
+    stops it (`.stop()`, by its PID) in its finaliser."""
+    folder.mkdir(parents=True, exist_ok=True)
+    server = ExtraSshd(folder, free_port())
+    server.new_host_key()
+    server.start()
+    return server
+
+
+def jump_config(home: Path, alias: str, server: ExtraSshd) -> Path:
+    """~/.ssh/config in `home` naming `alias` as `server` (the testbed's user and client key)."""
+    info = tb.ssh_info()
+    (home / ".ssh").mkdir(mode=0o700, exist_ok=True)
+    path = home / ".ssh" / "config"
+    path.write_text(
+        f"Host {alias}\n  HostName 127.0.0.1\n  Port {server.port}\n  User {info['user']}\n"
+        f"  IdentityFile {info['identity_file']}\n  IdentitiesOnly yes\n"
+    )
+    return path
