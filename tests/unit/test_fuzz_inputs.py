@@ -205,7 +205,9 @@ def test_random_set_values_apply_or_say_what_is_wrong(home: Path) -> None:
 
     pairs = st.tuples(st.sampled_from(SPEC_KEYS), text)
     fuzz(check, sets=st.lists(pairs, min_size=1, max_size=3), verb=st.sampled_from(["render", "plan"]))
-    outcome.report(EXAMPLES // 20)
+    # Random text for up to 3 keys is mostly refused: ~5% are accepted (97 of 2,000 in a soak), so the
+    # floor that proves both ways are exercised is 1 in 40, not the others' 1 in 20.
+    outcome.report(EXAMPLES // 40)
 
 
 YAML_ALPHABET = st.sampled_from(list("abnrt_:-[]{}, \n\t#&*!|>'\"%@`?.0123456789") + ["train:", "  ", "\x00", "é"])
