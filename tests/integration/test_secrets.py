@@ -22,11 +22,13 @@ from submit.cluster import load_profile
 from tests.integration import sshbed
 from tests.integration.cli import meshrun, submitted
 
-# Exits 0 when every NAME in $CHECK holds the value whose sha256 is in $WANT_NAME, else 1; prints nothing of it.
+# Exits 0 when every NAME in $CHECK holds the value whose sha256 is in $WANT_NAME and no variable in $ABSENT
+# (the sources in meshrun submit's environment) reached the rank, else 1; prints nothing of a value.
 PROGRAM = (
     "import hashlib, os, sys; "
     "names = os.environ['CHECK'].split(); "
     "ok = all(hashlib.sha256(os.environ.get(n, '').encode()).hexdigest() == os.environ['WANT_' + n] for n in names); "
+    "ok = ok and not any(n in os.environ for n in os.environ.get('ABSENT', '').split()); "
     "print('secrets match' if ok else 'secrets differ', flush=True); sys.exit(0 if ok else 1)"
 )
 
@@ -42,6 +44,7 @@ def _sha(text: str) -> str:
 def _spec(folder: Path, name: str, sources: dict[str, dict[str, str]], tokens: dict[str, str], **extra: Any) -> Path:
     """A command job checking each secret against its token's hash (hashes may be written; tokens never)."""
     env = {"CHECK": " ".join(tokens), **{f"WANT_{n}": _sha(t) for n, t in tokens.items()}}
+    env["ABSENT"] = " ".join(s["env"] for s in sources.values() if "env" in s)
     spec = {
         "name": name,
         "resources": {"nodes": 1, "tasks_per_node": 1, "time": "00:05:00"},
@@ -182,12 +185,30 @@ def test_bad_input_is_refused_in_one_line_before_any_cluster(testbed: dict, tmp_
         "badname": ({"bad-name": {"env": "SRC"}}, "secrets.bad-name: 'bad-name': environment variable names match"),
     }
     env = {k: v for k, v in os.environ.items() if k != "NOT_SET_ANYWHERE"}
+    nonce = secrets.token_hex(4)  # the testbed's work dir is shared: look for this test's runs only
     for case, (sources, message) in cases.items():
-        spec = _spec(tmp_path, f"secret-bad-{case}", sources, {})
+        spec = _spec(tmp_path, f"secret-bad-{case}-{nonce}", sources, {})
         out = meshrun(tmp_path, "submit", str(spec), "-c", "testbed", env={**env, "SRC": token})
         assert out.returncode == 2 and token not in out.stdout + out.stderr, (case, out)
         (line,) = out.stderr.strip().splitlines()
         assert message in line, (case, line)
     runs = Path(load_profile("testbed").paths.work_dir) / "runs"
-    assert not list(runs.glob("secret-bad-*")) and not list(runs.glob(".secret-bad-*"))
+    assert not list(runs.glob(f"secret-bad-*-{nonce}-*")) and not list(runs.glob(f".secret-bad-*-{nonce}-*"))
     assert not list((tmp_path / "state").rglob("*.sqlite"))  # nothing was recorded: nothing was submitted
+
+
+def test_resume_sends_the_value_again_from_the_environment_it_runs_in(tmp_path: Path) -> None:
+    first, second = _token(), _token()
+    spec = _spec(tmp_path, "secret-resume", {"API_KEY": {"env": "SRC"}}, {"API_KEY": second})
+    out = meshrun(tmp_path, "submit", str(spec), "-c", "local", "--wait", env={"SRC": first})
+    job_id, run_dir = submitted(out)
+    assert out.returncode == 1 and "secrets differ" in (run_dir / "logs" / "rank-0.log").read_text()
+    assert not Path(secrets_dir_for(str(run_dir))).exists()  # gone with the failed run
+    env = {k: v for k, v in os.environ.items() if k != "SRC"}
+    missing = meshrun(tmp_path, "resume", job_id, env=env)
+    assert missing.returncode == 2 and "SRC is not set" in missing.stderr, missing
+    out = meshrun(tmp_path, "resume", job_id, "--wait", env={"SRC": second})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "secrets match" in (run_dir / "logs" / "rank-0.log").read_text()
+    for token in (first, second):
+        _assert_written_nowhere(token, tmp_path, run_dir, "local-", out.stdout, out.stderr)
