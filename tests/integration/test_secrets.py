@@ -212,3 +212,16 @@ def test_resume_sends_the_value_again_from_the_environment_it_runs_in(tmp_path: 
     assert "secrets match" in (run_dir / "logs" / "rank-0.log").read_text()
     for token in (first, second):
         _assert_written_nowhere(token, tmp_path, run_dir, "local-", out.stdout, out.stderr)
+
+
+def test_a_rank_refuses_a_file_others_can_read_where_submit_could_not_see_it(testbed: dict, tmp_path: Path) -> None:
+    readable = tmp_path / "readable"
+    readable.write_text(_token())
+    readable.chmod(0o644)
+    profile = sshbed.profile(tmp_path)
+    spec = _spec(sshbed.project(tmp_path, {}), "secret-rank-check", {"TOKEN": {"file": str(readable)}}, {})
+    out = sshbed.meshrun(tmp_path, "submit", str(spec), "-c", str(profile), "--wait")  # a laptop: not checked here
+    job_id, run_dir = submitted(out)
+    assert out.returncode == 2, out.stdout + out.stderr  # the ranks' bad input: exit 2, not requeued
+    reason = (run_dir / "rank-error.txt").read_text()
+    assert f"secrets.TOKEN.file: '{readable}': mode 0644 lets others read it; run `chmod 600 {readable}`" in reason
