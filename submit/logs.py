@@ -6,6 +6,9 @@ If the connection drops, it reconnects and restarts every tail at its offset, so
 no byte is lost or repeated. When the job has ended (checked with backoff, one
 round trip each), what is left past each offset is read once more and it stops.
 With several ranks each line is prefixed `[rank N] `; partial lines wait for their end.
+Following a log bigger than FOLLOW_TAIL_BYTES starts at its last line that begins within that many
+bytes of its end (as `tail -f` does): a 1 GB log shows its tail at once instead of streaming 1 GB;
+`meshrun logs JOB` without -f still prints all of it.
 `--diagnosis` prints a hang's diagnosis (the sidecar's files under RUN_DIR/diagnosis) in one command.
 """
 
@@ -29,6 +32,8 @@ from submit.registry import JobRecord
 from submit.transport import ConnectionLost, Stream, Transport
 
 RECONNECT_ATTEMPTS = 8
+FOLLOW_TAIL_BYTES = 1 << 20
+"""`logs -f` of a longer file starts this close to its end (at a line start); a shorter one from its start."""
 
 
 @dataclass
@@ -119,6 +124,25 @@ def print_once(transport: Transport, sources: Sequence[Source], printer: Printer
     printer.finish(sources)
 
 
+def start_near_end(transport: Transport, sources: Sequence[Source], err: TextIO) -> None:
+    """Move each not yet started source of a big file to the first line start in its last FOLLOW_TAIL_BYTES
+    (two small reads per file, whatever its size), saying on `err` how much is skipped."""
+    for source in sources:
+        size = transport.size(source.path) if source.offset == 0 else 0
+        if size <= FOLLOW_TAIL_BYTES:
+            continue
+        start = size - FOLLOW_TAIL_BYTES
+        newline = transport.read_bytes(source.path, start - 1, 65536).find(
+            b"\n"
+        )  # from the byte before: on a line start?
+        source.offset = start + newline if newline >= 0 else start
+        err.write(
+            f"meshrun: {source.path} is {size:,} bytes; following from its last {size - source.offset:,} "
+            f"(`meshrun logs` without -f prints it all)\n"
+        )
+    err.flush()
+
+
 def _pump(index: int, stream: Stream, inbox: queue.Queue[tuple[int, bytes, Optional[BaseException]]]) -> None:
     try:
         for chunk in stream:
@@ -137,9 +161,13 @@ class Follower:
         self.record, self.clusters, self.sources, self.printer, self.err = record, clusters, sources, printer, err
 
     def run(self) -> None:
+        started = False
         while True:
             try:
                 transport = self.clusters.transport_for(self.record)
+                if not started:
+                    start_near_end(transport, self.sources, self.err)
+                    started = True
                 if self._follow(transport):
                     print_once(transport, self.sources, self.printer)  # what arrived after the last chunk
                     return
