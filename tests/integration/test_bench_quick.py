@@ -96,7 +96,14 @@ ON_TESTBED = {
             rf"meshrun submit \(command\) +{NUMBER} +{NUMBER}",
             r"status of 4 jobs: 1 round trip",
         ],
-    )
+    ),
+    "status_scale.py": (
+        ["--quick"],
+        [
+            rf"status of 100 jobs {where} *: 1 round trip, {NUMBER} ms, .*ratio {NUMBER}$"
+            for where in ("login node", "over SSH")
+        ],
+    ),
 }
 HELPERS = {"trainer_setup.py"}  # imported by the training benches; not a bench itself
 
