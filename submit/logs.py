@@ -34,6 +34,8 @@ from submit.transport import ConnectionLost, Stream, Transport
 RECONNECT_ATTEMPTS = 8
 FOLLOW_TAIL_BYTES = 1 << 20
 """`logs -f` of a longer file starts this close to its end (at a line start); a shorter one from its start."""
+INBOX_CHUNKS = 64
+"""Chunks (of at most 64 KiB) read ahead of the output while following: its memory, whatever the log's rate."""
 
 
 @dataclass
@@ -179,7 +181,8 @@ class Follower:
 
     def _follow(self, transport: Transport) -> bool:
         """Stream until the job is done (True) or a stream ended by itself (False: restart)."""
-        inbox: queue.Queue[tuple[int, bytes, Optional[BaseException]]] = queue.Queue()
+        # Bounded: a log growing faster than the output drains waits in `tail`'s pipe, not in this process.
+        inbox: queue.Queue[tuple[int, bytes, Optional[BaseException]]] = queue.Queue(maxsize=INBOX_CHUNKS)
         streams = [transport.stream(_tail(s, follow=True)) for s in self.sources]
         threads = [threading.Thread(target=_pump, args=(i, st, inbox), daemon=True) for i, st in enumerate(streams)]
         for thread in threads:
@@ -204,8 +207,11 @@ class Follower:
         finally:
             for stream in streams:
                 stream.close()
+            deadline = time.monotonic() + 10
             for thread in threads:
-                thread.join(10)
+                while thread.is_alive() and time.monotonic() < deadline:
+                    self._drain(inbox)  # a pump waiting on the full inbox can then end
+                    thread.join(0.05)
             self._drain(inbox)
 
     def _drain(self, inbox: queue.Queue[tuple[int, bytes, Optional[BaseException]]]) -> None:

@@ -13,11 +13,12 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from submit.registry import JobRecord, Registry
 from tests.integration import sshbed
@@ -231,7 +232,9 @@ def test_status_of_1000_jobs_is_one_remote_command(testbed: dict[str, object], t
 # ------------------------------------------------------------------ logs -f of a 1 GB log
 
 GB = 1 << 30
+BURST = 128 << 20
 LINE = b"an old line of a big log, the same text again and again, read by nobody ..........\n"
+BLOCK = LINE * ((1 << 20) // len(LINE))
 
 
 def _proc(pid: int) -> tuple[int, int]:
@@ -241,53 +244,79 @@ def _proc(pid: int) -> tuple[int, int]:
     return int(io["rchar"]), int(hwm.split()[1]) * 1024
 
 
-def _wait_for(path: Path, needle: bytes, proc: "subprocess.Popen[bytes]", timeout: float) -> float:
-    started, deadline = time.monotonic(), time.monotonic() + timeout
-    while needle not in path.read_bytes()[-65536:]:
-        assert proc.poll() is None and time.monotonic() < deadline, f"{needle!r} not followed in {timeout} s"
-        time.sleep(0.05)
-    return time.monotonic() - started
+def _append(log: Path, size: int, last: bytes) -> None:
+    with open(log, "ab") as out:
+        for _ in range(size // len(BLOCK)):
+            out.write(BLOCK)
+        out.write(last)
+
+
+class Reader:
+    """Copies a process's stdout into a file, and can stop reading it (a terminal that cannot keep up)."""
+
+    def __init__(self, pipe: IO[bytes], path: Path) -> None:
+        self.pipe, self.path, self.reading = pipe, path, threading.Event()
+        self.out = open(path, "wb")  # noqa: SIM115 - the thread closes it
+        self.reading.set()
+        self.thread = threading.Thread(target=self._copy, daemon=True)
+        self.thread.start()
+
+    def _copy(self) -> None:
+        with self.out as out:
+            while self.reading.wait() and (chunk := os.read(self.pipe.fileno(), 1 << 20)):
+                out.write(chunk)
+                out.flush()
+
+    def wait_for(self, needle: bytes, proc: subprocess.Popen[bytes], timeout: float) -> float:
+        started, deadline = time.monotonic(), time.monotonic() + timeout
+        while needle not in self.path.read_bytes()[-65536:]:
+            assert proc.poll() is None and time.monotonic() < deadline, f"{needle!r} not followed in {timeout} s"
+            time.sleep(0.05)
+        return time.monotonic() - started
 
 
 def test_follow_a_1gb_log_reads_its_tail_in_constant_memory(tmp_path: Path) -> None:
     spec = _project(tmp_path, ["sleep", "300"])
     job_id, run_dir = submitted(meshrun(tmp_path, "submit", str(spec), "-c", "local", check=True))
-    log = run_dir / "logs" / "rank-0.log"
+    log, followed = run_dir / "logs" / "rank-0.log", tmp_path / "followed.out"
     deadline = time.monotonic() + 60
     while not log.exists():
         assert time.monotonic() < deadline, "the rank never started"
         time.sleep(0.1)
-    block = LINE * ((1 << 20) // len(LINE))
     try:
-        with open(log, "ab") as out:
-            out.write(b"THE FIRST OLD LINE\n")
-            for _ in range(GB // len(block)):
-                out.write(block)
-            out.write(b"THE LAST OLD LINE\n")
-        followed, err = tmp_path / "followed.out", tmp_path / "followed.err"
-        with open(followed, "wb") as out, open(err, "wb") as errors:
-            follower = subprocess.Popen(
-                [sys.executable, "-m", "submit.cli", "logs", job_id, "-f"],
-                cwd=REPO,
-                env=env_for(tmp_path),
-                stdout=out,
-                stderr=errors,
-            )
-            try:
-                first_s = _wait_for(followed, b"THE LAST OLD LINE\n", follower, 30)
-                read_first, _ = _proc(follower.pid)
-                with open(log, "ab") as out_log:
-                    out_log.write(b"a new line, appended while followed\n")
-                _wait_for(followed, b"a new line, appended while followed\n", follower, 30)
-                read, peak = _proc(follower.pid)
-            finally:
-                follower.terminate()
-                follower.wait(timeout=30)
+        _append(log, GB, b"THE LAST OLD LINE\n")
+        argv = [sys.executable, "-m", "submit.cli", "logs", job_id, "-f"]
+        with open(tmp_path / "followed.err", "wb") as err:
+            follower = subprocess.Popen(argv, cwd=REPO, env=env_for(tmp_path), stdout=subprocess.PIPE, stderr=err)
+        assert follower.stdout is not None
+        reader = Reader(follower.stdout, followed)
+        try:
+            first_s = reader.wait_for(b"THE LAST OLD LINE\n", follower, 30)
+            _append(log, 100, b"a new line, appended while followed\n")
+            reader.wait_for(b"a new line, appended while followed\n", follower, 30)
+            read, peak = _proc(follower.pid)
+            # A burst while the output is not read: what is read ahead must stay bounded, not the burst.
+            reader.reading.clear()
+            _append(log, BURST, b"the burst's end\n")
+            time.sleep(1.0)  # time to read far ahead (page cache: GB/s), were it unbounded
+            burst_read, burst_peak = _proc(follower.pid)
+            reader.reading.set()
+            reader.wait_for(b"the burst's end\n", follower, 60)
+        finally:
+            follower.terminate()
+            follower.wait(timeout=30)
+            reader.reading.set()
         text = followed.read_bytes()
-        assert read < 64 << 20 and peak < 256 << 20, (read_first, read, peak)  # far below the 1 GB it follows
-        assert b"THE FIRST OLD LINE" not in text and text.startswith(LINE) and len(text) <= (1 << 20) + 4096
-        assert b"following from its last" in err.read_bytes()
-        print(f"logs -f of 1 GB: tail shown in {first_s:.2f} s, read {read >> 20} MB, peak RSS {peak >> 20} MB")
+        assert read < 64 << 20 and peak < 128 << 20, (read, peak)  # far below the 1 GB it follows
+        assert burst_read - read < 32 << 20 and burst_peak < peak + (32 << 20), (read, burst_read, peak, burst_peak)
+        assert text.startswith(LINE) and text.index(b"THE LAST OLD LINE\n") <= 1 << 20  # began near the end
+        assert len(text) < (1 << 20) + BURST + 4096
+        assert "following from its last" in (tmp_path / "followed.err").read_text()
+        print(
+            f"logs -f of 1 GB: tail shown in {first_s:.2f} s, read {read >> 20} MB, peak RSS {peak >> 20} MB; "
+            f"{burst_peak >> 20} MB with a {BURST >> 20} MB burst unread"
+        )
     finally:
         log.unlink(missing_ok=True)
+        followed.unlink(missing_ok=True)
         meshrun(tmp_path, "cancel", job_id, check=True)
