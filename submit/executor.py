@@ -201,7 +201,7 @@ def new_run_dir(runs: str, name: str, when: Optional[_dt.datetime] = None) -> Ru
     """<runs>/submitit-<name>-<UTC time>-<random>: unique, sortable, and says where it came from."""
     stamp = (when or _dt.datetime.now(_dt.timezone.utc)).strftime("%Y%m%d-%H%M%S")
     slug = re.sub(r"[^A-Za-z0-9_+-]", "_", name).strip("_")[:64] or "job"
-    return RunDir(f"{runs}/submitit-{slug}-{stamp}-{secrets.token_hex(2)}")
+    return RunDir(f"{runs}/submitit-{slug}-{stamp}-{secrets.token_hex(4)}")
 
 
 @dataclass(frozen=True)

@@ -399,7 +399,7 @@ def run_dir_for(spec: JobSpec, cluster: ClusterProfile, home: str, now: Optional
     now = now or _dt.datetime.now(_dt.timezone.utc)
     stamp = now.strftime("%Y%m%d-%H%M%S")
     base = expand_home(cluster.paths.work_dir, home).rstrip("/")
-    return f"{base}/runs/{slug(spec.name)}-{stamp}-{secrets.token_hex(2)}"
+    return f"{base}/runs/{slug(spec.name)}-{stamp}-{secrets.token_hex(4)}"
 
 
 def check_files(plan: Plan) -> None:
