@@ -38,6 +38,10 @@ NODES = ("n1", "n2")
 GPUS_PER_NODE = 2
 CPUS_PER_NODE = 4
 PARTITION = "debug"
+HIGH_PARTITION = "high"
+"""A partition over the same nodes whose jobs preempt (requeue) the default partition's."""
+GRACE_TIME_S = 15
+"""Seconds a preempted job gets between Slurm's SIGTERM and its SIGKILL."""
 
 
 def _port(name: str, default: int) -> int:
@@ -161,7 +165,10 @@ def up() -> dict[str, object]:
     _make_dirs()
     with _locked():
         daemons = _daemons()
-        if all(_alive(d) for d in daemons) and _healthy(daemons):
+        # A testbed left running (MESHRUN_TESTBED_KEEP=1) by an older slurm.conf (say, before the preemption
+        # partitions) takes the slow path: its configs are rewritten and its Slurm daemons restarted.
+        current = SLURM_CONF.exists() and SLURM_CONF.read_text() == _slurm_conf()
+        if current and all(_alive(d) for d in daemons) and _healthy(daemons):
             return info()
         _write_static_files()
         changed = _write_configs()
@@ -694,6 +701,9 @@ AccountingStoragePort={PORTS["slurmdbd"]}
 # Not a password: connections to slurmdbd ignore AuthInfo=socket= and take the munge socket from here.
 AccountingStoragePass={MUNGE_SOCKET}
 AccountingStorageTRES=gres/gpu
+# Store every batch script and job environment, as sites with slurmdbd often do: the secrets test
+# greps them (sacct --batch-script / --env-vars) for a value that must never reach them.
+AccountingStoreFlags=job_script,job_env
 SchedulerType=sched/backfill
 SchedulerParameters=sched_interval=2,bf_interval=2
 SelectType=select/cons_tres
@@ -705,7 +715,13 @@ MinJobAge=300
 KillWait=5
 GresTypes=gpu
 {nodes}
-PartitionName={PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+# Real preemption (tests/integration/test_real_preemption.py): a job in {HIGH_PARTITION} takes the nodes of
+# a {PARTITION} job, which Slurm signals (SIGTERM), gives GRACE_TIME_S to save, then requeues itself.
+# The default partition is the low one; jobs in one tier never preempt each other.
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+PartitionName={PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime={GRACE_TIME_S}
+PartitionName={HIGH_PARTITION} Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 """
 
 
