@@ -1,18 +1,17 @@
-"""Preemption, time limits, requeue and resume through the real CLI: on the real Slurm testbed and on `local`."""
+"""Time limits, requeue and resume through the real CLI: on the real Slurm testbed and on `local`.
+
+A real preemption (Slurm's own SIGTERM, grace time and requeue), with a run bit-identical to an
+uninterrupted one, is tests/integration/test_real_preemption.py.
+"""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file
 
-from launcher import checkpoint as ckpt
-from launcher.export import consolidated_state
-from submit.schedulers import slurm_cli as slurm
 from tests.integration.cli import TWO_NODES, meshrun, metrics, status, submitted, wait_for_state, wait_for_step
 
 STEPS = 150
@@ -41,43 +40,8 @@ def _two_ranks_on_two_nodes(corpus: Path, *extra: str) -> list[str]:
     ]
 
 
-def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    root = Path(json.loads((run_dir / "spec.json").read_text())["run"]["checkpoint_dir"])
-    tensors, meta = consolidated_state(ckpt.latest(root))
-    assert meta["step"] == str(STEPS)
-    return tensors
-
-
 def _step_rows(run_dir: Path) -> list[dict]:
     return [r for r in metrics(run_dir) if "event" not in r]
-
-
-def test_preempted_slurm_job_requeues_with_the_same_id_and_matches_an_uninterrupted_run(
-    testbed: dict, tmp_path: Path, corpus: Path
-) -> None:
-    ref_id, ref_dir = submitted(meshrun(tmp_path, "submit", *_two_ranks_on_two_nodes(corpus), check=True))
-    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *_two_ranks_on_two_nodes(corpus), check=True))
-    wait_for_step(run_dir, 3)
-    # What a preemption (or the pre-timeout signal) does: USR1 to the batch shell.
-    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)
-    row = wait_for_state(tmp_path, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
-    assert row["state"] == "COMPLETED" and row["restarts"] == 1, row
-    assert row["progress"]["checkpoint_step"] == STEPS
-    wait_for_state(tmp_path, ref_id, {"COMPLETED"})
-    # Status came from accounting itself (one batched sacct), not only from a fallback.
-    acct = subprocess.run(slurm.sacct_argv([ref_id, job_id]), capture_output=True, text=True)
-    assert acct.returncode == 0, acct.stderr
-    assert {s.state for s in slurm.parse_sacct(acct.stdout).values()} == {"COMPLETED"}
-    batch = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
-    assert "ranks exited with status 75" in batch and "requeueing: restart 1" in batch
-    assert f"[meshrun] job {job_id} restart 1" in batch  # the same job id came back
-    rank0 = (run_dir / "logs" / "rank-0.log").read_text()
-    assert "restart 0" in rank0 and "restart 1" in rank0 and "resuming from step" in rank0  # appended
-    pre, ref = _step_rows(run_dir), _step_rows(ref_dir)
-    assert [r["step"] for r in pre] == list(range(1, STEPS + 1))
-    assert [r["loss"] for r in pre] == [r["loss"] for r in ref]  # bit-identical
-    a, b = _weights(ref_dir), _weights(run_dir)
-    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_time_limit_ends_in_a_checkpoint_and_a_requeue(testbed: dict, tmp_path: Path, corpus: Path) -> None:

@@ -163,6 +163,9 @@ def test_a_real_preemption_saves_in_the_grace_time_requeues_once_and_matches_an_
     assert _sacct_rows(job_id) == ["REQUEUED", "COMPLETED"], _sacct_rows(job_id)
     assert _sacct_rows(ref_id) == ["COMPLETED"]  # the reference was never preempted
     until(lambda: _sacct_rows(high_id) == ["COMPLETED"], "the preempting job did not run")
+    # `meshrun status` came from accounting itself (one batched sacct), not only from a fallback.
+    acct = subprocess.run(slurm.sacct_argv([ref_id, job_id]), capture_output=True, text=True, check=True)
+    assert {s.state for s in slurm.parse_sacct(acct.stdout).values()} == {"COMPLETED"}
     batch = _batch_log(run_dir, job_id)
     assert "preempted by Slurm at " in batch and "ranks exited with status 75" in batch, batch
     assert "requeueing: restart 1" in batch and f"[meshrun] job {job_id} restart 1" in batch, batch
@@ -172,7 +175,7 @@ def test_a_real_preemption_saves_in_the_grace_time_requeues_once_and_matches_an_
     # the second run resumes from exactly that step, not from an earlier periodic checkpoint.
     stopped = int(rank0.split("stopping after step ")[1].split()[0])
     assert f"stopping after step {stopped} on SIGTERM" in rank0 and stopped < STEPS, rank0
-    assert f"resuming from step {stopped}" in rank0, rank0
+    assert f"resuming from step {stopped}" in rank0 and "restart 0" in rank0 and "restart 1" in rank0, rank0
     pre, ref = _step_rows(run_dir), _step_rows(ref_dir)
     assert [r["step"] for r in pre] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in pre] == [r["loss"] for r in ref]  # bit-identical
