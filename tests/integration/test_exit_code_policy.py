@@ -67,6 +67,14 @@ def _decisions(batch: str) -> list[str]:
     return [lines[i + 1] for i, line in enumerate(lines[:-1]) if "ranks exited with status" in line]
 
 
+# A sweep (job array) of two tasks: the one whose SLURM_JOB_ID is the array's own id asks for a requeue.
+# `scontrol requeue ARRAY_ID` would requeue every task of the array; only the asking one may come back.
+ARRAY_ASKER = (
+    'echo "restart $MESHRUN_RESTART_COUNT"; '
+    'if [ "$SLURM_JOB_ID" = "$SLURM_ARRAY_JOB_ID" ] && [ "$MESHRUN_RESTART_COUNT" = 0 ]; then exit 75; fi; exit 0'
+)
+
+
 def _records(job_id: str) -> tuple[str, ...]:
     out = subprocess.run(
         ["sacct", "-X", "-D", "-n", "-P", "-o", "State", "-j", job_id], capture_output=True, text=True, check=True
@@ -79,6 +87,11 @@ def test_each_exit_code_is_requeued_or_not_as_the_policy_says(testbed: dict[str,
     for case in CASES:
         spec = command_spec(tmp_path, case.name, case.script)
         jobs[case.name] = submitted(meshrun(tmp_path, "submit", str(spec), "-c", "testbed", check=True))
+    sweep = command_spec(tmp_path, "array-asker", ARRAY_ASKER)
+    out = meshrun(tmp_path, "submit", str(sweep), "-c", "testbed", "--sweep", "env.K=a,b", check=True)
+    tasks = [line.split()[0] for line in out.stdout.splitlines() if line.startswith("  ")]
+    sweep_dir = Path(next(line.split(": ", 1)[1] for line in out.stdout.splitlines() if line.startswith("run dir: ")))
+    assert len(tasks) == 2, out.stdout
     finals = {}
     for case in CASES:
         job_id, _ = jobs[case.name]
@@ -102,3 +115,16 @@ def test_each_exit_code_is_requeued_or_not_as_the_policy_says(testbed: dict[str,
             f"restart {n}" for n in range(restarts + 1)
         ], seen
         assert f"[meshrun] job {job_id} restart {restarts} on" in batch and f"restart {restarts + 1} on" not in batch
+    _check_the_array(tmp_path, tasks, sweep_dir)
+
+
+def _check_the_array(home: Path, tasks: list[str], sweep_dir: Path) -> None:
+    logs = {}
+    for n, task in enumerate(tasks):
+        assert wait_for_state(home, task, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})["state"] == "COMPLETED"
+        logs[task] = (sweep_dir / "tasks" / str(n) / "logs" / "rank-0.log").read_text()
+    asked = [t for t in tasks if "restart 1" in logs[t]]
+    assert len(asked) == 1, logs  # exactly one task held the array's id and asked
+    (other,) = set(tasks) - set(asked)
+    assert _records(asked[0]) == ("REQUEUED", "COMPLETED"), _records(asked[0])
+    assert _records(other) == ("COMPLETED",) and "restart 1" not in logs[other], (_records(other), logs)
