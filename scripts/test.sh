@@ -12,12 +12,4 @@ bash tests/testbed/install.sh
 .venv/bin/ruff format --check --quiet .
 .venv/bin/mypy
 # --durations: every run ends with its 20 slowest tests (CI time is shared: watch what grows).
-# Two workers (pytest-xdist): the tests on the Slurm testbed spend most of their time waiting for the
-# scheduler (requeues, polling) while the others compute, so they overlap well on 2 cores. --dist
-# loadgroup keeps every testbed test in one worker (tests/integration/conftest.py groups them): one
-# testbed per machine, started once. MESHRUN_TEST_WORKERS=0 runs them in this process, one at a time.
-workers=${MESHRUN_TEST_WORKERS:-2}
-if [ "$workers" = 0 ]; then
-  exec .venv/bin/python -m pytest -q --durations=20 "$@"
-fi
-exec .venv/bin/python -m pytest -q --durations=20 -n "$workers" --dist loadgroup "$@"
+exec .venv/bin/python -m pytest -q --durations=20 "$@"

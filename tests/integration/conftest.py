@@ -51,9 +51,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "testbed" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slurm)
-            # One testbed per machine (fixed ports): under pytest-xdist (scripts/test.sh runs 2 workers,
-            # --dist loadgroup) every test that uses it runs in the same worker, which starts it once.
-            item.add_marker(pytest.mark.xdist_group("testbed"))
 
 
 @pytest.fixture(scope="session")
