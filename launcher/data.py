@@ -15,6 +15,7 @@ pipeline (the same dp rank) read the same windows; `Prefetcher` reads the next s
 
 from __future__ import annotations
 
+import bisect
 import queue
 import threading
 import time
@@ -177,7 +178,7 @@ class TokenDataset:
         if split == "val":
             assert self.val is not None
             return self.val.window(index, self.window)
-        source = max(i for i, offset in enumerate(self.offsets) if offset <= index)
+        source = bisect.bisect_right(self.offsets, index) - 1  # every sample of every step comes here
         return self.sources[source].window(index - self.offsets[source], self.window)
 
     def batch(self, split: Split, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,6 +207,15 @@ def open_dataset(data: Data, seq_len: int) -> TokenDataset:
     return TokenDataset.from_spans(*dataset_spans(data, seq_len), seq_len)
 
 
+def split_tail(span: Span, fraction: float, window: int) -> tuple[Span, Span]:
+    """A whole file's head for training and its tail `fraction` for validation (data.path's)."""
+    n_val = int(len(span.tokens) * fraction)
+    head = len(span.tokens) - n_val
+    return Span(span.key, span.path, span.tokens, 0, head // window), Span(
+        "data.path", span.path, span.tokens, head, n_val // window
+    )
+
+
 def dataset_spans(data: Data, seq_len: int) -> tuple[list[Span], list[float], Optional[Span]]:
     """The training regions with their weights, and the validation region, that `data` names."""
     if not 0.0 <= data.val_fraction < 1.0:
@@ -223,15 +233,10 @@ def dataset_spans(data: Data, seq_len: int) -> tuple[list[Span], list[float], Op
     for key, path, _ in sources:
         span = whole(key, path, window)
         if separate is None and span.path == main:  # validation is this file's tail: train on the rest only
-            n_val = int(len(span.tokens) * data.val_fraction)
-            head = len(span.tokens) - n_val
-            val = Span("data.path", main, span.tokens, head, n_val // window)
-            span = Span(key, span.path, span.tokens, 0, head // window)
+            span, val = split_tail(span, data.val_fraction, window)
         spans.append(span)
     if val is None and data.val_fraction > 0:  # a blend without data.path among its files: the tail of data.path
-        tokens = open_tokens(main, "data.path")
-        n_val = int(len(tokens) * data.val_fraction)
-        val = Span("data.path", main, tokens, len(tokens) - n_val, n_val // window)
+        _, val = split_tail(whole("data.path", main, window), data.val_fraction, window)
     for span in spans:
         if span.windows == 0:
             raise SchemaError(
