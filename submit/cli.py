@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TextIO
 
 from launcher.schema import SchemaError
-from submit import cli_ckpt, cli_doctor, cli_jobs, cli_live, cli_plan
+from submit import cli_ckpt, cli_doctor, cli_jobs, cli_live, cli_plan, cli_tb
 from submit.cli_args import cluster_arg, overrides_arg
 from submit.errors import EXIT_INPUT, InputError, InternalError, MeshrunError
 
@@ -99,12 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job")
     p.add_argument("-c", "--cluster", help="the job's cluster, if the id is ambiguous")
 
-    p = verbs.add_parser(
-        "tb", help="TensorBoard of jobs (one cluster's), on the login node, forwarded here; Ctrl-C stops it"
-    )
-    p.add_argument("jobs", nargs="+", metavar="JOB", help="job ids; a job array's id serves all its tasks")
-    p.add_argument("--port", type=int, default=0, help="local port (default: any free one)")
-    p.add_argument("-c", "--cluster", help="the job's cluster, if the id is ambiguous")
+    cli_tb.add_parser(verbs)
 
     p = verbs.add_parser("trust", help="show a cluster's SSH host key fingerprint and record it on your word")
     p.add_argument("cluster", help="cluster profile name or YAML file")
@@ -508,7 +503,7 @@ VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
     "status": cli_jobs.cmd_status,
     "logs": cli_jobs.cmd_logs,
     "cancel": cli_jobs.cmd_cancel,
-    "tb": cli_jobs.cmd_tb,
+    "tb": cli_tb.cmd_tb,
     "trust": cli_jobs.cmd_trust,
     "data": cmd_data,
     "resume": cli_ckpt.cmd_resume,

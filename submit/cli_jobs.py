@@ -1,4 +1,4 @@
-"""The verbs on submitted jobs (status, logs, cancel, tb) and `trust`: registry first, then the job's cluster.
+"""The verbs on submitted jobs (status, logs, cancel; tb is cli_tb.py) and `trust`: registry first, then the job's cluster.
 
 Each reaches a cluster through one `api.Clusters` connection for the whole command.
 Heavy imports (paramiko, the follower) happen inside the verbs.
@@ -9,10 +9,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import signal
 import sys
 import time
-from typing import Any, NoReturn, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from submit.errors import InputError
 
@@ -320,85 +319,6 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     what = f"job array {args.job} ({len(records)} tasks)" if len(records) > 1 else f"job {records[0].job_id}"
     print(f"cancelled {what} on {records[0].cluster}")
     return 0
-
-
-def _raise_interrupt(signum: int, frame: Any) -> NoReturn:
-    raise KeyboardInterrupt
-
-
-def cmd_tb(args: argparse.Namespace) -> int:
-    from submit import api, tensorboard
-    from submit.registry import Registry
-
-    tensorboard.check_local_port(args.port)  # before anything starts on the cluster
-    records = _tb_records(Registry(), args.jobs, args.cluster)
-    record = records[0]  # all on one cluster: its connection serves them all
-    runs = [(tensorboard.label(r.job_id), r.run_dir) for r in records]
-    clusters = api.Clusters()
-    board, forward = None, None
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # a kill tears down like Ctrl-C
-    try:
-        transport = clusters.transport_for(record)
-        board = tensorboard.start(transport, clusters.profile_for(record), runs)
-        forward = transport.forward(board.port, args.port)
-        url = f"http://127.0.0.1:{forward.local_port}/"
-        names = ", ".join(name for name, _ in runs)
-        print(
-            f"TensorBoard for job{'s' if len(runs) > 1 else ''} {names}: {url}"
-            + (" (already running)" if board.reused else "")
-        )
-        if tensorboard.is_local(transport):
-            print(
-                f"from your laptop: {tensorboard.ssh_hint(board.port, args.port or None)} "
-                f"then open http://127.0.0.1:{args.port or board.port}/"
-            )
-        print("Ctrl-C " + ("closes the tunnel (TensorBoard keeps running)" if board.reused else "stops it"), flush=True)
-        while True:
-            time.sleep(1.0)
-            if not getattr(transport, "is_active", lambda: True)():
-                forward.close()  # the connection dropped: a new one, same local port
-                transport = clusters.reconnect(record)
-                forward = transport.forward(board.port, forward.local_port)
-    except KeyboardInterrupt:
-        return 0
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        if forward is not None:
-            forward.close()
-        if board is not None and not board.reused:
-            _stop_board(clusters, record, board)
-        clusters.close()
-
-
-def _tb_records(registry: Any, jobs: Sequence[str], cluster: Any) -> list[Any]:
-    """The runs of `meshrun tb JOB...`: each job, or each task of an array id, once; all on one cluster."""
-    records: dict[str, Any] = {}
-    for job in jobs:
-        for found in registry.find_all(job, cluster):
-            records.setdefault(found.job_id, found)
-    where = sorted({r.cluster for r in records.values()})
-    if len(where) > 1:
-        raise InputError(
-            "JOB",
-            " ".join(jobs),
-            f"these jobs run on {len(where)} clusters ({', '.join(where)}); one `meshrun tb` serves one "
-            "cluster's runs: start one per cluster",
-        )
-    return list(records.values())
-
-
-def _stop_board(clusters: Any, record: Any, board: Any) -> None:
-    from submit import tensorboard
-    from submit.errors import MeshrunError
-
-    try:
-        try:
-            tensorboard.stop(clusters.transport_for(record), board)
-        except MeshrunError:
-            tensorboard.stop(clusters.reconnect(record), board)  # the connection had dropped
-        print(f"stopped TensorBoard (pid {board.pid} on the login node)", file=sys.stderr)
-    except MeshrunError as exc:
-        print(f"meshrun: could not stop TensorBoard (pid {board.pid} on the login node): {exc}", file=sys.stderr)
 
 
 def cmd_trust(args: argparse.Namespace) -> int:

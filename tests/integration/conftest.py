@@ -63,3 +63,17 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("corpus") / "logging.u16"
     build_corpus(out, roots=[Path(sysconfig.get_paths()["stdlib"]) / "logging"])
     return out
+
+
+@pytest.fixture
+def tb_cleanup() -> Iterator[object]:
+    """Every TensorBoard server a test starts is stopped by pid when it ends, passed or failed or
+    interrupted (Ctrl-C runs finalizers): name its runs with `tb_cleanup.runs([(job, run_dir)])`, or its
+    HOME with `tb_cleanup.under.append(home)` (a `meshrun tb` on this machine keeps its state there)."""
+    from tests.integration.tbhelp import Cleanup
+
+    cleanup = Cleanup()
+    try:
+        yield cleanup
+    finally:
+        cleanup.stop()

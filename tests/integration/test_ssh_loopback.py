@@ -3,7 +3,9 @@ a 0.0.0.0 listener would answer too): the TensorBoard server meshrun starts on t
 local end of the SSH tunnel to it. Each process's LISTEN sockets are found in /proc/net/tcp and
 /proc/net/tcp6 through the socket inodes of its /proc/PID/fd; each must be 127.0.0.1, never 0.0.0.0 or
 an IPv6 address (`::` would take IPv4 too). Both runs happen on this machine: the laptop is the test,
-the login node is the testbed's sshd, so both processes' /proc entries are readable here."""
+the login node is the testbed's sshd, so both processes' /proc entries are readable here. Loopback is
+shared by every user of each machine, so the server also answers only requests carrying its token: a second
+real Unix user, on the same ports, gets 403."""
 
 from __future__ import annotations
 
@@ -13,8 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 from typing import Optional
 
@@ -22,8 +22,9 @@ import pytest
 
 from submit import tbserve
 from submit.registry import JobRecord, Registry
-from tests.integration import sshbed
+from tests.integration import sshbed, tbhelp
 from tests.integration.cli import REPO, env_for
+from tests.integration.tbhelp import Cleanup
 
 LISTEN = "0A"  # TCP_LISTEN in the `st` column
 JOB = "900077"
@@ -69,20 +70,11 @@ def listens(pid: int) -> list[tuple[str, int]]:
     return sorted(table[inode] for inode in mine if inode in table)
 
 
-def _server_pid(run_dir: Path) -> Optional[int]:
-    """The `tbserve.py serve STATE PORT` process serving this run (its state dir is named from the run)."""
-    key = tbserve.state_dir([(JOB, run_dir)]).name
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            argv = (proc / "cmdline").read_bytes().rstrip(b"\0").split(b"\0")
-        except OSError:
-            continue
-        if len(argv) >= 4 and argv[-4].endswith(b"tbserve.py") and argv[-3] == b"serve":
-            if argv[-2].endswith(f"/{key}".encode()):
-                return int(proc.name)
-    return None
+def _server(run_dir: Path) -> tuple[Optional[int], Optional[int]]:
+    """(pid, start time) of the `tbserve.py serve STATE` process serving this run (its state dir is named
+    from the run)."""
+    found = tbhelp.servers([tbserve.state_dir([(JOB, run_dir)]).name])
+    return next(iter(found.items()), (None, None))
 
 
 def _record(home: Path, run_dir: Path, over_ssh: bool) -> None:
@@ -96,17 +88,15 @@ def _record(home: Path, run_dir: Path, over_ssh: bool) -> None:
     registry.close()
 
 
-def _runs(url: str) -> list[str]:
-    with urllib.request.urlopen(url + "data/runs", timeout=10) as answer:
-        return list(json.loads(answer.read()))
-
-
 @pytest.mark.parametrize("over_ssh", [True, False], ids=["laptop-over-ssh", "on-the-login-node"])
 def test_tensorboard_and_tunnel_listen_on_loopback_only(
-    testbed: dict[str, object], tmp_path: Path, over_ssh: bool
+    testbed: dict[str, object], tmp_path: Path, over_ssh: bool, tb_cleanup: Cleanup
 ) -> None:
+    """... and another user of either machine, on those very ports, gets 403; SIGHUP (the terminal closed,
+    its output gone) stops the server."""
     run_dir = tmp_path / "run"
     _record(tmp_path, run_dir, over_ssh)
+    tb_cleanup.runs([(JOB, run_dir)])
     proc = subprocess.Popen(
         [sys.executable, "-m", "submit.cli", "tb", JOB],
         cwd=REPO,
@@ -119,8 +109,9 @@ def test_tensorboard_and_tunnel_listen_on_loopback_only(
         line = sshbed.first_line_with(proc.stdout, "http://127.0.0.1:")
         assert line, proc.stderr.read() if proc.poll() is not None else "no URL"  # type: ignore[union-attr]
         url = line.split()[-1]
-        local_port = int(url.rstrip("/").rsplit(":", 1)[1])
-        server = _server_pid(run_dir)
+        base, token = tbhelp.split_url(url)
+        local_port = int(base.rstrip("/").rsplit(":", 1)[1])
+        server, started = _server(run_dir)
         assert server is not None and server != proc.pid, "no tbserve process serving the run"
         # The server on the login node: one LISTEN socket, on the loopback address only.
         (where,) = listens(server)
@@ -132,11 +123,20 @@ def test_tensorboard_and_tunnel_listen_on_loopback_only(
         else:
             # On the login node there is no tunnel: the URL is the server's own port, meshrun listens nowhere.
             assert where[1] == local_port and listens(proc.pid) == []
-        deadline = time.monotonic() + 30
-        while JOB not in _runs(url):  # and the URL really reaches that server (through the tunnel)
-            assert time.monotonic() < deadline, "TensorBoard never listed the run"
-            time.sleep(0.3)
+        browser = tbhelp.Browser(url)  # the URL really reaches that server (through the tunnel)
+        tbhelp.until("the run", lambda: JOB in (browser.get("data/runs") or []), timeout=30)
+        # Loopback is shared: another user, on the laptop's port and on the login node's, reads nothing.
+        for port in {local_port, where[1]}:
+            for path in ("data/runs", f"data/plugin/scalars/scalars?run={JOB}&tag=loss", f"?token={token[::-1]}"):
+                code, body = tbhelp.http_code_as_other(f"http://127.0.0.1:{port}/{path}")
+                assert code == 403 and JOB not in body, (port, path, code, body[:200])
+        # The terminal closes: nobody reads meshrun's output any more, and SIGHUP arrives.
+        proc.stdout.close()  # type: ignore[union-attr]
+        proc.stderr.close()  # type: ignore[union-attr]
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(timeout=60) == 0
+        assert tbhelp.gone(server, started), "the TensorBoard server outlived a SIGHUP to meshrun tb"
     finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
-    assert proc.returncode == 0 and "stopped TensorBoard" in proc.stderr.read()  # type: ignore[union-attr]
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

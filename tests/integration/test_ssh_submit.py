@@ -4,21 +4,20 @@ the tunnel, resubmit unchanged code without uploading it, cancel another job."""
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
-from tests.integration import sshbed
+from tests.integration import sshbed, tbhelp
 from tests.integration.cli import REPO, env_for, metrics, submitted
 from tests.integration.sshbed import meshrun
+from tests.integration.tbhelp import Cleanup
 
 SLEEPER = sshbed.command_spec("sleeper", ["sleep", "300"])
 
@@ -88,12 +87,8 @@ def test_logs_follow_all_ranks_merged_with_prefixes(trained: dict[str, Any]) -> 
         assert mine[0].startswith(f"[meshrun] rank {rank}/4")
 
 
-def _get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as answer:
-        return json.loads(answer.read())
-
-
-def test_tensorboard_through_the_tunnel_serves_the_jobs_loss(trained: dict[str, Any]) -> None:
+def test_tensorboard_through_the_tunnel_serves_the_jobs_loss(trained: dict[str, Any], tb_cleanup: Cleanup) -> None:
+    tb_cleanup.runs([(trained["job"], trained["run_dir"])])
     proc = subprocess.Popen(
         [sys.executable, "-m", "submit.cli", "tb", trained["job"]],
         cwd=REPO,
@@ -105,12 +100,12 @@ def test_tensorboard_through_the_tunnel_serves_the_jobs_loss(trained: dict[str, 
     try:
         line = sshbed.first_line_with(proc.stdout, "http://127.0.0.1:")
         assert line, proc.stderr.read() if proc.poll() is not None else "no URL"
-        url = line.split()[-1]
+        browser = tbhelp.Browser(line.split()[-1])  # the URL carries the server's token once: then a cookie
         deadline = time.monotonic() + 60
-        while "loss" not in _get(url + "data/plugin/scalars/tags").get(trained["job"], {}):
+        while "loss" not in (browser.get("data/plugin/scalars/tags") or {}).get(trained["job"], {}):
             assert time.monotonic() < deadline, "TensorBoard never showed the loss"
             time.sleep(0.5)
-        points = _get(url + f"data/plugin/scalars/scalars?run={trained['job']}&tag=loss")
+        points = browser.get(f"data/plugin/scalars/scalars?run={trained['job']}&tag=loss")
         expected = [(r["step"], r["loss"]) for r in metrics(trained["run_dir"])]
         assert [(step, pytest.approx(value, rel=1e-6)) for _, step, value in points] == expected
     finally:

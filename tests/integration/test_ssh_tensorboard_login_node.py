@@ -7,17 +7,15 @@ import json
 import signal
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from submit.registry import JobRecord, Registry
-from tests.integration import sshbed
+from tests.integration import sshbed, tbhelp
 from tests.integration.cli import REPO, env_for
+from tests.integration.tbhelp import Cleanup
 
 
-def test_tb_on_the_login_node_prints_the_tunnel_line(testbed: dict, tmp_path: Path) -> None:
+def test_tb_on_the_login_node_prints_the_tunnel_line(testbed: dict, tmp_path: Path, tb_cleanup: Cleanup) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     losses = [5.5, 4.25, 3.125]
@@ -27,6 +25,7 @@ def test_tb_on_the_login_node_prints_the_tunnel_line(testbed: dict, tmp_path: Pa
     Registry(tmp_path / "state" / "meshrun" / "registry.sqlite").add(
         JobRecord("900001", "testbed", "fake", str(run_dir), "slurm", 0.0, None, "h", "COMPLETED")
     )
+    tb_cleanup.runs([("900001", run_dir)])
     proc = subprocess.Popen(
         [sys.executable, "-m", "submit.cli", "tb", "900001"],
         cwd=REPO,
@@ -38,19 +37,12 @@ def test_tb_on_the_login_node_prints_the_tunnel_line(testbed: dict, tmp_path: Pa
     try:
         url = sshbed.first_line_with(proc.stdout, "http://127.0.0.1:").split()[-1]
         hint = sshbed.first_line_with(proc.stdout, "ssh -N -L")
-        port = url.rstrip("/").rsplit(":", 1)[1]
-        assert f"ssh -N -L {port}:127.0.0.1:{port} " in hint and f"http://127.0.0.1:{port}/" in hint
-        deadline = time.monotonic() + 60
-        while True:
-            try:  # TensorBoard loads in the background: the tag may not exist yet (HTTP 400)
-                with urllib.request.urlopen(url + "data/plugin/scalars/scalars?run=900001&tag=loss", timeout=10) as r:
-                    points = json.loads(r.read())
-            except urllib.error.HTTPError:
-                points = []
-            if len(points) == len(losses) or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        assert [(step, value) for _, step, value in points] == [(i + 1, v) for i, v in enumerate(losses)]
+        base, token = tbhelp.split_url(url)
+        port = base.rstrip("/").rsplit(":", 1)[1]
+        # The laptop's tunnel to the same port, then the same URL (its token included) in the laptop's browser.
+        assert f"ssh -N -L {port}:127.0.0.1:{port} " in hint and hint.rstrip().endswith(f" open {url}")
+        browser = tbhelp.Browser(url)
+        tbhelp.until("the loss", lambda: browser.losses("900001") == list(enumerate(losses, 1)))
     except Exception:
         proc.kill()
         raise

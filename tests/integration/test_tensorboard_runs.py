@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from launcher.rundir import RunDir, node_name
 from submit.registry import JobRecord, Registry
-from tests.integration import sshbed
+from tests.integration import sshbed, tbhelp
 from tests.integration.cli import REPO, env_for, meshrun, metrics, status, submitted
 from tests.integration.cli import TINY as CLI_TINY
 
@@ -102,6 +102,8 @@ def test_two_local_runs_in_one_tensorboard_and_in_meshrun_tb(tmp_path: Path, cor
 
 def _meshrun_tb(home: Path, jobs: list[str], expected: dict[str, list[tuple[int, float]]]) -> None:
     """`meshrun tb JOB...` on this machine: one URL, each run named by its job id, then Ctrl-C stops it."""
+    cleanup = tbhelp.Cleanup()
+    cleanup.under.append(home)  # on this machine the server keeps its state in HOME/.cache
     proc = subprocess.Popen(
         [sys.executable, "-m", "submit.cli", "tb", *jobs],
         cwd=REPO,
@@ -113,12 +115,13 @@ def _meshrun_tb(home: Path, jobs: list[str], expected: dict[str, list[tuple[int,
     try:
         line = sshbed.first_line_with(proc.stdout, "http://127.0.0.1:")
         assert line, proc.stderr.read() if proc.poll() is not None else "no URL"
-        url = line.split()[-1]
+        browser = tbhelp.Browser(line.split()[-1])
         for run, points in expected.items():
-            _until(f"the loss of {run}", lambda run=run, points=points: _losses(url, run) == points)
+            _until(f"the loss of {run}", lambda run=run, points=points: browser.losses(run) == points)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
+        cleanup.stop()
     assert proc.returncode == 0 and "stopped TensorBoard" in proc.stderr.read()
 
 

@@ -1,0 +1,144 @@
+"""Issue 22 item 6: another user of the login node (or of the laptop) cannot read your TensorBoard, and
+no server outlives the `meshrun tb` that started it: closing the terminal (SIGHUP) stops it, and
+`meshrun tb --stop` stops one left running (a `meshrun tb` killed with -9), never another process.
+
+The second user is a real Unix user (tbhelp.other_user), asking with curl as TensorBoard's own
+frontend would. The runs are old-style (metrics.jsonl only: the server converts them), so no job runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from submit import tbserve
+from submit.registry import JobRecord, Registry
+from tests.integration import sshbed, tbhelp
+from tests.integration.cli import REPO, env_for, meshrun
+from tests.integration.tbhelp import Cleanup
+
+LOSSES = [5.5, 4.25, 3.125]
+
+
+def _job(home: Path, job: str, cleanup: Cleanup) -> Path:
+    """A finished local job whose run wrote metrics.jsonl only."""
+    run_dir = home / "runs" / job
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": i + 1, "loss": v}) + "\n" for i, v in enumerate(LOSSES))
+    )
+    registry = Registry(home / "state" / "meshrun" / "registry.sqlite")
+    registry.add(JobRecord(job, "local", "j", str(run_dir), "local", 0.0, None, "h", "COMPLETED"))
+    registry.close()
+    cleanup.runs([(job, run_dir)])
+    return run_dir
+
+
+def _tb(home: Path, *jobs: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "submit.cli", "tb", *jobs],
+        cwd=REPO,
+        text=True,
+        env=env_for(home),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    line = sshbed.first_line_with(proc.stdout, "http://127.0.0.1:")
+    if not line:
+        proc.kill()
+        pytest.fail(f"meshrun tb printed no URL: {proc.communicate()[1]}")
+    return proc, line.split()[-1]
+
+
+def _server(home: Path, run_dir: Path, job: str) -> tuple[int, int]:
+    """(pid, start time) of the server of this run, from the state the helper keeps in HOME/.cache."""
+    state = home / ".cache" / "meshrun" / "tb" / tbserve.state_dir([(job, run_dir)]).name
+    pid = int(json.loads((state / "server.json").read_text())["pid"])
+    started = tbhelp.start_time(pid)
+    assert started is not None
+    return pid, started
+
+
+def test_another_user_reads_nothing_and_sighup_stops_the_server(tmp_path: Path, tb_cleanup: Cleanup) -> None:
+    run_dir = _job(tmp_path, "900101", tb_cleanup)
+    proc, url = _tb(tmp_path, "900101")
+    try:
+        base, token = tbhelp.split_url(url)
+        assert token, f"the URL carries no secret: {url}"
+        series = f"{base}data/plugin/scalars/scalars?run=900101&tag=loss"
+        # The owner, with the printed URL, sees the loss.
+        browser = tbhelp.Browser(url)
+        assert tbhelp.until("the loss", lambda: browser.losses("900101") == list(enumerate(LOSSES, 1)))
+        # Another user of the same host, on the same loopback port: refused, without a byte of the run.
+        for attempt in (series, base, f"{base}?token=wrong", f"{series}&token={token[:-1]}"):
+            code, body = tbhelp.http_code_as_other(attempt)
+            assert code == 403 and "4.25" not in body and "900101" not in body, (attempt, code, body[:200])
+        # ... and cannot learn the secret: not in any process's argv, not in a file it can open.
+        pid, started = _server(tmp_path, run_dir, "900101")
+        state = tmp_path / ".cache" / "meshrun" / "tb" / tb_cleanup.keys[0]
+        for other in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                assert token.encode() not in other.read_bytes(), f"the token is in {other}'s argv"
+            except OSError:
+                continue
+        assert os.stat(state).st_mode & 0o777 == 0o700
+        assert {p.name: p.stat().st_mode & 0o777 for p in state.iterdir() if p.is_file()} == {
+            "server.json": 0o600,
+            "token": 0o600,
+            "server.log": 0o600,
+            "converted.json": 0o600,
+        }
+        assert tbhelp.as_other("cat", str(state / "token")).returncode != 0
+        # The terminal closes: meshrun's output has nowhere to go, and SIGHUP arrives.
+        proc.stdout.close()  # type: ignore[union-attr]
+        proc.stderr.close()  # type: ignore[union-attr]
+        proc.send_signal(signal.SIGHUP)
+        proc.wait(timeout=60)
+        assert tbhelp.gone(pid, started), "the TensorBoard server outlived a SIGHUP to meshrun tb"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_stop_ends_a_server_left_running_and_nothing_else(tmp_path: Path, tb_cleanup: Cleanup) -> None:
+    run_dir = _job(tmp_path, "900102", tb_cleanup)
+    proc, _ = _tb(tmp_path, "900102")
+    proc.kill()  # meshrun tb killed with -9: its server is left running
+    proc.wait()
+    proc.stdout.close()  # type: ignore[union-attr]
+    proc.stderr.close()  # type: ignore[union-attr]
+    pid, started = _server(tmp_path, run_dir, "900102")
+    # A second run whose recorded server pid is now someone else's process: --stop must not touch it.
+    other_dir = _job(tmp_path, "900103", tb_cleanup)
+    decoy = subprocess.Popen(["sleep", "300"])
+    try:
+        state = tmp_path / ".cache" / "meshrun" / "tb" / tb_cleanup.keys[1]
+        state.mkdir(mode=0o700, parents=True)
+        (state / "runs").mkdir(mode=0o700)
+        (state / "runs" / "900103").symlink_to(other_dir)
+        decoy_started = tbhelp.start_time(decoy.pid)
+        (state / "server.json").write_text(
+            json.dumps({"port": 1, "pid": decoy.pid, "started": decoy_started, "runs": ["900103"]})
+        )
+        out = meshrun(tmp_path, "tb", "--stop", "900102", "900103")
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.splitlines() == [f"stopped TensorBoard (pid {pid} on the login node) serving 900102"]
+        assert tbhelp.gone(pid, started, timeout=15)
+        assert decoy.poll() is None and tbhelp.start_time(decoy.pid) == decoy_started
+        again = meshrun(tmp_path, "tb", "--stop", "900102")
+        assert (again.returncode, again.stdout) == (0, "no TensorBoard of yours serves 900102 on local\n")
+    finally:
+        decoy.kill()
+        decoy.wait()
+
+
+def test_stop_needs_jobs_or_a_cluster(tmp_path: Path) -> None:
+    out = meshrun(tmp_path, "tb")
+    assert out.returncode == 2 and "JOB" in out.stderr and len(out.stderr.splitlines()) == 1, out.stderr
