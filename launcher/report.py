@@ -25,6 +25,7 @@ import threading
 import time
 from typing import Any, MutableMapping, Optional, TextIO
 
+from launcher.procs import own_identity
 from launcher.rundir import NODE_DIR_ENV, NodeDir, RunDir, node_name, read_state, write_json
 from launcher.tbwriter import ScalarWriter, scalars_of
 
@@ -85,6 +86,9 @@ class Heartbeat:
         self._tmp = f"{self.path}.{os.getpid()}.tmp"
         os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
         self.stack_signal = self._arm_stack_dump(node.stack(rank))
+        # With the pid, what tells this rank from a later process that reuses its pid: the sidecar signals
+        # a pid from this file only while it still names this very process (launcher.procs).
+        self.started_at = own_identity().started_at
 
     def _arm_stack_dump(self, path: str) -> Optional[int]:
         if threading.current_thread() is not threading.main_thread():
@@ -104,6 +108,7 @@ class Heartbeat:
             raise ValueError(f"phase {phase!r}: use one of {', '.join(PHASES)}")
         beat: dict[str, Any] = {"rank": self.rank, "step": int(step), "phase": phase, "time": time.time()}
         beat["pid"] = os.getpid()
+        beat["started_at"] = self.started_at
         if self.stack_signal is not None:
             beat["stack_signal"] = self.stack_signal
         if busy_s is not None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, TextIO
 
+from launcher import procs
 from launcher.rundir import RunDir, attempt_id, expand_node_path, read_state, write_json
 from launcher.sidecar import envrecord
 from launcher.sidecar.alerting import Alerting
@@ -90,6 +91,13 @@ def process_alive(pid: Any) -> bool:
     except (OSError, IndexError):
         return True
     return state not in ("Z", "X")
+
+
+def rank_alive(beat: dict[str, Any]) -> bool:
+    """Whether the rank that wrote this heartbeat still runs: its pid, while it still names that process
+    (its start time, launcher.procs; a heartbeat without one is judged by its pid alone)."""
+    identity = procs.Identity.from_json(beat)
+    return procs.alive(identity) if identity is not None else process_alive(beat.get("pid"))
 
 
 def run_tasks(tasks: list[Periodic], stop: threading.Event, alive: Callable[[], bool], log: LogFn) -> str:
@@ -353,7 +361,7 @@ class Sidecar:
 
     def ranks_alive(self) -> bool:
         """Whether a rank of this node (a pid its heartbeat names) still runs."""
-        return any(process_alive(beat.get("pid")) for beat in self.last_beats().values())
+        return any(rank_alive(beat) for beat in self.last_beats().values())
 
     def record_last_beats(self) -> None:
         """Each rank's last step and phase into the run dir (scratch is cleared): what a post-mortem reads."""

@@ -21,6 +21,7 @@ import stat
 import time
 from typing import Any, Callable, Optional, Sequence
 
+from launcher import procs
 from launcher.exitcodes import EXIT_NO_PROGRESS
 from launcher.rundir import NodeDir, RunDir, write_json
 from launcher.sidecar import diagnosis
@@ -62,7 +63,7 @@ class Watchdog:
         log: Callable[[str], None],
         gpu_snapshot: Callable[[], list[dict[str, Any]]] = lambda: [],
         clock: Callable[[], float] = time.time,
-        kill: Callable[[int, int], None] = os.kill,
+        kill: Optional[Callable[[int, int], None]] = None,
         on_scalars: Optional[Callable[[dict[str, float]], None]] = None,
         on_straggler: Optional[Callable[[RankTime, float, float, float, float], None]] = None,
         on_verdict: Optional[Callable[[dict[str, Any], float], None]] = None,
@@ -71,6 +72,8 @@ class Watchdog:
         self.nodes, self.ranks, self.settings, self.attempt = nodes, tuple(ranks), settings, attempt
         self.log, self.gpu_snapshot, self.clock, self.kill, self.on_scalars = log, gpu_snapshot, clock, kill, on_scalars
         self.created = clock()
+        # The job this sidecar serves: a pid from a heartbeat is signalled only if it belongs to it.
+        self.job = procs.current_job()
         self.tracks = {rank: RankTrack() for rank in self.ranks}
         self.progress_at: Optional[float] = None
         self.stats: dict[str, tuple[int, int, int]] = {}
@@ -236,26 +239,43 @@ class Watchdog:
         )
 
     # --- this node's part -------------------------------------------------------------------------
-    def _alive(self, pid: int) -> bool:
-        try:
-            self.kill(pid, 0)
-        except ProcessLookupError:
+    def _alive(self, beat: dict[str, Any]) -> bool:
+        """Whether the heartbeat's pid still names the rank that wrote it, in this job."""
+        pid = beat.get("pid")
+        if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
             return False
-        except PermissionError:
+        if self.kill is not None:  # a test's stand-in for the processes
+            try:
+                self.kill(pid, 0)
+            except ProcessLookupError:
+                return False
             return True
-        return True
+        identity = procs.Identity.from_json(beat)
+        if identity is None:  # a heartbeat without its start time: its pid cannot be told from a reuse
+            return False
+        return procs.alive(identity) and (self.job is None or procs.in_job(pid, self.job))
+
+    def _signal(self, beat: dict[str, Any], sig: int) -> bool:
+        """Signal the rank that wrote `beat`, only while its pid still names it (launcher.procs): a pid from
+        a file may be another process's by now, on a node shared with other jobs and daemons."""
+        pid = int(beat["pid"])
+        if self.kill is not None:
+            self.kill(pid, sig)
+            return True
+        identity = procs.Identity.from_json(beat)
+        return identity is not None and procs.signal_if_same(identity, sig, self.job)
 
     def _start_contribution(self, now: float) -> None:
         self.contribution, self.waiting_since = "waiting", now
         signalled = []
         for rank, beat in sorted(self.live_beats().items()):
             pid, sig = beat.get("pid"), beat.get("stack_signal")
-            if not isinstance(pid, int) or not isinstance(sig, int) or pid <= 0 or not self._alive(pid):
+            if not isinstance(sig, int) or not self._alive(beat):
                 continue
             self.dumps[self.node_dir.stack(rank)] = max(file_size(self.node_dir.stack(rank)), 0)
             try:
-                self.kill(pid, sig)
-                signalled.append(rank)
+                if self._signal(beat, sig):
+                    signalled.append(rank)
             except OSError as exc:
                 self.log(f"cannot signal rank {rank} (pid {pid}) for its stack: {exc}")
         for rank in self.ranks:
@@ -388,10 +408,10 @@ class Watchdog:
         killed = []
         for rank, beat in sorted(self.live_beats().items()):
             pid = beat.get("pid")
-            if isinstance(pid, int) and pid > 0 and self._alive(pid):
+            if self._alive(beat):
                 try:
-                    self.kill(pid, signal.SIGKILL)
-                    killed.append(f"{rank} (pid {pid})")
+                    if self._signal(beat, signal.SIGKILL):
+                        killed.append(f"{rank} (pid {pid})")
                 except OSError as exc:
                     self.log(f"cannot kill rank {rank} (pid {pid}): {exc}")
         self.log(f"hang verdict: killed ranks {', '.join(killed) or 'none (already gone)'}; the job ends with exit 76")

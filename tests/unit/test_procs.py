@@ -1,0 +1,162 @@
+"""launcher/procs.py: a pid read from a file is signalled only while it names the process that was recorded,
+and only inside the job; the watchdog, the local backend's cancel and the batch script's signals go through
+it. Every "victim" here is a real, live process of this same user that the test started itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from launcher import procs
+from launcher.rundir import RunDir
+from launcher.sidecar import watchdog as wd
+from launcher.spec import Watchdog as Settings
+
+FAST = Settings(step_factor=2, step_floor_s=1, setup_timeout_s=1, eval_timeout_s=1, checkpoint_timeout_s=1)
+
+
+@pytest.fixture
+def bystander() -> Iterator[subprocess.Popen[bytes]]:
+    """A live process of this user that no pid file names: what a reused pid names."""
+    proc = subprocess.Popen(["sleep", "600"], env={**os.environ, procs.SLURM_JOB_ENV: "999999"})
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def stale(proc: subprocess.Popen[bytes]) -> procs.Identity:
+    """What a pid file of an earlier process holds once `proc` got its pid: the pid, another start time."""
+    identity = procs.process_identity(proc.pid)
+    assert identity is not None
+    return procs.Identity(proc.pid, identity.started_at - 7.25)
+
+
+def still_running(proc: subprocess.Popen[bytes]) -> bool:
+    time.sleep(0.2)  # a signal's default action has had time to act
+    return proc.poll() is None
+
+
+def test_identity_is_exact_and_round_trips_through_a_pid_file(tmp_path: Path) -> None:
+    me = procs.own_identity()
+    assert procs.same_process(me.pid, me.started_at) and procs.alive(me)
+    assert procs.process_identity(os.getpid()) == me  # read twice: the very same value (no clock in it)
+    path = str(tmp_path / "x.pid")
+    procs.write_pid_file(path)
+    assert procs.read_pid_file(path) == me
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+    Path(path).write_text(str(me.pid))  # a bare pid: cannot be told from a reuse, never signalled
+    assert procs.read_pid_file(path) is None
+    assert procs.read_pid_file(str(tmp_path / "missing")) is None
+    assert procs.Identity.from_json({"pid": True, "started_at": 1.0}) is None
+    assert procs.Identity.from_json({"pid": 0, "started_at": 1.0}) is None
+
+
+def test_a_stale_pid_file_naming_a_live_process_of_this_user_is_never_signalled(
+    tmp_path: Path, bystander: subprocess.Popen[bytes]
+) -> None:
+    path = str(tmp_path / "rank.pid")
+    procs.write_pid_file(path, stale(bystander))
+    recorded = procs.read_pid_file(path)
+    assert recorded is not None and recorded.pid == bystander.pid
+    assert not procs.same_process(recorded.pid, recorded.started_at) and not procs.alive(recorded)
+    assert procs.signal_if_same(recorded, signal.SIGKILL) is False
+    assert procs.signal_group_if_same(recorded, signal.SIGKILL) is False
+    assert still_running(bystander)
+
+
+def test_the_recorded_process_is_signalled_only_inside_its_job(bystander: subprocess.Popen[bytes]) -> None:
+    identity = procs.process_identity(bystander.pid)
+    assert identity is not None
+    other_job = procs.JobScope(procs.SLURM_JOB_ENV, "123")
+    assert procs.in_job(bystander.pid, procs.JobScope(procs.SLURM_JOB_ENV, "999999"))
+    assert procs.signal_if_same(identity, signal.SIGKILL, other_job) is False
+    assert still_running(bystander)
+    assert procs.signal_if_same(identity, signal.SIGTERM, procs.JobScope(procs.SLURM_JOB_ENV, "999999"))
+    assert bystander.wait(timeout=10) == -signal.SIGTERM
+    assert procs.signal_if_same(identity, signal.SIGTERM) is False  # gone (reaped): nothing to signal
+
+
+def test_current_job_prefers_slurm_then_the_local_job_id() -> None:
+    assert procs.current_job({"SLURM_JOB_ID": "7", "MESHRUN_JOB_ID": "local-x"}) == procs.JobScope("SLURM_JOB_ID", "7")
+    assert procs.current_job({"MESHRUN_JOB_ID": "local-x"}) == procs.JobScope("MESHRUN_JOB_ID", "local-x")
+    assert procs.current_job({}) is None
+
+
+def test_a_group_is_signalled_while_its_leader_is_the_recorded_one() -> None:
+    leader = subprocess.Popen(["sh", "-c", "sleep 600 & wait"], start_new_session=True)
+    try:
+        identity = procs.process_identity(leader.pid)
+        assert identity is not None
+        assert procs.signal_group_if_same(stale(leader), signal.SIGKILL) is False
+        assert still_running(leader)
+        assert procs.signal_group_if_same(identity, signal.SIGKILL)
+        assert leader.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if leader.poll() is None:
+            os.killpg(leader.pid, signal.SIGKILL)
+            leader.wait()
+
+
+def beat_of(run: RunDir, node: str, rank: int, data: dict[str, object]) -> None:
+    path = Path(run.node_dir("", node).progress(rank))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+
+
+def test_the_watchdog_never_signals_a_heartbeat_pid_that_now_names_another_process(
+    tmp_path: Path, bystander: subprocess.Popen[bytes]
+) -> None:
+    """A requeued job's new attempt: a heartbeat (here a fresh one, the worst case) still names a pid that a
+    live process of this user got since. The hang it sees is diagnosed and the verdict written, but with the
+    real signals (no stand-in) nothing is sent to that process: neither the stack signal nor SIGKILL."""
+    run = RunDir(str(tmp_path / "run"))
+    old = stale(bystander)
+    lines: list[str] = []
+    now = time.time()
+    beat_of(run, "n1", 0, {"rank": 0, "step": 3, "phase": "step", "time": now, **old.to_json(), "stack_signal": 12})
+    dog = wd.Watchdog(run, run.node_dir("", "n1"), "n1", 0, 1, [0], FAST, "5.1", lines.append)
+    deadline = time.monotonic() + 30
+    while not dog.ended and time.monotonic() < deadline:
+        dog.tick()
+        time.sleep(0.2)
+    assert dog.ended, lines
+    assert any("killed ranks none (already gone)" in line for line in lines), lines
+    assert any("asked ranks none for their stacks" in line for line in lines), lines
+    assert still_running(bystander)
+
+
+def test_the_watchdog_kills_its_own_hung_rank(tmp_path: Path) -> None:
+    """The same path with a heartbeat the rank itself wrote (launcher.report.Heartbeat): it is killed."""
+    run = RunDir(str(tmp_path / "run"))
+    script = "import sys, time\nfrom launcher.report import Heartbeat\nHeartbeat(sys.argv[1], 0).stamp(1)\n"
+    script += "print('stamped', flush=True)\ntime.sleep(600)\n"
+    env = {**os.environ, "MESHRUN_NODE_DIR": run.node_dir("", "n1").root}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+    rank = subprocess.Popen([sys.executable, "-c", script, run.root], env=env, stdout=subprocess.PIPE)
+    try:
+        assert rank.stdout is not None and rank.stdout.readline() == b"stamped\n"
+        beat = json.loads(Path(run.node_dir("", "n1").progress(0)).read_text())
+        assert procs.Identity.from_json(beat) == procs.process_identity(rank.pid)
+        lines: list[str] = []
+        dog = wd.Watchdog(run, run.node_dir("", "n1"), "n1", 0, 1, [0], FAST, "5.2", lines.append)
+        deadline = time.monotonic() + 30
+        while not dog.ended and time.monotonic() < deadline:
+            dog.tick()
+            time.sleep(0.2)
+        assert dog.ended, lines
+        assert rank.wait(timeout=10) == -signal.SIGKILL
+        assert any(f"killed ranks 0 (pid {rank.pid})" in line for line in lines), lines
+    finally:
+        if rank.poll() is None:
+            rank.kill()
+            rank.wait()
