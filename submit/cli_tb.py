@@ -74,7 +74,8 @@ def cmd_tb(args: argparse.Namespace) -> int:
             + (" (already running)" if board.reused else ""),
             sys.stdout,
         )
-        if tensorboard.is_local(transport):
+        if tensorboard.is_local(transport) and clusters.profile_for(record).scheduler != "local":
+            # On a Slurm login node a laptop needs the tunnel; the `local` cluster is this machine's own jobs.
             _say(
                 f"from your laptop: {tensorboard.ssh_hint(board.port, args.port or None)} "
                 f"then open {board.url(args.port or board.port)}",

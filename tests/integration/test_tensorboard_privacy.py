@@ -134,6 +134,16 @@ def test_stop_ends_a_server_left_running_and_nothing_else(tmp_path: Path, tb_cle
         assert decoy.poll() is None and tbhelp.start_time(decoy.pid) == decoy_started
         again = meshrun(tmp_path, "tb", "--stop", "900102")
         assert (again.returncode, again.stdout) == (0, "no TensorBoard of yours serves 900102 on local\n")
+        # `--stop -c CLUSTER`: every server of yours there (the decoy's record still names no server).
+        proc, _ = _tb(tmp_path, "900102")
+        assert proc.stdout.readline().startswith("the URL carries this server's secret")  # type: ignore[union-attr]
+        proc.kill()  # no laptop line on the `local` cluster: this machine's own jobs need no tunnel
+        proc.wait()
+        pid, started = _server(tmp_path, run_dir, "900102")
+        out = meshrun(tmp_path, "tb", "--stop", "-c", "local")
+        assert out.stdout.splitlines() == [f"stopped TensorBoard (pid {pid} on the login node) serving 900102"]
+        assert tbhelp.gone(pid, started, timeout=15) and decoy.poll() is None
+        assert meshrun(tmp_path, "tb", "--stop", "-c", "local").stdout == "no TensorBoard of yours runs on local\n"
     finally:
         decoy.kill()
         decoy.wait()
