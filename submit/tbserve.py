@@ -44,6 +44,8 @@ from typing import Any, Callable, Iterable, Optional
 
 SERVER_FILE = "server.json"
 TOKEN_FILE = "token"
+CLAIM_FILE = "claimed"
+"""The pid of the server whose URL reached `meshrun tb` (a server nobody claimed stops itself)."""
 COOKIE_PREFIX = "meshrun-tb-"
 RUNS = "runs"
 CONVERTED = "converted.json"
@@ -336,6 +338,7 @@ def serve(state: Path) -> None:
     from tensorboard import program
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    starter = os.getppid()  # the `start` that spawned this server, until it claims it
     token = (state / TOKEN_FILE).read_text().strip()
     converted = json.loads((state / CONVERTED).read_text())
     bridges = [Bridge(Path(run_dir) / "metrics.jsonl", state / RUNS / label) for label, run_dir in converted.items()]
@@ -368,13 +371,24 @@ def serve(state: Path) -> None:
     _write_private(state / SERVER_FILE, json.dumps({**me, "runs": _labels(state)}))
     stop_at = time.monotonic() + MAX_HOURS * 3600
     try:
-        while time.monotonic() < stop_at:
+        while time.monotonic() < stop_at and not _abandoned(state, starter):
             for bridge in bridges:
                 bridge.poll()
             time.sleep(1.0)
     finally:
         if (_read_server(state) or {}).get("pid") == os.getpid():
             (state / SERVER_FILE).unlink(missing_ok=True)
+
+
+def _abandoned(state: Path, starter: int) -> bool:
+    """The `start` that spawned this server died before handing its URL to `meshrun tb` (a Ctrl-C or a
+    closed terminal while TensorBoard loaded: meshrun kills it), so nobody knows to stop this server."""
+    if os.getppid() == starter:
+        return False  # still starting (or, reparented to it, already claimed: checked below all the same)
+    try:
+        return (state / CLAIM_FILE).read_text().strip() != str(os.getpid())
+    except OSError:
+        return True
 
 
 def _stop_selector(args: list[str]) -> Optional[Callable[[dict[str, Any]], bool]]:
@@ -398,6 +412,7 @@ def main(argv: list[str]) -> int:
             if not found["reused"]:
                 retire(Path(found["dir"]))
             return 1
+        _write_private(Path(found["dir"]) / CLAIM_FILE, str(found["pid"]))  # meshrun tb has it: it stops it
         return 0
     if argv[:1] == ["stop"] and (select := _stop_selector(argv[1:])) is not None:
         print(json.dumps({"stopped": stop(select)}), flush=True)

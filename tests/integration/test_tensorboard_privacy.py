@@ -93,6 +93,7 @@ def test_another_user_reads_nothing_and_sighup_stops_the_server(tmp_path: Path, 
             "token": 0o600,
             "server.log": 0o600,
             "converted.json": 0o600,
+            "claimed": 0o600,
         }
         assert tbhelp.as_other("cat", str(state / "token")).returncode != 0
         # The terminal closes: meshrun's output has nowhere to go, and SIGHUP arrives.
@@ -152,3 +153,26 @@ def test_stop_ends_a_server_left_running_and_nothing_else(tmp_path: Path, tb_cle
 def test_stop_needs_jobs_or_a_cluster(tmp_path: Path) -> None:
     out = meshrun(tmp_path, "tb")
     assert out.returncode == 2 and "JOB" in out.stderr and len(out.stderr.splitlines()) == 1, out.stderr
+
+
+def test_ctrl_c_while_tensorboard_loads_leaves_no_server(tmp_path: Path, tb_cleanup: Cleanup) -> None:
+    """Interrupted before it printed the URL, meshrun tb cannot stop a server it never heard of: the
+    server, unclaimed, stops itself."""
+    _job(tmp_path, "900104", tb_cleanup)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "submit.cli", "tb", "900104"],
+        cwd=REPO,
+        env=env_for(tmp_path),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        found = tbhelp.until("a server process", lambda: tbhelp.servers(tb_cleanup.keys), timeout=60)
+        proc.send_signal(signal.SIGINT)  # TensorBoard is still loading (seconds): no URL printed yet
+        assert proc.wait(timeout=30) == 0
+        ((pid, started),) = found.items()
+        assert tbhelp.gone(pid, started, timeout=30), "a server nobody knows of outlived meshrun tb"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
