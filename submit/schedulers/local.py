@@ -35,6 +35,8 @@ from submit.status import FINAL, Status, metrics_tail, parse_losses, parse_metri
 from submit.transport import Transport
 
 ACTIVE = ("PENDING", "RUNNING")
+CLOCK_SLACK_S = 30.0
+"""A submitit-API job's controller starts just before its registry record is written: at most this before."""
 
 
 def new_job_id() -> str:
@@ -165,7 +167,12 @@ def _start(run_dir: str, argv: Sequence[str]) -> str:
         )
     finally:
         os.close(log)
-    merge_state(state_path, supervisor_pid=proc.pid, pgid=proc.pid)
+    from launcher.procs import process_identity
+
+    # The start time with the pid: a cancel signals the group only while the pid still names this supervisor.
+    identity = process_identity(proc.pid)
+    started_at = identity.started_at if identity is not None else None
+    merge_state(state_path, supervisor_pid=proc.pid, pgid=proc.pid, supervisor_started_at=started_at)
     return job_id
 
 
@@ -194,17 +201,41 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _supervisor_alive(state: dict[str, Any]) -> bool:
+    """Whether the state file's supervisor still runs: its pid, while it names that very process."""
+    pid, started = int(state["supervisor_pid"]), state.get("supervisor_started_at")
+    if not _alive(pid):
+        return False
+    if not isinstance(started, (int, float)):
+        return True  # a state file from before start times were recorded
+    from launcher.procs import same_process
+
+    return same_process(pid, float(started))
+
+
+def _group_is_ours(state: dict[str, Any]) -> bool:
+    """False when the supervisor's pid now names another process: a process group of that id is then that
+    process's (the kernel never reuses an id while a group of it has members), not this job's orphans."""
+    started = state.get("supervisor_started_at")
+    if not isinstance(started, (int, float)):
+        return True
+    from launcher.procs import process_identity, same_process
+
+    pid = int(state["supervisor_pid"])
+    return process_identity(pid) is None or same_process(pid, float(started))
+
+
 def current_state(run_dir: str, job_id: str) -> dict[str, Any]:
     """The job's state, corrected when its supervisor died without writing its end."""
     path = local_state_path(run_dir, job_id)
     state = read_state(path)
     pid = state.get("supervisor_pid")
-    if state.get("state") not in ACTIVE or not pid or _alive(int(pid)):
+    if state.get("state") not in ACTIVE or not pid or _supervisor_alive(state):
         return state
     state = read_state(path)  # it may have finished between the two reads
     if state.get("state") not in ACTIVE:
         return state
-    live = process_group_alive(int(state.get("pgid") or pid))
+    live = process_group_alive(int(state.get("pgid") or pid)) if _group_is_ours(state) else []
     if live:
         return {
             **state,
@@ -286,19 +317,29 @@ def _cancel(record: JobRecord) -> None:
     pgid = int(state.get("pgid") or state.get("supervisor_pid") or 0)
     if not pgid:
         return  # not started yet: the supervisor sees cancel_requested and starts nothing
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
+    from launcher import procs
+
+    # Only the group this job's supervisor started, and only if its processes carry this job's id: a pid
+    # from a state file may name another process (and group) by now.
+    started = state.get("supervisor_started_at")
+    leader = procs.Identity(pgid, float(started)) if isinstance(started, (int, float)) else None
+    leader = leader or procs.process_identity(pgid) or procs.Identity(pgid, -1.0)
+    procs.signal_group_if_same(leader, signal.SIGTERM, procs.JobScope(JOB_ID_ENV, record.job_id))
 
 
 def _cancel_submitit_job(record: JobRecord) -> None:
     """A submitit-API job on this machine: its controller (pid = job id) forwards SIGTERM to the tasks;
     the outcome is recorded in meshrun's own state file, which submitit's LocalExecutor does not write."""
-    try:
-        os.kill(int(record.job_id), signal.SIGTERM)
-    except ProcessLookupError:
-        pass
+    from launcher import procs
+
+    # The job id is the controller's pid: signalled only while that pid runs submitit's controller for this
+    # job's run dir and started with the job (a pid from the registry may be another process's by now).
+    controller = procs.process_identity(int(record.job_id))
+    command = " ".join(procs.command_line(int(record.job_id)) or [])
+    started = procs.started_wall(int(record.job_id))
+    ours = "submitit.local._local" in command and record.run_dir in command
+    if controller is not None and ours and started is not None and started >= record.submitted_at - CLOCK_SLACK_S:
+        procs.signal_if_same(controller, signal.SIGTERM)
     merge_state(
         local_state_path(record.run_dir, record.job_id),
         state="CANCELLED",
