@@ -62,8 +62,7 @@ def cmd_tb(args: argparse.Namespace) -> int:
     runs = [(tensorboard.label(r.job_id), r.run_dir) for r in records]
     clusters = api.Clusters()
     board, forward = None, None
-    for sig in TEARDOWN_SIGNALS:
-        signal.signal(sig, _raise_interrupt)
+    before = {sig: signal.signal(sig, _raise_interrupt) for sig in TEARDOWN_SIGNALS}
     try:
         transport = clusters.transport_for(record)
         board = tensorboard.start(transport, clusters.profile_for(record), runs)
@@ -106,8 +105,8 @@ def cmd_tb(args: argparse.Namespace) -> int:
         if board is not None and not board.reused:
             _stop_board(clusters, record, board)
         clusters.close()
-        for sig in TEARDOWN_SIGNALS:
-            signal.signal(sig, signal.SIG_DFL)
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def _tb_records(registry: Any, jobs: Sequence[str], cluster: Any) -> list[Any]:

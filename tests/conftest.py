@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 from typing import Iterator
 
 import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A SIGTERM to the test run (a CI timeout, a `kill`) ends it as Ctrl-C does, so every finalizer still
+    runs: the servers and processes the tests started are stopped by their pids, not left running."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, interrupt)
 
 
 @pytest.fixture
