@@ -263,7 +263,7 @@ class Gate:
         if given and self._ok(given[-1]):
             rest = urllib.parse.urlencode([(k, v) for k, v in query if k != "token"])
             raw = (environ.get("SCRIPT_NAME", "") + environ.get("PATH_INFO", "")).encode("latin-1")  # WSGI's bytes
-            path = urllib.parse.quote(raw) or "/"
+            path = "/" + urllib.parse.quote(raw).lstrip("/")  # never `//host`: a redirect stays on this server
             start_response(
                 "302 Found",
                 [

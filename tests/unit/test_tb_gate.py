@@ -42,6 +42,7 @@ def test_the_token_url_sets_the_cookie_and_leaves_the_address_bar() -> None:
     assert headers["Location"] == "/data/plugin/scalars/scalars?run=7&tag=loss"
     assert headers["Set-Cookie"] == f"{COOKIE}={TOKEN}; Path=/; HttpOnly; SameSite=Lax"
     assert _ask("/", f"token={TOKEN}")[1]["Location"] == "/"
+    assert _ask("//elsewhere.example/x", f"token={TOKEN}")[1]["Location"] == "/elsewhere.example/x"  # not off-site
 
 
 def test_the_cookie_lets_a_request_through_and_nothing_else_does() -> None:
