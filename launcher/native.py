@@ -8,6 +8,7 @@ when it saves and hands the loaded state back to them.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -49,18 +51,38 @@ class ModelState:
         set_model_state_dict(self.model, state)
 
 
+# Flat keys, one per parameter: `state.<fqn>.exp_avg` and `param_groups.<fqn>.lr`. The nested form keeps
+# param_groups as a list, which DCP flattens to `param_groups.0.*`: every pipeline stage writes its own
+# group 0 (its own parameter names) under the same key, one stage's copy wins, and the other stages load
+# a group that names none of their parameters (resume failed with `KeyError: 'betas'`). torchtitan flattens
+# for the same reason.
+OPTIMIZER_STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 @dataclass
 class OptimizerState:
-    """The optimizer's state keyed by parameter names (Stateful), so it reshards like the weights."""
+    """The optimizer's state keyed by parameter names (Stateful), so it reshards like the weights, and
+    loads on any pipeline stage (each stage holds only its own parameters' keys)."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
+    flat: bool = True
+    """False only to load a checkpoint saved before the flat keys (nested param_groups; see above)."""
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        return get_optimizer_state_dict(self.model, self.optimizer, options=self._options())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state)
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=self._options())
+
+    def _options(self) -> StateDictOptions:
+        return OPTIMIZER_STATE_OPTIONS if self.flat else StateDictOptions()
+
+
+def saved_flat(path: Path) -> bool:
+    """Whether the checkpoint at `path` holds the flat optimizer keys (every one meshrun writes now)."""
+    # Nested groups are indexed (`optim.param_groups.0.lr`); flat ones by parameter name, never a bare index.
+    return not any(re.fullmatch(r"optim\.param_groups\.\d+\.lr", key) for key in ckpt.saved_keys(path))
 
 
 @dataclass
@@ -159,10 +181,10 @@ class NativeEngine:
     def loss_scale(self) -> Optional[float]:
         return self.scaler.scale if self.scaler.enabled else None
 
-    def _state(self, trainer_state: dict[str, Any]) -> dict[str, Any]:
+    def _state(self, trainer_state: dict[str, Any], flat_optimizer: bool = True) -> dict[str, Any]:
         return {
             "model": ModelState(self.model),
-            "optim": OptimizerState(self.model, self.optimizer),
+            "optim": OptimizerState(self.model, self.optimizer, flat_optimizer),
             "scaler": self.scaler,
             **trainer_state,
         }
@@ -177,4 +199,4 @@ class NativeEngine:
                 f"{path} was saved by the {engine} engine; the native engine loads only its own checkpoints: "
                 f"resume with train.engine: {engine}, or start a new run"
             )
-        saver.dcp_load(self._state(trainer_state), path)
+        saver.dcp_load(self._state(trainer_state, saved_flat(path)), path)

@@ -29,8 +29,10 @@ STEPS = 60
 
 
 def _training(corpus: Path, *extra: str) -> list[str]:
-    """test_preempt_resume's two ranks on two nodes, STEPS long."""
-    return [*_two_ranks_on_two_nodes(corpus), "--set", f"train.steps={STEPS}", *extra]
+    """test_preempt_resume's two ranks on two nodes, STEPS long, as a two-stage pipeline (one stage a node):
+    the preempted checkpoint holds each stage's own optimizer state, and the resume must still be exact."""
+    pipeline = ("--set", "parallel.dp=1", "--set", "parallel.pp=2")
+    return [*_two_ranks_on_two_nodes(corpus), *pipeline, "--set", f"train.steps={STEPS}", *extra]
 
 
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:

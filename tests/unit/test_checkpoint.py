@@ -133,3 +133,31 @@ def test_signal_only_sets_a_flag_and_ranks_agree(group) -> None:
         assert flag.raised and flag.describe() == "SIGUSR1" and agree(flag.raised)
     finally:
         flag.uninstall()
+
+
+def test_optimizer_state_loads_from_flat_keys_and_from_checkpoints_saved_before_them(tmp_path: Path) -> None:
+    """meshrun writes the optimizer with flat per-parameter keys (each pipeline stage its own); a checkpoint
+    saved earlier with nested param_groups (`optim.param_groups.0.*`) still loads, into the same state."""
+    import torch.distributed.checkpoint as dcp
+
+    from launcher.native import OptimizerState, saved_flat
+
+    def trained() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95))
+        model(torch.ones(3, 4)).sum().backward()
+        opt.step()
+        return model, opt
+
+    model, opt = trained()
+    for flat in (True, False):
+        path = tmp_path / f"flat-{flat}"
+        dcp.save({"optim": OptimizerState(model, opt, flat)}, checkpoint_id=str(path))
+        assert saved_flat(path) is flat
+        fresh = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1.0, betas=(0.5, 0.5))
+        dcp.load({"optim": OptimizerState(fresh, fresh_opt, saved_flat(path))}, checkpoint_id=str(path))
+        assert fresh_opt.param_groups[0]["betas"] == (0.9, 0.95) and fresh_opt.param_groups[0]["lr"] == 1e-2
+        for p, q in zip(model.parameters(), fresh.parameters()):
+            assert torch.equal(opt.state[p]["exp_avg_sq"], fresh_opt.state[q]["exp_avg_sq"])
