@@ -83,7 +83,7 @@ def cmd_tb(args: argparse.Namespace) -> int:
         _say(
             "the URL carries this server's secret: other users cannot open the board; "
             + (
-                f"Ctrl-C closes the tunnel (TensorBoard keeps running: `meshrun tb --stop {names}` stops it)"
+                f"Ctrl-C closes the tunnel (TensorBoard keeps running: `meshrun tb --stop {record.job_id}` stops it)"
                 if board.reused
                 else "Ctrl-C (or closing this terminal) stops it"
             ),
