@@ -27,6 +27,7 @@ RULES = (
     "gpu_memory_high",
     "straggler",
     "hang",
+    "checkpoint_lost",
 )
 
 

@@ -30,6 +30,9 @@ from launcher.schema import to_plain
 from launcher.spec import RunSpec
 from launcher.trainer import Trainer
 
+SHARED_LOOKUP_S = 5.0
+"""How often rank 0 lists shared storage for the newest complete checkpoint when saves are staged on scratch."""
+
 
 class CheckpointManager:
     """Every rank holds one; every rank calls the same methods at the same steps."""
@@ -39,6 +42,8 @@ class CheckpointManager:
         self.off_reason = off
         """Why this run saves nothing ("" when it does)."""
         self.every = run_spec.job.checkpoint.every if run_spec else 0
+        self._shared: Optional[int] = None
+        self._looked_up = -SHARED_LOOKUP_S
 
     @classmethod
     def off(cls, env: RankEnv, reason: str) -> CheckpointManager:
@@ -56,6 +61,21 @@ class CheckpointManager:
     @property
     def last_committed(self) -> Optional[int]:
         return self.saver.last_committed if self.saver else None
+
+    @property
+    def shared_step(self) -> Optional[int]:
+        """The checkpoint step a metrics line reports (status's CKPT): what resume can use. Saved straight to
+        shared storage, the last commit; staged on scratch, the newest step complete on shared storage (the
+        sidecar's copy), looked up by rank 0 at most every SHARED_LOOKUP_S (the other ranks' lines are not
+        written)."""
+        if self.saver is None or self.saver.stage_root is None:
+            return self.last_committed
+        if self.env.rank != 0:
+            return None
+        if time.monotonic() >= self._looked_up + SHARED_LOOKUP_S:
+            steps = ckpt.complete_steps(self.saver.root)
+            self._shared, self._looked_up = (steps[-1] if steps else None), time.monotonic()
+        return self._shared
 
     def due(self, step: int, last: int) -> bool:
         """A save after this step: every checkpoint.every steps, and always after the last one."""

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from launcher.exitcodes import EXIT_GAVE_UP, EXIT_NAMES, EXIT_REQUEUE, NOT_REQUEUED
+from launcher import lost as lost_checkpoints
+from launcher.exitcodes import EXIT_FAILED, EXIT_GAVE_UP, EXIT_NAMES, EXIT_REQUEUE, NOT_REQUEUED
 from launcher.report import reported_step
 from launcher.resume import MAX_ATTEMPTS
 from launcher.rundir import RunDir, read_state, write_json
@@ -123,6 +124,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     run_dir, (status, restarts, max_restarts) = words[0], map(int, words[1:])
+    lost = lost_checkpoints.check(run_dir)  # a checkpoint_lost alert, whatever the status
+    if lost is not None and status == 0:
+        # The ranks finished, but their last checkpoints never reached shared storage: not a success.
+        # A failure is requeued (from the newest complete checkpoint: the lost steps are trained again).
+        status = EXIT_FAILED
+        record_reason(run_dir, lost)
     decision = decide(
         run_dir,
         status,

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from launcher import lost as lost_checkpoints
 from launcher.exitcodes import (
     EXIT_DIVERGED,
     EXIT_FAILED,
@@ -278,6 +279,11 @@ class Supervisor:
             final = "FAILED"
             message = rank_error or (f"rank exit codes {codes}" if codes else message)
         code = agreed if agreed is not None else _job_exit_code(codes, final)
+        lost = lost_checkpoints.check(self.run_dir.root)  # after the sidecar's last copies: a checkpoint_lost alert
+        if lost is not None:
+            # Never a success with lost steps; any other outcome says it too (`resume` starts further back).
+            final, code = ("FAILED", EXIT_FAILED) if final == "COMPLETED" else (final, code)
+            message = f"{message}; {lost}" if message else lost
         if self.spec.job.command is not None:
             # The batch script's crash-loop rule (launcher.requeue): nothing requeues here, but a second
             # failure in a row without progress says so, with the same exit code.
@@ -325,6 +331,9 @@ def stop_sidecar(proc: Optional[subprocess.Popen[bytes]], timeout_s: float = SID
     sidecar.final_copy_s); SIGKILL if it has not stopped after `timeout_s`."""
     if proc is None:
         return
+    if proc.poll() is not None:
+        _stop_keeperless_sidecar(timeout_s)
+        return
     try:
         proc.terminate()
         try:
@@ -334,6 +343,27 @@ def stop_sidecar(proc: Optional[subprocess.Popen[bytes]], timeout_s: float = SID
             proc.wait(timeout=SIDECAR_STOP_S)
     except (OSError, subprocess.TimeoutExpired):
         pass  # the process group's SIGKILL that follows ends it
+
+
+def _stop_keeperless_sidecar(timeout_s: float) -> None:
+    """Its keeper was killed, but the sidecar itself may live on (it carries on alone while the ranks run):
+    it too gets its TERM and its time for the last copies, before the group's SIGKILL ends everything."""
+    sidecars = [pid for pid in _group_members() if b"launcher.sidecar" in _cmdline(pid).split(b"\0")]
+    for pid in sidecars:
+        try:
+            os.kill(pid, signal.SIGTERM)  # a member of this process group, found just now
+        except OSError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(pid in sidecars for pid in _group_members()):
+        time.sleep(0.2)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def _read_code(path: str) -> Optional[int]:

@@ -208,7 +208,7 @@ def run_loop(
             validate = eval_due(cfg, step, last)
             logged = step % cfg.log_every == 0 or step == last or validate
             if logged:
-                record = log_step(t, env, metrics, step, result, clock, checkpoints.last_committed, validate=validate)
+                record = log_step(t, env, metrics, step, result, clock, checkpoints.shared_step, validate=validate)
                 watch.logged(record)
             save_due = checkpoints.due(step, last)
             if flag is None and not (logged or save_due):

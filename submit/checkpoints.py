@@ -149,6 +149,61 @@ MARKER = "meshrun-complete.json"
 _VAL_LOSS = re.compile(r"/step-(\d{8,})/" + re.escape(MARKER) + r':"val_loss": ([-+0-9.eE]+)$')
 
 
+_STEP_MARKER = re.compile(r"/step-(\d{8,})/" + re.escape(MARKER) + r"$")
+METRICS_TAIL = 1 << 18
+"""The end of metrics.jsonl read for the job's last checkpoint events (a few thousand lines)."""
+
+
+def complete_steps(transport: Transport, root: str) -> list[int]:
+    """The complete checkpoints' steps under `root`, ascending (one command over the transport)."""
+    argv = ["find", root, "-mindepth", "2", "-maxdepth", "2", "-name", MARKER]
+    found = (_STEP_MARKER.search(line.strip()) for line in transport.run(argv, timeout=60).stdout.splitlines())
+    return sorted(int(match.group(1)) for match in found if match)
+
+
+def last_saved_step(record: JobRecord, transport: Transport) -> Optional[int]:
+    """The newest checkpoint step the job's ranks reported saving (on scratch or shared storage), if any."""
+    from launcher.lost import saved_steps
+
+    path = RunDir(record.run_dir).metrics
+    try:
+        size = transport.size(path)
+    except (OSError, ClusterError):
+        return None
+    text = transport.read_bytes(path, max(0, size - METRICS_TAIL), METRICS_TAIL).decode("utf-8", errors="replace")
+    steps = saved_steps(text)
+    return steps[-1] if steps else None
+
+
+def not_the_last(record: JobRecord, transport: Transport, step: Optional[int]) -> Optional[str]:
+    """When `step` (the one resume or export uses) is older than the job's last saved checkpoint: a note
+    naming both (the newer one never became complete on shared storage: see its checkpoint_lost alert)."""
+    last = last_saved_step(record, transport)
+    if last is None or (step is not None and step >= last):
+        return None
+    used = f"step {step}" if step is not None else "no checkpoint (step 0)"
+    return (
+        f"note: this uses {used}: the job's last checkpoint, step {last}, never became complete on shared "
+        f"storage (see `meshrun status {record.job_id}`)"
+    )
+
+
+def resume_note(record: JobRecord, transport: Transport) -> Optional[str]:
+    """After a resume: the step it starts from when that is not the job's last checkpoint (None otherwise,
+    and when checkpoint.resume_step chose it)."""
+    run = read_run_spec(record, transport)
+    if run.job.checkpoint.resume_step is not None:
+        return None
+    complete = complete_steps(transport, run.run.checkpoint_dir or RunDir(record.run_dir).default_checkpoints)
+    return not_the_last(record, transport, complete[-1] if complete else None)
+
+
+def export_note(record: JobRecord, transport: Transport, exported: str) -> Optional[str]:
+    """After an export of the newest complete step: a note when that is not the job's last checkpoint."""
+    match = re.search(r"step-(\d+)/?$", exported.strip())
+    return not_the_last(record, transport, int(match.group(1))) if match else None
+
+
 def best_checkpoint(transport: Transport, root: str) -> Optional[tuple[int, float]]:
     """(step, val_loss) of the complete checkpoint under `root` whose marker records the lowest
     val_loss (`checkpoint.keep_best`); None when none does. One command over the transport (for

@@ -65,6 +65,9 @@ def cmd_resume(args: argparse.Namespace) -> int:
         new = checkpoints.resume(record, transport, registry, status.state, status.done, args.overrides)
         print(f"resumed job {record.job_id} as job {new.job_id} on {new.cluster}")
         print(f"run dir: {new.run_dir}")
+        note = checkpoints.resume_note(new, transport)
+        if note:
+            print(note)
         if not args.wait:
             return 0
         spec = checkpoints.read_run_spec(new, transport).job
@@ -93,7 +96,10 @@ def cmd_export(args: argparse.Namespace) -> int:
             fmt=args.format,
             max_shard_size=args.max_shard_size,
         )
+        note = None if args.step is not None or args.best else checkpoints.export_note(record, transport, ckpt)
     finally:
         clusters.close()
     print(f"wrote {args.output} from {ckpt}")
+    if note:
+        print(note)
     return 0

@@ -84,7 +84,8 @@ def parse_metrics_tail(text: str) -> dict[str, Any]:
             continue
         if not isinstance(row, dict):
             continue
-        if checkpoint is None and row.get("checkpoint_step") is not None:
+        # A save staged on node-local scratch is not a checkpoint yet: the sidecar's "copied" event is.
+        if checkpoint is None and row.get("checkpoint_step") is not None and not row.get("staged"):
             checkpoint = row["checkpoint_step"]
         if not found and "event" not in row:
             found = row

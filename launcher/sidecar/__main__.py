@@ -1,6 +1,13 @@
-"""`python -m launcher.sidecar RUN_DIR`: this node's sidecar until SIGTERM (or SIGUSR2) or until its parent is gone.
+"""`python -m launcher.sidecar RUN_DIR`: this node's sidecar, kept alive by its keeper (keeper.py).
 
-It never fails the job: whatever goes wrong is one line in RUN_DIR/logs/sidecar-NODE.log and exit 0.
+Run by the batch script or the local supervisor, it is the keeper, which runs the sidecar itself as its
+child (the same command, with MESHRUN_SIDECAR_KEPT set) and starts it again if it dies. The sidecar runs
+until SIGUSR2 (the ranks ended), or a SIGTERM and then its node's ranks ending. When its parent (the
+keeper) is gone it carries on while this node's ranks run and stops after them: it never pulls the
+node's scratch folder from under live ranks.
+
+It never fails the job: whatever goes wrong is one line in RUN_DIR/logs/sidecar-NODE.log and exit 0 (a
+kept sidecar stopped by an error exits 1, so that its keeper starts it again).
 """
 
 from __future__ import annotations
@@ -25,17 +32,25 @@ END_WAIT_S = 120.0
 
 
 class EndWait:
-    """Stops the sidecar once the job is ending (a TERM) and this node's ranks are gone, or its parent is."""
+    """Stops the sidecar once the job is ending (a TERM) and this node's ranks are gone (or END_WAIT_S has
+    passed), or once its parent is gone and so are this node's ranks."""
 
     def __init__(self, sidecar: Any, ending: threading.Event, stop: threading.Event, log: Any) -> None:
         self.sidecar, self.ending, self.stop, self.log = sidecar, ending, stop, log
         self.parent = os.getppid()
         self.since: Optional[float] = None
-
-    def parent_alive(self) -> bool:
-        return os.getppid() == self.parent
+        self.orphaned = False
 
     def check(self) -> None:
+        if not self.orphaned and os.getppid() != self.parent:
+            # Its keeper (and maybe the local supervisor) was killed. Its ranks may run on: the copies, the
+            # hang watch and the samples go on while they do (README: On `local`, orphaned ranks).
+            self.orphaned = True
+            self.log(f"its parent (pid {self.parent}) is gone: carrying on while this node's ranks run")
+        if self.orphaned and not self.sidecar.ranks_alive():
+            self.log("its parent is gone and this node's ranks have ended")
+            self.stop.set()
+            return
         if not self.ending.is_set():
             return
         now = time.monotonic()
@@ -52,11 +67,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(USAGE, file=sys.stderr)
         return EXIT_INPUT
     from launcher.rundir import node_name
+    from launcher.sidecar.keeper import KEPT_ENV, TOLD_ENV, keep
     from launcher.sidecar.loop import Log, Periodic, Sidecar, run_tasks
 
     run_dir = RunDir(os.path.abspath(argv[0]))
     node = node_name(os.environ)
     log = Log(run_dir.sidecar_log(node), node)
+    kept = bool(os.environ.get(KEPT_ENV))
+    if not kept:
+        return keep(run_dir.root, log)
+    failed = False
     stop = threading.Event()
     ending = threading.Event()
 
@@ -74,6 +94,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_job_ending)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # meant for the ranks; never this process's death
+    told = os.environ.get(TOLD_ENV, "").split(",")  # a restarted sidecar: what its predecessor was told
+    if "SIGUSR2" in told:
+        stop.set()
+    if "SIGTERM" in told:
+        ending.set()
     try:
         os.nice(NICE)
     except OSError:
@@ -83,20 +108,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         sidecar = Sidecar(run_dir, node, os.environ, log)
         waiting = EndWait(sidecar, ending, stop, log)
-        why = run_tasks([*sidecar.tasks(), Periodic("end wait", 0.5, waiting.check)], stop, waiting.parent_alive, log)
+        why = run_tasks([*sidecar.tasks(), Periodic("end wait", 0.5, waiting.check)], stop, lambda: True, log)
         log(f"stopping: {why} ({sidecar.samples} samples)")
         sidecar.record_last_beats()
         sidecar.finish_copies()
         log("stopped")
-    except BaseException as exc:  # never into the job: one line, exit 0
+    except BaseException as exc:  # never into the job: one line (its keeper starts it again)
         log(f"stopped by an error: {type(exc).__name__}: {exc}")
+        failed = True
     finally:
         try:
             if sidecar is not None:
                 sidecar.close()
         except Exception as exc:
             log(f"closing: {type(exc).__name__}: {exc}")
-    return 0
+    return 1 if failed and kept else 0
 
 
 if __name__ == "__main__":

@@ -47,7 +47,23 @@ MAX_WORKERS = 8
 """Files copied at once (a node's part has a file per rank): hashing and I/O spread over cores."""
 RETRY_MAX_S = 30.0
 """The longest wait before a failed copy is tried again (the backoff doubles from 1 s)."""
+PARENT_ENV = "MESHRUN_COPIER_PARENT"
+"""The sidecar's pid, given to its copy child: the child dies with it (die_with_parent)."""
 LogFn = Callable[[str], None]
+
+
+def die_with_parent() -> bool:
+    """Have Linux SIGKILL this copy child when its sidecar dies (PR_SET_PDEATHSIG), and say whether that
+    sidecar is still its parent. A restarted sidecar copies the same step again: two copies of one step
+    at once must never race on its files, so an orphaned copy child never goes on."""
+    expected = os.environ.get(PARENT_ENV)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG = 1, SIGKILL = 9
+    except (OSError, AttributeError):
+        pass  # not Linux: the check below still catches a sidecar already gone
+    return expected is None or str(os.getppid()) == expected
 
 
 def part_files(staged: Path) -> list[str]:
@@ -228,7 +244,10 @@ class Copier:
         keep: int,
         keep_every: int,
         log: LogFn,
+        on_commit: Optional[Callable[[int], None]] = None,
     ) -> None:
+        """`on_commit(step)`: node rank 0's news of a step complete on shared storage (the run's metrics)."""
+        self.on_commit = on_commit
         self.staging, self.shared = Path(staging), Path(shared_root)
         self.node, self.node_rank, self.nodes, self.attempt = node, node_rank, nodes, attempt
         self.keep, self.keep_every, self.log = keep, keep_every, log
@@ -244,6 +263,8 @@ class Copier:
         if self.node_rank == 0:
             for step in commit_ready(self.shared, self.nodes, self.attempt, self.keep, self.keep_every):
                 self.log(f"checkpoint step {step} complete on shared storage ({self.shared})")
+                if self.on_commit is not None:
+                    self.on_commit(step)
         prune(self.staging, self.shared, self.attempt, self.log, busy=self.child_step)
         if self.child is None and time.monotonic() >= self.next_try:
             pending = to_copy(self.staging, self.attempt)
@@ -253,7 +274,10 @@ class Copier:
     def _start(self, step: int) -> None:
         argv = [sys.executable, "-m", "launcher.sidecar.copier", "copy"]
         argv += [str(ckpt.step_dir(self.staging, step)), str(self.shared), self.node, str(self.node_rank)]
-        self.child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        env = {**os.environ, PARENT_ENV: str(os.getpid())}
+        self.child = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+        )
         self.child_step, self.child_started = step, time.monotonic()
 
     def _reap(self) -> None:
@@ -333,6 +357,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _copy_one(staged: Path, shared: Path, node: str, node_rank: int) -> int:
+    if not die_with_parent():
+        print("copier: its sidecar is gone: not copying", flush=True)
+        return EXIT_FAILED
     began = time.monotonic()
     try:
         copy_part(staged, shared, node, node_rank)

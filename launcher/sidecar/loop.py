@@ -23,6 +23,7 @@ from launcher.sidecar import envrecord
 from launcher.sidecar.alerting import Alerting
 from launcher.sidecar.copier import Copier
 from launcher.sidecar.host import Host
+from launcher.sidecar.keeper import SINCE_ENV
 from launcher.sidecar.nvml import Gpus, NvmlUnavailable, discover, load_nvml, resolve
 from launcher.sidecar.watchdog import Watchdog as HangWatch
 from launcher.spec import Alerts, Watchdog
@@ -170,6 +171,14 @@ def read_settings(run_dir: RunDir, environ: Mapping[str, str], log: LogFn) -> Se
     )
 
 
+def started_at(environ: Mapping[str, str]) -> float:
+    """The attempt's sidecar start on this node: its keeper's start, else now."""
+    try:
+        return float(environ.get(SINCE_ENV) or time.time())
+    except ValueError:
+        return time.time()
+
+
 class Sidecar:
     """One node's sidecar: what it samples, where it writes, and its periodic tasks."""
 
@@ -193,7 +202,7 @@ class Sidecar:
         self.mismatches_logged: set[str] = set()
         self.record = envrecord.build_record(node, environ, self.gpus.describe() if self.gpus else None)
         envrecord.write_record(run_dir.env_record(node), self.record)
-        self.started = time.time()
+        self.started = started_at(environ)
         self.node_dir = run_dir.node_dir(expand_node_path(self.settings.scratch_dir), node)
         self.attempt = attempt_id(environ)
         self.alerting = Alerting(run_dir, node, self.settings.node_rank, self.settings.alerts, log, self.step)
@@ -236,7 +245,19 @@ class Sidecar:
             s.keep,
             s.keep_every,
             self.log,
+            on_commit=self.record_commit,
         )
+
+    def record_commit(self, step: int) -> None:
+        """A step complete on shared storage, as a metrics.jsonl event: status's CKPT is what resume can use
+        (the trainer's own event for a staged save says "staged": only on scratch then). Node rank 0's
+        sidecar runs on rank 0's machine: its appends and rank 0's stay whole lines."""
+        line = json.dumps({"event": "checkpoint", "checkpoint_step": step, "copied": True, "time": time.time()})
+        fd = os.open(self.run_dir.metrics, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            os.write(fd, (line + "\n").encode())
+        finally:
+            os.close(fd)
 
     def gpu_snapshot(self) -> list[dict[str, Any]]:
         """The node's GPUs (and host) now, for a hang's diagnosis."""
@@ -371,9 +392,15 @@ class Sidecar:
 
     def finish_copies(self) -> None:
         """When the ranks have ended: copy what is still only on scratch, within sidecar.final_copy_s."""
-        if self.copier is not None:
-            self.copier.drain(time.monotonic() + self.settings.final_copy_s)
-            self._clear_scratch()
+        if self.copier is None:
+            return
+        self.copier.drain(time.monotonic() + self.settings.final_copy_s)
+        if self.ranks_alive():
+            # Never under live ranks (a sidecar whose parent was killed, or past END_WAIT_S): their
+            # heartbeats and next saves go there. The next attempt's sidecar prunes what is left.
+            self.log(f"this node's ranks still run: {self.node_dir.root} stays")
+            return
+        self._clear_scratch()
 
     def _clear_scratch(self) -> None:
         """The attempt is over: its files on this node's scratch go. What was copied is verified on shared

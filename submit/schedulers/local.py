@@ -244,9 +244,39 @@ def current_state(run_dir: str, job_id: str) -> dict[str, Any]:
             "message": f"orphaned: the local supervisor died and {len(live)} process(es) still run; "
             f"`meshrun cancel {job_id}` stops them",
         }
+    return _record_death(run_dir, job_id, state)
+
+
+def _record_death(run_dir: str, job_id: str, state: dict[str, Any]) -> dict[str, Any]:
+    """The end of a job whose supervisor died and whose processes have all ended, written into its state
+    file when first seen: ELAPSED stops at its last sign of life, and a later resume writing into the
+    run dir does not move it."""
+    from launcher import lost
+
+    ended = last_activity(run_dir, float(state.get("started") or state.get("submitted") or 0))
     if state.get("cancel_requested"):
-        return {**state, "state": "CANCELLED", "message": ""}
-    return {**state, "state": "FAILED", "message": "the local supervisor process died (killed?)"}
+        final, message = "CANCELLED", ""
+    else:
+        final, message = "FAILED", "the local supervisor process died (killed?)"
+    lost_line = lost.check(run_dir)  # nothing else ran the end-of-run check: the checkpoint_lost alert too
+    if lost_line:
+        message = f"{message}; {lost_line}" if message else lost_line
+    merge_state(local_state_path(run_dir, job_id), state=final, ended=ended, message=message)
+    return {**state, "state": final, "ended": ended, "message": message}
+
+
+def last_activity(run_dir: str, started: float) -> float:
+    """When the job's processes last wrote (its logs, metrics, last heartbeats): when it ended, near enough."""
+    rd = RunDir(run_dir)
+    paths = [rd.metrics, *glob.glob(os.path.join(glob.escape(rd.logs), "*"))]
+    paths += glob.glob(os.path.join(glob.escape(rd.path(rd.INTERNAL, "last-beats")), "*"))
+    times = []
+    for path in paths:
+        try:
+            times.append(os.stat(path).st_mtime)
+        except OSError:
+            continue
+    return min(max([started, *times]), time.time())
 
 
 def submitit_state(run_dir: str, job_id: str) -> dict[str, Any]:

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import time
 from pathlib import Path
+from typing import Callable
 
+from launcher import checkpoint as ckpt
+from launcher import lost
 from launcher.rundir import RunDir, node_name
-from tests.integration.cli import meshrun, submitted
+from tests.integration.cli import TINY, TWO_NODES, meshrun, metrics, status, submitted, wait_for_state
 
 SHORT = ["--set", "sidecar.interval_s=0.3", "--set", "resources.tasks_per_node=1"]
 # Long enough for several samples at 0.3 s once the sidecar has started (it imports tensorboard: ~1 s).
@@ -84,3 +89,127 @@ def test_a_two_node_slurm_job_has_a_sidecar_per_node_gone_when_the_ranks_end(tes
     assert "ranks exited with status 0" in batch and "srun: error" not in batch, batch
     # The batch shell did not wait out the sidecar's SIGKILL grace: it stopped on SIGTERM.
     assert "Killed" not in batch, batch
+
+
+# --- A dead sidecar (issue 22, items 2 and 4) ---------------------------------------------------------------
+
+SAVING = ["--set", "checkpoint.every=5", "--set", "checkpoint.keep=2", "--set", "sidecar.interval_s=0.5"]
+
+
+def kept_sidecars(run_dir: Path, node: str = "") -> tuple[list[int], list[int]]:
+    """(keepers, sidecars) of RUN_DIR (on NODE when given): a sidecar is a keeper's child, with
+    MESHRUN_SIDECAR_KEPT in its environment."""
+    keepers, kept = [], []
+    for pid in sidecars_of(run_dir):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if node and f"SLURMD_NODENAME={node}".encode() not in env:
+            continue
+        (kept if any(e.startswith(b"MESHRUN_SIDECAR_KEPT=") for e in env) else keepers).append(pid)
+    return keepers, kept
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+def newest_step(run_dir: Path) -> int:
+    rows = metrics(run_dir)
+    return rows[-1]["step"] if rows else 0
+
+
+def complete(run_dir: Path) -> list[int]:
+    return ckpt.complete_steps(Path(lost.checkpoint_dir_of(str(run_dir))))
+
+
+def test_a_killed_local_sidecar_is_started_again_and_no_checkpoint_is_lost(tmp_path: Path, corpus: Path) -> None:
+    steps = 60
+    args = [*TINY, "--set", f"data.path={corpus}", "--set", f"train.steps={steps}", *SAVING]
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, check=True))
+    wait_until(lambda: newest_step(run_dir) >= 12 and kept_sidecars(run_dir)[1] != [], "no training")
+    (victim,) = kept_sidecars(run_dir)[1]
+    os.kill(victim, signal.SIGKILL)
+    row = wait_for_state(tmp_path, job_id, {"COMPLETED", "FAILED"})
+    assert row["state"] == "COMPLETED" and row["alerts"] == [], row
+    assert complete(run_dir)[-1] == steps and row["progress"]["checkpoint_step"] == steps, complete(run_dir)
+    log = Path(RunDir(str(run_dir)).sidecar_log(node_name({}))).read_text()
+    assert f"the sidecar (pid {victim}) ended (killed by SIGKILL) while the job runs: starting it again" in log
+    assert "lost" not in log and sidecars_of(run_dir) == []
+
+
+def test_a_sidecar_dead_for_good_fails_the_job_names_the_lost_steps_and_export_says_which_it_used(
+    tmp_path: Path, corpus: Path
+) -> None:
+    steps = 60
+    args = [*TINY, "--set", f"data.path={corpus}", "--set", f"train.steps={steps}", *SAVING]
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, check=True))
+    wait_until(lambda: complete(run_dir) != [] and newest_step(run_dir) >= 12, "no complete checkpoint")
+    keepers, kept = kept_sidecars(run_dir)
+    os.kill(keepers[0], signal.SIGKILL)  # the keeper first, so nothing starts its sidecar again
+    os.kill(kept[0], signal.SIGKILL)
+    row = wait_for_state(tmp_path, job_id, {"COMPLETED", "FAILED"})
+    newest = complete(run_dir)[-1]
+    assert newest < steps and row["state"] == "FAILED" and row["exit_code"] == 1, row
+    assert "never reached shared storage" in row["reason"] and f"{steps}" in row["reason"], row
+    assert [a["rule"] for a in row["alerts"]] == ["checkpoint_lost"] and row["alerts"][0]["step"] == steps, row
+    assert row["progress"]["checkpoint_step"] == newest  # CKPT: what is complete on shared storage
+    out = meshrun(tmp_path, "export", job_id, "-o", str(tmp_path / "w.safetensors"), check=True).stdout
+    assert f"this uses step {newest}: the job's last checkpoint, step {steps}, never became complete" in out, out
+    resumed = meshrun(tmp_path, "resume", job_id, check=True).stdout
+    assert f"this uses step {newest}" in resumed, resumed
+    second = resumed.split(" as job ")[1].split()[0]
+    row = wait_for_state(tmp_path, second, {"COMPLETED", "FAILED"})
+    assert row["state"] == "COMPLETED" and complete(run_dir)[-1] == steps, row  # the lost steps trained again
+
+
+def test_a_killed_local_supervisor_leaves_its_ranks_training_until_cancelled_and_elapsed_stops(
+    tmp_path: Path, corpus: Path
+) -> None:
+    """README's orphan flow with the trainer and scratch staging: the sidecar no longer removes the node's
+    scratch folder under the ranks; status says orphaned, resume refuses, cancel stops them, ELAPSED ends."""
+    args = [*TINY, "--set", f"data.path={corpus}", "--set", "train.steps=100000", *SAVING]
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, check=True))
+    wait_until(lambda: newest_step(run_dir) >= 8, "no training")
+    state = json.loads((run_dir / ".meshrun" / "jobs" / f"{job_id}.json").read_text())
+    os.kill(state["supervisor_pid"], signal.SIGKILL)
+    killed_at = newest_step(run_dir)
+    wait_until(lambda: newest_step(run_dir) >= killed_at + 10, "the ranks stopped training without their supervisor")
+    row = status(tmp_path, job_id)
+    assert row["state"] == "RUNNING" and "orphaned" in row["reason"], row
+    resumed = meshrun(tmp_path, "resume", job_id)
+    assert resumed.returncode == 2 and "still RUNNING" in resumed.stderr, resumed.stderr
+    meshrun(tmp_path, "cancel", job_id, check=True)
+    row = wait_for_state(tmp_path, job_id, {"CANCELLED", "FAILED"})
+    assert row["state"] == "CANCELLED", row
+    wait_until(lambda: sidecars_of(run_dir) == [], "the sidecar outlived its ranks")
+    time.sleep(1.5)
+    assert status(tmp_path, job_id)["elapsed_s"] == row["elapsed_s"]  # no longer counting
+    ranks = " ".join(Path(RunDir(str(run_dir)).rank_log(r)).read_text() for r in (0, 1))
+    assert "No such file or directory" not in ranks, ranks[-2000:]
+
+
+def test_a_killed_sidecar_on_the_second_slurm_node_is_started_again_and_no_checkpoint_is_lost(
+    testbed: dict, tmp_path: Path, corpus: Path
+) -> None:
+    """Issue 22 item 2 where it happened: two nodes, saves staged on each node's scratch, n2's sidecar
+    killed with -9 mid-run. Its keeper starts it again; every later step reaches shared storage, the job
+    does not wait out sidecar.final_copy_s (300 s, longer than this test waits), no checkpoint_lost alert."""
+    steps = 60
+    args = [*TWO_NODES, "--set", f"data.path={corpus}", "--set", f"train.steps={steps}", "--set", "train.log_every=1"]
+    args += ["--set", "train.eval_every=0", *SAVING]
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, check=True))
+    wait_until(lambda: newest_step(run_dir) >= 12 and kept_sidecars(run_dir, "n2")[1] != [], "no training", 180)
+    (victim,) = kept_sidecars(run_dir, "n2")[1]
+    os.kill(victim, signal.SIGKILL)
+    row = wait_for_state(tmp_path, job_id, {"COMPLETED", "FAILED"}, timeout=200)
+    assert row["state"] == "COMPLETED" and row["alerts"] == [], row
+    assert complete(run_dir)[-1] == steps and row["progress"]["checkpoint_step"] == steps, complete(run_dir)
+    log = Path(RunDir(str(run_dir)).sidecar_log("n2")).read_text()
+    assert f"the sidecar (pid {victim}) ended (killed by SIGKILL) while the job runs: starting it again" in log, log
+    assert "is lost" not in log + Path(RunDir(str(run_dir)).sidecar_log("n1")).read_text()
+    assert sidecars_of(run_dir) == []

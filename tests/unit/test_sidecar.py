@@ -385,6 +385,8 @@ def test_main_never_raises_into_the_job(tmp_path: Path, monkeypatch: pytest.Monk
 
     monkeypatch.setattr(loop, "Sidecar", broken)
     monkeypatch.setenv("SLURMD_NODENAME", "n1")
-    assert main([str(tmp_path)]) == 0
+    monkeypatch.setenv("MESHRUN_SIDECAR_KEPT", "1")  # the sidecar itself, as its keeper runs it
+    assert main([str(tmp_path)]) == 1  # exit 1 goes to its keeper only, which starts it again
+    monkeypatch.delenv("MESHRUN_SIDECAR_KEPT")
     assert "stopped by an error: RuntimeError: boom" in Path(RunDir(str(tmp_path)).sidecar_log("n1")).read_text()
     assert main([]) == 2 and main(["-h"]) == 2

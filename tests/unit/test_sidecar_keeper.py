@@ -1,0 +1,164 @@
+"""A dead sidecar and lost checkpoints (issue 22 items 2 and 4): the keeper starts a killed sidecar again and
+tells it what its predecessor was told; a sidecar whose parent is gone carries on while its ranks run;
+steps saved beyond the newest complete checkpoint are lost, raise an alert, and end a "finished" run as a
+failure; status's CKPT counts only what is complete on shared storage."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from launcher import checkpoint as ckpt
+from launcher import lost, requeue
+from launcher.alerts import read as read_alerts
+from launcher.rundir import RunDir
+from launcher.sidecar import keeper
+from launcher.spec import JobSpec, Resources, RunInfo, RunSpec, write_run_spec
+from submit.status import parse_metrics_tail
+
+# A stand-in sidecar: records its pid; the first one ignores USR2 (so only a restart can end the keeper);
+# a later one exits 0 at once when its keeper says it was told USR2 before it started.
+CHILD = """
+import os, signal, sys, time
+path = sys.argv[1]
+first = not os.path.exists(path)
+with open(path, "a") as f:
+    f.write(f"{os.getpid()}|{os.environ.get('MESHRUN_SIDECAR_TOLD', '')}|{os.environ.get('MESHRUN_SIDECAR_SINCE')}\\n")
+if not first and "SIGUSR2" in os.environ.get("MESHRUN_SIDECAR_TOLD", ""):
+    sys.exit(0)
+signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def _lines(path: Path, count: int, timeout: float = 20) -> list[list[str]]:
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = [line.split("|") for line in path.read_text().splitlines()] if path.exists() else []
+        if len(rows) >= count:
+            return rows
+        assert time.monotonic() < deadline, f"{len(rows)} of {count} children started"
+        time.sleep(0.05)
+
+
+def test_the_keeper_starts_a_killed_sidecar_again_and_tells_it_what_it_was_told(tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    log: list[str] = []
+    kept = keeper.Keeper([sys.executable, "-c", CHILD, str(pids)], log.append, env=dict(os.environ))
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(kept.run()))
+    thread.start()
+    try:
+        first = _lines(pids, 1)[0]
+        kept.on_signal(signal.SIGUSR2, None)  # the ranks ended; this sidecar ignores it (it is "busy")
+        os.kill(int(first[0]), signal.SIGKILL)  # ... and dies
+        thread.join(timeout=20)
+        assert not thread.is_alive() and result == [0]
+    finally:
+        if thread.is_alive():
+            os.kill(int(_lines(pids, 1)[-1][0]), signal.SIGKILL)
+    rows = _lines(pids, 2)
+    assert len(rows) == 2 and rows[1][1] == "SIGUSR2"  # the new one learnt of the USR2 from its environment
+    assert rows[0][2] == rows[1][2]  # one attempt start for both: the ranks' beats stay this attempt's
+    assert any("ended (killed by SIGKILL) while the job runs: starting it again" in line for line in log), log
+    assert "restart 1 of at most" in log[0]
+
+
+def test_a_sidecar_that_keeps_dying_is_restarted_a_bounded_number_of_times(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(keeper, "MAX_RESTARTS", 2)
+    monkeypatch.setattr(keeper, "BACKOFF_S", (0.0,))
+    log: list[str] = []
+    assert keeper.Keeper([sys.executable, "-c", "raise SystemExit(3)"], log.append, env=dict(os.environ)).run() == 0
+    assert len(log) == 3 and "exit 3" in log[0] and log[-1].endswith("3 times: not restarted again")
+
+
+def test_a_sidecar_whose_parent_is_gone_carries_on_while_its_ranks_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    from launcher.sidecar import __main__ as sidecar_main
+
+    class Ranks:
+        alive = True
+
+        def ranks_alive(self) -> bool:
+            return self.alive
+
+    ranks, stop, log = Ranks(), threading.Event(), []
+    waiting = sidecar_main.EndWait(ranks, threading.Event(), stop, log.append)
+    monkeypatch.setattr(sidecar_main.os, "getppid", lambda: waiting.parent + 1)  # the keeper was killed
+    for _ in range(3):
+        waiting.check()
+    assert not stop.is_set() and "is gone: carrying on while this node's ranks run" in log[0]
+    ranks.alive = False
+    waiting.check()
+    assert stop.is_set()
+
+
+def _events(*rows: dict[str, Any]) -> str:
+    return "".join(json.dumps(row) + "\n" for row in rows)
+
+
+def test_saved_steps_follow_the_job_back_when_it_resumes_from_an_older_checkpoint() -> None:
+    text = _events(
+        {"step": 4, "loss": 1.0},
+        {"event": "checkpoint", "checkpoint_step": 5, "staged": True},
+        {"event": "checkpoint", "checkpoint_step": 5, "copied": True},  # the sidecar's commit: not a save
+        {"event": "checkpoint", "checkpoint_step": 10, "staged": True},
+        {"event": "checkpoint", "checkpoint_step": 15, "staged": True},
+        {"event": "checkpoint", "checkpoint_step": 10, "staged": True},  # resumed from 5: 10 again, 15 gone
+    )
+    assert lost.saved_steps(text + '{"event": "checkpoint", "checkpoint_st') == [5, 10]
+
+
+def _run_dir(tmp_path: Path, saved: list[int], complete: list[int]) -> RunDir:
+    job = JobSpec(name="t", resources=Resources(tasks_per_node=1))
+    tmp_path.mkdir(exist_ok=True)
+    write_run_spec(RunSpec(job=job, run=RunInfo(cluster="local", scheduler="local", run_dir=str(tmp_path))), tmp_path)
+    run_dir = RunDir(str(tmp_path))
+    events = [{"event": "checkpoint", "checkpoint_step": s, "staged": True} for s in saved]
+    Path(run_dir.metrics).write_text(_events(*events))
+    for step in complete:
+        folder = ckpt.step_dir(Path(run_dir.default_checkpoints), step)
+        folder.mkdir(parents=True)
+        (folder / ckpt.MARKER).write_text(json.dumps({"step": step}))
+    return run_dir
+
+
+def test_steps_beyond_the_newest_complete_checkpoint_are_lost_with_an_alert(tmp_path: Path) -> None:
+    run_dir = _run_dir(tmp_path, saved=[5, 10, 15, 20], complete=[5, 10])
+    line = lost.check(run_dir.root)
+    assert line is not None and "checkpoint steps 15, 20 never reached shared storage" in line
+    assert "the newest complete checkpoint is step 10, which `meshrun resume` and `export` use" in line
+    (alert,) = read_alerts(run_dir.alerts)
+    assert alert["rule"] == "checkpoint_lost" and alert["step"] == 20 and alert["value"] == 2
+    assert lost.check(_run_dir(tmp_path / "ok", saved=[5, 10], complete=[5, 10]).root) is None
+
+
+def test_a_finished_run_with_lost_steps_is_a_failure_and_is_requeued(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = _run_dir(tmp_path, saved=[5, 10, 15], complete=[5])
+    assert requeue.main([run_dir.root, "0", "0", "3"]) == 0
+    decision = capsys.readouterr().out
+    assert decision.startswith("requeue 1 requeueing: restart 1 of at most 3"), decision
+    assert "checkpoint steps 10, 15 never reached shared storage" in Path(run_dir.rank_error).read_text()
+    assert requeue.main([run_dir.root, "0", "3", "3"]) == 0  # no restart left: it ends failed, never 0
+    assert capsys.readouterr().out.startswith("stop 1 restart limit (3) reached")
+
+
+def test_status_ckpt_counts_only_checkpoints_complete_on_shared_storage() -> None:
+    staged = {"event": "checkpoint", "checkpoint_step": 10, "staged": True}
+    copied = {"event": "checkpoint", "checkpoint_step": 5, "copied": True}
+    assert parse_metrics_tail(_events(copied, staged, {"step": 11, "loss": 2.0}))["checkpoint_step"] == 5
+    assert "checkpoint_step" not in parse_metrics_tail(_events(staged, {"step": 11, "loss": 2.0}))
+    direct = {"event": "checkpoint", "checkpoint_step": 10}  # saved straight to shared storage
+    assert parse_metrics_tail(_events(copied, direct))["checkpoint_step"] == 10
