@@ -10,6 +10,8 @@ from typing import Iterator
 
 import pytest
 
+from tests import hygiene
+
 
 def pytest_configure(config: pytest.Config) -> None:
     """A SIGTERM to the test run (a CI timeout, a `kill`) ends it as Ctrl-C does, so every finalizer still
@@ -20,6 +22,32 @@ def pytest_configure(config: pytest.Config) -> None:
 
     if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
         signal.signal(signal.SIGTERM, interrupt)
+    # Every process the tests start carries this run's mark (tests/hygiene.py): what it leaves is found.
+    config.stash[_MARK] = hygiene.mark_session(str(config.rootpath))
+
+
+_MARK = pytest.StashKey[str]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Refuse to run beside processes an earlier, killed run of this checkout's tests left running."""
+    message = hygiene.refusal(str(session.config.rootpath))
+    if message:
+        pytest.exit(message, returncode=pytest.ExitCode.USAGE_ERROR)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Stop, by pid and start time, whatever this run's tests left running (after every finalizer ran;
+    a SIGTERM to the run gets here too), and name it: each is a test's leak to fix."""
+    config = session.config
+    left = hygiene.leftovers(config.stash[_MARK], str(config.rootpath))
+    if not left:
+        return
+    hygiene.stop(left)
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.ensure_newline()
+        reporter.write_line(f"stopped {len(left)} process(es) the tests left running:\n{hygiene.describe(left)}")
 
 
 @pytest.fixture

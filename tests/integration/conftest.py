@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
+from tests.testbed import health
 from tests.testbed import testbed as tb
 
 
@@ -32,8 +34,15 @@ def testbed() -> Iterator[dict[str, object]]:
     already_up = all(pid is not None for pid in tb.status().values())
     try:
         info = tb.up()
+        # Jobs left by an interrupted earlier session (requeued, they would start again and again under
+        # this session's tests); only when no other session uses this testbed now.
+        cleared = health.clear_leftover_jobs() if health.claim_session() else []
     except tb.TestbedError as e:
         pytest.fail(str(e), pytrace=False)
+    if cleared:
+        warnings.warn(
+            f"testbed: cancelled {len(cleared)} job(s) an earlier session left: {'; '.join(cleared)}", stacklevel=1
+        )
     with pytest.MonkeyPatch.context() as mp:
         # Code under test (sbatch, submitit...) finds the cluster the way it would on a real one.
         for key, value in tb.client_env().items():
@@ -45,6 +54,22 @@ def testbed() -> Iterator[dict[str, object]]:
         finally:
             if os.environ.get("MESHRUN_TESTBED_KEEP") != "1" and not already_up:
                 tb.down()
+
+
+@pytest.fixture(autouse=True)
+def healthy_testbed(request: pytest.FixtureRequest) -> None:
+    """Before each test that uses the testbed: it is healthy (its daemons run, one sinfo says both nodes
+    take jobs), else it is healed first (a dead daemon restarted, a DOWN or DRAIN node resumed) and the
+    warning says what happened: one casualty must not fail every later test."""
+    if "testbed" not in request.fixturenames:
+        return
+    request.getfixturevalue("testbed")
+    try:
+        healed = health.heal()
+    except tb.TestbedError as e:
+        pytest.fail(str(e), pytrace=False)
+    if healed:
+        warnings.warn(f"testbed healed before {request.node.name}: {'; '.join(healed)}", stacklevel=1)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
