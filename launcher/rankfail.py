@@ -5,7 +5,9 @@ inside some rank's log, often under a traceback of the scheduler's own machinery
 failing rank writes "rank N: <message>" to `RunDir.rank_error`, first writer wins (the
 first failure is the cause; the peers that die after it only echo it), and the local
 supervisor and `meshrun status` show that line. Bad input exits EXIT_INPUT (2) with
-that one line and no traceback; anything else keeps its traceback in the log.
+that one line and no traceback; anything else keeps its traceback in the log. A file
+that vanishes while the job runs is not bad input (what the user wrote is checked, and
+named, before: SchemaError): it is a failure, and its line says what vanished.
 """
 
 from __future__ import annotations
@@ -22,15 +24,31 @@ from launcher.exitcodes import EXIT_INPUT
 from launcher.rundir import RunDir
 from launcher.schema import SchemaError
 
-BAD_INPUT: tuple[type[BaseException], ...] = (SchemaError, FileNotFoundError, CheckpointError)
-"""What the user fixes, not the cluster: a bad spec, a missing or unusable data file or checkpoint."""
+BAD_INPUT: tuple[type[BaseException], ...] = (SchemaError, CheckpointError)
+"""What the user fixes, not the cluster: a bad spec, a missing or unusable data file or checkpoint (each
+named by a SchemaError where it is read)."""
 MAX_CHARS = 1000
 _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f]+")
+
+
+def vanished(exc: FileNotFoundError) -> str:
+    """What a FileNotFoundError during the run means: which file or folder went away under the job."""
+    if exc.filename is not None:
+        gone = f"{exc.filename}" + (f" (or {exc.filename2})" if exc.filename2 is not None else "")
+        return f"{gone} vanished while the job ran ({exc.strerror or exc}); was it removed by hand or by another job?"
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        where = os.environ.get("MESHRUN_CODE_DIR") or os.environ.get("PWD") or "?"
+        return f"the working folder {where} vanished while the job ran (a code snapshot removed under it?)"
+    return f"a file vanished while the job ran ({exc})"
 
 
 def one_line(exc: BaseException) -> str:
     """The error as one printable line (the type too, when it is not a bad-input error)."""
     text = _UNPRINTABLE.sub(" ", str(exc)).strip() or type(exc).__name__
+    if isinstance(exc, FileNotFoundError):
+        text = vanished(exc)
     if not isinstance(exc, BAD_INPUT):
         text = f"{type(exc).__name__}: {text}"
     return text if len(text) <= MAX_CHARS else text[: MAX_CHARS - 3] + "..."

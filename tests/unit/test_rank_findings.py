@@ -224,3 +224,33 @@ def test_bad_input_becomes_exit_2_and_anything_else_is_recorded_and_raised(
     with pytest.raises(IndexError):
         broken(str(other))
     assert rankfail.read_rank_error(other) == "rank 3: IndexError: index out of range in self"
+
+
+def test_a_file_that_vanishes_during_the_run_is_a_failure_that_names_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Exit 2 is for what the user wrote (checked and named where it is read); a file gone mid-run is not."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+
+    @rankfail.reports_fatal_errors
+    def reads_a_removed_file(run_dir: str) -> int:
+        open(tmp_path / "code" / "vocab.txt")  # noqa: SIM115 (raises)
+        return 0
+
+    with pytest.raises(FileNotFoundError):
+        reads_a_removed_file(str(tmp_path))
+    line = rankfail.read_rank_error(tmp_path)
+    assert line is not None and line.startswith(f"rank 0: FileNotFoundError: {tmp_path}/code/vocab.txt vanished")
+    assert not (tmp_path / RunDir.EXIT_CODE).exists()  # no "bad input" verdict: the job failed
+
+    gone = tmp_path / "snapshot"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    monkeypatch.setenv("MESHRUN_CODE_DIR", str(gone))
+    gone.rmdir()  # the working folder removed under the rank (as a replaced snapshot was)
+    exc = FileNotFoundError(2, "No such file or directory")  # what os.getcwd() raises then: no file name
+    assert rankfail.one_line(exc) == (
+        f"FileNotFoundError: the working folder {gone} vanished while the job ran (a code snapshot removed under it?)"
+    )
