@@ -61,16 +61,23 @@ def git_sha(cwd: Path) -> Optional[str]:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
-def with_code_dir(plan: Plan, snap: Optional[snapshots.Snapshot], in_place: Optional[str] = None) -> Plan:
+def with_code_dir(
+    plan: Plan, snap: Optional[snapshots.Snapshot], in_place: Optional[str] = None, name: Optional[str] = None
+) -> Plan:
     """The plan naming the folder its ranks run from: the code snapshot's on the cluster (content-addressed,
-    so known before any upload: the script is then rendered once, with the path it will run from), or, for
+    so known before any upload: the script is then rendered once, with the path it will run from and the
+    seal it checks; `name`: the copy the probe found, when `code/<digest>` itself changed), or, for
     a backend that runs this machine's files in place, `in_place` (the project's folder), so that a
     command's relative paths (`python3 examples/x.py`) resolve as they do on Slurm."""
     if not backend(plan.cluster.scheduler).ships_code:
         return dataclasses.replace(plan, code_dir=in_place) if in_place else plan
     if snap is None:
         return plan
-    return dataclasses.replace(plan, code_dir=snapshots.remote_dir(plan.work_dir, snap))
+    return dataclasses.replace(
+        plan,
+        code_dir=snapshots.remote_dir(plan.work_dir, snap, name),
+        code_seal=(snap.manifest_sha, snap.listing_sha),
+    )
 
 
 def dryrun(plan: Plan, after: Sequence[str] = ()) -> Request:

@@ -139,8 +139,8 @@ def _remote_script(setup: tuple[str, ...], python: str, argv: list[str], code: O
     """The cluster's setup lines (trusted, verbatim), then the export with every value quoted,
     with the job's code snapshot importable as it was for the ranks."""
     lines = list(setup)
-    if code:
-        lines.append(f'export PYTHONPATH={shlex.quote(code)}"${{PYTHONPATH:+:$PYTHONPATH}}"')
+    if code:  # importable as it was for the ranks; no bytecode written into the shared snapshot
+        lines.append(f'export PYTHONPATH={shlex.quote(code)}"${{PYTHONPATH:+:$PYTHONPATH}}" PYTHONDONTWRITEBYTECODE=1')
     return "\n".join([*lines, "exec " + shlex.join([python, *argv])])
 
 

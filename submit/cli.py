@@ -211,21 +211,23 @@ def _snapshot(args: argparse.Namespace, profile: Any, plan: Any) -> Any:
 
 def _request(
     args: argparse.Namespace, profile: Any, plan: Any, snap: Any, transport: Any = None, read_only: bool = False
-) -> tuple[Any, Any, Optional[bool]]:
-    """The plan made (once, before any connection), over SSH ask the login node for its home and
-    whether the code snapshot is there (one round trip), then build the request, rendered once.
-    Returns (plan with the real home, request, snapshot present?)."""
+) -> tuple[Any, Any, Any]:
+    """The plan made (once, before any connection), then ask the cluster (one round trip; none for a
+    dry run on a login node) for its home and which copy of the code snapshot the job runs from, then
+    build the request, rendered once. Returns (plan with the real home, request, snapshot.Found or None).
+    `read_only` (render): nothing is written on the cluster."""
     from submit import api, snapshot
     from submit.plan import with_home
 
-    present = None
-    if profile.ssh is not None and read_only:  # render writes nothing on the cluster
-        plan = with_home(plan, snapshot.remote_home(transport))
-    elif profile.ssh is not None:
-        home, present = snapshot.probe(transport, plan.work_dir, snap)
-        plan = with_home(plan, home)
-    plan = api.with_code_dir(plan, snap, _project_dir(args, profile, plan))
-    return plan, api.dryrun(plan, getattr(args, "after", ())), present
+    found = None
+    if transport is not None and (profile.ssh is not None or snap is not None):
+        home, found = snapshot.probe(transport, plan.work_dir, snap, read_only=read_only)
+        if profile.ssh is not None:
+            plan = with_home(plan, home)
+        for line in snapshot.changed_warning(plan.work_dir, found) if found and not found.present else ():
+            print(f"meshrun: warning: {line}", file=sys.stderr)  # once: when the code goes to a new copy
+    plan = api.with_code_dir(plan, snap, _project_dir(args, profile, plan), found.name if found else None)
+    return plan, api.dryrun(plan, getattr(args, "after", ())), found
 
 
 def _project_dir(args: argparse.Namespace, profile: Any, plan: Any) -> Optional[str]:
@@ -249,7 +251,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     snap = _snapshot(args, profile, plan)
     transport = connect(profile.ssh, args.cluster)
     try:
-        _plan_resolved, request, _present = _request(args, profile, plan, snap, transport, read_only=True)
+        plan, request, found = _request(args, profile, plan, snap, transport, read_only=True)
     finally:
         transport.close()
     if args.output:
@@ -257,7 +259,20 @@ def cmd_render(args: argparse.Namespace) -> int:
         print(f"wrote {args.output}", file=sys.stderr)
     else:
         sys.stdout.write(request.script)
+    if found is not None:
+        print(_code_needed(plan.code_dir, found.present, args), file=sys.stderr)
     return 0
+
+
+def _code_needed(code_dir: str, present: bool, args: argparse.Namespace) -> str:
+    """What a hand-submitted script needs on the cluster first: its code snapshot (render uploads nothing)."""
+    if present:
+        return f"code: the script runs from the code snapshot {code_dir}, which is on the cluster (sealed)"
+    return (
+        f"code: the script runs from the code snapshot {code_dir}, which is not on the cluster: "
+        f"`meshrun submit {shlex.quote(str(args.spec))} -c {shlex.quote(args.cluster)}` uploads it "
+        f"(and starts a job); the script refuses to start without it"
+    )
 
 
 def _profile_path(cluster: str) -> str:
@@ -336,12 +351,12 @@ def _submit(args: argparse.Namespace, profile: Any, plan: Any, snap: Any) -> int
     try:
         transport = connect(profile.ssh, args.cluster)
         clusters.adopt(profile, transport, _profile_path(args.cluster))
-        plan, request, present = _request(args, profile, plan, snap, transport)
+        plan, request, found = _request(args, profile, plan, snap, transport)
         if args.dry_run:
             print_request(plan, snap, request, args.json)
             return 0
         bar = ProgressBar(f"uploading code ({len(snap.files)} files)" if snap else "")
-        if api.sync_code(plan, transport, snap, progress=bar, present=present):
+        if api.sync_code(plan, transport, snap, progress=bar, present=found.present if found else None):
             bar.done()
         elif snap is not None:
             print(f"code: unchanged, snapshot {snap.digest} already on {profile.name}", file=sys.stderr)

@@ -54,6 +54,8 @@ class Plan:
     """The cluster's work dir with `~` resolved: run dirs and code snapshots live under it."""
     code_dir: Optional[str] = None
     """The project's code snapshot on the cluster, once synced: the ranks' PYTHONPATH and cwd."""
+    code_seal: Optional[tuple[str, str]] = None
+    """The snapshot's (manifest sha256, listing sha256): the batch script checks its folder against them."""
     tasks: tuple[Task, ...] = ()
     """A sweep's array tasks, each with its own run dir and spec (empty for a single job)."""
 

@@ -20,7 +20,7 @@ import jinja2
 from launcher import exitcodes
 from launcher.rundir import RunDir
 from launcher.spec import dumps_run_spec
-from submit import __version__
+from submit import __version__, seal
 from submit.errors import InputError, InternalError
 from submit.plan import Plan, format_time
 from submit.resources import template_source
@@ -175,6 +175,9 @@ def context(plan: Plan) -> dict[str, Any]:
         "exit_gave_up": exitcodes.EXIT_GAVE_UP,
         "exit_diverged": exitcodes.EXIT_DIVERGED,
         "code_dir": plan.code_dir,
+        # The batch script checks its code folder is the sealed snapshot before the ranks start from it.
+        "code_seal": plan.code_seal if plan.code_dir else None,
+        "verify_function": Verbatim(seal.VERIFY_FUNCTION),
         "array_size": len(plan.tasks),
     }
 

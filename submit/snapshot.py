@@ -10,9 +10,13 @@ when those folders sit inside the work tree.
 The snapshot lives at `<work_dir>/code/<hash of paths, modes and contents>`: an
 unchanged project is found there and uploads nothing; a changed one is uploaded
 once, as one gzipped tar, into a temporary folder renamed into place. A folder is
-reused only if it verifies: its sealed manifest (every path, mode and sha256) matches
-the files, nothing else is there, and it and `code/` belong to the user and are
-writable by no one else. One that does not verify is replaced by a fresh upload.
+reused only if it verifies (submit/seal.py: its sealed manifest matches the files,
+nothing else is there but bytecode, and it and `code/` belong to the user and are
+writable by no one else). A published folder is never removed or replaced: jobs
+queued or running use it. One that does not verify is left as it is, with a
+warning naming what changed, and the code goes to the next free name
+(`<digest>-1`, ...); the batch script refuses to start from a folder that does
+not verify.
 """
 
 from __future__ import annotations
@@ -22,17 +26,15 @@ import hashlib
 import os
 import secrets
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from launcher.spec import Code
 from submit.errors import ClusterError, InputError
+from submit.seal import MANIFEST, VERIFY_FUNCTION, WHY_FUNCTION
 from submit.transport import Progress, Transport, Upload
 
-MANIFEST = ".meshrun-manifest"
-"""In each snapshot folder: `sha256  path` lines (what `sha256sum -c` reads), written with the files."""
 # Never shipped, whatever code.include says: build litter, the manifest itself, and SSH host key files
 # (meshrun's `trust` writes them; known_hosts reveals every host you reach).
 ALWAYS_EXCLUDED = (
@@ -48,8 +50,6 @@ ALWAYS_EXCLUDED = (
 )
 MAX_BYTES = 512 * 1024 * 1024
 MAX_FILES = 100_000
-# Move the uploaded folder into place; if another submit published the same snapshot first, keep theirs.
-PUBLISH_SCRIPT = 'mv -T "$1" "$2" 2>/dev/null || rm -rf "$1"; test -d "$2"'
 
 
 @dataclass(frozen=True)
@@ -214,50 +214,90 @@ def collect(spec_dir: Path, code: Code) -> Optional[Snapshot]:
     )
 
 
-# `v CODE SNAP MANIFEST_SHA LISTING_SHA` prints one word: `unsafe` when CODE (followed if a link) is not
-# the user's or is writable by others (anyone could swap snapshots under us); `absent`; `changed` unless
-# SNAP and all in it are the user's, writable by no one else, plain files and folders only, the manifest
-# is the expected one, the files (path and mode) are exactly those listed, and every hash checks; else
-# `present`. GNU find/sha256sum, as on any Linux login node.
-VERIFY_FUNCTION = r"""v() {
-u=$(id -u)
-[ -n "$(find -H "$1" -maxdepth 0 -type d -user "$u" ! -perm /022 2>/dev/null)" ] || { echo unsafe; return; }
-[ -e "$2" ] || [ -L "$2" ] || { echo absent; return; }
-[ -z "$(find "$2" \( ! -user "$u" -o -perm /022 -o ! \( -type f -o -type d \) \) -print -quit 2>&1)" ] &&
-[ -f "$2/.meshrun-manifest" ] && [ "$(sha256sum < "$2/.meshrun-manifest" | cut -c1-64)" = "$3" ] &&
-[ "$(cd "$2" && find . -type f ! -path ./.meshrun-manifest -printf '%P\t%m\n' | LC_ALL=C sort |
-     sha256sum | cut -c1-64)" = "$4" ] &&
-(cd "$2" && sha256sum --quiet --strict -c .meshrun-manifest >/dev/null 2>&1) && echo present || echo changed
-}"""
+MAX_COPIES = 20
+"""Copies of one digest the probe looks through (`<digest>`, `<digest>-1`, ...) before giving up."""
+MARKER_LINE = "meshrun-probe"
+"""The probe's output starts after this line: a chatty shell start-up file may print before it."""
 
-# From the home folder: print $HOME; make the work dir, runs/ and code/ private (0700) if they are new;
-# then verify the snapshot "$2" (none when empty).
+# From the home folder: print the marker and $HOME; make the work dir, runs/ and code/ private (0700) if
+# they are new (not when "$5" asks to write nothing); then, for the snapshot "$2" (none when empty), walk
+# its copies: `code/$2`, `code/$2-1`, ... A copy that does not verify is reported (`changed NAME WHY`) and
+# left as it is: a job queued or running may use it. The last line is `WORD NAME`: the first copy that
+# verifies (present) or the first free name (absent); `unsafe` or `full` stop the walk.
 PROBE_SCRIPT = (
     VERIFY_FUNCTION
+    + "\n"
+    + WHY_FUNCTION
     + r"""
-cd "$HOME" 2>/dev/null; printf '%s\n' "$HOME"
-[ -z "$1" ] || (umask 077 && mkdir -p -- "$1/runs" "$1/code") 2>/dev/null
-if [ -n "$2" ]; then v "$1/code" "$1/code/$2" "$3" "$4"; else echo none; fi"""
+cd "$HOME" 2>/dev/null; echo meshrun-probe; printf '%s\n' "$HOME"
+[ -z "$1" ] || [ -n "$5" ] || (umask 077 && mkdir -p -- "$1/runs" "$1/code") 2>/dev/null
+[ -n "$2" ] || { echo none; exit 0; }
+if [ -n "$5" ] && [ ! -e "$1/code" ]; then echo "absent $2"; exit 0; fi
+n=$2 i=0
+while r=$(v "$1/code" "$1/code/$n" "$3" "$4") && [ "$r" = changed ]; do
+  echo "changed $n $(w "$1/code/$n" "$3")"
+  i=$((i + 1)); n="$2-$i"
+  [ "$i" -lt "$6" ] || { r=full; break; }
+done
+echo "$r $n"
+"""
 )
 
-# After the upload into "$1" (a temporary name): move it to "$2". If "$2" exists: keep it when it verifies
-# (another submit published the same code first), else move it aside and ours into place. Then "$2" must
-# verify. Prints `replaced` when an existing folder did not verify.
+# After the upload into "$1" (a temporary name): move it to "$2", a name the probe found free. If "$2" is
+# taken meanwhile, keep it when it verifies (another submit published the same code first), else leave it
+# as it is (never replace a folder a job may run from) and fail. Then "$2" must verify.
 PUBLISH_SCRIPT = (
     VERIFY_FUNCTION
     + r"""
 c=$(dirname "$2")
 if ! mv -T "$1" "$2" 2>/dev/null; then
-  if [ "$(v "$c" "$2" "$3" "$4")" = present ]; then rm -rf "$1"
-  else o="$c/.stale-$(basename "$2")-$$"; mv -T "$2" "$o" && mv -T "$1" "$2" && echo replaced; rm -rf "$o" "$1"
-  fi
-fi 2>/dev/null
+  rm -rf "$1"
+  r=$(v "$c" "$2" "$3" "$4")
+  [ "$r" = present ] || { echo "$2 appeared meanwhile and does not verify ($r): left as it is; submit again" >&2; exit 1; }
+fi
 r=$(v "$c" "$2" "$3" "$4"); [ "$r" = present ] || { echo "the snapshot $2 does not verify ($r)" >&2; exit 1; }"""
 )
 
 
-def remote_dir(work_dir: str, snapshot: Snapshot) -> str:
-    return f"{work_dir.rstrip('/')}/code/{snapshot.digest}"
+@dataclass(frozen=True)
+class Found:
+    """What the probe found of a snapshot on the cluster."""
+
+    name: str
+    """The folder under `code/` the job runs from: the copy that verifies, else the first free name."""
+    present: bool
+    """That copy is there and verifies: nothing to upload."""
+    changed: tuple[tuple[str, str], ...] = ()
+    """(folder, why) for each copy of this digest that did not verify: left as it is (a job may use it)."""
+
+
+_WHY = {
+    "private": "{path} in it is not yours, is writable by others, or is not a plain file",
+    "seal": "its seal ({manifest}) was changed",
+    "content": "{path} in it was changed or removed",
+    "extra": "it holds {path}, which was never uploaded (a job writing into its working folder? "
+    "write outputs under $MESHRUN_RUN_DIR)",
+    "modes": "a file's mode was changed",
+}
+
+
+def changed_warning(work_dir: str, found: Found) -> list[str]:
+    """One line per copy that did not verify: which one, the first thing at fault, and what happens."""
+    lines = []
+    for name, why in found.changed:
+        kind, _, path = why.partition(" ")
+        text = _WHY.get(kind, "it does not verify ({kind})").format(path=path, manifest=MANIFEST, kind=why)
+        lines.append(
+            f"the code snapshot {work_dir.rstrip('/')}/code/{name} changed since it was uploaded: {text}; "
+            f"it is left as it is for any job that still runs from it (remove it once none does), and this "
+            f"job runs from {work_dir.rstrip('/')}/code/{found.name}"
+        )
+    return lines
+
+
+def remote_dir(work_dir: str, snapshot: Snapshot, name: Optional[str] = None) -> str:
+    """The snapshot's folder on the cluster: `code/<digest>`, or the copy the probe found (`<digest>-N`)."""
+    return f"{work_dir.rstrip('/')}/code/{name or snapshot.digest}"
 
 
 def _from_home(work_dir: str) -> str:
@@ -265,19 +305,23 @@ def _from_home(work_dir: str) -> str:
     return "." if work_dir == "~" else work_dir[2:] if work_dir.startswith("~/") else work_dir
 
 
-def _check_answer(word: str, work_dir: str) -> Optional[bool]:
+def _check_answer(word: str, work_dir: str) -> None:
     if word == "unsafe":
         raise ClusterError(
             f"{work_dir.rstrip('/')}/code on the cluster is not yours or is writable by others: "
             f"anyone who can write there could change the code your jobs run; make it private "
             f"(`chmod 700` it, as its owner) or choose another paths.work_dir"
         )
-    if word not in ("present", "absent", "changed", "none"):
+    if word == "full":
+        raise ClusterError(
+            f"{MAX_COPIES} copies of this code snapshot under {work_dir.rstrip('/')}/code changed since they "
+            f"were uploaded; remove those no job runs from"
+        )
+    if word not in ("present", "absent", "changed"):
         raise ClusterError(
             f"checking the code snapshot under {work_dir} gave {word!r}; is this a Linux login node "
             f"(GNU find and sha256sum)?"
         )
-    return word == "present" if word != "none" else None
 
 
 def _home_line(lines: list[str]) -> str:
@@ -286,23 +330,36 @@ def _home_line(lines: list[str]) -> str:
     return lines[0]
 
 
-def probe(transport: Transport, work_dir: str, snapshot: Optional[Snapshot]) -> tuple[str, Optional[bool]]:
+def probe(
+    transport: Transport, work_dir: str, snapshot: Optional[Snapshot], read_only: bool = False
+) -> tuple[str, Optional[Found]]:
     """ONE round trip before planning: the cluster user's home (for `~` in the profile's paths), the work
-    dir's folders made private if new, and whether the snapshot is there AND verifies (None when there is
-    no snapshot). False also for a folder someone changed: `sync` then replaces it."""
+    dir's folders made private if new (unless `read_only`), and which copy of the snapshot the job runs
+    from (None when there is no snapshot): one that verifies, else a free name to upload to."""
     args = [
         _from_home(work_dir),
         *((snapshot.digest, snapshot.manifest_sha, snapshot.listing_sha) if snapshot is not None else ("", "", "")),
+        "read-only" if read_only else "",
+        str(MAX_COPIES),
     ]
-    # The last two lines: a chatty shell start-up file may print before the command runs.
     done = transport.run(["sh", "-c", PROBE_SCRIPT, "sh", *args], timeout=300).check("reading $HOME")
-    lines = done.stdout.splitlines()[-2:]
-    home = _home_line(lines if len(lines) == 2 else [])
-    return home, _check_answer(lines[1], work_dir)
+    lines = done.stdout.splitlines()
+    mark = max((i for i, line in enumerate(lines) if line == MARKER_LINE), default=-1)
+    lines = lines[mark + 1 :] if mark >= 0 else []
+    home = _home_line(lines)
+    if snapshot is None:
+        return home, None
+    word, _, name = (lines[-1] if len(lines) > 1 else "").partition(" ")
+    _check_answer(word, work_dir)
+    changed = tuple(
+        (parts[1], parts[2] if len(parts) > 2 else "")
+        for parts in (line.split(" ", 2) for line in lines[1:-1] if line.startswith("changed "))
+    )
+    return home, Found(name=name or snapshot.digest, present=word == "present", changed=changed)
 
 
 def remote_home(transport: Transport) -> str:
-    """The cluster user's real home (what `~` means there), in one round trip; for `render` over SSH."""
+    """The cluster user's real home (what `~` means there), in one round trip; for `doctor` over SSH."""
     done = transport.run(["sh", "-c", 'cd "$HOME" 2>/dev/null; printf "%s\\n" "$HOME"']).check("reading $HOME")
     return _home_line(done.stdout.splitlines()[-1:])
 
@@ -315,11 +372,9 @@ def verify(transport: Transport, snapshot: Snapshot, code_dir: str) -> bool:
     done = transport.run(
         ["sh", "-c", script, "sh", code, code_dir, snapshot.manifest_sha, snapshot.listing_sha], timeout=300
     ).check(f"verifying {code_dir}")
-    return bool(_check_answer((done.stdout.split() or [""])[-1], code.rsplit("/", 1)[0]))
-
-
-def _say_stderr(message: str) -> None:
-    print(f"meshrun: warning: {message}", file=sys.stderr)
+    word = (done.stdout.split() or [""])[-1]
+    _check_answer(word, code.rsplit("/", 1)[0])
+    return word == "present"
 
 
 def sync(
@@ -328,10 +383,10 @@ def sync(
     code_dir: str,
     progress: Optional[Progress] = None,
     present: Optional[bool] = None,
-    say: Callable[[str], None] = _say_stderr,
 ) -> bool:
     """Make sure code_dir holds the snapshot, verified (`present`: already known from probe); True if
-    uploaded. The upload goes to a temporary name and is renamed into place, its manifest with it."""
+    uploaded. The upload goes to a temporary name and is renamed into place, its manifest with it; a
+    folder already at code_dir that does not verify is never replaced (ClusterError)."""
     if present if present is not None else verify(transport, snapshot, code_dir):
         return False
     tmp = f"{code_dir.rsplit('/', 1)[0]}/.tmp-{snapshot.digest}-{secrets.token_hex(3)}"
@@ -341,9 +396,4 @@ def sync(
     done = transport.put(uploads, tmp, then=then, progress=progress)
     assert done is not None
     done.check(f"publishing the code snapshot {code_dir}")
-    if "replaced" in done.stdout.split():
-        say(
-            f"the code snapshot {code_dir} did not verify (changed since it was uploaded, or not only yours); "
-            f"uploaded a fresh copy in its place"
-        )
     return True

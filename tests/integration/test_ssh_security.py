@@ -1,5 +1,5 @@
-"""Security of the SSH road, against the real sshd: a code snapshot is verified before it is reused (and
-re-uploaded when someone changed it), meshrun's folders are private, OpenSSH's marker lines in
+"""Security of the SSH road, against the real sshd: a code snapshot is verified before it is reused (and,
+when someone changed it, left to the jobs that use it while the code goes to a fresh folder), meshrun's folders are private, OpenSSH's marker lines in
 known_hosts are understood, jump hosts are trusted hop by hop, refused host keys are distinguishable."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
@@ -58,36 +58,40 @@ def _project(tmp_path: Path) -> Path:
 
 def test_a_changed_snapshot_is_never_reused_and_folders_are_private(testbed: dict, tmp_path: Path) -> None:
     """Anyone who could write into a digest's folder must not get their files run: the probe verifies
-    the sealed manifest (contents, modes, no extra file, owner, permissions) in its one round trip."""
+    the sealed manifest (contents, modes, no extra file, owner, permissions) in its one round trip. The
+    changed folder is never replaced (jobs may run from it): the code goes to the next free name."""
     root, work = _project(tmp_path), tmp_path / "work"
     snap = snapshot.collect(root, Code())
     transport = SshTransport(_ssh(Path(tb.ssh_info()["known_hosts"])), "sshbed")
     try:
         before = STATS.round_trips
-        home, present = snapshot.probe(transport, str(work), snap)
-        assert STATS.round_trips - before == 1 and home == os.path.expanduser("~") and present is False
+        home, found = snapshot.probe(transport, str(work), snap)
+        assert STATS.round_trips - before == 1 and home == os.path.expanduser("~")
+        assert found == snapshot.Found(name=snap.digest, present=False)
         for folder in (work, work / "runs", work / "code"):  # created by meshrun: private
             assert folder.stat().st_mode & 0o777 == 0o700, folder
-        code_dir = snapshot.remote_dir(str(work), snap)
-        assert snapshot.sync(transport, snap, code_dir, present=present) is True
-        assert snapshot.probe(transport, str(work), snap)[1] is True
-        target = Path(code_dir)
+        assert snapshot.sync(transport, snap, snapshot.remote_dir(str(work), snap), present=False) is True
+        assert snapshot.probe(transport, str(work), snap)[1] == snapshot.Found(name=snap.digest, present=True)
 
-        def tampered(change) -> bool:  # True when the probe refuses the changed folder
-            change()
-            refused = snapshot.probe(transport, str(work), snap)[1] is False
-            notes: list[str] = []
-            assert snapshot.sync(transport, snap, code_dir, present=False, say=notes.append) is True
-            assert notes and "did not verify" in notes[0] and snapshot.probe(transport, str(work), snap)[1]
-            return refused
+        def tampered(change: Callable[[Path], object], why: str) -> None:
+            """The probe refuses the changed folder, says why, and names the next; that one is uploaded."""
+            now = snapshot.probe(transport, str(work), snap)[1]
+            assert now is not None
+            target = Path(snapshot.remote_dir(str(work), snap, now.name))
+            change(target)
+            found = snapshot.probe(transport, str(work), snap)[1]
+            assert found is not None and not found.present and found.name != now.name
+            assert found.changed[-1] == (now.name, why.format(target=target))
+            assert snapshot.sync(transport, snap, snapshot.remote_dir(str(work), snap, found.name)) is True
+            again = snapshot.probe(transport, str(work), snap)[1]
+            assert again is not None and again.present and target.exists()  # the changed one is left as it is
 
-        assert tampered(lambda: (target / "sitecustomize.py").write_text("import os\n"))
-        assert not (target / "sitecustomize.py").exists()  # the fresh upload replaced the planted folder
-        assert tampered(lambda: (target / "mypkg" / "__init__.py").write_text("NONCE = 0\n"))
-        assert tampered(lambda: (target / "mypkg" / "__init__.py").chmod(0o755))
-        assert tampered(lambda: target.chmod(0o770))  # group-writable: anyone in the group could plant
-        assert tampered(lambda: (target / snapshot.MANIFEST).write_text(""))
-        assert tampered(lambda: os.symlink("/etc/passwd", target / "mypkg" / "link.py"))
+        tampered(lambda t: (t / "sitecustomize.py").write_text("import os\n"), "extra sitecustomize.py")
+        tampered(lambda t: (t / "mypkg" / "__init__.py").write_text("NONCE = 0\n"), "content mypkg/__init__.py")
+        tampered(lambda t: (t / "mypkg" / "__init__.py").chmod(0o755), "modes")
+        tampered(lambda t: t.chmod(0o770), "private {target}")  # group-writable: anyone in the group could plant
+        tampered(lambda t: (t / snapshot.MANIFEST).write_text(""), "seal")
+        tampered(lambda t: os.symlink("/etc/passwd", t / "mypkg" / "link.py"), "private mypkg/link.py")
         assert not [p for p in work.joinpath("code").iterdir() if p.name.startswith(".")]  # nothing left behind
         (work / "code").chmod(0o777)  # anyone could swap snapshots under us: refuse, naming the fix
         with pytest.raises(errors.ClusterError, match=rf"{work}/code .*writable by others.*chmod 700"):
@@ -97,7 +101,8 @@ def test_a_changed_snapshot_is_never_reused_and_folders_are_private(testbed: dic
 
 
 def test_resubmit_after_planting_uploads_a_fresh_snapshot(testbed: dict, tmp_path: Path) -> None:
-    """The whole road: `code: unchanged` only for a snapshot that verifies."""
+    """The whole road: `code: unchanged` only for a snapshot that verifies; the planted folder is left as
+    it is (a job may run from it; a batch script refuses to start from it) and never chosen again."""
     root = _project(tmp_path)
     profile = sshbed.profile(tmp_path, "sec")
     spec = str(root / "probe.yaml")
@@ -105,10 +110,11 @@ def test_resubmit_after_planting_uploads_a_fresh_snapshot(testbed: dict, tmp_pat
     code_dir = Path(next(l.split(": ", 1)[1] for l in first.stdout.splitlines() if l.startswith("code: ")))
     (code_dir / "mypkg" / "evil.py").write_text("raise SystemExit('planted')\n")
     second = meshrun(tmp_path, "submit", spec, "-c", str(profile), check=True)
-    assert "code: unchanged" not in second.stderr and "did not verify" in second.stderr, second.stderr
-    assert not (code_dir / "mypkg" / "evil.py").exists()
+    assert "code: unchanged" not in second.stderr, second.stderr
+    assert "it holds mypkg/evil.py, which was never uploaded" in second.stderr
+    assert f"code: {code_dir}-1" in second.stdout.splitlines()
     third = meshrun(tmp_path, "submit", spec, "-c", str(profile), check=True)
-    assert "code: unchanged" in third.stderr
+    assert "code: unchanged" in third.stderr and f"code: {code_dir}-1" in third.stdout.splitlines()
 
 
 # ------------------------------------------------------------------ known_hosts marker lines
@@ -225,7 +231,7 @@ def test_replace_works_for_a_changed_bastion_key(
 
 
 def test_remote_home_is_the_real_one_in_one_round_trip(testbed: dict) -> None:
-    """What `render` needs for `~` over SSH (the cluster user's home is not always /home/USER)."""
+    """What `doctor` needs for `~` over SSH (the cluster user's home is not always /home/USER)."""
     transport = SshTransport(_ssh(Path(tb.ssh_info()["known_hosts"])), "sshbed")
     try:
         before = STATS.round_trips

@@ -1,9 +1,12 @@
 """A laptop's view of the real Slurm testbed, reached only over the real sshd: submit a 2-node
 training job, watch it to completion, follow its merged logs, see its loss in TensorBoard through
-the tunnel, resubmit unchanged code without uploading it, cancel another job."""
+the tunnel, resubmit unchanged code without uploading it, cancel another job; resubmit while a job runs
+from its code snapshot (the snapshot stays, bytecode and all), and hand-submit a `render -o` script whose
+snapshot is not there (it refuses to start)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -18,6 +21,7 @@ from tests.integration import sshbed, tbhelp
 from tests.integration.cli import REPO, env_for, metrics, submitted
 from tests.integration.sshbed import meshrun
 from tests.integration.tbhelp import Cleanup
+from tests.testbed import testbed as tb
 
 SLEEPER = sshbed.command_spec("sleeper", ["sleep", "300"])
 
@@ -163,3 +167,144 @@ def test_export_over_ssh_downloads_consolidated_weights(trained: dict[str, Any])
     assert out.stdout.startswith(f"wrote {target} from ") and out.stdout.rstrip().endswith("step-00000010")
     weights = load_file(str(target))
     assert weights["tok_embeddings.weight"].shape == (256, 64) and "layers.1.attention.wq.weight" in weights
+
+
+# Reads a file of its code snapshot again and again, as a training script reads its vocabulary; it imports
+# a module of the snapshot first (Python would write pkg/__pycache__/ there).
+READER = """import sys, time
+from pathlib import Path
+
+import pkg.words
+
+print("reading", flush=True)
+deadline, reads = time.monotonic() + float(sys.argv[1]), 0
+while time.monotonic() < deadline:
+    assert Path("pkg/words.txt").read_text() == pkg.words.WORDS
+    reads, _ = reads + 1, time.sleep(0.2)
+print(f"read pkg/words.txt {reads} times", flush=True)
+"""
+# `meshrun submit` in a process of its own that also prints its SSH round trips and bytes sent.
+COUNTED = """import sys
+from submit import cli
+from submit.ssh import STATS
+try:
+    code = cli.main(sys.argv[1:])
+finally:
+    print(f"ssh-stats {STATS.round_trips} {STATS.bytes_sent}", file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def _counted_submit(home: Path, *args: str) -> tuple[subprocess.CompletedProcess, int]:
+    """(the finished `meshrun submit ARGS`, its round trips)."""
+    done = subprocess.run(
+        [sys.executable, "-c", COUNTED, "submit", *args],
+        capture_output=True,
+        text=True,
+        env=env_for(home, laptop=True),
+        cwd=REPO,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return done, int(done.stderr.rsplit("ssh-stats ", 1)[1].split()[0])
+
+
+def _code_dir(out: subprocess.CompletedProcess) -> Path:
+    return Path(next(l.split(": ", 1)[1] for l in out.stdout.splitlines() if l.startswith("code: ")))
+
+
+def _reading(run_dir: Path, timeout: float = 60) -> None:
+    """Wait until the job's rank 0 has imported its package and reads (it runs from its snapshot)."""
+    log, deadline = run_dir / "logs" / "rank-0.log", time.monotonic() + timeout
+    while not (log.exists() and "reading" in log.read_text(errors="replace").splitlines()):
+        assert time.monotonic() < deadline, log.read_text() if log.exists() else "no rank log"
+        time.sleep(0.2)
+
+
+def test_a_resubmit_while_jobs_run_never_removes_or_replaces_their_code(testbed: dict, tmp_path: Path) -> None:
+    """Issue 22 item 1: a job's own bytecode made the next submit swap the snapshot under it (exit 2)."""
+    profile = str(sshbed.profile(tmp_path, "snapbed"))
+    root = sshbed.project(
+        tmp_path,
+        {
+            "reader.yaml": sshbed.command_spec("reader", ["python", "reader.py", "8"]),
+            "reader.py": READER,
+            "pkg/__init__.py": "",
+            "pkg/words.py": "from pathlib import Path\n\nWORDS = (Path(__file__).parent / 'words.txt').read_text()\n",
+            "pkg/words.txt": f"{uuid.uuid4().hex}\n",  # new content each session: a new snapshot
+        },
+    )
+    spec = str(root / "reader.yaml")
+    first = meshrun(tmp_path, "submit", spec, "-c", profile, check=True)
+    assert "uploading code (5 files)" in first.stderr
+    job1, run1 = submitted(first)
+    code_dir = _code_dir(first)
+    _reading(run1)
+    inode = code_dir.stat().st_ino
+
+    second, round_trips = _counted_submit(tmp_path, spec, "-c", profile)
+    assert "code: unchanged" in second.stderr and "uploading" not in second.stderr and "warning" not in second.stderr
+    assert round_trips == 2 and _code_dir(second) == code_dir  # home + snapshot check; run dir + sbatch
+    job2, run2 = submitted(second)
+    _reading(run2)
+
+    # A file the folder was never uploaded with (a job's output in its working folder): the next submit
+    # says so, leaves the folder to the job running from it, and uploads the code to a folder of its own.
+    (code_dir / "out.txt").write_text("written by a job into its working folder\n")
+    third = meshrun(tmp_path, "submit", spec, "-c", profile, check=True)
+    assert "uploading code (5 files)" in third.stderr and _code_dir(third) == Path(f"{code_dir}-1")
+    (warning,) = [l for l in third.stderr.splitlines() if "warning" in l]
+    assert f"{code_dir} changed since it was uploaded: it holds out.txt, which was never uploaded" in warning
+    assert "not only yours" not in warning
+    job3, run3 = submitted(third)
+
+    for job, run_dir in ((job1, run1), (job2, run2), (job3, run3)):
+        (row,) = sshbed.watch_until_done(tmp_path, job, timeout=120)
+        assert row["state"] == "COMPLETED" and row["succeeded"], row
+        assert "read pkg/words.txt" in (run_dir / "logs" / "rank-0.log").read_text()
+    assert code_dir.stat().st_ino == inode and (code_dir / "out.txt").exists()  # never removed or replaced
+    assert not list(code_dir.rglob("__pycache__")) and not list(Path(f"{code_dir}-1").rglob("__pycache__"))
+    fourth, round_trips = _counted_submit(tmp_path, spec, "-c", profile, "--dry-run")
+    assert round_trips == 1 and f"\nexport MESHRUN_CODE_DIR={code_dir}-1\n" in fourth.stdout  # found there
+
+
+def _sacct_state(job: str, timeout: float = 60) -> tuple[str, str]:
+    deadline = time.monotonic() + timeout
+    while True:
+        out = subprocess.run(
+            ["sacct", "-n", "-X", "-P", "-j", job, "-o", "State,ExitCode"], capture_output=True, text=True
+        ).stdout.split()
+        if out and out[0].split("|")[0] not in ("PENDING", "RUNNING", "REQUEUED"):
+            state, code = out[0].split("|")
+            return state, code
+        assert time.monotonic() < deadline, out
+        time.sleep(0.5)
+
+
+def test_a_hand_submitted_render_refuses_to_start_without_its_snapshot(testbed: dict, tmp_path: Path) -> None:
+    """Issue 22 item 7: `render -o` uploads nothing; its script must not run the code from /tmp."""
+    profile = str(sshbed.profile(tmp_path, "handbed"))
+    root = sshbed.project(
+        tmp_path,
+        {
+            "hand.yaml": sshbed.command_spec("hand", ["python", "-c", "import os; print('ran in', os.getcwd())"]),
+            "nonce.txt": f"{uuid.uuid4().hex}\n",  # a snapshot no earlier session uploaded
+        },
+    )
+    script = tmp_path / "hand.sbatch"
+    out = meshrun(tmp_path, "render", str(root / "hand.yaml"), "-c", profile, "-o", str(script), check=True)
+    assert "which is not on the cluster: `meshrun submit " in out.stderr
+    run_dir = next(
+        l.split("=", 1)[1] for l in script.read_text().splitlines() if l.startswith("export MESHRUN_RUN_DIR=")
+    )
+    (Path(run_dir) / "logs").mkdir(parents=True)  # as the script's header says, then sbatch by hand
+    job = subprocess.run(
+        ["sbatch", "--parsable", str(script)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=dict(os.environ, **tb.client_env()),
+    ).stdout.strip()
+    assert _sacct_state(job) == ("FAILED", "2:0")
+    log = (Path(run_dir) / "logs" / f"slurm-{job}.out").read_text()
+    assert "missing or changed since it was uploaded; `meshrun submit` the job's spec" in log and "ran in" not in log

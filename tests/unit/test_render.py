@@ -122,3 +122,28 @@ def test_script_is_valid_bash(tmp_path: Path) -> None:
 def test_shipped_profiles_are_all_found() -> None:
     assert set(SHIPPED) <= set(profile_files())
     assert {"local", "testbed"} <= set(SHIPPED)
+
+
+def test_render_o_says_the_code_snapshot_must_be_on_the_cluster_first(tmp_path: Path) -> None:
+    """`render` writes nothing on the cluster: the script names a snapshot that may not be there; it says so
+    (and, once `submit` uploaded it, that it is there)."""
+    import yaml
+
+    profile = yaml.safe_load((REPO / "cluster_configs" / "testbed.yaml").read_text())
+    profile["paths"]["work_dir"] = str(tmp_path / "work")
+    (tmp_path / "tb.yaml").write_text(yaml.safe_dump(profile))
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "job.yaml").write_text("name: hand\nresources: {nodes: 1, tasks_per_node: 1}\ncommand: [python, x.py]\n")
+    (project / "x.py").write_text("print(1)\n")
+    subprocess.run(["git", "init", "-q", str(project)], check=True)
+    env = dict(os.environ, HOME=str(tmp_path), XDG_STATE_HOME=str(tmp_path / "state"))
+    argv = [sys.executable, "-m", "submit.cli", "render", str(project / "job.yaml"), "-c", str(tmp_path / "tb.yaml")]
+    out = subprocess.run([*argv, "-o", str(tmp_path / "job.sbatch")], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    lines = out.stderr.splitlines()
+    assert lines[0] == f"wrote {tmp_path / 'job.sbatch'}" and len(lines) == 2
+    code_dir = next(l.split("=", 1)[1] for l in (tmp_path / "job.sbatch").read_text().splitlines() if "CODE_DIR=" in l)
+    assert lines[1].startswith(f"code: the script runs from the code snapshot {code_dir}, which is not on the cluster")
+    assert f"`meshrun submit {project / 'job.yaml'} -c {tmp_path / 'tb.yaml'}` uploads it" in lines[1]
+    assert not (tmp_path / "work").exists()  # nothing written on the cluster
