@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -192,3 +193,19 @@ def test_a_local_cancel_never_signals_the_group_a_stale_state_file_names(tmp_pat
     finally:
         victim.kill()
         victim.wait()
+
+
+def test_the_batch_script_signals_srun_and_the_sidecar_only_while_this_shell_has_not_reaped_them() -> None:
+    """Once bash has reaped a background job its pid may name another process (the issue's silent slurmd
+    deaths: slurmd has no USR1 handler, and a pid number may even be one of its threads). Every signal the
+    rendered batch script sends to srun or the sidecar goes through `running`, which is false for a reaped
+    child and true for a running one."""
+    script = (Path(__file__).resolve().parents[1] / "golden" / "testbed__two-node.txt").read_text()
+    kills = [line for line in script.splitlines() if re.search(r"\bkill -\w+ \"\$\w+_pid\"", line)]
+    assert kills and all(re.search(r'running "\$(\w+_pid)" && kill -\w+ "\$\1"', line) for line in kills), kills
+    assert 'kill -0 "$' not in script
+    running = next(line for line in script.splitlines() if line.startswith("running() {"))
+    probe = f'set -uo pipefail\n{running}\nsleep 0.1 & a=$!\nsleep 30 & b=$!\nwait "$a"\n'
+    probe += 'running "$a" && echo a-running || echo a-reaped\nrunning "$b" && echo b-running\nkill "$b"\n'
+    out = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, timeout=20)
+    assert out.stdout.split() == ["a-reaped", "b-running"], out
