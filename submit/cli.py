@@ -44,9 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     verbs.add_parser("clusters", help="list the cluster profiles")
 
-    p = verbs.add_parser("render", help="print the batch script for a job; touches nothing")
+    p = verbs.add_parser("render", help="print the batch script for a job; touches nothing (unless --upload)")
     _spec_args(p)
     p.add_argument("-o", "--output", type=Path, help="write the script to this file")
+    p.add_argument(
+        "--upload",
+        action="store_true",
+        help="also put the job's code snapshot on the cluster (the script runs from it): then sbatch it by hand",
+    )
 
     p = verbs.add_parser("submit", help="validate, render and submit a job")
     _spec_args(p)
@@ -242,7 +247,11 @@ def _project_dir(args: argparse.Namespace, profile: Any, plan: Any) -> Optional[
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    """The script a submit would write, byte for byte (over SSH the login node is asked for its home)."""
+    """The script a submit would write, byte for byte (over SSH the login node is asked for its home);
+    nothing is written on the cluster unless --upload asks for the code snapshot the script runs from."""
+    import dataclasses
+
+    from submit import api
     from submit.cluster import load_profile
     from submit.transport import connect
 
@@ -251,7 +260,10 @@ def cmd_render(args: argparse.Namespace) -> int:
     snap = _snapshot(args, profile, plan)
     transport = connect(profile.ssh, args.cluster)
     try:
-        plan, request, found = _request(args, profile, plan, snap, transport, read_only=True)
+        plan, request, found = _request(args, profile, plan, snap, transport, read_only=not args.upload)
+        if args.upload and found is not None and api.sync_code(plan, transport, snap, present=found.present):
+            found = dataclasses.replace(found, present=True)
+            print(f"code: uploaded the code snapshot {plan.code_dir}", file=sys.stderr)
     finally:
         transport.close()
     if args.output:
@@ -265,13 +277,14 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def _code_needed(code_dir: str, present: bool, args: argparse.Namespace) -> str:
-    """What a hand-submitted script needs on the cluster first: its code snapshot (render uploads nothing)."""
+    """What a hand-submitted script needs on the cluster first: its code snapshot (uploaded by --upload)."""
     if present:
         return f"code: the script runs from the code snapshot {code_dir}, which is on the cluster (sealed)"
+    output = ["-o", str(args.output)] if args.output else []
+    again = shlex.join(["meshrun", "render", str(args.spec), "-c", args.cluster, *output, "--upload"])
     return (
-        f"code: the script runs from the code snapshot {code_dir}, which is not on the cluster: "
-        f"`meshrun submit {shlex.quote(str(args.spec))} -c {shlex.quote(args.cluster)}` uploads it "
-        f"(and starts a job); the script refuses to start without it"
+        f"code: the script runs from the code snapshot {code_dir}, which is not on the cluster: `{again}` "
+        f"(or a `meshrun submit`) uploads it; the script refuses to start without it"
     )
 
 

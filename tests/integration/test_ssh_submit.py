@@ -293,18 +293,36 @@ def test_a_hand_submitted_render_refuses_to_start_without_its_snapshot(testbed: 
     )
     script = tmp_path / "hand.sbatch"
     out = meshrun(tmp_path, "render", str(root / "hand.yaml"), "-c", profile, "-o", str(script), check=True)
-    assert "which is not on the cluster: `meshrun submit " in out.stderr
-    run_dir = next(
-        l.split("=", 1)[1] for l in script.read_text().splitlines() if l.startswith("export MESHRUN_RUN_DIR=")
+    assert f"which is not on the cluster: `meshrun render {root / 'hand.yaml'} -c {profile} -o {script} --upload`" in (
+        out.stderr
     )
-    (Path(run_dir) / "logs").mkdir(parents=True)  # as the script's header says, then sbatch by hand
-    job = subprocess.run(
+    job, run_dir = _sbatch(script)
+    assert _sacct_state(job) == ("FAILED", "2:0")
+    log = (run_dir / "logs" / f"slurm-{job}.out").read_text()
+    assert "missing or changed since it was uploaded; `meshrun submit` the job's spec" in log and "ran in" not in log
+    # `render --upload` puts the snapshot there: such a script, submitted by hand, now runs from it.
+    out = meshrun(tmp_path, "render", str(root / "hand.yaml"), "-c", profile, "-o", str(script), "--upload", check=True)
+    code_dir = _exported(script, "MESHRUN_CODE_DIR")
+    assert f"code: uploaded the code snapshot {code_dir}" in out.stderr
+    job, run_dir = _sbatch(script)
+    assert _sacct_state(job) == ("COMPLETED", "0:0")
+    assert f"ran in {code_dir}" in (run_dir / "logs" / "rank-0.log").read_text()
+
+
+def _exported(script: Path, name: str) -> str:
+    return next(l.split("=", 1)[1] for l in script.read_text().splitlines() if l.startswith(f"export {name}="))
+
+
+def _sbatch(script: Path) -> tuple[str, Path]:
+    """As the script's header says: its run dir's logs/ made, then sbatch by hand on the login node (this
+    machine, with the testbed's Slurm environment). (job id, run dir)"""
+    run_dir = Path(_exported(script, "MESHRUN_RUN_DIR"))
+    (run_dir / "logs").mkdir(parents=True)
+    done = subprocess.run(
         ["sbatch", "--parsable", str(script)],
         capture_output=True,
         text=True,
         check=True,
         env=dict(os.environ, **tb.client_env()),
-    ).stdout.strip()
-    assert _sacct_state(job) == ("FAILED", "2:0")
-    log = (Path(run_dir) / "logs" / f"slurm-{job}.out").read_text()
-    assert "missing or changed since it was uploaded; `meshrun submit` the job's spec" in log and "ran in" not in log
+    )
+    return done.stdout.strip(), run_dir

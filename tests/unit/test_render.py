@@ -125,8 +125,8 @@ def test_shipped_profiles_are_all_found() -> None:
 
 
 def test_render_o_says_the_code_snapshot_must_be_on_the_cluster_first(tmp_path: Path) -> None:
-    """`render` writes nothing on the cluster: the script names a snapshot that may not be there; it says so
-    (and, once `submit` uploaded it, that it is there)."""
+    """`render` writes nothing on the cluster: the script names a snapshot that may not be there; it says so,
+    and how to put it there (`--upload`); then that it is there."""
     import yaml
 
     profile = yaml.safe_load((REPO / "cluster_configs" / "testbed.yaml").read_text())
@@ -145,5 +145,15 @@ def test_render_o_says_the_code_snapshot_must_be_on_the_cluster_first(tmp_path: 
     assert lines[0] == f"wrote {tmp_path / 'job.sbatch'}" and len(lines) == 2
     code_dir = next(l.split("=", 1)[1] for l in (tmp_path / "job.sbatch").read_text().splitlines() if "CODE_DIR=" in l)
     assert lines[1].startswith(f"code: the script runs from the code snapshot {code_dir}, which is not on the cluster")
-    assert f"`meshrun submit {project / 'job.yaml'} -c {tmp_path / 'tb.yaml'}` uploads it" in lines[1]
+    again = f"`meshrun render {project / 'job.yaml'} -c {tmp_path / 'tb.yaml'} -o {tmp_path / 'job.sbatch'} --upload`"
+    assert f"{again} (or a `meshrun submit`) uploads it" in lines[1]
     assert not (tmp_path / "work").exists()  # nothing written on the cluster
+    out = subprocess.run(
+        [*argv, "-o", str(tmp_path / "job.sbatch"), "--upload"], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0 and f"code: uploaded the code snapshot {code_dir}\n" in out.stderr, out.stderr
+    assert (Path(code_dir) / "x.py").read_text() == "print(1)\n" and Path(code_dir).stat().st_mode & 0o777 == 0o700
+    out = subprocess.run([*argv, "-o", str(tmp_path / "job.sbatch")], env=env, capture_output=True, text=True)
+    assert out.stderr.endswith(
+        f"code: the script runs from the code snapshot {code_dir}, which is on the cluster (sealed)\n"
+    )
