@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from launcher import lost as lost_checkpoints
+from launcher import procs
 from launcher.exitcodes import (
     EXIT_DIVERGED,
     EXIT_FAILED,
@@ -110,22 +111,25 @@ def _group_members() -> Iterator[int]:
             yield int(entry)
 
 
-def _signal_group(sig: int) -> None:
-    """Like Slurm ending a step: every process of the job, not only the ranks (their children too)."""
-    for pid in list(_group_members()):
+def _signal_found(pids: Iterator[int], sig: int) -> None:
+    """Signal processes a /proc scan found: each identity is taken as it is found and checked at the signal
+    (launcher.procs), so a process that exits meanwhile never passes its signal to a reuse of its pid."""
+    found = [identity for identity in map(procs.process_identity, pids) if identity is not None]
+    for identity in found:
         try:
-            os.kill(pid, sig)
+            procs.signal_if_same(identity, sig)
         except OSError:
             pass
+
+
+def _signal_group(sig: int) -> None:
+    """Like Slurm ending a step: every process of the job, not only the ranks (their children too)."""
+    _signal_found(_group_members(), sig)
 
 
 def _signal_ranks(controller: int, sig: int) -> None:
     """Signal the rank processes (the submitit controller's children), not this supervisor."""
-    for pid in _children(controller):
-        try:
-            os.kill(pid, sig)
-        except OSError:
-            pass
+    _signal_found(_children(controller), sig)
 
 
 class Supervisor:
@@ -349,11 +353,7 @@ def _stop_keeperless_sidecar(timeout_s: float) -> None:
     """Its keeper was killed, but the sidecar itself may live on (it carries on alone while the ranks run):
     it too gets its TERM and its time for the last copies, before the group's SIGKILL ends everything."""
     sidecars = [pid for pid in _group_members() if b"launcher.sidecar" in _cmdline(pid).split(b"\0")]
-    for pid in sidecars:
-        try:
-            os.kill(pid, signal.SIGTERM)  # a member of this process group, found just now
-        except OSError:
-            pass
+    _signal_found(iter(sidecars), signal.SIGTERM)  # members of this process group, found just now
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and any(pid in sidecars for pid in _group_members()):
         time.sleep(0.2)
