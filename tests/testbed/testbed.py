@@ -413,13 +413,30 @@ def _stop(d: Daemon, timeout_s: float = 15.0) -> None:
 
 
 def _kill(pid: int, timeout_s: float = 15.0) -> None:
-    """SIGTERM, then SIGKILL after timeout_s; returns once the process is gone or a zombie."""
+    """SIGTERM, then SIGKILL after timeout_s; returns once the process is gone or a zombie. Each signal and
+    each check is for the process `pid` named when this started (its start time): once it is gone, its pid
+    may be another process's (launcher/procs.py does the same for meshrun; this module stays stdlib-only)."""
+    started = _start_ticks(pid)
+
+    def running() -> bool:
+        return _pid_running(pid) and _start_ticks(pid) == started
+
     for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+        if started is None or not running():
+            return
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
-        if _wait_until(lambda: not _pid_running(pid), wait_s):
+        if _wait_until(lambda: not running(), wait_s):
             return
     raise TestbedError(f"process {pid} survived SIGKILL")
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The kernel's start time of `pid` (clock ticks since boot, /proc/PID/stat field 22), None if none runs."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _pid_running(pid: int) -> bool:
@@ -883,17 +900,18 @@ def _kill_stray_steps() -> None:
                 steps.append(int(proc.name))
         except (OSError, IndexError, ValueError):
             continue  # exited meanwhile
-    doomed: list[int] = []
+    doomed: dict[int, int | None] = {}  # pid -> its start time when found: a pid freed meanwhile is left alone
     todo = list(steps)
     while todo:
         pid = todo.pop()
-        doomed.append(pid)
+        doomed[pid] = _start_ticks(pid)
         todo.extend(children.get(pid, []))
-    for pid in doomed:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    for pid in doomed:
-        _wait_until(lambda pid=pid: not _pid_running(pid), 5.0)
+    for pid, started in doomed.items():
+        if started is not None and _start_ticks(pid) == started:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    for pid, started in doomed.items():
+        _wait_until(lambda pid=pid, started=started: not (_pid_running(pid) and _start_ticks(pid) == started), 5.0)
 
 
 # --------------------------------------------------------------------------- helpers
