@@ -17,6 +17,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
+from launcher.private import make_private_dir
+
 RULES = (
     "nonfinite_loss",
     "loss_spike",
@@ -74,7 +76,7 @@ def append(path: str, alerts: list[Alert]) -> None:
     if not alerts:
         return
     text = "".join(json.dumps(a.record(), sort_keys=True) + "\n" for a in alerts)
-    os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
+    make_private_dir(os.path.dirname(path) or ".", keep_existing=True)  # the run dir, already 0700
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         os.write(fd, text.encode())

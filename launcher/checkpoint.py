@@ -37,7 +37,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, cast
 
+from launcher import private
 from launcher.rundir import node_name
+
+# One place makes meshrun's files and folders private (launcher/private.py); ckpt.X is how the trainer,
+# the kit and the copier name them.
+DIR_MODE, FILE_MODE = private.DIR_MODE, private.FILE_MODE
+make_private_dir, make_private_files, write_private = (
+    private.make_private_dir,
+    private.make_private_files,
+    private.write_private,
+)
 
 MARKER = "meshrun-complete.json"
 VAL_LOSS = "val_loss"
@@ -143,47 +153,6 @@ def best(root: Path) -> Optional[tuple[int, float]]:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             found[step] = float(value)
     return lowest_val_loss(found)
-
-
-DIR_MODE, FILE_MODE = 0o700, 0o600
-
-
-def make_private_dir(path: Path) -> None:
-    """mkdir -p with every folder it creates 0700, and `path` itself 0700 (it is ours).
-
-    A folder that already existed above `path` (a shared checkpoint root) is left alone.
-    """
-    path = Path(path)
-    missing = []
-    for folder in [path, *path.parents]:
-        if folder.exists():
-            break
-        missing.append(folder)
-    for folder in reversed(missing):
-        folder.mkdir(mode=DIR_MODE, exist_ok=True)
-        os.chmod(folder, DIR_MODE)  # mkdir's mode is filtered by the umask
-    if path.stat().st_uid == os.getuid():
-        os.chmod(path, DIR_MODE)
-
-
-def make_private_files(folder: Path) -> None:
-    """chmod 0600 every file and 0700 every folder under `folder` (DCP writes with the umask's modes)."""
-    for parent, dirs, files in os.walk(folder):
-        for name in dirs:
-            os.chmod(os.path.join(parent, name), DIR_MODE)
-        for name in files:
-            os.chmod(os.path.join(parent, name), FILE_MODE)
-
-
-def write_private(path: Path, text: str, fsync: bool = False) -> None:
-    """Create or truncate `path` as a 0600 file holding `text`."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        os.fchmod(handle.fileno(), FILE_MODE)  # an existing file keeps its mode through O_CREAT
-        handle.write(text)
-        handle.flush()
-        if fsync:
-            os.fsync(handle.fileno())
 
 
 def fsync_dir(path: Path) -> None:

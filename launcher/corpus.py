@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Iterator, Optional, Sequence, TextIO
 
+from launcher.private import make_private_dir, private_umask
 from launcher.schema import SchemaError
 from launcher.textsources import Inputs, iter_documents
 from launcher.tokenizer import BytesTokenizer, Tokenizer, check_kind, dtype_for, load_tokenizer_file, train_bpe
@@ -218,7 +219,7 @@ def build(out: Path, inputs: Inputs, options: BuildOptions) -> CorpusStats:
     """Tokenize `inputs` into token file `out`, the held-out documents, the tokenizer and the record."""
     check_options(options)
     out = out.expanduser()
-    out.parent.mkdir(parents=True, exist_ok=True)
+    make_private_dir(out.parent, keep_existing=True)  # only the folders it creates: 0700
     started = time.perf_counter()
     tokenizer = make_tokenizer(inputs, options)
     dtype = dtype_for(tokenizer.vocab_size)
@@ -371,6 +372,7 @@ def summary(stats: CorpusStats) -> str:
         else ""
     )
     lines = [
+    private_umask()  # the token files are the user's own text, encoded
         f"wrote {stats.path} ({stats.tokens:,} tokens from {stats.documents:,} documents, {stats.dtype}, "
         f"vocab {stats.vocab_size:,}, end of text {stats.eot_id}{held}) in {stats.seconds:.1f} s, "
         f"{(stats.tokens + stats.val_tokens) / max(stats.seconds, 1e-9) / 1e6:.2f}M tokens/s"

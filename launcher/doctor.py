@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from launcher import installed_version
 from launcher.env import RankEnv, rank_env
+from launcher.private import make_private_dir
 from launcher.rundir import RunDir, expand_node_path, node_name, write_json
 from launcher.spec import RunSpec, read_run_spec
 
@@ -150,7 +151,7 @@ def seconds_per_call(fn: Callable[[], object], iters: int, cuda: bool) -> float:
 
 def write_mbps(folder: str, name: str, mib: int, slow: bool) -> float:
     """MB/s of writing `mib` MiB into `folder` and fsyncing it (the file is removed afterwards)."""
-    os.makedirs(folder, mode=0o700, exist_ok=True)
+    make_private_dir(folder)
     path = os.path.join(folder, name)
     block = os.urandom(min(CHUNK, mib * MIB))
     begin = time.perf_counter()

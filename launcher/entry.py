@@ -18,6 +18,7 @@ from launcher import job as kit
 from launcher.env import RankEnv, rank_env, setdefault_env, torchrun_vars
 from launcher.exitcodes import EXIT_REQUEUE
 from launcher.preempt import StopFlag
+from launcher.private import make_private_below, make_private_dir, private_umask
 from launcher.rankfail import reports_fatal_errors
 from launcher.report import expose_to_commands
 from launcher.rundir import NODE_DIR_ENV, NodeDir, RunDir, expand_node_path, node_name
@@ -34,6 +35,7 @@ def prepare_env(run_spec: RunSpec, environ: MutableMapping[str, str]) -> None:
     # machine, makes co-located ranks spin in each other's OpenMP barriers). Set before torch loads.
     setdefault_env({"OMP_NUM_THREADS": str(run_spec.job.resources.cpus_per_task)}, environ)
     node = node_dir_for(run_spec, environ)
+    make_node_dir(run_spec, node)
     environ[NODE_DIR_ENV] = node.root  # the heartbeat and the stack dump go here (the sidecar reads them)
     setdefault_env(flight_recorder_env(node), environ)
 
@@ -44,10 +46,21 @@ def node_dir_for(run_spec: RunSpec, environ: Mapping[str, str]) -> NodeDir:
     return RunDir(run_spec.run.run_dir).node_dir(scratch, node_name(environ))
 
 
+def make_node_dir(run_spec: RunSpec, node: NodeDir) -> None:
+    """This node's folder, 0700, and on scratch the folders above it up to the profile's `paths.scratch`
+    (`meshrun-$USER`, the run's): private even where an older meshrun or another umask left them 0755."""
+    scratch = expand_node_path(run_spec.run.scratch_dir)
+    if not scratch:
+        make_private_dir(node.root)
+        return
+    top = scratch.split("/meshrun-", 1)[0] if "/meshrun-" in scratch else os.path.dirname(scratch)
+    make_private_below(top or "/", node.root)
+
+
 def flight_recorder_env(node: NodeDir) -> dict[str, str]:
     """PyTorch's NCCL flight recorder on, dumping into the node dir when the sidecar writes to a rank's
     pipe (a hang's diagnosis) or when a collective times out. Ignored by gloo (CPU) ranks."""
-    os.makedirs(os.path.dirname(node.nccl_prefix), mode=0o700, exist_ok=True)
+    make_private_dir(os.path.dirname(node.nccl_prefix))
     return {
         # torch >= 2.6 names (TORCH_FR_*); the older TORCH_NCCL_TRACE_* ones only warn.
         "TORCH_FR_BUFFER_SIZE": "2000",
@@ -75,6 +88,7 @@ def run_rank(run_dir: str, replace_process: Optional[bool] = None) -> int:
     Slurm then reach it directly) unless running inside submitit, whose worker must
     return to record the result; there the program runs as a child instead.
     """
+    private_umask()  # what torch writes (DCP shards in step-N.tmp/, event files) and the user's program: 0600
     run_spec = read_run_spec(Path(run_dir))
     prepare_env(run_spec, os.environ)
     # The job's secrets, into this rank's environment only (the trainer's, or the program's it execs):

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, TextIO
 
 from launcher.gpus import mfu
+from launcher.private import make_private_dir
 from launcher.report import Heartbeat
 from launcher.rundir import RunDir
 from launcher.tbwriter import ScalarWriter, scalars_of
@@ -41,7 +42,7 @@ class MetricsLog:
         self.board: Optional[ScalarWriter] = None
         self.beat = Heartbeat(run_dir, rank) if rank is not None else None
         if enabled:
-            Path(run_dir).mkdir(parents=True, exist_ok=True)
+            make_private_dir(run_dir)
             # 0600 whatever the umask: as private as the run dir it lives in.
             fd = os.open(Path(run_dir) / METRICS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             self.file = os.fdopen(fd, "a", encoding="utf-8")

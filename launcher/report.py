@@ -25,6 +25,7 @@ import threading
 import time
 from typing import Any, MutableMapping, Optional, TextIO
 
+from launcher.private import make_private_dir
 from launcher.procs import own_identity
 from launcher.rundir import NODE_DIR_ENV, NodeDir, RunDir, node_name, read_state, write_json
 from launcher.tbwriter import ScalarWriter, scalars_of
@@ -50,7 +51,7 @@ def expose_to_commands(run_dir: str, environ: MutableMapping[str, str]) -> None:
     Every rank rewrites the link atomically (a requeued job may run another install).
     """
     lib = RunDir(run_dir).pylib
-    os.makedirs(lib, mode=0o700, exist_ok=True)
+    make_private_dir(lib)
     tmp = os.path.join(lib, f".launcher.{os.getpid()}.tmp")
     if os.path.lexists(tmp):
         os.unlink(tmp)
@@ -84,7 +85,7 @@ class Heartbeat:
         node = node_dir_from_env(run_dir)
         self.path = node.progress(rank)
         self._tmp = f"{self.path}.{os.getpid()}.tmp"
-        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+        make_private_dir(os.path.dirname(self.path))
         self.stack_signal = self._arm_stack_dump(node.stack(rank))
         # With the pid, what tells this rank from a later process that reuses its pid: the sidecar signals
         # a pid from this file only while it still names this very process (launcher.procs).
@@ -121,7 +122,7 @@ class Heartbeat:
 
 def open_metrics(run_dir: str) -> TextIO:
     """RUN_DIR/metrics.jsonl for appending (restarts add to it), 0600 whatever the umask."""
-    os.makedirs(run_dir, mode=0o700, exist_ok=True)
+    make_private_dir(run_dir)
     fd = os.open(RunDir(run_dir).metrics, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     return os.fdopen(fd, "a", encoding="utf-8")
 

@@ -46,6 +46,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+from launcher.private import make_private_dir
+
 JOB_ID_ENV = "MESHRUN_JOB_ID"
 """Set by the local backend for its supervisor: which job id's state file it writes."""
 NODE_DIR_ENV = "MESHRUN_NODE_DIR"
@@ -315,7 +317,7 @@ def write_json(path: str, data: Mapping[str, Any], indent: Optional[int] = None)
     """Write a private (0600) JSON file atomically: a temporary beside it, then a rename, so that a reader
     (another node, another process) never sees half a file. Its folder is created 0700 if missing."""
     folder = os.path.dirname(path)
-    os.makedirs(folder, mode=0o700, exist_ok=True)
+    make_private_dir(folder)
     tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as handle:

@@ -31,6 +31,7 @@ from launcher.exitcodes import (
     NOT_REQUEUED,
 )
 from launcher.job import RESTART_COUNT_ENV
+from launcher.private import make_private_dir, private_umask
 from launcher.requeue import crash_loop
 from launcher.rundir import JOB_ID_ENV, RunDir, local_state_path, merge_state, read_state
 from launcher.secrets import remove_dir, secrets_dir_for
@@ -174,7 +175,7 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._on_term)
         if self._cancel_requested():  # cancelled before the ranks were started: start none
             return self._record("CANCELLED", started=time.time(), codes=None, message="cancelled before start")
-        os.makedirs(self.run_dir.logs, mode=0o700, exist_ok=True)
+        make_private_dir(self.run_dir.logs)
         executor, limit_s = self._executor()
         # A command job's program learns which run this is (Slurm's SLURM_RESTART_COUNT has no local twin).
         os.environ[RESTART_COUNT_ENV] = str(earlier_runs(self.run_dir.root, self.job_id))
@@ -402,6 +403,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"usage: {JOB_ID_ENV}=ID python -m launcher.supervisor RUN_DIR", file=sys.stderr)
         return EXIT_INPUT
     run_dir = Path(argv[0])
+    private_umask()  # the ranks (submitit's workers) and the sidecar inherit it: DCP's shards, TensorBoard's files
     try:
         return Supervisor(run_dir, job_id).run()
     except Exception as exc:

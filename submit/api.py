@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from launcher.private import private_umask_while
 from submit import snapshot as snapshots
 from submit.cluster import ClusterProfile, is_profile_path, load_profile, load_profile_file
 from submit.errors import ClusterError, InputError
@@ -107,7 +108,8 @@ def schedule(
     profile_path: Optional[str] = None,
 ) -> list[JobRecord]:
     """Send exactly `request`, then record the job (one record per sweep task)."""
-    job_id = backend(request.scheduler).schedule(request, transport)
+    with private_umask_while():  # a library caller's umask is theirs: what this writes and starts is private
+        job_id = backend(request.scheduler).schedule(request, transport)
     base = JobRecord(
         job_id=job_id,
         cluster=plan.cluster.name,

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TextIO
 
+from launcher.private import private_umask
 from launcher.schema import SchemaError
 from submit import cli_ckpt, cli_doctor, cli_jobs, cli_live, cli_plan, cli_tb
 from submit.cli_args import cluster_arg, overrides_arg
@@ -549,6 +550,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return VERBS[args.verb](args)
     except SchemaError as exc:
         print(f"meshrun: error: {exc}", file=sys.stderr)
+    # Private whatever the user's umask: the registry, run dirs, uploads, sbatch (Slurm gives the job the
+    # umask it was submitted with: output files, ranks) and the local supervisor inherit it.
+    private_umask()
         return EXIT_INPUT
     except MeshrunError as exc:
         print(f"meshrun: error: {exc}", file=sys.stderr)

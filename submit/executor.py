@@ -36,6 +36,7 @@ from submitit.local.local import LocalExecutor
 from submitit.slurm.slurm import SlurmExecutor
 
 from launcher import schema
+from launcher.private import make_private_dir, private_umask_while
 from launcher.rundir import RunDir
 from launcher.spec import Resources
 from submit.cluster import ClusterProfile, Partition, load_profile_file, profile_path
@@ -234,18 +235,21 @@ class _Registering:
 
     def _start_run_dir(self) -> RunDir:
         run_dir = new_run_dir(self._origin.runs, self._origin.name)
-        Path(run_dir.root).parent.mkdir(parents=True, exist_ok=True)
-        Path(run_dir.root).mkdir(mode=0o700)  # private, like every meshrun run dir
+        make_private_dir(Path(run_dir.root).parent)
+        Path(run_dir.root).mkdir(mode=0o700)  # private, like every meshrun run dir (and new: never reused)
         # Slurm opens the batch log before any of our code runs: its folder must exist now.
-        Path(run_dir.submitit).mkdir(parents=True)
+        make_private_dir(run_dir.submitit)
         self.folder = Path(run_dir.submitit)
         self._run_dir = run_dir
         return run_dir
 
     def _internal_process_submissions(self, delayed_submissions: list[utils.DelayedSubmission]) -> list[core.Job[Any]]:
-        run_dir = self._start_run_dir()
-        jobs: list[core.Job[Any]] = super()._internal_process_submissions(delayed_submissions)  # type: ignore[misc]
-        self._record(run_dir, jobs, delayed_submissions)
+        # The caller's process is theirs: the private umask only while submitit writes its pickles and starts
+        # the job (sbatch hands the job the umask it was called with; a local job's processes inherit it).
+        with private_umask_while():
+            run_dir = self._start_run_dir()
+            jobs: list[core.Job[Any]] = super()._internal_process_submissions(delayed_submissions)  # type: ignore[misc]
+            self._record(run_dir, jobs, delayed_submissions)
         return jobs
 
     def _record(
@@ -298,14 +302,15 @@ class MeshrunLocalExecutor(_Registering, LocalExecutor):
 
     def __init__(self, origin: _Origin, python: str, max_num_timeout: int = 3) -> None:
         self._origin, self._run_dir = origin, None
-        super().__init__(origin.runs, max_num_timeout=max_num_timeout, python=python)
+        with private_umask_while():  # submitit's LocalExecutor makes its folder (and any above) now
+            super().__init__(origin.runs, max_num_timeout=max_num_timeout, python=python)
 
 
 def _link_logs(run_dir: RunDir, job: core.Job[Any], batch_log: bool) -> None:
     """logs/ as a person reads it: rank-N.log (stdout), rank-N.err (stderr) and the batch log, linked to
     submitit's files in .meshrun/submitit (relative links: the run dir may be moved or mounted elsewhere)."""
     logs = Path(run_dir.logs)
-    logs.mkdir(parents=True, exist_ok=True)
+    make_private_dir(logs)
     links = {f"rank-{t}.err": job.task(t).paths.stderr for t in range(job.num_tasks)}
     links.update({f"rank-{t}.log": job.task(t).paths.stdout for t in range(job.num_tasks)})
     if batch_log:  # Slurm's batch shell writes into task 0's stdout file (submitit's sbatch --output)

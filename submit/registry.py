@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from launcher.private import make_private_dir
 from submit.errors import InputError, JobNotFound
 
 _SCHEMA = """
@@ -76,8 +77,7 @@ def default_path() -> Path:
 def _private(path: Path) -> None:
     """The registry lists every job's run dir and host: on a shared login node it is the user's alone
     (folder 0700, file 0600), whatever the umask."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(path.parent, 0o700)
+    make_private_dir(path.parent)
     os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
     os.chmod(path, 0o600)
 

@@ -216,7 +216,9 @@ class SshTransport:
         try:
             channel = self._transport.open_session(timeout=self.target.timeout_s)
             channel.settimeout(timeout)
-            channel.exec_command(command)
+            # Every command on the login node runs under the private umask, whatever the account's own: what it
+            # creates is the user's alone, and sbatch hands it to the job (Slurm's output file, the ranks).
+            channel.exec_command(f"umask 077; {command}")
         except (paramiko.SSHException, OSError, EOFError) as exc:
             if not self.is_active():
                 raise ConnectionLost(f"ssh: the connection to {self.target.where} was lost") from None

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Optional, Protocol, Sequence, Union
 
+from launcher.private import DIR_MODE, make_private_dir
 from submit.errors import ClusterError
 
 Progress = Callable[[int, int], None]
@@ -269,7 +270,7 @@ class LocalTransport:
             if rel.endswith("/"):
                 target.mkdir(parents=True, exist_ok=True, mode=item.mode)
                 continue
-            target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            make_private_dir(target.parent)
             data = item.data.read_bytes() if isinstance(item.data, Path) else item.data
             self._write_bytes(target, data, item.mode)
         if progress is not None:
@@ -301,8 +302,11 @@ class LocalTransport:
             return b""
 
     def makedirs(self, path: str, mode: int = 0o700) -> None:
+        if mode == DIR_MODE:
+            make_private_dir(path)  # os.makedirs gives new parents the umask's mode (0755, or 0777 under 000)
+            return
         missing = [p for p in [Path(path), *Path(path).parents] if not p.exists()]
-        for folder in reversed(missing):  # os.makedirs gives new parents the umask's mode (often 0755)
+        for folder in reversed(missing):
             folder.mkdir(mode=mode, exist_ok=True)
 
     def exists(self, path: str) -> bool:

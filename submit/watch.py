@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TextIO
 
+from launcher.private import make_private_dir
 from submit.errors import InputError
 from submit.registry import JobRecord
 from submit.status import FINAL, Status
@@ -51,7 +52,7 @@ class Seen:
 
     def __init__(self, path: Optional[Path] = None) -> None:
         self.path = path or seen_path()
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        make_private_dir(self.path.parent)
 
     def claim(self, keys: Sequence[str]) -> list[str]:
         """Of `keys`, those never claimed before, now recorded as claimed (one lock, one atomic write)."""

@@ -66,10 +66,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     if len(argv) != 1 or argv[0].startswith("-"):
         print(USAGE, file=sys.stderr)
         return EXIT_INPUT
+    from launcher.private import private_umask
     from launcher.rundir import node_name
     from launcher.sidecar.keeper import KEPT_ENV, TOLD_ENV, keep
     from launcher.sidecar.loop import Log, Periodic, Sidecar, run_tasks
 
+    private_umask()  # its logs, TensorBoard files and the copier's copies (and its kept child): nobody else's
     run_dir = RunDir(os.path.abspath(argv[0]))
     node = node_name(os.environ)
     log = Log(run_dir.sidecar_log(node), node)

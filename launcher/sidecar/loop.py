@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, TextIO
 
 from launcher import procs
+from launcher.private import make_private_dir
 from launcher.rundir import RunDir, attempt_id, expand_node_path, read_state, write_json
 from launcher.sidecar import envrecord
 from launcher.sidecar.alerting import Alerting
@@ -50,7 +51,7 @@ class Log:
         self.node = node
         self.stream: TextIO
         try:
-            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            make_private_dir(os.path.dirname(path))
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             self.stream = os.fdopen(fd, "a", encoding="utf-8", buffering=1)
         except OSError as exc:

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from launcher import procs
 from launcher.exitcodes import EXIT_NO_PROGRESS
+from launcher.private import make_private_dir
 from launcher.rundir import NodeDir, RunDir, write_json
 from launcher.sidecar import diagnosis
 from launcher.sidecar.beats import (
@@ -199,7 +200,7 @@ class Watchdog:
     def _claim(self, now: float, step: Optional[int], phase: str, silent: float, timeout: float) -> None:
         """Create the claim (O_EXCL); replace one of another attempt under a per-attempt lock, so that of
         two nodes finding the same stale claim exactly one replaces it."""
-        os.makedirs(self.run_dir.diagnosis, mode=0o700, exist_ok=True)
+        make_private_dir(self.run_dir.diagnosis)
         data = {
             "attempt": self.attempt,
             "node": self.node,
@@ -303,7 +304,7 @@ class Watchdog:
 
     def _write_part(self, now: float) -> None:
         folder = self.run_dir.node_diagnosis(self.node)
-        os.makedirs(folder, mode=0o700, exist_ok=True)
+        make_private_dir(folder)
         for name in os.listdir(folder):  # a previous attempt's part
             if os.path.isfile(os.path.join(folder, name)):
                 os.unlink(os.path.join(folder, name))

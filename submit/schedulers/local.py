@@ -22,6 +22,7 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
+from launcher.private import make_private_dir
 from launcher.rundir import JOB_ID_ENV, RunDir, local_state_path, merge_state, read_state
 from launcher.spec import JobSpec
 from submit import findings
@@ -119,7 +120,7 @@ class _start_lock:
         self.fd = -1
 
     def __enter__(self) -> None:
-        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+        make_private_dir(os.path.dirname(self.path))
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(self.fd, fcntl.LOCK_EX)
 

@@ -7,6 +7,7 @@ import os
 import subprocess
 from pathlib import Path
 
+from launcher import private
 from launcher.spec import Code
 from submit import snapshot
 from submit.transport import PUT_SCRIPT, LocalTransport, Upload
@@ -47,3 +48,72 @@ def test_snapshot_on_the_login_node_makes_work_dir_runs_and_code_private(tmp_pat
     finally:
         os.umask(old)
     assert _modes(tmp_path, "work", "work/runs", "work/code", f"work/code/{snap.digest}") == ["0o700"] * 4
+
+
+def test_the_private_folder_helper_ignores_the_umask_and_leaves_folders_above_alone(tmp_path: Path) -> None:
+    """launcher.private: the one helper every folder meshrun makes goes through (issue 22 item 8)."""
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    os.chmod(shared, 0o755)
+    old = os.umask(0)
+    try:
+        private.make_private_dir(shared / "a" / "b")
+        mine = tmp_path / "mine"
+        mine.mkdir()  # 0777 under umask 000: a folder the user named keeps its mode, what is made below is 0700
+        private.make_private_dir(mine / "out", keep_existing=True)
+        private.make_private_dir(mine, keep_existing=True)
+    finally:
+        os.umask(old)
+    assert _modes(tmp_path, "shared", "shared/a", "shared/a/b", "mine", "mine/out") == [
+        "0o755",
+        "0o700",
+        "0o700",
+        "0o777",
+        "0o700",
+    ]
+
+
+def test_the_scratch_chain_is_made_private_again_up_to_the_profiles_scratch(tmp_path: Path) -> None:
+    """An older meshrun (or umask 000) left scratch/meshrun-USER/RUN 0755/0777: a rank's start fixes them."""
+    run = tmp_path / "scratch" / "meshrun-me" / "run-1"
+    run.mkdir(parents=True)
+    for folder in (run, run.parent, run.parent.parent):
+        os.chmod(folder, 0o777)
+    private.make_private_below(tmp_path / "scratch", run / "n1")
+    assert _modes(
+        tmp_path, "scratch", "scratch/meshrun-me", "scratch/meshrun-me/run-1", "scratch/meshrun-me/run-1/n1"
+    ) == [
+        "0o777",
+        "0o700",
+        "0o700",
+        "0o700",
+    ]
+
+
+def test_the_private_umask_is_set_for_a_while_and_given_back(tmp_path: Path) -> None:
+    old = os.umask(0o002)
+    try:
+        with private.private_umask_while():
+            (tmp_path / "f").write_text("x")
+            assert os.umask(0o077) == 0o077
+        assert os.umask(0o002) == 0o002
+    finally:
+        os.umask(old)
+    assert _modes(tmp_path, "f") == ["0o600"]
+
+
+def test_every_entry_point_sets_the_private_umask() -> None:
+    """The processes a job runs: each sets it itself, so none depends on how it was started."""
+    repo = Path(__file__).resolve().parents[2]
+    for module, call in {
+        "submit/cli.py": "private_umask()",
+        "launcher/entry.py": "private_umask()",
+        "launcher/supervisor.py": "private_umask()",
+        "launcher/sidecar/__main__.py": "private_umask()",
+        "launcher/corpus.py": "private_umask()",
+        "submit/executor.py": "private_umask_while()",
+        "submit/ssh.py": "umask 077; ",
+        "templates/slurm.sbatch.j2": "\numask 077\n",
+        "templates/local.sh.j2": "\numask 077\n",
+    }.items():
+        assert call in (repo / module).read_text(), module
