@@ -354,6 +354,7 @@ def parse_args(argv: Sequence[str]) -> tuple[Path, Inputs, BuildOptions]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """`python -m launcher.corpus OUT [INPUT...] [--tokenizer ...]`: what `meshrun data` runs (the caller's
     side imports nothing of launcher beyond its torch-free contract)."""
+    private_umask()  # the token files are the user's own text, encoded
     out, inputs, options = parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         stats = build(out, inputs, options)
@@ -372,7 +373,6 @@ def summary(stats: CorpusStats) -> str:
         else ""
     )
     lines = [
-    private_umask()  # the token files are the user's own text, encoded
         f"wrote {stats.path} ({stats.tokens:,} tokens from {stats.documents:,} documents, {stats.dtype}, "
         f"vocab {stats.vocab_size:,}, end of text {stats.eot_id}{held}) in {stats.seconds:.1f} s, "
         f"{(stats.tokens + stats.val_tokens) / max(stats.seconds, 1e-9) / 1e6:.2f}M tokens/s"

@@ -545,14 +545,14 @@ VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    # Private whatever the user's umask: the registry, run dirs, uploads, sbatch (Slurm gives the job the
+    # umask it was submitted with: output files, ranks) and the local supervisor inherit it.
+    private_umask()
     args = build_parser().parse_args(argv)
     try:
         return VERBS[args.verb](args)
     except SchemaError as exc:
         print(f"meshrun: error: {exc}", file=sys.stderr)
-    # Private whatever the user's umask: the registry, run dirs, uploads, sbatch (Slurm gives the job the
-    # umask it was submitted with: output files, ranks) and the local supervisor inherit it.
-    private_umask()
         return EXIT_INPUT
     except MeshrunError as exc:
         print(f"meshrun: error: {exc}", file=sys.stderr)
