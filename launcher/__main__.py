@@ -19,8 +19,10 @@ def main(argv: list[str]) -> int:
 
     try:
         return run_rank(argv[1])
-    except (SchemaError, FileNotFoundError) as exc:
-        # User errors (a bad spec, a missing data file): one line that says the fix, no traceback.
+    except SchemaError as exc:
+        # User errors (a bad spec, a missing data file: each named where it is read): one line that says the
+        # fix, no traceback. A file that vanishes while the job runs is not one: it fails (exit 1) with its
+        # traceback, and rank-error.txt says what vanished (launcher.rankfail).
         print(f"meshrun launcher: error: {exc}", file=sys.stderr, flush=True)
         try:  # any rank: the others may be killed (kill-on-bad-exit) before rank 0 could say it
             record_exit(Path(argv[1]), EXIT_INPUT)

@@ -254,3 +254,19 @@ def test_a_file_that_vanishes_during_the_run_is_a_failure_that_names_it(
     assert rankfail.one_line(exc) == (
         f"FileNotFoundError: the working folder {gone} vanished while the job ran (a code snapshot removed under it?)"
     )
+
+
+def test_python_m_launcher_does_not_call_a_vanished_file_bad_input(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`python -m launcher` (what srun runs) let FileNotFoundError through as exit 2 as well."""
+    from launcher import __main__ as launcher_main
+    from launcher import entry
+
+    def vanished(run_dir: str) -> int:
+        raise FileNotFoundError(2, "No such file or directory", f"{run_dir}/gone.txt")
+
+    monkeypatch.setattr(entry, "run_rank", vanished)
+    with pytest.raises(FileNotFoundError):  # a failure (exit 1, its traceback in the rank's log)
+        launcher_main.main(["launcher", str(tmp_path)])
+    assert not (tmp_path / RunDir.EXIT_CODE).exists()
