@@ -24,7 +24,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from launcher import corpus
-from launcher.textsources import Inputs, iter_documents
+from launcher.textsources import Inputs, Reader
 
 
 def timed_build(out: Path, inputs: Inputs, options: corpus.BuildOptions) -> tuple[float, int]:
@@ -58,7 +58,7 @@ def main() -> None:
             folder / "bpe.u16", inputs, corpus.BuildOptions(tokenizer="bpe", vocab=vocab, max_bytes=max_bytes)
         )
         tokenizer_json = folder / trained.files["tokenizer"]
-        texts = [d.decode("utf-8", "replace") for d in corpus.capped(iter_documents(inputs), max_bytes)]
+        texts = [d.decode("utf-8", "replace") for d in Reader(inputs, max_bytes).documents()]
         options = corpus.BuildOptions(tokenizer=str(tokenizer_json), val_fraction=0.05, max_bytes=max_bytes)
         base_s = ours_s = float("inf")
         for _ in range(1 if args.quick else 3):  # alternating rounds, best of each: a shared machine's noise

@@ -22,16 +22,17 @@ from array import array
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Iterator, Optional, Sequence, TextIO
+from typing import Any, BinaryIO, Iterator, Optional, Sequence, TextIO
 
 from launcher.private import make_private_dir, private_umask
 from launcher.schema import SchemaError
-from launcher.textsources import Inputs, iter_documents
+from launcher.textsources import Inputs, Reader, Tally
 from launcher.tokenizer import BytesTokenizer, Tokenizer, check_kind, dtype_for, load_tokenizer_file, train_bpe
 from launcher.tokens import record_path
 
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
-"""Default cap on text read: plenty for the reference model, builds in seconds."""
+"""The default corpus's cap (the stdlib's .py, when no input is given): plenty for the reference model,
+builds in seconds. A user's own inputs are read whole unless --max-mb says otherwise."""
 BATCH_BYTES = 4 * 1024 * 1024
 """Text handed to the tokenizer at a time: big enough for its threads, small enough to stream."""
 
@@ -50,8 +51,8 @@ class BuildOptions:
     """Documents held out for validation (each with this probability, by a seeded hash of its text)."""
     seed: int = 0
     """Seed of the held-out choice."""
-    max_bytes: int = DEFAULT_MAX_BYTES
-    """Text read at most (the last document is cut there)."""
+    max_bytes: Optional[int] = None
+    """Text read at most, in whole documents (None: every document of the inputs)."""
     progress: Optional[TextIO] = None
     """Where the progress line goes (a terminal), or None for none."""
 
@@ -63,7 +64,7 @@ class CorpusStats:
     tokens: int
     """Training tokens in the file (end-of-text tokens included)."""
     sources: int
-    """Documents read (the last one possibly cut at max_bytes)."""
+    """Documents read (each whole), training and held-out."""
     sha256: str
     """SHA-256 of the token file's bytes."""
     dtype: str = "uint16"
@@ -78,6 +79,14 @@ class CorpusStats:
     """Time spent reading and encoding (training a BPE included)."""
     files: dict[str, str] = field(default_factory=dict)
     """What went beside the token file: tokenizer / val_path -> file name."""
+    text_bytes: int = 0
+    """Text read, in bytes."""
+    max_bytes: Optional[int] = None
+    """The cap the read ran under (None: none)."""
+    skipped: dict[str, int] = field(default_factory=dict)
+    """What the read passed over, counted (textsources.Tally.counts)."""
+    skipped_line: str = ""
+    """The same in words, for the summary ("" when nothing was skipped)."""
 
 
 def default_roots() -> list[Path]:
@@ -90,17 +99,6 @@ def default_inputs(roots: Optional[Sequence[Path]] = None) -> Inputs:
     if roots is None:
         return Inputs(tuple(str(r) for r in default_roots()), suffixes=(".py",))
     return Inputs(tuple(str(r) for r in roots))
-
-
-def capped(documents: Iterator[bytes], max_bytes: int) -> Iterator[bytes]:
-    """Documents until `max_bytes` of text were read (the last one cut there)."""
-    left = max_bytes
-    for doc in documents:
-        if left <= 0:
-            return
-        doc = doc[:left]
-        left -= len(doc)
-        yield doc
 
 
 def held_out(doc: bytes, fraction: float, seed: int) -> bool:
@@ -117,7 +115,7 @@ def make_tokenizer(inputs: Inputs, options: BuildOptions) -> Tokenizer:
         return BytesTokenizer()
     if options.tokenizer == "bpe":
         assert options.vocab is not None  # check_kind refused bpe without a vocab
-        return train_bpe(capped(iter_documents(inputs), options.max_bytes), options.vocab)
+        return train_bpe(Reader(inputs, options.max_bytes).documents(), options.vocab)
     return load_tokenizer_file(Path(options.tokenizer).expanduser(), options.vocab, options.eot)
 
 
@@ -205,14 +203,23 @@ def encode_into(
 
 
 def build_corpus(
-    out: Path, roots: Optional[Sequence[Path]] = None, max_bytes: int = DEFAULT_MAX_BYTES, **options: object
+    out: Path, roots: Optional[Sequence[Path]] = None, max_bytes: Optional[int] = None, **options: object
 ) -> CorpusStats:
     """Write a token file to `out` (and `out.json`) from the text under `roots` (default: the stdlib's .py).
 
-    Deterministic: the same inputs and options give the same files, byte for byte. `options` are
-    BuildOptions' fields (tokenizer, vocab, val_fraction, seed, ...).
+    Deterministic: the same inputs and options give the same files, byte for byte. `max_bytes` caps the
+    text read, in whole documents (default: DEFAULT_MAX_BYTES for the stdlib, none for `roots`). `options`
+    are BuildOptions' fields (tokenizer, vocab, val_fraction, seed, ...).
     """
-    return build(Path(out), default_inputs(roots), BuildOptions(max_bytes=max_bytes, **options))  # type: ignore[arg-type]
+    cap = default_cap(roots is None, max_bytes)
+    return build(Path(out), default_inputs(roots), BuildOptions(max_bytes=cap, **options))  # type: ignore[arg-type]
+
+
+def default_cap(default_corpus: bool, max_bytes: Optional[int]) -> Optional[int]:
+    """The cap a read runs under: the one given, else the default corpus's; a user's inputs are read whole."""
+    if max_bytes is not None:
+        return max_bytes
+    return DEFAULT_MAX_BYTES if default_corpus else None
 
 
 def build(out: Path, inputs: Inputs, options: BuildOptions) -> CorpusStats:
@@ -228,7 +235,8 @@ def build(out: Path, inputs: Inputs, options: BuildOptions) -> CorpusStats:
     try:
         with open(tmps["train"], "wb") as t_fh, open(tmps["val"], "wb") as v_fh:
             train, val = TokenWriter(t_fh, dtype, tokenizer.eot_id), TokenWriter(v_fh, dtype, tokenizer.eot_id)
-            encode_into(capped(iter_documents(inputs), options.max_bytes), tokenizer, train, val, options)
+            reader = Reader(inputs, options.max_bytes)
+            encode_into(reader.documents(), tokenizer, train, val, options)
             _sync(t_fh, v_fh)
         check_counts(inputs, options, train, val)
         files = _commit(out, tmps, targets, tokenizer, has_val=val.documents > 0)
@@ -248,13 +256,24 @@ def build(out: Path, inputs: Inputs, options: BuildOptions) -> CorpusStats:
         val_documents=val.documents,
         seconds=time.perf_counter() - started,
         files=files,
+        **read_stats(reader.tally, options.max_bytes),
     )
     write_records(out, stats, inputs, val.digest.hexdigest())
     return stats
 
 
+def read_stats(tally: Tally, max_bytes: Optional[int]) -> dict[str, Any]:
+    """CorpusStats' fields about the read: text read, the cap, and what was passed over."""
+    return {
+        "text_bytes": tally.bytes_read,
+        "max_bytes": max_bytes,
+        "skipped": tally.counts(),
+        "skipped_line": tally.describe(max_bytes),
+    }
+
+
 def check_options(options: BuildOptions) -> None:
-    if options.max_bytes <= 0:
+    if options.max_bytes is not None and options.max_bytes <= 0:
         raise SchemaError("--max-mb", options.max_bytes / 1e6, "give a positive size, e.g. 16")
     if not 0.0 <= options.val_fraction < 1.0:
         raise SchemaError("--val-fraction", options.val_fraction, "give a fraction in [0, 1), e.g. 0.05")
@@ -309,7 +328,7 @@ def write_records(out: Path, stats: CorpusStats, inputs: Inputs, val_sha: str) -
         "tokenizer_sha256": _sha_of(out.parent, stats.files.get("tokenizer")),
         "inputs": list(inputs.paths),  # the sidecar travels with the file: no absolute output path in it
     }
-    meta = {k: v for k, v in asdict(stats).items() if k not in ("path", "files", "seconds")}
+    meta = {k: v for k, v in asdict(stats).items() if k not in ("path", "files", "seconds", "skipped_line")}
     _write_json(record_path(out), {**meta, **common, "val_path": stats.files.get("val_path")})
     if "val_path" in stats.files:
         val = {"tokens": stats.val_tokens, "documents": stats.val_documents, "sha256": val_sha}
@@ -334,7 +353,7 @@ def parse_args(argv: Sequence[str]) -> tuple[Path, Inputs, BuildOptions]:
     p = argparse.ArgumentParser(prog="python -m launcher.corpus", description="what `meshrun data` runs")
     p.add_argument("out", type=Path)
     p.add_argument("inputs", nargs="*", help="files, folders or globs (default: the stdlib's .py sources)")
-    p.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES)
+    p.add_argument("--max-bytes", type=int, default=None, help="whole documents up to this much text")
     p.add_argument("--tokenizer", default="bytes")
     p.add_argument("--vocab", type=int, default=None)
     p.add_argument("--eot", default=None)
@@ -345,9 +364,8 @@ def parse_args(argv: Sequence[str]) -> tuple[Path, Inputs, BuildOptions]:
     inputs = default_inputs([Path(i) for i in args.inputs] if args.inputs else None)
     inputs = Inputs(inputs.paths, inputs.suffixes, field=args.field)
     on_tty = sys.stderr if sys.stderr.isatty() else None
-    options = BuildOptions(
-        args.tokenizer, args.vocab, args.eot, args.val_fraction, args.seed, args.max_bytes, progress=on_tty
-    )
+    cap = default_cap(not args.inputs, args.max_bytes)
+    options = BuildOptions(args.tokenizer, args.vocab, args.eot, args.val_fraction, args.seed, cap, progress=on_tty)
     return args.out, inputs, options
 
 
@@ -377,6 +395,8 @@ def summary(stats: CorpusStats) -> str:
         f"vocab {stats.vocab_size:,}, end of text {stats.eot_id}{held}) in {stats.seconds:.1f} s, "
         f"{(stats.tokens + stats.val_tokens) / max(stats.seconds, 1e-9) / 1e6:.2f}M tokens/s"
     ]
+    if stats.skipped_line:
+        lines.append(stats.skipped_line)
     if "tokenizer" in stats.files:
         lines.append(f"tokenizer: {Path(stats.path).with_name(stats.files['tokenizer'])}")
     return "\n".join(lines)

@@ -156,7 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="documents held out for validation, written beside the token file (default 0.05; 0: none)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the held-out choice (default 0)")
-    p.add_argument("--max-mb", type=float, default=16.0, help="at most this many MB of text (default 16)")
+    p.add_argument(
+        "--max-mb",
+        type=float,
+        default=None,
+        help="read whole documents up to this many MB of text (default: all of the inputs; the default corpus: 16 MiB)",
+    )
     return parser
 
 
@@ -503,7 +508,7 @@ def cmd_data(args: argparse.Namespace) -> int:
         ("--field", args.field),
         ("--val-fraction", args.val_fraction),
         ("--seed", args.seed),
-        ("--max-bytes", int(args.max_mb * 1e6)),
+        ("--max-bytes", None if args.max_mb is None else int(args.max_mb * 1e6)),
     ]
     flags = [f"{flag}={value}" for flag, value in options if value is not None]
     # "--" ends the options: an input named like a flag is still a path.

@@ -17,7 +17,7 @@ from launcher import corpus, tokens
 from launcher.data import BLEND_PERIOD, Layout, TrainStream, blend_order, blend_slots, check_token_ids, open_dataset
 from launcher.schema import SchemaError
 from launcher.spec import BlendSource, Data, JobSpec
-from launcher.textsources import Inputs
+from launcher.textsources import Inputs, iter_files
 from launcher.tokenizer import EOT
 
 REPO = Path(__file__).resolve().parents[2]
@@ -258,3 +258,79 @@ def test_blend_weights_and_tokenizers_are_checked_before_submission(tmp_path: Pa
     token_file(tmp_path / "b.u16", [2] * 2000, vocab=512)
     with pytest.raises(SchemaError, match=r"data\.blend\[1\]\.path: .*another tokenizer than data\.blend\[0\]"):
         tokens.check_data_files(JobSpec(name="x", data=mixed))
+
+
+# ------------------------------------------------------------------ nothing cut, nothing dropped silently
+
+
+def run_data(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(Path(sys.executable).with_name("meshrun")), "data", *args], capture_output=True, text=True, cwd=REPO
+    )
+
+
+def test_a_users_corpus_past_the_default_corpus_cap_is_read_whole(tmp_path: Path) -> None:
+    """Issue 22 item 3: 27 MB of a user's text became its first 16 MB, the last document cut, exit 0 and not a
+    word. A user's inputs are read whole; the 16 MiB cap is the default corpus's."""
+    folder = tmp_path / "big"
+    folder.mkdir()
+    sizes = [7_000_000, 7_000_000, 4_000_000]  # 18 MB: past the default corpus's 16 MiB
+    for i, size in enumerate(sizes):
+        (folder / f"part{i}.txt").write_bytes(bytes([65 + i]) * size)
+    out = tmp_path / "big.u16"
+    done = run_data(str(folder), "--out", str(out), "--val-fraction", "0")
+    assert done.returncode == 0, done.stderr
+    docs = documents_of(ids_of(out), eot=0)
+    assert [len(d) for d in docs] == sizes and [d[0] for d in docs] == [65, 66, 67]  # every one whole
+    record = json.loads(out.with_name("big.u16.json").read_text())
+    assert record["sources"] == record["documents"] == 3 and record["text_bytes"] == sum(sizes)
+    assert record["max_bytes"] is None and "skipped" not in done.stdout
+
+
+def test_a_cap_reads_whole_documents_and_the_summary_says_what_was_skipped(texts: Path, tmp_path: Path) -> None:
+    (texts / "notes" / "empty.txt").write_text("")  # no document: said
+    (texts / ".git").mkdir()  # never read: said
+    (texts / ".git" / "HEAD.txt").write_text("ref: refs/heads/main\n")
+    whole = build(tmp_path / "all.u16", [texts])
+    assert whole.skipped == {
+        "other_format_files": 1,
+        "folders": 1,
+        "empty_documents": 1,
+        "unread_files": 0,
+        "unread_bytes": 0,
+    }
+    assert whole.skipped_line == (
+        "skipped: 1 file(s) of other formats in folders (.png); 1 folder(s) never read (.git); 1 empty document(s)"
+    )
+    # A cap of 200 bytes: README.md, code.py, the two .jsonl rows, then the notes stop before the one that
+    # would cross it; nothing is cut.
+    out = tmp_path / "capped.u16"
+    done = run_data(str(texts), "--out", str(out), "--val-fraction", "0", "--max-mb", "0.0002")
+    assert done.returncode == 0, done.stderr
+    docs = [bytes(d).decode() for d in documents_of(ids_of(out), eot=0)]
+    originals = {p.read_text() for p in texts.rglob("*.txt")} | {(texts / "README.md").read_text()}
+    assert all(d in originals or d.endswith("json document") or d.startswith("def f") for d in docs), docs
+    read = sum(len(d.encode()) for d in docs)
+    assert read <= 200 < read + len((texts / "notes" / "n00.txt").read_bytes())
+    unread = 30 - (len(docs) - 4)  # the notes not read (empty.txt sorts first: read, and counted as empty)
+    lines = done.stdout.splitlines()
+    assert lines[1].startswith(f"skipped: not read past the 0.0002 MB cap (--max-mb): {unread} file(s)"), lines
+    record = json.loads(out.with_name("capped.u16.json").read_text())
+    assert record["skipped"]["unread_files"] == unread and record["max_bytes"] == 200
+
+
+def test_a_cap_inside_a_jsonl_names_the_file_whose_rest_was_not_read(tmp_path: Path) -> None:
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"text": f"row {i:03d}"}) + "\n" for i in range(100)))
+    stats = build(tmp_path / "r.u16", [rows], max_bytes=70)
+    assert stats.documents == 10 and stats.text_bytes == 70  # "row 000" is 7 bytes: ten rows, whole
+    assert stats.skipped_line == f"skipped: not read past the 7e-05 MB cap (--max-mb): the rest of {rows}"
+
+
+def test_the_default_corpus_keeps_its_cap_in_whole_documents(tmp_path: Path) -> None:
+    stats = corpus.build_corpus(tmp_path / "std.u16", max_bytes=50_000, val_fraction=0.0)
+    assert stats.max_bytes == 50_000 and stats.text_bytes <= 50_000 and stats.tokens == stats.text_bytes + stats.sources
+    docs = [bytes(d) for d in documents_of(ids_of(tmp_path / "std.u16"), eot=0)]
+    files = [data for data in (p.read_bytes() for p in iter_files(corpus.default_inputs())) if data]
+    assert docs == files[: len(docs)] and len(files[len(docs)]) + stats.text_bytes > 50_000  # whole files
+    assert "not read past the 0.05 MB cap" in stats.skipped_line

@@ -140,7 +140,8 @@ def test_corpus_is_deterministic_and_byte_level(tmp_path: Path) -> None:
 
 def test_corpus_max_bytes_and_default_roots_exclude_site_packages(tmp_path: Path) -> None:
     stats = build_corpus(tmp_path / "std.u16", max_bytes=50_000)
-    assert stats.tokens == 50_000 + stats.documents  # the text read, plus one end of text per document
+    # Whole documents up to the cap (none cut), plus one end of text per document.
+    assert stats.tokens == stats.text_bytes + stats.sources and 0 < stats.text_bytes <= 50_000
     assert (tmp_path / "std.u16").stat().st_size == 2 * stats.tokens
     first = next(iter_files(Inputs((sysconfig.get_paths()["stdlib"],), suffixes=(".py",))))
     assert "site-packages" not in first.parts
