@@ -55,7 +55,8 @@ class Plan:
     code_dir: Optional[str] = None
     """The project's code snapshot on the cluster, once synced: the ranks' PYTHONPATH and cwd."""
     code_seal: Optional[tuple[str, str]] = None
-    """The snapshot's (manifest sha256, listing sha256): the batch script checks its folder against them."""
+    """The snapshot's (manifest sha256, listing sha256): the batch script checks its folder's sealed files
+    against the first (files a job wrote beside them do not stop it), the probe the whole folder against both."""
     tasks: tuple[Task, ...] = ()
     """A sweep's array tasks, each with its own run dir and spec (empty for a single job)."""
 

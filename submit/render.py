@@ -176,7 +176,7 @@ def context(plan: Plan) -> dict[str, Any]:
         "exit_diverged": exitcodes.EXIT_DIVERGED,
         "code_dir": plan.code_dir,
         # The batch script checks its code folder is the sealed snapshot before the ranks start from it.
-        "code_seal": plan.code_seal if plan.code_dir else None,
+        "code_seal": plan.code_seal[0] if plan.code_dir and plan.code_seal else None,  # the manifest's sha256
         "verify_function": Verbatim(seal.VERIFY_FUNCTION),
         "array_size": len(plan.tasks),
     }

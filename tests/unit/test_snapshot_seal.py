@@ -123,5 +123,11 @@ def test_the_batch_script_starts_only_from_its_sealed_snapshot(tmp_path: Path) -
     assert snapshot.sync(LocalTransport(), snap, code_dir) is True
     ok = _run_check(tmp_path, script)
     assert ok.returncode == 0 and ok.stdout == f"ranks start in {code_dir}\n", ok
-    (Path(code_dir) / "sitecustomize.py").write_text("import os\n")  # not the sealed snapshot: refused
+    (Path(code_dir) / "out.txt").write_text("a job's output\n")  # beside the sealed files: a requeue starts
+    assert _run_check(tmp_path, script).returncode == 0
+    (Path(code_dir) / "train.py").write_text("print(0)\n")  # a sealed file changed: not the sealed snapshot
+    assert _run_check(tmp_path, script).returncode == 2
+    (Path(code_dir) / "train.py").write_text("import pkg.mod\nprint(pkg.mod.X + 1)\n")
+    assert _run_check(tmp_path, script).returncode == 0
+    (Path(code_dir) / "pkg").chmod(0o770)  # writable by the group: anyone in it could plant code
     assert _run_check(tmp_path, script).returncode == 2
