@@ -18,13 +18,16 @@ MANIFEST = ".meshrun-manifest"
 # `v CODE SNAP MANIFEST_SHA LISTING_SHA` prints one word: `unsafe` when CODE (followed if a link) is not
 # the user's or is writable by others (anyone could swap snapshots under us); `absent`; `changed` unless
 # SNAP verifies (above); else `present`. GNU find/sha256sum, as on any Linux login node. An empty
-# LISTING_SHA skips the "exactly these files, with these modes" step: the batch script's check, where
-# files a job wrote beside the sealed ones (outputs, caches) must not stop it from starting again.
+# LISTING_SHA skips the "exactly these files, with these modes, no links" steps: the batch script's check,
+# where what a job wrote beside the sealed files (outputs, caches, wandb's `latest-run` link) must not stop
+# it from starting again; everything in the folder must still be the user's and writable by no one else.
 VERIFY_FUNCTION = r"""v() {
 u=$(id -u)
 [ -n "$(find -H "$1" -maxdepth 0 -type d -user "$u" ! -perm /022 2>/dev/null)" ] || { echo unsafe; return; }
 [ -e "$2" ] || [ -L "$2" ] || { echo absent; return; }
-[ -z "$(find "$2" \( ! -user "$u" -o -perm /022 -o ! \( -type f -o -type d \) \) -print -quit 2>&1)" ] &&
+[ -z "$(if [ -n "$4" ]; then find "$2" \( ! -user "$u" -o -perm /022 -o ! \( -type f -o -type d \) \) -print -quit
+       else find "$2" \( ! -user "$u" -o \( ! -type l -perm /022 \) \) -print -quit; fi 2>&1)" ] &&
+[ -d "$2" ] && [ ! -L "$2" ] &&
 [ -f "$2/.meshrun-manifest" ] && [ "$(sha256sum < "$2/.meshrun-manifest" | cut -c1-64)" = "$3" ] &&
 { [ -z "$4" ] || [ "$(cd "$2" && find . -name __pycache__ -type d -prune -o -type f ! -path ./.meshrun-manifest \
      -printf '%P\t%m\n' | LC_ALL=C sort | sha256sum | cut -c1-64)" = "$4" ]; } &&

@@ -124,6 +124,8 @@ def test_the_batch_script_starts_only_from_its_sealed_snapshot(tmp_path: Path) -
     ok = _run_check(tmp_path, script)
     assert ok.returncode == 0 and ok.stdout == f"ranks start in {code_dir}\n", ok
     (Path(code_dir) / "out.txt").write_text("a job's output\n")  # beside the sealed files: a requeue starts
+    (Path(code_dir) / "wandb").mkdir()
+    os.symlink("run-1", Path(code_dir) / "wandb" / "latest-run")  # as wandb writes into its working folder
     assert _run_check(tmp_path, script).returncode == 0
     (Path(code_dir) / "train.py").write_text("print(0)\n")  # a sealed file changed: not the sealed snapshot
     assert _run_check(tmp_path, script).returncode == 2
