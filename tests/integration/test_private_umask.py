@@ -21,7 +21,7 @@ import pytest
 
 from launcher.rundir import RunDir, node_name
 from submit.executor import executor
-from tests.integration import submitit_fns
+from tests.integration import sshbed, submitit_fns
 from tests.integration.cli import TINY, meshrun, submitted
 
 STEPS = ["--set", "train.steps=6", "--set", "checkpoint.every=2", "--set", "checkpoint.async_save=false"]
@@ -135,3 +135,18 @@ def test_a_testbed_job_under_umask_000_leaves_nothing_for_others(testbed: dict, 
     assert watch.walks > 10, watch.walks
     assert stat.S_IMODE(scratch.stat().st_mode) == 0o700  # meshrun's own folder on the node's scratch
     assert exposed(roots()) == [] and sorted(watch.found) == []
+
+
+def test_a_job_submitted_over_ssh_leaves_nothing_for_others(testbed: dict, tmp_path: Path) -> None:
+    """Over SSH the login node's own umask (sshd's, 022 here) would rule: every remote command meshrun runs
+    is under umask 077, so sbatch hands the job that one (Slurm's batch log), and the job's own files too."""
+    laptop = tmp_path / "laptop"
+    laptop.mkdir()
+    writes = "echo hi > $MESHRUN_RUN_DIR/out.txt && mkdir -p $MESHRUN_RUN_DIR/made/deep"
+    root = sshbed.project(tmp_path, {"job.yaml": sshbed.command_spec("umask-ssh", ["sh", "-c", writes])})
+    with umask(0):
+        out = sshbed.meshrun(laptop, "submit", str(root / "job.yaml"), "-c", str(sshbed.profile(tmp_path)), "--wait")
+    assert out.returncode == 0, out.stdout + out.stderr
+    _, run_dir = submitted(out)
+    assert (run_dir / "out.txt").is_file() and list((run_dir / "logs").glob("slurm-*.out"))
+    assert exposed([run_dir]) == []
