@@ -33,7 +33,7 @@ def write_hf(source: Source, out: Path, max_shard_bytes: int) -> tuple[int, list
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tmp.mkdir(mode=0o755)
+        tmp.mkdir(mode=0o700)  # as private as the checkpoint it comes from, whatever the umask
         count = write_weights(source, tmp, max_shard_bytes)
         eot, notes = copy_tokenizer(source, tmp)
         dtype = str(next(iter(source.dtypes.values()))).removeprefix("torch.")
