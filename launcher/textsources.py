@@ -78,8 +78,8 @@ class Tally:
 
     other_format: int = 0
     """Files in a folder whose suffix is not read (a folder's READMEs, images, lock files)."""
-    other_kinds: set[str] = field(default_factory=set)
-    """Their suffixes (or names, without one)."""
+    other_kinds: dict[str, int] = field(default_factory=dict)
+    """How many of them per suffix (or name, without one)."""
     folders: list[str] = field(default_factory=list)
     """Folders never read (SKIP_DIRS)."""
     empty: int = 0
@@ -114,7 +114,7 @@ class Tally:
             limit = f"{(max_bytes or 0) / 1e6:.3g} MB"
             parts.append(f"not read past the {limit} cap (--max-mb): {' and '.join(p for p in (rest, inside) if p)}")
         if self.other_format:
-            kinds = sorted(self.other_kinds)
+            kinds = sorted(self.other_kinds, key=lambda k: (-self.other_kinds[k], k))  # the commonest first
             shown = ", ".join(kinds[:6]) + (", ..." if len(kinds) > 6 else "")
             parts.append(f"{self.other_format:,} file(s) of other formats in folders ({shown})")
         if self.folders:
@@ -161,7 +161,8 @@ def _walk_sorted(root: Path, suffixes: Sequence[str], tally: Tally) -> Iterator[
                 yield Path(dirpath) / name
             else:
                 tally.other_format += 1
-                tally.other_kinds.add(Path(name).suffix.lower() or name)
+                kind = Path(name).suffix.lower() or name
+                tally.other_kinds[kind] = tally.other_kinds.get(kind, 0) + 1
 
 
 class Reader:
