@@ -57,7 +57,10 @@ def make_private_dir(path: PathLike, keep_existing: bool = False) -> None:
     for folder in reversed(missing):
         folder.mkdir(mode=DIR_MODE, exist_ok=True)
         os.chmod(folder, DIR_MODE)  # mkdir's mode is filtered by the umask
-    if not (keep_existing and not missing) and path.stat().st_uid == os.getuid():
+    if keep_existing and not missing:
+        return
+    st = path.stat()
+    if st.st_uid == os.getuid() and st.st_mode & 0o777 != DIR_MODE:  # no chmod per call on shared storage
         os.chmod(path, DIR_MODE)
 
 
