@@ -47,6 +47,8 @@ MAX_WORKERS = 8
 """Files copied at once (a node's part has a file per rank): hashing and I/O spread over cores."""
 RETRY_MAX_S = 30.0
 """The longest wait before a failed copy is tried again (the backoff doubles from 1 s)."""
+GONE_POLL_S = 2.0
+"""At the end, how often node rank 0 reads whether the other nodes' sidecars are gone."""
 PARENT_ENV = "MESHRUN_COPIER_PARENT"
 """The sidecar's pid, given to its copy child: the child dies with it (die_with_parent)."""
 LogFn = Callable[[str], None]
@@ -306,6 +308,18 @@ class Copier:
                 self.child.stdout.close()
             self.child, self.child_step = None, None
 
+    def missing_from(self, steps: list[int], gone: set[int]) -> list[int]:
+        """The gone node ranks whose parts some of `steps` lack, if every one of `steps` lacks such a part
+        (this node's own part copied); else [] (something may still arrive)."""
+        blocking: set[int] = set()
+        own = set(to_copy(self.staging, self.attempt))
+        for step in steps:
+            lacking = {rank for rank in gone if not done_file(self.shared, step, rank).is_file()}
+            if not lacking or step in own:
+                return []
+            blocking |= lacking
+        return sorted(blocking)
+
     def left(self) -> list[int]:
         """Steps of this attempt not yet safe: not copied (any node), or not committed (node rank 0)."""
         if self.node_rank != 0:
@@ -317,15 +331,35 @@ class Copier:
             if step not in complete and staged_attempt(ckpt.step_dir(self.staging, step)) == self.attempt
         ]
 
-    def drain(self, deadline: float, poll_s: float = 0.2) -> list[int]:
+    def drain(
+        self,
+        deadline: float,
+        poll_s: float = 0.2,
+        gone: Callable[[], set[int]] = set,
+        on_poll: Callable[[], None] = lambda: None,
+    ) -> list[int]:
         """At stop: copy (and on node rank 0 commit) what is left until `deadline` (time.monotonic());
-        returns the steps still only on scratch, each logged as lost."""
+        returns the steps still only on scratch, each logged as lost. `gone()`: the node ranks whose
+        sidecar has stopped or died; node rank 0 stops waiting once every step left lacks one of their
+        parts (they will never come: the job must not hold its nodes for sidecar.final_copy_s for nothing).
+        `on_poll`: called every poll (the sidecar's liveness stamp)."""
+        asked = 0.0
         while True:
             self.tick()
+            on_poll()
             left = self.left()
             if not left and self.child is None:
                 return []
             if time.monotonic() >= deadline:
+                break
+            waiting_for: list[int] = []
+            if self.node_rank == 0 and self.child is None and time.monotonic() >= asked + GONE_POLL_S:
+                asked = time.monotonic()  # the other nodes' stamps are files on shared storage: not every poll
+                waiting_for = self.missing_from(left, gone())
+            if waiting_for:
+                self.log(
+                    f"node rank(s) {', '.join(map(str, waiting_for))} stopped copying: not waiting for their parts"
+                )
                 break
             time.sleep(poll_s)
         self.stop_child()

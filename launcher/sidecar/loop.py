@@ -40,6 +40,10 @@ WATCH_S = 1.0
 """How often the hang watch reads the heartbeats and the copier looks for staged checkpoints."""
 POLL_S = 1.0
 """The longest the loop sleeps between checks that its parent is still there."""
+STAMP_S = 5.0
+"""How often a sidecar of a multi-node job with scratch stamps RUN_DIR/.meshrun/sidecars/NODE_RANK.json."""
+STAMP_STALE_S = 30.0
+"""A stamp this old is a dead sidecar's (node rank 0 stops waiting for its parts at the end)."""
 LogFn = Callable[[str], None]
 """Where one line goes (a Log; a list's append in tests)."""
 
@@ -209,6 +213,7 @@ class Sidecar:
         self.alerting = Alerting(run_dir, node, self.settings.node_rank, self.settings.alerts, log, self.step)
         self.watchdog = self._open_watchdog()
         self.copier = self._open_copier()
+        self._stamped = -STAMP_S
 
     def _open_watchdog(self) -> Optional[HangWatch]:
         s = self.settings
@@ -248,6 +253,32 @@ class Sidecar:
             self.log,
             on_commit=self.record_commit,
         )
+
+    def stamp_path(self, node_rank: int) -> str:
+        return self.run_dir.path(self.run_dir.INTERNAL, "sidecars", f"{node_rank}.json")
+
+    def stamp(self, state: str) -> None:
+        """This node's sidecar is `state` ("running": refreshed every STAMP_S; "stopped": its copies are
+        over), for node rank 0's final wait. A sidecar killed for good stops refreshing it."""
+        if self.settings.nodes > 1:
+            data = {"attempt": self.attempt, "node": self.node, "state": state, "time": time.time()}
+            write_json(self.stamp_path(self.settings.node_rank), data)
+
+    def stamp_running(self) -> None:
+        if time.monotonic() >= self._stamped + STAMP_S:
+            self._stamped = time.monotonic()
+            self.stamp("running")
+
+    def sidecars_gone(self) -> set[int]:
+        """The other nodes whose sidecar of this attempt has stopped, or has not stamped for STAMP_STALE_S."""
+        gone = set()
+        for node_rank in range(1, self.settings.nodes):
+            stamp = read_state(self.stamp_path(node_rank))
+            if stamp.get("attempt") != self.attempt:
+                continue  # not started yet, or an earlier attempt's: unknown, so waited for
+            if stamp.get("state") == "stopped" or time.time() - float(stamp.get("time") or 0) > STAMP_STALE_S:
+                gone.add(node_rank)
+        return gone
 
     def record_commit(self, step: int) -> None:
         """A step complete on shared storage, as a metrics.jsonl event: status's CKPT is what resume can use
@@ -361,6 +392,8 @@ class Sidecar:
             extra.append(Periodic("checkpoint copier", WATCH_S, self.copier.tick))
         if self.alerting.forwarder is not None:
             extra.append(Periodic("alert forwarding", WATCH_S, self.alerting.forward))
+        if self.copier is not None and self.settings.nodes > 1:
+            extra.append(Periodic("liveness stamp", WATCH_S, self.stamp_running))
         return [
             *extra,
             Periodic("sample", self.settings.interval_s, self.sample),
@@ -395,7 +428,10 @@ class Sidecar:
         """When the ranks have ended: copy what is still only on scratch, within sidecar.final_copy_s."""
         if self.copier is None:
             return
-        self.copier.drain(time.monotonic() + self.settings.final_copy_s)
+        self.copier.drain(
+            time.monotonic() + self.settings.final_copy_s, gone=self.sidecars_gone, on_poll=self.stamp_running
+        )
+        self.stamp("stopped")
         if self.ranks_alive():
             # Never under live ranks (a sidecar whose parent was killed, or past END_WAIT_S): their
             # heartbeats and next saves go there. The next attempt's sidecar prunes what is left.

@@ -219,11 +219,12 @@ def test_a_slurm_job_whose_sidecar_dies_for_good_is_requeued_and_trains_the_lost
     testbed: dict, tmp_path: Path, corpus: Path
 ) -> None:
     """n2's keeper and sidecar both killed: nothing copies n2's parts any more, so the ranks finish (exit 0)
-    with steps only on scratch. The batch script's end-of-run check makes that a failure with a
+    with steps only on scratch. Node 0's sidecar stops waiting for them once n2's liveness stamp is stale
+    (not sidecar.final_copy_s, 300 s); the batch script's end-of-run check makes the run a failure with a
     checkpoint_lost alert; the requeue resumes from the newest complete checkpoint and saves the rest."""
     steps = 30
     args = [*TWO_NODES, "--set", f"data.path={corpus}", "--set", f"train.steps={steps}", "--set", "train.log_every=1"]
-    args += ["--set", "train.eval_every=0", *SAVING, "--set", "sidecar.final_copy_s=3"]
+    args += ["--set", "train.eval_every=0", *SAVING]  # sidecar.final_copy_s: 300 s, not waited out
     job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, check=True))
     wait_until(lambda: complete(run_dir) != [] and newest_step(run_dir) >= 12, "no complete checkpoint", 180)
     keepers, kept = kept_sidecars(run_dir, "n2")
@@ -234,3 +235,5 @@ def test_a_slurm_job_whose_sidecar_dies_for_good_is_requeued_and_trains_the_lost
     assert [a["rule"] for a in row["alerts"]] == ["checkpoint_lost"] and row["alerts"][0]["step"] == steps, row
     batch = meshrun(tmp_path, "logs", job_id, "--batch", check=True).stdout
     assert "requeueing: restart 1" in batch and "finished (exit 0): not requeueing" in batch, batch
+    n1 = Path(RunDir(str(run_dir)).sidecar_log("n1")).read_text()
+    assert "node rank(s) 1 stopped copying: not waiting for their parts" in n1, n1

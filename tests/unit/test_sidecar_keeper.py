@@ -162,3 +162,29 @@ def test_status_ckpt_counts_only_checkpoints_complete_on_shared_storage() -> Non
     assert "checkpoint_step" not in parse_metrics_tail(_events(staged, {"step": 11, "loss": 2.0}))
     direct = {"event": "checkpoint", "checkpoint_step": 10}  # saved straight to shared storage
     assert parse_metrics_tail(_events(copied, direct))["checkpoint_step"] == 10
+
+
+def test_node_0_stops_waiting_for_the_parts_of_a_node_whose_sidecar_is_gone(tmp_path: Path) -> None:
+    """A node whose sidecar stopped (or died: its stamp went stale) will send no more parts: node 0 does not
+    hold the job's nodes for sidecar.final_copy_s waiting for them."""
+    from launcher.sidecar import copier
+    from tests.unit.test_copier import ATTEMPT, stage
+
+    a, shared = tmp_path / "a", tmp_path / "shared"
+    stage(a, 10, 0, {".metadata": b"m10"})  # node 1 never copies its part of step 10
+    logs: list[str] = []
+    zero = copier.Copier(str(a), str(shared), "n0", 0, 2, ATTEMPT, 3, 0, logs.append)
+    polls: list[int] = []
+    began = time.monotonic()
+    assert zero.drain(began + 60, gone=lambda: {1}, on_poll=lambda: polls.append(1)) == [10]
+    assert time.monotonic() - began < 20 and polls  # not the 60 s: as soon as its own part was copied
+    assert "node rank(s) 1 stopped copying: not waiting for their parts" in logs
+    assert (
+        logs[-1]
+        == "step 10 exists only on node-local scratch and is lost; resume starts from step 0 (no complete checkpoint)"
+    )
+    assert (copier.done_file(shared, 10, 0)).is_file()  # its own part made it
+    # While node 1 is not gone, node 0 waits (here: until its deadline).
+    stage(a, 20, 0, {".metadata": b"m20"})
+    began = time.monotonic()
+    assert zero.drain(began + 3, gone=set) == [10, 20] and time.monotonic() - began >= 3
