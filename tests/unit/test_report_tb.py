@@ -56,7 +56,8 @@ def test_report_on_rank_0_writes_metrics_tensorboard_and_heartbeat(tmp_path: Pat
     assert _scalars(run.tensorboard, "loss") == [(1, 4.0), (2, 3.5)]
     assert "bad" not in EventAccumulator(run.tensorboard).Reload().Tags()["scalars"]
     beat = json.loads(Path(_node(run).progress(0)).read_text())
-    assert set(beat) == {"rank", "step", "phase", "time", "pid", "stack_signal"}
+    # started_at: the pid's start time, so a watchdog never signals a process that reused the pid (launcher.procs).
+    assert set(beat) == {"rank", "step", "phase", "time", "pid", "started_at", "stack_signal"}
     assert (beat["rank"], beat["step"], beat["phase"]) == (0, 3, "eval")
     assert os.stat(run.metrics).st_mode & 0o777 == 0o600
 
