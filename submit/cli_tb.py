@@ -55,6 +55,7 @@ def cmd_tb(args: argparse.Namespace) -> int:
         raise InputError("JOB", "", "give the ids of the jobs to show (or --stop to stop a TensorBoard left running)")
     from submit import api, tensorboard
     from submit.registry import Registry
+    from submit.schedulers import backend
 
     tensorboard.check_local_port(args.port)  # before anything starts on the cluster
     records = _tb_records(Registry(), args.jobs, args.cluster)
@@ -73,8 +74,8 @@ def cmd_tb(args: argparse.Namespace) -> int:
             + (" (already running)" if board.reused else ""),
             sys.stdout,
         )
-        if tensorboard.is_local(transport) and clusters.profile_for(record).scheduler != "local":
-            # On a Slurm login node a laptop needs the tunnel; the `local` cluster is this machine's own jobs.
+        if tensorboard.is_local(transport) and backend(clusters.profile_for(record).scheduler).over_ssh:
+            # On a login node a laptop needs the tunnel; the `local` cluster is this machine's own jobs.
             _say(
                 f"from your laptop: {tensorboard.ssh_hint(board.port, args.port or None)} "
                 f"then open {board.url(args.port or board.port)}",

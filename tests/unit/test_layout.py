@@ -24,6 +24,9 @@ CONTRACT = {
     "launcher.weights",  # train.init_from's names and shapes, read from the safetensors header
     "launcher.secrets",  # the spec's secrets: key (names and sources) and where an env: value waits on the cluster
     "launcher.hfnames",  # meshrun's GPT in Hugging Face Llama's names: init_from's shape check reads it
+    "launcher.private",  # the private umask and 0700 folders: every entry point and folder maker, both sides
+    "launcher.procs",  # a pid read from a file is signalled only while it is that process: local cancel uses it
+    "launcher.lost",  # saved steps never complete on shared storage: status and export name the step they use
 }
 """The torch-free contract: all that `submit` may import of `launcher`."""
 SCHEDULER_TEST = re.compile(r"""scheduler\s*(==|!=|\bin\b|\bnot in\b)\s*[\(\[\{]?\s*["'](local|slurm)["']""")
