@@ -15,12 +15,14 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from launcher.exitcodes import EXIT_INPUT
 from launcher.rundir import RunDir
+
+if TYPE_CHECKING:
+    from launcher.sidecar.loop import Stop
 
 USAGE = "usage: python -m launcher.sidecar RUN_DIR"
 NICE = 10
@@ -35,7 +37,7 @@ class EndWait:
     """Stops the sidecar once the job is ending (a TERM) and this node's ranks are gone (or END_WAIT_S has
     passed), or once its parent is gone and so are this node's ranks."""
 
-    def __init__(self, sidecar: Any, ending: threading.Event, stop: threading.Event, log: Any) -> None:
+    def __init__(self, sidecar: Any, ending: Stop, stop: Stop, log: Any) -> None:
         self.sidecar, self.ending, self.stop, self.log = sidecar, ending, stop, log
         self.parent = os.getppid()
         self.since: Optional[float] = None
@@ -69,7 +71,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from launcher.private import private_umask
     from launcher.rundir import node_name
     from launcher.sidecar.keeper import KEPT_ENV, TOLD_ENV, keep
-    from launcher.sidecar.loop import Log, Periodic, Sidecar, run_tasks
+    from launcher.sidecar.loop import Flag, Log, Periodic, Sidecar, run_tasks
 
     private_umask()  # its logs, TensorBoard files and the copier's copies (and its kept child): nobody else's
     run_dir = RunDir(os.path.abspath(argv[0]))
@@ -79,8 +81,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not kept:
         return keep(run_dir.root, log)
     failed = False
-    stop = threading.Event()
-    ending = threading.Event()
+    stop, ending = Flag(), Flag()  # set by signal handlers: never a lock (loop.Flag)
 
     def on_ranks_ended(signum: int, _frame: Any) -> None:
         stop.set()

@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, TextIO
+from typing import Any, Callable, Mapping, Optional, TextIO, Union
 
 from launcher import procs
 from launcher.private import make_private_dir
@@ -106,7 +106,32 @@ def rank_alive(beat: dict[str, Any]) -> bool:
     return procs.alive(identity) if identity is not None else process_alive(beat.get("pid"))
 
 
-def run_tasks(tasks: list[Periodic], stop: threading.Event, alive: Callable[[], bool], log: LogFn) -> str:
+class Flag:
+    """A stop flag a signal handler may set: threading.Event.set() takes a lock, and a handler that runs
+    while the main thread holds it (inside Event.wait) deadlocks the sidecar for good (seen on the testbed:
+    after its USR2s, one from srun and one from its keeper, the sidecar's main thread sat in a futex and
+    the batch script waited out sidecar_stop_s). wait() only sleeps: the loop reads the flag at least
+    every POLL_S."""
+
+    def __init__(self) -> None:
+        self.value = False
+
+    def set(self) -> None:
+        self.value = True
+
+    def is_set(self) -> bool:
+        return self.value
+
+    def wait(self, timeout: float) -> bool:
+        if not self.value:
+            time.sleep(timeout)
+        return self.value
+
+
+Stop = Union[threading.Event, Flag]
+
+
+def run_tasks(tasks: list[Periodic], stop: Stop, alive: Callable[[], bool], log: LogFn) -> str:
     """Run the tasks until `stop` is set or `alive()` turns false; returns why it stopped."""
     while not stop.is_set():
         if not alive():
