@@ -12,7 +12,9 @@ servers). Every place meshrun signals a process it did not just start itself goe
   environment carries the job's id: SLURM_JOB_ID on Slurm, MESHRUN_JOB_ID on `local`).
 - `signal_group_if_same(leader, sig, job=...)` is the same for a process group led by `leader`.
 
-Torch-free; psutil only (a dependency of meshrun, small, on every platform meshrun runs).
+Torch-free; psutil only (a dependency of meshrun, small, on every platform meshrun runs), imported inside the
+functions that use it: `own_identity` reads /proc alone on Linux, because report() runs in a command job's own
+Python (RUN_DIR/.meshrun/pylib), which may have nothing but the standard library.
 """
 
 from __future__ import annotations
@@ -22,8 +24,6 @@ import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
-
-import psutil
 
 SLURM_JOB_ENV = "SLURM_JOB_ID"
 LOCAL_JOB_ENV = "MESHRUN_JOB_ID"  # launcher.rundir.JOB_ID_ENV: every process of a `local` job has it
@@ -86,6 +86,8 @@ def _start_time(pid: int) -> Optional[float]:
             return int(fields[19]) / _TICKS  # field 22 of stat(5): starttime, in clock ticks since boot
         except (OSError, IndexError, ValueError):
             return None
+    import psutil  # only off Linux: see the module's docstring
+
     try:
         return float(psutil.Process(pid).create_time())
     except (psutil.Error, OSError):
@@ -113,6 +115,8 @@ def same_process(pid: int, started_at: float) -> bool:
 
 def alive(identity: Identity) -> bool:
     """Whether the recorded process still runs (a zombie, ended but not yet reaped, does not)."""
+    import psutil  # here, not at the top: see the module's docstring
+
     if not same_process(identity.pid, identity.started_at):
         return False
     try:
@@ -125,6 +129,8 @@ def alive(identity: Identity) -> bool:
 
 def in_job(pid: int, job: JobScope) -> bool:
     """Whether process `pid` carries `job` in its environment (False when it cannot be read: not ours)."""
+    import psutil  # here, not at the top: see the module's docstring
+
     try:
         return bool(psutil.Process(pid).environ().get(job.key) == job.value)
     except (psutil.Error, OSError):
@@ -133,6 +139,8 @@ def in_job(pid: int, job: JobScope) -> bool:
 
 def descendant_of(pid: int, ancestor: Identity) -> bool:
     """Whether `pid` is a child, grandchild... of the (still same) process `ancestor`."""
+    import psutil  # here, not at the top: see the module's docstring
+
     if not same_process(ancestor.pid, ancestor.started_at):
         return False
     try:
@@ -145,6 +153,8 @@ def signal_if_same(identity: Identity, sig: int, job: Optional[JobScope] = None)
     """Send `sig` to the recorded process only if its pid still names it and (given `job`) it belongs to
     that job. True if sent; False when the process is gone or the pid now names another process.
     Raises PermissionError when the process is ours to name but not to signal."""
+    import psutil  # here, not at the top: see the module's docstring
+
     if not same_process(identity.pid, identity.started_at):
         return False
     if job is not None and not in_job(identity.pid, job):
@@ -181,6 +191,8 @@ def signal_group_if_same(leader: Identity, sig: int, job: Optional[JobScope] = N
 
 def group_members(pgid: int) -> list[int]:
     """The live (not zombie) processes of process group `pgid`."""
+    import psutil  # here, not at the top: see the module's docstring
+
     found = []
     for proc in psutil.process_iter():
         try:
@@ -213,6 +225,8 @@ def read_pid_file(path: str) -> Optional[Identity]:
 
 def command_line(pid: int) -> Optional[list[str]]:
     """The process's argv, or None when it is gone or cannot be read."""
+    import psutil  # here, not at the top: see the module's docstring
+
     try:
         return list(psutil.Process(pid).cmdline())
     except (psutil.Error, OSError):
@@ -222,6 +236,8 @@ def command_line(pid: int) -> Optional[list[str]]:
 def started_wall(pid: int) -> Optional[float]:
     """When the process started, in seconds since the epoch (psutil's create_time: for comparing with a
     wall-clock time such as a job's submit time; to tell a process from a reuse of its pid, use Identity)."""
+    import psutil  # here, not at the top: see the module's docstring
+
     try:
         return float(psutil.Process(pid).create_time())
     except (psutil.Error, OSError):
