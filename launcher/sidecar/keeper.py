@@ -77,8 +77,15 @@ class Keeper:
     def _start(self) -> None:
         # What it was told before goes in its environment, not as signals: a signal would reach it before
         # its handlers are set and end it (USR2's default action), restart after restart.
-        told = ",".join(signal.Signals(sig).name for sig in self.told)
+        known = list(self.told)
+        told = ",".join(signal.Signals(sig).name for sig in known)
         self.child = subprocess.Popen(self.argv, env={**self.env, TOLD_ENV: told}, stdin=subprocess.DEVNULL)
+        # A signal that came while Popen ran found no child to pass it to, and is not in the child's
+        # environment: pass it now. (Measured: the ranks of a short job ended while their sidecar started,
+        # and it ran on until the time limit.) If it ends the child before its handlers are set, run()
+        # starts it again with the signal in its environment.
+        for sig in self.told[len(known) :]:
+            self._send(sig)
 
     def _wait(self) -> int:
         """The child's return code; None never: waits, and stops keeping once the keeper's parent is gone."""

@@ -73,6 +73,45 @@ def test_the_keeper_starts_a_killed_sidecar_again_and_tells_it_what_it_was_told(
     assert "restart 1 of at most" in log[0]
 
 
+# A stand-in sidecar as the real one behaves: it stops at once when told USR2 before it started, or on USR2.
+STOPPING_CHILD = """
+import os, signal, sys, time
+if "SIGUSR2" in os.environ.get("MESHRUN_SIDECAR_TOLD", ""):
+    sys.exit(0)
+signal.signal(signal.SIGUSR2, lambda *_: sys.exit(0))
+with open(sys.argv[1], "a") as f:
+    f.write(f"{os.getpid()}\\n")
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_a_stop_signal_that_comes_while_the_sidecar_is_being_started_still_reaches_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ranks of a short job can end while the keeper is inside Popen: the USR2 then finds no child to pass
+    on to and is not in the child's environment; the keeper passes it on once the child exists."""
+    pids = tmp_path / "pids"
+    kept = keeper.Keeper([sys.executable, "-c", STOPPING_CHILD, str(pids)], [].append, env=dict(os.environ))
+    real_popen = keeper.subprocess.Popen
+
+    def popen_interrupted_by_usr2(*args: Any, **kwargs: Any) -> Any:
+        kept.on_signal(signal.SIGUSR2, None)  # arrives after the child's environment was made
+        return real_popen(*args, **kwargs)
+
+    monkeypatch.setattr(keeper.subprocess, "Popen", popen_interrupted_by_usr2)
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(kept.run()))
+    thread.start()
+    thread.join(timeout=20)
+    if thread.is_alive():  # the bug: the sidecar runs on; end it so that the test ends
+        for pid in _lines(pids, 1):
+            os.kill(int(pid[0]), signal.SIGKILL)
+        thread.join(timeout=20)
+        pytest.fail("the sidecar never learnt of the USR2 that came while it was being started")
+    assert result == [0]
+
+
 def test_a_sidecar_that_keeps_dying_is_restarted_a_bounded_number_of_times(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
