@@ -15,7 +15,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from launcher.rundir import RunDir, node_name
 from submit.registry import JobRecord, Registry
@@ -33,16 +33,6 @@ def _get(url: str) -> Any:
             return json.loads(answer.read())
     except (urllib.error.URLError, ConnectionError):
         return None  # not listening yet, or still loading in the background (a tag may not exist yet: HTTP 400)
-
-
-def _until(what: str, probe: Callable[[], Any], timeout: float = 60) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"TensorBoard never showed {what}"
-        time.sleep(0.5)
 
 
 def _losses(url: str, run: str) -> list[tuple[int, float]]:
@@ -90,7 +80,9 @@ def test_two_local_runs_in_one_tensorboard_and_in_meshrun_tb(tmp_path: Path, cor
     try:
         url = f"http://127.0.0.1:{port}/"
         names = {str(d.relative_to(work_dir) / "tensorboard"): d for d in runs.values()}
-        tags = _until("both runs", lambda: (t := _get(url + "data/plugin/scalars/tags")) and set(names) <= set(t) and t)
+        tags = tbhelp.until(
+            "both runs", lambda: (t := _get(url + "data/plugin/scalars/tags")) and set(names) <= set(t) and t
+        )
         for name, run_dir in names.items():
             assert WANTED <= set(tags[name]) and "mfu" not in tags[name], tags[name]
             assert _losses(url, name) == [(r["step"], r["loss"]) for r in metrics(run_dir)]
@@ -117,7 +109,7 @@ def _meshrun_tb(home: Path, jobs: list[str], expected: dict[str, list[tuple[int,
         assert line, proc.stderr.read() if proc.poll() is not None else "no URL"
         browser = tbhelp.Browser(line.split()[-1])
         for run, points in expected.items():
-            _until(f"the loss of {run}", lambda run=run, points=points: browser.losses(run) == points)
+            tbhelp.until(f"the loss of {run}", lambda run=run, points=points: browser.losses(run) == points)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
