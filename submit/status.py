@@ -115,13 +115,26 @@ def parse_losses(text: str) -> list[Optional[float]]:
     return losses[-HISTORY_LINES:]
 
 
+METRICS_TAIL_BYTES = 8192
+"""How much of metrics.jsonl's end status reads: bytes, not lines, so that the newest step line is in it
+however many event lines (checkpoint staged / copied, one per node's copy) the sidecars appended after it.
+(Four lines were read on Slurm: after a run's last step its copy events filled them, and a finished job
+showed no step and no restart.) A partial first line is skipped by the parsers."""
+METRICS_HISTORY_BYTES = 65536
+"""With `live` (`meshrun top`): enough for the loss history."""
+
+
+def metrics_tail_bytes(live: bool = False) -> int:
+    return METRICS_HISTORY_BYTES if live else METRICS_TAIL_BYTES
+
+
 def metrics_tail(transport: Transport, run_dir: str, live: bool = False) -> str:
-    """The tail of metrics.jsonl: its last 8 kB (with `live`, enough for the loss history)."""
+    """The tail of metrics.jsonl: its last METRICS_TAIL_BYTES (with `live`, enough for the loss history)."""
     path = RunDir(run_dir).metrics
     size = transport.size(path)
     if not size:
         return ""
-    want = 65536 if live else 8192
+    want = metrics_tail_bytes(live)
     return transport.read_bytes(path, max(0, size - want), want).decode(errors="replace")
 
 

@@ -19,7 +19,7 @@ from submit.plan import Plan
 from submit.registry import JobRecord
 from submit.schedulers import slurm_cli
 from submit.schedulers.base import Request, run_dir_files
-from submit.status import FINAL, HISTORY_LINES, Status, parse_losses, parse_metrics_tail
+from submit.status import FINAL, Status, metrics_tail_bytes, parse_losses, parse_metrics_tail
 from submit.transport import Result, Transport, batch
 
 BATCH_JOBS = 1000
@@ -122,8 +122,8 @@ def query_argvs(records: Sequence[JobRecord], live: bool = False) -> list[list[s
     """squeue, sacct, one metrics tail per job (`live`: the loss history's lines), then each job's first
     rank error (if any): what the single round trip runs."""
     ids = [r.job_id for r in records]
-    lines = str(HISTORY_LINES + 4 if live else 4)
-    tails = [["tail", "-n", lines, "--", RunDir(r.run_dir).metrics] for r in records]
+    size = str(metrics_tail_bytes(live))
+    tails = [["tail", "-c", size, "--", RunDir(r.run_dir).metrics] for r in records]
     errors = [["head", "-c", "500", "--", RunDir(r.run_dir).rank_error] for r in records]
     return [slurm_cli.squeue_argv(ids), slurm_cli.sacct_argv(ids), *tails, *errors]
 

@@ -4,6 +4,7 @@ log printer, the registry's profile column and array lookups: no cluster needed.
 from __future__ import annotations
 
 import io
+import json
 import sqlite3
 from pathlib import Path
 
@@ -75,8 +76,8 @@ def test_one_round_trip_queries_squeue_sacct_and_every_metrics_tail() -> None:
     argvs = query_argvs([_record("1"), _record("2_3")])
     assert argvs[0][:4] == ["squeue", "--noheader", "--array", "--states=all"] and argvs[1][0] == "sacct"
     assert argvs[2:4] == [
-        ["tail", "-n", "4", "--", "/r/1/metrics.jsonl"],
-        ["tail", "-n", "4", "--", "/r/2_3/metrics.jsonl"],
+        ["tail", "-c", "8192", "--", "/r/1/metrics.jsonl"],
+        ["tail", "-c", "8192", "--", "/r/2_3/metrics.jsonl"],
     ]
     assert argvs[4:] == [
         ["head", "-c", "500", "--", "/r/1/rank-error.txt"],
@@ -200,3 +201,20 @@ def test_metrics_tail_takes_the_step_line_and_the_newest_checkpoint() -> None:
     assert parse_metrics_tail(tail) == {"step": 10, "loss": 2.4, "checkpoint_step": 10}
     assert parse_metrics_tail('{"step": 1, "loss": 5.0}\n') == {"step": 1, "loss": 5.0}
     assert parse_metrics_tail("") == {}
+
+
+def test_a_finished_jobs_tail_keeps_its_last_step_behind_the_sidecars_copy_events() -> None:
+    """After the last step the sidecars append checkpoint events (staged, then copied, per save): the tail
+    status reads (METRICS_TAIL_BYTES, as `tail -c` cuts it) still holds the step line and its restart."""
+    from submit.status import METRICS_TAIL_BYTES, parse_metrics_tail
+
+    steps = [json.dumps({"step": s, "loss": 1.0, "restart_count": 1}) for s in range(1, 31)]
+    events = [
+        json.dumps({"event": "checkpoint", "checkpoint_step": s, kind: True})
+        for s in (25, 30)
+        for kind in ("staged", "copied")
+    ]
+    text = "\n".join(steps + events * 3) + "\n"
+    tail = text.encode()[-METRICS_TAIL_BYTES:].decode()
+    progress = parse_metrics_tail(tail)
+    assert progress["step"] == 30 and progress["restart_count"] == 1 and progress["checkpoint_step"] == 30
