@@ -8,6 +8,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,11 @@ def test_a_pid_is_signalled_only_while_it_is_that_server(tmp_path: Path) -> None
     fake = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "tbserve.py", "serve", str(state)])
     try:
         started = tbserve.start_time(fake.pid)
-        assert tbserve.is_server(fake.pid, started, state)
+        # Right after the fork the child's argv is still pytest's, until it has exec'd python: wait for it.
+        deadline = time.monotonic() + 20
+        while not tbserve.is_server(fake.pid, started, state):
+            assert time.monotonic() < deadline, "the server's argv never showed `tbserve.py serve STATE`"
+            time.sleep(0.02)
         assert not tbserve.is_server(fake.pid, started + 1, state)  # the pid, reused by a later process
         assert not tbserve.is_server(fake.pid, None, state)
         assert not tbserve.is_server(fake.pid, started, tmp_path / "OTHER")
