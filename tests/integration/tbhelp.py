@@ -23,6 +23,8 @@ from typing import Any, Iterable, Optional
 
 import pytest
 
+from submit import tbserve
+
 OTHER_USER = os.environ.get("MESHRUN_TEST_OTHER_USER", "meshrun-peer")
 """A second real user (created on first use, as `useradd` would for any new colleague)."""
 
@@ -103,13 +105,8 @@ def until(what: str, probe: Any, timeout: float = 60) -> Any:
 # ------------------------------------------------------------------ servers, by pid
 
 
-def start_time(pid: int) -> Optional[int]:
-    """The kernel's start time of a live (not zombie) process, None once it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] in ("Z", "X") else int(fields[19])
+start_time = tbserve.start_time
+"""The kernel's start time of a live (not zombie) process, None once it is gone: the product's own check."""
 
 
 def servers(keys: Iterable[str] = (), under: Iterable[Path] = ()) -> dict[int, int]:
