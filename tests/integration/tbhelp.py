@@ -14,6 +14,7 @@ import os
 import pwd
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.parse
@@ -103,6 +104,16 @@ def until(what: str, probe: Any, timeout: float = 60) -> Any:
 
 
 # ------------------------------------------------------------------ servers, by pid
+
+
+def meshrun_tb(home: Path, *jobs: str) -> subprocess.Popen[str]:
+    """`meshrun tb JOB...` as a user in HOME runs it, its output piped (the URL is its first line)."""
+    from tests.integration.cli import REPO, env_for
+
+    argv = [sys.executable, "-m", "submit.cli", "tb", *jobs]
+    return subprocess.Popen(
+        argv, cwd=REPO, text=True, env=env_for(home), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
 
 
 start_time = tbserve.start_time

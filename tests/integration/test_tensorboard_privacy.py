@@ -41,14 +41,7 @@ def _job(home: Path, job: str, cleanup: Cleanup) -> Path:
 
 
 def _tb(home: Path, *jobs: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "submit.cli", "tb", *jobs],
-        cwd=REPO,
-        text=True,
-        env=env_for(home),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
+    proc = tbhelp.meshrun_tb(home, *jobs)
     line = sshbed.first_line_with(proc.stdout, "http://127.0.0.1:")
     if not line:
         proc.kill()

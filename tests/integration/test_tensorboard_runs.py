@@ -20,8 +20,8 @@ from typing import Any
 from launcher.rundir import RunDir, node_name
 from submit.registry import JobRecord, Registry
 from tests.integration import sshbed, tbhelp
-from tests.integration.cli import REPO, env_for, meshrun, metrics, status, submitted
 from tests.integration.cli import TINY as CLI_TINY
+from tests.integration.cli import meshrun, metrics, status, submitted
 
 TINY = [*CLI_TINY, "--set", "train.steps=4"]
 WANTED = {"loss", "grad_norm", "tokens_per_s", "data_wait_fraction", "step_time_s", "lr"}
@@ -96,14 +96,7 @@ def _meshrun_tb(home: Path, jobs: list[str], expected: dict[str, list[tuple[int,
     """`meshrun tb JOB...` on this machine: one URL, each run named by its job id, then Ctrl-C stops it."""
     cleanup = tbhelp.Cleanup()
     cleanup.under.append(home)  # on this machine the server keeps its state in HOME/.cache
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "submit.cli", "tb", *jobs],
-        cwd=REPO,
-        text=True,
-        env=env_for(home),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
+    proc = tbhelp.meshrun_tb(home, *jobs)
     try:
         line = sshbed.first_line_with(proc.stdout, "http://127.0.0.1:")
         assert line, proc.stderr.read() if proc.poll() is not None else "no URL"
