@@ -157,10 +157,20 @@ def _parent(pid: int) -> int:
     return int(stat.rsplit(")", 1)[1].split()[1])
 
 
+def _shared_commits(run_dir: Path) -> list[int]:
+    """The checkpoint steps metrics.jsonl says are complete on shared storage, as status reads them: a
+    commit event saved there, or the sidecar's "copied" event for one staged on scratch (a step line's
+    checkpoint_step lags: with scratch, rank 0 looks the shared step up only every few seconds)."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    rows = [json.loads(line) for line in lines if line.endswith("}")]
+    return [r["checkpoint_step"] for r in rows if r.get("checkpoint_step") is not None and not r.get("staged")]
+
+
 def _wait_for_commit(run_dir: Path, step: int, timeout: float = 180) -> None:
-    """Until rank 0 logs a step after checkpoint `step` was committed (the row's checkpoint_step)."""
+    """Until checkpoint `step` (or a later one) is complete on shared storage."""
     deadline = time.monotonic() + timeout
-    while not any(r.get("checkpoint_step", 0) >= step for r in metrics(run_dir)):
+    while not any(s >= step for s in _shared_commits(run_dir)):
         assert time.monotonic() < deadline, f"no commit of step {step} in {run_dir}: {metrics(run_dir)[-3:]}"
         time.sleep(0.05)
 
@@ -170,7 +180,10 @@ def test_kill_9_requeue_resumes_zero2_to_the_uninterrupted_final_loss(
 ) -> None:
     args = [*TWO_NODES, *_deepspeed_args(corpus, 2, TESTBED_STEPS, every=10)]
     ref_id, ref_dir = submitted(meshrun(tmp_path, "submit", *args, env=EXTENSIONS, check=True))
-    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, env=EXTENSIONS, check=True))
+    # The first attempt waits 0.2 s for each step's data (the steps themselves take ~0.1 s: 40 of them
+    # ended before a poll saw step 10's commit), so the kill lands mid-run; the resumed attempt does not.
+    slowed = [*args, "--set", "env.MESHRUN_TEST_DATA_DELAY=0.2"]
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *slowed, env=EXTENSIONS, check=True))
     _wait_for_commit(run_dir, 10)
     pids = _rank_pids(run_dir)
     assert len(pids) == 2, pids  # one rank on each "node"
