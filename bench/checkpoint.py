@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from launcher import checkpoint as ckpt
-from launcher.model import GPT
-from launcher.spec import Model
+from launcher.checkpoint import commit as ckpt
+from launcher.contract.spec import Model
+from launcher.train.model import GPT
 
 
 def build(params_m: float, layers: int, vocab: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

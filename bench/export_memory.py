@@ -26,16 +26,16 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from launcher import checkpoint as ckpt
-from launcher import hfnames, schema
-from launcher.spec import Data, JobSpec, Model, Train
+from launcher.checkpoint import commit as ckpt
+from launcher.contract import hfnames, schema
+from launcher.contract.spec import Data, JobSpec, Model, Train
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD = r"""
 import json, resource, sys
 from pathlib import Path
 import torch
-from launcher import export
+from launcher.export import consolidate as export
 
 def rss_kib(field):
     for line in Path("/proc/self/status").read_text().splitlines():

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from launcher.doctor import busbw, seconds_per_call  # one timing and one busbw for the doctor and the bench
+from launcher.probes.doctor import busbw, seconds_per_call  # one timing and one busbw for the doctor and the bench
 
 BENCH = Path(__file__).resolve().parent
 

@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from launcher.modelshape import StageBytes
-from launcher.schema import to_plain
+from launcher.contract.modelshape import StageBytes
+from launcher.contract.schema import to_plain
 from submit import estimate, meshcheck
 from submit.cluster import load_profile
 from submit.plan import plan_file

@@ -25,10 +25,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trainer_setup import REPO, corpus, single_rank_trainer, timed_steps  # noqa: E402
 
-from launcher.metrics import MetricsLog  # noqa: E402
-from launcher.rundir import RunDir  # noqa: E402
-from launcher.spec import Data, JobSpec, Model, Resources, RunInfo, RunSpec, Sidecar, Train, write_run_spec  # noqa: E402
-from launcher.trainer import Trainer  # noqa: E402
+from launcher.contract.rundir import RunDir  # noqa: E402
+from launcher.contract.spec import Data, JobSpec, Model, Resources, RunInfo, RunSpec, Sidecar, Train, write_run_spec  # noqa: E402
+from launcher.train.metrics import MetricsLog  # noqa: E402
+from launcher.train.trainer import Trainer  # noqa: E402
 
 MODEL = Model(n_layers=4, d_model=128, n_heads=4, vocab_size=256, seq_len=128)
 

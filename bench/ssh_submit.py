@@ -52,7 +52,7 @@ def _cli(*args: str) -> str:
 
 def _code_tar_bytes(spec: Path) -> int:
     """What uploading the spec's project costs: the gzipped tar meshrun sends."""
-    from launcher.spec import Code
+    from launcher.contract.spec import Code
     from submit.snapshot import collect
     from submit.transport import Upload, tar_bytes
 

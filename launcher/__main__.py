@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from launcher.contract.schema import SchemaError
 from launcher.preempt import EXIT_INPUT
-from launcher.schema import SchemaError
 
 USAGE = "usage: python -m launcher RUN_DIR"
 

@@ -12,17 +12,18 @@ import sys
 from pathlib import Path
 from typing import Mapping, MutableMapping, Optional, Sequence
 
-from launcher import checkpoint as ckpt
-from launcher import installed_version, secrets
+from launcher import installed_version
 from launcher import job as kit
+from launcher.checkpoint import commit as ckpt
+from launcher.contract import secrets
+from launcher.contract.exitcodes import EXIT_REQUEUE
+from launcher.contract.private import make_private_below, make_private_dir, private_umask
+from launcher.contract.rundir import NODE_DIR_ENV, NodeDir, RunDir, expand_node_path, node_name
+from launcher.contract.spec import RunSpec, read_run_spec
 from launcher.env import RankEnv, rank_env, setdefault_env, torchrun_vars
-from launcher.exitcodes import EXIT_REQUEUE
 from launcher.preempt import StopFlag
-from launcher.private import make_private_below, make_private_dir, private_umask
 from launcher.rankfail import reports_fatal_errors
 from launcher.report import expose_to_commands
-from launcher.rundir import NODE_DIR_ENV, NodeDir, RunDir, expand_node_path, node_name
-from launcher.spec import RunSpec, read_run_spec
 
 
 def prepare_env(run_spec: RunSpec, environ: MutableMapping[str, str]) -> None:
@@ -111,7 +112,7 @@ def run_rank(run_dir: str, replace_process: Optional[bool] = None) -> int:
     # while the rank starts must not kill it (SIGUSR1's default action) but stop it cleanly.
     flag = StopFlag().install()
     try:
-        from launcher.train import train  # lazy: torch is imported only by ranks that train
+        from launcher.train.loop import train  # lazy: torch is imported only by ranks that train
 
         code = train(run_spec, env, flag)
     finally:

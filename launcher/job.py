@@ -15,7 +15,7 @@
 Under meshrun the stop signals (MESHRUN_STOP_SIGNALS: SIGUSR1 ahead of the time limit or on preemption,
 SIGTERM on scancel) are caught from the moment this module is imported, so one that arrives early is
 not lost; elsewhere from the first should_stop(). The handler only sets a flag (launcher.preempt).
-Checkpoints follow the built-in trainer's rule (launcher.checkpoint): a folder counts only once its
+Checkpoints follow the built-in trainer's rule (launcher.checkpoint.commit): a folder counts only once its
 marker is written last and it is renamed into place; latest_checkpoint() never returns anything else.
 """
 
@@ -30,9 +30,9 @@ import threading
 from pathlib import Path
 from typing import Any, NoReturn, Optional
 
-from launcher import checkpoint as ckpt
 from launcher import report as _report
-from launcher.exitcodes import EXIT_REQUEUE
+from launcher.checkpoint import commit as ckpt
+from launcher.contract.exitcodes import EXIT_REQUEUE
 from launcher.preempt import DEFAULT_SIGNALS, StopFlag
 
 RUN_DIR_ENV = _report.RUN_DIR_ENV

@@ -19,10 +19,10 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
-from launcher.checkpoint import CheckpointError
-from launcher.exitcodes import EXIT_INPUT
-from launcher.rundir import RunDir
-from launcher.schema import SchemaError
+from launcher.checkpoint.commit import CheckpointError
+from launcher.contract.exitcodes import EXIT_INPUT
+from launcher.contract.rundir import RunDir
+from launcher.contract.schema import SchemaError
 
 BAD_INPUT: tuple[type[BaseException], ...] = (SchemaError, CheckpointError)
 """What the user fixes, not the cluster: a bad spec, a missing or unusable data file or checkpoint (each

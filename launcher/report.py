@@ -25,10 +25,10 @@ import threading
 import time
 from typing import Any, MutableMapping, Optional, TextIO
 
-from launcher.private import make_private_dir
-from launcher.procs import own_identity
-from launcher.rundir import NODE_DIR_ENV, NodeDir, RunDir, node_name, read_state, write_json
-from launcher.tbwriter import ScalarWriter, scalars_of
+from launcher.contract.private import make_private_dir
+from launcher.contract.procs import own_identity
+from launcher.contract.rundir import NODE_DIR_ENV, NodeDir, RunDir, node_name, read_state, write_json
+from launcher.train.tbwriter import ScalarWriter, scalars_of
 
 RUN_DIR_ENV = "MESHRUN_RUN_DIR"
 RESTART_COUNT_ENV = "MESHRUN_RESTART_COUNT"
@@ -88,7 +88,7 @@ class Heartbeat:
         make_private_dir(os.path.dirname(self.path))
         self.stack_signal = self._arm_stack_dump(node.stack(rank))
         # With the pid, what tells this rank from a later process that reuses its pid: the sidecar signals
-        # a pid from this file only while it still names this very process (launcher.procs).
+        # a pid from this file only while it still names this very process (launcher.contract.procs).
         self.started_at = own_identity().started_at
 
     def _arm_stack_dump(self, path: str) -> Optional[int]:

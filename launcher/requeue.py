@@ -11,7 +11,7 @@ WHY the sentence for its log. The rules:
   (`scancel`, or Slurm ending the job itself) and the restart limit (`checkpoint.max_restarts`).
 - 75 (saved for requeue), 76 (no progress) and failures (a crash, a lost node: often transient) are
   requeued, as is anything after the batch shell passed on a stop signal (a program that died of it).
-- A `command:` job has one more rule, the built-in trainer's crash-loop guard (launcher/resume.py) said
+- A `command:` job has one more rule, the built-in trainer's crash-loop guard (launcher/checkpoint/resume.py) said
   in its own terms: a failed run that reported no step beyond the highest one reported before it started
   (launcher.report's progress mark) counts one; MAX_ATTEMPTS such runs in a row end the job with 77
   instead of burning the allocation in a requeue loop. (The trainer's own guard counts its checkpoints.)
@@ -27,12 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from launcher import lost as lost_checkpoints
-from launcher.exitcodes import EXIT_FAILED, EXIT_GAVE_UP, EXIT_NAMES, EXIT_REQUEUE, NOT_REQUEUED
+from launcher.checkpoint.resume import MAX_ATTEMPTS
+from launcher.contract import lost as lost_checkpoints
+from launcher.contract.exitcodes import EXIT_FAILED, EXIT_GAVE_UP, EXIT_NAMES, EXIT_REQUEUE, NOT_REQUEUED
+from launcher.contract.rundir import RunDir, read_state, write_json
+from launcher.contract.secrets import remove_dir, secrets_dir_for
 from launcher.report import reported_step
-from launcher.resume import MAX_ATTEMPTS
-from launcher.rundir import RunDir, read_state, write_json
-from launcher.secrets import remove_dir, secrets_dir_for
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def record_reason(run_dir: str, why: str) -> None:
 
 
 def is_command_job(run_dir: str) -> bool:
-    from launcher.spec import read_run_spec  # torch-free
+    from launcher.contract.spec import read_run_spec  # torch-free
 
     return read_run_spec(Path(run_dir)).job.command is not None
 

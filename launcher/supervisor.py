@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from launcher import lost as lost_checkpoints
-from launcher import procs
-from launcher.exitcodes import (
+from launcher.contract import lost as lost_checkpoints
+from launcher.contract import procs
+from launcher.contract.exitcodes import (
     EXIT_DIVERGED,
     EXIT_FAILED,
     EXIT_GAVE_UP,
@@ -30,11 +30,11 @@ from launcher.exitcodes import (
     EXIT_REQUEUE,
     NOT_REQUEUED,
 )
+from launcher.contract.private import make_private_dir, private_umask
+from launcher.contract.rundir import JOB_ID_ENV, RunDir, local_state_path, merge_state, read_state
+from launcher.contract.secrets import remove_dir, secrets_dir_for
 from launcher.job import RESTART_COUNT_ENV
-from launcher.private import make_private_dir, private_umask
 from launcher.requeue import crash_loop
-from launcher.rundir import JOB_ID_ENV, RunDir, local_state_path, merge_state, read_state
-from launcher.secrets import remove_dir, secrets_dir_for
 
 STOP_GRACE_S = 60
 """How long ranks may take to save and exit after a cancel or the time limit before they are killed."""
@@ -114,7 +114,7 @@ def _group_members() -> Iterator[int]:
 
 def _signal_found(pids: Iterator[int], sig: int) -> None:
     """Signal processes a /proc scan found: each identity is taken as it is found and checked at the signal
-    (launcher.procs), so a process that exits meanwhile never passes its signal to a reuse of its pid."""
+    (launcher.contract.procs), so a process that exits meanwhile never passes its signal to a reuse of its pid."""
     found = [identity for identity in map(procs.process_identity, pids) if identity is not None]
     for identity in found:
         try:
@@ -135,7 +135,7 @@ def _signal_ranks(controller: int, sig: int) -> None:
 
 class Supervisor:
     def __init__(self, run_dir: Path, job_id: str) -> None:
-        from launcher.spec import read_run_spec  # torch-free
+        from launcher.contract.spec import read_run_spec  # torch-free
 
         self.run_dir = RunDir(str(run_dir))
         self.job_id = job_id

@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from launcher.private import private_umask_while
+from launcher.contract.private import private_umask_while
 from submit import snapshot as snapshots
 from submit.cluster import ClusterProfile, is_profile_path, load_profile, load_profile_file
 from submit.errors import ClusterError, InputError

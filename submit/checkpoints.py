@@ -3,7 +3,7 @@
 resume starts the job's own script again in the same run dir (a new Slurm job, or a
 new local supervisor); the ranks find the newest complete checkpoint themselves. It
 also clears the crash-loop guard's count: a person deciding to go on is new evidence.
-export runs `python -m launcher.export` where the checkpoint is (this machine for a
+export runs `python -m launcher.export.consolidate` where the checkpoint is (this machine for a
 local transport; the login node over SSH, then downloads the file, or the folder's files for --format hf).
 """
 
@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from launcher import hfnames
-from launcher.rundir import ATTEMPTS_FILE, RunDir
-from launcher.spec import RunSpec, SpecFileError, loads_run_spec
+from launcher.contract import hfnames
+from launcher.contract.rundir import ATTEMPTS_FILE, RunDir
+from launcher.contract.spec import RunSpec, SpecFileError, loads_run_spec
 from submit.errors import ClusterError, InputError
 from submit.registry import JobRecord, Registry, now
 from submit.schedulers import backend
@@ -66,8 +66,8 @@ def checkpoint_dir(record: JobRecord, transport: Transport) -> str:
 
 def with_overrides(run_spec: RunSpec, overrides: Sequence[str]) -> RunSpec:
     """The run spec with `resume --set` applied (validated like a submit's); only RESUME_SETTABLE keys."""
-    from launcher import schema
-    from launcher.spec import JobSpec
+    from launcher.contract import schema
+    from launcher.contract.spec import JobSpec
     from submit.plan import check_checkpoint, check_ranges
 
     for item in overrides:
@@ -115,7 +115,7 @@ def resume(
             "further, `meshrun resume JOB --set train.steps=N` with a larger N",
         )
     if overrides:
-        from launcher.spec import dumps_run_spec
+        from launcher.contract.spec import dumps_run_spec
 
         transport.write_text(RunDir(record.run_dir).spec, dumps_run_spec(with_overrides(run_spec, overrides)))
     root = run_spec.run.checkpoint_dir or RunDir(record.run_dir).default_checkpoints
@@ -145,7 +145,7 @@ def _remote_script(setup: tuple[str, ...], python: str, argv: list[str], code: O
 
 
 MARKER = "meshrun-complete.json"
-"""launcher.checkpoint.MARKER (a unit test keeps them equal: submit imports only launcher's contract)."""
+"""launcher.checkpoint.commit.MARKER (a unit test keeps them equal: submit imports only launcher's contract)."""
 _VAL_LOSS = re.compile(r"/step-(\d{8,})/" + re.escape(MARKER) + r':"val_loss": ([-+0-9.eE]+)$')
 
 
@@ -163,7 +163,7 @@ def complete_steps(transport: Transport, root: str) -> list[int]:
 
 def last_saved_step(record: JobRecord, transport: Transport) -> Optional[int]:
     """The newest checkpoint step the job's ranks reported saving (on scratch or shared storage), if any."""
-    from launcher.lost import saved_steps
+    from launcher.contract.lost import saved_steps
 
     path = RunDir(record.run_dir).metrics
     try:
@@ -222,7 +222,7 @@ def best_checkpoint(transport: Transport, root: str) -> Optional[tuple[int, floa
                 found[int(match.group(1))] = value
     if not found:
         return None
-    step = min(found, key=lambda s: (found[s], -s))  # as launcher.checkpoint.lowest_val_loss
+    step = min(found, key=lambda s: (found[s], -s))  # as launcher.checkpoint.commit.lowest_val_loss
     return step, found[step]
 
 
@@ -275,7 +275,7 @@ def export(
         step = best_step(record, transport)
     root = checkpoint_dir(record, transport)
     ckpt = root if step is None else f"{root}/step-{step:08d}"
-    args = ["-m", "launcher.export", ckpt]
+    args = ["-m", "launcher.export.consolidate", ckpt]
     options = ["--format", fmt, "--max-shard-size", max_shard_size]
     if profile.ssh is None:
         done = transport.run([sys.executable, *args, str(out), *options], timeout=3600)

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TextIO
 
-from launcher.private import private_umask
-from launcher.schema import SchemaError
+from launcher.contract.private import private_umask
+from launcher.contract.schema import SchemaError
 from submit import cli_ckpt, cli_doctor, cli_jobs, cli_live, cli_plan, cli_tb
 from submit.cli_args import cluster_arg, overrides_arg
 from submit.errors import EXIT_INPUT, InputError, InternalError, MeshrunError
@@ -396,7 +396,7 @@ def _submit(args: argparse.Namespace, profile: Any, plan: Any, snap: Any) -> int
 def finish_wait(record: Any, clusters: Any, registry: Any, total_steps: Optional[int]) -> int:
     """--wait: follow the job to its end; the exit code says how it ended (2: the ranks found bad input).
     Ctrl-C stops the waiting, never the job, and says so."""
-    from launcher.exitcodes import EXIT_INPUT
+    from launcher.contract.exitcodes import EXIT_INPUT
     from submit.status import Status
 
     try:
@@ -496,7 +496,7 @@ def wait_for(
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    """Runs `python -m launcher.corpus`, which checks every option (one line, exit 2) and builds: the
+    """Runs `python -m launcher.data.corpus`, which checks every option (one line, exit 2) and builds: the
     caller's side imports only launcher's torch-free contract."""
     import subprocess
 
@@ -512,7 +512,7 @@ def cmd_data(args: argparse.Namespace) -> int:
     ]
     flags = [f"{flag}={value}" for flag, value in options if value is not None]
     # "--" ends the options: an input named like a flag is still a path.
-    argv = [sys.executable, "-m", "launcher.corpus", *flags, "--", str(args.out.expanduser()), *inputs]
+    argv = [sys.executable, "-m", "launcher.data.corpus", *flags, "--", str(args.out.expanduser()), *inputs]
     return subprocess.run(argv, check=False).returncode
 
 

@@ -63,8 +63,8 @@ def options(args: argparse.Namespace, profile: Any) -> Any:
 
 
 def doctor_plan(profile: Any, opts: Any, home: str) -> Any:
-    from launcher import schema
-    from launcher.spec import JobSpec
+    from launcher.contract import schema
+    from launcher.contract.spec import JobSpec
     from submit.doctor import job_spec
     from submit.plan import make_plan
 
@@ -80,7 +80,7 @@ def doctor_plan(profile: Any, opts: Any, home: str) -> Any:
 
 def read_results(transport: Any, run_dir: str, world: int) -> list[Optional[dict[str, Any]]]:
     """Every rank's results file (None where a rank wrote none, or half of one)."""
-    from launcher.rundir import RunDir
+    from launcher.contract.rundir import RunDir
 
     out: list[Optional[dict[str, Any]]] = []
     for rank in range(world):

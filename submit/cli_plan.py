@@ -48,7 +48,7 @@ def _choice_json(choice: Any, spec: Any) -> Optional[dict[str, Any]]:
 
 def build(spec: Any, cluster: Any, partition: Any) -> dict[str, Any]:
     """The plan's JSON object (README documents every key)."""
-    from launcher.modelshape import param_count
+    from launcher.contract.modelshape import param_count
     from submit import estimate, recommend, steptime
 
     memory = estimate.memory_per_gpu(spec)
@@ -100,7 +100,7 @@ def _layout_text(layout: dict[str, Any]) -> str:
 
 def _speed(obj: dict[str, Any]) -> str:
     if obj.get("tokens_per_s") is None:
-        return "time unknown (no peak for this GPU type in launcher/gpus.py)"
+        return "time unknown (no peak for this GPU type in launcher/contract/gpus.py)"
     return f"{obj['step_time_s']:.3g} s/step, {obj['tokens_per_s']:,.0f} tokens/s, MFU {obj['mfu']:.0%}"
 
 

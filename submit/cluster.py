@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Mapping, Optional
 
-from launcher import schema
-from launcher.schema import SchemaError
-from launcher.spec import ENV_KEY
+from launcher.contract import schema
+from launcher.contract.schema import SchemaError
+from launcher.contract.spec import ENV_KEY
 from submit.errors import InputError
 from submit.resources import shipped_profiles_dir
 from submit.schedulers import backend

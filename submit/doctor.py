@@ -1,8 +1,8 @@
 """`meshrun doctor`: the preflight job's spec, and the pass/warn/fail verdict per node from its results.
 
-The job is an ordinary `command:` job (`python -m launcher.doctor` on every rank: one per GPU, or two per
+The job is an ordinary `command:` job (`python -m launcher.probes.doctor` on every rank: one per GPU, or two per
 node on a CPU cluster) that goes through the normal submission path. Each rank writes
-RUN_DIR/doctor/rank-N.json (launcher/doctor.py); `judge` turns those files into one row per node. Pure:
+RUN_DIR/doctor/rank-N.json (launcher/probes/doctor.py); `judge` turns those files into one row per node. Pure:
 no cluster is touched here (submit/cli_doctor.py submits, waits and reads).
 """
 
@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Mapping, Optional, Sequence
 
-from launcher.gpus import peak_tflops
+from launcher.contract.gpus import peak_tflops
 from submit.cluster import ClusterProfile, Interconnect, Partition
 from submit.errors import InputError
 
@@ -50,7 +50,7 @@ class Options:
 def job_spec(profile: ClusterProfile, opts: Options) -> dict[str, Any]:
     """The doctor job as a spec mapping (validated by the normal planner)."""
     tasks = opts.gpus_per_node or 2
-    command = [profile.python, "-m", "launcher.doctor", "--storage-mib", str(opts.storage_mib)]
+    command = [profile.python, "-m", "launcher.probes.doctor", "--storage-mib", str(opts.storage_mib)]
     if opts.data:
         command += ["--data", opts.data]
     return {

@@ -2,14 +2,14 @@
 
 `InputError` is bad input (exit code 2), found before anything touches a
 cluster. `ClusterError` is the cluster or the transport refusing (exit code 1).
-`InputError` is a `SchemaError` (the torch-free launcher.schema's bad-input type,
+`InputError` is a `SchemaError` (the torch-free launcher.contract.schema's bad-input type,
 shared by both sides), so there is one type for bad input. `InternalError` is a
 meshrun bug, never reported as bad input.
 """
 
 from __future__ import annotations
 
-from launcher.schema import SchemaError
+from launcher.contract.schema import SchemaError
 
 EXIT_INPUT = 2
 EXIT_CLUSTER = 1

@@ -3,10 +3,10 @@
 
 Every figure is bytes on ONE GPU (the worst pipeline stage, unless a stage is named), split into:
 - params, grads, optimizer: the model state the engine keeps (`model_state_bytes`, the interface the
-  mesh dry run, launcher/meshcount.py, counts from the real model);
+  mesh dry run, launcher/probes/meshcount.py, counts from the real model);
 - activations: Megatron's method (Korthikanti et al. 2022: the bytes each layer saves for its backward,
   per s*b*h; the tensor-parallel parts / tp, all of it / tp with sequence parallelism; each micro-batch in
-  flight), with this model's own coefficients (LAYER_BYTES, counted from launcher/model.py's saved tensors)
+  flight), with this model's own coefficients (LAYER_BYTES, counted from launcher/train/model.py's saved tensors)
   instead of Megatron's sbh(34 + 5as/h): that assumes a GeLU MLP of 4h, dropout masks and all-16-bit
   tensors, where ours has a SwiGLU (four tensors of ffn_hidden), fp32 RMSNorm upcasts and fused attention
   (no s x s scores). A 16-bit-parameter layer of ffn 8/3 h keeps ~45 sbh bytes against Megatron's 34.
@@ -21,11 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from launcher import dsconfig
-from launcher.modelshape import ModelPart, StageBytes, ffn_hidden, part_param_count
-from launcher.parallel_dims import ParallelDims
-from launcher.spec import JobSpec
-from launcher.spec import Model as ModelConfig
+from launcher.contract import dsconfig
+from launcher.contract.modelshape import ModelPart, StageBytes, ffn_hidden, part_param_count
+from launcher.contract.parallel_dims import ParallelDims
+from launcher.contract.spec import JobSpec
+from launcher.contract.spec import Model as ModelConfig
 
 GIB = 1024**3
 CONTEXT_BYTES = GIB
@@ -82,7 +82,7 @@ def mixed(spec: JobSpec) -> bool:
 
 def local_params(cfg: ModelConfig, part: ModelPart, tp: int) -> int:
     """Parameters one tp rank of a model part holds: the matmul weights, embedding and head split over tp
-    (launcher/parallel.py), the RMSNorm weights whole on every tp rank (a tied head's matrix is the
+    (launcher/train/parallel.py), the RMSNorm weights whole on every tp rank (a tied head's matrix is the
     embedding's: modelshape.part_param_count counts it once)."""
     d = cfg.d_model
     layers = part.end_layer - part.first_layer
@@ -159,7 +159,7 @@ def in_flight(spec: JobSpec, stage: int) -> int:
 
 @dataclass(frozen=True)
 class LayerBytes:
-    """Bytes per s*b*h element position that one block of launcher/model.py saves for its backward, by the
+    """Bytes per s*b*h element position that one block of launcher/train/model.py saves for its backward, by the
     dtypes it computes in (counted from its saved tensors: tests/unit/test_estimate.py checks them)."""
 
     whole: float

@@ -35,10 +35,10 @@ from submitit.core import core, utils
 from submitit.local.local import LocalExecutor
 from submitit.slurm.slurm import SlurmExecutor
 
-from launcher import schema
-from launcher.private import make_private_dir, private_umask_while
-from launcher.rundir import RunDir
-from launcher.spec import Resources
+from launcher.contract import schema
+from launcher.contract.private import make_private_dir, private_umask_while
+from launcher.contract.rundir import RunDir
+from launcher.contract.spec import Resources
 from submit.cluster import ClusterProfile, Partition, load_profile_file, profile_path
 from submit.errors import InputError
 from submit.plan import fit_partition, parse_time

@@ -18,9 +18,9 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
-from launcher import dsconfig
-from launcher.envcheck import env_mismatches, newest_run, parse_record
-from launcher.rundir import RunDir
+from launcher.contract import dsconfig
+from launcher.contract.envcheck import env_mismatches, newest_run, parse_record
+from launcher.contract.rundir import RunDir
 
 CAP_BYTES = 65536
 """Read at most this much of each file: a status of many jobs stays small whatever a sidecar wrote."""
@@ -64,7 +64,7 @@ class Findings:
     env_mismatches: list[str] = field(default_factory=list)
     """One line per version that differs between the newest run's nodes."""
     alerts: list[dict[str, Any]] = field(default_factory=list)
-    """This job's newest alert records (launcher/alerts.py), oldest first."""
+    """This job's newest alert records (launcher/contract/alerts.py), oldest first."""
     gpus: list[dict[str, Any]] = field(default_factory=list)
     """The newest gpu.jsonl sample of each GPU (asked for by `meshrun top` only; else [])."""
     steps: Optional[int] = None
@@ -255,8 +255,8 @@ def _json_lines(text: Optional[str]) -> list[dict[str, Any]]:
 
 
 def parse_alerts(text: Optional[str]) -> list[dict[str, Any]]:
-    """alerts.jsonl's records (launcher/alerts.py), oldest first; a record naming no known rule is left out."""
-    from launcher.alerts import RULES
+    """alerts.jsonl's records (launcher/contract/alerts.py), oldest first; a record naming no known rule is left out."""
+    from launcher.contract.alerts import RULES
 
     return [row for row in _json_lines(text) if row.get("rule") in RULES]
 

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Optional, Sequence, TextIO
 
-from launcher.rundir import RunDir
+from launcher.contract.rundir import RunDir
 from submit import api
 from submit.errors import ClusterError, InputError
 from submit.registry import JobRecord

@@ -1,6 +1,6 @@
 """`meshrun plan --mesh`: count each rank's model-state bytes on the real, sharded model, on this machine.
 
-Torch-free glue: the counting (launcher/meshcount.py: the real model on the meta device, split by the
+Torch-free glue: the counting (launcher/probes/meshcount.py: the real model on the meta device, split by the
 real parallel code in a fake world of the job's size) needs torch, which the caller's side never
 imports. So it runs in a subprocess of the job's interpreter, gets the resolved JobSpec as JSON on stdin,
 and answers one JSON line; this module turns that into the planner's StageBytes (submit.estimate), so
@@ -15,10 +15,10 @@ import sys
 import time
 from typing import Any, Sequence
 
-from launcher.exitcodes import EXIT_INPUT
-from launcher.modelshape import StageBytes
-from launcher.schema import to_plain
-from launcher.spec import JobSpec
+from launcher.contract.exitcodes import EXIT_INPUT
+from launcher.contract.modelshape import StageBytes
+from launcher.contract.schema import to_plain
+from launcher.contract.spec import JobSpec
 from submit.errors import ClusterError, InputError, InternalError
 
 TIMEOUT_S = 600.0
@@ -26,8 +26,8 @@ TIMEOUT_S = 600.0
 
 
 def argv(python: str) -> list[str]:
-    """The command that counts: the job's interpreter running launcher.meshcount."""
-    return [python, "-m", "launcher.meshcount"]
+    """The command that counts: the job's interpreter running launcher.probes.meshcount."""
+    return [python, "-m", "launcher.probes.meshcount"]
 
 
 def run(spec: JobSpec, python: str = sys.executable, timeout: float = TIMEOUT_S) -> list[StageBytes]:
@@ -52,14 +52,14 @@ def run(spec: JobSpec, python: str = sys.executable, timeout: float = TIMEOUT_S)
 
 
 def parse(stdout: str) -> list[StageBytes]:
-    """StageBytes from launcher.meshcount's JSON line (the last line of its output)."""
+    """StageBytes from launcher.probes.meshcount's JSON line (the last line of its output)."""
     try:
         data = json.loads(stdout.strip().splitlines()[-1])
         return [
             StageBytes(int(s["stage"]), int(s["params"]), int(s["grads"]), int(s["optimizer"])) for s in data["stages"]
         ]
     except (ValueError, IndexError, KeyError, TypeError) as exc:
-        raise InternalError(f"launcher.meshcount printed {stdout[-200:]!r}, not its JSON ({exc})") from None
+        raise InternalError(f"launcher.probes.meshcount printed {stdout[-200:]!r}, not its JSON ({exc})") from None
 
 
 def _input_error(stdout: str, stderr: str) -> InputError:

@@ -16,11 +16,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from launcher import dsconfig, presets, schema, tokens, weights
-from launcher.parallel_dims import ParallelDims
-from launcher.rundir import RunDir
-from launcher.schema import SchemaError
-from launcher.spec import JobSpec, Resources, RunInfo, RunSpec
+from launcher.contract import dsconfig, presets, schema, tokens, weights
+from launcher.contract.parallel_dims import ParallelDims
+from launcher.contract.rundir import RunDir
+from launcher.contract.schema import SchemaError
+from launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec
 from submit import __version__
 from submit import secrets as job_secrets
 from submit.cluster import ClusterProfile, Partition
@@ -107,7 +107,7 @@ def _set_keys(overrides: Sequence[str]) -> set[str]:
 
 
 def expand_preset(data: dict[str, Any], overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """`train.model.preset` -> its shape keys (launcher/presets.py). Keys given explicitly win: a preset in
+    """`train.model.preset` -> its shape keys (launcher/contract/presets.py). Keys given explicitly win: a preset in
     the file yields to the file's (and --set's) model keys; a preset given by --set replaces the file's
     model keys and yields only to --set's, so `--set train.model.preset=llama-70b` sizes any spec."""
     train = data.get("train")
@@ -434,7 +434,7 @@ def make_plan(
     ckpt_root = cluster.paths.checkpoint_root and expand_home(cluster.paths.checkpoint_root, home)
     ckpt_dir = f"{ckpt_root.rstrip('/')}/{Path(run_dir).name}" if ckpt_root else f"{run_dir}/checkpoints"
     # Node-local, and often shared by every user of the node: one private folder per user ($USER, like
-    # `~`, is expanded on the node itself: launcher.rundir.expand_node_path), one per run inside it.
+    # `~`, is expanded on the node itself: launcher.contract.rundir.expand_node_path), one per run inside it.
     scratch = cluster.paths.scratch
     scratch_dir = f"{scratch.rstrip('/')}/meshrun-$USER/{Path(run_dir).name}" if scratch else ""
     info = RunInfo(

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
-from launcher import dsconfig
-from launcher.gpus import memory_bandwidth_gbs, memory_gb, peak_tflops
-from launcher.parallel_dims import ParallelDims
-from launcher.spec import JobSpec
+from launcher.contract import dsconfig
+from launcher.contract.gpus import memory_bandwidth_gbs, memory_gb, peak_tflops
+from launcher.contract.parallel_dims import ParallelDims
+from launcher.contract.spec import JobSpec
 from submit.cluster import ClusterProfile, Partition
 from submit.estimate import Memory, fits, memory_per_gpu
 from submit.steptime import Hardware, StepTime, step_time

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from launcher.private import make_private_dir
+from launcher.contract.private import make_private_dir
 from submit.errors import InputError, JobNotFound
 
 _SCHEMA = """

@@ -17,9 +17,9 @@ from typing import Any, Sequence
 
 import jinja2
 
-from launcher import exitcodes
-from launcher.rundir import RunDir
-from launcher.spec import dumps_run_spec
+from launcher.contract import exitcodes
+from launcher.contract.rundir import RunDir
+from launcher.contract.spec import dumps_run_spec
 from submit import __version__, seal
 from submit.errors import InputError, InternalError
 from submit.plan import Plan, format_time

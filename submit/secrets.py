@@ -1,4 +1,4 @@
-"""The submit side of a job's secrets (spec `secrets:`, launcher/secrets.py): checked when the job is planned,
+"""The submit side of a job's secrets (spec `secrets:`, launcher/contract/secrets.py): checked when the job is planned,
 sent when it is scheduled, never written where a person or Slurm keeps things.
 
 - plan time (before any connection): every `env:` source is set here and every `file:` source that this
@@ -16,13 +16,13 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-from launcher import secrets as ls
-from launcher.schema import SchemaError
+from launcher.contract import secrets as ls
+from launcher.contract.schema import SchemaError
 from submit.errors import InputError
 from submit.transport import Upload
 
 if TYPE_CHECKING:
-    from launcher.spec import JobSpec, RunSpec
+    from launcher.contract.spec import JobSpec, RunSpec
     from submit.cluster import ClusterProfile
     from submit.plan import Plan
     from submit.registry import JobRecord

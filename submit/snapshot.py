@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from launcher.spec import Code
+from launcher.contract.spec import Code
 from submit.errors import ClusterError, InputError
 from submit.seal import MANIFEST, VERIFY_FUNCTION, WHY_FUNCTION
 from submit.transport import Progress, Transport, Upload

@@ -15,7 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
 
-from launcher.rundir import RunDir
+from launcher.contract.rundir import RunDir
 from submit.errors import MeshrunError
 from submit.registry import JobRecord, Registry
 from submit.schedulers.slurm_cli import FAILURE, SUCCESS

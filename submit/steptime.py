@@ -1,6 +1,6 @@
 """The step-time model of `meshrun plan` (torch-free): model FLOPs (the Megatron formula) at a stated share of
 the GPU's peak, the pipeline bubble, tensor- and pipeline-parallel traffic in series, data-parallel traffic
-overlapped with compute, and a memory-bound optimizer step, from the GPU type's figures (launcher/gpus.py)
+overlapped with compute, and a memory-bound optimizer step, from the GPU type's figures (launcher/contract/gpus.py)
 and the profile's interconnect bandwidths.
 """
 
@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from launcher import dsconfig
-from launcher.gpus import FP32_FRACTION
-from launcher.modelshape import ModelPart, flops_per_token
-from launcher.spec import JobSpec
+from launcher.contract import dsconfig
+from launcher.contract.gpus import FP32_FRACTION
+from launcher.contract.modelshape import ModelPart, flops_per_token
+from launcher.contract.spec import JobSpec
 from submit.estimate import cdiv, local_params, mixed
 
 COMPUTE_EFFICIENCY = 0.5

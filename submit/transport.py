@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Optional, Protocol, Sequence, Union
 
-from launcher.private import DIR_MODE, make_private_dir
+from launcher.contract.private import DIR_MODE, make_private_dir
 from submit.errors import ClusterError
 
 Progress = Callable[[int, int], None]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from launcher import schema
+from launcher.contract import schema
 from submit.yamlfile import YamlDoc
 
 

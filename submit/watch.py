@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TextIO
 
-from launcher.private import make_private_dir
+from launcher.contract.private import make_private_dir
 from submit.errors import InputError
 from submit.registry import JobRecord
 from submit.status import FINAL, Status

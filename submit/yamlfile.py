@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from launcher import schema
+from launcher.contract import schema
 from submit.errors import InputError
 from submit.textwidth import printable
 

@@ -67,7 +67,7 @@ def default_corpus() -> Path:
     """The examples' token file (data.path's default, ~/.cache/meshrun/data/stdlib.u16), built as README's
     quick start builds it when this machine has none yet: a submit of an example as shipped (a dry run
     too) refuses a missing token file."""
-    from launcher.corpus import build_corpus
+    from launcher.data.corpus import build_corpus
 
     path = Path("~/.cache/meshrun/data/stdlib.u16").expanduser()
     if not path.is_file():

@@ -18,8 +18,8 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
-from launcher.exitcodes import EXIT_INPUT
-from launcher.rundir import RunDir
+from launcher.contract.exitcodes import EXIT_INPUT
+from launcher.contract.rundir import RunDir
 
 if TYPE_CHECKING:
     from launcher.sidecar.loop import Stop
@@ -68,8 +68,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if len(argv) != 1 or argv[0].startswith("-"):
         print(USAGE, file=sys.stderr)
         return EXIT_INPUT
-    from launcher.private import private_umask
-    from launcher.rundir import node_name
+    from launcher.contract.private import private_umask
+    from launcher.contract.rundir import node_name
     from launcher.sidecar.keeper import KEPT_ENV, TOLD_ENV, keep
     from launcher.sidecar.loop import Flag, Log, Periodic, Sidecar, run_tasks
 

@@ -1,7 +1,7 @@
 """The sidecar's alert rules (GPU utilisation, GPU memory, stragglers, hangs) and their forwarding.
 Torch-free, stdlib only.
 
-Only node 0 writes RUN_DIR/alerts.jsonl (launcher/alerts.py: appends from one machine stay whole
+Only node 0 writes RUN_DIR/alerts.jsonl (launcher/contract/alerts.py: appends from one machine stay whole
 lines, even on NFS). Another node's sidecar appends to RunDir.node_alerts(node), and node 0's sidecar
 copies the new complete lines of those files into alerts.jsonl every second. What it has forwarded is
 found again in alerts.jsonl when it starts, so a requeued job's new sidecar forwards nothing twice.
@@ -14,11 +14,11 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional
 
-from launcher import alerts
-from launcher.alerts import Alert
-from launcher.rundir import RunDir
+from launcher.contract import alerts
+from launcher.contract.alerts import Alert
+from launcher.contract.rundir import RunDir
+from launcher.contract.spec import Alerts as AlertSettings
 from launcher.sidecar.stragglers import RankTime
-from launcher.spec import Alerts as AlertSettings
 
 LogFn = Callable[[str], None]
 StepFn = Callable[[], Optional[int]]

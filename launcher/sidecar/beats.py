@@ -8,7 +8,7 @@ import statistics
 from collections import deque
 from typing import Any, Optional, Sequence
 
-from launcher.spec import Watchdog as WatchdogSettings
+from launcher.contract.spec import Watchdog as WatchdogSettings
 
 RECENT = 20
 """Step durations (per rank) the step timeout looks at."""

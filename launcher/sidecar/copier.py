@@ -1,6 +1,6 @@
 """Checkpoints staged on node-local scratch, copied to shared storage by each node's sidecar.
 
-The trainer stages each node's part of a save on that node's scratch (launcher/checkpoint.py:
+The trainer stages each node's part of a save on that node's scratch (launcher/checkpoint/commit.py:
 `STAGE/step-N/` with `meshrun-staged.json` written last). Here, on every node:
 
 - copy: a child process (`python -m launcher.sidecar.copier copy ...`) copies the node's part
@@ -34,9 +34,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from launcher import checkpoint as ckpt
-from launcher import resume
-from launcher.exitcodes import EXIT_FAILED, EXIT_INPUT
+from launcher.checkpoint import commit as ckpt
+from launcher.checkpoint import resume
+from launcher.contract.exitcodes import EXIT_FAILED, EXIT_INPUT
 from launcher.sidecar.copyfile import CopyError, copy_file, hash_file, same_bytes
 
 COPIED = "meshrun-copied.json"

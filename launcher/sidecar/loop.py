@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, TextIO, Union
 
-from launcher import procs
-from launcher.private import make_private_dir
-from launcher.rundir import RunDir, attempt_id, expand_node_path, read_state, write_json
+from launcher.contract import procs
+from launcher.contract.private import make_private_dir
+from launcher.contract.rundir import RunDir, attempt_id, expand_node_path, read_state, write_json
+from launcher.contract.spec import Alerts, Watchdog
 from launcher.sidecar import envrecord
 from launcher.sidecar.alerting import Alerting
 from launcher.sidecar.copier import Copier
@@ -27,8 +28,7 @@ from launcher.sidecar.host import Host
 from launcher.sidecar.keeper import SINCE_ENV
 from launcher.sidecar.nvml import Gpus, NvmlUnavailable, discover, load_nvml, resolve
 from launcher.sidecar.watchdog import Watchdog as HangWatch
-from launcher.spec import Alerts, Watchdog
-from launcher.tbwriter import scalars_of
+from launcher.train.tbwriter import scalars_of
 
 DEFAULT_INTERVAL_S = 5.0
 """Sampling interval when spec.json cannot be read (the spec's own default is the same)."""
@@ -101,7 +101,7 @@ def process_alive(pid: Any) -> bool:
 
 def rank_alive(beat: dict[str, Any]) -> bool:
     """Whether the rank that wrote this heartbeat still runs: its pid, while it still names that process
-    (its start time, launcher.procs; a heartbeat without one is judged by its pid alone)."""
+    (its start time, launcher.contract.procs; a heartbeat without one is judged by its pid alone)."""
     identity = procs.Identity.from_json(beat)
     return procs.alive(identity) if identity is not None else process_alive(beat.get("pid"))
 
@@ -177,7 +177,7 @@ class Settings:
 
 
 def read_settings(run_dir: RunDir, environ: Mapping[str, str], log: LogFn) -> Settings:
-    from launcher.spec import read_run_spec  # torch-free
+    from launcher.contract.spec import read_run_spec  # torch-free
 
     node_rank = int(environ.get("SLURM_NODEID", "0") or 0)
     try:
@@ -357,7 +357,7 @@ class Sidecar:
         return Gpus(nvml, targets, self.log)
 
     def _open_tb(self) -> Any:
-        from launcher.tbwriter import ScalarWriter  # the trainer's writer: one way to write event files
+        from launcher.train.tbwriter import ScalarWriter  # the trainer's writer: one way to write event files
 
         writer = ScalarWriter(self.run_dir.sidecar_tensorboard(self.node), session_start=False)
         if not writer.enabled:

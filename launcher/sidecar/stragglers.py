@@ -12,7 +12,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from launcher.rundir import RunDir
+from launcher.contract.rundir import RunDir
 from launcher.sidecar.beats import read_json
 
 STREAK = 3

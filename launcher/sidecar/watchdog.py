@@ -21,10 +21,11 @@ import stat
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from launcher import procs
-from launcher.exitcodes import EXIT_NO_PROGRESS
-from launcher.private import make_private_dir
-from launcher.rundir import NodeDir, RunDir, write_json
+from launcher.contract import procs
+from launcher.contract.exitcodes import EXIT_NO_PROGRESS
+from launcher.contract.private import make_private_dir
+from launcher.contract.rundir import NodeDir, RunDir, write_json
+from launcher.contract.spec import Watchdog as WatchdogSettings
 from launcher.sidecar import diagnosis
 from launcher.sidecar.beats import (
     WARMUP_DURATIONS,
@@ -35,7 +36,6 @@ from launcher.sidecar.beats import (
     write_text,
 )
 from launcher.sidecar.stragglers import RankTime, StragglerTracker, rank_times, read_step_times
-from launcher.spec import Watchdog as WatchdogSettings
 
 STALE_GRACE_S = 5.0
 """Beats older than the watchdog's start minus this are a previous attempt's leftovers."""
@@ -257,7 +257,7 @@ class Watchdog:
         return procs.alive(identity) and (self.job is None or procs.in_job(pid, self.job))
 
     def _signal(self, beat: dict[str, Any], sig: int) -> bool:
-        """Signal the rank that wrote `beat`, only while its pid still names it (launcher.procs): a pid from
+        """Signal the rank that wrote `beat`, only while its pid still names it (launcher.contract.procs): a pid from
         a file may be another process's by now, on a node shared with other jobs and daemons."""
         pid = int(beat["pid"])
         if self.kill is not None:

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence
 
 import yaml
 
-from launcher import dsconfig
-from launcher.rundir import RunDir
-from launcher.spec import dumps_run_spec
+from launcher.contract import dsconfig
+from launcher.contract.rundir import RunDir
+from launcher.contract.spec import dumps_run_spec
 from submit.transport import Upload
 
 if TYPE_CHECKING:
-    from launcher.spec import JobSpec
+    from launcher.contract.spec import JobSpec
     from submit.cluster import ClusterProfile
     from submit.plan import Plan
     from submit.registry import JobRecord

@@ -22,9 +22,9 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-from launcher.private import make_private_dir
-from launcher.rundir import JOB_ID_ENV, RunDir, local_state_path, merge_state, read_state
-from launcher.spec import JobSpec
+from launcher.contract.private import make_private_dir
+from launcher.contract.rundir import JOB_ID_ENV, RunDir, local_state_path, merge_state, read_state
+from launcher.contract.spec import JobSpec
 from submit import findings
 from submit import secrets as job_secrets
 from submit.cluster import ClusterProfile
@@ -168,7 +168,7 @@ def _start(run_dir: str, argv: Sequence[str]) -> str:
         )
     finally:
         os.close(log)
-    from launcher.procs import process_identity
+    from launcher.contract.procs import process_identity
 
     # The start time with the pid: a cancel signals the group only while the pid still names this supervisor.
     identity = process_identity(proc.pid)
@@ -209,7 +209,7 @@ def _supervisor_alive(state: dict[str, Any]) -> bool:
         return False
     if not isinstance(started, (int, float)):
         return True  # a state file from before start times were recorded
-    from launcher.procs import same_process
+    from launcher.contract.procs import same_process
 
     return same_process(pid, float(started))
 
@@ -220,7 +220,7 @@ def _group_is_ours(state: dict[str, Any]) -> bool:
     started = state.get("supervisor_started_at")
     if not isinstance(started, (int, float)):
         return True
-    from launcher.procs import process_identity, same_process
+    from launcher.contract.procs import process_identity, same_process
 
     pid = int(state["supervisor_pid"])
     return process_identity(pid) is None or same_process(pid, float(started))
@@ -252,7 +252,7 @@ def _record_death(run_dir: str, job_id: str, state: dict[str, Any]) -> dict[str,
     """The end of a job whose supervisor died and whose processes have all ended, written into its state
     file when first seen: ELAPSED stops at its last sign of life, and a later resume writing into the
     run dir does not move it."""
-    from launcher import lost
+    from launcher.contract import lost
 
     ended = last_activity(run_dir, float(state.get("started") or state.get("submitted") or 0))
     if state.get("cancel_requested"):
@@ -348,7 +348,7 @@ def _cancel(record: JobRecord) -> None:
     pgid = int(state.get("pgid") or state.get("supervisor_pid") or 0)
     if not pgid:
         return  # not started yet: the supervisor sees cancel_requested and starts nothing
-    from launcher import procs
+    from launcher.contract import procs
 
     # Only the group this job's supervisor started, and only if its processes carry this job's id: a pid
     # from a state file may name another process (and group) by now.
@@ -361,7 +361,7 @@ def _cancel(record: JobRecord) -> None:
 def _cancel_submitit_job(record: JobRecord) -> None:
     """A submitit-API job on this machine: its controller (pid = job id) forwards SIGTERM to the tasks;
     the outcome is recorded in meshrun's own state file, which submitit's LocalExecutor does not write."""
-    from launcher import procs
+    from launcher.contract import procs
 
     # The job id is the controller's pid: signalled only while that pid runs submitit's controller for this
     # job's run dir and started with the job (a pid from the registry may be another process's by now).

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from launcher.rundir import RunDir
-from launcher.spec import JobSpec
+from launcher.contract.rundir import RunDir
+from launcher.contract.spec import JobSpec
 from submit import findings
 from submit import secrets as job_secrets
 from submit.cluster import ClusterProfile

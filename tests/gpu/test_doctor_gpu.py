@@ -1,4 +1,4 @@
-"""On a GPU machine: the doctor program (launcher/doctor.py) on every local GPU, one rank each under torchrun,
+"""On a GPU machine: the doctor program (launcher/probes/doctor.py) on every local GPU, one rank each under torchrun,
 judged by submit/doctor.py against a partition of this machine's own GPUs. Skips without a CUDA GPU.
 `pytest -q -s tests/gpu/test_doctor_gpu.py` prints the table and the figures (GEMM TFLOP/s and share of
 the dense bf16 peak, local all-reduce bus bandwidth) for the record; bench/gpu.sh runs it with tests/gpu."""
@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from launcher import installed_version
-from launcher.gpus import PEAK_BF16_TFLOPS, peak_tflops
-from launcher.rundir import RunDir
-from launcher.spec import JobSpec, Resources, RunInfo, RunSpec, write_run_spec
+from launcher.contract.gpus import PEAK_BF16_TFLOPS, peak_tflops
+from launcher.contract.rundir import RunDir
+from launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, write_run_spec
 from submit.cluster import Partition, load_profile
 from submit.doctor import Options, judge, table
 
@@ -54,7 +54,7 @@ def test_doctor_on_this_machines_gpus_passes_and_reports_its_figures(tmp_path: P
     gpus = torch.cuda.device_count()
     run_dir = _run_dir(tmp_path, gpus)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
-    argv += ["-m", "launcher.doctor", "--storage-mib", "256"]
+    argv += ["-m", "launcher.probes.doctor", "--storage-mib", "256"]
     done = subprocess.run(
         argv, env=dict(os.environ, MESHRUN_RUN_DIR=run_dir), capture_output=True, text=True, timeout=400
     )

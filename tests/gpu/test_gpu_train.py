@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.corpus import build_corpus
-from launcher.spec import Data, JobSpec, Model, Parallel, Resources, RunInfo, RunSpec, write_run_spec
+from launcher.contract.spec import Data, JobSpec, Model, Parallel, Resources, RunInfo, RunSpec, write_run_spec
+from launcher.data.corpus import build_corpus
 from tests.integration.ranks import finish, metrics, start, tiny_train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from launcher.rundir import RunDir
+from launcher.contract.rundir import RunDir
+from launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, write_run_spec
 from launcher.sidecar import loop
 from launcher.sidecar.nvml import Gpus, NvmlUnavailable, discover, load_nvml, resolve
-from launcher.spec import JobSpec, Resources, RunInfo, RunSpec, write_run_spec
 
 
 def _nvml() -> Any:

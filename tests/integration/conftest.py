@@ -83,7 +83,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """~180k byte tokens from the stdlib's logging package: small, stable, on every machine."""
     import sysconfig
 
-    from launcher.corpus import build_corpus
+    from launcher.data.corpus import build_corpus
 
     out = tmp_path_factory.mktemp("corpus") / "logging.u16"
     build_corpus(out, roots=[Path(sysconfig.get_paths()["stdlib"]) / "logging"])

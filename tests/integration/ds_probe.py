@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from launcher.data import TokenDataset
+from launcher.contract.spec import JobSpec, read_run_spec
+from launcher.data.dataset import TokenDataset
 from launcher.env import rank_env
-from launcher.runtime import init_distributed, pick_runtime
-from launcher.spec import JobSpec, read_run_spec
-from launcher.trainer import build_trainer, mean_over_ranks
+from launcher.train.runtime import init_distributed, pick_runtime
+from launcher.train.trainer import build_trainer, mean_over_ranks
 
 GQA_TIED = "-gqa-tied"
 """A case suffix: the base model with 2 key/value heads and its head tied to the embedding."""

@@ -10,7 +10,18 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from launcher.spec import Checkpoint, Data, JobSpec, Model, Parallel, Resources, RunInfo, RunSpec, Train, write_run_spec
+from launcher.contract.spec import (
+    Checkpoint,
+    Data,
+    JobSpec,
+    Model,
+    Parallel,
+    Resources,
+    RunInfo,
+    RunSpec,
+    Train,
+    write_run_spec,
+)
 
 TIMEOUT_S = 180
 STEPS = 20

@@ -18,8 +18,8 @@ from typing import Any, Callable, Optional
 import pytest
 import yaml
 
-from launcher import alerts
-from launcher.alerts import Alert
+from launcher.contract import alerts
+from launcher.contract.alerts import Alert
 from tests.integration.cli import REPO, env_for, meshrun, submitted
 
 IDLE = 'touch "$MESHRUN_RUN_DIR/up"; while [ ! -e "$MESHRUN_RUN_DIR/stop" ]; do sleep 0.2; done'

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from launcher import checkpoint as ckpt
-from launcher.export import consolidated_state
+from launcher.checkpoint import commit as ckpt
+from launcher.contract.spec import Checkpoint, Parallel
+from launcher.export.consolidate import consolidated_state
 from launcher.preempt import EXIT_REQUEUE
-from launcher.spec import Checkpoint, Parallel
 from tests.integration.cli import trials
 from tests.integration.ranks import REPO, finish, free_port, make_run, metrics, rank_environ, start, tiny_train
 

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launcher.exitcodes import EXIT_GAVE_UP
+from launcher.contract.exitcodes import EXIT_GAVE_UP
 from tests.integration.cli import meshrun, metrics, status, submitted, wait_for_state, wait_for_step
 from tests.integration.ranks import free_port
 

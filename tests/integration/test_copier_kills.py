@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher import checkpoint as ckpt
+from launcher.checkpoint import commit as ckpt
 from launcher.sidecar import copier
 from tests.integration.cli import trials
 

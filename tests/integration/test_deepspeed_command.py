@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.rundir import RunDir
+from launcher.contract.rundir import RunDir
 from tests.integration.cli import meshrun, submitted
 
 SPEC = "examples/deepspeed-command.yaml"

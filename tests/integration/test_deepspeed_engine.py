@@ -23,10 +23,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from launcher import checkpoint as ckpt
-from launcher.data import Layout, TokenDataset, val_steps
-from launcher.model import GPT, loss_fn
-from launcher.spec import Model, read_run_spec
+from launcher.checkpoint import commit as ckpt
+from launcher.contract.spec import Model, read_run_spec
+from launcher.data.dataset import Layout, TokenDataset, val_steps
+from launcher.train.model import GPT, loss_fn
 from tests.integration.cli import TINY, TWO_NODES, meshrun, metrics, status, submitted, wait_for_state
 from tests.integration.ranks import TIMEOUT_S, finish, free_port, make_run, rank_environ, tiny_train
 

@@ -9,11 +9,11 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from launcher import alerts
-from launcher import checkpoint as ckpt
-from launcher.exitcodes import EXIT_DIVERGED
-from launcher.export import consolidated_state
-from launcher.rundir import RunDir
+from launcher.checkpoint import commit as ckpt
+from launcher.contract import alerts
+from launcher.contract.exitcodes import EXIT_DIVERGED
+from launcher.contract.rundir import RunDir
+from launcher.export.consolidate import consolidated_state
 from tests.integration.cli import TINY, meshrun, metrics, submitted, wait_for_state
 
 ENDED = {"FAILED", "COMPLETED", "CANCELLED", "PREEMPTED", "TIMEOUT"}

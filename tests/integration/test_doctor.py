@@ -1,6 +1,6 @@
 """`meshrun doctor` end to end: the real preflight job through the normal submission path, on the real
 2-node Slurm testbed (a row per node; a node made slow is failed and excluded) and on `local` (a node
-made broken is failed with its reason). The faults come from launcher/doctor.py's test variables, which
+made broken is failed with its reason). The faults come from launcher/probes/doctor.py's test variables, which
 the submitting environment passes to the ranks as sbatch does for any variable."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from launcher.rundir import RunDir, node_name
+from launcher.contract.rundir import RunDir, node_name
 from tests.integration.cli import meshrun
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from launcher import dsconfig
-from launcher.spec import loads_run_spec
+from launcher.contract import dsconfig
+from launcher.contract.spec import loads_run_spec
 from tests.integration.cli import TINY, meshrun, status, submitted
 
 

@@ -17,11 +17,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from launcher import checkpoint as ckpt
-from launcher import export, schema, weights
-from launcher.model import GPT
-from launcher.schema import SchemaError
-from launcher.spec import Checkpoint, Data, JobSpec, Model, Parallel, Train
+from launcher.checkpoint import commit as ckpt
+from launcher.contract import schema, weights
+from launcher.contract.schema import SchemaError
+from launcher.contract.spec import Checkpoint, Data, JobSpec, Model, Parallel, Train
+from launcher.export import consolidate as export
+from launcher.train.model import GPT
 from tests.integration.ranks import finish, make_run, metrics, start, tiny_train
 
 transformers = pytest.importorskip("transformers")

@@ -1,4 +1,4 @@
-"""Hangs, end to end: one rank made to hang (launcher/faults.py), found by the real sidecar, diagnosed
+"""Hangs, end to end: one rank made to hang (launcher/testing/faults.py), found by the real sidecar, diagnosed
 (its stack, its node), the job ended with exit 76; on the real Slurm testbed it is requeued and finishes."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from launcher.exitcodes import EXIT_NO_PROGRESS
-from launcher.rundir import RunDir, node_name
+from launcher.contract.exitcodes import EXIT_NO_PROGRESS
+from launcher.contract.rundir import RunDir, node_name
 from tests.integration.cli import (
     FAST_WATCH,
     TINY,

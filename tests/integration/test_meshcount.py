@@ -1,4 +1,4 @@
-"""The mesh dry run (launcher/meshcount.py, submit/meshcheck.py): bytes per rank counted on the real model,
+"""The mesh dry run (launcher/probes/meshcount.py, submit/meshcheck.py): bytes per rank counted on the real model,
 split by the real parallel code in a fake world, against hand-computed numbers and against the planner.
 
 In-process counts (fake process groups, meta tensors: milliseconds each) except where the subprocess road
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from launcher import meshcount
-from launcher.meshcount import Held, StageBytes
-from launcher.modelshape import StageBytes as PlannedBytes
-from launcher.schema import SchemaError, to_plain
-from launcher.spec import JobSpec, Model, Parallel, Resources, Train
+from launcher.contract.modelshape import StageBytes as PlannedBytes
+from launcher.contract.schema import SchemaError, to_plain
+from launcher.contract.spec import JobSpec, Model, Parallel, Resources, Train
+from launcher.probes import meshcount
+from launcher.probes.meshcount import Held, StageBytes
 from submit import estimate, meshcheck
 from submit.errors import InputError
 
@@ -180,12 +180,16 @@ def test_bad_input_is_one_line_and_exit_2() -> None:
     bad = to_plain(job(dp=2))
     bad["parallel"]["dp"] = 3  # 3 ranks asked, 2 started
     done = subprocess.run(
-        [sys.executable, "-m", "launcher.meshcount"], input=json.dumps(bad), capture_output=True, text=True, cwd=REPO
+        [sys.executable, "-m", "launcher.probes.meshcount"],
+        input=json.dumps(bad),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
     )
     assert done.returncode == 2, done
     assert done.stderr.count("\n") == 1 and done.stderr.startswith("meshcount: error: parallel: 3: dp(3)*tp(1)*pp(1)")
     garbage = subprocess.run(
-        [sys.executable, "-m", "launcher.meshcount"], input="{", capture_output=True, text=True, cwd=REPO
+        [sys.executable, "-m", "launcher.probes.meshcount"], input="{", capture_output=True, text=True, cwd=REPO
     )
     assert garbage.returncode == 2 and garbage.stderr.count("\n") == 1, garbage
 

@@ -36,10 +36,10 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from launcher import checkpoint as ckpt
-from launcher import export
-from launcher.model import GPT
-from launcher.spec import Checkpoint, Model, Parallel, Train
+from launcher.checkpoint import commit as ckpt
+from launcher.contract.spec import Checkpoint, Model, Parallel, Train
+from launcher.export import consolidate as export
+from launcher.train.model import GPT
 from tests.integration.ranks import finish, free_port, make_run, metrics, rank_environ, start, tiny_train
 
 STEPS = 10

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher import checkpoint as ckpt
-from launcher.rundir import ATTEMPTS_FILE, RunDir
-from launcher.spec import Checkpoint
+from launcher.checkpoint import commit as ckpt
+from launcher.contract.rundir import ATTEMPTS_FILE, RunDir
+from launcher.contract.spec import Checkpoint
 from tests.integration.ranks import REPO, TIMEOUT_S, finish, make_run, metrics, start, tiny_train
 from tests.integration.test_train_processes import own_environ  # noqa: F401  (a fixture)
 
@@ -37,7 +37,7 @@ def _with_checkpoint_dir(run_dir: Path, checkpoint_dir: Path) -> None:
 def _export(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run(
-        [sys.executable, "-m", "launcher.export", *args],
+        [sys.executable, "-m", "launcher.export.consolidate", *args],
         cwd=cwd,
         env=env,
         text=True,

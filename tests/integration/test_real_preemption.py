@@ -17,8 +17,8 @@ from typing import Any, Callable
 import torch
 import yaml
 
-from launcher import checkpoint as ckpt
-from launcher.export import consolidated_state
+from launcher.checkpoint import commit as ckpt
+from launcher.export.consolidate import consolidated_state
 from submit.schedulers import slurm_cli as slurm
 from tests.integration.cli import meshrun, submitted, wait_for_state, wait_for_step
 from tests.integration.test_preempt_resume import _step_rows, _two_ranks_on_two_nodes

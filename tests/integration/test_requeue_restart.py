@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from launcher.exitcodes import EXIT_REQUEUE
+from launcher.contract.exitcodes import EXIT_REQUEUE
 from tests.integration.cli import meshrun, submitted, wait_for_state
 from tests.testbed import health
 from tests.testbed import testbed as tb

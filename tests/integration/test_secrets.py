@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from launcher.secrets import secrets_dir_for
+from launcher.contract.secrets import secrets_dir_for
 from submit.cluster import load_profile
 from tests.integration import sshbed
 from tests.integration.cli import meshrun, submitted

@@ -1,4 +1,4 @@
-"""The sidecar's alerts end to end on `local`: a real straggler and a real hang (launcher/faults.py), found by
+"""The sidecar's alerts end to end on `local`: a real straggler and a real hang (launcher/testing/faults.py), found by
 the real sidecar, each one `straggler` / `hang` line in RUN_DIR/alerts.jsonl and one line in its log."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from launcher import alerts
-from launcher.exitcodes import EXIT_NO_PROGRESS
-from launcher.rundir import RunDir, node_name
+from launcher.contract import alerts
+from launcher.contract.exitcodes import EXIT_NO_PROGRESS
+from launcher.contract.rundir import RunDir, node_name
 from tests.integration.cli import FAST_WATCH, TINY, meshrun, submitted, wait_for_state, wait_for_step
 
 

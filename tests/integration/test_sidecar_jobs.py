@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from launcher import checkpoint as ckpt
-from launcher import lost
-from launcher.rundir import RunDir, node_name
+from launcher.checkpoint import commit as ckpt
+from launcher.contract import lost
+from launcher.contract.rundir import RunDir, node_name
 from tests.integration.cli import TINY, TWO_NODES, meshrun, metrics, status, submitted, wait_for_state
 
 SHORT = ["--set", "sidecar.interval_s=0.3", "--set", "resources.tasks_per_node=1"]

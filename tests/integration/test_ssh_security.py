@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from launcher.spec import Code
+from launcher.contract.spec import Code
 from submit import errors, snapshot, trust
 from submit.cluster import Ssh
 from submit.ssh import STATS, SshTransport

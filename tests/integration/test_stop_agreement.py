@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from launcher.exitcodes import EXIT_REQUEUE
+from launcher.contract.exitcodes import EXIT_REQUEUE
 from tests.integration.ranks import TIMEOUT_S, make_run, start, tiny_train
 
 STEPS = 400  # far more than it runs: the signal comes at step 3

@@ -7,7 +7,7 @@ import re
 import time
 from pathlib import Path
 
-from launcher.rundir import node_name
+from launcher.contract.rundir import node_name
 from tests.integration.cli import TINY, meshrun, metrics, status, submitted
 
 

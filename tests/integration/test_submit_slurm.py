@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.parallel_dims import ParallelDims
+from launcher.contract.parallel_dims import ParallelDims
 from submit.cluster import load_profile
 from submit.errors import InputError
 from submit.plan import plan_file

@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from launcher.rundir import RunDir, node_name
+from launcher.contract.rundir import RunDir, node_name
 from submit.registry import JobRecord, Registry
 from tests.integration import sshbed, tbhelp
 from tests.integration.cli import TINY as CLI_TINY

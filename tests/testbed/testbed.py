@@ -415,7 +415,7 @@ def _stop(d: Daemon, timeout_s: float = 15.0) -> None:
 def _kill(pid: int, timeout_s: float = 15.0) -> None:
     """SIGTERM, then SIGKILL after timeout_s; returns once the process is gone or a zombie. Each signal and
     each check is for the process `pid` named when this started (its start time): once it is gone, its pid
-    may be another process's (launcher/procs.py does the same for meshrun; this module stays stdlib-only)."""
+    may be another process's (launcher/contract/procs.py does the same for meshrun; this module stays stdlib-only)."""
     started = _start_ticks(pid)
 
     def running() -> bool:

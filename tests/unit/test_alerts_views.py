@@ -38,7 +38,7 @@ def test_progress_line_shows_a_null_loss_as_nan() -> None:
 
 
 def _alert(rule: str, step: int, when: float = 0.0, **kw: Any) -> dict[str, Any]:
-    from launcher.alerts import Alert
+    from launcher.contract.alerts import Alert
 
     return Alert(
         rule, 9.0, 3.0, f"{rule} at {step}", step=step, rank=0, node="n1", time=when or time.time(), **kw
@@ -46,8 +46,8 @@ def _alert(rule: str, step: int, when: float = 0.0, **kw: Any) -> dict[str, Any]
 
 
 def test_the_remote_command_brings_each_jobs_newest_alerts_and_gpu_lines_capped(tmp_path: Path) -> None:
-    from launcher import alerts
-    from launcher.alerts import Alert
+    from launcher.contract import alerts
+    from launcher.contract.alerts import Alert
     from submit import findings
     from submit.transport import LocalTransport
 

@@ -33,7 +33,7 @@ def test_help_and_render_work_without_torch(tmp_path: Path) -> None:
 def test_submit_side_modules_never_import_torch() -> None:
     code = (
         "import sys; import submit.cli, submit.api, submit.render, submit.plan, submit.schedulers.local, submit.schedulers.slurm, "
-        "submit.registry, submit.schedulers.slurm_cli, submit.transport, launcher.spec, launcher.entry; "
+        "submit.registry, submit.schedulers.slurm_cli, submit.transport, launcher.contract.spec, launcher.entry; "
         "bad = [m for m in ('torch', 'numpy', 'paramiko') if m in sys.modules]; "
         "assert not bad, bad"
     )

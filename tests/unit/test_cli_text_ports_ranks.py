@@ -14,7 +14,7 @@ from typing import Iterator
 
 import pytest
 
-from launcher.rundir import RunDir
+from launcher.contract.rundir import RunDir
 from submit import logs, sweep
 from submit.errors import ClusterError, InputError
 from submit.forward import PortForward

@@ -15,7 +15,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from launcher import checkpoint as ckpt
+from launcher.checkpoint import commit as ckpt
 from launcher.sidecar import copier
 
 ATTEMPT = "1234.0"
@@ -208,7 +208,7 @@ RANK = textwrap.dedent(
     """
     import sys, torch, torch.distributed as dist
     from pathlib import Path
-    from launcher import checkpoint as ckpt
+    from launcher.checkpoint import commit as ckpt
     rank, store, scratch, shared = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
     torch.manual_seed(0)

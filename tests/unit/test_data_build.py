@@ -13,12 +13,21 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models
 
-from launcher import corpus, tokens
-from launcher.data import BLEND_PERIOD, Layout, TrainStream, blend_order, blend_slots, check_token_ids, open_dataset
-from launcher.schema import SchemaError
-from launcher.spec import BlendSource, Data, JobSpec
-from launcher.textsources import Inputs, iter_files
-from launcher.tokenizer import EOT
+from launcher.contract import tokens
+from launcher.contract.schema import SchemaError
+from launcher.contract.spec import BlendSource, Data, JobSpec
+from launcher.data import corpus
+from launcher.data.dataset import (
+    BLEND_PERIOD,
+    Layout,
+    TrainStream,
+    blend_order,
+    blend_slots,
+    check_token_ids,
+    open_dataset,
+)
+from launcher.data.textsources import Inputs, iter_files
+from launcher.data.tokenizer import EOT
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -14,7 +14,7 @@ IN_ALL_REDUCE = f"""\
 Thread 0x00007f1c2b7fe6c0 (most recent call first):
   File "{STDLIB}/threading.py", line 324 in wait
   File "{STDLIB}/queue.py", line 140 in put
-  File "/home/u/meshrun/launcher/data.py", line 88 in _fill
+  File "/home/u/meshrun/launcher/data/dataset.py", line 88 in _fill
   File "{STDLIB}/threading.py", line 982 in run
   File "{STDLIB}/threading.py", line 1045 in _bootstrap_inner
   File "{STDLIB}/threading.py", line 1002 in _bootstrap
@@ -22,9 +22,9 @@ Thread 0x00007f1c2b7fe6c0 (most recent call first):
 Current thread 0x00007f1c3a9f1740 (most recent call first):
   File "{SITE}/torch/distributed/distributed_c10d.py", line 2501 in all_reduce
   File "{SITE}/torch/distributed/c10d_logger.py", line 83 in wrapper
-  File "/home/u/meshrun/launcher/optim.py", line 55 in global_grad_norm
-  File "/home/u/meshrun/launcher/train.py", line 300 in train_step
-  File "/home/u/meshrun/launcher/train.py", line 420 in main
+  File "/home/u/meshrun/launcher/train/optim.py", line 55 in global_grad_norm
+  File "/home/u/meshrun/launcher/train/loop.py", line 300 in train_step
+  File "/home/u/meshrun/launcher/train/loop.py", line 420 in main
   File "/home/u/meshrun/launcher/__main__.py", line 5 in <module>
   File "<frozen runpy>", line 88 in _run_code
   File "<frozen runpy>", line 198 in _run_module_as_main
@@ -32,9 +32,9 @@ Current thread 0x00007f1c3a9f1740 (most recent call first):
 # The rank that hangs: sleeping in the fault injector (time.sleep is C: no frame of its own).
 STALLED = """\
 Thread 0x00007f0000000001 (most recent call first):
-  File "/home/u/meshrun/launcher/faults.py", line 20 in inject_hang
-  File "/home/u/meshrun/launcher/train.py", line 290 in train_step
-  File "/home/u/meshrun/launcher/train.py", line 420 in main
+  File "/home/u/meshrun/launcher/testing/faults.py", line 20 in inject_hang
+  File "/home/u/meshrun/launcher/train/loop.py", line 290 in train_step
+  File "/home/u/meshrun/launcher/train/loop.py", line 420 in main
   File "/home/u/meshrun/launcher/__main__.py", line 5 in <module>
   File "<frozen runpy>", line 88 in _run_code
   File "<frozen runpy>", line 198 in _run_module_as_main
@@ -81,7 +81,7 @@ def test_main_thread_is_the_one_whose_outermost_own_frame_is_the_program_entry()
 def test_a_rank_in_a_collective_names_it_and_its_first_caller_outside_torch() -> None:
     where = diagnosis.where_of(IN_ALL_REDUCE)
     assert where.state == "collective" and where.function == "all_reduce"
-    assert where.describe() == "all_reduce (called from launcher/optim.py:55 global_grad_norm)"
+    assert where.describe() == "all_reduce (called from launcher/train/optim.py:55 global_grad_norm)"
     fsdp = diagnosis.where_of(FSDP)
     assert fsdp.state == "collective" and fsdp.function == "all_gather_into_tensor"
     assert fsdp.frame == Frame("/work/model.py", 41, "forward")  # through torch.nn's frames
@@ -89,7 +89,7 @@ def test_a_rank_in_a_collective_names_it_and_its_first_caller_outside_torch() ->
 
 def test_a_stalled_rank_names_its_innermost_own_frame_past_the_standard_library() -> None:
     where = diagnosis.where_of(STALLED)
-    assert (where.state, where.describe()) == ("stalled", "inject_hang (launcher/faults.py:20)")
+    assert (where.state, where.describe()) == ("stalled", "inject_hang (launcher/testing/faults.py:20)")
     waiting = f"""\
 Current thread 0x1 (most recent call first):
   File "{STDLIB}/threading.py", line 324 in wait
@@ -112,7 +112,7 @@ def test_a_function_named_like_a_collective_counts_outside_torch_too() -> None:
 
 def test_short_paths() -> None:
     assert diagnosis.short_path(f"{SITE}/torch/x.py") == "torch/x.py"
-    assert diagnosis.short_path("/home/u/meshrun/launcher/faults.py") == "launcher/faults.py"
+    assert diagnosis.short_path("/home/u/meshrun/launcher/testing/faults.py") == "launcher/testing/faults.py"
     assert diagnosis.short_path("/work/train.py") == "/work/train.py"
 
 
@@ -130,8 +130,8 @@ def test_the_verdict_names_the_stalled_rank_first_and_groups_the_waiting_ones() 
     text, data = diagnosis.verdict(hang(), evidence, [], 30, "/runs/r/diagnosis")
     assert text == (
         "Hang at step 7 (phase step), found by n1 after 64 s without progress (timeout 60 s). "
-        "Rank 1 (n1, pid 123) stalled in inject_hang (launcher/faults.py:20), not in a collective, behind at "
-        "step 6; ranks 0, 2, 3 (n1, n2) wait in all_reduce (called from launcher/optim.py:55 global_grad_norm). "
+        "Rank 1 (n1, pid 123) stalled in inject_hang (launcher/testing/faults.py:20), not in a collective, behind at "
+        "step 6; ranks 0, 2, 3 (n1, n2) wait in all_reduce (called from launcher/train/optim.py:55 global_grad_norm). "
         "Stacks, heartbeats and GPU state: /runs/r/diagnosis/. "
         "The job ends with exit 76 (no progress): Slurm requeues it from its last checkpoint (on the local "
         "cluster `meshrun resume` does)."
@@ -144,7 +144,7 @@ def test_the_verdict_names_the_stalled_rank_first_and_groups_the_waiting_ones() 
         "step": 6,
         "phase": "step",
         "state": "stalled",
-        "where": "inject_hang (launcher/faults.py:20)",
+        "where": "inject_hang (launcher/testing/faults.py:20)",
     }
     assert [r["state"] for r in data["ranks"]] == ["collective", "stalled", "collective", "collective"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from launcher.spec import JobSpec
+from launcher.contract.spec import JobSpec
 from submit.cli import progress_line
 from submit.cli_jobs import status_table
 from submit.cluster import load_profile

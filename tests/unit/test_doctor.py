@@ -1,4 +1,4 @@
-"""`meshrun doctor`'s judgement from recorded rank results (the files launcher/doctor.py writes), its job
+"""`meshrun doctor`'s judgement from recorded rank results (the files launcher/probes/doctor.py writes), its job
 spec through the real planner, and its bad input (one line naming the flag, exit 2)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any, Optional
 
 import pytest
 
-from launcher import schema
-from launcher.spec import JobSpec
+from launcher.contract import schema
+from launcher.contract.spec import JobSpec
 from submit.cli import main
 from submit.cluster import load_profile
 from submit.doctor import Options, job_spec, judge, table
@@ -164,7 +164,7 @@ def test_the_doctor_job_plans_through_the_normal_planner() -> None:
     data = job_spec(H200, GPU_OPTS)
     plan = make_plan(schema.load(JobSpec, data), data, H200, home="/home/alice")
     assert plan.spec.world_size == 16 and plan.spec.resources.gpus_per_node == 8
-    assert plan.spec.command == ("python", "-m", "launcher.doctor", "--storage-mib", "64")
+    assert plan.spec.command == ("python", "-m", "launcher.probes.doctor", "--storage-mib", "64")
     assert plan.spec.checkpoint.max_restarts == 0  # a failed preflight is never requeued
     testbed = load_profile("testbed")
     data = job_spec(testbed, Options(nodes=2, partition=testbed.partition(None), gpus_per_node=0, data="/d/x.u16"))
@@ -214,7 +214,7 @@ def example_spec() -> Any:
 
 
 def test_busbw_is_nccl_tests_formula_and_slow_storage_is_slower_by_its_factor(tmp_path: Any) -> None:
-    from launcher import doctor
+    from launcher.probes import doctor
 
     assert doctor.busbw(1.0, 8_000_000_000, 8) == pytest.approx(8 * 2 * 7 / 8)  # algbw 8 GB/s x 2(n-1)/n
     assert doctor.injected(doctor.SLOW_ENV, "n2", {doctor.SLOW_ENV: "n1, n2"})
@@ -228,7 +228,7 @@ def test_busbw_is_nccl_tests_formula_and_slow_storage_is_slower_by_its_factor(tm
 
 
 def test_results_are_read_per_rank_and_a_missing_or_torn_file_is_none(tmp_path: Any) -> None:
-    from launcher.rundir import RunDir
+    from launcher.contract.rundir import RunDir
     from submit.cli_doctor import read_results
     from submit.transport import LocalTransport
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from launcher import dsconfig, dskeys
-from launcher.rundir import RunDir
-from launcher.schema import SchemaError, load
-from launcher.spec import JobSpec
+from launcher.contract import dsconfig, dskeys
+from launcher.contract.rundir import RunDir
+from launcher.contract.schema import SchemaError, load
+from launcher.contract.spec import JobSpec
 from submit import findings
 from submit.cli_jobs import detail_lines
 from submit.cluster import load_profile

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from launcher.modelshape import flops_per_token, param_count
-from launcher.spec import JobSpec, Model, Parallel, Resources, Train
+from launcher.contract.modelshape import flops_per_token, param_count
+from launcher.contract.spec import JobSpec, Model, Parallel, Resources, Train
 from submit import estimate, steptime
 from submit.estimate import megatron_layer_activations, memory_per_gpu, model_state_bytes
 from submit.steptime import Hardware, step_time
@@ -171,11 +171,11 @@ def test_step_time_terms() -> None:
 
 
 def _saved_bytes(cfg: Model, micro: int, mode: str) -> int:
-    """Bytes of the activations the real GPT (launcher/model.py) saves for its backward in one forward on
+    """Bytes of the activations the real GPT (launcher/train/model.py) saves for its backward in one forward on
     the CPU: every saved tensor's storage once, less the parameters and autocast's weight copies."""
     import torch
 
-    from launcher.model import GPT
+    from launcher.train.model import GPT
 
     model = GPT(cfg).train()
     if mode == "16-bit":

@@ -29,8 +29,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from launcher.contract.spec import JobSpec
 from launcher.env import expand_hostlist
-from launcher.spec import JobSpec
 from submit.cli import main
 from submit.cluster import ClusterProfile
 

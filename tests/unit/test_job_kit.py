@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from launcher import checkpoint as ckpt
-from launcher.exitcodes import EXIT_DIVERGED, EXIT_GAVE_UP, EXIT_INPUT, EXIT_NO_PROGRESS, EXIT_REQUEUE
+from launcher.checkpoint import commit as ckpt
+from launcher.contract.exitcodes import EXIT_DIVERGED, EXIT_GAVE_UP, EXIT_INPUT, EXIT_NO_PROGRESS, EXIT_REQUEUE
+from launcher.contract.rundir import RunDir
 from launcher.report import ProgressMark, reported_step
 from launcher.requeue import crash_loop, decide, main
-from launcher.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[2]
 

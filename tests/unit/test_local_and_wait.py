@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.rundir import local_state_path, merge_state
+from launcher.contract.rundir import local_state_path, merge_state
 from submit.api import Status
 from submit.cli import _poll_interval, progress_line
 from submit.errors import ClusterError

@@ -1,4 +1,4 @@
-"""Rank 0's loss rules (launcher/lossrules.py), the divergence sentinel, keep_best's retention and the
+"""Rank 0's loss rules (launcher/train/lossrules.py), the divergence sentinel, keep_best's retention and the
 best checkpoint as `meshrun status` / `export --best` find it."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from launcher import checkpoint as ckpt
-from launcher.faults import faults_for
-from launcher.lossrules import LossRules
-from launcher.schema import SchemaError
-from launcher.spec import Alerts
+from launcher.checkpoint import commit as ckpt
+from launcher.contract.schema import SchemaError
+from launcher.contract.spec import Alerts
+from launcher.testing.faults import faults_for
+from launcher.train.lossrules import LossRules
 
 
 def _record(step: int, **kw: Any) -> dict[str, Any]:
@@ -94,7 +94,7 @@ def test_data_delay_fault_is_read_and_checked() -> None:
 def test_the_sentinel_keeps_the_first_non_finite_step() -> None:
     import torch
 
-    from launcher import divergence
+    from launcher.train import divergence
 
     norm = divergence.Sentinel(torch.device("cpu"), check_norm=True)
     fp16 = divergence.Sentinel(torch.device("cpu"), check_norm=False)

@@ -138,8 +138,8 @@ def test_resume_set_changes_only_what_may_change() -> None:
 
 def test_validators_refuse_a_trailing_newline_and_non_ascii_digits() -> None:
     """Siblings of item 21: a `$`-anchored regex accepts "X\\n", and `\\d` accepts full-width digits."""
-    from launcher import schema
-    from launcher.spec import JobSpec
+    from launcher.contract import schema
+    from launcher.contract.spec import JobSpec
     from submit.plan import parse_time
 
     with pytest.raises(schema.SchemaError, match="env"):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.parallel_dims import ParallelDims
+from launcher.contract.parallel_dims import ParallelDims
 from submit.cluster import load_profile
 from submit.errors import InputError
 from submit.plan import describe, format_time, load_job, parse_time, plan_file

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import yaml
 
-from launcher.modelshape import param_count
-from launcher.presets import PRESETS
-from launcher.spec import Model
+from launcher.contract.modelshape import param_count
+from launcher.contract.presets import PRESETS
+from launcher.contract.spec import Model
 from submit import cli
 from submit.plan import load_job
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from launcher.data import Layout, Prefetcher, TokenDataset, TrainStream
+from launcher.data.dataset import Layout, Prefetcher, TokenDataset, TrainStream
 
 
 def test_close_with_a_full_queue_returns_at_once(tmp_path: Path) -> None:

@@ -7,8 +7,8 @@ import os
 import subprocess
 from pathlib import Path
 
-from launcher import private
-from launcher.spec import Code
+from launcher.contract import private
+from launcher.contract.spec import Code
 from submit import snapshot
 from submit.transport import PUT_SCRIPT, LocalTransport, Upload
 
@@ -51,7 +51,7 @@ def test_snapshot_on_the_login_node_makes_work_dir_runs_and_code_private(tmp_pat
 
 
 def test_the_private_folder_helper_ignores_the_umask_and_leaves_folders_above_alone(tmp_path: Path) -> None:
-    """launcher.private: the one helper every folder meshrun makes goes through (issue 22 item 8)."""
+    """launcher.contract.private: the one helper every folder meshrun makes goes through (issue 22 item 8)."""
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o755)
     os.chmod(shared, 0o755)
@@ -110,7 +110,7 @@ def test_every_entry_point_sets_the_private_umask() -> None:
         "launcher/entry.py": "private_umask()",
         "launcher/supervisor.py": "private_umask()",
         "launcher/sidecar/__main__.py": "private_umask()",
-        "launcher/corpus.py": "private_umask()",
+        "launcher/data/corpus.py": "private_umask()",
         "submit/executor.py": "private_umask_while()",
         "submit/ssh.py": "umask 077; ",
         "templates/slurm.sbatch.j2": "\numask 077\n",

@@ -1,4 +1,4 @@
-"""launcher/procs.py: a pid read from a file is signalled only while it names the process that was recorded,
+"""launcher/contract/procs.py: a pid read from a file is signalled only while it names the process that was recorded,
 and only inside the job; the watchdog, the local backend's cancel and the batch script's signals go through
 it. Every "victim" here is a real, live process of this same user that the test started itself."""
 
@@ -16,10 +16,10 @@ from typing import Any, Iterator
 
 import pytest
 
-from launcher import procs
-from launcher.rundir import RunDir
+from launcher.contract import procs
+from launcher.contract.rundir import RunDir
+from launcher.contract.spec import Watchdog as Settings
 from launcher.sidecar import watchdog as wd
-from launcher.spec import Watchdog as Settings
 
 FAST = Settings(step_factor=2, step_floor_s=1, setup_timeout_s=1, eval_timeout_s=1, checkpoint_timeout_s=1)
 
@@ -173,7 +173,7 @@ def test_a_local_cancel_never_signals_the_group_a_stale_state_file_names(tmp_pat
     """`meshrun cancel` of a local job whose state file's supervisor pid (and process group) is now another
     session leader of this user: with the start time recorded, or without (an older state file) where the
     group does not carry the job's id, nothing is signalled."""
-    from launcher.rundir import local_state_path, merge_state
+    from launcher.contract.rundir import local_state_path, merge_state
     from submit.schedulers import local
 
     victim = subprocess.Popen(["sleep", "600"], start_new_session=True)  # leads its own group, as a supervisor

@@ -14,14 +14,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from launcher import checkpoint as ckpt
-from launcher import rankfail, resume
-from launcher.ckptmanager import marker_job
-from launcher.data import Layout, TokenDataset, TrainStream, check_token_ids, check_train_data, largest_token
-from launcher.rundir import RunDir
-from launcher.schema import SchemaError
-from launcher.spec import JobSpec, Model, RunInfo, RunSpec, SpecFileError, Train, dumps_run_spec, read_run_spec
-from launcher.train import eval_due
+from launcher import rankfail
+from launcher.checkpoint import commit as ckpt
+from launcher.checkpoint import resume
+from launcher.checkpoint.manager import marker_job
+from launcher.contract.rundir import RunDir
+from launcher.contract.schema import SchemaError
+from launcher.contract.spec import JobSpec, Model, RunInfo, RunSpec, SpecFileError, Train, dumps_run_spec, read_run_spec
+from launcher.data.dataset import Layout, TokenDataset, TrainStream, check_token_ids, check_train_data, largest_token
+from launcher.train.loop import eval_due
 
 
 def _mode(path: Path) -> int:
@@ -80,7 +81,7 @@ def test_the_marker_keeps_no_env_and_export_can_still_rebuild_the_job() -> None:
     job = JobSpec(name="j", train=Train(model=Model(n_layers=2)), env={"WANDB_API_KEY": "s3cret"})
     stored = marker_job(RunSpec(job, RunInfo(cluster="c", scheduler="local", run_dir="/r")))
     assert "env" not in stored and "s3cret" not in json.dumps(stored)
-    from launcher import schema
+    from launcher.contract import schema
 
     assert schema.load(JobSpec, stored).trainer.model.n_layers == 2
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from launcher.gpus import mfu, peak_tflops
-from launcher.rundir import NodeDir, RunDir, node_name
-from launcher.tbwriter import ScalarWriter
+from launcher.contract.gpus import mfu, peak_tflops
+from launcher.contract.rundir import NodeDir, RunDir, node_name
+from launcher.train.tbwriter import ScalarWriter
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,7 +56,7 @@ def test_report_on_rank_0_writes_metrics_tensorboard_and_heartbeat(tmp_path: Pat
     assert _scalars(run.tensorboard, "loss") == [(1, 4.0), (2, 3.5)]
     assert "bad" not in EventAccumulator(run.tensorboard).Reload().Tags()["scalars"]
     beat = json.loads(Path(_node(run).progress(0)).read_text())
-    # started_at: the pid's start time, so a watchdog never signals a process that reused the pid (launcher.procs).
+    # started_at: the pid's start time, so a watchdog never signals a process that reused the pid (launcher.contract.procs).
     assert set(beat) == {"rank", "step", "phase", "time", "pid", "started_at", "stack_signal"}
     assert (beat["rank"], beat["step"], beat["phase"]) == (0, 3, "eval")
     assert os.stat(run.metrics).st_mode & 0o777 == 0o600
@@ -121,7 +121,7 @@ def _record(step: int, wait: float) -> dict[str, float]:
 
 
 def test_metrics_log_adds_mfu_only_with_a_known_peak_and_tensorboard_gets_the_rest(tmp_path: Path) -> None:
-    from launcher.metrics import MetricsLog
+    from launcher.train.metrics import MetricsLog
 
     with_peak, without = tmp_path / "gpu", tmp_path / "cpu"
     for run_dir, peak in ((with_peak, peak_tflops("h200")), (without, None)):
@@ -138,17 +138,17 @@ def test_metrics_log_adds_mfu_only_with_a_known_peak_and_tensorboard_gets_the_re
 
 
 def test_mfu_peak_says_why_there_is_none() -> None:
-    from launcher.gpus import mfu_peak
+    from launcher.contract.gpus import mfu_peak
 
     assert mfu_peak("h100", cuda=True) == (989.0, "")
     assert mfu_peak("", cuda=True, device_name="NVIDIA H200") == (989.0, "")  # no type in the profile
     assert mfu_peak("h200", cuda=False) == (None, "the ranks compute on the CPU (MFU is measured against a GPU's peak)")
     peak, why = mfu_peak("fake", cuda=True, device_name="Mystery GPU")
-    assert peak is None and "'fake'" in why and "PEAK_BF16_TFLOPS in launcher/gpus.py" in why
+    assert peak is None and "'fake'" in why and "PEAK_BF16_TFLOPS in launcher/contract/gpus.py" in why
 
 
 def test_the_plan_carries_the_partitions_gpu_type_and_old_spec_files_still_load(tmp_path: Path) -> None:
-    from launcher.spec import dumps_run_spec, read_run_spec
+    from launcher.contract.spec import dumps_run_spec, read_run_spec
     from submit.cluster import load_profile
     from submit.plan import plan_file
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher import checkpoint as ckpt
-from launcher import resume
+from launcher.checkpoint import commit as ckpt
+from launcher.checkpoint import resume
 
 
 def _complete(root: Path, *steps: int) -> None:

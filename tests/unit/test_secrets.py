@@ -15,9 +15,9 @@ from typing import Any, Mapping, Optional, Sequence
 import pytest
 
 from launcher import requeue
-from launcher import secrets as ls
-from launcher.schema import SchemaError, load
-from launcher.spec import JobSpec, RunInfo, RunSpec, dumps_run_spec, loads_run_spec, write_run_spec
+from launcher.contract import secrets as ls
+from launcher.contract.schema import SchemaError, load
+from launcher.contract.spec import JobSpec, RunInfo, RunSpec, dumps_run_spec, loads_run_spec, write_run_spec
 from submit import secrets as job_secrets
 from submit.cluster import load_profile
 from submit.errors import InputError
@@ -223,8 +223,8 @@ def test_run_rank_sets_the_secrets_before_the_trainer_starts(tmp_path: Path, mon
         seen["key"] = os.environ.get("WANDB_API_KEY")
         return 0
 
-    # A stand-in for launcher.train (torch-free): what the built-in trainer's rank sees.
-    monkeypatch.setitem(sys.modules, "launcher.train", types.SimpleNamespace(train=train))
+    # A stand-in for launcher.train.loop (torch-free): what the built-in trainer's rank sees.
+    monkeypatch.setitem(sys.modules, "launcher.train.loop", types.SimpleNamespace(train=train))
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     for key in ("SLURM_PROCID", "SLURM_NTASKS", "RANK", "WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)

@@ -16,12 +16,13 @@ from typing import Any
 
 import pytest
 
-from launcher import checkpoint as ckpt
-from launcher import lost, requeue
-from launcher.alerts import read as read_alerts
-from launcher.rundir import RunDir
+from launcher import requeue
+from launcher.checkpoint import commit as ckpt
+from launcher.contract import lost
+from launcher.contract.alerts import read as read_alerts
+from launcher.contract.rundir import RunDir
+from launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, write_run_spec
 from launcher.sidecar import keeper
-from launcher.spec import JobSpec, Resources, RunInfo, RunSpec, write_run_spec
 from submit.status import parse_metrics_tail
 
 # A stand-in sidecar: records its pid; the first one ignores USR2 (so only a restart can end the keeper);

@@ -10,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launcher.rundir import RunDir
-from launcher.spec import Code
+from launcher.contract.rundir import RunDir
+from launcher.contract.spec import Code
 from submit import snapshot
 from submit.cluster import load_profile
 from submit.plan import plan_file

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from launcher.envcheck import newest_run
+from launcher.contract.envcheck import newest_run
 from submit import findings
 from submit.cli_jobs import detail_lines, finding_note, status_table
 from submit.logs import fetch_diagnosis, format_diagnosis, heartbeat_lines

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.spec import Code
+from launcher.contract.spec import Code
 from submit import snapshot
 from submit.cluster import load_profile
 from submit.errors import InputError

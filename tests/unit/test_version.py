@@ -14,8 +14,8 @@ import tomllib
 
 import launcher
 import submit
+from launcher.contract.spec import loads_run_spec, write_run_spec
 from launcher.entry import version_mismatch
-from launcher.spec import loads_run_spec, write_run_spec
 from submit.cluster import load_profile
 from submit.plan import plan_file
 from submit.render import render

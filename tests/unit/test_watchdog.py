@@ -18,23 +18,23 @@ from typing import Any, Callable, Optional
 
 import pytest
 
-from launcher.rundir import NodeDir, RunDir
+from launcher.contract.rundir import NodeDir, RunDir
+from launcher.contract.spec import Watchdog as Settings
 from launcher.sidecar import watchdog as wd
 from launcher.sidecar.beats import phase_timeout, step_timeout
 from launcher.sidecar.stragglers import RankTime, StragglerTracker
-from launcher.spec import Watchdog as Settings
 
 REPO = Path(__file__).resolve().parents[2]
 USR2 = int(signal.SIGUSR2)
 SETTINGS = Settings(step_factor=5, step_floor_s=1, setup_timeout_s=100, eval_timeout_s=200, checkpoint_timeout_s=300)
 STALLED = """Current thread 0x1 (most recent call first):
-  File "/w/launcher/faults.py", line 20 in inject_hang
-  File "/w/launcher/train.py", line 9 in <module>
+  File "/w/launcher/testing/faults.py", line 20 in inject_hang
+  File "/w/launcher/train/loop.py", line 9 in <module>
 """
 WAITING = """Current thread 0x2 (most recent call first):
   File "/v/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 2501 in all_reduce
-  File "/w/launcher/optim.py", line 55 in global_grad_norm
-  File "/w/launcher/train.py", line 9 in <module>
+  File "/w/launcher/train/optim.py", line 55 in global_grad_norm
+  File "/w/launcher/train/loop.py", line 9 in <module>
 """
 
 
@@ -277,8 +277,8 @@ def test_two_nodes_claim_contribute_verdict_exit_code_then_kill(tmp_path: Path) 
     verdict = json.loads(Path(run.verdict_json).read_text())
     text = Path(run.verdict).read_text()
     assert verdict["verdict"] + "\n" == text
-    assert "Rank 1 (n1, pid 10001) stalled in inject_hang (launcher/faults.py:20), not in a collective" in text
-    assert "ranks 0, 2 (n1, n2) wait in all_reduce (called from launcher/optim.py:55 global_grad_norm)" in text
+    assert "Rank 1 (n1, pid 10001) stalled in inject_hang (launcher/testing/faults.py:20), not in a collective" in text
+    assert "ranks 0, 2 (n1, n2) wait in all_reduce (called from launcher/train/optim.py:55 global_grad_norm)" in text
     assert "rank 3 (n2, pid 10003) gave no stack" in text
     assert verdict["attempt"] == "42.0" and verdict["found_by"] == "n1" and verdict["missing_nodes"] == []
     code = Path(run.exit_code)

@@ -1,0 +1,1 @@
+"""Checkpoints: the manager (when to save, what to resume from), the commit, the resume guard."""

@@ -1,0 +1,472 @@
+"""The job spec: the one contract between `submit` (which validates and plans it)
+and the launcher (which runs it). Torch-free and stdlib-only.
+
+A job spec never names a host; a cluster profile never names a model.
+The planner writes the resolved spec as `spec.json` into the run dir, together
+with a `RunInfo` section that carries what the ranks need from the cluster.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional
+
+from launcher.contract.rundir import RunDir
+from launcher.contract.schema import SchemaError, load, to_plain
+from launcher.contract.secrets import ENV_KEY as ENV_KEY  # re-exported: the name submit/cluster.py checks env keys with
+from launcher.contract.secrets import parse_secrets
+
+SPEC_FILE = RunDir.SPEC
+
+Precision = Literal["fp32", "bf16", "fp16"]
+
+
+@dataclass(frozen=True)
+class Resources:
+    nodes: int = 1
+    """Number of nodes."""
+    gpus_per_node: int = 0
+    """GPUs per node; 0 trains on CPU ranks (gloo)."""
+    tasks_per_node: Optional[int] = None
+    """Ranks per node; defaults to gpus_per_node (one rank per GPU). Required for CPU jobs."""
+    cpus_per_task: int = 1
+    """CPU cores per rank (data loading threads, the CPU math of CPU jobs)."""
+    time: str = "01:00:00"
+    """Wall-clock limit, in Slurm's syntax: MM, HH:MM:SS or D-HH:MM:SS."""
+    partition: Optional[str] = None
+    """Partition; the cluster's default partition when unset."""
+    memory_gb: Optional[int] = None
+    """Memory per node in GiB; the partition's default when unset."""
+
+
+@dataclass(frozen=True)
+class Parallel:
+    dp: int = 1
+    """Data-parallel degree."""
+    tp: int = 1
+    """Tensor-parallel degree (kept inside one NVLink/NVSwitch domain)."""
+    pp: int = 1
+    """Pipeline-parallel degree (must divide the number of layers)."""
+    dp_mode: Literal["fsdp", "ddp"] = "fsdp"
+    """How data parallelism keeps parameters: fsdp (FSDP2 fully_shard, ZeRO-3-like) or ddp (replicated:
+    torch DDP, or FSDP2's replicate when tp or pp > 1)."""
+    sequence_parallel: bool = False
+    """With tp > 1, also split norms and the residual stream over the sequence (seq_len must divide by tp)."""
+    pp_schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    """Pipeline schedule when pp > 1; its micro-batches are the step's accumulation micro-batches."""
+    zero: Optional[int] = None
+    """DeepSpeed ZeRO stage 0-3 (train.engine: deepspeed only; unset: 2). The native engine shards with
+    dp_mode instead (fsdp is ZeRO-3-like, ddp ZeRO-0)."""
+    offload_optimizer: bool = False
+    """DeepSpeed: keep the optimizer state (and its step) in CPU memory (ZeRO 1-3)."""
+    offload_params: bool = False
+    """DeepSpeed: keep the parameters in CPU memory between uses (ZeRO-3 only): models larger than the GPUs."""
+
+
+@dataclass(frozen=True)
+class Model:
+    n_layers: int = 4
+    """Transformer blocks."""
+    d_model: int = 128
+    """Hidden size."""
+    n_heads: int = 4
+    """Attention heads (d_model must be divisible by it, and it by tp)."""
+    vocab_size: int = 256
+    """Vocabulary size; 256 for a byte-level token file. 0 takes it from the tokenizer `meshrun data` saved
+    beside data.path (its `.json` record)."""
+    n_kv_heads: int = 0
+    """Key/value heads: fewer than n_heads is grouped-query attention (n_heads must be divisible by it, and
+    it by tp); 0 means n_heads (full multi-head attention)."""
+    tie_embeddings: bool = False
+    """Share one matrix between the token embedding and the output head (GPT-2, small Llamas); pp must be 1."""
+    rope_theta: float = 10000.0
+    """Rotary embeddings' base (Llama 2: 10000, Llama 3: 500000)."""
+    seq_len: int = 128
+    """Tokens per training sequence."""
+    ffn_mult: float = 2.6667
+    """SwiGLU hidden size as a multiple of d_model (rounded up to a multiple of 64)."""
+    preset: Optional[str] = None
+    """A model-size preset (llama-7b, llama-70b, gpt2-small, ...: launcher/contract/presets.py) setting the keys above;
+    expanded when the spec is loaded, keys given explicitly win."""
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads < 0 or (self.n_kv_heads and self.n_heads % self.n_kv_heads):
+            raise SchemaError(
+                "train.model.n_kv_heads",
+                self.n_kv_heads,
+                f"give a divisor of n_heads ({self.n_heads}), or 0 for full multi-head attention",
+            )
+        if self.vocab_size < 0:
+            raise SchemaError(
+                "train.model.vocab_size", self.vocab_size, "give the vocabulary size, or 0: the tokenizer's"
+            )
+        if not 1.0 < self.rope_theta <= 1e9:
+            raise SchemaError("train.model.rope_theta", self.rope_theta, "give a base above 1, e.g. 10000 or 500000")
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads, n_kv_heads resolved (0: one per query head)."""
+        return self.n_kv_heads or self.n_heads
+
+
+Engine = Literal["native", "deepspeed"]
+
+
+@dataclass(frozen=True)
+class Train:
+    model: Model = field(default_factory=Model)
+    """The GPT-style model to train."""
+    engine: Engine = "native"
+    """native (FSDP2/DDP + DTensor TP + pipelining) or deepspeed (ZeRO 0-3, CPU offload; dp only)."""
+    steps: int = 100
+    """Optimizer steps."""
+    precision: Precision = "fp32"
+    """fp32, bf16 or fp16 (mixed precision on GPUs; CPU runs use fp32 math)."""
+    global_batch: int = 8
+    """Sequences per optimizer step, across all data-parallel ranks (as in Megatron)."""
+    micro_batch: int = 2
+    """Sequences per forward/backward on one data-parallel rank; accumulation = global/(micro*dp)."""
+    lr: float = 3e-4
+    """Peak learning rate."""
+    min_lr: float = 3e-5
+    """Learning rate at the end of the cosine schedule."""
+    warmup_steps: int = 10
+    """Linear warmup steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (never applied to norms and biases)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    log_every: int = 1
+    """Write a metrics.jsonl line every N steps."""
+    eval_every: int = 0
+    """Validation loss every N steps; 0 disables."""
+    eval_sequences: int = 128
+    """Validation sequences per evaluation: the first ones of the held-out split, cut to a multiple of global_batch."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward to save memory."""
+    seed: int = 0
+    """Random seed (model init, data order)."""
+    init_from: Optional[str] = None
+    """Start from these weights (a safetensors file in meshrun's or Hugging Face Llama naming, as the ranks
+    see it) instead of a random init: fine-tuning. Ignored once the run has a checkpoint to resume."""
+
+
+@dataclass(frozen=True)
+class BlendSource:
+    """One token file of a blend."""
+
+    path: str
+    """A token file as the ranks see it (built by `meshrun data`)."""
+    weight: float = 1.0
+    """Its share of the training sequences, relative to the other files' weights (above 0)."""
+
+
+@dataclass(frozen=True)
+class Data:
+    path: str = "~/.cache/meshrun/data/stdlib.u16"
+    """Token file as seen by the ranks (uint16 or uint32 tokens); build one with `meshrun data`."""
+    val_path: Optional[str] = None
+    """A separate validation token file. Unset: the held-out documents `meshrun data` wrote beside `path`
+    (its `.json` record names them), else the tail `val_fraction` of `path`."""
+    val_fraction: float = 0.05
+    """Fraction held out for validation from a token file that has no held-out file (the tail of the stream)."""
+    blend: tuple[BlendSource, ...] = ()
+    """Train on several token files mixed by weight (deterministic, resumable, the same for any layout)
+    instead of `path` alone; validation still comes from `path` (or `val_path`)."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    every: int = 0
+    """Save every N steps; 0 saves only at the end and on preemption."""
+    keep: int = 3
+    """Keep the newest K complete checkpoints."""
+    keep_every: int = 0
+    """Also keep every checkpoint whose step is a multiple of this (0: none beyond `keep`)."""
+    async_save: bool = True
+    """Save in the background: training waits only while the state is copied to CPU memory."""
+    resume_step: Optional[int] = None
+    """Resume from exactly this step (it must be complete); the newest complete one when unset."""
+    keep_best: bool = False
+    """Also keep the complete checkpoint with the lowest validation loss (its marker records it); never retained away."""
+    max_restarts: int = 20
+    """Requeue at most this many times (preemption, time limit, failure) before stopping."""
+
+
+@dataclass(frozen=True)
+class Code:
+    """The project code shipped with the job (read by `submit` only; the ranks just run it)."""
+
+    sync: bool = True
+    """Ship a content-addressed snapshot of the project to the cluster's work dir (Slurm clusters)."""
+    root: Optional[str] = None
+    """Project folder, relative to the job spec's folder; default: the git work tree holding the spec
+    (no snapshot when the spec is in none)."""
+    include: tuple[str, ...] = ()
+    """Extra files to ship, as globs relative to the root (in a git tree: on top of git's files)."""
+    exclude: tuple[str, ...] = ()
+    """Files never shipped, as globs relative to the root (`*` crosses folders; `data` drops a folder)."""
+
+
+@dataclass(frozen=True)
+class Sidecar:
+    """The per-node sidecar (GPU and host metrics, the environment record): `python -m launcher.sidecar`."""
+
+    interval_s: float = 5.0
+    """Seconds between samples (gpu.jsonl, TensorBoard); 0.1-3600. Shorter costs the ranks more CPU."""
+    final_copy_s: float = 300.0
+    """When the ranks end, how long the sidecar may still copy checkpoints staged on scratch to shared storage."""
+
+    def __post_init__(self) -> None:
+        if not 0.1 <= self.interval_s <= 3600:
+            raise SchemaError("sidecar.interval_s", self.interval_s, "give 0.1 to 3600 seconds (default 5)")
+        if not 0 <= self.final_copy_s <= 86400:
+            raise SchemaError("sidecar.final_copy_s", self.final_copy_s, "give 0 to 86400 seconds (default 300)")
+
+
+@dataclass(frozen=True)
+class Watchdog:
+    """Hang and straggler detection by each node's sidecar, from the ranks' heartbeats (see README, Hangs)."""
+
+    enabled: bool = True
+    """Declare a hang (diagnose, then end the job with exit 76 for a requeue) when no rank progresses in time."""
+    step_factor: float = 5.0
+    """A step hangs after step_factor x the median recent step time + step_floor_s (at least 2x the slowest)."""
+    step_floor_s: float = 60.0
+    """Added to every step timeout: a pause in the first steps or a slow logging step is not a hang."""
+    setup_timeout_s: float = 1200.0
+    """Start-up (process group, model build, resume) may take this long before the first step."""
+    eval_timeout_s: float = 1200.0
+    """One validation pass may take this long."""
+    checkpoint_timeout_s: float = 1200.0
+    """One checkpoint save may take this long."""
+    straggler_factor: float = 1.5
+    """A rank whose recent busy time per step exceeds this multiple of all ranks' median is named a straggler."""
+    straggler_check_s: float = 10.0
+    """How often each node shares its ranks' step times and stragglers are looked for (named after 3 checks)."""
+    diagnosis_wait_s: float = 30.0
+    """How long the node that found the hang waits for every node's part of the diagnosis before the verdict."""
+
+    def __post_init__(self) -> None:
+        for key in (
+            "step_floor_s",
+            "setup_timeout_s",
+            "eval_timeout_s",
+            "checkpoint_timeout_s",
+            "diagnosis_wait_s",
+            "straggler_check_s",
+        ):
+            value = getattr(self, key)
+            if not 1 <= value <= 7 * 86400:
+                raise SchemaError(f"watchdog.{key}", value, "give 1 to 604800 seconds")
+        if not 1 <= self.step_factor <= 1000:
+            raise SchemaError("watchdog.step_factor", self.step_factor, "give a multiple of 1 to 1000 (default 5)")
+        if not 1 < self.straggler_factor <= 100:
+            raise SchemaError(
+                "watchdog.straggler_factor", self.straggler_factor, "give a factor above 1, at most 100 (default 1.5)"
+            )
+
+
+@dataclass(frozen=True)
+class Alerts:
+    """Rules over what the job records; each writes RUN_DIR/alerts.jsonl and a log line (README, Alerts).
+    A rule is off at 0 (or false)."""
+
+    loss_spike_factor: float = 3.0
+    """Alert when the loss exceeds this multiple of its median over the last `window` logged steps."""
+    grad_norm_spike_factor: float = 10.0
+    """Alert when the grad norm exceeds this multiple of its median over the last `window` logged steps."""
+    window: int = 50
+    """Logged steps the spike rules take their median over (they wait for 10 before judging)."""
+    val_patience: int = 5
+    """Alert when the validation loss has not improved over this many evaluations."""
+    data_wait_fraction: float = 0.2
+    """Alert when the data wait takes more than this fraction of the step time (3 logged steps in a row)."""
+    gpu_util_below_pct: float = 30.0
+    """Alert when a GPU's utilisation stays below this for `gpu_util_minutes` (the sidecar)."""
+    gpu_util_minutes: float = 10.0
+    gpu_memory_fraction: float = 0.95
+    """Alert when a GPU's memory used exceeds this fraction of its capacity (the sidecar)."""
+    stragglers: bool = True
+    """Alert when the sidecar names a straggler."""
+    hangs: bool = True
+    """Alert when the sidecar declares a hang."""
+
+    def __post_init__(self) -> None:
+        for key in ("loss_spike_factor", "grad_norm_spike_factor"):
+            value = getattr(self, key)
+            if value != 0 and not 1 < value <= 1e6:
+                raise SchemaError(f"alerts.{key}", value, "give a factor above 1 (e.g. 3), or 0 to turn the rule off")
+        if not 2 <= self.window <= 100000:
+            raise SchemaError("alerts.window", self.window, "give 2 to 100000 logged steps (default 50)")
+        if not 0 <= self.val_patience <= 100000:
+            raise SchemaError("alerts.val_patience", self.val_patience, "give evaluations >= 1, or 0 to turn it off")
+        for key in ("data_wait_fraction", "gpu_memory_fraction"):
+            value = getattr(self, key)
+            if not 0 <= value < 1:
+                raise SchemaError(f"alerts.{key}", value, "give a fraction between 0 and 1 (0 turns the rule off)")
+        if not 0 <= self.gpu_util_below_pct <= 100:
+            raise SchemaError("alerts.gpu_util_below_pct", self.gpu_util_below_pct, "give 0-100 percent (0: off)")
+        if not 0 < self.gpu_util_minutes <= 10080:
+            raise SchemaError("alerts.gpu_util_minutes", self.gpu_util_minutes, "give minutes above 0, at most a week")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    name: str
+    """Job name, shown by Slurm and meshrun; any printable text (it is quoted, never executed)."""
+    resources: Resources = field(default_factory=Resources)
+    """What to ask the scheduler for."""
+    parallel: Parallel = field(default_factory=Parallel)
+    """How the ranks split the model and the data: dp x tp x pp must equal the rank count."""
+    train: Optional[Train] = None
+    """The built-in GPT trainer's settings (exclusive with `command`)."""
+    command: Optional[tuple[str, ...]] = None
+    """Your own program as an argv list, run on every rank with torchrun-compatible variables."""
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    """Checkpoint cadence and retention."""
+    data: Data = field(default_factory=Data)
+    """Training data."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Extra environment variables for every rank (never put secrets here: scripts are readable)."""
+    secrets: Any = field(default_factory=dict)
+    """Secret environment variables for every rank, by name: where each value comes from ({file: PATH} or
+    {env: NAME}), never the value itself; set at rank start, written nowhere (launcher/contract/secrets.py). Loaded
+    as {NAME: SecretSource} by launcher.contract.secrets.parse_secrets, not by the schema (Any here): its errors would
+    echo a value written where a source belongs."""
+    code: Code = field(default_factory=Code)
+    """Which project files are shipped to the cluster with the job."""
+    sidecar: Sidecar = field(default_factory=Sidecar)
+    """The per-node sidecar's settings (sampling interval, the final checkpoint copy)."""
+    watchdog: Watchdog = field(default_factory=Watchdog)
+    """Hang and straggler detection (the sidecar, from the ranks' heartbeats)."""
+    alerts: Alerts = field(default_factory=Alerts)
+    """Alert rules and their thresholds (alerts.jsonl, the rank-0 log, status, `meshrun watch --notify`)."""
+    deepspeed: Mapping[str, Any] = field(default_factory=dict)
+    """DeepSpeed config keys over the generated ones (train.engine: deepspeed); keys the spec already sets
+    (batch sizes, ZeRO stage, offload, precision, clipping) are refused: set them in the spec."""
+
+    def __post_init__(self) -> None:
+        if not self.name.strip() or len(self.name) > 128:
+            raise SchemaError("name", self.name, "give the job a name of 1-128 characters")
+        for key in self.env:
+            if not ENV_KEY.fullmatch(key):
+                raise SchemaError(f"env.{key}", key, "environment variable names match [A-Za-z_][A-Za-z0-9_]*")
+        object.__setattr__(self, "secrets", parse_secrets(self.secrets, self.env))  # typed, checked here
+        if self.train is not None and self.command is not None:
+            raise SchemaError("command", list(self.command), "give either `train` or `command`, not both")
+        if self.command is not None and not self.command:
+            raise SchemaError("command", [], "give the program and its arguments, e.g. [python, train.py]")
+        from launcher.contract import dsconfig  # here, not at the top: dsconfig reads JobSpec
+
+        dsconfig.check(self)
+
+    @property
+    def trainer(self) -> Train:
+        """The trainer settings; the defaults when a spec gives neither train nor command."""
+        return self.train if self.train is not None else Train()
+
+    @property
+    def tasks_per_node(self) -> int:
+        r = self.resources
+        return r.tasks_per_node if r.tasks_per_node is not None else max(r.gpus_per_node, 1)
+
+    @property
+    def world_size(self) -> int:
+        return self.resources.nodes * self.tasks_per_node
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What the planner adds for the ranks: filled on the caller's machine, read on the cluster."""
+
+    cluster: str
+    """Cluster profile name."""
+    scheduler: Literal["slurm", "local"]
+    """How the job was started."""
+    run_dir: str
+    """The run dir on the cluster (logs, metrics, checkpoints)."""
+    nccl_env: Mapping[str, str] = field(default_factory=dict)
+    """The cluster's NCCL/network preset, applied by each rank before init unless already set."""
+    checkpoint_dir: str = ""
+    """Where checkpoints go (the cluster's shared checkpoint root, or run_dir/checkpoints)."""
+    time_limit_s: int = 0
+    """The job's time limit in seconds (the local supervisor enforces it; Slurm does on a cluster)."""
+    meshrun_version: str = ""
+    """The meshrun that planned and rendered the job; a rank running another one says so in its log
+    ("" in a spec.json written before meshrun recorded it)."""
+    scratch_dir: str = ""
+    """This run's folder on each node's local scratch (the profile's paths.scratch); "" when the cluster has
+    none. Each node uses SCRATCH_DIR/NODE (launcher.contract.rundir.RunDir.node_dir): checkpoints are staged there."""
+    gpu_type: str = ""
+    """The partition's GPU type from the cluster profile (h100, h200, ...): MFU is measured against its
+    peak (launcher.contract.gpus); "" when the profile names none (then the device's own name is looked up)."""
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """The file `spec.json` in a run dir: the job as planned plus the run info."""
+
+    job: JobSpec
+    run: RunInfo
+
+
+def dumps_run_spec(run_spec: RunSpec) -> str:
+    plain = to_plain(run_spec)
+    # A job without secrets writes the spec.json it wrote before the key existed: the same rendered
+    # script, and a cluster whose launcher predates the key still reads it (loading fills the default).
+    if not plain["job"]["secrets"]:
+        del plain["job"]["secrets"]
+    return json.dumps(plain, indent=2, sort_keys=True) + "\n"
+
+
+def write_run_spec(run_spec: RunSpec, run_dir: Path) -> Path:
+    path = Path(run_dir) / SPEC_FILE
+    path.write_text(dumps_run_spec(run_spec))
+    return path
+
+
+class SpecFileError(SchemaError):
+    """spec.json is missing, unreadable or invalid: one line naming the file and the fix.
+
+    A SchemaError, so every caller that treats bad input as exit 2 treats this one so too.
+    """
+
+    def __init__(self, path: str, problem: str, fix: str) -> None:
+        self.key, self.value, self.fix = path, problem, fix
+        ValueError.__init__(self, f"{path}: {problem}; {fix}")
+
+    def __reduce__(self) -> tuple[object, ...]:  # picklable (submitit ships a rank's exception)
+        return (type(self), (self.key, self.value, self.fix))
+
+
+_RESUBMIT = "it is written by `meshrun submit`: restore it, or submit the job again"
+
+
+def loads_run_spec(text: str, source: str) -> RunSpec:
+    """Parse and validate a spec.json's text; `source` names the file in the error."""
+    try:
+        data = json.loads(text)
+    except ValueError as exc:  # JSONDecodeError, and a UnicodeDecodeError from bytes
+        where = f" at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
+        raise SpecFileError(source, f"not valid JSON{where} (truncated or edited by hand?)", _RESUBMIT) from None
+    if not isinstance(data, dict):
+        raise SpecFileError(source, f"expected a JSON object, found {type(data).__name__}", _RESUBMIT)
+    try:
+        return load(RunSpec, data)
+    except SchemaError as exc:
+        raise SpecFileError(source, str(exc), "edit that key back, or submit the job again") from None
+
+
+def read_run_spec(run_dir: Path) -> RunSpec:
+    """The run spec of `run_dir`; SpecFileError (one line, names the file) if it cannot be used."""
+    path = Path(run_dir) / SPEC_FILE
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecFileError(str(path), "no run spec there", f"is {run_dir} a meshrun run dir?") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecFileError(str(path), f"cannot be read ({exc})", _RESUBMIT) from None
+    return loads_run_spec(text, str(path))

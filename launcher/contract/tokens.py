@@ -1,0 +1,165 @@
+"""Token files and their record: the contract between `meshrun data`, the planner and the ranks.
+
+Torch-free and stdlib-only (the planner reads it on a laptop). A token file `X` built by `meshrun data`
+has a JSON record `X.json` beside it: its dtype, the vocabulary size, the end-of-text id, the tokenizer
+file saved next to it and the held-out validation file. Files without a record are read as before:
+bytes (vocab 256), uint16 unless the name ends in `.u32`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from launcher.contract.schema import SchemaError
+from launcher.contract.spec import Data, JobSpec
+
+BYTES_VOCAB = 256
+"""The vocabulary of a token file without a record: one token per byte."""
+
+
+def record_path(path: str | Path) -> Path:
+    """Where the record of token file `path` lives: `path.json`."""
+    return Path(str(path) + ".json")
+
+
+@dataclass(frozen=True)
+class TokenRecord:
+    """What `X.json` says about token file X (the keys the ranks and the planner use)."""
+
+    vocab_size: int = BYTES_VOCAB
+    dtype: str = "uint16"
+    eot_id: Optional[int] = None
+    """The end-of-text token between documents; None for a bytes file built before records had one."""
+    tokenizer: Optional[str] = None
+    """The tokenizer file saved beside the token file (a name relative to its folder), if any."""
+    val_path: Optional[str] = None
+    """The held-out validation token file beside it (relative name), if the build wrote one."""
+    tokenizer_sha256: Optional[str] = None
+    """SHA-256 of the tokenizer file: two token files are compatible when this and vocab_size agree."""
+
+
+def read_record(path: str | Path) -> Optional[TokenRecord]:
+    """The record of token file `path`; None when it has none. A record that is not JSON is bad input."""
+    where = record_path(Path(path).expanduser())
+    try:
+        raw: Any = json.loads(where.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise SchemaError(str(where), f"unreadable ({exc})", "rebuild the token file with `meshrun data`") from None
+    if not isinstance(raw, dict):
+        raise SchemaError(str(where), "not a JSON object", "rebuild the token file with `meshrun data`")
+    known = {f.name for f in dataclasses.fields(TokenRecord)}
+    return TokenRecord(**{k: v for k, v in raw.items() if k in known})
+
+
+def training_files(data: Data) -> list[str]:
+    """Every token file the ranks read for training, as the spec names them."""
+    return [b.path for b in data.blend] if data.blend else [data.path]
+
+
+def data_keys(data: Data) -> list[tuple[str, str]]:
+    """(spec key, path) of every token file the ranks read: the training files, then where validation comes
+    from (data.val_path, else data.path, which a blend reads only for its validation)."""
+    keys = [(f"data.blend[{i}].path", b.path) for i, b in enumerate(data.blend)] or [("data.path", data.path)]
+    if data.val_path:
+        keys.append(("data.val_path", data.val_path))
+    elif data.blend:
+        keys.append(("data.path", data.path))
+    return keys
+
+
+def record_or_bytes(path: Path) -> TokenRecord:
+    """The file's record; a file without one is bytes (vocab 256)."""
+    return read_record(path) or TokenRecord()
+
+
+def check_blend(data: Data) -> None:
+    """Every blend weight is a positive number (a pure check: no file is read)."""
+    for i, source in enumerate(data.blend):
+        if not source.weight > 0:  # also refuses NaN
+            raise SchemaError(
+                f"data.blend[{i}].weight", source.weight, "give a positive weight (its share relative to the others)"
+            )
+
+
+def check_same_tokenizer(data: Data, home: Optional[str] = None) -> None:
+    """The visible files the ranks read share one vocabulary and tokenizer: ids of one mean nothing in another."""
+    first: Optional[tuple[str, str, TokenRecord]] = None
+    for key, path in data_keys(data):
+        here = local_path(path, home)
+        if not here.is_file():
+            continue
+        record = record_or_bytes(here)
+        if first is None:
+            first = (key, path, record)
+            continue
+        key0, path0, record0 = first
+        if (record.vocab_size, record.tokenizer_sha256) != (record0.vocab_size, record0.tokenizer_sha256):
+            raise SchemaError(
+                key,
+                path,
+                f"made with another tokenizer than {key0} ({path0}): vocab {record.vocab_size} vs "
+                f"{record0.vocab_size}{'' if record.vocab_size != record0.vocab_size else ', other tokenizer file'}; "
+                "rebuild them with one tokenizer (`meshrun data --tokenizer FILE.tokenizer.json`)",
+            )
+
+
+def resolve_vocab(job: JobSpec, home: Optional[str] = None) -> JobSpec:
+    """train.model.vocab_size 0 -> the tokenizer's, from the first training file's record (256 for a
+    file without one; a blend's files must agree, see check_same_tokenizer). Unchanged when the spec
+    gives a size, for a command job, and where the file is not visible (a laptop: the ranks resolve it
+    when they start)."""
+    if job.train is None or job.train.model.vocab_size:
+        return job
+    first = local_path(training_files(job.data)[0], home)
+    if not first.is_file():
+        return job
+    vocab = record_or_bytes(first).vocab_size
+    model = dataclasses.replace(job.train.model, vocab_size=vocab)
+    return dataclasses.replace(job, train=dataclasses.replace(job.train, model=model))
+
+
+def local_path(path: str, home: Optional[str] = None) -> Path:
+    """A path of the spec as a file here: `~` is `home` (the cluster user's, as the planner knows it), or
+    this user's when None."""
+    if home is not None and (path == "~" or path.startswith("~/")):
+        return Path(home + path[1:])
+    return Path(path).expanduser()
+
+
+def visible_here(path: Path) -> bool:
+    """Whether this machine sees the filesystem `path` is on: its top folder exists (a login node sees
+    /lustre, a laptop does not). A missing file is refused only where it could have been found."""
+    return len(path.parts) > 1 and Path(*path.parts[:2]).exists()
+
+
+def check_data_files(job: JobSpec, home: Optional[str] = None) -> None:
+    """Every data file the spec names exists, where this machine sees its filesystem (the local cluster,
+    a login node, the ranks themselves). Raises SchemaError naming the key, the path and the fix."""
+    if job.command is not None:
+        return
+    check_blend(job.data)
+    for key, path in data_keys(job.data):
+        here = local_path(path, home)
+        if visible_here(here) and not here.is_file():
+            raise SchemaError(key, path, "no token file there; build it with `meshrun data` or fix the path")
+        record = read_record(here) if here.is_file() else None
+        if (
+            key == "data.path"
+            and not job.data.val_path
+            and record
+            and record.val_path
+            and not (here.parent / record.val_path).is_file()
+        ):
+            raise SchemaError(
+                key,
+                path,
+                f"its record names held-out documents {record.val_path} beside it, which are missing; "
+                "copy them along or rebuild the token file with `meshrun data`",
+            )
+    check_same_tokenizer(job.data, home)

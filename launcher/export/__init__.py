@@ -1,0 +1,1 @@
+"""Getting weights out: safetensors consolidation, the Hugging Face folder, the streaming writer."""

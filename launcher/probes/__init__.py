@@ -1,0 +1,1 @@
+"""Programs the planner and `meshrun doctor` run on the ranks: the preflight and the mesh dry run."""

@@ -1,0 +1,349 @@
+"""`meshrun doctor`'s per-rank preflight program, run as the doctor job's `command:` on every rank.
+
+    python -m launcher.probes.doctor [--storage-mib N] [--data PATH]
+
+Each rank records what it finds in RUN_DIR/doctor/rank-N.json (RunDir.doctor_result): versions, the GPUs
+it sees, a GEMM throughput sniff (GPU only), and on each node's local rank 0 the write throughput of
+the checkpoint dir and scratch and the read throughput of the data path. It writes that file once
+before any collective (so a node whose network is broken still reports its own checks), then the
+all-reduce bus bandwidth inside its node and across nodes, and writes it again. A check that fails
+is data, not a crash: the program exits 0 and `submit/doctor.py` judges the figures.
+
+Fault injection for tests and drills (in the style of launcher/testing/faults.py; read by nothing else):
+
+    MESHRUN_TEST_DOCTOR_FAIL=NODE   the ranks on NODE find their accelerator broken (the compute check fails)
+    MESHRUN_TEST_DOCTOR_SLOW=NODE   NODE's storage is slow (each timed write or read takes 50x longer)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+from launcher import installed_version
+from launcher.contract.private import make_private_dir
+from launcher.contract.rundir import RunDir, expand_node_path, node_name, write_json
+from launcher.contract.spec import RunSpec, read_run_spec
+from launcher.env import RankEnv, rank_env
+
+FAIL_ENV = "MESHRUN_TEST_DOCTOR_FAIL"
+SLOW_ENV = "MESHRUN_TEST_DOCTOR_SLOW"
+SLOW_FACTOR = 50
+"""MESHRUN_TEST_DOCTOR_SLOW makes each timed storage operation of its node take this many times longer
+(a factor, not a fixed delay: the node is that much slower than its peers however loaded the machine is)."""
+CHUNK = 4 << 20
+MIB = 1 << 20
+
+
+def injected(env_key: str, node: str, environ: Mapping[str, str]) -> bool:
+    """True when `env_key` names this node (a comma-separated list of node names)."""
+    return node in {n.strip() for n in environ.get(env_key, "").split(",") if n.strip()}
+
+
+# ------------------------------------------------------------------ versions and GPUs
+
+
+def versions() -> dict[str, Any]:
+    """torch, its CUDA and NCCL, the driver (NVML), meshrun and Python, as this rank runs them."""
+    import torch
+
+    out: dict[str, Any] = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": None,
+        "driver": None,
+        "meshrun": installed_version(),
+        "python": platform.python_version(),
+    }
+    if torch.cuda.is_available():
+        nccl = torch.cuda.nccl.version()
+        out["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+    out["driver"] = driver_version()
+    return out
+
+
+def driver_version() -> Optional[str]:
+    """The NVIDIA driver's version through NVML (launcher/sidecar/nvml.py), None without one."""
+    from launcher.sidecar.nvml import NvmlUnavailable, load_nvml
+
+    try:
+        nvml = load_nvml()
+    except NvmlUnavailable:
+        return None
+    try:
+        value = nvml.nvmlSystemGetDriverVersion()
+        return value.decode() if isinstance(value, bytes) else str(value)
+    except nvml.NVMLError:
+        return None
+    finally:
+        nvml.nvmlShutdown()
+
+
+def gpus(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The GPUs this task sees, as CUDA numbers them: UUID, model and memory of each."""
+    import torch
+
+    devices = []
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for index in range(count):
+        props = torch.cuda.get_device_properties(index)
+        devices.append(
+            {
+                "index": index,
+                "uuid": f"GPU-{props.uuid}" if hasattr(props, "uuid") else None,
+                "model": props.name,
+                "memory_gib": round(props.total_memory / 2**30, 1),
+            }
+        )
+    return {"cuda_visible_devices": environ.get("CUDA_VISIBLE_DEVICES"), "count": count, "devices": devices}
+
+
+# ------------------------------------------------------------------ compute
+
+
+def gemm_tflops(local_rank: int, broken: bool) -> dict[str, Any]:
+    """bf16 GEMM throughput on this rank's GPU (8192^3, timed with CUDA events); skipped on CPU."""
+    import torch
+
+    if broken:
+        raise RuntimeError(f"{FAIL_ENV}: this node's accelerator fails (injected fault)")
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA GPU on this rank (the GEMM sniff is GPU only)"}
+    torch.cuda.set_device(local_rank)
+    n, iters = 8192, 30
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    seconds = seconds_per_call(lambda: torch.mm(a, b), iters, cuda=True)
+    return {"tflops": round(2 * n**3 / seconds / 1e12, 2), "device": torch.cuda.get_device_name(), "n": n}
+
+
+def seconds_per_call(fn: Callable[[], object], iters: int, cuda: bool) -> float:
+    """Seconds per call of `fn` after two warm-up calls; on CUDA measured with events, not host clocks
+    (bench/gpu_ops.py times its GEMM and all-reduce with this too)."""
+    import torch
+
+    for _ in range(2):
+        fn()
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return float(start.elapsed_time(end)) / 1000 / iters
+    begin = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - begin) / iters
+
+
+# ------------------------------------------------------------------ storage
+
+
+def write_mbps(folder: str, name: str, mib: int, slow: bool) -> float:
+    """MB/s of writing `mib` MiB into `folder` and fsyncing it (the file is removed afterwards)."""
+    make_private_dir(folder)
+    path = os.path.join(folder, name)
+    block = os.urandom(min(CHUNK, mib * MIB))
+    begin = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        written = 0
+        while written < mib * MIB:
+            written += os.write(fd, block[: min(len(block), mib * MIB - written)])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if slow:
+        time.sleep((SLOW_FACTOR - 1) * (time.perf_counter() - begin))
+    seconds = time.perf_counter() - begin
+    os.unlink(path)
+    return round(mib * MIB / seconds / 1e6, 1)
+
+
+def read_mbps(path: str, mib: int, slow: bool) -> float:
+    """MB/s of reading up to `mib` MiB of `path`, after asking the kernel to drop it from its cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # best effort: a cached file reads at RAM speed
+        begin, total = time.perf_counter(), 0
+        while total < mib * MIB:
+            chunk = os.read(fd, CHUNK)
+            if not chunk:
+                break
+            total += len(chunk)
+    finally:
+        os.close(fd)
+    if slow:
+        time.sleep((SLOW_FACTOR - 1) * (time.perf_counter() - begin))
+    return round(total / (time.perf_counter() - begin) / 1e6, 1)
+
+
+def measured(fn: Callable[[], float]) -> dict[str, Any]:
+    """{"mbps": figure} or {"error": one line}: a storage path that fails is reported, not raised."""
+    try:
+        return {"mbps": fn()}
+    except OSError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def storage(run_spec: RunSpec, node: str, mib: int, data: Optional[str], slow: bool) -> dict[str, Any]:
+    """Write throughput of the checkpoint dir and scratch, read throughput of the data path."""
+    name = f".doctor-{node}-{os.getpid()}.bin"
+    out: dict[str, Any] = {"mib": mib}
+    ckpt = run_spec.run.checkpoint_dir or RunDir(run_spec.run.run_dir).default_checkpoints
+    out["checkpoint"] = {"path": ckpt, **measured(lambda: write_mbps(ckpt, name, mib, slow))}
+    scratch = expand_node_path(run_spec.run.scratch_dir)
+    if scratch:
+        out["scratch"] = {"path": scratch, **measured(lambda: write_mbps(scratch, name, mib, slow))}
+        _remove_if_empty(scratch)  # the run's own folder on a node's scratch: leave nothing behind
+    if data:
+        out["data"] = {"path": data, **measured(lambda: read_mbps(data, mib, slow))}
+    return out
+
+
+def _remove_if_empty(folder: str) -> None:
+    try:
+        os.rmdir(folder)
+    except OSError:
+        pass  # another rank's file is still there, or it was never made
+
+
+# ------------------------------------------------------------------ communication
+
+
+def busbw(seconds: float, nbytes: int, ranks: int) -> float:
+    """Bus bandwidth in GB/s as nccl-tests reports it for all-reduce: algbw x 2(n-1)/n."""
+    return nbytes / seconds * 2 * (ranks - 1) / ranks / 1e9
+
+
+def _time_allreduce(tensor: Any, group: Any, iters: int, cuda: bool) -> float:
+    import torch
+    import torch.distributed as dist
+
+    for _ in range(2):
+        dist.all_reduce(tensor, group=group)
+    if cuda:
+        torch.cuda.synchronize()
+    dist.barrier(group=group)
+    begin = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(tensor, group=group)
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - begin) / iters
+
+
+def communication(env: RankEnv, node: str, cuda: bool) -> dict[str, Any]:
+    """All-reduce bus bandwidth inside this node (a group per node) and across all nodes (the world)."""
+    import torch
+    import torch.distributed as dist
+
+    nodes: list[Any] = [None] * env.world_size
+    dist.all_gather_object(nodes, node)
+    members: dict[str, list[int]] = {}
+    for rank, name in enumerate(nodes):
+        members.setdefault(str(name), []).append(rank)
+    groups = {name: dist.new_group(ranks) for name, ranks in members.items()}  # every rank creates every group
+    nbytes, iters = (256 * MIB, 10) if cuda else (4 * MIB, 5)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    tensor = torch.ones(nbytes // dtype.itemsize, dtype=dtype, device="cuda" if cuda else "cpu")
+    out: dict[str, Any] = {"backend": dist.get_backend(), "bytes": nbytes, "ranks_on_node": len(members[node])}
+    if len(members[node]) > 1:
+        seconds = _time_allreduce(tensor, groups[node], iters, cuda)
+        out["intra_node_busbw_gbps"] = round(busbw(seconds, nbytes, len(members[node])), 3)
+    if len(members) > 1:
+        seconds = _time_allreduce(tensor, None, iters, cuda)
+        out["inter_node_busbw_gbps"] = round(busbw(seconds, nbytes, env.world_size), 3)
+        out["nodes"] = len(members)
+    return out
+
+
+def init_group(env: RankEnv, cuda: bool) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if cuda:
+        torch.cuda.set_device(env.local_rank)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=datetime.timedelta(seconds=120),
+    )
+
+
+# ------------------------------------------------------------------ the program
+
+
+def check(result: dict[str, Any], key: str, fn: Callable[[], Any]) -> None:
+    """Run one check into result[key]; an exception becomes {"error": one line} (the node's verdict)."""
+    try:
+        result[key] = fn()
+    except Exception as exc:  # a broken GPU or driver: reported, so the other checks still run
+        result[key] = {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def run(argv: Sequence[str], environ: Mapping[str, str]) -> int:
+    args = parse_args(argv)
+    run_dir = environ["MESHRUN_RUN_DIR"]
+    run_spec = read_run_spec(Path(run_dir))
+    env = rank_env(environ)
+    node = node_name(environ)
+    path = RunDir(run_dir).doctor_result(env.rank)
+    result: dict[str, Any] = {
+        "rank": env.rank,
+        "local_rank": env.local_rank,
+        "world_size": env.world_size,
+        "node": node,
+        "hostname": socket.gethostname(),
+        "phase": "local",
+    }
+    check(result, "versions", versions)
+    check(result, "gpus", lambda: gpus(environ))
+    check(result, "compute", lambda: gemm_tflops(env.local_rank, injected(FAIL_ENV, node, environ)))
+    if env.local_rank == 0:
+        slow = injected(SLOW_ENV, node, environ)
+        check(result, "storage", lambda: storage(run_spec, node, args.storage_mib, args.data, slow))
+    write_json(path, result, indent=1)  # before any collective: a node that cannot talk still reports
+    import torch
+
+    cuda = torch.cuda.is_available() and run_spec.job.resources.gpus_per_node > 0
+    try:
+        init_group(env, cuda)
+        check(result, "comm", lambda: communication(env, node, cuda))
+    except Exception as exc:  # the rendezvous itself failed: that is this node's finding
+        result["comm"] = {"error": f"{type(exc).__name__}: {exc}"}
+    result["phase"] = "done"
+    write_json(path, result, indent=1)
+    print(f"[doctor] rank {env.rank} on {node}: results in {path}", flush=True)
+    _teardown()
+    return 0
+
+
+def _teardown() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m launcher.probes.doctor", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--storage-mib", type=int, default=64, help="MiB written (and read) per storage check")
+    parser.add_argument("--data", help="the data path to read (absolute, as the ranks see it)")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:], os.environ))

@@ -1,0 +1,122 @@
+"""Where this rank computes: the checks that must pass before any collective, the device, the process group.
+
+Every check here fails with one line naming the key, the value and the fix (a
+SchemaError: `python -m launcher` prints it and exits 2) instead of letting the
+ranks hang in a rendezvous or NCCL init that can never complete.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from launcher.contract.schema import SchemaError
+from launcher.contract.spec import JobSpec
+from launcher.env import RankEnv
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+INIT_TIMEOUT = datetime.timedelta(minutes=10)
+"""How long ranks wait for each other at init and in collectives before failing loudly."""
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where and how this rank computes."""
+
+    device: torch.device
+    backend: str
+    amp_dtype: Optional[torch.dtype]
+    """bf16/fp16 for mixed precision on GPUs; None: plain fp32 (always on CPU)."""
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def precision(self) -> str:
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.amp_dtype, "fp32")  # type: ignore[arg-type]
+
+
+def check_tasks(job: JobSpec, env: RankEnv) -> None:
+    """The ranks that started must be the ones the spec asked for (else a collective waits forever)."""
+    if env.world_size != job.world_size:
+        raise SchemaError(
+            "resources",
+            env.world_size,
+            f"{env.world_size} rank(s) started but the spec asks for nodes({job.resources.nodes}) x "
+            f"tasks per node({job.tasks_per_node}) = {job.world_size}; start the job with "
+            f"`meshrun submit` or make srun's task count match",
+        )
+    if env.local_world_size != job.tasks_per_node:
+        raise SchemaError(
+            "resources.tasks_per_node",
+            job.tasks_per_node,
+            f"node {env.node_rank} runs {env.local_world_size} rank(s), not {job.tasks_per_node}; "
+            f"start the same number of tasks on every node (srun --ntasks-per-node)",
+        )
+
+
+def visible_gpus(environ: Mapping[str, str]) -> Optional[tuple[str, ...]]:
+    """CUDA_VISIBLE_DEVICES as a tuple of entries (indexes or UUIDs); None when it is unset."""
+    value = environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    return tuple(item.strip() for item in value.split(",") if item.strip())
+
+
+def gpu_index(env: RankEnv, gpus_per_node: int, device_count: int, visible: Optional[tuple[str, ...]]) -> int:
+    """Which of the visible GPUs this rank uses: 0 when it sees only its own, else its local rank."""
+    shown = "unset" if visible is None else ",".join(visible) or "''"
+    if env.local_world_size > gpus_per_node:
+        raise SchemaError(
+            "resources.tasks_per_node",
+            env.local_world_size,
+            f"more ranks per node than resources.gpus_per_node({gpus_per_node}): ranks would share "
+            "a GPU, which NCCL refuses; run one task per GPU (leave tasks_per_node unset)",
+        )
+    if device_count == 1:
+        return 0  # Slurm's --gpus-per-task / a per-task cgroup: this rank's own GPU is index 0
+    if device_count >= env.local_world_size:
+        return env.local_rank  # the whole node is visible: local rank i uses GPU i
+    raise SchemaError(
+        "resources.gpus_per_node",
+        gpus_per_node,
+        f"rank {env.rank} sees {device_count} GPU(s) (CUDA_VISIBLE_DEVICES={shown}) but its node "
+        f"runs {env.local_world_size} ranks; give each task one GPU or all of the node's "
+        "(srun --gpus-per-task=1, or no per-task binding)",
+    )
+
+
+def pick_runtime(job: JobSpec, env: RankEnv, environ: Mapping[str, str]) -> Runtime:
+    """NCCL on this rank's GPU when the job asked for GPUs and has them, else gloo on CPU (fp32 math).
+
+    A job that asked for GPUs on a machine without CUDA (the Slurm testbed's fake GPUs)
+    runs on the CPU, as announced by the trainer's first line.
+    """
+    if job.resources.gpus_per_node > 0 and torch.cuda.is_available():
+        index = gpu_index(env, job.resources.gpus_per_node, torch.cuda.device_count(), visible_gpus(environ))
+        device = torch.device("cuda", index)
+        torch.cuda.set_device(device)  # before init: NCCL binds each rank's communicator to its GPU
+        return Runtime(device, "nccl", AMP_DTYPES.get(job.trainer.precision))
+    return Runtime(torch.device("cpu"), "gloo", None)
+
+
+def init_distributed(env: RankEnv, runtime: Runtime) -> None:
+    """Join the process group from the RankEnv (not os.environ: one place reads the environment)."""
+    device_id = runtime.device if runtime.cuda else None
+    if env.world_size == 1:
+        # No rendezvous needed: a private store cannot collide with a busy port.
+        dist.init_process_group(runtime.backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
+        return
+    dist.init_process_group(
+        runtime.backend,
+        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        rank=env.rank,
+        world_size=env.world_size,
+        device_id=device_id,
+        timeout=INIT_TIMEOUT,
+    )
