@@ -47,9 +47,17 @@ def main() -> None:
         env = dict(os.environ, XDG_STATE_HOME=state)
         cases = {
             "python -c pass": [sys.executable, "-c", "pass"],
-            "meshrun --help": [sys.executable, "-m", "submit.cli", "--help"],
+            "meshrun --help": [sys.executable, "-m", "submit.cli.main", "--help"],
             # A Slurm profile without `ssh:`: render then touches no network (over SSH it asks for ~).
-            "meshrun render": [sys.executable, "-m", "submit.cli", "render", "examples/two-node.yaml", "-c", "testbed"],
+            "meshrun render": [
+                sys.executable,
+                "-m",
+                "submit.cli.main",
+                "render",
+                "examples/two-node.yaml",
+                "-c",
+                "testbed",
+            ],
         }
         base = median_ms(cases["python -c pass"], args.runs, env)
         print(f"{'case':<18} {'median ms':>10} {'x python':>9}  torch imported")

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Callable
 
 from launcher.env import expand_hostlist
-from submit.cluster import load_profile
-from submit.plan import plan_file
-from submit.render import render
+from submit.config.cluster import load_profile
+from submit.planning.plan import plan_file
+from submit.schedulers.render import render
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = REPO / "examples" / "h100-8node.yaml"
@@ -55,7 +55,7 @@ def main() -> None:
     ]
     one = ["resources.nodes=1", "parallel.dp=2", "parallel.tp=4", "train.global_batch=512", "train.eval_sequences=512"]
     # The example profile allows 64 nodes; the benchmark lifts that limit in a copy.
-    import submit.plan as plan_mod
+    import submit.planning.plan as plan_mod
 
     original = plan_mod.check_resources
     plan_mod.check_resources = lambda spec, cluster: cluster.partition(None)

@@ -4,7 +4,7 @@
 
 One status refresh (submit.api.statuses, what `meshrun status` runs) over N Slurm records, from the
 login node (the local transport, its commands counted by a wrapper) and from a laptop over SSH (the
-testbed's sshd; round trips counted by submit.ssh.STATS). Prints the median time of --runs refreshes,
+testbed's sshd; round trips counted by submit.transport.ssh.STATS). Prints the median time of --runs refreshes,
 the round trips (goal: 1 per cluster up to submit.schedulers.slurm.BATCH_JOBS jobs), and the ratio
 against 10 jobs measured in the same run. The records are written straight into a list with real run
 dirs (metrics.jsonl each), their ids unknown to slurmctld: squeue and sacct are asked about all N ids.
@@ -28,10 +28,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from submit import api  # noqa: E402
-from submit.cluster import load_profile, load_profile_file  # noqa: E402
-from submit.registry import JobRecord  # noqa: E402
-from submit.ssh import STATS  # noqa: E402
-from submit.transport import LocalTransport, Result  # noqa: E402
+from submit.config.cluster import load_profile, load_profile_file  # noqa: E402
+from submit.jobs.registry import JobRecord  # noqa: E402
+from submit.transport.base import LocalTransport, Result  # noqa: E402
+from submit.transport.ssh import STATS  # noqa: E402
 from tests.integration import sshbed  # noqa: E402
 from tests.testbed import testbed as tb  # noqa: E402
 

@@ -15,15 +15,15 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from launcher.contract.private import private_umask_while
-from submit import snapshot as snapshots
-from submit.cluster import ClusterProfile, is_profile_path, load_profile, load_profile_file
+from submit.config.cluster import ClusterProfile, is_profile_path, load_profile, load_profile_file
 from submit.errors import ClusterError, InputError
-from submit.plan import Plan
-from submit.registry import JobRecord, Registry, now
+from submit.jobs.registry import JobRecord, Registry, now
+from submit.jobs.status import METRICS_FILE, Status, last_metrics, statuses
+from submit.planning.plan import Plan
 from submit.schedulers import backend
 from submit.schedulers.base import Request
-from submit.status import METRICS_FILE, Status, last_metrics, statuses
-from submit.transport import Progress, Transport, connect
+from submit.transport import snapshot as snapshots
+from submit.transport.base import Progress, Transport, connect
 
 # `executor` is served by the module's __getattr__ (submitit is imported only when it is asked for).
 __all__ = [
@@ -48,7 +48,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     """`from submit.api import executor`: the submitit API, imported (with submitit) only when asked for."""
     if name == "executor":
-        from submit.executor import executor
+        from submit.schedulers.executor import executor
 
         return executor
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -151,8 +151,8 @@ def submit(
 ) -> list[JobRecord]:
     """dryrun + schedule: build the request, send it, record the job. A GPU job that cannot fit its
     partition's memory is refused first (InputError, as `meshrun submit` does), unless `force`."""
-    from submit.plan import check_files, check_fit
-    from submit.transport import LocalTransport
+    from submit.planning.plan import check_files, check_fit
+    from submit.transport.base import LocalTransport
 
     if isinstance(transport, LocalTransport):
         check_files(plan)  # over SSH, the ranks check their files when they start

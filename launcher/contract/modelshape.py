@@ -88,7 +88,7 @@ def part_param_count(cfg: ModelConfig, part: ModelPart) -> int:
 
 @dataclass(frozen=True)
 class StageBytes:
-    """Model-state bytes one rank of a pipeline stage holds: the planner's estimate (submit/estimate.py) and the
+    """Model-state bytes one rank of a pipeline stage holds: the planner's estimate (submit/planning/estimate.py) and the
     mesh dry run's count (launcher/probes/meshcount.py) are both lists of these, one per stage."""
 
     stage: int

@@ -142,7 +142,7 @@ class ParallelDims:
     def fsdp_wraps(self, dp_mode: str) -> bool:
         """True when FSDP2 (fully_shard, or replicate under tp/pp) wraps the model, and so applies the mixed
         precision policy (16-bit parameters); otherwise autocast does (dp = 1, or torch DDP). The trainer
-        (launcher/train/engines/native.py) and the planner's activation bytes (submit/estimate.py) both follow this."""
+        (launcher/train/engines/native.py) and the planner's activation bytes (submit/planning/estimate.py) both follow this."""
         return self.dp > 1 and (dp_mode == "fsdp" or self.tp > 1 or self.pp > 1)
 
     def batch_problem(self, global_batch: int, micro_batch: int) -> Optional[Problem]:

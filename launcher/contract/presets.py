@@ -69,7 +69,7 @@ PRESETS: Mapping[str, Mapping[str, Any]] = {
     "llama3-8b": _shape(32, 4096, 32, 14336, 128256, 8192, kv_heads=8, theta=LLAMA3_THETA),
     "llama3-70b": _shape(80, 8192, 64, 28672, 128256, 8192, kv_heads=8, theta=LLAMA3_THETA),
 }
-"""Preset name -> the train.model keys it sets (explicit keys in the spec win; see submit/plan.py)."""
+"""Preset name -> the train.model keys it sets (explicit keys in the spec win; see submit/planning/plan.py)."""
 
 
 def preset(name: str) -> Mapping[str, Any]:

@@ -15,7 +15,9 @@ from typing import Any, Literal, Mapping, Optional
 
 from launcher.contract.rundir import RunDir
 from launcher.contract.schema import SchemaError, load, to_plain
-from launcher.contract.secrets import ENV_KEY as ENV_KEY  # re-exported: the name submit/cluster.py checks env keys with
+from launcher.contract.secrets import (
+    ENV_KEY as ENV_KEY,  # re-exported: the name submit/config/cluster.py checks env keys with
+)
 from launcher.contract.secrets import parse_secrets
 
 SPEC_FILE = RunDir.SPEC

@@ -7,7 +7,7 @@ it sees, a GEMM throughput sniff (GPU only), and on each node's local rank 0 the
 the checkpoint dir and scratch and the read throughput of the data path. It writes that file once
 before any collective (so a node whose network is broken still reports its own checks), then the
 all-reduce bus bandwidth inside its node and across nodes, and writes it again. A check that fails
-is data, not a crash: the program exits 0 and `submit/doctor.py` judges the figures.
+is data, not a crash: the program exits 0 and `submit/jobs/doctor.py` judges the figures.
 
 Fault injection for tests and drills (in the style of launcher/testing/faults.py; read by nothing else):
 

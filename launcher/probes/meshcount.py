@@ -16,7 +16,7 @@ so rank 0 of the stage holds what each of them allocates (tests/integration/test
 ranks of a stage and finds them equal). Middle stages build the same blocks under other names, so one
 count serves all of them.
 
-Launcher side: never imports submit. submit/meshcheck.py runs this module with the job's interpreter
+Launcher side: never imports submit. submit/planning/meshcheck.py runs this module with the job's interpreter
 and builds launcher.contract.modelshape.StageBytes from the JSON it prints. Bad input: one line, exit 2.
 """
 
@@ -238,7 +238,7 @@ def main(stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout, stderr: TextIO 
         stderr.write(f"meshcount: error: stdin: not valid JSON ({exc.msg} at line {exc.lineno}); give a JobSpec\n")
         return EXIT_INPUT
     except SchemaError as exc:
-        # The line for a person on stderr; the parts on stdout for submit/meshcheck.py to raise again.
+        # The line for a person on stderr; the parts on stdout for submit/planning/meshcheck.py to raise again.
         stderr.write(f"meshcount: error: {exc}\n")
         stdout.write(json.dumps({"error": {"key": exc.key, "value": exc.value, "fix": exc.fix}}, default=str) + "\n")
         return EXIT_INPUT

@@ -16,15 +16,15 @@ import yaml
 from launcher.contract import dsconfig
 from launcher.contract.rundir import RunDir
 from launcher.contract.spec import dumps_run_spec
-from submit.transport import Upload
+from submit.transport.base import Upload
 
 if TYPE_CHECKING:
     from launcher.contract.spec import JobSpec
-    from submit.cluster import ClusterProfile
-    from submit.plan import Plan
-    from submit.registry import JobRecord
-    from submit.status import Status
-    from submit.transport import Transport
+    from submit.config.cluster import ClusterProfile
+    from submit.jobs.registry import JobRecord
+    from submit.jobs.status import Status
+    from submit.planning.plan import Plan
+    from submit.transport.base import Transport
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class Request:
     """The private folder the job's `env:` secrets are sent into before the start ("" when it has none)."""
     secrets: Mapping[str, str] = field(default_factory=dict)
     """{file in secrets_dir: the variable of this environment its value is read from when sent}: names only,
-    never a value (submit/secrets.py)."""
+    never a value (submit/jobs/secrets.py)."""
 
     def as_json(self) -> dict[str, Any]:
         files = [

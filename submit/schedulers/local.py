@@ -25,15 +25,15 @@ from typing import Any, Optional, Sequence
 from launcher.contract.private import make_private_dir
 from launcher.contract.rundir import JOB_ID_ENV, RunDir, local_state_path, merge_state, read_state
 from launcher.contract.spec import JobSpec
-from submit import findings
-from submit import secrets as job_secrets
-from submit.cluster import ClusterProfile
+from submit.config.cluster import ClusterProfile
 from submit.errors import ClusterError, InputError
-from submit.plan import Plan
-from submit.registry import JobRecord, now
+from submit.jobs import findings
+from submit.jobs import secrets as job_secrets
+from submit.jobs.registry import JobRecord, now
+from submit.jobs.status import FINAL, Status, metrics_tail, parse_losses, parse_metrics_tail
+from submit.planning.plan import Plan
 from submit.schedulers.base import Request, run_dir_files
-from submit.status import FINAL, Status, metrics_tail, parse_losses, parse_metrics_tail
-from submit.transport import Transport
+from submit.transport.base import Transport
 
 ACTIVE = ("PENDING", "RUNNING")
 CLOCK_SLACK_S = 30.0
@@ -61,7 +61,7 @@ class LocalBackend:
             raise InputError("resources.nodes", spec.resources.nodes, "the local cluster is this one machine: use 1")
 
     def dryrun(self, plan: Plan, after: Sequence[str] = ()) -> Request:
-        from submit.render import render
+        from submit.schedulers.render import render
 
         if after:
             raise InputError("--after", after[0], "dependencies are Slurm's; the local cluster has none")

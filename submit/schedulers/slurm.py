@@ -12,15 +12,15 @@ from typing import Optional, Sequence
 
 from launcher.contract.rundir import RunDir
 from launcher.contract.spec import JobSpec
-from submit import findings
-from submit import secrets as job_secrets
-from submit.cluster import ClusterProfile
-from submit.plan import Plan
-from submit.registry import JobRecord
+from submit.config.cluster import ClusterProfile
+from submit.jobs import findings
+from submit.jobs import secrets as job_secrets
+from submit.jobs.registry import JobRecord
+from submit.jobs.status import FINAL, Status, metrics_tail_bytes, parse_losses, parse_metrics_tail
+from submit.planning.plan import Plan
 from submit.schedulers import slurm_cli
 from submit.schedulers.base import Request, run_dir_files
-from submit.status import FINAL, Status, metrics_tail_bytes, parse_losses, parse_metrics_tail
-from submit.transport import Result, Transport, batch
+from submit.transport.base import Result, Transport, batch
 
 BATCH_JOBS = 1000
 
@@ -40,7 +40,7 @@ class SlurmBackend:
         return None
 
     def dryrun(self, plan: Plan, after: Sequence[str] = ()) -> Request:
-        from submit.render import render
+        from submit.schedulers.render import render
 
         slurm_cli.dependency(after)  # bad --after values fail before anything is sent
         run_dir = RunDir(plan.run_dir)

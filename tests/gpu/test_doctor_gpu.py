@@ -1,5 +1,5 @@
 """On a GPU machine: the doctor program (launcher/probes/doctor.py) on every local GPU, one rank each under torchrun,
-judged by submit/doctor.py against a partition of this machine's own GPUs. Skips without a CUDA GPU.
+judged by submit/jobs/doctor.py against a partition of this machine's own GPUs. Skips without a CUDA GPU.
 `pytest -q -s tests/gpu/test_doctor_gpu.py` prints the table and the figures (GEMM TFLOP/s and share of
 the dense bf16 peak, local all-reduce bus bandwidth) for the record; bench/gpu.sh runs it with tests/gpu."""
 
@@ -19,8 +19,8 @@ from launcher import installed_version
 from launcher.contract.gpus import PEAK_BF16_TFLOPS, peak_tflops
 from launcher.contract.rundir import RunDir
 from launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, write_run_spec
-from submit.cluster import Partition, load_profile
-from submit.doctor import Options, judge, table
+from submit.config.cluster import Partition, load_profile
+from submit.jobs.doctor import Options, judge, table
 
 torch = pytest.importorskip("torch")
 pytestmark = [

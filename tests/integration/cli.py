@@ -48,7 +48,7 @@ def meshrun(
 ) -> subprocess.CompletedProcess:
     """`meshrun ARGS` with HOME and the XDG dirs inside `home` (its own registry and run dirs); `env` adds to it."""
     done = subprocess.run(
-        [sys.executable, "-m", "submit.cli", *args],
+        [sys.executable, "-m", "submit.cli.main", *args],
         capture_output=True,
         text=True,
         env={**env_for(home, laptop), **(env or {})},

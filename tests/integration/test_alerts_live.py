@@ -61,7 +61,7 @@ def spike(step: int) -> Alert:
 
 def start_watch(home: Path, job: str, *extra: str, laptop: bool = False) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "submit.cli", "watch", job, "--interval", "0.5", *extra],
+        [sys.executable, "-m", "submit.cli.main", "watch", job, "--interval", "0.5", *extra],
         env=env_for(home, laptop),
         cwd=REPO,
         stdout=subprocess.PIPE,
@@ -165,7 +165,7 @@ class Terminal:
             "LANG=C.UTF-8",
             sys.executable,
             "-m",
-            "submit.cli",
+            "submit.cli.main",
             *argv,
         ]
         subprocess.run(

@@ -1,4 +1,4 @@
-"""The mesh dry run (launcher/probes/meshcount.py, submit/meshcheck.py): bytes per rank counted on the real model,
+"""The mesh dry run (launcher/probes/meshcount.py, submit/planning/meshcheck.py): bytes per rank counted on the real model,
 split by the real parallel code in a fake world, against hand-computed numbers and against the planner.
 
 In-process counts (fake process groups, meta tensors: milliseconds each) except where the subprocess road
@@ -19,8 +19,8 @@ from launcher.contract.schema import SchemaError, to_plain
 from launcher.contract.spec import JobSpec, Model, Parallel, Resources, Train
 from launcher.probes import meshcount
 from launcher.probes.meshcount import Held, StageBytes
-from submit import estimate, meshcheck
 from submit.errors import InputError
+from submit.planning import estimate, meshcheck
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = Model(n_layers=4, d_model=64, n_heads=4, vocab_size=256, seq_len=32)

@@ -11,9 +11,9 @@ from typing import Any, Iterator
 
 import pytest
 
-from submit import cli
-from submit import plan as planning
-from submit import render as rendering
+from submit.cli import main as cli
+from submit.planning import plan as planning
+from submit.schedulers import render as rendering
 from tests.integration import sshbed
 
 

@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Sequence
 import pytest
 
 from launcher.contract.rundir import RunDir, node_name
-from submit.executor import executor
+from submit.schedulers.executor import executor
 from tests.integration import sshbed, submitit_fns
 from tests.integration.cli import TINY, meshrun, submitted
 

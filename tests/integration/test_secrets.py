@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from launcher.contract.secrets import secrets_dir_for
-from submit.cluster import load_profile
+from submit.config.cluster import load_profile
 from tests.integration import sshbed
 from tests.integration.cli import meshrun, submitted
 

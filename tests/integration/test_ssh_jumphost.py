@@ -14,7 +14,7 @@ from typing import Iterator
 
 import pytest
 
-from submit.registry import Registry
+from submit.jobs.registry import Registry
 from tests.integration import sshbed
 from tests.integration.cli import submitted
 from tests.integration.sshbed import ExtraSshd, meshrun

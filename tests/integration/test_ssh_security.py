@@ -14,9 +14,10 @@ from typing import Callable, Iterator
 import pytest
 
 from launcher.contract.spec import Code
-from submit import errors, snapshot, trust
-from submit.cluster import Ssh
-from submit.ssh import STATS, SshTransport
+from submit import errors
+from submit.config.cluster import Ssh
+from submit.transport import snapshot, trust
+from submit.transport.ssh import STATS, SshTransport
 from tests.integration import sshbed
 from tests.integration.sshbed import meshrun
 from tests.testbed import testbed as tb

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from launcher.contract.parallel_dims import ParallelDims
-from submit.cluster import load_profile
+from submit.config.cluster import load_profile
 from submit.errors import InputError
-from submit.plan import plan_file
-from submit.render import render
+from submit.planning.plan import plan_file
+from submit.schedulers.render import render
 from tests.integration.cli import REPO, meshrun, metrics, status, submitted
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from submit import tbserve
-from submit.registry import JobRecord, Registry
+from submit.jobs.registry import JobRecord, Registry
+from submit.views import tbserve
 from tests.integration import sshbed, tbhelp
 from tests.integration.cli import REPO, env_for, meshrun
 from tests.integration.tbhelp import Cleanup
@@ -153,7 +153,7 @@ def test_ctrl_c_while_tensorboard_loads_leaves_no_server(tmp_path: Path, tb_clea
     server, unclaimed, stops itself."""
     _job(tmp_path, "900104", tb_cleanup)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "submit.cli", "tb", "900104"],
+        [sys.executable, "-m", "submit.cli.main", "tb", "900104"],
         cwd=REPO,
         env=env_for(tmp_path),
         stdout=subprocess.DEVNULL,

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.contract.rundir import RunDir, node_name
-from submit.registry import JobRecord, Registry
+from submit.jobs.registry import JobRecord, Registry
 from tests.integration import sshbed, tbhelp
 from tests.integration.cli import TINY as CLI_TINY
 from tests.integration.cli import meshrun, metrics, status, submitted

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from submit.cli import progress_line
-from submit.status import Status
+from submit.cli.main import progress_line
+from submit.jobs.status import Status
 
 
 def _status(**kw: Any) -> Status:
@@ -48,8 +48,8 @@ def _alert(rule: str, step: int, when: float = 0.0, **kw: Any) -> dict[str, Any]
 def test_the_remote_command_brings_each_jobs_newest_alerts_and_gpu_lines_capped(tmp_path: Path) -> None:
     from launcher.contract import alerts
     from launcher.contract.alerts import Alert
-    from submit import findings
-    from submit.transport import LocalTransport
+    from submit.jobs import findings
+    from submit.transport.base import LocalTransport
 
     busy, quiet = tmp_path / "busy", tmp_path / "quiet"
     quiet.mkdir()
@@ -76,7 +76,7 @@ def test_the_remote_command_brings_each_jobs_newest_alerts_and_gpu_lines_capped(
 
 
 def test_an_earlier_jobs_alerts_in_the_same_run_dir_are_not_this_jobs() -> None:
-    from submit import findings
+    from submit.jobs import findings
 
     text = json.dumps(_alert("hang", 1, when=1000.0)) + "\n" + json.dumps(_alert("loss_spike", 7)) + "\n{garbled"
     found = findings.findings_from({findings.ALERTS: text}, submitted_at=time.time() - 10)
@@ -84,7 +84,7 @@ def test_an_earlier_jobs_alerts_in_the_same_run_dir_are_not_this_jobs() -> None:
 
 
 def test_the_list_gets_an_alerts_column_only_when_a_job_has_alerts() -> None:
-    from submit.cli_jobs import detail_lines, status_table
+    from submit.cli.jobs import detail_lines, status_table
 
     quiet = _status(progress={"step": 3, "loss": 2.5})
     assert "ALERTS" not in status_table([quiet])
@@ -106,8 +106,9 @@ def test_json_carries_the_alert_records() -> None:
 
 
 def test_wait_prints_each_new_alert_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    from submit import api, cli
-    from submit.registry import JobRecord
+    from submit import api
+    from submit.cli import main as cli
+    from submit.jobs.registry import JobRecord
 
     first, second = _alert("loss_spike", 2), _alert("nonfinite_loss", 3)
     seq = iter(
@@ -133,7 +134,8 @@ def test_wait_prints_each_new_alert_once(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_top_cells_step_of_steps_time_left_and_a_non_finite_loss_in_the_sparkline() -> None:
-    from submit import findings, top
+    from submit.jobs import findings
+    from submit.views import top
 
     assert top.sparkline([3.0, None, 2.0]) == "█!▁" and top.sparkline([None]) == "!" and top.sparkline([]) == ""
     spec = json.dumps({"job": {"command": None, "train": {"steps": 100}}})

@@ -19,7 +19,7 @@ def _run(args: list[str], tmp_path: Path, block_torch: bool = True) -> subproces
         (fake / "__init__.py").write_text("raise ImportError('torch is not installed on this laptop')\n")
         env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "notorch"), str(REPO)])
     return subprocess.run(
-        [sys.executable, "-m", "submit.cli", *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=60
+        [sys.executable, "-m", "submit.cli.main", *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=60
     )
 
 
@@ -32,8 +32,8 @@ def test_help_and_render_work_without_torch(tmp_path: Path) -> None:
 
 def test_submit_side_modules_never_import_torch() -> None:
     code = (
-        "import sys; import submit.cli, submit.api, submit.render, submit.plan, submit.schedulers.local, submit.schedulers.slurm, "
-        "submit.registry, submit.schedulers.slurm_cli, submit.transport, launcher.contract.spec, launcher.entry; "
+        "import sys; import submit.cli.main, submit.api, submit.schedulers.render, submit.planning.plan, submit.schedulers.local, submit.schedulers.slurm, "
+        "submit.jobs.registry, submit.schedulers.slurm_cli, submit.transport.base, launcher.contract.spec, launcher.entry; "
         "bad = [m for m in ('torch', 'numpy', 'paramiko') if m in sys.modules]; "
         "assert not bad, bad"
     )

@@ -15,13 +15,14 @@ from typing import Iterator
 import pytest
 
 from launcher.contract.rundir import RunDir
-from submit import logs, sweep
 from submit.errors import ClusterError, InputError
-from submit.forward import PortForward
-from submit.registry import JobRecord
-from submit.tensorboard import check_local_port
-from submit.textwidth import display_width, ljust, printable, slug
-from submit.transport import LocalTransport
+from submit.jobs.registry import JobRecord
+from submit.planning import sweep
+from submit.transport.base import LocalTransport
+from submit.transport.portforward import PortForward
+from submit.views import logs
+from submit.views.tensorboard import check_local_port
+from submit.views.textwidth import display_width, ljust, printable, slug
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 def _cli(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"), XDG_CONFIG_HOME=str(tmp_path / "config"))
     return subprocess.run(
-        [sys.executable, "-m", "submit.cli", *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=60
+        [sys.executable, "-m", "submit.cli.main", *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=60
     )
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from launcher.contract.spec import JobSpec
-from submit.cli import progress_line
-from submit.cli_jobs import status_table
-from submit.cluster import load_profile
-from submit.plan import run_dir_for
-from submit.textwidth import display_width
+from submit.cli.jobs import status_table
+from submit.cli.main import progress_line
+from submit.config.cluster import load_profile
+from submit.planning.plan import run_dir_for
+from submit.views.textwidth import display_width
 from tests.unit.test_local_and_wait import _status
 
 

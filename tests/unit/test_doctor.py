@@ -11,11 +11,11 @@ import pytest
 
 from launcher.contract import schema
 from launcher.contract.spec import JobSpec
-from submit.cli import main
-from submit.cluster import load_profile
-from submit.doctor import Options, job_spec, judge, table
+from submit.cli.main import main
+from submit.config.cluster import load_profile
 from submit.errors import InputError
-from submit.plan import make_plan
+from submit.jobs.doctor import Options, job_spec, judge, table
+from submit.planning.plan import make_plan
 
 H200 = load_profile("h200-ndr")
 PART = H200.partition("h200")
@@ -192,9 +192,9 @@ def test_bad_input_is_one_line_naming_the_flag(argv: list[str], flag: str, capsy
 def test_exclude_from_the_profile_and_the_flag_is_rendered_once_each() -> None:
     from dataclasses import replace
 
-    from submit.doctor import with_exclude
-    from submit.plan import plan_file
-    from submit.render import render
+    from submit.jobs.doctor import with_exclude
+    from submit.planning.plan import plan_file
+    from submit.schedulers.render import render
 
     testbed = load_profile("testbed")
     mine = replace(testbed, defaults=replace(testbed.defaults, exclude=("n7",)))
@@ -229,8 +229,8 @@ def test_busbw_is_nccl_tests_formula_and_slow_storage_is_slower_by_its_factor(tm
 
 def test_results_are_read_per_rank_and_a_missing_or_torn_file_is_none(tmp_path: Any) -> None:
     from launcher.contract.rundir import RunDir
-    from submit.cli_doctor import read_results
-    from submit.transport import LocalTransport
+    from submit.cli.doctor import read_results
+    from submit.transport.base import LocalTransport
 
     run = RunDir(str(tmp_path))
     (tmp_path / "doctor").mkdir()

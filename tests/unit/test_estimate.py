@@ -1,4 +1,4 @@
-"""The planner's memory and time model (submit/estimate.py) against published figures and measured ones."""
+"""The planner's memory and time model (submit/planning/estimate.py) against published figures and measured ones."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 
 from launcher.contract.modelshape import flops_per_token, param_count
 from launcher.contract.spec import JobSpec, Model, Parallel, Resources, Train
-from submit import estimate, steptime
-from submit.estimate import megatron_layer_activations, memory_per_gpu, model_state_bytes
-from submit.steptime import Hardware, step_time
+from submit.planning import estimate, steptime
+from submit.planning.estimate import megatron_layer_activations, memory_per_gpu, model_state_bytes
+from submit.planning.steptime import Hardware, step_time
 
 LLAMA7B = Model(n_layers=32, d_model=4096, n_heads=32, vocab_size=32000, seq_len=4096, ffn_mult=2.6875)
 H100 = Hardware(peak_tflops=989, memory_gbs=3350, gpus_per_node=8, nvlink_gbytes_s=360, ib_gbytes_s=45)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from submit.cli import main
-from submit.registry import Registry
+from submit.cli.main import main
+from submit.jobs.registry import Registry
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "examples" / "tiny.yaml")

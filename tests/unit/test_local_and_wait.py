@@ -11,9 +11,9 @@ import pytest
 
 from launcher.contract.rundir import local_state_path, merge_state
 from submit.api import Status
-from submit.cli import _poll_interval, progress_line
+from submit.cli.main import _poll_interval, progress_line
 from submit.errors import ClusterError
-from submit.registry import JobRecord, Registry
+from submit.jobs.registry import JobRecord, Registry
 from submit.schedulers import local
 
 
@@ -96,7 +96,8 @@ def test_registry_finds_by_id_and_refuses_ambiguity(tmp_path: Path) -> None:
 
 
 def test_wait_prints_plain_lines_only_on_change(monkeypatch) -> None:
-    from submit import api, cli
+    from submit import api
+    from submit.cli import main as cli
 
     seq = iter(
         [

@@ -141,8 +141,8 @@ def test_retention_without_recorded_val_losses_is_unchanged(tmp_path: Path) -> N
 
 
 def test_best_checkpoint_over_the_transport_matches_the_launcher(tmp_path: Path) -> None:
-    from submit import checkpoints
-    from submit.transport import LocalTransport
+    from submit.jobs import checkpoints
+    from submit.transport.base import LocalTransport
 
     assert checkpoints.MARKER == ckpt.MARKER
     transport = LocalTransport()

@@ -11,14 +11,15 @@ from typing import Any
 import pytest
 import yaml
 
-from submit import api, cli
-from submit.checkpoints import check_output, with_overrides
-from submit.cluster import SHIPPED_DIR, load_profile
+from submit import api
+from submit.cli import main as cli
+from submit.config.cluster import SHIPPED_DIR, load_profile
 from submit.errors import HostKeyChanged, InputError
-from submit.plan import plan_file
-from submit.registry import JobRecord, Registry
+from submit.jobs.checkpoints import check_output, with_overrides
+from submit.jobs.registry import JobRecord, Registry
+from submit.jobs.status import statuses
+from submit.planning.plan import plan_file
 from submit.schedulers.slurm_cli import dependency
-from submit.status import statuses
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "tiny.yaml"
@@ -73,7 +74,7 @@ class _Clusters:
     def transport_for(self, record: JobRecord) -> Any:
         if record.cluster == "bad":
             raise self.changed
-        from submit.transport import LocalTransport
+        from submit.transport.base import LocalTransport
 
         return LocalTransport()
 
@@ -92,8 +93,8 @@ def test_a_changed_host_key_reaches_the_person_not_only_json(tmp_path: Path) -> 
 
 def test_watch_returns_when_only_unreachable_jobs_are_left(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     """Item 30: --watch never returned while a cluster was unreachable."""
-    from submit import cli_jobs
-    from submit.status import Status
+    from submit.cli import jobs as cli_jobs
+    from submit.jobs.status import Status
 
     lost = Status("7", "bad", "n", "UNREACHABLE", "/r", 0.0, done=False, succeeded=False, reason="no route")
     done = Status("8", "ok", "n", "COMPLETED", "/r", 0.0, done=True, succeeded=True)
@@ -140,7 +141,7 @@ def test_validators_refuse_a_trailing_newline_and_non_ascii_digits() -> None:
     """Siblings of item 21: a `$`-anchored regex accepts "X\\n", and `\\d` accepts full-width digits."""
     from launcher.contract import schema
     from launcher.contract.spec import JobSpec
-    from submit.plan import parse_time
+    from submit.planning.plan import parse_time
 
     with pytest.raises(schema.SchemaError, match="env"):
         schema.load(JobSpec, {"name": "x", "env": {"A\n": "1"}})

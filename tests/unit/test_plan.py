@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from launcher.contract.parallel_dims import ParallelDims
-from submit.cluster import load_profile
+from submit.config.cluster import load_profile
 from submit.errors import InputError
-from submit.plan import describe, format_time, load_job, parse_time, plan_file
+from submit.planning.plan import describe, format_time, load_job, parse_time, plan_file
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "tiny.yaml"

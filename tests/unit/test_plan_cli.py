@@ -12,8 +12,8 @@ import yaml
 from launcher.contract.modelshape import param_count
 from launcher.contract.presets import PRESETS
 from launcher.contract.spec import Model
-from submit import cli
-from submit.plan import load_job
+from submit.cli import main as cli
+from submit.planning.plan import load_job
 
 REPO = Path(__file__).resolve().parents[2]
 LLAMA70B = {"n_layers": 80, "d_model": 8192, "n_heads": 64, "vocab_size": 32000, "seq_len": 4096, "ffn_mult": 3.5}
@@ -175,9 +175,9 @@ def test_a_model_that_fits_nowhere_says_so(tmp_path: Path, capsys: pytest.Captur
 def test_the_python_api_refuses_what_cannot_fit_before_sending_anything(tmp_path: Path) -> None:
     """submit.api.submit checks the fit as the CLI does (the transport is never used), unless force=True."""
     from submit import api
-    from submit.cluster import load_profile
+    from submit.config.cluster import load_profile
     from submit.errors import InputError
-    from submit.plan import plan_file
+    from submit.planning.plan import plan_file
 
     plan = plan_file(write_spec(tmp_path, LLAMA70B), load_profile("h100-ndr"))
 

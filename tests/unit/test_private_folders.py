@@ -9,8 +9,8 @@ from pathlib import Path
 
 from launcher.contract import private
 from launcher.contract.spec import Code
-from submit import snapshot
-from submit.transport import PUT_SCRIPT, LocalTransport, Upload
+from submit.transport import snapshot
+from submit.transport.base import PUT_SCRIPT, LocalTransport, Upload
 
 
 def _modes(top: Path, *rels: str) -> list[str]:
@@ -106,13 +106,13 @@ def test_every_entry_point_sets_the_private_umask() -> None:
     """The processes a job runs: each sets it itself, so none depends on how it was started."""
     repo = Path(__file__).resolve().parents[2]
     for module, call in {
-        "submit/cli.py": "private_umask()",
+        "submit/cli/main.py": "private_umask()",
         "launcher/entry.py": "private_umask()",
         "launcher/supervisor.py": "private_umask()",
         "launcher/sidecar/__main__.py": "private_umask()",
         "launcher/data/corpus.py": "private_umask()",
-        "submit/executor.py": "private_umask_while()",
-        "submit/ssh.py": "umask 077; ",
+        "submit/schedulers/executor.py": "private_umask_while()",
+        "submit/transport/ssh.py": "umask 077; ",
         "templates/slurm.sbatch.j2": "\numask 077\n",
         "templates/local.sh.j2": "\numask 077\n",
     }.items():

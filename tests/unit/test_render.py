@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from submit.cluster import load_profile, profile_files
+from submit.config.cluster import load_profile, profile_files
 from submit.errors import InputError
-from submit.plan import plan_file
-from submit.render import render, sbatch_label
+from submit.planning.plan import plan_file
+from submit.schedulers.render import render, sbatch_label
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden"
@@ -138,7 +138,15 @@ def test_render_o_says_the_code_snapshot_must_be_on_the_cluster_first(tmp_path: 
     (project / "x.py").write_text("print(1)\n")
     subprocess.run(["git", "init", "-q", str(project)], check=True)
     env = dict(os.environ, HOME=str(tmp_path), XDG_STATE_HOME=str(tmp_path / "state"))
-    argv = [sys.executable, "-m", "submit.cli", "render", str(project / "job.yaml"), "-c", str(tmp_path / "tb.yaml")]
+    argv = [
+        sys.executable,
+        "-m",
+        "submit.cli.main",
+        "render",
+        str(project / "job.yaml"),
+        "-c",
+        str(tmp_path / "tb.yaml"),
+    ]
     out = subprocess.run([*argv, "-o", str(tmp_path / "job.sbatch")], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     lines = out.stderr.splitlines()

@@ -149,8 +149,8 @@ def test_mfu_peak_says_why_there_is_none() -> None:
 
 def test_the_plan_carries_the_partitions_gpu_type_and_old_spec_files_still_load(tmp_path: Path) -> None:
     from launcher.contract.spec import dumps_run_spec, read_run_spec
-    from submit.cluster import load_profile
-    from submit.plan import plan_file
+    from submit.config.cluster import load_profile
+    from submit.planning.plan import plan_file
 
     plan = plan_file(REPO / "examples" / "h100-8node.yaml", load_profile("h200-ndr"), home="/home/u", run_dir="/r")
     assert plan.run_spec.run.gpu_type == "h200" and peak_tflops(plan.run_spec.run.gpu_type) == 989.0

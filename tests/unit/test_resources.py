@@ -6,8 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from submit.cluster import profile_files
-from submit.resources import shipped_profiles_dir, template_source
+from submit.config.cluster import profile_files
+from submit.config.resources import shipped_profiles_dir, template_source
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,12 +23,12 @@ def test_every_template_and_profile_of_the_repo_is_found_as_package_data() -> No
 def test_a_source_tree_that_was_never_installed_says_how_to_install() -> None:
     # -S: no site-packages, so no editable install; only the checkout on sys.path.
     code = (
-        f"import sys; sys.path.insert(0, {str(REPO)!r}); from submit.resources import template_source; "
+        f"import sys; sys.path.insert(0, {str(REPO)!r}); from submit.config.resources import template_source; "
         "template_source('slurm.sbatch.j2')"
     )
     done = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=30)
     assert done.returncode == 1
     assert done.stderr.strip().splitlines()[-1] == (
-        "submit.resources.NotInstalledError: meshrun's submit.templates is missing: install meshrun "
+        "submit.config.resources.NotInstalledError: meshrun's submit.templates is missing: install meshrun "
         "(`pip install .` or `bash scripts/setup.sh` in a checkout), do not only put it on PYTHONPATH"
     )

@@ -18,12 +18,12 @@ from launcher import requeue
 from launcher.contract import secrets as ls
 from launcher.contract.schema import SchemaError, load
 from launcher.contract.spec import JobSpec, RunInfo, RunSpec, dumps_run_spec, loads_run_spec, write_run_spec
-from submit import secrets as job_secrets
-from submit.cluster import load_profile
+from submit.config.cluster import load_profile
 from submit.errors import InputError
-from submit.plan import describe, plan_file
+from submit.jobs import secrets as job_secrets
+from submit.planning.plan import describe, plan_file
 from submit.schedulers import backend
-from submit.transport import LocalTransport, Result, Upload
+from submit.transport.base import LocalTransport, Result, Upload
 
 REPO = Path(__file__).resolve().parents[2]
 COMMAND = REPO / "examples" / "command.yaml"
@@ -93,7 +93,7 @@ def test_the_cli_refuses_an_inline_value_in_one_line_without_echoing_it(tmp_path
     spec = tmp_path / "job.yaml"
     spec.write_text(f"name: x\ncommand: ['true']\nsecrets:\n  TOK: {token}\n")
     done = subprocess.run(
-        [sys.executable, "-m", "submit.cli", "submit", str(spec), "-c", "local", "--dry-run"],
+        [sys.executable, "-m", "submit.cli.main", "submit", str(spec), "-c", "local", "--dry-run"],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -150,7 +150,7 @@ def test_plan_refuses_a_file_others_can_read_with_the_chmod_fix(tmp_path: Path, 
 
 
 def test_plan_checks_a_file_only_where_it_is_visible(tmp_path: Path) -> None:
-    from submit.plan import REMOTE_HOME
+    from submit.planning.plan import REMOTE_HOME
 
     path = tmp_path / "absent"
     profile = load_profile("local")
@@ -322,7 +322,7 @@ def test_a_value_travels_only_as_put_data_into_the_private_folder(
 
 
 def test_a_sweep_sends_each_task_its_own_folder(monkeypatch: pytest.MonkeyPatch) -> None:
-    from submit.sweep import plan_sweep
+    from submit.planning.sweep import plan_sweep
 
     monkeypatch.setenv("SRC", "v")
     plan = plan_sweep(COMMAND, load_profile("testbed"), ["secrets.TOK.env=SRC"], ["env.X=5,6"], home="/h")

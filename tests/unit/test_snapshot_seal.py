@@ -12,11 +12,11 @@ from pathlib import Path
 
 from launcher.contract.rundir import RunDir
 from launcher.contract.spec import Code
-from submit import snapshot
-from submit.cluster import load_profile
-from submit.plan import plan_file
-from submit.render import render
-from submit.transport import LocalTransport
+from submit.config.cluster import load_profile
+from submit.planning.plan import plan_file
+from submit.schedulers.render import render
+from submit.transport import snapshot
+from submit.transport.base import LocalTransport
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "tiny.yaml"

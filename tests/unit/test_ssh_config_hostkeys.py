@@ -9,10 +9,11 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from submit import errors, hostkeys
-from submit.cluster import Ssh
+from submit import errors
+from submit.config.cluster import Ssh
 from submit.errors import InputError
-from submit.sshconfig import resolve
+from submit.transport import hostkeys
+from submit.transport.sshconfig import resolve
 
 CONFIG = """\
 Host login

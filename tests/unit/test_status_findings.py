@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from launcher.contract.envcheck import newest_run
-from submit import findings
-from submit.cli_jobs import detail_lines, finding_note, status_table
-from submit.logs import fetch_diagnosis, format_diagnosis, heartbeat_lines
-from submit.registry import JobRecord
+from submit.cli.jobs import detail_lines, finding_note, status_table
+from submit.jobs import findings
+from submit.jobs.registry import JobRecord
 from submit.schedulers.local import BACKEND as LOCAL
 from submit.schedulers.slurm import BACKEND as SLURM
-from submit.transport import LocalTransport, Result
+from submit.transport.base import LocalTransport, Result
+from submit.views.logs import fetch_diagnosis, format_diagnosis, heartbeat_lines
 from tests.unit.test_local_and_wait import _status
 
 NOW = time.time()

@@ -1,4 +1,4 @@
-"""submit.executor without a cluster: what a profile puts into submitit's sbatch script, the resource
+"""submit.schedulers.executor without a cluster: what a profile puts into submitit's sbatch script, the resource
 checks (one line naming key, value and fix), the run-dir layout, and a real LocalExecutor job."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 from submitit.slurm.slurm import _make_sbatch_string
 
-from submit.cluster import load_profile, profile_path
+from submit.config.cluster import load_profile, profile_path
 from submit.errors import InputError
-from submit.executor import (
+from submit.jobs.registry import Registry
+from submit.schedulers.executor import (
     MeshrunLocalExecutor,
     MeshrunSlurmExecutor,
     Resources,
@@ -23,7 +24,6 @@ from submit.executor import (
     setup_lines,
     slurm_parameters,
 )
-from submit.registry import Registry
 
 HOSTILE = "$(touch {marker}) `touch {marker}` 'single' spaces;x"
 PROFILE = """\
@@ -169,7 +169,7 @@ def test_local_profile_runs_a_submitit_job_and_records_it(tmp_path: Path, monkey
     assert (logs / "rank-1.log").resolve() == job.task(1).paths.stdout.resolve()
     # `meshrun status` reads submitit's own result files for such a job (its executor writes no meshrun state).
     from submit import api
-    from submit.status import statuses
+    from submit.jobs.status import statuses
 
     (found,) = statuses([record], api.Clusters())
     assert found.state == "COMPLETED" and found.done, found
@@ -177,7 +177,7 @@ def test_local_profile_runs_a_submitit_job_and_records_it(tmp_path: Path, monkey
 
 def test_the_api_module_stays_torch_free() -> None:
     code = (
-        "import sys, submit.executor; bad = [m for m in ('torch', 'numpy', 'paramiko') if m in sys.modules]; "
+        "import sys, submit.schedulers.executor; bad = [m for m in ('torch', 'numpy', 'paramiko') if m in sys.modules]; "
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
@@ -188,7 +188,7 @@ def test_meshrun_cancel_stops_a_local_submitit_job(tmp_path: Path, monkeypatch: 
     import time as _time
 
     from submit import api
-    from submit.status import statuses
+    from submit.jobs.status import statuses
 
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     ex = executor("local", folder=tmp_path / "runs", tasks_per_node=1, time="00:02:00", name="sleepy")

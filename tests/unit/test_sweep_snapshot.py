@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from launcher.contract.spec import Code
-from submit import snapshot
-from submit.cluster import load_profile
+from submit.config.cluster import load_profile
 from submit.errors import InputError
-from submit.plan import plan_file
-from submit.render import render
-from submit.sweep import parse, plan_sweep
+from submit.planning.plan import plan_file
+from submit.planning.sweep import parse, plan_sweep
+from submit.schedulers.render import render
+from submit.transport import snapshot
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "tiny.yaml"
@@ -170,7 +170,7 @@ def test_dry_run_shows_tasks_and_the_code(tmp_path: Path, default_corpus: Path) 
         [
             sys.executable,
             "-m",
-            "submit.cli",
+            "submit.cli.main",
             "submit",
             str(TINY),
             "-c",

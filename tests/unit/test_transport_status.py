@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from submit.errors import InputError, JobNotFound
-from submit.logs import Printer, Source, parse_ranks, print_once
-from submit.registry import JobRecord, Registry
+from submit.jobs.registry import JobRecord, Registry
+from submit.jobs.status import parse_metrics_tail
 from submit.schedulers import slurm_cli as slurm
 from submit.schedulers.slurm import query_argvs, states_from
-from submit.status import parse_metrics_tail
-from submit.transport import LocalTransport, Result, Upload, batch, tar_bytes
+from submit.transport.base import LocalTransport, Result, Upload, batch, tar_bytes
+from submit.views.logs import Printer, Source, parse_ranks, print_once
 
 
 def hostile(canary: Path) -> str:
@@ -56,7 +56,7 @@ def test_put_writes_modes_folders_and_runs_then(tmp_path: Path) -> None:
 
 
 def test_the_ssh_put_script_unpacks_the_same_tar(tmp_path: Path) -> None:
-    from submit.transport import PUT_SCRIPT
+    from submit.transport.base import PUT_SCRIPT
 
     HOSTILE = hostile(tmp_path / "pwned")
     files = {"a/b.txt": Upload(b"hi"), "x/": Upload(b"", 0o700), HOSTILE: Upload(b"odd", 0o600)}
@@ -166,8 +166,8 @@ def test_registry_remembers_profiles_finds_arrays_and_migrates(tmp_path: Path) -
 
 
 def test_both_transports_implement_the_whole_interface() -> None:
-    from submit.ssh import SshTransport
-    from submit.transport import Transport
+    from submit.transport.base import Transport
+    from submit.transport.ssh import SshTransport
 
     wanted = {name for name in vars(Transport) if not name.startswith("_")}
     assert {"run", "put", "stream", "forward", "home"} <= wanted
@@ -181,8 +181,8 @@ def test_new_caller_side_modules_stay_light() -> None:
     import sys
 
     code = (
-        "import sys; import submit.cli, submit.cli_jobs, submit.snapshot, submit.sweep, submit.status, "
-        "submit.logs, submit.tensorboard, submit.sshconfig, submit.progress, submit.forward; "
+        "import sys; import submit.cli.main, submit.cli.jobs, submit.transport.snapshot, submit.planning.sweep, submit.jobs.status, "
+        "submit.views.logs, submit.views.tensorboard, submit.transport.sshconfig, submit.transport.progress, submit.transport.portforward; "
         "bad = [m for m in ('torch', 'numpy', 'paramiko', 'tensorboard') if m in sys.modules]; "
         "assert not bad, bad"
     )
@@ -190,7 +190,7 @@ def test_new_caller_side_modules_stay_light() -> None:
 
 
 def test_metrics_tail_takes_the_step_line_and_the_newest_checkpoint() -> None:
-    from submit.status import parse_metrics_tail
+    from submit.jobs.status import parse_metrics_tail
 
     tail = (
         '{"step": 9, "loss": 2.5, "checkpoint_step": 5}\n'
@@ -206,7 +206,7 @@ def test_metrics_tail_takes_the_step_line_and_the_newest_checkpoint() -> None:
 def test_a_finished_jobs_tail_keeps_its_last_step_behind_the_sidecars_copy_events() -> None:
     """After the last step the sidecars append checkpoint events (staged, then copied, per save): the tail
     status reads (METRICS_TAIL_BYTES, as `tail -c` cuts it) still holds the step line and its restart."""
-    from submit.status import METRICS_TAIL_BYTES, parse_metrics_tail
+    from submit.jobs.status import METRICS_TAIL_BYTES, parse_metrics_tail
 
     steps = [json.dumps({"step": s, "loss": 1.0, "restart_count": 1}) for s in range(1, 31)]
     events = [

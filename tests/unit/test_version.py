@@ -16,9 +16,9 @@ import launcher
 import submit
 from launcher.contract.spec import loads_run_spec, write_run_spec
 from launcher.entry import version_mismatch
-from submit.cluster import load_profile
-from submit.plan import plan_file
-from submit.render import render
+from submit.config.cluster import load_profile
+from submit.planning.plan import plan_file
+from submit.schedulers.render import render
 
 REPO = Path(__file__).resolve().parents[2]
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]

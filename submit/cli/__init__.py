@@ -1,0 +1,1 @@
+"""The `meshrun` command: one module per verb group; main.py parses and dispatches."""

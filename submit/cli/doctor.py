@@ -1,0 +1,135 @@
+"""`meshrun doctor -c CLUSTER [--nodes N] [--partition P]`: a short preflight job through the normal
+submission path (plan -> dryrun -> schedule -> record), waited for, then one pass/warn/fail row per node."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Optional
+
+from submit.cli.args import cluster_arg
+from submit.errors import InputError
+
+FLAG_FOR_KEY = {
+    "resources.nodes": "--nodes",
+    "resources.partition": "--partition",
+    "resources.gpus_per_node": "--gpus-per-node",
+    "resources.cpus_per_task": "--gpus-per-node",
+    "resources.time": "--time",
+}
+"""The planner names spec keys; doctor's user typed flags: an error names the flag."""
+
+
+def add_parsers(verbs: Any) -> None:
+    p = verbs.add_parser("doctor", help="a short preflight job: versions, GPUs, all-reduce, GEMM, storage per node")
+    cluster_arg(p)
+    p.add_argument("--nodes", type=int, help="nodes to check (default: 2 where the cluster has several, else 1)")
+    p.add_argument("--partition", help="partition to check (default: the profile's default partition)")
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        help="GPUs to ask per node (default: the partition's; 0 runs the CPU subset: 2 gloo ranks per node)",
+    )
+    p.add_argument("--data", help="a data file to read, as the nodes see it (absolute path)")
+    p.add_argument("--storage-mib", type=int, default=None, help="MiB written per storage check (default 64, CPU 8)")
+    p.add_argument("--time", default="00:10:00", help="the job's time limit (default 00:10:00)")
+    p.add_argument("--json", action="store_true", help="print every rank's raw results as JSON instead of the table")
+
+
+def options(args: argparse.Namespace, profile: Any) -> Any:
+    """The doctor's options, checked: every input error before any connection."""
+    from submit.jobs.doctor import Options
+    from submit.schedulers import backend
+
+    try:
+        part = profile.partition(args.partition)
+    except InputError as exc:
+        raise InputError("--partition", exc.value, exc.fix) from None
+    # A cluster that is not this machine has several nodes (the local one is this machine: one node).
+    several = backend(profile.scheduler).over_ssh and (part.max_nodes or 2) >= 2
+    nodes = args.nodes if args.nodes is not None else (2 if several else 1)
+    if nodes < 1:
+        raise InputError("--nodes", nodes, "check at least 1 node")
+    gpus = part.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node
+    if gpus < 0:
+        raise InputError("--gpus-per-node", gpus, "give 0 (the CPU subset) or more")
+    if args.data is not None and not args.data.startswith("/"):
+        raise InputError("--data", args.data, "give an absolute path as the nodes see it")
+    mib = args.storage_mib if args.storage_mib is not None else (64 if gpus else 8)
+    if mib < 1:
+        raise InputError("--storage-mib", mib, "write at least 1 MiB, e.g. 64")
+    return Options(nodes=nodes, partition=part, gpus_per_node=gpus, data=args.data, storage_mib=mib, time=args.time)
+
+
+def doctor_plan(profile: Any, opts: Any, home: str) -> Any:
+    from launcher.contract import schema
+    from launcher.contract.spec import JobSpec
+    from submit.jobs.doctor import job_spec
+    from submit.planning.plan import make_plan
+
+    data = job_spec(profile, opts)
+    try:
+        return make_plan(schema.load(JobSpec, data), data, profile, home=home)
+    except InputError as exc:
+        flag = FLAG_FOR_KEY.get(exc.key)
+        if flag is None:
+            raise
+        raise InputError(flag, exc.value, exc.fix) from None
+
+
+def read_results(transport: Any, run_dir: str, world: int) -> list[Optional[dict[str, Any]]]:
+    """Every rank's results file (None where a rank wrote none, or half of one)."""
+    from launcher.contract.rundir import RunDir
+
+    out: list[Optional[dict[str, Any]]] = []
+    for rank in range(world):
+        raw = transport.read_bytes(RunDir(run_dir).doctor_result(rank))
+        try:
+            found = json.loads(raw) if raw else None
+        except ValueError:
+            found = None
+        out.append(found if isinstance(found, dict) else None)
+    return out
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from submit import api, installed_version
+    from submit.cli.main import _home, _profile_path, wait_for
+    from submit.config.cluster import load_profile
+    from submit.jobs.doctor import judge, table
+    from submit.jobs.registry import Registry
+    from submit.planning.plan import with_home
+    from submit.transport import snapshot
+    from submit.transport.base import connect
+
+    profile = load_profile(args.cluster)
+    opts = options(args, profile)
+    plan = doctor_plan(profile, opts, _home(profile))  # every input error before any connection
+    clusters = api.Clusters()
+    try:
+        transport = connect(profile.ssh, args.cluster)
+        clusters.adopt(profile, transport, _profile_path(args.cluster))
+        if profile.ssh is not None:
+            plan = with_home(plan, snapshot.remote_home(transport))
+        registry = Registry()
+        (record,) = api.schedule(api.dryrun(plan), plan, registry, transport, profile_path=_profile_path(args.cluster))
+        print(
+            f"doctor: job {record.job_id} on {profile.name} ({opts.nodes} node{'s' if opts.nodes > 1 else ''}), run dir {plan.run_dir}"
+        )
+        try:
+            status = wait_for(record, clusters, registry, None)
+        except KeyboardInterrupt:
+            print(f"\nmeshrun: stopped waiting; `meshrun cancel {record.job_id}` stops the doctor job", file=sys.stderr)
+            return 130
+        results = read_results(clusters.transport_for(record), plan.run_dir, plan.spec.world_size)
+    finally:
+        clusters.close()
+    if args.json:
+        print(json.dumps({"job": record.job_id, "state": status.state, "ranks": results}, indent=1))
+        return 0 if all(results) else 1
+    report = judge(results, opts, profile, installed_version())
+    sys.stdout.write(table(report))
+    if not status.succeeded:
+        print(f"doctor job {record.job_id} {status.state}: `meshrun logs {record.job_id} --rank all` shows why")
+    return 1 if report.bad_nodes or not status.succeeded else 0

@@ -1,0 +1,589 @@
+"""The `meshrun` command: clusters, render, submit, status, logs, cancel, tb, trust, data, watch, top.
+
+Bad input exits 2 with one line on stderr naming the key, the value and the fix;
+a cluster problem exits 1 with one line. Never a traceback for either.
+Start-up stays fast and torch-free: heavy imports happen inside the verbs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence, TextIO
+
+from launcher.contract.private import private_umask
+from launcher.contract.schema import SchemaError
+from submit.cli import checkpoints as cli_ckpt
+from submit.cli import doctor as cli_doctor
+from submit.cli import jobs as cli_jobs
+from submit.cli import live as cli_live
+from submit.cli import plan as cli_plan
+from submit.cli import tb as cli_tb
+from submit.cli.args import cluster_arg, overrides_arg
+from submit.errors import EXIT_INPUT, InputError, InternalError, MeshrunError
+
+
+def _spec_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("spec", type=Path, help="job spec YAML (see examples/)")
+    cluster_arg(parser)
+    overrides_arg(parser, "override a spec key, e.g. --set train.steps=100 (repeatable)")
+    parser.add_argument(
+        "--sweep",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2,...",
+        help="a Slurm job array with one task per value (repeatable: every combination); each task reads its own spec",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meshrun",
+        description="Large-model training from a laptop to a multi-node GPU Slurm cluster, and kept alive there.",
+    )
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    verbs.add_parser("clusters", help="list the cluster profiles")
+
+    p = verbs.add_parser("render", help="print the batch script for a job; touches nothing (unless --upload)")
+    _spec_args(p)
+    p.add_argument("-o", "--output", type=Path, help="write the script to this file")
+    p.add_argument(
+        "--upload",
+        action="store_true",
+        help="also put the job's code snapshot on the cluster (the script runs from it): then sbatch it by hand",
+    )
+
+    p = verbs.add_parser("submit", help="validate, render and submit a job")
+    _spec_args(p)
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="show exactly what would be sent (the script, the start command, the run-dir files); submit nothing",
+    )
+    p.add_argument("--json", action="store_true", help="with --dry-run: the request as JSON fields")
+    p.add_argument("--wait", action="store_true", help="wait for the end; exit 0 only if it succeeded")
+    p.add_argument("--force", action="store_true", help="submit even when the plan says it cannot fit the GPUs")
+    p.add_argument(
+        "--after",
+        action="append",
+        default=[],
+        metavar="[KIND:]JOB",
+        help="start only after JOB succeeded (KIND: ok, any, notok, start; repeatable)",
+    )
+    p.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="NODE[,NODE...]",
+        help="never run on these nodes (added to the profile's defaults.exclude; `meshrun doctor` names bad ones)",
+    )
+
+    p = verbs.add_parser("status", help="the state of submitted jobs")
+    p.add_argument("jobs", nargs="*", help="job ids, or a job array's id (default: the most recent jobs)")
+    p.add_argument("--json", action="store_true", help="print a JSON list (one per refresh with --watch)")
+    p.add_argument("--watch", action="store_true", help="refresh until every job is done (backing off)")
+    p.add_argument("-n", "--limit", type=int, default=20, help="how many recent jobs without ids")
+    p.add_argument("-c", "--cluster", help="only this cluster")
+
+    p = verbs.add_parser("logs", help="print (or follow) a job's logs")
+    p.add_argument("job")
+    p.add_argument(
+        "-f", "--follow", action="store_true", help="keep printing until the job ends (survives a dropped connection)"
+    )
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
+        "--rank", default="0", help="this rank's log (default 0); 0,3 or all: merged, each line prefixed [rank N]"
+    )
+    which.add_argument("--batch", action="store_true", help="the batch shell's (or local supervisor's) log")
+    which.add_argument(
+        "--diagnosis", action="store_true", help="a hang's diagnosis: the verdict, every rank's stack, the heartbeats"
+    )
+    p.add_argument("-c", "--cluster", help="the job's cluster, if the id is ambiguous")
+
+    p = verbs.add_parser("cancel", help="cancel a job (or a whole job array)")
+    p.add_argument("job")
+    p.add_argument("-c", "--cluster", help="the job's cluster, if the id is ambiguous")
+
+    cli_tb.add_parser(verbs)
+
+    p = verbs.add_parser("trust", help="show a cluster's SSH host key fingerprint and record it on your word")
+    p.add_argument("cluster", help="cluster profile name or YAML file")
+    p.add_argument(
+        "--fingerprint",
+        action="append",
+        help="record without asking if the key has this "
+        "fingerprint (SHA256:...); repeat it for each jump host (matched to whichever hop shows it)",
+    )
+    p.add_argument(
+        "--replace", action="store_true", help="replace a CHANGED key (only after the admins confirmed the change)"
+    )
+
+    cli_ckpt.add_parsers(verbs)
+    cli_plan.add_parsers(verbs)
+    cli_live.add_parsers(verbs)
+    cli_doctor.add_parsers(verbs)
+
+    p = verbs.add_parser(
+        "data",
+        help="build a token file from text on this machine (.txt/.md/.jsonl/source files; bytes, BPE or your tokenizer)",
+    )
+    p.add_argument(
+        "inputs",
+        nargs="*",
+        metavar="INPUT",
+        help="folders, files or globs of text (default: Python's standard library .py sources)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("~/.cache/meshrun/data/stdlib.u16").expanduser(),
+        help="token file to write (default: ~/.cache/meshrun/data/stdlib.u16)",
+    )
+    p.add_argument("--source", type=Path, action="append", default=[], help=argparse.SUPPRESS)  # older name of INPUT
+    p.add_argument(
+        "--tokenizer",
+        default="bytes",
+        help="bytes (default), bpe (trained here on the inputs, needs --vocab) or a tokenizer.json file",
+    )
+    p.add_argument("--vocab", type=int, default=None, help="the BPE's vocabulary size, e.g. 32000")
+    p.add_argument("--eot", default=None, help="a tokenizer.json's end-of-text token (default: found by name)")
+    p.add_argument("--field", default="text", help="the text field of .jsonl lines (default: text)")
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.05,
+        help="documents held out for validation, written beside the token file (default 0.05; 0: none)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the held-out choice (default 0)")
+    p.add_argument(
+        "--max-mb",
+        type=float,
+        default=None,
+        help="read whole documents up to this many MB of text (default: all of the inputs; the default corpus: 16 MiB)",
+    )
+    return parser
+
+
+# ------------------------------------------------------------------ verbs
+
+
+def cmd_clusters(args: argparse.Namespace) -> int:
+    from submit.config.cluster import load_profile_file, profile_files
+
+    rows = [("NAME", "SCHEDULER", "REACHED", "PARTITIONS", "DESCRIPTION")]
+    for name, path in sorted(profile_files().items()):
+        try:
+            prof = load_profile_file(path)
+        except InputError as exc:
+            rows.append((name, "-", "-", "-", f"INVALID: {exc}"))
+            continue
+        reach = f"ssh {prof.ssh.host}" if prof.ssh else "this machine"
+        parts = ",".join(f"{p.name}({p.gpus_per_node}gpu)" for p in prof.partitions)
+        rows.append((name, prof.scheduler, reach, parts, prof.description))
+    _table(rows)
+    return 0
+
+
+def _home(profile: Any) -> str:
+    """The home that `~` in the profile's paths means: this machine's, or (over SSH) a placeholder
+    that `plan.with_home` resolves once the login node has said its own."""
+    from submit.planning.plan import REMOTE_HOME
+
+    return os.path.expanduser("~") if profile.ssh is None else REMOTE_HOME
+
+
+def _plan(args: argparse.Namespace, profile: Any) -> Any:
+    """Load, validate and resolve the job: every input error surfaces here, before any connection."""
+    from submit.planning.plan import plan_file
+    from submit.schedulers import backend
+
+    if args.sweep:
+        from submit.planning.sweep import plan_sweep
+
+        if not backend(profile.scheduler).supports_arrays:
+            raise InputError(
+                "--sweep",
+                args.sweep[0],
+                f"sweeps run as job arrays, which the {profile.scheduler} "
+                f"cluster does not have; it runs one job at a time",
+            )
+        return plan_sweep(args.spec, profile, args.overrides, args.sweep, home=_home(profile))
+    return plan_file(args.spec, profile, args.overrides, home=_home(profile))
+
+
+def _snapshot(args: argparse.Namespace, profile: Any, plan: Any) -> Any:
+    """The project's code snapshot, when the cluster runs jobs from one."""
+    from submit.schedulers import backend
+    from submit.transport import snapshot
+
+    return snapshot.collect(args.spec.parent, plan.spec.code) if backend(profile.scheduler).ships_code else None
+
+
+def _request(
+    args: argparse.Namespace, profile: Any, plan: Any, snap: Any, transport: Any = None, read_only: bool = False
+) -> tuple[Any, Any, Any]:
+    """The plan made (once, before any connection), then ask the cluster (one round trip; none for a
+    dry run on a login node) for its home and which copy of the code snapshot the job runs from, then
+    build the request, rendered once. Returns (plan with the real home, request, snapshot.Found or None).
+    `read_only` (render): nothing is written on the cluster."""
+    from submit import api
+    from submit.planning.plan import with_home
+    from submit.transport import snapshot
+
+    found = None
+    if transport is not None and (profile.ssh is not None or snap is not None):
+        home, found = snapshot.probe(transport, plan.work_dir, snap, read_only=read_only)
+        if profile.ssh is not None:
+            plan = with_home(plan, home)
+        for line in snapshot.changed_warning(plan.work_dir, found) if found and not found.present else ():
+            print(f"meshrun: warning: {line}", file=sys.stderr)  # once: when the code goes to a new copy
+    plan = api.with_code_dir(plan, snap, _project_dir(args, profile, plan), found.name if found else None)
+    return plan, api.dryrun(plan, getattr(args, "after", ())), found
+
+
+def _project_dir(args: argparse.Namespace, profile: Any, plan: Any) -> Optional[str]:
+    """Where a cluster that runs this machine's files in place runs them: the project (code.root, else the
+    git work tree holding the spec), else the spec's folder. None for a cluster that ships a snapshot."""
+    from submit.schedulers import backend
+    from submit.transport import snapshot
+
+    if backend(profile.scheduler).ships_code:
+        return None
+    return str(snapshot.project_root(args.spec.parent, plan.spec.code) or args.spec.parent.resolve())
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    """The script a submit would write, byte for byte (over SSH the login node is asked for its home);
+    nothing is written on the cluster unless --upload asks for the code snapshot the script runs from."""
+    import dataclasses
+
+    from submit import api
+    from submit.config.cluster import load_profile
+    from submit.transport.base import connect
+
+    profile = load_profile(args.cluster)
+    plan = _plan(args, profile)  # every input error before any connection
+    snap = _snapshot(args, profile, plan)
+    transport = connect(profile.ssh, args.cluster)
+    try:
+        plan, request, found = _request(args, profile, plan, snap, transport, read_only=not args.upload)
+        if args.upload and found is not None and api.sync_code(plan, transport, snap, present=found.present):
+            found = dataclasses.replace(found, present=True)
+            print(f"code: uploaded the code snapshot {plan.code_dir}", file=sys.stderr)
+    finally:
+        transport.close()
+    if args.output:
+        args.output.write_text(request.script)
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(request.script)
+    if found is not None:
+        print(_code_needed(plan.code_dir, found.present, args), file=sys.stderr)
+    return 0
+
+
+def _code_needed(code_dir: str, present: bool, args: argparse.Namespace) -> str:
+    """What a hand-submitted script needs on the cluster first: its code snapshot (uploaded by --upload)."""
+    if present:
+        return f"code: the script runs from the code snapshot {code_dir}, which is on the cluster (sealed)"
+    output = ["-o", str(args.output)] if args.output else []
+    again = shlex.join(["meshrun", "render", str(args.spec), "-c", args.cluster, *output, "--upload"])
+    return (
+        f"code: the script runs from the code snapshot {code_dir}, which is not on the cluster: `{again}` "
+        f"(or a `meshrun submit`) uploads it; the script refuses to start without it"
+    )
+
+
+def _profile_path(cluster: str) -> str:
+    """The profile file's absolute path (the registry keeps it, so later verbs reach this very cluster)."""
+    from submit.config.cluster import profile_path
+
+    return str(profile_path(cluster))
+
+
+def _check_submit_flags(args: argparse.Namespace, scheduler: str) -> None:
+    from submit.schedulers import backend
+    from submit.schedulers.slurm_cli import dependency
+
+    dependency(args.after)
+    if args.after and not backend(scheduler).supports_dependencies:
+        raise InputError("--after", args.after[0], f"dependencies are Slurm's; the {scheduler} cluster has none")
+    if args.sweep and args.wait:
+        raise InputError("--wait", "--sweep", "a sweep is several jobs: follow them with `meshrun status ID --watch`")
+
+
+def print_request(plan: Any, snap: Any, request: Any, as_json: bool) -> None:
+    """`submit --dry-run`: the request exactly as it would be sent."""
+    from submit.planning.plan import describe
+
+    code = (
+        {"root": str(snap.root), "files": len(snap.files), "bytes": snap.size, "digest": snap.digest} if snap else None
+    )
+    if as_json:
+        print(json.dumps({"dry_run": True, **describe(plan), "code": code, "request": request.as_json()}, indent=2))
+        return
+    summary = describe(plan)
+    print("# meshrun submit --dry-run: nothing was sent", file=sys.stderr)
+    print("plan: " + ", ".join(f"{k}={v}" for k, v in summary.items() if k != "tasks"))
+    for task in summary.get("tasks", ()):
+        print(f"  task {task['index']}: {task['overrides']}  {task['run_dir']}")
+    if code:
+        print(f"code: {code['files']} files, {code['bytes']:,} bytes from {code['root']} -> {request.code_dir}")
+    print("start: " + shlex.join(request.argv))
+    print("run-dir files:")
+    for item in request.as_json()["files"]:
+        print(f"  {item['mode']:>6}  {item['path']}")
+    print(f"--- {request.script_path}")
+    sys.stdout.write(request.script)
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from submit.config.cluster import load_profile
+    from submit.jobs.doctor import with_exclude
+
+    profile = with_exclude(load_profile(args.cluster), args.exclude)
+    _check_submit_flags(args, profile.scheduler)
+    plan = _plan(args, profile)  # every input error surfaces before any connection
+    if profile.ssh is None:
+        from submit.planning.plan import check_files
+
+        check_files(plan)  # a missing token or weights file, seen from here (a login node, the local cluster)
+    if not args.force:
+        from submit.planning.plan import check_fit
+
+        check_fit(plan)  # a job that cannot fit its GPUs: refused before paying for it
+    snap = _snapshot(args, profile, plan)
+    if args.dry_run and profile.ssh is None:
+        plan, request, _ = _request(args, profile, plan, snap)
+        print_request(plan, snap, request, args.json)
+        return 0
+    return _submit(args, profile, plan, snap)
+
+
+def _submit(args: argparse.Namespace, profile: Any, plan: Any, snap: Any) -> int:
+    from submit import api
+    from submit.jobs.registry import Registry
+    from submit.transport.base import connect
+    from submit.transport.progress import ProgressBar
+
+    clusters = api.Clusters()
+    try:
+        transport = connect(profile.ssh, args.cluster)
+        clusters.adopt(profile, transport, _profile_path(args.cluster))
+        plan, request, found = _request(args, profile, plan, snap, transport)
+        if args.dry_run:
+            print_request(plan, snap, request, args.json)
+            return 0
+        bar = ProgressBar(f"uploading code ({len(snap.files)} files)" if snap else "")
+        if api.sync_code(plan, transport, snap, progress=bar, present=found.present if found else None):
+            bar.done()
+        elif snap is not None:
+            print(f"code: unchanged, snapshot {snap.digest} already on {profile.name}", file=sys.stderr)
+        registry = Registry()
+        records = api.schedule(
+            request, plan, registry, transport, spec_dir=args.spec.parent, profile_path=_profile_path(args.cluster)
+        )
+        _print_submitted(plan, records)
+        if not args.wait:
+            return 0
+        return finish_wait(
+            records[0], clusters, registry, total_steps=None if plan.spec.command else plan.spec.trainer.steps
+        )
+    finally:
+        clusters.close()
+
+
+def finish_wait(record: Any, clusters: Any, registry: Any, total_steps: Optional[int]) -> int:
+    """--wait: follow the job to its end; the exit code says how it ended (2: the ranks found bad input).
+    Ctrl-C stops the waiting, never the job, and says so."""
+    from launcher.contract.exitcodes import EXIT_INPUT
+    from submit.jobs.status import Status
+
+    try:
+        status: Status = wait_for(record, clusters, registry, total_steps)
+    except KeyboardInterrupt:
+        print(
+            f"\nmeshrun: stopped waiting; job {record.job_id} keeps running "
+            f"(`meshrun status {record.job_id}`, `meshrun logs {record.job_id} -f`, "
+            f"`meshrun cancel {record.job_id}`)",
+            file=sys.stderr,
+        )
+        return 130
+    print(f"job {record.job_id} {status.state}" + (f" ({status.reason})" if status.reason else ""))
+    print(f"logs: {record.run_dir}/logs   metrics: {record.run_dir}/metrics.jsonl")
+    if status.succeeded:
+        return 0
+    return EXIT_INPUT if status.exit_code == EXIT_INPUT else 1
+
+
+def _print_submitted(plan: Any, records: Sequence[Any]) -> None:
+    if not plan.tasks:
+        print(f"submitted job {records[0].job_id} on {records[0].cluster}")
+    else:
+        print(f"submitted job array {records[0].job_id.split('_')[0]} ({len(records)} tasks) on {records[0].cluster}")
+        for task, record in zip(plan.tasks, records):
+            print(f"  {record.job_id}  {task.label}")
+    print(f"run dir: {plan.run_dir}")
+    if plan.code_dir:
+        print(f"code: {plan.code_dir}")
+
+
+def _poll_interval(elapsed: float, scheduler: str) -> float:
+    """How often --wait asks: the backend's choice (Slurm backs off so a long wait does not hammer slurmctld)."""
+    from submit.schedulers import backend
+
+    return backend(scheduler).poll_interval(elapsed)
+
+
+def progress_line(status: Any, total_steps: Optional[int]) -> str:
+    parts = [f"[{status.state}]"]
+    step = status.progress.get("step")
+    if step is not None:
+        parts.append(f"step {step}/{total_steps}" if total_steps else f"step {step}")
+    if "loss" in status.progress:
+        parts.append(f"loss {loss_text(status.progress['loss'])}")
+    if status.elapsed_s is not None:
+        parts.append(f"elapsed {_clock(status.elapsed_s)}")
+        if status.time_limit_s and not status.done:
+            parts.append(f"left {_clock(max(status.time_limit_s - status.elapsed_s, 0))}")
+    if status.reason and not status.done:
+        parts.append(f"({status.reason})")
+    return " ".join(parts)
+
+
+def loss_text(loss: Any) -> str:
+    """A loss for a person: a diverged job writes null (strict JSON has no NaN), shown as nan."""
+    if isinstance(loss, (int, float)) and not isinstance(loss, bool):
+        return f"{loss:.4f}"
+    return "nan" if loss is None else "-"
+
+
+def wait_for(
+    record: Any, clusters: Any, registry: Any, total_steps: Optional[int], out: Optional[TextIO] = None
+) -> Any:
+    """Poll until the job ends, showing progress (one rewritten line on a terminal, plain lines piped)."""
+    from submit import api
+    from submit.transport.base import ConnectionLost
+
+    out = out if out is not None else sys.stderr
+    tty, last, started = out.isatty(), None, time.monotonic()
+    shown: set[str] = set()  # the alerts already printed, by their record
+    while True:
+        try:
+            status = api.statuses([record], clusters, registry)[0]
+        except ConnectionLost:
+            clusters.close()  # the job runs on regardless: reconnect at the next poll
+            time.sleep(_poll_interval(time.monotonic() - started, record.scheduler))
+            continue
+        new = [a for a in status.alerts if json.dumps(a, sort_keys=True) not in shown]
+        for alert in new:  # each new alert once, on a line of its own above the progress line
+            shown.add(json.dumps(alert, sort_keys=True))
+            out.write(("\r\x1b[2K" if tty else "") + "ALERT " + cli_jobs.alert_line(alert) + "\n")
+        line = progress_line(status, total_steps)
+        # Piped output gets a line only when the state or the step changes, not every tick.
+        changed = (status.state, status.progress.get("step")) != last
+        if tty:
+            out.write("\r\x1b[2K" + line)
+        elif changed:
+            out.write(line + "\n")
+        out.flush()
+        last = (status.state, status.progress.get("step"))
+        if status.done:
+            if tty:
+                out.write("\n")
+            return status
+        time.sleep(_poll_interval(time.monotonic() - started, record.scheduler))
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    """Runs `python -m launcher.data.corpus`, which checks every option (one line, exit 2) and builds: the
+    caller's side imports only launcher's torch-free contract."""
+    import subprocess
+
+    inputs = [*args.inputs, *(str(folder) for folder in args.source)]
+    options = [
+        ("--tokenizer", args.tokenizer),
+        ("--vocab", args.vocab),
+        ("--eot", args.eot),
+        ("--field", args.field),
+        ("--val-fraction", args.val_fraction),
+        ("--seed", args.seed),
+        ("--max-bytes", None if args.max_mb is None else int(args.max_mb * 1e6)),
+    ]
+    flags = [f"{flag}={value}" for flag, value in options if value is not None]
+    # "--" ends the options: an input named like a flag is still a path.
+    argv = [sys.executable, "-m", "launcher.data.corpus", *flags, "--", str(args.out.expanduser()), *inputs]
+    return subprocess.run(argv, check=False).returncode
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _clock(seconds: Optional[int]) -> str:
+    seconds = int(seconds or 0)
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}"
+
+
+def _table(rows: Sequence[Sequence[str]]) -> None:
+    sys.stdout.write(cli_jobs.table(rows))
+
+
+VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "clusters": cmd_clusters,
+    "render": cmd_render,
+    "submit": cmd_submit,
+    "status": cli_jobs.cmd_status,
+    "logs": cli_jobs.cmd_logs,
+    "cancel": cli_jobs.cmd_cancel,
+    "tb": cli_tb.cmd_tb,
+    "trust": cli_jobs.cmd_trust,
+    "data": cmd_data,
+    "resume": cli_ckpt.cmd_resume,
+    "export": cli_ckpt.cmd_export,
+    "plan": cli_plan.cmd_plan,
+    "watch": cli_live.cmd_watch,
+    "top": cli_live.cmd_top,
+    "doctor": cli_doctor.cmd_doctor,
+}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    # Private whatever the user's umask: the registry, run dirs, uploads, sbatch (Slurm gives the job the
+    # umask it was submitted with: output files, ranks) and the local supervisor inherit it.
+    private_umask()
+    args = build_parser().parse_args(argv)
+    try:
+        return VERBS[args.verb](args)
+    except SchemaError as exc:
+        print(f"meshrun: error: {exc}", file=sys.stderr)
+        return EXIT_INPUT
+    except MeshrunError as exc:
+        print(f"meshrun: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("meshrun: interrupted", file=sys.stderr)
+        return 130
+    except MemoryError:
+        raise
+    except Exception as exc:  # a bug in meshrun: one line, not a traceback (MESHRUN_DEBUG=1 shows it)
+        if os.environ.get("MESHRUN_DEBUG"):
+            raise
+        print(
+            f"meshrun: {InternalError(f'{type(exc).__name__}: {exc}')} (MESHRUN_DEBUG=1 shows the traceback)",
+            file=sys.stderr,
+        )
+        return 1
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""`meshrun plan SPEC -c CLUSTER [--set ...] [--json]`: will it fit, how fast, and with which layout.
+
+Pure: reads the spec and the profile, touches no cluster. The numbers come from submit/planning/estimate.py (memory,
+step time) and submit/planning/recommend.py (the layout search); README's `meshrun plan` section states the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from submit.cli.args import cluster_arg, overrides_arg
+from submit.errors import InputError
+
+
+def add_parsers(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = verbs.add_parser(
+        "plan", help="memory per GPU, fit, step time and the recommended layout of a job; submits nothing"
+    )
+    p.add_argument("spec", type=Path, help="job spec YAML (see examples/)")
+    cluster_arg(p)
+    overrides_arg(p, "override a spec key, e.g. --set train.model.preset=llama-70b (repeatable)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (stable keys: README)")
+    p.add_argument(
+        "--mesh",
+        action="store_true",
+        help="also count each rank's model-state bytes on the real model, split by the real parallel code in a "
+        "fake world of the job's size (needs torch here; seconds for thousands of ranks)",
+    )
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def _choice_json(choice: Any, spec: Any) -> Optional[dict[str, Any]]:
+    if choice is None:
+        return None
+    out: dict[str, Any] = dict(choice.layout)
+    out["set"] = choice.overrides(spec)
+    out["memory_per_gpu_bytes"] = choice.memory.as_json()
+    if choice.time is not None:
+        out.update(step_time_s=choice.time.step_s, tokens_per_s=choice.time.tokens_per_s, mfu=choice.time.mfu)
+    return out
+
+
+def build(spec: Any, cluster: Any, partition: Any) -> dict[str, Any]:
+    """The plan's JSON object (README documents every key)."""
+    from launcher.contract.modelshape import param_count
+    from submit.planning import estimate, recommend, steptime
+
+    memory = estimate.memory_per_gpu(spec)
+    hw = recommend.hardware(cluster, partition) if partition is not None else None
+    time = steptime.step_time(spec, hw) if hw is not None and spec.resources.gpus_per_node else None
+    fits = {
+        p.name: estimate.fits(memory, recommend.gpu_memory(p)) if p.gpus_per_node else None for p in cluster.partitions
+    }
+    recommended = None
+    if partition is not None and partition.gpus_per_node:
+        found = recommend.best(spec, cluster, partition, spec.resources.nodes)
+        recommended = _choice_json(found or recommend.smallest(spec, cluster, partition), spec)
+    table = []
+    for part in cluster.partitions:
+        if not part.gpus_per_node:
+            continue
+        choice = recommend.smallest(spec, cluster, part)
+        row = {"partition": part.name, "gpu_type": part.gpu_type, "gpu_memory_gb": recommend.gpu_memory(part)}
+        if choice is not None:
+            row.update(gpus=choice.spec.world_size, recommended=_choice_json(choice, spec))
+        table.append(row)
+    t = spec.trainer
+    return {
+        "params": param_count(t.model),
+        "memory_per_gpu_bytes": memory.as_json(),
+        "stage": memory.stage,
+        "partition": partition.name if partition is not None else None,
+        "usable_bytes": estimate.usable_bytes(recommend.gpu_memory(partition) or 0) if partition else None,
+        "fits": fits.get(partition.name) if partition is not None else None,
+        "fits_by_partition": fits,
+        "flops_per_step": time.flops_per_step if time else steptime.flops_per_step(spec),
+        "step_time_s": time.step_s if time else None,
+        "tokens_per_s": time.tokens_per_s if time else None,
+        "mfu": time.mfu if time else None,
+        "time": time.as_json() if time else None,
+        "recommended": recommended,
+        "partitions": table,
+    }
+
+
+def _layout_text(layout: dict[str, Any]) -> str:
+    mode = f"zero {layout['zero']}" if "zero" in layout else layout["dp_mode"]
+    return (
+        f"{layout['nodes']} node(s): dp {layout['dp']} tp {layout['tp']} pp {layout['pp']} {mode}, micro_batch "
+        f"{layout['micro_batch']} x {layout['accumulation']}, checkpointing "
+        f"{'on' if layout['activation_checkpointing'] else 'off'}"
+    )
+
+
+def _speed(obj: dict[str, Any]) -> str:
+    if obj.get("tokens_per_s") is None:
+        return "time unknown (no peak for this GPU type in launcher/contract/gpus.py)"
+    return f"{obj['step_time_s']:.3g} s/step, {obj['tokens_per_s']:,.0f} tokens/s, MFU {obj['mfu']:.0%}"
+
+
+def render(out: dict[str, Any], spec: Any) -> str:
+    """The plan for a person."""
+    from submit.cli.jobs import table
+    from submit.planning.estimate import CONTEXT_BYTES, FRAGMENTATION, HEADROOM
+    from submit.planning.estimate import gib as _gib
+
+    m, t, p = spec.trainer.model, spec.trainer, spec.parallel
+    kv = f" ({m.kv_heads} kv)" if m.kv_heads != m.n_heads else ""
+    tied = ", tied head" if m.tie_embeddings else ""
+    lines = [
+        f"model: {_count(out['params'])} parameters (n_layers {m.n_layers}, d_model {m.d_model}, n_heads "
+        f"{m.n_heads}{kv}, vocab {m.vocab_size}{tied}, seq_len {m.seq_len}), {out['flops_per_step']:.3g} FLOPs "
+        "per step",
+        f"layout: {spec.resources.nodes} node(s) x {spec.resources.gpus_per_node} GPUs: dp {p.dp} tp {p.tp} pp "
+        f"{p.pp}, micro_batch {t.micro_batch}, global_batch {t.global_batch}, {t.precision}, engine {t.engine}",
+        f"memory per GPU (stage {out['stage']}, the largest):",
+    ]
+    mem = out["memory_per_gpu_bytes"]
+    for key in ("params", "grads", "optimizer", "activations", "allowance", "total"):
+        lines.append(f"  {key:<12}{_gib(mem[key]):>12}")
+    lines[-2] += f"   ({_gib(CONTEXT_BYTES)} context + working copies + {FRAGMENTATION:.0%} fragmentation)"
+    if mem["cpu"]:
+        lines.append(f"  offloaded to CPU memory: {_gib(mem['cpu'])}")
+    if out["fits"] is not None:
+        verdict = "fits" if out["fits"] else "does NOT fit"
+        lines.append(
+            f"  {verdict} partition {out['partition']!r}: {_gib(out['usable_bytes'])} usable ({HEADROOM:.0%} headroom)"
+        )
+    if out["time"]:
+        tm = out["time"]
+        lines.append(
+            f"time: {_speed(out)} (compute {tm['compute_s']:.3g} s, bubble {tm['bubble']:.0%}, tp {tm['tp_comm_s']:.3g}"
+            f" s, pp {tm['pp_comm_s']:.3g} s, dp {tm['dp_comm_s']:.3g} s overlapped, optimizer {tm['optimizer_s']:.3g} s)"
+        )
+    rec = out["recommended"]
+    if rec is not None:
+        lines.append(f"recommended on {out['partition']!r}: {_layout_text(rec)}; {_speed(rec)}")
+        lines.append("  " + (" ".join(f"--set {item}" for item in rec["set"]) or "(the spec's own layout)"))
+    text = "\n".join(lines) + "\n"
+    rows = [("PARTITION", "GPU", "GiB", "FITS AS IS", "FEWEST GPUS", "LAYOUT", "TOKENS/S", "MFU")]
+    for row in out["partitions"]:
+        best = row.get("recommended")
+        fits = out["fits_by_partition"].get(row["partition"])
+        rows.append(
+            (
+                row["partition"],
+                str(row["gpu_type"] or "-"),
+                f"{row['gpu_memory_gb']:g}" if row["gpu_memory_gb"] else "?",
+                "-" if fits is None else ("yes" if fits else "no"),
+                str(row.get("gpus", "none fit")),
+                _layout_text(best) if best else "-",
+                f"{best['tokens_per_s']:,.0f}" if best and best.get("tokens_per_s") else "-",
+                f"{best['mfu']:.0%}" if best and best.get("mfu") else "-",
+            )
+        )
+    return text + (table(rows) if len(rows) > 1 else "")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from submit.config.cluster import load_profile
+    from submit.planning.plan import REMOTE_HOME, plan_file
+
+    profile = load_profile(args.cluster)
+    plan = plan_file(args.spec, profile, args.overrides, home=REMOTE_HOME)  # the same checks as submit
+    if plan.spec.command is not None:
+        raise InputError(
+            "command",
+            list(plan.spec.command),
+            "plan estimates the built-in trainer (train:); a command job's memory is its own program's",
+        )
+    out = build(plan.spec, profile, plan.partition)
+    if args.mesh:
+        from submit.planning import meshcheck
+
+        out["mesh"] = meshcheck.summary(plan.spec)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(render(out, plan.spec), end="")
+        if args.mesh:
+            print("\n".join(meshcheck.lines(out["mesh"])))
+    return 0

@@ -1,0 +1,275 @@
+"""What the sidecars found, as `meshrun status` shows it: a hang's verdict, stragglers, environment mismatches.
+
+The sidecars write RUN_DIR/diagnosis/verdict.json (and verdict.txt), RUN_DIR/stragglers.json and
+RUN_DIR/env/NODE.json. Every one is optional and may be half-written or garbled: each is read
+size-capped and parsed here, and whatever does not parse is left out, never raised.
+
+Over SSH the files of every job come back in the status round trip the backend already makes:
+`findings_argv` is ONE command for all jobs (a constant script; every path a positional parameter),
+and `split_findings` takes its output apart again. On this machine `read_files` reads the same files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import posixpath
+import secrets
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+from launcher.contract import dsconfig
+from launcher.contract.envcheck import env_mismatches, newest_run, parse_record
+from launcher.contract.rundir import RunDir
+
+CAP_BYTES = 65536
+"""Read at most this much of each file: a status of many jobs stays small whatever a sidecar wrote."""
+SLACK_S = 300.0
+"""Clock difference allowed between this machine and the cluster when deciding a finding's age."""
+
+_HERE = RunDir("")
+VERDICT_JSON = _HERE.verdict_json
+VERDICT_TXT = _HERE.verdict
+STRAGGLERS = _HERE.stragglers
+ENV_DIR = _HERE.path(RunDir.ENV)
+
+ALERTS = _HERE.alerts
+GPU_METRICS = _HERE.gpu_metrics
+SPEC = RunDir.SPEC
+TAIL_BYTES = 16384
+"""Of the appended files (alerts.jsonl, gpu.jsonl) only the newest TAIL_BYTES come back: the newest lines."""
+ALERTS_KEPT = 50
+"""A status keeps a job's newest ALERTS_KEPT alerts."""
+
+# $1 marker, $2 cap, $3 verdict.json, $4 verdict.txt, $5 stragglers.json, $6 env dir ("": skip),
+# $7 alerts.jsonl, $8 gpu.jsonl ("": skip), $9 the tail cap, $10 spec.json ("": skip), then the run dirs. The first files are read
+# from their start (head), the appended ones from their end (tail): their newest lines.
+FINDINGS_SCRIPT = (
+    'm=$1; cap=$2; v=$3; t=$4; s=$5; e=$6; a=$7; g=$8; tc=$9; sp=${10}; shift 10; for d in "$@"; do printf "\\n%s run\\n" "$m"; '
+    'for f in "$d/$v" "$d/$t" "$d/$s" ${e:+"$d/$e"/*.json} ${sp:+"$d/$sp"}; do [ -f "$f" ] || continue; '
+    'printf "\\n%s file %s\\n" "$m" "${f#"$d"/}"; head -c "$cap" -- "$f"; done; '
+    'for f in "$d/$a" ${g:+"$d/$g"}; do [ -f "$f" ] || continue; '
+    'printf "\\n%s file %s\\n" "$m" "${f#"$d"/}"; tail -c "$tc" -- "$f"; done; done; exit 0'
+)
+
+
+@dataclass(frozen=True)
+class Findings:
+    """The sidecars' findings for one job (all empty: nothing found, or nothing readable)."""
+
+    verdict: Optional[dict[str, Any]] = None
+    """The hang's verdict.json (its "verdict" paragraph always a string), None when no hang was diagnosed."""
+    stragglers: list[dict[str, Any]] = field(default_factory=list)
+    """[{"rank", "node", "busy_s", "ratio"}] from stragglers.json."""
+    env_mismatches: list[str] = field(default_factory=list)
+    """One line per version that differs between the newest run's nodes."""
+    alerts: list[dict[str, Any]] = field(default_factory=list)
+    """This job's newest alert records (launcher/contract/alerts.py), oldest first."""
+    gpus: list[dict[str, Any]] = field(default_factory=list)
+    """The newest gpu.jsonl sample of each GPU (asked for by `meshrun top` only; else [])."""
+    steps: Optional[int] = None
+    """The trainer's train.steps from spec.json (one job's detail view and `meshrun top`; None for a command job)."""
+    engine: Optional[str] = None
+    """The engine from spec.json, e.g. 'deepspeed ZeRO-2, optimizer offload' (as `steps`)."""
+
+    def status_fields(self) -> dict[str, Any]:
+        """The Status fields these fill, for every backend's status builder alike."""
+        return {
+            "verdict": self.verdict,
+            "stragglers": self.stragglers,
+            "env_mismatches": self.env_mismatches,
+            "alerts": self.alerts,
+            "gpus": self.gpus,
+            "steps": self.steps,
+            "engine": self.engine,
+        }
+
+
+NOTHING = Findings()
+
+
+def new_marker() -> str:
+    """A separator no file can forge: random per call, as submit.transport.base.batch's."""
+    return f"MESHRUN-{secrets.token_hex(8)}"
+
+
+def findings_argv(run_dirs: Sequence[str], with_env: bool, marker: str, with_gpus: bool = False) -> list[str]:
+    """One command printing every job's finding files, each after a line naming it. spec.json (steps, engine)
+    comes with the detail view (`with_env`) and `top` (`with_gpus`) only: a long list needs neither."""
+    env = ENV_DIR if with_env else ""
+    gpus = GPU_METRICS if with_gpus else ""
+    spec = SPEC if with_env or with_gpus else ""
+    caps = (str(CAP_BYTES), VERDICT_JSON, VERDICT_TXT, STRAGGLERS, env, ALERTS, gpus, str(TAIL_BYTES), spec)
+    return ["sh", "-c", FINDINGS_SCRIPT, "sh", marker, *caps, *run_dirs]
+
+
+def split_findings(output: str, jobs: int, marker: str) -> list[dict[str, str]]:
+    """`findings_argv`'s output -> per job, {path relative to the run dir: text}; {} for jobs it lacks."""
+    found: list[dict[str, str]] = []
+    for chunk in output.split(f"\n{marker} run\n")[1 : jobs + 1]:
+        files: dict[str, str] = {}
+        for part in chunk.split(f"\n{marker} file ")[1:]:
+            name, _, text = part.partition("\n")
+            files[name] = text
+        found.append(files)
+    return found + [{} for _ in range(jobs - len(found))]
+
+
+def _read(path: str) -> Optional[str]:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(CAP_BYTES).decode(errors="replace")
+    except OSError:
+        return None
+
+
+def _tail(path: str) -> Optional[str]:
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, 2)
+            handle.seek(max(0, handle.tell() - TAIL_BYTES))
+            return handle.read(TAIL_BYTES).decode(errors="replace")
+    except OSError:
+        return None
+
+
+def read_files(run_dir: str, with_env: bool, with_gpus: bool = False) -> dict[str, str]:
+    """The same files as `findings_argv`, read on this machine (the local cluster)."""
+    import os
+
+    root = RunDir(run_dir)
+    tails = {name: _tail(root.path(name)) for name in (ALERTS, *(GPU_METRICS,) * with_gpus)}
+    names = [VERDICT_JSON, VERDICT_TXT, STRAGGLERS, *(SPEC,) * (with_env or with_gpus)]
+    if with_env:
+        try:
+            listed = sorted(os.listdir(root.path(ENV_DIR)))
+        except OSError:
+            listed = []
+        names += [posixpath.join(ENV_DIR, n) for n in listed if n.endswith(".json") and not n.startswith(".")]
+    found = {**{name: _read(root.path(name)) for name in names}, **tails}
+    return {name: text for name, text in found.items() if text is not None}
+
+
+def _json_object(text: Optional[str]) -> dict[str, Any]:
+    try:
+        value = json.loads(text or "")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _number(value: Any) -> Optional[float]:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None
+
+
+def _recent(found: Mapping[str, Any], submitted_at: float) -> bool:
+    """From this job, not from an earlier job of the same run dir (a resume starts a new job there)."""
+    when = _number(found.get("time"))
+    return when is None or when >= submitted_at - SLACK_S
+
+
+def parse_verdict(data_text: Optional[str], paragraph: Optional[str]) -> Optional[dict[str, Any]]:
+    """verdict.json, its paragraph falling back on verdict.txt (a verdict.json too big or half-written)."""
+    data = _json_object(data_text)
+    text = data.get("verdict") if isinstance(data.get("verdict"), str) else (paragraph or "").strip()
+    if not text and not isinstance(data.get("step"), int):
+        return None  # neither a paragraph nor a step: nothing a person could act on
+    ranks = data.get("ranks")
+    return {
+        **data,
+        "verdict": text,
+        "ranks": [r for r in ranks if isinstance(r, dict)] if isinstance(ranks, list) else [],
+    }
+
+
+def parse_stragglers(text: Optional[str]) -> tuple[Optional[float], list[dict[str, Any]]]:
+    """(the report's time, its stragglers with a rank and a ratio); garbled entries left out."""
+    data = _json_object(text)
+    listed = data.get("stragglers")
+    found = [
+        s
+        for s in (listed if isinstance(listed, list) else [])
+        if isinstance(s, dict) and isinstance(s.get("rank"), int) and _number(s.get("ratio")) is not None
+    ]
+    return _number(data.get("time")), found
+
+
+def findings_from(files: Mapping[str, str], submitted_at: float) -> Findings:
+    """Findings from the files' texts (by path relative to the run dir). Pure; never raises."""
+    verdict = parse_verdict(files.get(VERDICT_JSON), files.get(VERDICT_TXT))
+    if verdict is not None and not _recent(verdict, submitted_at):
+        verdict = None
+    when, stragglers = parse_stragglers(files.get(STRAGGLERS))
+    if when is not None and when < submitted_at - SLACK_S:
+        stragglers = []
+    prefix = ENV_DIR + "/"
+    records = [parse_record(text) for name, text in sorted(files.items()) if name.startswith(prefix)]
+    mismatches = env_mismatches(newest_run(r for r in records if r is not None))
+    alerts = [a for a in parse_alerts(files.get(ALERTS)) if _recent(a, submitted_at)][-ALERTS_KEPT:]
+    gpus = parse_gpus(files.get(GPU_METRICS), submitted_at)
+    return Findings(
+        verdict=verdict,
+        stragglers=stragglers,
+        env_mismatches=mismatches,
+        alerts=alerts,
+        gpus=gpus,
+        steps=parse_steps(files.get(SPEC)),
+        engine=parse_engine(files.get(SPEC)),
+    )
+
+
+def _spec_job(text: Optional[str]) -> dict[str, Any]:
+    """spec.json's `job` object ({} when absent or garbled)."""
+    job = _json_object(text).get("job")
+    return job if isinstance(job, dict) else {}
+
+
+def parse_steps(text: Optional[str]) -> Optional[int]:
+    """spec.json's job.train.steps (a command job has no steps)."""
+    job = _spec_job(text)
+    if job.get("command"):
+        return None
+    train = job.get("train")
+    steps = train.get("steps") if isinstance(train, dict) else None
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
+
+
+def parse_engine(text: Optional[str]) -> Optional[str]:
+    """spec.json's engine in one phrase ('native (fsdp)', 'deepspeed ZeRO-3, optimizer offload'); None for a
+    command job or a spec.json that does not parse."""
+    return dsconfig.plain_summary(_spec_job(text))
+
+
+def _json_lines(text: Optional[str]) -> list[dict[str, Any]]:
+    """Every whole JSON object line of a tail (its cut first line, or a line being written, is skipped)."""
+    rows = []
+    for line in (text or "").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def parse_alerts(text: Optional[str]) -> list[dict[str, Any]]:
+    """alerts.jsonl's records (launcher/contract/alerts.py), oldest first; a record naming no known rule is left out."""
+    from launcher.contract.alerts import RULES
+
+    return [row for row in _json_lines(text) if row.get("rule") in RULES]
+
+
+def parse_gpus(text: Optional[str], submitted_at: float) -> list[dict[str, Any]]:
+    """The newest sample of each GPU (by node and uuid) in a gpu.jsonl tail, ordered by rank."""
+    newest: dict[tuple[str, str], dict[str, Any]] = {}
+    for row in _json_lines(text):
+        if row.get("kind") == "gpu" and _recent(row, submitted_at):
+            newest[(str(row.get("node")), str(row.get("uuid", row.get("rank"))))] = row
+    return sorted(newest.values(), key=_rank_order)
+
+
+def _rank_order(row: Mapping[str, Any]) -> int:
+    rank = row.get("rank")
+    return rank if isinstance(rank, int) else 1 << 30

@@ -1,0 +1,212 @@
+"""Job status: one round trip per cluster per refresh, whatever the scheduler.
+
+Records are grouped by cluster, and each group asks its scheduler backend once (for
+Slurm: squeue, one batched sacct and every run's metrics tail in a single remote
+command). One unreachable cluster never hides the others' jobs; a changed host key is
+shown to the person, not only as UNREACHABLE.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+from launcher.contract.rundir import RunDir
+from submit.errors import MeshrunError
+from submit.jobs.registry import JobRecord, Registry
+from submit.schedulers.slurm_cli import FAILURE, SUCCESS
+from submit.transport.base import ConnectionLost, Transport
+
+METRICS_FILE = RunDir.METRICS
+FINAL = SUCCESS | FAILURE
+
+
+@dataclass(frozen=True)
+class Status:
+    job_id: str
+    cluster: str
+    name: str
+    state: str
+    run_dir: str
+    submitted_at: float
+    done: bool
+    succeeded: bool
+    elapsed_s: Optional[int] = None
+    time_limit_s: Optional[int] = None
+    restarts: int = 0
+    reason: Optional[str] = None
+    progress: dict[str, Any] = field(default_factory=dict)
+    """The last metrics.jsonl line: step, loss, ... (empty before the first step)."""
+    exit_code: Optional[int] = None
+    """The job's exit code once it ended (2: bad input), when the scheduler knows it."""
+    verdict: Optional[dict[str, Any]] = None
+    """A hang's verdict (RUN_DIR/diagnosis/verdict.json: "time", "step", "phase", "verdict", "ranks", ...)."""
+    stragglers: list[dict[str, Any]] = field(default_factory=list)
+    """Ranks persistently slower than the median: [{"rank", "node", "busy_s", "ratio"}]."""
+    best_checkpoint: Optional[dict[str, Any]] = None
+    """{"step", "val_loss"} of the checkpoint checkpoint.keep_best keeps (one job's detail view only)."""
+    env_mismatches: list[str] = field(default_factory=list)
+    """Versions that differ between the nodes (asked for one job's detail view only; else [])."""
+    alerts: list[dict[str, Any]] = field(default_factory=list)
+    """The job's newest alerts (RUN_DIR/alerts.jsonl records: time, step, rule, value, threshold, rank, node,
+    message), oldest first."""
+    losses: list[Optional[float]] = field(default_factory=list)
+    """The recent steps' losses, oldest first (None: non-finite); asked for by `meshrun top` only."""
+    gpus: list[dict[str, Any]] = field(default_factory=list)
+    """The newest gpu.jsonl sample of each GPU (util_pct, mem_used_mib, mem_total_mib, ...); `top` only."""
+    steps: Optional[int] = None
+    """The trainer's total steps (from spec.json; one job's detail view and `top` only)."""
+    engine: Optional[str] = None
+    """The trainer's engine, e.g. 'deepspeed ZeRO-2, optimizer offload' (from spec.json; one job's detail view
+    and `top` only; None for a command job)."""
+
+    def as_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class TransportSource(Protocol):
+    def transport_for(self, record: JobRecord) -> Transport: ...
+
+
+def parse_metrics_tail(text: str) -> dict[str, Any]:
+    """The newest step line of a metrics.jsonl tail (a line being written is skipped), with the
+    newest `checkpoint_step` from any line (checkpoint events are lines of their own)."""
+    found: dict[str, Any] = {}
+    checkpoint = None
+    for line in reversed(text.splitlines()):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(row, dict):
+            continue
+        # A save staged on node-local scratch is not a checkpoint yet: the sidecar's "copied" event is.
+        if checkpoint is None and row.get("checkpoint_step") is not None and not row.get("staged"):
+            checkpoint = row["checkpoint_step"]
+        if not found and "event" not in row:
+            found = row
+        if found and checkpoint is not None:
+            break
+    if checkpoint is not None:
+        found = {**found, "checkpoint_step": checkpoint}
+    return found
+
+
+HISTORY_LINES = 60
+"""`meshrun top`'s loss history: the newest metrics lines it fetches (a few kB per job)."""
+
+
+def parse_losses(text: str) -> list[Optional[float]]:
+    """The step lines' losses of a metrics tail, oldest first (None for a diverged step's null loss)."""
+    losses: list[Optional[float]] = []
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and "event" not in row and "loss" in row:
+            loss = row["loss"]
+            ok = isinstance(loss, (int, float)) and not isinstance(loss, bool) and math.isfinite(loss)
+            losses.append(float(loss) if ok else None)
+    return losses[-HISTORY_LINES:]
+
+
+METRICS_TAIL_BYTES = 8192
+"""How much of metrics.jsonl's end status reads: bytes, not lines, so that the newest step line is in it
+however many event lines (checkpoint staged / copied, one per node's copy) the sidecars appended after it.
+(Four lines were read on Slurm: after a run's last step its copy events filled them, and a finished job
+showed no step and no restart.) A partial first line is skipped by the parsers."""
+METRICS_HISTORY_BYTES = 65536
+"""With `live` (`meshrun top`): enough for the loss history."""
+
+
+def metrics_tail_bytes(live: bool = False) -> int:
+    return METRICS_HISTORY_BYTES if live else METRICS_TAIL_BYTES
+
+
+def metrics_tail(transport: Transport, run_dir: str, live: bool = False) -> str:
+    """The tail of metrics.jsonl: its last METRICS_TAIL_BYTES (with `live`, enough for the loss history)."""
+    path = RunDir(run_dir).metrics
+    size = transport.size(path)
+    if not size:
+        return ""
+    want = metrics_tail_bytes(live)
+    return transport.read_bytes(path, max(0, size - want), want).decode(errors="replace")
+
+
+def last_metrics(transport: Transport, run_dir: str) -> dict[str, Any]:
+    """The newest complete line of metrics.jsonl (reads only the file's tail)."""
+    return parse_metrics_tail(metrics_tail(transport, run_dir))
+
+
+def _unreachable(record: JobRecord, why: str) -> Status:
+    return Status(
+        job_id=record.job_id,
+        cluster=record.cluster,
+        name=record.name,
+        state="UNREACHABLE",
+        run_dir=record.run_dir,
+        submitted_at=record.submitted_at,
+        done=False,
+        succeeded=False,
+        reason=why,
+    )
+
+
+def _cluster_statuses(group: Sequence[JobRecord], transport: Transport, detail: bool, live: bool) -> list[Status]:
+    from submit.schedulers import backend
+
+    by_scheduler: dict[str, list[JobRecord]] = defaultdict(list)
+    for record in group:
+        by_scheduler[record.scheduler].append(record)
+    return [
+        s
+        for name, records in by_scheduler.items()
+        for s in backend(name).statuses(records, transport, detail=detail, live=live)
+    ]
+
+
+def warn_to_stderr(message: str) -> None:
+    print(f"meshrun: warning: {message}", file=sys.stderr)
+
+
+def statuses(
+    records: Sequence[JobRecord],
+    clusters: TransportSource,
+    registry: Optional[Registry] = None,
+    warn: Callable[[str], None] = warn_to_stderr,
+    detail: bool = False,
+    live: bool = False,
+) -> list[Status]:
+    """The status of each record, in order: one round trip per cluster. `detail` also compares
+    the nodes' environment records (one job's view: the records of many jobs would be a lot to fetch);
+    `live` also brings the loss history and the newest GPU samples (`meshrun top`), in the same trip."""
+    by_cluster: dict[str, list[JobRecord]] = defaultdict(list)
+    for record in records:
+        by_cluster[record.profile or record.cluster].append(record)  # the profile file: one cluster
+    found: dict[tuple[str, str], Status] = {}
+    for cluster, group in by_cluster.items():
+        try:
+            found_here = _cluster_statuses(group, clusters.transport_for(group[0]), detail, live)
+        except ConnectionLost:
+            raise  # the caller reconnects
+        except MeshrunError as exc:
+            if len(by_cluster) == 1:
+                raise
+            # One unreachable cluster must not hide the others' jobs; a security problem
+            # (a changed host key) must still reach the person, not only --json.
+            if getattr(exc, "security", False):
+                warn(f"{cluster}: {exc}")
+            found_here = [_unreachable(r, str(exc)) for r in group]
+        for status in found_here:
+            found[(status.cluster, status.job_id)] = status
+    result = [found[(r.cluster, r.job_id)] for r in records]
+    if registry is not None:
+        for record, status in zip(records, result):
+            if status.state != record.last_state and status.state not in ("UNKNOWN", "UNREACHABLE"):
+                registry.set_state(record, status.state)
+    return result

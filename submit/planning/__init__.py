@@ -1,0 +1,1 @@
+"""Planning: spec + profile -> a validated job, its memory, step time, layout search, sweeps, mesh check."""

@@ -1,0 +1,544 @@
+"""Planning: job spec + cluster profile + --set overrides -> a validated, resolved job.
+
+Pure: reads files, touches no cluster. Every check here runs before anything is
+submitted, and each error names the key, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import re
+import secrets
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from launcher.contract import dsconfig, presets, schema, tokens, weights
+from launcher.contract.parallel_dims import ParallelDims
+from launcher.contract.rundir import RunDir
+from launcher.contract.schema import SchemaError
+from launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec
+from submit import __version__
+from submit.config.cluster import ClusterProfile, Partition
+from submit.config.yamlfile import YamlDoc
+from submit.errors import InputError
+from submit.jobs import secrets as job_secrets
+from submit.schedulers import backend
+from submit.views.textwidth import slug
+
+_TIME = re.compile(r"(?:(?P<d>[0-9]+)-)?(?P<rest>[0-9]+(?::[0-9]+){0,2})")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A job ready to render and submit."""
+
+    spec: JobSpec
+    """The validated spec."""
+    submitted: dict[str, Any]
+    """The spec as the user wrote it, overrides applied (saved as job.yaml)."""
+    cluster: ClusterProfile
+    """Where it runs."""
+    partition: Optional[Partition]
+    """The partition (None on the local cluster)."""
+    run_dir: str
+    """The run dir on the cluster."""
+    time_seconds: int
+    """The time limit in seconds."""
+    run_spec: RunSpec
+    """What the ranks read (spec.json)."""
+    work_dir: str = ""
+    """The cluster's work dir with `~` resolved: run dirs and code snapshots live under it."""
+    code_dir: Optional[str] = None
+    """The project's code snapshot on the cluster, once synced: the ranks' PYTHONPATH and cwd."""
+    code_seal: Optional[tuple[str, str]] = None
+    """The snapshot's (manifest sha256, listing sha256): the batch script checks its folder's sealed files
+    against the first (files a job wrote beside them do not stop it), the probe the whole folder against both."""
+    tasks: tuple[Task, ...] = ()
+    """A sweep's array tasks, each with its own run dir and spec (empty for a single job)."""
+
+    @property
+    def spec_hash(self) -> str:
+        text = json.dumps(schema.to_plain(self.spec), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task of a sweep (a Slurm job array): its overrides, run dir and spec."""
+
+    index: int
+    """SLURM_ARRAY_TASK_ID."""
+    overrides: tuple[tuple[str, str], ...]
+    """The swept keys and this task's values."""
+    run_dir: str
+    """<run dir>/tasks/<index>: the task's own spec.json, logs, metrics."""
+    run_spec: RunSpec
+    """What the task's ranks read."""
+    spec_hash: str
+    """Hash of the task's validated spec."""
+
+    @property
+    def label(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.overrides)
+
+
+def load_job(path: Path, overrides: Sequence[str] = ()) -> tuple[JobSpec, dict[str, Any]]:
+    """Read a job spec file strictly and apply `--set` overrides."""
+    doc = YamlDoc(path)
+    if not isinstance(doc.data, dict):
+        raise InputError(str(path), doc.data, "a job spec is a mapping with at least `name:`")
+    try:
+        data = schema.apply_overrides(JobSpec, doc.data, overrides)
+    except SchemaError as exc:
+        raise InputError(f"--set {exc.key}", exc.value, exc.fix) from None
+    data = expand_preset(data, overrides)
+    try:
+        return schema.load(JobSpec, data), data
+    except SchemaError as exc:
+        raise doc.error(exc) from None
+
+
+def _set_keys(overrides: Sequence[str]) -> set[str]:
+    return {item.split("=", 1)[0].strip() for item in overrides}
+
+
+def expand_preset(data: dict[str, Any], overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """`train.model.preset` -> its shape keys (launcher/contract/presets.py). Keys given explicitly win: a preset in
+    the file yields to the file's (and --set's) model keys; a preset given by --set replaces the file's
+    model keys and yields only to --set's, so `--set train.model.preset=llama-70b` sizes any spec."""
+    train = data.get("train")
+    model = train.get("model") if isinstance(train, dict) else None
+    if not isinstance(train, dict) or not isinstance(model, dict) or model.get("preset") is None:
+        return data
+    name = model["preset"]
+    if not isinstance(name, str) or name not in presets.PRESETS:
+        valid = ", ".join(presets.PRESETS)
+        raise InputError(
+            "train.model.preset", name, f"unknown preset{schema.closest(str(name), presets.PRESETS)}; valid: {valid}"
+        )
+    given = _set_keys(overrides)
+    if "train.model.preset" in given:
+        explicit = {k: v for k, v in model.items() if f"train.model.{k}" in given}
+    else:
+        explicit = dict(model)
+    expanded = {**presets.preset(name), **explicit, "preset": name}
+    return {**data, "train": {**train, "model": expanded}}
+
+
+def parse_time(text: str, key: str = "resources.time") -> int:
+    """Slurm's time syntax (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S) -> seconds."""
+    match = _TIME.fullmatch(text.strip())
+    if not match:
+        raise InputError(key, text, "use Slurm's time syntax: MINUTES, HH:MM:SS or D-HH:MM:SS")
+    days = int(match["d"] or 0)
+    parts = [int(p) for p in match["rest"].split(":")]
+    if match["d"] is not None:
+        h, m, s = (parts + [0, 0])[:3]
+    elif len(parts) == 1:
+        h, m, s = 0, parts[0], 0
+    elif len(parts) == 2:
+        h, m, s = 0, parts[0], parts[1]
+    else:
+        h, m, s = parts
+    total = ((days * 24 + h) * 60 + m) * 60 + s
+    if total <= 0:
+        raise InputError(key, text, "the time limit must be positive")
+    return total
+
+
+def format_time(seconds: int) -> str:
+    """Seconds -> D-HH:MM:SS (what sbatch --time accepts)."""
+    minutes, s = divmod(seconds, 60)
+    hours, m = divmod(minutes, 60)
+    days, h = divmod(hours, 24)
+    return f"{days}-{h:02d}:{m:02d}:{s:02d}" if days else f"{h:02d}:{m:02d}:{s:02d}"
+
+
+def _positive(key: str, value: float, minimum: float = 1) -> None:
+    if value < minimum:
+        raise InputError(key, value, f"must be at least {minimum:g}")
+
+
+def check_ranges(spec: JobSpec) -> None:
+    res = spec.resources
+    for key, value in (
+        ("resources.nodes", res.nodes),
+        ("resources.cpus_per_task", res.cpus_per_task),
+        ("parallel.dp", spec.parallel.dp),
+        ("parallel.tp", spec.parallel.tp),
+        ("parallel.pp", spec.parallel.pp),
+    ):
+        _positive(key, value)
+    _positive("resources.gpus_per_node", res.gpus_per_node, 0)
+    check_checkpoint(spec)
+    if res.tasks_per_node is not None:
+        _positive("resources.tasks_per_node", res.tasks_per_node)
+    if not 0 <= spec.data.val_fraction < 1:
+        raise InputError("data.val_fraction", spec.data.val_fraction, "use a fraction in [0, 1), e.g. 0.05")
+    if spec.command is None and not (spec.data.path.startswith(("/", "~/")) or spec.data.path == "~"):
+        # The ranks run elsewhere (another cwd, another machine): a relative path means nothing there.
+        raise InputError(
+            "data.path",
+            spec.data.path,
+            f"give an absolute path as the ranks see it (or ~/...), e.g. /shared/data/{Path(spec.data.path).name}",
+        )
+    if spec.command is None:
+        _check_train_ranges(spec)
+
+
+def check_checkpoint(spec: JobSpec) -> None:
+    """Checkpoint cadence, retention and the requeue guard."""
+    ck = spec.checkpoint
+    if ck.keep < 1:
+        raise InputError(
+            "checkpoint.keep",
+            ck.keep,
+            "keep at least 1 complete checkpoint (the one a requeued job resumes from), e.g. 3",
+        )
+    if ck.every < 0:
+        raise InputError(
+            "checkpoint.every", ck.every, "must be at least 0 (0 saves only at the end and on preemption), e.g. 500"
+        )
+    if ck.keep_every < 0:
+        raise InputError(
+            "checkpoint.keep_every",
+            ck.keep_every,
+            "must be at least 0 (0 keeps nothing beyond checkpoint.keep), e.g. 1000",
+        )
+    if ck.max_restarts < 0:
+        raise InputError("checkpoint.max_restarts", ck.max_restarts, "must be at least 0 (0 never requeues), e.g. 20")
+    if ck.resume_step is not None and ck.resume_step < 1:
+        raise InputError(
+            "checkpoint.resume_step",
+            ck.resume_step,
+            "checkpoints are numbered by the step after which they were saved, from 1: give "
+            "a step >= 1, or null to resume from the newest complete checkpoint",
+        )
+
+
+def _check_train_ranges(spec: JobSpec) -> None:
+    t, m = spec.trainer, spec.trainer.model
+    for key, value in (
+        ("train.steps", t.steps),
+        ("train.global_batch", t.global_batch),
+        ("train.micro_batch", t.micro_batch),
+        ("train.log_every", t.log_every),
+        ("train.model.n_layers", m.n_layers),
+        ("train.model.d_model", m.d_model),
+        ("train.model.n_heads", m.n_heads),
+        ("train.model.seq_len", m.seq_len),
+    ):  # not vocab_size: 0 takes the tokenizer's (tokens.resolve_vocab), below 0 the spec refuses
+        _positive(key, value)
+    at_least_zero: tuple[tuple[str, float, str], ...] = (
+        ("train.warmup_steps", t.warmup_steps, "0: no warmup"),
+        ("train.eval_every", t.eval_every, "0: no validation"),
+        ("train.weight_decay", t.weight_decay, "0: no decay; e.g. 0.1"),
+        ("train.grad_clip", t.grad_clip, "0 turns clipping off; e.g. 1.0"),
+        ("train.min_lr", t.min_lr, "the cosine schedule's floor; e.g. lr / 10"),
+    )
+    for key, number, hint in at_least_zero:
+        if number < 0:
+            raise InputError(key, number, f"must be at least 0 ({hint})")
+    if t.lr <= 0:
+        raise InputError("train.lr", t.lr, "the learning rate must be positive, e.g. 3e-4")
+    if t.eval_every > 0 and t.eval_sequences < t.global_batch:
+        raise InputError(
+            "train.eval_sequences",
+            t.eval_sequences,
+            f"validation runs whole global batches, so it needs at least train.global_batch "
+            f"({t.global_batch}) sequences; set eval_sequences >= {t.global_batch} "
+            f"or train.eval_every: 0",
+        )
+    if m.d_model % m.n_heads:
+        raise InputError(
+            "train.model.d_model",
+            m.d_model,
+            f"must be divisible by train.model.n_heads ({m.n_heads}): "
+            f"{m.d_model} % {m.n_heads} = {m.d_model % m.n_heads}",
+        )
+    if (m.d_model // m.n_heads) % 2:
+        raise InputError(
+            "train.model.d_model",
+            m.d_model,
+            f"head size d_model/n_heads = {m.d_model // m.n_heads} must be even for rotary embeddings",
+        )
+
+
+def check_resources(spec: JobSpec, cluster: ClusterProfile) -> Optional[Partition]:
+    """The resources against the cluster: partition, GPUs, CPUs, nodes, time."""
+    res = spec.resources
+    if res.gpus_per_node and res.tasks_per_node is not None and res.tasks_per_node != res.gpus_per_node:
+        raise InputError(
+            "resources.tasks_per_node",
+            res.tasks_per_node,
+            f"GPU jobs run one rank per GPU: set it to resources.gpus_per_node ({res.gpus_per_node}) or leave it unset",
+        )
+    backend(cluster.scheduler).check(spec, cluster)
+    return fit_partition(res, spec.tasks_per_node, cluster)
+
+
+def fit_partition(
+    res: Resources, tasks_per_node: int, cluster: ClusterProfile, prefix: str = "resources."
+) -> Partition:
+    """The resources against the cluster's partition: GPUs, CPUs, nodes, memory, time. Errors name each
+    key with `prefix` (the spec's `resources.`, or nothing for the Python API's keywords)."""
+    try:
+        part = cluster.partition(res.partition)
+    except InputError as exc:
+        raise InputError(f"{prefix}partition", exc.value, exc.fix) from None
+    seconds = parse_time(res.time, f"{prefix}time")
+    if res.gpus_per_node > part.gpus_per_node:
+        raise InputError(
+            f"{prefix}gpus_per_node",
+            res.gpus_per_node,
+            f"a node of partition {part.name!r} has {part.gpus_per_node} GPUs; ask for at most that",
+        )
+    cpus = tasks_per_node * res.cpus_per_task
+    if cpus > part.cpus_per_node:
+        raise InputError(
+            f"{prefix}cpus_per_task",
+            res.cpus_per_task,
+            f"tasks_per_node({tasks_per_node})*cpus_per_task({res.cpus_per_task})={cpus} "
+            f"> {part.cpus_per_node} CPUs per node of {part.name!r}; lower one of them",
+        )
+    if part.max_nodes is not None and res.nodes > part.max_nodes:
+        raise InputError(f"{prefix}nodes", res.nodes, f"partition {part.name!r} allows at most {part.max_nodes} nodes")
+    if part.memory_gb is not None and res.memory_gb is not None and res.memory_gb > part.memory_gb:
+        raise InputError(
+            f"{prefix}memory_gb",
+            res.memory_gb,
+            f"a node of {part.name!r} has {part.memory_gb} GiB; ask for at most that",
+        )
+    if part.max_time is not None and seconds > parse_time(part.max_time, f"partitions[{part.name}].max_time"):
+        raise InputError(
+            f"{prefix}time",
+            res.time,
+            f"partition {part.name!r} allows at most {part.max_time}; ask for less or pick another partition",
+        )
+    return part
+
+
+def check_parallel(spec: JobSpec, cluster: ClusterProfile) -> None:
+    """dp x tp x pp against the ranks, the NVLink domain and the model shape."""
+    if spec.command is not None:
+        return  # the user's own program decides its parallelism
+    p, m, t = spec.parallel, spec.trainer.model, spec.trainer
+    domain = cluster.interconnect.nvlink_domain
+    if spec.resources.gpus_per_node and p.tp > domain:
+        raise InputError(
+            "parallel.tp",
+            p.tp,
+            f"tensor parallelism must stay inside one NVLink/NVSwitch domain "
+            f"of {domain} GPUs on {cluster.name!r}; use tp <= {domain}",
+        )
+    dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp)
+    problem = dims.problem(
+        world_size=spec.world_size,
+        n_layers=m.n_layers,
+        n_heads=m.n_heads,
+        ranks_per_node=spec.tasks_per_node,
+        vocab_size=m.vocab_size,
+        seq_len=m.seq_len,
+        sequence_parallel=p.sequence_parallel,
+        n_kv_heads=m.n_kv_heads,
+        tie_embeddings=m.tie_embeddings,
+    )
+    if problem:
+        raise InputError(problem.key, problem.value, problem.fix)
+    problem = dims.batch_problem(t.global_batch, t.micro_batch)
+    if problem:
+        raise InputError(problem.key, problem.value, problem.fix)
+    if not spec.resources.gpus_per_node and t.precision != "fp32":
+        raise InputError(
+            "train.precision", t.precision, "CPU ranks train in fp32; set train.precision=fp32 or ask for GPUs"
+        )
+
+
+def check_fit(plan: Plan) -> None:
+    """Refuse a GPU trainer job whose estimated memory per GPU exceeds its partition's (submit; --force skips
+    this): one line with the plan's numbers and the nearest layout that fits (submit/planning/recommend.py).
+    CPU jobs, command jobs and partitions of unknown GPU memory are never refused."""
+    from submit.planning import estimate, recommend
+    from submit.planning.estimate import gib as _gib
+
+    part = plan.partition
+    specs = [task.run_spec.job for task in plan.tasks] or [plan.spec]
+    for spec in specs:
+        if part is None or spec.command is not None or not spec.resources.gpus_per_node:
+            continue
+        size = recommend.gpu_memory(part)
+        memory = estimate.memory_per_gpu(spec)
+        if estimate.fits(memory, size) is not False:
+            continue
+        assert size is not None
+        p = spec.parallel
+        layout = f"dp={p.dp} tp={p.tp} pp={p.pp} " + (
+            f"zero={dsconfig.zero_stage(spec)}" if dsconfig.uses_deepspeed(spec) else p.dp_mode
+        )
+        raise InputError(
+            "parallel",
+            layout,
+            f"needs {_gib(memory.total)} per GPU (params {_gib(memory.params)}, grads {_gib(memory.grads)}, "
+            f"optimizer {_gib(memory.optimizer)}, activations {_gib(memory.activations)}, allowance "
+            f"{_gib(memory.allowance)}) > {_gib(estimate.usable_bytes(size))} usable of {size:g} GiB on partition "
+            f"{part.name!r} ({part.gpu_type or 'GPU'}); {recommend.nearest_fix(spec, plan.cluster, part)} "
+            f"(`meshrun plan` shows the estimate; --force submits anyway)",
+        )
+
+
+def expand_home(path: str, home: str) -> str:
+    """`~` and `~/x` -> the cluster user's home (resolved by the transport, not this machine's)."""
+    if path == "~" or path.startswith("~/"):
+        return home.rstrip("/") + path[1:]
+    return path
+
+
+def run_dir_for(spec: JobSpec, cluster: ClusterProfile, home: str, now: Optional[_dt.datetime] = None) -> str:
+    """<work_dir>/runs/<name>-<UTC time>-<random>: unique, sortable, readable."""
+    now = now or _dt.datetime.now(_dt.timezone.utc)
+    stamp = now.strftime("%Y%m%d-%H%M%S")
+    base = expand_home(cluster.paths.work_dir, home).rstrip("/")
+    return f"{base}/runs/{slug(spec.name)}-{stamp}-{secrets.token_hex(4)}"
+
+
+def check_files(plan: Plan) -> None:
+    """The files the ranks will read (data, init weights) exist, where this machine sees their filesystem
+    (the local cluster, a login node; not a laptop: over SSH the ranks check when they start). At submit
+    time, beside check_fit: planning and rendering a job need no data."""
+    home = os.path.expanduser("~")
+    tokens.check_data_files(plan.spec, home)
+    weights.check_init_from(plan.spec, home)
+
+
+def make_plan(
+    spec: JobSpec,
+    submitted: dict[str, Any],
+    cluster: ClusterProfile,
+    run_dir: Optional[str] = None,
+    home: Optional[str] = None,
+) -> Plan:
+    """Validate everything, then resolve the run dir. `home` is the cluster user's home."""
+    check_ranges(spec)
+    home = home or os.path.expanduser("~")
+    if home != REMOTE_HOME:  # the ranks' files may be visible from here (the local cluster, a login node)
+        spec = tokens.resolve_vocab(spec, home)
+    # Secrets: every env: source set here, file: sources private where visible; before any connection.
+    job_secrets.check(spec, cluster, visible=home != REMOTE_HOME)
+    part = check_resources(spec, cluster)
+    check_parallel(spec, cluster)
+    run_dir = run_dir or run_dir_for(spec, cluster, home)
+    ckpt_root = cluster.paths.checkpoint_root and expand_home(cluster.paths.checkpoint_root, home)
+    ckpt_dir = f"{ckpt_root.rstrip('/')}/{Path(run_dir).name}" if ckpt_root else f"{run_dir}/checkpoints"
+    # Node-local, and often shared by every user of the node: one private folder per user ($USER, like
+    # `~`, is expanded on the node itself: launcher.contract.rundir.expand_node_path), one per run inside it.
+    scratch = cluster.paths.scratch
+    scratch_dir = f"{scratch.rstrip('/')}/meshrun-$USER/{Path(run_dir).name}" if scratch else ""
+    info = RunInfo(
+        cluster=cluster.name,
+        scheduler=cluster.scheduler,
+        run_dir=run_dir,
+        nccl_env=dict(cluster.interconnect.nccl),
+        checkpoint_dir=ckpt_dir,
+        scratch_dir=scratch_dir,
+        time_limit_s=parse_time(spec.resources.time),
+        meshrun_version=__version__,
+        gpu_type=(part.gpu_type or "") if part else "",
+    )
+    return Plan(
+        spec=spec,
+        submitted=submitted,
+        cluster=cluster,
+        partition=part,
+        run_dir=run_dir,
+        time_seconds=parse_time(spec.resources.time),
+        run_spec=RunSpec(job=spec, run=info),
+        work_dir=expand_home(cluster.paths.work_dir, home).rstrip("/") or "/",
+    )
+
+
+REMOTE_HOME = "~"
+"""The home to plan with before the cluster has been asked for its own: paths keep their `~`,
+and `with_home` resolves them once the transport knows it (no second plan, same run dir)."""
+
+
+def _rehome(path: str, home: str) -> str:
+    return expand_home(path, home) if path else path
+
+
+def with_home(plan: Plan, home: str) -> Plan:
+    """The plan with `~` in every cluster path replaced by the cluster user's real home."""
+
+    def run_spec(spec: RunSpec) -> RunSpec:
+        run = replace(
+            spec.run, run_dir=_rehome(spec.run.run_dir, home), checkpoint_dir=_rehome(spec.run.checkpoint_dir, home)
+        )
+        return replace(spec, run=run)
+
+    tasks = tuple(replace(t, run_dir=_rehome(t.run_dir, home), run_spec=run_spec(t.run_spec)) for t in plan.tasks)
+    return replace(
+        plan,
+        run_dir=_rehome(plan.run_dir, home),
+        work_dir=_rehome(plan.work_dir, home),
+        code_dir=_rehome(plan.code_dir, home) if plan.code_dir else None,
+        run_spec=run_spec(plan.run_spec),
+        tasks=tasks,
+    )
+
+
+def plan_file(
+    path: Path,
+    cluster: ClusterProfile,
+    overrides: Sequence[str] = (),
+    run_dir: Optional[str] = None,
+    home: Optional[str] = None,
+) -> Plan:
+    spec, submitted = load_job(path, overrides)
+    return make_plan(spec, submitted, cluster, run_dir, home)
+
+
+def _engine(plan: Plan) -> dict[str, Any]:
+    """The engine, and for DeepSpeed its ZeRO stage, what is offloaded and where its config is written."""
+    spec = plan.spec
+    if not dsconfig.uses_deepspeed(spec):
+        return {"engine": spec.trainer.engine}
+    par = spec.parallel
+    return {
+        "engine": "deepspeed",
+        "zero": dsconfig.zero_stage(spec),
+        "offload": dsconfig.offload(par.offload_optimizer, par.offload_params) or "none",
+        "deepspeed_config": RunDir(plan.run_dir).path(RunDir.DEEPSPEED_CONFIG),
+    }
+
+
+def describe(plan: Plan) -> dict[str, Any]:
+    """A short summary for humans and --dry-run."""
+    spec = plan.spec
+    out: dict[str, Any] = {
+        "name": spec.name,
+        "cluster": plan.cluster.name,
+        "run_dir": plan.run_dir,
+        "nodes": spec.resources.nodes,
+        "tasks_per_node": spec.tasks_per_node,
+        "gpus_per_node": spec.resources.gpus_per_node,
+    }
+    if spec.command is None:
+        t, p = spec.trainer, spec.parallel
+        out.update(dp=p.dp, tp=p.tp, pp=p.pp, dp_mode=p.dp_mode, accumulation=t.global_batch // (t.micro_batch * p.dp))
+        out.update(_engine(plan))
+        if out["engine"] == "deepspeed":
+            del out["dp_mode"]  # ZeRO shards instead; dp_mode is the native engine's
+        if p.pp > 1:  # the accumulation micro-batches are the pipeline's
+            out["pp_schedule"] = p.pp_schedule
+        if p.tp > 1:
+            out["sequence_parallel"] = p.sequence_parallel
+    if spec.secrets:  # names and sources, never a value
+        out["secrets"] = job_secrets.sources(spec)
+    if plan.tasks:
+        out["tasks"] = [
+            {"index": task.index, "overrides": dict(task.overrides), "run_dir": task.run_dir} for task in plan.tasks
+        ]
+    return out

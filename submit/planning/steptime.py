@@ -1,0 +1,149 @@
+"""The step-time model of `meshrun plan` (torch-free): model FLOPs (the Megatron formula) at a stated share of
+the GPU's peak, the pipeline bubble, tensor- and pipeline-parallel traffic in series, data-parallel traffic
+overlapped with compute, and a memory-bound optimizer step, from the GPU type's figures (launcher/contract/gpus.py)
+and the profile's interconnect bandwidths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from launcher.contract import dsconfig
+from launcher.contract.gpus import FP32_FRACTION
+from launcher.contract.modelshape import ModelPart, flops_per_token
+from launcher.contract.spec import JobSpec
+from submit.planning.estimate import cdiv, local_params, mixed
+
+COMPUTE_EFFICIENCY = 0.5
+"""Share of the GPU's dense peak the model's matmuls reach between communications (large-model training on
+H100s reaches 40-55% MFU; the communication terms below take the rest)."""
+CPU_ADAM_GBS = 20.0
+"""Memory bandwidth (GB/s) DeepSpeed's CPU Adam gets when the optimizer is offloaded."""
+PCIE_GBS = 25.0
+"""Host<->GPU bandwidth (GB/s) of one GPU: offloaded gradients go down, updated parameters come back."""
+ADAM_BYTES_PER_PARAM = 28
+"""An AdamW step reads the fp32 param, grad and two states and writes the param and states: 28 bytes."""
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One optimizer step's estimated time on a GPU partition, and what follows from it."""
+
+    flops_per_step: int
+    """Model FLOPs of a step: (6N + 12 L d s) per token x global_batch x seq_len (no recompute counted)."""
+    compute_s: float
+    """The matmuls: hardware FLOPs (x 4/3 with activation checkpointing) / (GPUs x peak x efficiency)."""
+    bubble: float
+    """The pipeline's idle share (pp-1)/(m+pp-1), m micro-batches per step; 0 without pipelining."""
+    tp_comm_s: float
+    """Tensor-parallel all-reduces (4 per layer and micro-batch, 6 with recompute), not overlapped."""
+    pp_comm_s: float
+    """Activations and their grads between pipeline stages, not overlapped."""
+    dp_comm_s: float
+    """Data-parallel gradient reduction and FSDP/ZeRO-3 parameter gathers, overlapped with compute."""
+    optimizer_s: float
+    """The optimizer step: memory-bound (28 bytes per local parameter at HBM speed, or CPU Adam + PCIe)."""
+    step_s: float
+    """max(pipeline compute + tp + pp traffic, dp traffic) + the optimizer step."""
+    tokens_per_s: float
+    """global_batch x seq_len / step_s."""
+    mfu: float
+    """Model FLOPs per second over the GPUs' dense bf16 peak."""
+
+    def as_json(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the time model needs of a partition and its interconnect."""
+
+    peak_tflops: float
+    """Dense bf16 TFLOP/s of one GPU."""
+    memory_gbs: float
+    """HBM bandwidth of one GPU, GB/s."""
+    gpus_per_node: int
+    """GPUs of one node (a group wider than this crosses nodes)."""
+    nvlink_gbytes_s: float
+    """Bus bandwidth inside a node, GB/s."""
+    ib_gbytes_s: float
+    """Bus bandwidth across nodes, GB/s per GPU."""
+
+
+def _ring(n: int) -> float:
+    """A ring collective's traffic factor (n-1)/n (an all-reduce moves twice it)."""
+    return (n - 1) / n if n > 1 else 0.0
+
+
+def _dp_bytes(spec: JobSpec, local: int, micro: int) -> float:
+    """Bytes one rank's data-parallel collectives move in a step (busbw terms: all-reduce 2(n-1)/n x size,
+    all-gather and reduce-scatter (n-1)/n x size). FSDP2 reduces every micro-batch; torch DDP once a step."""
+    par, w = spec.parallel, 2 if mixed(spec) else 4
+    f = _ring(par.dp)
+    if dsconfig.uses_deepspeed(spec):
+        stage = dsconfig.zero_stage(spec)
+        if stage == 3:
+            return f * local * 3 * w * micro
+        if stage == 2:
+            return f * local * w * (micro + 1)
+        return f * local * w * (2 if stage == 0 else 3)
+    if par.dp_mode == "fsdp":
+        gathers = 2 if par.pp == 1 else 1  # pipelined stages keep the gathered params through the backward
+        return f * local * (gathers * w + 4) * micro
+    if par.tp == 1 and par.pp == 1:
+        return 2 * f * local * 4  # torch DDP: one fp32 all-reduce, the other micro-batches under no_sync
+    return 2 * f * local * 4 * micro  # FSDP2's replicate: every micro-batch
+
+
+def _optimizer_s(spec: JobSpec, local: int, hw: Hardware) -> float:
+    par = spec.parallel
+    sharded = dsconfig.uses_deepspeed(spec) and dsconfig.zero_stage(spec) >= 1 or par.dp_mode == "fsdp"
+    n = cdiv(local, par.dp) if sharded else local
+    if dsconfig.uses_deepspeed(spec) and par.offload_optimizer:
+        return n * ADAM_BYTES_PER_PARAM / (CPU_ADAM_GBS * 1e9) + n * 2 * 4 / (PCIE_GBS * 1e9)
+    return n * ADAM_BYTES_PER_PARAM / (hw.memory_gbs * 1e9)
+
+
+def flops_per_step(spec: JobSpec) -> int:
+    """Model FLOPs of one optimizer step: (6N + 12 L d s) per token x global_batch x seq_len."""
+    cfg = spec.trainer.model
+    return int(flops_per_token(cfg) * spec.trainer.global_batch * cfg.seq_len)
+
+
+def step_time(spec: JobSpec, hw: Hardware) -> StepTime:
+    """The step time model (README, `meshrun plan`): compute at COMPUTE_EFFICIENCY of the peak (fp32 at
+    gpus.FP32_FRACTION of it), the pipeline bubble, tp/pp traffic in series, dp traffic overlapped."""
+    cfg, par, t = spec.trainer.model, spec.parallel, spec.trainer
+    world = par.dp * par.tp * par.pp
+    micro = max(t.global_batch // (t.micro_batch * par.dp), 1)
+    tokens = t.global_batch * cfg.seq_len
+    flops = flops_per_step(spec)
+    rate = hw.peak_tflops * 1e12 * COMPUTE_EFFICIENCY * (1 if mixed(spec) else FP32_FRACTION)
+    compute = flops * (4 / 3 if t.activation_checkpointing else 1) / (world * rate)
+    w = 2 if mixed(spec) else 4
+    activation = cfg.seq_len * t.micro_batch * cfg.d_model * w  # one micro-batch's hidden states
+    in_node = hw.nvlink_gbytes_s * 1e9
+    tp_calls = (6 if t.activation_checkpointing else 4) * (cfg.n_layers // par.pp) * micro
+    tp_comm = tp_calls * 2 * _ring(par.tp) * activation / in_node
+    stage_ranks = par.dp * par.tp  # consecutive ranks: a stage fills whole nodes once this reaches a node
+    pp_bw = hw.ib_gbytes_s * 1e9 if stage_ranks >= hw.gpus_per_node else in_node
+    pp_comm = 2 * micro * activation / par.tp / pp_bw if par.pp > 1 else 0.0
+    bubble = (par.pp - 1) / (micro + par.pp - 1)
+    local = max(local_params(cfg, ModelPart.stage(cfg, s, par.pp), par.tp) for s in range(par.pp))
+    dp_bw = hw.ib_gbytes_s * 1e9 if stage_ranks > hw.gpus_per_node else in_node
+    dp_comm = _dp_bytes(spec, local, micro) / dp_bw
+    optimizer = _optimizer_s(spec, local, hw)
+    pipeline = (compute + tp_comm + pp_comm) / (1 - bubble)
+    step = max(pipeline, dp_comm) + optimizer
+    return StepTime(
+        flops_per_step=flops,
+        compute_s=compute,
+        bubble=bubble,
+        tp_comm_s=tp_comm,
+        pp_comm_s=pp_comm,
+        dp_comm_s=dp_comm,
+        optimizer_s=optimizer,
+        step_s=step,
+        tokens_per_s=tokens / step,
+        mfu=flops / (step * world * hw.peak_tflops * 1e12),
+    )
