@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from launcher.checkpoint import commit as ckpt
+from launcher.contract import ckptdir
 from launcher.contract.spec import Model
 from launcher.train.model import GPT
 
@@ -83,7 +84,7 @@ def main() -> None:
             stalls.append(time.perf_counter() - start)
             asyn.wait()
             totals.append(time.perf_counter() - start)
-        path = ckpt.latest(root / "sync")
+        path = ckptdir.latest(root / "sync")
         size = state_bytes(path)
         t_cp = min(
             timed(lambda i=i: subprocess.run(["cp", "-r", str(path), str(root / f"cp{i}")], check=True))

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from checkpoint import build, state_bytes  # noqa: E402  (bench/checkpoint.py: the same model)
 
 from launcher.checkpoint import commit as ckpt  # noqa: E402
+from launcher.contract import ckptdir  # noqa: E402
 from launcher.sidecar import copier  # noqa: E402
 
 ROUNDS = 3
@@ -90,7 +91,7 @@ def main() -> None:
             staged.close()
             direct.close()
             rows.append((f"{mode} save stall", f"{t_staged:.3f} s", f"{t_direct:.3f} s", t_staged / t_direct))
-        part = ckpt.step_dir(scratch / "sync", ckpt.staged_steps(scratch / "sync")[-1])
+        part = ckptdir.step_dir(scratch / "sync", ckptdir.staged_steps(scratch / "sync")[-1])
         size = state_bytes(part)
         t_copy = best(lambda i: copier.copy_part(_fresh(part), shared / f"copy{i}", "bench", 0))
         t_cp = best(lambda i: subprocess.run(["cp", "-r", str(part), str(shared / f"cp{i}")], check=True))

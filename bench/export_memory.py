@@ -26,8 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from launcher.checkpoint import commit as ckpt
-from launcher.contract import hfnames, schema
+from launcher.contract import ckptdir, hfnames, schema
 from launcher.contract.spec import Data, JobSpec, Model, Train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,7 +34,8 @@ CHILD = r"""
 import json, resource, sys
 from pathlib import Path
 import torch
-from launcher.export import consolidate as export
+from launcher.export import consolidate
+from launcher.export import run as export
 
 def rss_kib(field):
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -51,7 +51,7 @@ except OSError:
 how, src, out = sys.argv[1:4]
 if how == "whole":
     from safetensors.torch import save_file
-    source = export.load_newest(Path(src))
+    source = consolidate.load_newest(Path(src))
     save_file(source.load(list(source.dtypes)), out, metadata=source.metadata())
 else:
     assert export.main([src, out, "--format", how]) == 0
@@ -81,12 +81,12 @@ def write_checkpoint(root: Path, cfg: Model) -> int:
     job = JobSpec(name="export-memory", train=Train(model=cfg), data=Data(path="/nonexistent/tokens.u16"))
     gen = torch.Generator().manual_seed(0)
     state = {name: torch.randn(shape, generator=gen) * 0.02 for name, shape in hfnames.meshrun_shapes(cfg).items()}
-    tmp = ckpt.step_dir(root, 1).with_suffix(".tmp")
+    tmp = ckptdir.step_dir(root, 1).with_suffix(".tmp")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({"model": state}, checkpoint_id=str(tmp), no_dist=True)
     marker = {"step": 1, "job": {k: v for k, v in schema.to_plain(job).items() if k != "env"}}
-    ckpt.commit(tmp, ckpt.step_dir(root, 1), marker)
+    ckptdir.commit(tmp, ckptdir.step_dir(root, 1), marker)
     return sum(t.numel() * t.element_size() for t in state.values())
 
 

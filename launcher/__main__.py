@@ -15,7 +15,8 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[1].startswith("-"):
         print(USAGE, file=sys.stderr)
         return 2
-    from launcher.entry import record_exit, run_rank
+    from launcher.contract.rundir import record_exit
+    from launcher.entry import run_rank
 
     try:
         return run_rank(argv[1])

@@ -14,11 +14,10 @@ from typing import Mapping, MutableMapping, Optional, Sequence
 
 from launcher import installed_version
 from launcher import job as kit
-from launcher.checkpoint import commit as ckpt
-from launcher.contract import secrets
+from launcher.contract import ckptdir, secrets
 from launcher.contract.exitcodes import EXIT_REQUEUE
 from launcher.contract.private import make_private_below, make_private_dir, private_umask
-from launcher.contract.rundir import NODE_DIR_ENV, NodeDir, RunDir, expand_node_path, node_name
+from launcher.contract.rundir import NODE_DIR_ENV, NodeDir, RunDir, expand_node_path, record_exit
 from launcher.contract.spec import RunSpec, read_run_spec
 from launcher.env import RankEnv, rank_env, setdefault_env, torchrun_vars
 from launcher.preempt import StopFlag
@@ -35,16 +34,10 @@ def prepare_env(run_spec: RunSpec, environ: MutableMapping[str, str]) -> None:
     # As torchrun does: one rank's math threads = its CPUs (torch's default, one per core of the
     # machine, makes co-located ranks spin in each other's OpenMP barriers). Set before torch loads.
     setdefault_env({"OMP_NUM_THREADS": str(run_spec.job.resources.cpus_per_task)}, environ)
-    node = node_dir_for(run_spec, environ)
+    node = run_spec.node_dir(environ)
     make_node_dir(run_spec, node)
     environ[NODE_DIR_ENV] = node.root  # the heartbeat and the stack dump go here (the sidecar reads them)
     setdefault_env(flight_recorder_env(node), environ)
-
-
-def node_dir_for(run_spec: RunSpec, environ: Mapping[str, str]) -> NodeDir:
-    """This node's NodeDir for the run (the sidecar computes the same from the same spec)."""
-    scratch = expand_node_path(run_spec.run.scratch_dir)
-    return RunDir(run_spec.run.run_dir).node_dir(scratch, node_name(environ))
 
 
 def make_node_dir(run_spec: RunSpec, node: NodeDir) -> None:
@@ -126,7 +119,7 @@ def command_env(run_spec: RunSpec, env: RankEnv, environ: Mapping[str, str]) -> 
     """What a `command:` job's program learns beside the torchrun variables (launcher.job reads them):
     where to write, where its checkpoints go (created 0700), which restart this is, how a stop is asked."""
     checkpoints = run_spec.run.checkpoint_dir or RunDir(run_spec.run.run_dir).default_checkpoints
-    ckpt.make_private_dir(Path(checkpoints))
+    ckptdir.make_private_dir(Path(checkpoints))
     return {
         kit.RUN_DIR_ENV: run_spec.run.run_dir,
         kit.CHECKPOINT_DIR_ENV: checkpoints,
@@ -136,19 +129,6 @@ def command_env(run_spec: RunSpec, env: RankEnv, environ: Mapping[str, str]) -> 
         kit.STOP_SIGNALS_ENV: "SIGUSR1,SIGTERM",
         kit.EXIT_REQUEUE_ENV: str(EXIT_REQUEUE),
     }
-
-
-EXIT_FILE = RunDir.EXIT_CODE
-
-
-def record_exit(run_dir: Path, code: int) -> None:
-    """The code every rank agreed on, for the batch script: srun's own status is not it when
-    kill-on-bad-exit signals ranks still tearing down after the first one exited."""
-    tmp = run_dir / f".{EXIT_FILE}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # as private as the rest of the run dir
-    with os.fdopen(fd, "w") as handle:
-        handle.write(f"{code}\n")
-    os.replace(tmp, run_dir / EXIT_FILE)
 
 
 def rank_banner(env: RankEnv, environ: Mapping[str, str]) -> str:

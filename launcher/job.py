@@ -31,8 +31,9 @@ from pathlib import Path
 from typing import Any, NoReturn, Optional
 
 from launcher import report as _report
-from launcher.checkpoint import commit as ckpt
+from launcher.contract import ckptdir
 from launcher.contract.exitcodes import EXIT_REQUEUE
+from launcher.contract.rundir import record_exit
 from launcher.preempt import DEFAULT_SIGNALS, StopFlag
 
 RUN_DIR_ENV = _report.RUN_DIR_ENV
@@ -75,8 +76,6 @@ def exit_for_requeue() -> NoReturn:
     for that (Slurm's kill-on-bad-exit ends the others as soon as one rank exits non-zero)."""
     run_dir = os.environ.get(RUN_DIR_ENV, "")
     if run_dir and _report.rank_from_env() == 0:
-        from launcher.entry import record_exit  # lazy: entry imports this module
-
         record_exit(Path(run_dir), EXIT_REQUEUE)
     torch = sys.modules.get("torch")
     if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -96,13 +95,13 @@ def report(step: int, **scalars: Any) -> None:
 def checkpoint_dir() -> Path:
     """Your checkpoints' folder on shared storage (MESHRUN_CHECKPOINT_DIR; outside meshrun ./checkpoints), 0700."""
     path = Path(os.environ.get(CHECKPOINT_DIR_ENV) or "checkpoints")
-    ckpt.make_private_dir(path)
+    ckptdir.make_private_dir(path)
     return path
 
 
 def latest_checkpoint() -> Optional[Path]:
     """The newest complete checkpoint folder (`step-N/` with its marker), or None; unmarked ones are ignored."""
-    return ckpt.latest(checkpoint_dir())
+    return ckptdir.latest(checkpoint_dir())
 
 
 def checkpoint_step(path: Path) -> int:
@@ -115,10 +114,10 @@ def checkpoint_step(path: Path) -> int:
 
 def new_checkpoint(step: int) -> Path:
     """An empty private folder to save step `step` into (`step-N.tmp/`: ignored until mark_complete)."""
-    final = ckpt.step_dir(checkpoint_dir(), step)
+    final = ckptdir.step_dir(checkpoint_dir(), step)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # a save of this step that an earlier run never finished
-    ckpt.make_private_dir(tmp)
+    ckptdir.make_private_dir(tmp)
     return tmp
 
 
@@ -129,12 +128,12 @@ def mark_complete(path: Path, **info: Any) -> Path:
     step = checkpoint_step(path)
     if path.resolve().parent != root.resolve():
         raise ValueError(f"checkpoint folder {path}: put it in job.checkpoint_dir() ({root})")
-    final = ckpt.step_dir(root, step)
+    final = ckptdir.step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     if path != tmp:  # a folder saved under its final name: unmarked, so nothing loads it while it moves
         shutil.rmtree(tmp, ignore_errors=True)
         os.rename(path, tmp)
-    ckpt.commit(tmp, final, {"step": step, **info})
+    ckptdir.commit(tmp, final, {"step": step, **info})
     return final
 
 

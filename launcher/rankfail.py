@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
-from launcher.checkpoint.commit import CheckpointError
+from launcher.contract.ckptdir import CheckpointError
 from launcher.contract.exitcodes import EXIT_INPUT
-from launcher.contract.rundir import RunDir
+from launcher.contract.rundir import RunDir, record_exit
 from launcher.contract.schema import SchemaError
 
 BAD_INPUT: tuple[type[BaseException], ...] = (SchemaError, CheckpointError)
@@ -108,8 +108,6 @@ def reports_fatal_errors(run: Callable[..., int]) -> Callable[..., int]:
 
 def _record_exit(run_dir: str, code: int) -> None:
     """Any rank: its peers may be killed (kill-on-bad-exit) before rank 0 could record the code."""
-    from launcher.entry import record_exit  # at call time: entry imports this module
-
     try:
         record_exit(Path(run_dir), code)
     except OSError:

@@ -22,8 +22,9 @@ from submit.jobs.status import METRICS_FILE, Status, last_metrics, statuses
 from submit.planning.plan import Plan
 from submit.schedulers import backend
 from submit.schedulers.base import Request
+from submit.transport import connect
 from submit.transport import snapshot as snapshots
-from submit.transport.base import Progress, Transport, connect
+from submit.transport.base import Progress, Transport
 
 # `executor` is served by the module's __getattr__ (submitit is imported only when it is asked for).
 __all__ = [

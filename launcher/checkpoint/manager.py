@@ -22,10 +22,10 @@ import torch.distributed as dist
 from launcher.checkpoint import commit as ckpt
 from launcher.checkpoint import resume
 from launcher.checkpoint.commit import Checkpointer
+from launcher.contract import ckptdir
 from launcher.contract.rundir import RunDir, attempt_id
 from launcher.contract.schema import to_plain
 from launcher.contract.spec import RunSpec
-from launcher.entry import node_dir_for
 from launcher.env import RankEnv
 from launcher.train import initweights
 from launcher.train.metrics import MetricsLog
@@ -74,7 +74,7 @@ class CheckpointManager:
         if self.env.rank != 0:
             return None
         if time.monotonic() >= self._looked_up + SHARED_LOOKUP_S:
-            steps = ckpt.complete_steps(self.saver.root)
+            steps = ckptdir.complete_steps(self.saver.root)
             self._shared, self._looked_up = (steps[-1] if steps else None), time.monotonic()
         return self._shared
 
@@ -96,12 +96,12 @@ class CheckpointManager:
             return None
         if choice.step is None:
             return fresh_start(t)
-        return self.load(t, ckpt.step_dir(self.saver.root, choice.step)) + 1
+        return self.load(t, ckptdir.step_dir(self.saver.root, choice.step)) + 1
 
     def load(self, t: Trainer, path: Path) -> int:
         """Restore the Trainer from complete checkpoint `path`; returns the step it was saved after."""
         assert self.saver is not None, "a manager that is off loads nothing"
-        ckpt.check_complete(path)
+        ckptdir.check_complete(path)
         parts = t.state_parts(0, with_rng=t.rng.key in ckpt.saved_keys(path))
         t.engine.load_checkpoint(self.saver, parts, path)
         return t.progress.step
@@ -128,7 +128,7 @@ class CheckpointManager:
             "job": marker_job(self.run_spec),
         }
         if val_loss is not None:
-            info[ckpt.VAL_LOSS] = val_loss
+            info[ckptdir.VAL_LOSS] = val_loss
         self.saver.save(step, t.engine.checkpoint_writer(self.saver, t.state_parts(step)), info)
 
     def save_now(self, t: Trainer, step: int, val_loss: Optional[float] = None) -> None:
@@ -186,7 +186,7 @@ def make_checkpointer(run_spec: RunSpec, env: RankEnv, metrics: Optional[Metrics
         on_commit=on_commit,
         # With node-local scratch the save is staged there (the stall pays for the fast disk only) and
         # the node's sidecar copies it to `root`; resume always reads `root`.
-        stage_root=Path(node_dir_for(run_spec, os.environ).staging) if staged else None,
+        stage_root=Path(run_spec.node_dir(os.environ).staging) if staged else None,
         node_coordinator=env.local_rank == 0,
         attempt=attempt_id(os.environ),
         nodes=env.num_nodes,

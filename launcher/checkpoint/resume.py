@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from launcher.checkpoint import commit as ckpt
+from launcher.contract import ckptdir
 from launcher.contract.rundir import ATTEMPTS_FILE
 
 MAX_ATTEMPTS = 2
@@ -45,19 +45,19 @@ def read_attempts(root: Path) -> dict[str, int]:
 
 def write_attempts(root: Path, attempts: dict[str, int]) -> None:
     path = Path(root) / ATTEMPTS_FILE
-    ckpt.make_private_dir(path.parent)
+    ckptdir.make_private_dir(path.parent)
     tmp = path.with_name(f".{ATTEMPTS_FILE}.tmp")
-    ckpt.write_private(tmp, json.dumps(attempts, sort_keys=True))
+    ckptdir.write_private(tmp, json.dumps(attempts, sort_keys=True))
     os.replace(tmp, path)
 
 
 def quarantine(root: Path, step: int, reason: str) -> None:
     """Unmark a checkpoint (marker renamed, never deleted: a person may want to look)."""
-    path = ckpt.step_dir(root, step)
-    marker = path / ckpt.MARKER
+    path = ckptdir.step_dir(root, step)
+    marker = path / ckptdir.MARKER
     if marker.is_file():
         os.replace(marker, path / QUARANTINE_MARKER)
-    ckpt.write_private(path / "QUARANTINED.txt", reason + "\n")
+    ckptdir.write_private(path / "QUARANTINED.txt", reason + "\n")
 
 
 def choose(root: Path, requested: Optional[int] = None) -> Choice:
@@ -68,11 +68,11 @@ def choose(root: Path, requested: Optional[int] = None) -> Choice:
     """
     attempts = read_attempts(root)
     if requested is not None:
-        path = ckpt.resolve(root, requested)  # raises CheckpointError if incomplete
+        path = ckptdir.resolve(root, requested)  # raises CheckpointError if incomplete
         assert path is not None
         return _count(root, attempts, requested, f"resuming from the requested step {requested}")
     notes: list[str] = []
-    for step in reversed(ckpt.complete_steps(root)):
+    for step in reversed(ckptdir.complete_steps(root)):
         if attempts.get(str(step), 0) < MAX_ATTEMPTS:
             return _count(root, attempts, step, "; ".join(notes + [f"resuming from step {step}"]))
         quarantine(root, step, f"{MAX_ATTEMPTS} runs resumed from it and none saved a newer checkpoint")

@@ -15,8 +15,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from launcher.checkpoint import commit as ckpt
-from launcher.contract import alerts
+from launcher.contract import alerts, ckptdir
 from launcher.contract.rundir import RunDir
 
 
@@ -45,7 +44,7 @@ def lost_steps(run_dir: str, checkpoint_dir: str) -> tuple[list[int], Optional[i
         text = Path(RunDir(run_dir).metrics).read_text(encoding="utf-8", errors="replace")
     except OSError:
         return [], None
-    complete = ckpt.complete_steps(Path(checkpoint_dir))
+    complete = ckptdir.complete_steps(Path(checkpoint_dir))
     newest = complete[-1] if complete else None
     return [s for s in saved_steps(text) if newest is None or s > newest], newest
 

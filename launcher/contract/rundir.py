@@ -44,6 +44,7 @@ import posixpath
 import re
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from launcher.contract.private import make_private_dir
@@ -330,3 +331,13 @@ def merge_state(path: str, **fields: Any) -> dict[str, Any]:
     state = {**read_state(path), **fields}
     write_json(path, state)
     return state
+
+
+def record_exit(run_dir: Path, code: int) -> None:
+    """The exit code every rank agreed on, for the batch script (srun's own status is not it when
+    kill-on-bad-exit signals ranks still tearing down after the first one exited): atomic and 0600."""
+    tmp = Path(run_dir) / f".{RunDir.EXIT_CODE}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # as private as the rest of the run dir
+    with os.fdopen(fd, "w") as handle:
+        handle.write(f"{code}\n")
+    os.replace(tmp, Path(run_dir) / RunDir.EXIT_CODE)

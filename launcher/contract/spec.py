@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional
 
-from launcher.contract.rundir import RunDir
+from launcher.contract.rundir import NodeDir, RunDir, expand_node_path, node_name
 from launcher.contract.schema import SchemaError, load, to_plain
 from launcher.contract.secrets import (
     ENV_KEY as ENV_KEY,  # re-exported: the name submit/config/cluster.py checks env keys with
@@ -413,6 +413,12 @@ class RunSpec:
 
     job: JobSpec
     run: RunInfo
+
+    def node_dir(self, environ: Mapping[str, str]) -> NodeDir:
+        """This node's folder for the run (the ranks' heartbeats, staged saves, NCCL dumps): on the
+        profile's scratch when it has one, else under the run dir's internals."""
+        scratch = expand_node_path(self.run.scratch_dir)
+        return RunDir(self.run.run_dir).node_dir(scratch, node_name(environ))
 
 
 def dumps_run_spec(run_spec: RunSpec) -> str:

@@ -22,7 +22,6 @@ and the tokenizer `meshrun data` saved beside the run's token file, when there i
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -31,13 +30,11 @@ import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-from launcher.checkpoint import commit as ckpt
-from launcher.contract import dsconfig, hfnames, schema
+from launcher.contract import ckptdir, dsconfig, hfnames, schema
 from launcher.contract.spec import JobSpec, Model
 from launcher.export import shardwriter as sw
 
@@ -53,40 +50,40 @@ class OutputError(ValueError):
     """OUT cannot be written: names the path and the fix."""
 
 
-class Vanished(ckpt.CheckpointError):
+class Vanished(ckptdir.CheckpointError):
     """The checkpoint lost its marker while it was read (retention deleted it)."""
 
 
 def _complete(root: Path) -> str:
-    return ", ".join(map(str, ckpt.complete_steps(root))) or "none"
+    return ", ".join(map(str, ckptdir.complete_steps(root))) or "none"
 
 
-def missing_step(path: Path) -> ckpt.CheckpointError:
+def missing_step(path: Path) -> ckptdir.CheckpointError:
     """Why `path` is no checkpoint to export, in the user's terms (a step number, the root)."""
     match = _STEP.match(path.name)
     if match is None:
-        return ckpt.CheckpointError(
+        return ckptdir.CheckpointError(
             f"{path} is not a checkpoint: give a step folder (ROOT/step-N) or a checkpoint root"
         )
     step, root = int(match.group(1)), path.parent
-    exists = ckpt.step_dir(root, step).exists() or ckpt.step_dir(root, step).with_suffix(".tmp").exists()
+    exists = ckptdir.step_dir(root, step).exists() or ckptdir.step_dir(root, step).with_suffix(".tmp").exists()
     state = (
         f"checkpoint step {step} under {root} is incomplete (an interrupted save)"
         if exists
         else f"no checkpoint step {step} under {root}"
     )
-    return ckpt.CheckpointError(f"{state}; complete steps: {_complete(root)}")
+    return ckptdir.CheckpointError(f"{state}; complete steps: {_complete(root)}")
 
 
 def choose(path: Path) -> tuple[Path, bool]:
     """The step folder to export and whether it was picked as the newest (so may be retried)."""
     path = Path(path)
-    if (path / ckpt.MARKER).is_file():
+    if (path / ckptdir.MARKER).is_file():
         return path, False
     if path.is_dir() and _STEP.match(path.name) is None:
-        newest = ckpt.latest(path)
+        newest = ckptdir.latest(path)
         if newest is None:
-            raise ckpt.CheckpointError(f"no complete checkpoint under {path} yet")
+            raise ckptdir.CheckpointError(f"no complete checkpoint under {path} yet")
         return newest, True
     raise missing_step(path)
 
@@ -127,7 +124,7 @@ class Source:
                 dcp.load(state, checkpoint_id=str(self.path), no_dist=True)
             return state["model"]
         except Exception:
-            if not (self.path / ckpt.MARKER).is_file():  # retention unmarks before it deletes
+            if not (self.path / ckptdir.MARKER).is_file():  # retention unmarks before it deletes
                 raise Vanished(
                     f"checkpoint {self.path} was deleted while it was read (retention: checkpoint.keep); "
                     f"complete steps now: {_complete(self.path.parent)}"
@@ -148,10 +145,10 @@ class Source:
 def open_source(path: Path) -> Source:
     """The checkpoint at `path` (complete), its spec and its tensors' dtypes; nothing loaded yet."""
     path = Path(path)
-    if not (path / ckpt.MARKER).is_file():
+    if not (path / ckptdir.MARKER).is_file():
         raise missing_step(path)
     try:
-        marker = ckpt.read_marker(path)
+        marker = ckptdir.read_marker(path)
     except FileNotFoundError:
         raise Vanished(f"checkpoint {path} was deleted while it was read (retention: checkpoint.keep)") from None
     job = schema.load(JobSpec, marker["job"])
@@ -161,7 +158,7 @@ def open_source(path: Path) -> Source:
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     missing = [name for name in names if f"model.{name}" not in saved]
     if missing:
-        raise ckpt.CheckpointError(
+        raise ckptdir.CheckpointError(
             f"{path}: tensor {missing[0]} of train.model is not in the checkpoint; export it with the spec it was saved with"
         )
     dtypes = {name: saved[f"model.{name}"].properties.dtype for name in names}  # type: ignore[union-attr]
@@ -197,13 +194,13 @@ def deepspeed_weights(path: Path, job: JobSpec, like: dict[str, torch.Tensor]) -
 
                 saved = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DEEPSPEED_TAG)
     except ImportError as exc:
-        raise ckpt.CheckpointError(
+        raise ckptdir.CheckpointError(
             f"{path} was saved by the deepspeed engine and reading it needs DeepSpeed ({exc}); "
             "install it: pip install 'meshrun[deepspeed]'"
         ) from None
     missing, unexpected = set(like) - set(saved), set(saved) - set(like)
     if missing or unexpected:
-        raise ckpt.CheckpointError(
+        raise ckptdir.CheckpointError(
             f"{folder}: DeepSpeed's weights do not match train.model (missing {sorted(missing)[:3]}, "
             f"unexpected {sorted(unexpected)[:3]}); export it with the spec it was trained with"
         )
@@ -247,60 +244,7 @@ def load_newest(path: Path) -> Source:
         chosen, retry = choose(path)
         try:
             return open_source(chosen)
-        except ckpt.CheckpointError:
+        except ckptdir.CheckpointError:
             if not retry or attempt == ATTEMPTS - 1:
                 raise
     raise AssertionError("unreachable")
-
-
-def export(
-    path: Path, out: Path, fmt: str = "meshrun", max_shard_bytes: int = hfnames.parse_size(DEFAULT_SHARD)
-) -> tuple[int, Path, list[str]]:
-    """Write OUT (atomically); returns the number of tensors, the step folder exported and notes to print.
-    A newest-by-default checkpoint that retention deletes mid-write is exported again from the newest."""
-    out = check_output(Path(out), fmt)
-    newest = not (Path(path) / ckpt.MARKER).is_file()  # a root: its newest step, whichever that is now
-    for attempt in range(ATTEMPTS):
-        source = load_newest(Path(path))
-        try:
-            if fmt == "hf":
-                from launcher.export.hf import write_hf
-
-                count, notes = write_hf(source, out, max_shard_bytes)
-                return count, source.path, notes
-            return write_meshrun(source, out), source.path, []
-        except Vanished:
-            if not newest or attempt == ATTEMPTS - 1:
-                raise
-    raise AssertionError("unreachable")
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m launcher.export.consolidate", description=__doc__.split("\n")[0])
-    parser.add_argument("checkpoint", type=Path, help="a step folder (ROOT/step-N) or a checkpoint root (its newest)")
-    parser.add_argument("out", type=Path, help="the .safetensors file (meshrun) or the folder (hf) to write")
-    parser.add_argument("--format", choices=FORMATS, default="meshrun", help="meshrun's names, or Hugging Face Llama")
-    parser.add_argument("--max-shard-size", default=DEFAULT_SHARD, help="hf: the largest file (e.g. 5GB, 500MB)")
-    return parser.parse_args(argv)
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        max_shard = hfnames.parse_size(args.max_shard_size)
-    except ValueError as exc:
-        print(f"meshrun export: --max-shard-size: {exc}", file=sys.stderr)
-        return 2
-    try:
-        count, chosen, notes = export(args.checkpoint, args.out, args.format, max_shard)
-    except (ckpt.CheckpointError, OutputError) as exc:
-        print(f"meshrun export: {exc}", file=sys.stderr)
-        return 2
-    for note in notes:
-        print(note)
-    print(f"wrote {args.out} ({count} tensors) from {chosen}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

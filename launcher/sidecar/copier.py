@@ -34,8 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from launcher.checkpoint import commit as ckpt
 from launcher.checkpoint import resume
+from launcher.contract import ckptdir
 from launcher.contract.exitcodes import EXIT_FAILED, EXIT_INPUT
 from launcher.sidecar.copyfile import CopyError, copy_file, hash_file, same_bytes
 
@@ -74,7 +74,7 @@ def part_files(staged: Path) -> list[str]:
     for parent, _dirs, names in os.walk(staged):
         for name in names:
             rel = os.path.relpath(os.path.join(parent, name), staged)
-            if rel not in (ckpt.STAGED, COPIED):
+            if rel not in (ckptdir.STAGED, COPIED):
                 files.append(rel)
     return sorted(files)
 
@@ -105,9 +105,9 @@ def _sizes_match(folder: Path, files: dict[str, Any]) -> bool:
 
 def _write_atomic(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    ckpt.write_private(tmp, json.dumps(data, sort_keys=True), fsync=True)
+    ckptdir.write_private(tmp, json.dumps(data, sort_keys=True), fsync=True)
     os.rename(tmp, path)
-    ckpt.fsync_dir(path.parent)
+    ckptdir.fsync_dir(path.parent)
 
 
 def copy_part(staged_step_dir: Path, shared_root: Path, node: str, node_rank: int) -> bool:
@@ -115,17 +115,17 @@ def copy_part(staged_step_dir: Path, shared_root: Path, node: str, node_rank: in
     its done file. True once the part is verified on shared storage (or the step is complete there);
     a file that does not verify raises CopyError, an I/O failure OSError (the caller retries)."""
     staged = Path(staged_step_dir)
-    marker = ckpt.read_marker(staged, ckpt.STAGED)
+    marker = ckptdir.read_marker(staged, ckptdir.STAGED)
     step, attempt = int(marker["step"]), str(marker["attempt"])
-    if (ckpt.step_dir(shared_root, step) / ckpt.MARKER).is_file():
+    if (ckptdir.step_dir(shared_root, step) / ckptdir.MARKER).is_file():
         return True
     tmp, done = shared_tmp(shared_root, step), done_file(shared_root, step, node_rank)
     previous = read_json(done)
     if previous and previous.get("attempt") == attempt and _sizes_match(tmp, previous.get("files", {})):
         _mark_copied(staged, previous)
         return True
-    ckpt.make_private_dir(tmp)
-    ckpt.make_private_dir(done.parent)
+    ckptdir.make_private_dir(tmp)
+    ckptdir.make_private_dir(done.parent)
     done.unlink(missing_ok=True)  # from here until the new one, this node's part is not done
     rels = part_files(staged)
     workers = max(1, min(len(rels), os.cpu_count() or 1, MAX_WORKERS))
@@ -143,7 +143,7 @@ def copy_part(staged_step_dir: Path, shared_root: Path, node: str, node_rank: in
 def _copy_verified(src: Path, dst: Path, tmp: Path, pool: ThreadPoolExecutor) -> tuple[int, str]:
     """One file: kept when it is already there and verifies, else copied, fsynced and read back."""
     if dst.parent != tmp:
-        ckpt.make_private_dir(dst.parent)
+        ckptdir.make_private_dir(dst.parent)
     if dst.is_file() and same_bytes(src, dst):
         fd = os.open(dst, os.O_RDONLY)
         try:
@@ -155,7 +155,7 @@ def _copy_verified(src: Path, dst: Path, tmp: Path, pool: ThreadPoolExecutor) ->
 
 
 def _mark_copied(staged: Path, record: dict[str, Any]) -> None:
-    ckpt.write_private(staged / COPIED, json.dumps({"time": time.time(), "files": len(record.get("files", {}))}))
+    ckptdir.write_private(staged / COPIED, json.dumps({"time": time.time(), "files": len(record.get("files", {}))}))
 
 
 def ready(shared_root: Path, step: int, nodes: int, attempt: str) -> Optional[dict[str, Any]]:
@@ -177,28 +177,28 @@ def commit_ready(shared_root: Path, nodes: int, attempt: str, keep: int, keep_ev
     committed = []
     for entry in sorted(Path(shared_root).glob("step-*.tmp")):
         step = int(entry.name[len("step-") : -len(".tmp")])
-        if (ckpt.step_dir(shared_root, step) / ckpt.MARKER).is_file():
+        if (ckptdir.step_dir(shared_root, step) / ckptdir.MARKER).is_file():
             # A late copier recreated the folder just as the step committed: a leftover, never needed.
             shutil.rmtree(entry, ignore_errors=True)
             continue
         info = ready(shared_root, step, nodes, attempt)
         if info is None:
             continue
-        ckpt.commit(entry, ckpt.step_dir(shared_root, step), {**info, "step": step, "copied_at": time.time()})
+        ckptdir.commit(entry, ckptdir.step_dir(shared_root, step), {**info, "step": step, "copied_at": time.time()})
         committed.append(step)
     if committed:
         resume.progress_made(Path(shared_root))  # a newer complete checkpoint: the crash-loop guard resets
-        ckpt.apply_retention(Path(shared_root), keep, keep_every)
+        ckptdir.apply_retention(Path(shared_root), keep, keep_every)
     return committed
 
 
 def staged_attempt(staged: Path) -> Optional[str]:
-    marker = read_json(staged / ckpt.STAGED)
+    marker = read_json(staged / ckptdir.STAGED)
     return str(marker["attempt"]) if marker and "attempt" in marker else None
 
 
 def lost_note(shared_root: Path, step: int) -> str:
-    newest = ckpt.complete_steps(shared_root)
+    newest = ckptdir.complete_steps(shared_root)
     resume = f"resume uses step {newest[-1]}" if newest else "resume starts from step 0 (no complete checkpoint)"
     return f"step {step} exists only on node-local scratch and is lost; {resume}"
 
@@ -206,9 +206,9 @@ def lost_note(shared_root: Path, step: int) -> str:
 def prune(staging: Path, shared_root: Path, attempt: str, log: LogFn, busy: Optional[int] = None) -> list[int]:
     """Remove staged steps that are safe on shared storage, and every step of another attempt."""
     removed = []
-    complete = ckpt.complete_steps(shared_root)
-    for step in ckpt.staged_steps(staging):
-        staged = ckpt.step_dir(staging, step)
+    complete = ckptdir.complete_steps(shared_root)
+    for step in ckptdir.staged_steps(staging):
+        staged = ckptdir.step_dir(staging, step)
         owner = staged_attempt(staged)
         if step == busy and owner == attempt:
             continue
@@ -225,8 +225,8 @@ def prune(staging: Path, shared_root: Path, attempt: str, log: LogFn, busy: Opti
 def to_copy(staging: Path, attempt: str) -> list[int]:
     """This attempt's staged steps whose part is not yet on shared storage, oldest first."""
     steps = []
-    for step in ckpt.staged_steps(staging):
-        staged = ckpt.step_dir(staging, step)
+    for step in ckptdir.staged_steps(staging):
+        staged = ckptdir.step_dir(staging, step)
         if staged_attempt(staged) == attempt and not (staged / COPIED).is_file():
             steps.append(step)
     return steps
@@ -275,7 +275,7 @@ class Copier:
 
     def _start(self, step: int) -> None:
         argv = [sys.executable, "-m", "launcher.sidecar.copier", "copy"]
-        argv += [str(ckpt.step_dir(self.staging, step)), str(self.shared), self.node, str(self.node_rank)]
+        argv += [str(ckptdir.step_dir(self.staging, step)), str(self.shared), self.node, str(self.node_rank)]
         env = {**os.environ, PARENT_ENV: str(os.getpid())}
         self.child = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
@@ -324,11 +324,11 @@ class Copier:
         """Steps of this attempt not yet safe: not copied (any node), or not committed (node rank 0)."""
         if self.node_rank != 0:
             return to_copy(self.staging, self.attempt)
-        complete = set(ckpt.complete_steps(self.shared))
+        complete = set(ckptdir.complete_steps(self.shared))
         return [
             step
-            for step in ckpt.staged_steps(self.staging)
-            if step not in complete and staged_attempt(ckpt.step_dir(self.staging, step)) == self.attempt
+            for step in ckptdir.staged_steps(self.staging)
+            if step not in complete and staged_attempt(ckptdir.step_dir(self.staging, step)) == self.attempt
         ]
 
     def drain(
@@ -398,7 +398,7 @@ def _copy_one(staged: Path, shared: Path, node: str, node_rank: int) -> int:
     try:
         copy_part(staged, shared, node, node_rank)
         size = sum((staged / rel).stat().st_size for rel in part_files(staged))
-    except (OSError, ValueError, KeyError, CopyError, ckpt.CheckpointError) as exc:
+    except (OSError, ValueError, KeyError, CopyError, ckptdir.CheckpointError) as exc:
         print(f"copier: {type(exc).__name__}: {exc}", flush=True)  # one line for the sidecar's log
         return EXIT_FAILED
     rate = size / 1e6 / max(time.monotonic() - began, 1e-9)

@@ -9,9 +9,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from launcher.checkpoint import commit as ckpt
 from launcher.checkpoint.commit import Checkpointer
-from launcher.contract import alerts
+from launcher.contract import alerts, ckptdir
 from launcher.contract.rundir import RunDir, node_name
 from launcher.contract.spec import JobSpec, RunSpec
 from launcher.env import RankEnv
@@ -57,6 +56,6 @@ class Watch:
             return
         seen = self.last if self.last.get("step") == step else {}
         saved = saver.last_committed if saver is not None else None
-        if saver is not None and (done := ckpt.complete_steps(saver.root)):
+        if saver is not None and (done := ckptdir.complete_steps(saver.root)):
             saved = max(done[-1], saved or 0)  # one of an earlier attempt, or committed by the copier
         divergence.report(self.run_dir, step, saved, seen.get("loss"), seen.get("grad_norm"), node_name(os.environ))

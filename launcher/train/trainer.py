@@ -18,7 +18,8 @@ from launcher.contract.parallel_dims import Coordinates, ParallelDims
 from launcher.contract.spec import JobSpec, Train
 from launcher.data.dataset import Layout, MicroBatches, TokenDataset, TrainStream, val_steps
 from launcher.env import RankEnv
-from launcher.train.engines.base import Engine, StepResult, build_engine
+from launcher.train.engines import build_engine
+from launcher.train.engines.base import Engine, StepResult
 from launcher.train.optim import lr_at
 from launcher.train.runtime import Runtime
 

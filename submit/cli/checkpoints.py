@@ -53,9 +53,10 @@ def add_parsers(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 def cmd_resume(args: argparse.Namespace) -> int:
     from submit import api
-    from submit.cli.main import finish_wait
+    from submit.cli.common import finish_wait
     from submit.jobs import checkpoints
     from submit.jobs.registry import Registry
+    from submit.jobs.runspec import read_run_spec
 
     registry = Registry()
     record = registry.find(args.job, args.cluster)
@@ -71,7 +72,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
             print(note)
         if not args.wait:
             return 0
-        spec = checkpoints.read_run_spec(new, transport).job
+        spec = read_run_spec(new, transport).job
         return finish_wait(new, clusters, registry, total_steps=None if spec.command else spec.trainer.steps)
     finally:
         clusters.close()

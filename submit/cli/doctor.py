@@ -95,25 +95,26 @@ def read_results(transport: Any, run_dir: str, world: int) -> list[Optional[dict
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from submit import api, installed_version
-    from submit.cli.main import _home, _profile_path, wait_for
+    from submit.cli.common import home_for, profile_path_of, wait_for
     from submit.config.cluster import load_profile
     from submit.jobs.doctor import judge, table
     from submit.jobs.registry import Registry
     from submit.planning.plan import with_home
-    from submit.transport import snapshot
-    from submit.transport.base import connect
+    from submit.transport import connect, snapshot
 
     profile = load_profile(args.cluster)
     opts = options(args, profile)
-    plan = doctor_plan(profile, opts, _home(profile))  # every input error before any connection
+    plan = doctor_plan(profile, opts, home_for(profile))  # every input error before any connection
     clusters = api.Clusters()
     try:
         transport = connect(profile.ssh, args.cluster)
-        clusters.adopt(profile, transport, _profile_path(args.cluster))
+        clusters.adopt(profile, transport, profile_path_of(args.cluster))
         if profile.ssh is not None:
             plan = with_home(plan, snapshot.remote_home(transport))
         registry = Registry()
-        (record,) = api.schedule(api.dryrun(plan), plan, registry, transport, profile_path=_profile_path(args.cluster))
+        (record,) = api.schedule(
+            api.dryrun(plan), plan, registry, transport, profile_path=profile_path_of(args.cluster)
+        )
         print(
             f"doctor: job {record.job_id} on {profile.name} ({opts.nodes} node{'s' if opts.nodes > 1 else ''}), run dir {plan.run_dir}"
         )

@@ -12,9 +12,8 @@ import json
 import os
 import shlex
 import sys
-import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, TextIO
+from typing import Any, Callable, Optional, Sequence
 
 from launcher.contract.private import private_umask
 from launcher.contract.schema import SchemaError
@@ -25,7 +24,9 @@ from submit.cli import live as cli_live
 from submit.cli import plan as cli_plan
 from submit.cli import tb as cli_tb
 from submit.cli.args import cluster_arg, overrides_arg
+from submit.cli.common import finish_wait, home_for, profile_path_of
 from submit.errors import EXIT_INPUT, InputError, InternalError, MeshrunError
+from submit.views.tables import table
 
 
 def _spec_args(parser: argparse.ArgumentParser) -> None:
@@ -190,14 +191,6 @@ def cmd_clusters(args: argparse.Namespace) -> int:
     return 0
 
 
-def _home(profile: Any) -> str:
-    """The home that `~` in the profile's paths means: this machine's, or (over SSH) a placeholder
-    that `plan.with_home` resolves once the login node has said its own."""
-    from submit.planning.plan import REMOTE_HOME
-
-    return os.path.expanduser("~") if profile.ssh is None else REMOTE_HOME
-
-
 def _plan(args: argparse.Namespace, profile: Any) -> Any:
     """Load, validate and resolve the job: every input error surfaces here, before any connection."""
     from submit.planning.plan import plan_file
@@ -213,8 +206,8 @@ def _plan(args: argparse.Namespace, profile: Any) -> Any:
                 f"sweeps run as job arrays, which the {profile.scheduler} "
                 f"cluster does not have; it runs one job at a time",
             )
-        return plan_sweep(args.spec, profile, args.overrides, args.sweep, home=_home(profile))
-    return plan_file(args.spec, profile, args.overrides, home=_home(profile))
+        return plan_sweep(args.spec, profile, args.overrides, args.sweep, home=home_for(profile))
+    return plan_file(args.spec, profile, args.overrides, home=home_for(profile))
 
 
 def _snapshot(args: argparse.Namespace, profile: Any, plan: Any) -> Any:
@@ -265,7 +258,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 
     from submit import api
     from submit.config.cluster import load_profile
-    from submit.transport.base import connect
+    from submit.transport import connect
 
     profile = load_profile(args.cluster)
     plan = _plan(args, profile)  # every input error before any connection
@@ -298,13 +291,6 @@ def _code_needed(code_dir: str, present: bool, args: argparse.Namespace) -> str:
         f"code: the script runs from the code snapshot {code_dir}, which is not on the cluster: `{again}` "
         f"(or a `meshrun submit`) uploads it; the script refuses to start without it"
     )
-
-
-def _profile_path(cluster: str) -> str:
-    """The profile file's absolute path (the registry keeps it, so later verbs reach this very cluster)."""
-    from submit.config.cluster import profile_path
-
-    return str(profile_path(cluster))
 
 
 def _check_submit_flags(args: argparse.Namespace, scheduler: str) -> None:
@@ -369,13 +355,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def _submit(args: argparse.Namespace, profile: Any, plan: Any, snap: Any) -> int:
     from submit import api
     from submit.jobs.registry import Registry
-    from submit.transport.base import connect
+    from submit.transport import connect
     from submit.transport.progress import ProgressBar
 
     clusters = api.Clusters()
     try:
         transport = connect(profile.ssh, args.cluster)
-        clusters.adopt(profile, transport, _profile_path(args.cluster))
+        clusters.adopt(profile, transport, profile_path_of(args.cluster))
         plan, request, found = _request(args, profile, plan, snap, transport)
         if args.dry_run:
             print_request(plan, snap, request, args.json)
@@ -387,7 +373,7 @@ def _submit(args: argparse.Namespace, profile: Any, plan: Any, snap: Any) -> int
             print(f"code: unchanged, snapshot {snap.digest} already on {profile.name}", file=sys.stderr)
         registry = Registry()
         records = api.schedule(
-            request, plan, registry, transport, spec_dir=args.spec.parent, profile_path=_profile_path(args.cluster)
+            request, plan, registry, transport, spec_dir=args.spec.parent, profile_path=profile_path_of(args.cluster)
         )
         _print_submitted(plan, records)
         if not args.wait:
@@ -397,29 +383,6 @@ def _submit(args: argparse.Namespace, profile: Any, plan: Any, snap: Any) -> int
         )
     finally:
         clusters.close()
-
-
-def finish_wait(record: Any, clusters: Any, registry: Any, total_steps: Optional[int]) -> int:
-    """--wait: follow the job to its end; the exit code says how it ended (2: the ranks found bad input).
-    Ctrl-C stops the waiting, never the job, and says so."""
-    from launcher.contract.exitcodes import EXIT_INPUT
-    from submit.jobs.status import Status
-
-    try:
-        status: Status = wait_for(record, clusters, registry, total_steps)
-    except KeyboardInterrupt:
-        print(
-            f"\nmeshrun: stopped waiting; job {record.job_id} keeps running "
-            f"(`meshrun status {record.job_id}`, `meshrun logs {record.job_id} -f`, "
-            f"`meshrun cancel {record.job_id}`)",
-            file=sys.stderr,
-        )
-        return 130
-    print(f"job {record.job_id} {status.state}" + (f" ({status.reason})" if status.reason else ""))
-    print(f"logs: {record.run_dir}/logs   metrics: {record.run_dir}/metrics.jsonl")
-    if status.succeeded:
-        return 0
-    return EXIT_INPUT if status.exit_code == EXIT_INPUT else 1
 
 
 def _print_submitted(plan: Any, records: Sequence[Any]) -> None:
@@ -432,73 +395,6 @@ def _print_submitted(plan: Any, records: Sequence[Any]) -> None:
     print(f"run dir: {plan.run_dir}")
     if plan.code_dir:
         print(f"code: {plan.code_dir}")
-
-
-def _poll_interval(elapsed: float, scheduler: str) -> float:
-    """How often --wait asks: the backend's choice (Slurm backs off so a long wait does not hammer slurmctld)."""
-    from submit.schedulers import backend
-
-    return backend(scheduler).poll_interval(elapsed)
-
-
-def progress_line(status: Any, total_steps: Optional[int]) -> str:
-    parts = [f"[{status.state}]"]
-    step = status.progress.get("step")
-    if step is not None:
-        parts.append(f"step {step}/{total_steps}" if total_steps else f"step {step}")
-    if "loss" in status.progress:
-        parts.append(f"loss {loss_text(status.progress['loss'])}")
-    if status.elapsed_s is not None:
-        parts.append(f"elapsed {_clock(status.elapsed_s)}")
-        if status.time_limit_s and not status.done:
-            parts.append(f"left {_clock(max(status.time_limit_s - status.elapsed_s, 0))}")
-    if status.reason and not status.done:
-        parts.append(f"({status.reason})")
-    return " ".join(parts)
-
-
-def loss_text(loss: Any) -> str:
-    """A loss for a person: a diverged job writes null (strict JSON has no NaN), shown as nan."""
-    if isinstance(loss, (int, float)) and not isinstance(loss, bool):
-        return f"{loss:.4f}"
-    return "nan" if loss is None else "-"
-
-
-def wait_for(
-    record: Any, clusters: Any, registry: Any, total_steps: Optional[int], out: Optional[TextIO] = None
-) -> Any:
-    """Poll until the job ends, showing progress (one rewritten line on a terminal, plain lines piped)."""
-    from submit import api
-    from submit.transport.base import ConnectionLost
-
-    out = out if out is not None else sys.stderr
-    tty, last, started = out.isatty(), None, time.monotonic()
-    shown: set[str] = set()  # the alerts already printed, by their record
-    while True:
-        try:
-            status = api.statuses([record], clusters, registry)[0]
-        except ConnectionLost:
-            clusters.close()  # the job runs on regardless: reconnect at the next poll
-            time.sleep(_poll_interval(time.monotonic() - started, record.scheduler))
-            continue
-        new = [a for a in status.alerts if json.dumps(a, sort_keys=True) not in shown]
-        for alert in new:  # each new alert once, on a line of its own above the progress line
-            shown.add(json.dumps(alert, sort_keys=True))
-            out.write(("\r\x1b[2K" if tty else "") + "ALERT " + cli_jobs.alert_line(alert) + "\n")
-        line = progress_line(status, total_steps)
-        # Piped output gets a line only when the state or the step changes, not every tick.
-        changed = (status.state, status.progress.get("step")) != last
-        if tty:
-            out.write("\r\x1b[2K" + line)
-        elif changed:
-            out.write(line + "\n")
-        out.flush()
-        last = (status.state, status.progress.get("step"))
-        if status.done:
-            if tty:
-                out.write("\n")
-            return status
-        time.sleep(_poll_interval(time.monotonic() - started, record.scheduler))
 
 
 def cmd_data(args: argparse.Namespace) -> int:
@@ -525,15 +421,8 @@ def cmd_data(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------ helpers
 
 
-def _clock(seconds: Optional[int]) -> str:
-    seconds = int(seconds or 0)
-    h, rest = divmod(seconds, 3600)
-    m, s = divmod(rest, 60)
-    return f"{h}:{m:02d}:{s:02d}"
-
-
 def _table(rows: Sequence[Sequence[str]]) -> None:
-    sys.stdout.write(cli_jobs.table(rows))
+    sys.stdout.write(table(rows))
 
 
 VERBS: dict[str, Callable[[argparse.Namespace], int]] = {

@@ -106,9 +106,9 @@ def _speed(obj: dict[str, Any]) -> str:
 
 def render(out: dict[str, Any], spec: Any) -> str:
     """The plan for a person."""
-    from submit.cli.jobs import table
     from submit.planning.estimate import CONTEXT_BYTES, FRAGMENTATION, HEADROOM
     from submit.planning.estimate import gib as _gib
+    from submit.views.tables import table
 
     m, t, p = spec.trainer.model, spec.trainer, spec.parallel
     kv = f" ({m.kv_heads} kv)" if m.kv_heads != m.n_heads else ""

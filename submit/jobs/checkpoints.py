@@ -3,7 +3,7 @@
 resume starts the job's own script again in the same run dir (a new Slurm job, or a
 new local supervisor); the ranks find the newest complete checkpoint themselves. It
 also clears the crash-loop guard's count: a person deciding to go on is new evidence.
-export runs `python -m launcher.export.consolidate` where the checkpoint is (this machine for a
+export runs `python -m launcher.export` where the checkpoint is (this machine for a
 local transport; the login node over SSH, then downloads the file, or the folder's files for --format hf).
 """
 
@@ -21,9 +21,10 @@ from typing import Any, Callable, Optional, Sequence
 
 from launcher.contract import hfnames
 from launcher.contract.rundir import ATTEMPTS_FILE, RunDir
-from launcher.contract.spec import RunSpec, SpecFileError, loads_run_spec
+from launcher.contract.spec import RunSpec
 from submit.errors import ClusterError, InputError
 from submit.jobs.registry import JobRecord, Registry, now
+from submit.jobs.runspec import read_run_spec
 from submit.schedulers import backend
 from submit.transport.base import Transport
 
@@ -43,20 +44,6 @@ RESUME_SETTABLE = (
 """What `resume --set` may change: the length, the schedule, the cadences, the requeue budget, which
 complete checkpoint to start from (an earlier one, before a loss climbed); never the model, the layout
 or the data, which the checkpoint must match."""
-
-
-def read_run_spec(record: JobRecord, transport: Transport) -> RunSpec:
-    """The run dir's spec.json, validated (one line naming the file when it is gone, cut or edited)."""
-    path = RunDir(record.run_dir).spec
-    raw = transport.read_bytes(path, 0, 1 << 22)
-    if not raw:
-        if not transport.exists(record.run_dir):
-            raise ClusterError(f"the run dir of job {record.job_id} is gone ({record.run_dir}); nothing to resume")
-        raise ClusterError(f"{path} is missing: the run dir of job {record.job_id} was emptied")
-    try:
-        return loads_run_spec(raw.decode("utf-8", errors="replace"), path)
-    except SpecFileError as exc:
-        raise InputError(exc.key, exc.value, exc.fix) from None
 
 
 def checkpoint_dir(record: JobRecord, transport: Transport) -> str:
@@ -275,7 +262,7 @@ def export(
         step = best_step(record, transport)
     root = checkpoint_dir(record, transport)
     ckpt = root if step is None else f"{root}/step-{step:08d}"
-    args = ["-m", "launcher.export.consolidate", ckpt]
+    args = ["-m", "launcher.export", ckpt]
     options = ["--format", fmt, "--max-shard-size", max_shard_size]
     if profile.ssh is None:
         done = transport.run([sys.executable, *args, str(out), *options], timeout=3600)

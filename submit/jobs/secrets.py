@@ -24,7 +24,6 @@ from submit.transport.base import Upload
 if TYPE_CHECKING:
     from launcher.contract.spec import JobSpec, RunSpec
     from submit.config.cluster import ClusterProfile
-    from submit.jobs.registry import JobRecord
     from submit.planning.plan import Plan
     from submit.transport.base import Transport
 
@@ -126,13 +125,6 @@ def resend(run_spec: RunSpec, run_dir: str, transport: Transport) -> None:
     environment (a variable missing here is bad input, before anything starts)."""
     files = {name: str(s.env) for name, s in run_spec.job.secrets.items() if s.env is not None}
     send(ls.secrets_dir_for(run_dir), files, transport)
-
-
-def run_spec_of(record: JobRecord, transport: Transport) -> RunSpec:
-    """The run dir's spec.json (a restart learns the job's secrets from it)."""
-    from submit.jobs.checkpoints import read_run_spec  # here: checkpoints reaches the backends, which import this
-
-    return read_run_spec(record, transport)
 
 
 def forget_argv(run_dirs: Sequence[str], whole_array: bool) -> list[str]:

@@ -30,6 +30,7 @@ from submit.errors import ClusterError, InputError
 from submit.jobs import findings
 from submit.jobs import secrets as job_secrets
 from submit.jobs.registry import JobRecord, now
+from submit.jobs.runspec import read_run_spec
 from submit.jobs.status import FINAL, Status, metrics_tail, parse_losses, parse_metrics_tail
 from submit.planning.plan import Plan
 from submit.schedulers.base import Request, run_dir_files
@@ -104,7 +105,7 @@ class LocalBackend:
         run_dir = RunDir(record.run_dir)
         with _start_lock(record.run_dir):
             _refuse_live_writers(record.run_dir)
-            run_spec = job_secrets.run_spec_of(record, transport)
+            run_spec = read_run_spec(record, transport)
             job_secrets.resend(run_spec, record.run_dir, transport)  # the supervisor removed them at the end
             return _start(record.run_dir, job_secrets.scrubbed(("bash", run_dir.script(self.name)), [run_spec.job]))
 

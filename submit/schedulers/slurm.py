@@ -16,6 +16,7 @@ from submit.config.cluster import ClusterProfile
 from submit.jobs import findings
 from submit.jobs import secrets as job_secrets
 from submit.jobs.registry import JobRecord
+from submit.jobs.runspec import read_run_spec
 from submit.jobs.status import FINAL, Status, metrics_tail_bytes, parse_losses, parse_metrics_tail
 from submit.planning.plan import Plan
 from submit.schedulers import slurm_cli
@@ -108,7 +109,7 @@ class SlurmBackend:
 
     def restart(self, record: JobRecord, transport: Transport) -> str:
         argv = slurm_cli.sbatch_argv(RunDir(record.run_dir).script(self.name), record.name, record.run_dir, ())
-        run_spec = job_secrets.run_spec_of(record, transport)
+        run_spec = read_run_spec(record, transport)
         job_secrets.resend(run_spec, record.run_dir, transport)  # removed when the job ended
         argv = list(job_secrets.scrubbed(argv, [run_spec.job]))
         return slurm_cli.parse_sbatch(transport.run(argv, timeout=120).check("sbatch").stdout)

@@ -323,12 +323,3 @@ class LocalTransport:
 
     def close(self) -> None:
         pass
-
-
-def connect(ssh: object | None, cluster: str = "CLUSTER") -> Transport:
-    """The transport for a cluster profile's `ssh` section (None: this machine); `cluster` names it in errors."""
-    if ssh is None:
-        return LocalTransport()
-    from submit.transport.ssh import SshTransport  # paramiko is imported only when a cluster needs it
-
-    return SshTransport(ssh, cluster)  # type: ignore[arg-type]

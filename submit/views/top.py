@@ -81,8 +81,7 @@ def gpu_cells(gpus: Sequence[dict[str, Any]]) -> tuple[str, str]:
 
 
 def row(status: Status) -> tuple[str, ...]:
-    from submit.cli.jobs import alerts_note
-    from submit.cli.main import loss_text
+    from submit.views.tables import alerts_note, loss_text
 
     p = status.progress
     step = p.get("step")
@@ -108,7 +107,7 @@ def row(status: Status) -> tuple[str, ...]:
 
 def screen(found: Sequence[Status], width: int) -> list[str]:
     """The table, each line cut to the terminal's width."""
-    from submit.cli.jobs import table
+    from submit.views.tables import table
 
     if not found:
         return ["no running jobs (`meshrun status` lists the recent ones)"]

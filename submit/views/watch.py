@@ -117,8 +117,8 @@ def running_records(registry: Any, limit: int = 200) -> list[JobRecord]:
 
 def handle(found: Sequence[Status], seen: Seen, argv: Optional[Sequence[str]], out: TextIO) -> int:
     """Print and notify every alert not claimed before; how many were new."""
-    from submit.cli.jobs import alert_line
     from submit.jobs.status import warn_to_stderr
+    from submit.views.tables import alert_line
 
     pending = [(s, a, alert_key(s, a)) for s in found for a in s.alerts]
     new = set(seen.claim([key for _, _, key in pending]))
@@ -145,8 +145,6 @@ def follow(
     seen: Optional[Seen] = None,
 ) -> int:
     """Refresh every `interval` s until every job is done (or unreachable); 0, or 1 if one was unreachable."""
-    from submit.cli.jobs import _watch_end, refresh
-
     out, seen = out or sys.stdout, seen or Seen()
     while True:
         found = refresh(records, clusters, registry)
@@ -155,5 +153,34 @@ def follow(
             continue
         handle(found, seen, argv, out)
         if all(s.done or s.state == "UNREACHABLE" for s in found):
-            return _watch_end(found)
+            return watch_end(found)
         time.sleep(interval)
+
+
+def refresh(records: Sequence[Any], clusters: Any, registry: Any) -> Optional[list[Any]]:
+    """One status refresh for a loop that follows jobs; None when a connection was lost (closed:
+    the next refresh reconnects)."""
+    from submit import api
+    from submit.transport.base import ConnectionLost
+
+    try:
+        found: list[Any] = api.statuses(records, clusters, registry)
+    except ConnectionLost:
+        clusters.close()
+        return None
+    return found
+
+
+def watch_end(found: Sequence[Any]) -> int:
+    """Nothing is left to watch: every job ended or sits on a cluster that cannot be reached now
+    (waiting for it would never return)."""
+    lost = [s for s in found if s.state == "UNREACHABLE"]
+    if not lost:
+        return 0
+    clusters = sorted({s.cluster for s in lost})
+    print(
+        f"meshrun: {len(lost)} job(s) on {', '.join(clusters)} could not be reached; "
+        f"`meshrun status` again once the cluster answers",
+        file=sys.stderr,
+    )
+    return 1

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from launcher.checkpoint import commit as ckpt
+from launcher.contract import ckptdir
 from launcher.contract.spec import Checkpoint, Parallel
 from launcher.export.consolidate import consolidated_state
 from launcher.preempt import EXIT_REQUEUE
@@ -45,7 +45,7 @@ def _wait_for_step(run_dir: Path, step: int, procs: list[subprocess.Popen], time
 
 
 def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    tensors, meta = consolidated_state(ckpt.latest(run_dir / "checkpoints"))
+    tensors, meta = consolidated_state(ckptdir.latest(run_dir / "checkpoints"))
     assert meta["step"] == str(STEPS)
     return tensors
 
@@ -58,7 +58,7 @@ def test_signal_to_one_rank_saves_requeues_and_resumes_bit_identically(tmp_path:
     pre_procs[1].send_signal(signal.SIGUSR1)  # one rank only, as a careless scheduler might
     outputs = [p.communicate(timeout=120)[0] for p in pre_procs]
     assert [p.returncode for p in pre_procs] == [EXIT_REQUEUE, EXIT_REQUEUE], outputs
-    saved = ckpt.complete_steps(pre / "checkpoints")[-1]
+    saved = ckptdir.complete_steps(pre / "checkpoints")[-1]
     assert stopped_near <= saved < STEPS and "stopping after step" in outputs[0]
     finish(start(pre, 2))  # the requeued job: resumes and finishes
     finish(ref_procs)
@@ -97,10 +97,10 @@ def test_kill_9_during_saves_never_loads_a_partial_checkpoint(tmp_path: Path, co
             p.kill()
             out = p.communicate()[0]
             assert "Traceback" not in out or p.returncode == -9, out
-        steps = ckpt.complete_steps(root)
+        steps = ckptdir.complete_steps(root)
         assert steps, "no complete checkpoint survived"
         for step in steps:  # everything that looks complete loads
-            consolidated_state(ckpt.step_dir(root, step))
+            consolidated_state(ckptdir.step_dir(root, step))
         resumed_from = steps[-1]
     outputs = finish(start(run, 2))
     assert f"resuming from step {resumed_from}" in outputs[0]
@@ -113,7 +113,7 @@ def test_resharding_a_221_checkpoint_to_112_and_one_process(tmp_path: Path, corp
         tmp_path, "src", corpus, 4, train=train, checkpoint=Checkpoint(every=4), parallel=Parallel(dp=2, tp=2, pp=1)
     )
     finish(start(src, 4))
-    saved, _ = consolidated_state(ckpt.latest(src / "checkpoints"))
+    saved, _ = consolidated_state(ckptdir.latest(src / "checkpoints"))
     probes = {}
     for name, world, par in (("pp2", 2, Parallel(dp=1, tp=1, pp=2)), ("one", 1, Parallel())):
         dst = make_run(tmp_path, name, corpus, world, train=train, parallel=par)
@@ -124,7 +124,7 @@ def test_resharding_a_221_checkpoint_to_112_and_one_process(tmp_path: Path, corp
                     sys.executable,
                     str(REPO / "tests/integration/reshard_probe.py"),
                     str(dst),
-                    str(ckpt.latest(src / "checkpoints")),
+                    str(ckptdir.latest(src / "checkpoints")),
                 ],
                 env=rank_environ(r, world, port),
                 stdout=subprocess.PIPE,

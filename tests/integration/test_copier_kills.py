@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.checkpoint import commit as ckpt
+from launcher.contract import ckptdir
 from launcher.sidecar import copier
 from tests.integration.cli import trials
 
@@ -57,7 +57,7 @@ def stage_nodes(root: Path, rng: random.Random) -> dict[str, str]:
             (tmp / rel).write_bytes(rng.randbytes(size))
             sources[rel] = sha(tmp / rel)
         marker = {"step": STEP, "attempt": ATTEMPT, "node_rank": node_rank, "nodes": 2, "info": {"step": STEP}}
-        ckpt.stage(tmp, ckpt.step_dir(root / f"node{node_rank}", STEP), marker)
+        ckptdir.stage(tmp, ckptdir.step_dir(root / f"node{node_rank}", STEP), marker)
     return sources
 
 
@@ -78,14 +78,14 @@ def kill_node(proc: subprocess.Popen[bytes]) -> None:
 
 def check_marked(shared: Path, sources: dict[str, str], seen: dict[int, str]) -> None:
     """Every marked checkpoint holds exactly the sources' files with their checksums."""
-    for step in ckpt.complete_steps(shared):
+    for step in ckptdir.complete_steps(shared):
         if step in seen:
             continue
-        final = ckpt.step_dir(shared, step)
+        final = ckptdir.step_dir(shared, step)
         held = {
             str(path.relative_to(final)): sha(path)
             for path in final.rglob("*")
-            if path.is_file() and path.name != ckpt.MARKER and copier.NODES_DIR not in path.parts
+            if path.is_file() and path.name != ckptdir.MARKER and copier.NODES_DIR not in path.parts
         }
         seen[step] = "ok" if held == sources else f"marked partial checkpoint: {sorted(held)} != {sorted(sources)}"
 
@@ -149,7 +149,7 @@ def test_a_killed_copier_never_leaves_a_marked_partial_checkpoint_and_a_rerun_co
         watcher.join()
     check_marked(shared, sources, watcher.seen)
     assert watcher.seen == {STEP: "ok"}
-    assert not ckpt.staged_steps(tmp_path / "node0")  # node 0 committed, then pruned its part
+    assert not ckptdir.staged_steps(tmp_path / "node0")  # node 0 committed, then pruned its part
     assert not list(shared.glob("*.tmp"))
 
 
@@ -211,5 +211,5 @@ def test_on_two_slurm_nodes_a_killed_copier_leaves_no_marked_partial_checkpoint(
     check_marked(shared, sources, watcher.seen)
     assert watcher.seen == {STEP: "ok"}
     assert not list(shared.glob("*.tmp"))
-    done = ckpt.step_dir(shared, STEP) / copier.NODES_DIR
+    done = ckptdir.step_dir(shared, STEP) / copier.NODES_DIR
     assert {copier.read_json(done / f"{rank}.json")["node"] for rank in (0, 1)} == {"n1", "n2"}  # two Slurm nodes

@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from launcher.checkpoint import commit as ckpt
+from launcher.contract import ckptdir
 from launcher.contract.spec import Model, read_run_spec
 from launcher.data.dataset import Layout, TokenDataset, val_steps
 from launcher.train.model import GPT, loss_fn
@@ -205,7 +205,7 @@ def test_kill_9_requeue_resumes_zero2_to_the_uninterrupted_final_loss(
     assert got[-1]["loss"] == ref[-1]["loss"], [(a["loss"], b["loss"]) for a, b in zip(ref, got)]
     assert [r["loss"] for r in got] == [r["loss"] for r in ref]
     assert all(r["loss"] == ref[r["step"] - 1]["loss"] for r in rows)  # the redone steps too
-    marker = ckpt.read_marker(ckpt.latest(Path(read_run_spec(run_dir).run.checkpoint_dir)))
+    marker = ckptdir.read_marker(ckptdir.latest(Path(read_run_spec(run_dir).run.checkpoint_dir)))
     assert marker["engine"] == "deepspeed" and marker["step"] == TESTBED_STEPS, marker
 
 

@@ -9,8 +9,7 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from launcher.checkpoint import commit as ckpt
-from launcher.contract import alerts
+from launcher.contract import alerts, ckptdir
 from launcher.contract.exitcodes import EXIT_DIVERGED
 from launcher.contract.rundir import RunDir
 from launcher.export.consolidate import consolidated_state
@@ -51,10 +50,10 @@ def test_a_diverging_job_stops_at_once_with_78_and_saves_nothing_non_finite(tmp_
     assert not [r for r in metrics(run_dir) if r["step"] > bad]  # stopped at once
 
     root = run_dir / "checkpoints"
-    steps = ckpt.complete_steps(root)
+    steps = ckptdir.complete_steps(root)
     assert steps and max(steps) == bad - 1, (steps, bad)  # every finite step saved, none after
     assert not list(root.glob("step-*.tmp"))
-    tensors, _ = consolidated_state(ckpt.step_dir(root, max(steps)))
+    tensors, _ = consolidated_state(ckptdir.step_dir(root, max(steps)))
     assert all(bool(t.isfinite().all()) for t in tensors.values())
     # No checkpoint.keep_best: no marker records a val_loss, so there is no best to export.
     none = meshrun(tmp_path, "export", job_id, "--best", "-o", str(tmp_path / "best.safetensors"))
@@ -89,8 +88,8 @@ def test_keep_best_survives_retention_and_exports(tmp_path: Path, corpus: Path) 
     best_step = min(vals, key=lambda s: (vals[s], -s))
     assert best_step <= 20 and max(vals) == 30, vals  # the case this test is about
     root = run_dir / "checkpoints"
-    assert set(ckpt.complete_steps(root)) == {best_step, 30}, (ckpt.complete_steps(root), vals)
-    assert ckpt.best(root) == (best_step, vals[best_step])
+    assert set(ckptdir.complete_steps(root)) == {best_step, 30}, (ckptdir.complete_steps(root), vals)
+    assert ckptdir.best(root) == (best_step, vals[best_step])
     shown = meshrun(tmp_path, "status", job_id, check=True).stdout
     assert f"best checkpoint: step {best_step}, val_loss {vals[best_step]:.4f}" in shown, shown
 

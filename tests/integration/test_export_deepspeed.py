@@ -1,4 +1,4 @@
-"""`python -m launcher.export.consolidate` of a checkpoint saved by the deepspeed engine: DeepSpeed's own save in
+"""`python -m launcher.export` of a checkpoint saved by the deepspeed engine: DeepSpeed's own save in
 `step-N/deepspeed/` (ZeRO-0: whole weights in the model states file; ZeRO-2: optimizer shards per rank;
 ZeRO-3: parameter shards too) becomes one safetensors file with the GPT's names, equal to the trained
 module's full parameters.
@@ -19,8 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from launcher.checkpoint import commit as ckpt
-from launcher.contract import schema
+from launcher.contract import ckptdir, schema
 from launcher.contract.spec import Checkpoint, Data, JobSpec, Model, Parallel, Resources, Train
 from tests.integration.ranks import REPO, free_port, rank_environ
 
@@ -68,7 +67,7 @@ def save_one(deepspeed: Any, root: Path, zero: int) -> None:
         tokens = torch.randint(0, job.trainer.model.vocab_size, (2, 33), generator=gen)
         engine.backward(loss_fn(engine(tokens[:, :-1]), tokens[:, 1:]))
         engine.step()
-    tmp = ckpt.step_dir(root, STEP).with_suffix(".tmp")
+    tmp = ckptdir.step_dir(root, STEP).with_suffix(".tmp")
     engine.save_checkpoint(str(tmp), tag="deepspeed", save_latest=False)
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params) if zero == 3 else contextlib.nullcontext():
@@ -77,7 +76,7 @@ def save_one(deepspeed: Any, root: Path, zero: int) -> None:
     torch.distributed.barrier()  # every rank's shards are written before the marker
     if rank == 0:
         info = {"step": STEP, "job": {k: v for k, v in schema.to_plain(job).items() if k != "env"}}
-        ckpt.commit(tmp, ckpt.step_dir(root, STEP), info)
+        ckptdir.commit(tmp, ckptdir.step_dir(root, STEP), info)
     torch.distributed.barrier()
 
 
@@ -112,7 +111,7 @@ def trained(root: Path) -> dict[str, torch.Tensor]:
 
 def export(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "launcher.export.consolidate", *args],
+        [sys.executable, "-m", "launcher.export", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -129,7 +128,7 @@ def test_export_consolidates_deepspeed_zero_shards_into_the_gpt_weights(saved: P
 
     root = saved / f"zero{zero}"
     weights_of = trained(root)
-    step = ckpt.step_dir(root, STEP)
+    step = ckptdir.step_dir(root, STEP)
     shards = sorted(p.name for p in (step / "deepspeed").iterdir())
     # Really sharded as the stage says: optimizer state per rank from ZeRO-1 on, parameters too under ZeRO-3.
     assert len([s for s in shards if s.endswith("optim_states.pt")]) == (2 if zero else 0), shards

@@ -17,11 +17,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from launcher.checkpoint import commit as ckpt
-from launcher.contract import schema, weights
+from launcher.contract import ckptdir, schema, weights
 from launcher.contract.schema import SchemaError
 from launcher.contract.spec import Checkpoint, Data, JobSpec, Model, Parallel, Train
-from launcher.export import consolidate as export
+from launcher.export import run as export
 from launcher.train.model import GPT
 from tests.integration.ranks import finish, make_run, metrics, start, tiny_train
 
@@ -39,12 +38,12 @@ def saved_checkpoint(root: Path, cfg: Model, data_path: str = "/nonexistent/toke
     with torch.no_grad():
         for p in model.parameters():  # norms too: a transposed or misnamed tensor must show
             p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    tmp = ckpt.step_dir(root, 3).with_suffix(".tmp")
+    tmp = ckptdir.step_dir(root, 3).with_suffix(".tmp")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp), no_dist=True)
     marker_job = {k: v for k, v in schema.to_plain(job).items() if k != "env"}
-    ckpt.commit(tmp, ckpt.step_dir(root, 3), {"step": 3, "job": marker_job})
+    ckptdir.commit(tmp, ckptdir.step_dir(root, 3), {"step": 3, "job": marker_job})
     return model
 
 

@@ -36,9 +36,9 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from launcher.checkpoint import commit as ckpt
+from launcher.contract import ckptdir
 from launcher.contract.spec import Checkpoint, Model, Parallel, Train
-from launcher.export import consolidate as export
+from launcher.export import run as export
 from launcher.train.model import GPT
 from tests.integration.ranks import finish, free_port, make_run, metrics, rank_environ, start, tiny_train
 
@@ -205,8 +205,8 @@ def check_exact_resume(
     run = make_run(
         run_dir.parent, f"{case.name}-resumed", corpus, case.world, train=train, parallel=parallel, checkpoint=saves
     )
-    source = ckpt.step_dir(run_dir / "checkpoints", RESUME_AT)
-    shutil.copytree(source, ckpt.step_dir(run / "checkpoints", RESUME_AT))
+    source = ckptdir.step_dir(run_dir / "checkpoints", RESUME_AT)
+    shutil.copytree(source, ckptdir.step_dir(run / "checkpoints", RESUME_AT))
     outputs = finish(start(run, case.world))
     assert f"resuming from step {RESUME_AT}" in outputs[0], outputs[0]
     first, again = metrics(run_dir), metrics(run)
@@ -220,7 +220,7 @@ def check_tied_export(run_dir: Path, out: Path) -> None:
     a copy: safetensors refuses shared storage) that loads strictly into one process's GPT, tied again."""
     from safetensors.torch import load_file
 
-    assert export.main([str(ckpt.latest(run_dir / "checkpoints")), str(out)]) == 0
+    assert export.main([str(ckptdir.latest(run_dir / "checkpoints")), str(out)]) == 0
     loaded = load_file(str(out))
     assert torch.equal(loaded["output.weight"], loaded["tok_embeddings.weight"])
     model = GPT(MODELS["gqa-tied"])

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.checkpoint import commit as ckpt
+from launcher.contract import ckptdir
 from launcher.contract.rundir import ATTEMPTS_FILE, RunDir
 from launcher.contract.spec import Checkpoint
 from tests.integration.ranks import REPO, TIMEOUT_S, finish, make_run, metrics, start, tiny_train
@@ -37,7 +37,7 @@ def _with_checkpoint_dir(run_dir: Path, checkpoint_dir: Path) -> None:
 def _export(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run(
-        [sys.executable, "-m", "launcher.export.consolidate", *args],
+        [sys.executable, "-m", "launcher.export", *args],
         cwd=cwd,
         env=env,
         text=True,
@@ -77,17 +77,17 @@ def test_validation_checkpoint_events_privacy_and_export(tmp_path: Path, corpus:
     for folder in (ckroot.parent, ckroot, *[p for p in ckroot.rglob("*") if p.is_dir()]):
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
     files = [p for p in ckroot.rglob("*") if p.is_file()]
-    assert ckpt.MARKER in {p.name for p in files}
+    assert ckptdir.MARKER in {p.name for p in files}
     assert {str(p): stat.S_IMODE(p.stat().st_mode) for p in files} == {str(p): 0o600 for p in files}
     assert all(SECRET.encode() not in p.read_bytes() for p in files)
-    assert "env" not in ckpt.read_marker(ckpt.latest(ckroot))["job"]
+    assert "env" not in ckptdir.read_marker(ckptdir.latest(ckroot))["job"]
     assert stat.S_IMODE((run_dir / RunDir.METRICS).stat().st_mode) == 0o600
 
     # Item 14/20: export names a missing step, refuses a directory or a missing folder in one line,
     # and writes atomically beside OUT; the checkpoint root exports its newest complete step.
     work = tmp_path / "cwd"
     work.mkdir()
-    missing = _export(str(ckpt.step_dir(ckroot, 7)), str(work / "m.safetensors"), cwd=work)
+    missing = _export(str(ckptdir.step_dir(ckroot, 7)), str(work / "m.safetensors"), cwd=work)
     assert missing.returncode == 2
     assert missing.stderr.strip() == f"meshrun export: no checkpoint step 7 under {ckroot}; complete steps: 9, 10"
     for out, expect in (

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import yaml
 
-from launcher.checkpoint import commit as ckpt
+from launcher.contract import ckptdir
 from launcher.export.consolidate import consolidated_state
 from submit.schedulers import slurm_cli as slurm
 from tests.integration.cli import meshrun, submitted, wait_for_state, wait_for_step
@@ -37,7 +37,7 @@ def _training(corpus: Path, *extra: str) -> list[str]:
 
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
     root = Path(json.loads((run_dir / "spec.json").read_text())["run"]["checkpoint_dir"])
-    latest = ckpt.latest(root)
+    latest = ckptdir.latest(root)
     assert latest is not None, f"no complete checkpoint in {root}"
     tensors, meta = consolidated_state(latest)
     assert meta["step"] == str(STEPS)

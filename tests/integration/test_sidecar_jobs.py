@@ -11,8 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from launcher.checkpoint import commit as ckpt
-from launcher.contract import lost
+from launcher.contract import ckptdir, lost
 from launcher.contract.rundir import RunDir, node_name
 from tests.integration.cli import TINY, TWO_NODES, meshrun, metrics, status, submitted, wait_for_state
 
@@ -124,7 +123,7 @@ def newest_step(run_dir: Path) -> int:
 
 
 def complete(run_dir: Path) -> list[int]:
-    return ckpt.complete_steps(Path(lost.checkpoint_dir_of(str(run_dir))))
+    return ckptdir.complete_steps(Path(lost.checkpoint_dir_of(str(run_dir))))
 
 
 def test_a_killed_local_sidecar_is_started_again_and_no_checkpoint_is_lost(tmp_path: Path, corpus: Path) -> None:

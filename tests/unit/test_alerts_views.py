@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from submit.cli.main import progress_line
 from submit.jobs.status import Status
+from submit.views.tables import progress_line
 
 
 def _status(**kw: Any) -> Status:
@@ -84,7 +84,7 @@ def test_an_earlier_jobs_alerts_in_the_same_run_dir_are_not_this_jobs() -> None:
 
 
 def test_the_list_gets_an_alerts_column_only_when_a_job_has_alerts() -> None:
-    from submit.cli.jobs import detail_lines, status_table
+    from submit.views.tables import detail_lines, status_table
 
     quiet = _status(progress={"step": 3, "loss": 2.5})
     assert "ALERTS" not in status_table([quiet])
@@ -107,7 +107,7 @@ def test_json_carries_the_alert_records() -> None:
 
 def test_wait_prints_each_new_alert_once(monkeypatch: pytest.MonkeyPatch) -> None:
     from submit import api
-    from submit.cli import main as cli
+    from submit.cli import common as cli
     from submit.jobs.registry import JobRecord
 
     first, second = _alert("loss_spike", 2), _alert("nonfinite_loss", 3)

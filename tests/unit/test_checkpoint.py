@@ -13,15 +13,16 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from launcher.checkpoint import commit as ckpt
+from launcher.contract import ckptdir
 from launcher.preempt import StopFlag
 from launcher.train.divergence import Sentinel
 from launcher.train.divergence import agree as agree_and_check
 
 
 def _fake_complete(root: Path, step: int) -> Path:
-    path = ckpt.step_dir(root, step)
+    path = ckptdir.step_dir(root, step)
     path.mkdir(parents=True)
-    (path / ckpt.MARKER).write_text(f'{{"step": {step}}}')
+    (path / ckptdir.MARKER).write_text(f'{{"step": {step}}}')
     return path
 
 
@@ -36,29 +37,29 @@ def _fake_complete(root: Path, step: int) -> Path:
     ],
 )
 def test_retention_never_deletes_the_newest(steps, keep, every, victims) -> None:
-    assert ckpt.retention_victims(steps, keep, every) == victims
+    assert ckptdir.retention_victims(steps, keep, every) == victims
 
 
 def test_unmarked_saves_are_ignored_and_asking_for_one_is_an_error(tmp_path: Path) -> None:
     _fake_complete(tmp_path, 10)
     (tmp_path / "step-00000020.tmp").mkdir()  # interrupted save
-    ckpt.step_dir(tmp_path, 30).mkdir()  # renamed but unmarked (impossible, still ignored)
-    assert ckpt.complete_steps(tmp_path) == [10]
-    assert ckpt.latest(tmp_path) == ckpt.step_dir(tmp_path, 10)
-    assert ckpt.resolve(tmp_path, 10) == ckpt.step_dir(tmp_path, 10)
-    with pytest.raises(ckpt.CheckpointError, match="step 20 .* incomplete"):
-        ckpt.resolve(tmp_path, 20)
-    with pytest.raises(ckpt.CheckpointError, match="step 99 .* does not exist"):
-        ckpt.resolve(tmp_path, 99)
-    assert [p.name for p in ckpt.remove_stale(tmp_path)] == ["step-00000020.tmp"]
+    ckptdir.step_dir(tmp_path, 30).mkdir()  # renamed but unmarked (impossible, still ignored)
+    assert ckptdir.complete_steps(tmp_path) == [10]
+    assert ckptdir.latest(tmp_path) == ckptdir.step_dir(tmp_path, 10)
+    assert ckptdir.resolve(tmp_path, 10) == ckptdir.step_dir(tmp_path, 10)
+    with pytest.raises(ckptdir.CheckpointError, match="step 20 .* incomplete"):
+        ckptdir.resolve(tmp_path, 20)
+    with pytest.raises(ckptdir.CheckpointError, match="step 99 .* does not exist"):
+        ckptdir.resolve(tmp_path, 99)
+    assert [p.name for p in ckptdir.remove_stale(tmp_path)] == ["step-00000020.tmp"]
 
 
 def test_commit_keeps_an_existing_complete_twin(tmp_path: Path) -> None:
     final = _fake_complete(tmp_path, 10)
     tmp = tmp_path / "step-00000010.tmp"
     tmp.mkdir()
-    ckpt.commit(tmp, final, {"step": 10})
-    assert not tmp.exists() and ckpt.read_marker(final) == {"step": 10}
+    ckptdir.commit(tmp, final, {"step": 10})
+    assert not tmp.exists() and ckptdir.read_marker(final) == {"step": 10}
 
 
 def _model() -> nn.Module:
@@ -92,17 +93,17 @@ def test_dcp_round_trip_commits_and_retains(tmp_path: Path, group, async_save: b
         # Async: training goes on while the save is in flight, and it is not complete until
         # committed (by the next poll/save/wait). Sync: complete on return.
         assert saver.in_flight is async_save
-        assert (step in ckpt.complete_steps(root)) is not async_save
+        assert (step in ckptdir.complete_steps(root)) is not async_save
     saver.wait()
-    assert ckpt.complete_steps(root) == [2, 3] and not list(root.glob("*.tmp"))
-    assert ckpt.read_marker(ckpt.latest(root))["layout"] == "1x1x1"
+    assert ckptdir.complete_steps(root) == [2, 3] and not list(root.glob("*.tmp"))
+    assert ckptdir.read_marker(ckptdir.latest(root))["layout"] == "1x1x1"
     expected = {k: v.clone() for k, v in model.state_dict().items()}
 
     fresh = _model()
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
     msd, osd = get_state_dict(fresh, fresh_opt)
     state = {"model": msd, "optim": osd, "step": 0}
-    marker = saver.dcp_load(state, ckpt.latest(root))
+    marker = saver.dcp_load(state, ckptdir.latest(root))
     set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     assert marker["step"] == 3 and state["step"] == 3
     for key, value in fresh.state_dict().items():
@@ -116,7 +117,7 @@ def test_dcp_round_trip_commits_and_retains(tmp_path: Path, group, async_save: b
 
 def test_loading_an_unmarked_directory_is_refused(tmp_path: Path, group) -> None:
     (tmp_path / "step-00000005").mkdir()
-    with pytest.raises(ckpt.CheckpointError, match="no completeness marker"):
+    with pytest.raises(ckptdir.CheckpointError, match="no completeness marker"):
         ckpt.Checkpointer(tmp_path, keep=1).dcp_load({}, tmp_path / "step-00000005")
 
 

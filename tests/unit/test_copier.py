@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from launcher.checkpoint import commit as ckpt
+from launcher.contract import ckptdir
 from launcher.sidecar import copier
 
 ATTEMPT = "1234.0"
@@ -30,8 +31,8 @@ def stage(staging: Path, step: int, node_rank: int, files: dict[str, bytes], att
     staging.mkdir(parents=True, exist_ok=True)
     info = {"step": step, "layout": {"dp": 2}}
     marker = {"step": step, "attempt": attempt, "node": f"n{node_rank}", "node_rank": node_rank, "nodes": 2}
-    ckpt.stage(tmp, ckpt.step_dir(staging, step), {**marker, "info": info})
-    return ckpt.step_dir(staging, step)
+    ckptdir.stage(tmp, ckptdir.step_dir(staging, step), {**marker, "info": info})
+    return ckptdir.step_dir(staging, step)
 
 
 def two_nodes(tmp_path: Path, step: int, attempt: str = ATTEMPT) -> tuple[Path, Path, Path]:
@@ -47,7 +48,7 @@ def sha(path: Path) -> str:
 
 def test_copy_part_copies_verifies_privately_and_writes_the_done_file(tmp_path: Path) -> None:
     a, _b, shared = two_nodes(tmp_path, 10)
-    staged = ckpt.step_dir(a, 10)
+    staged = ckptdir.step_dir(a, 10)
     assert copier.copy_part(staged, shared, "n0", 0)
     tmp = copier.shared_tmp(shared, 10)
     assert sorted(p.name for p in tmp.iterdir()) == [".meshrun-nodes", ".metadata", "__0_0.distcp"]
@@ -60,33 +61,33 @@ def test_copy_part_copies_verifies_privately_and_writes_the_done_file(tmp_path: 
         assert (tmp / rel).stat().st_mode & 0o777 == 0o600
     assert tmp.stat().st_mode & 0o777 == 0o700
     assert (staged / copier.COPIED).is_file() and copier.to_copy(a, ATTEMPT) == []
-    assert ckpt.complete_steps(shared) == []  # one node's part is no checkpoint
+    assert ckptdir.complete_steps(shared) == []  # one node's part is no checkpoint
 
 
 def test_commit_waits_for_every_node_and_checks_sizes(tmp_path: Path) -> None:
     a, b, shared = two_nodes(tmp_path, 10)
-    copier.copy_part(ckpt.step_dir(a, 10), shared, "n0", 0)
+    copier.copy_part(ckptdir.step_dir(a, 10), shared, "n0", 0)
     assert copier.commit_ready(shared, 2, ATTEMPT, keep=3, keep_every=0) == []
-    copier.copy_part(ckpt.step_dir(b, 10), shared, "n1", 1)
+    copier.copy_part(ckptdir.step_dir(b, 10), shared, "n1", 1)
     (copier.shared_tmp(shared, 10) / "sub/x.bin").write_bytes(b"x" * 6)  # a file cut short after its check
     assert copier.commit_ready(shared, 2, ATTEMPT, keep=3, keep_every=0) == []
     (copier.shared_tmp(shared, 10) / "sub/x.bin").write_bytes(b"x" * 7)
     assert copier.commit_ready(shared, 2, "other.0", keep=3, keep_every=0) == []  # not this attempt's parts
     assert copier.commit_ready(shared, 2, ATTEMPT, keep=3, keep_every=0) == [10]
-    marker = ckpt.read_marker(ckpt.step_dir(shared, 10))
+    marker = ckptdir.read_marker(ckptdir.step_dir(shared, 10))
     assert marker["step"] == 10 and marker["layout"] == {"dp": 2} and "copied_at" in marker
-    final = ckpt.step_dir(shared, 10)
+    final = ckptdir.step_dir(shared, 10)
     for staging in (a, b):
-        for rel in copier.part_files(ckpt.step_dir(staging, 10)):
-            assert sha(final / rel) == sha(ckpt.step_dir(staging, 10) / rel)
-    assert not (final / ckpt.STAGED).exists()
+        for rel in copier.part_files(ckptdir.step_dir(staging, 10)):
+            assert sha(final / rel) == sha(ckptdir.step_dir(staging, 10) / rel)
+    assert not (final / ckptdir.STAGED).exists()
     # A node that copies again as the step commits (it saw neither the marker nor its done file)
     # leaves a twin folder: the next commit round removes it, and keeps the checkpoint.
-    copier.copy_part(ckpt.step_dir(b, 10), shared, "n1", 1)
+    copier.copy_part(ckptdir.step_dir(b, 10), shared, "n1", 1)
     assert not copier.shared_tmp(shared, 10).is_dir()  # complete on shared: nothing to copy
     copier.shared_tmp(shared, 10).mkdir()
     assert copier.commit_ready(shared, 2, ATTEMPT, keep=3, keep_every=0) == []
-    assert not copier.shared_tmp(shared, 10).exists() and ckpt.complete_steps(shared) == [10]
+    assert not copier.shared_tmp(shared, 10).exists() and ckptdir.complete_steps(shared) == [10]
 
 
 def test_commit_applies_retention_on_shared_storage(tmp_path: Path) -> None:
@@ -95,15 +96,15 @@ def test_commit_applies_retention_on_shared_storage(tmp_path: Path) -> None:
         a, b = tmp_path / "a", tmp_path / "b"
         stage(a, step, 0, {".metadata": b"m"})
         stage(b, step, 1, {"__1_0.distcp": b"d"})
-        copier.copy_part(ckpt.step_dir(a, step), shared, "n0", 0)
-        copier.copy_part(ckpt.step_dir(b, step), shared, "n1", 1)
+        copier.copy_part(ckptdir.step_dir(a, step), shared, "n0", 0)
+        copier.copy_part(ckptdir.step_dir(b, step), shared, "n1", 1)
         copier.commit_ready(shared, 2, ATTEMPT, keep=2, keep_every=0)
-    assert ckpt.complete_steps(shared) == [20, 30]
+    assert ckptdir.complete_steps(shared) == [20, 30]
 
 
 def test_a_rerun_redoes_damaged_files_keeps_verified_ones_and_ends_the_same(tmp_path: Path) -> None:
     _a, b, shared = two_nodes(tmp_path, 10)
-    staged = ckpt.step_dir(b, 10)
+    staged = ckptdir.step_dir(b, 10)
     copier.copy_part(staged, shared, "n1", 1)
     first = json.loads(copier.done_file(shared, 10, 1).read_text())
     tmp = copier.shared_tmp(shared, 10)
@@ -133,9 +134,9 @@ def test_prune_after_commit_and_other_attempts_are_removed_and_reported(tmp_path
         "step 5 exists only on node-local scratch and is lost; resume starts from step 0 (no complete checkpoint)"
         " (staged by attempt 999.0, this is 1234.0)"
     ]
-    copier.copy_part(ckpt.step_dir(a, 10), shared, "n0", 0)
+    copier.copy_part(ckptdir.step_dir(a, 10), shared, "n0", 0)
     assert copier.prune(a, shared, ATTEMPT, lines.append) == []  # copied, not yet complete: kept
-    copier.copy_part(ckpt.step_dir(b, 10), shared, "n1", 1)
+    copier.copy_part(ckptdir.step_dir(b, 10), shared, "n1", 1)
     copier.commit_ready(shared, 2, ATTEMPT, keep=3, keep_every=0)
     assert copier.prune(a, shared, ATTEMPT, lines.append) == [10]
     assert copier.prune(b, shared, ATTEMPT, lines.append) == [10]
@@ -161,7 +162,7 @@ def test_copiers_copy_in_child_processes_commit_and_prune(tmp_path: Path) -> Non
     def done() -> bool:
         for node in nodes:
             node.tick()
-        return ckpt.complete_steps(shared) == [10] and not ckpt.staged_steps(a) and not ckpt.staged_steps(b)
+        return ckptdir.complete_steps(shared) == [10] and not ckptdir.staged_steps(a) and not ckptdir.staged_steps(b)
 
     wait_for(done)
     assert any("step-00000010: this node's part copied to shared storage" in line for line in logs)
@@ -180,7 +181,7 @@ def test_a_failed_copy_child_is_logged_and_retried_with_backoff(tmp_path: Path) 
     assert "copying step 10 failed (copier: " in logs[-1] and logs[-1].endswith("retrying in 1 s")
     shared.unlink()
     # The retry succeeds: the child marks the step copied, and the tick that sees it exit resets the count.
-    wait_for(lambda: (node.tick(), node.failures == 0 and (ckpt.step_dir(a, 10) / copier.COPIED).is_file())[1])
+    wait_for(lambda: (node.tick(), node.failures == 0 and (ckptdir.step_dir(a, 10) / copier.COPIED).is_file())[1])
 
 
 def test_drain_copies_what_is_left_and_reports_what_it_could_not(tmp_path: Path) -> None:
@@ -193,7 +194,7 @@ def test_drain_copies_what_is_left_and_reports_what_it_could_not(tmp_path: Path)
     stage(a, 30, 0, {".metadata": b"m30"})  # node 1 never staged step 30 (say, it died)
     zero = copier.Copier(str(a), str(shared), "n0", 0, 2, ATTEMPT, 3, 0, logs.append)
     assert zero.drain(time.monotonic() + 2) == [30]
-    assert ckpt.complete_steps(shared) == [10, 20]
+    assert ckptdir.complete_steps(shared) == [10, 20]
     assert logs[-1] == "step 30 exists only on node-local scratch and is lost; resume uses step 20"
 
 
@@ -240,17 +241,17 @@ def test_a_two_rank_save_staged_on_two_nodes_ends_complete_on_shared_and_loads(t
     ]
     assert [p.wait(timeout=120) for p in ranks] == [0, 0]
     for rank in (0, 1):
-        marker = ckpt.read_marker(ckpt.step_dir(scratch / f"node{rank}", 4), ckpt.STAGED)
+        marker = ckptdir.read_marker(ckptdir.step_dir(scratch / f"node{rank}", 4), ckptdir.STAGED)
         assert (marker["attempt"], marker["node_rank"], marker["nodes"]) == ("77.0", rank, 2)
         assert marker["info"]["w"] == 2 and marker["info"]["step"] == 4
-    assert (ckpt.step_dir(scratch / "node0", 4) / ".metadata").is_file()
-    assert not (ckpt.step_dir(scratch / "node1", 4) / ".metadata").exists()
+    assert (ckptdir.step_dir(scratch / "node0", 4) / ".metadata").is_file()
+    assert not (ckptdir.step_dir(scratch / "node1", 4) / ".metadata").exists()
     nodes = [copier.Copier(str(scratch / f"node{r}"), str(shared), f"n{r}", r, 2, "77.0", 1, 0, print) for r in (0, 1)]
     assert nodes[1].drain(time.monotonic() + 60) == []  # node 1 first: node 0's commit must see both parts
     assert nodes[0].drain(time.monotonic() + 60) == []
-    assert ckpt.complete_steps(shared) == [4]  # retention (keep 1) on shared storage
+    assert ckptdir.complete_steps(shared) == [4]  # retention (keep 1) on shared storage
     nodes[1].tick()  # node 1 prunes once the step is complete on shared storage
-    assert not ckpt.staged_steps(scratch / "node0") and not ckpt.staged_steps(scratch / "node1")
+    assert not ckptdir.staged_steps(scratch / "node0") and not ckptdir.staged_steps(scratch / "node1")
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -258,7 +259,7 @@ def test_a_two_rank_save_staged_on_two_nodes_ends_complete_on_shared_and_loads(t
         expected = torch.nn.Linear(32, 16).state_dict()
         state = {"model": {k: torch.zeros_like(v) for k, v in expected.items()}}
         state |= {"rank0": torch.zeros(4), "rank1": torch.zeros(4)}
-        marker = ckpt.Checkpointer(shared, keep=1).dcp_load(state, ckpt.step_dir(shared, 4))
+        marker = ckpt.Checkpointer(shared, keep=1).dcp_load(state, ckptdir.step_dir(shared, 4))
     finally:
         dist.destroy_process_group()
     assert marker["step"] == 4 and marker["w"] == 2
@@ -282,6 +283,6 @@ def test_a_staged_save_on_one_process_goes_to_scratch_only(tmp_path: Path) -> No
         saver.close()
     finally:
         dist.destroy_process_group()
-    assert ckpt.staged_steps(scratch) == [2, 3] and ckpt.complete_steps(shared) == []
-    assert ckpt.read_marker(ckpt.step_dir(scratch, 3), ckpt.STAGED)["node_rank"] == 0
-    assert (scratch.stat().st_mode & 0o777, ckpt.step_dir(scratch, 3).stat().st_mode & 0o777) == (0o700, 0o700)
+    assert ckptdir.staged_steps(scratch) == [2, 3] and ckptdir.complete_steps(shared) == []
+    assert ckptdir.read_marker(ckptdir.step_dir(scratch, 3), ckptdir.STAGED)["node_rank"] == 0
+    assert (scratch.stat().st_mode & 0o777, ckptdir.step_dir(scratch, 3).stat().st_mode & 0o777) == (0o700, 0o700)

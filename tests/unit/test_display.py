@@ -5,10 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from launcher.contract.spec import JobSpec
-from submit.cli.jobs import status_table
-from submit.cli.main import progress_line
 from submit.config.cluster import load_profile
 from submit.planning.plan import run_dir_for
+from submit.views.tables import progress_line, status_table
 from submit.views.textwidth import display_width
 from tests.unit.test_local_and_wait import _status
 

@@ -14,12 +14,12 @@ from launcher.contract import dsconfig, dskeys
 from launcher.contract.rundir import RunDir
 from launcher.contract.schema import SchemaError, load
 from launcher.contract.spec import JobSpec
-from submit.cli.jobs import detail_lines
 from submit.config.cluster import load_profile
 from submit.jobs import findings
 from submit.planning.plan import describe, plan_file
 from submit.planning.sweep import plan_sweep
 from submit.schedulers.base import run_dir_files
+from submit.views.tables import detail_lines
 from tests.unit.test_cli_light import _run
 from tests.unit.test_local_and_wait import _status
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.checkpoint import commit as ckpt
+from launcher.contract import ckptdir
 from launcher.contract.exitcodes import EXIT_DIVERGED, EXIT_GAVE_UP, EXIT_INPUT, EXIT_NO_PROGRESS, EXIT_REQUEUE
 from launcher.contract.rundir import RunDir
 from launcher.report import ProgressMark, reported_step
@@ -87,8 +87,8 @@ def test_latest_checkpoint_is_the_newest_complete_one(tmp_path: Path, monkeypatc
     first = job.new_checkpoint(10)
     (first / "state.pt").write_text("ten")
     done = job.mark_complete(first, note="x")
-    assert done == ckpt.step_dir(root, 10) and not first.exists()
-    assert ckpt.read_marker(done)["step"] == 10 and ckpt.read_marker(done)["note"] == "x"
+    assert done == ckptdir.step_dir(root, 10) and not first.exists()
+    assert ckptdir.read_marker(done)["step"] == 10 and ckptdir.read_marker(done)["note"] == "x"
     assert stat.S_IMODE((done / "state.pt").stat().st_mode) == 0o600
     # An interrupted save (never marked) and a folder written under its final name but not marked: ignored.
     (job.new_checkpoint(20) / "state.pt").write_text("half")
@@ -96,7 +96,7 @@ def test_latest_checkpoint_is_the_newest_complete_one(tmp_path: Path, monkeypatc
     (root / "step-30" / "state.pt").write_text("thirty")
     assert job.latest_checkpoint() == done
     # A user's own `step-30` folder becomes a checkpoint once marked (under the canonical name).
-    assert job.mark_complete(root / "step-30") == ckpt.step_dir(root, 30) == job.latest_checkpoint()
+    assert job.mark_complete(root / "step-30") == ckptdir.step_dir(root, 30) == job.latest_checkpoint()
     assert (job.latest_checkpoint() / "state.pt").read_text() == "thirty"
     with pytest.raises(ValueError, match="name it step-N"):
         job.mark_complete(root / "final")

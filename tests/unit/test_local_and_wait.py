@@ -11,10 +11,11 @@ import pytest
 
 from launcher.contract.rundir import local_state_path, merge_state
 from submit.api import Status
-from submit.cli.main import _poll_interval, progress_line
+from submit.cli.common import poll_interval
 from submit.errors import ClusterError
 from submit.jobs.registry import JobRecord, Registry
 from submit.schedulers import local
+from submit.views.tables import progress_line
 
 
 def _status(**kw) -> Status:
@@ -43,8 +44,8 @@ def test_progress_line_shows_state_step_loss_and_time_left() -> None:
 
 
 def test_polling_backs_off_on_slurm() -> None:
-    assert [_poll_interval(t, "slurm") for t in (0, 29, 31, 299, 301)] == [2.0, 2.0, 5.0, 5.0, 10.0]
-    assert _poll_interval(1000, "local") == 0.5
+    assert [poll_interval(t, "slurm") for t in (0, 29, 31, 299, 301)] == [2.0, 2.0, 5.0, 5.0, 10.0]
+    assert poll_interval(1000, "local") == 0.5
 
 
 def test_a_dead_supervisor_reads_as_failed(tmp_path: Path) -> None:
@@ -97,7 +98,7 @@ def test_registry_finds_by_id_and_refuses_ambiguity(tmp_path: Path) -> None:
 
 def test_wait_prints_plain_lines_only_on_change(monkeypatch) -> None:
     from submit import api
-    from submit.cli import main as cli
+    from submit.cli import common as cli
 
     seq = iter(
         [

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from launcher.checkpoint import commit as ckpt
+from launcher.contract import ckptdir
 from launcher.contract.schema import SchemaError
 from launcher.contract.spec import Alerts
 from launcher.testing.faults import faults_for
@@ -114,42 +114,42 @@ def test_the_sentinel_keeps_the_first_non_finite_step() -> None:
 
 def _checkpoint(root: Path, step: int, val_loss: Any = None) -> None:
     info: dict[str, Any] = {"step": step} if val_loss is None else {"step": step, "val_loss": val_loss}
-    path = ckpt.step_dir(root, step)
+    path = ckptdir.step_dir(root, step)
     path.mkdir(parents=True)
-    (path / ckpt.MARKER).write_text(json.dumps(info, sort_keys=True))
+    (path / ckptdir.MARKER).write_text(json.dumps(info, sort_keys=True))
 
 
 def test_retention_never_deletes_the_lowest_recorded_val_loss(tmp_path: Path) -> None:
     for step, val in [(10, 3.0), (20, 2.0), (30, 2.5), (40, None), (50, 2.2)]:
         _checkpoint(tmp_path, step, val)
-    assert ckpt.best(tmp_path) == (20, 2.0)
-    assert ckpt.apply_retention(tmp_path, keep=1) == [10, 30, 40]
-    assert ckpt.complete_steps(tmp_path) == [20, 50]
+    assert ckptdir.best(tmp_path) == (20, 2.0)
+    assert ckptdir.apply_retention(tmp_path, keep=1) == [10, 30, 40]
+    assert ckptdir.complete_steps(tmp_path) == [20, 50]
     _checkpoint(tmp_path, 60, 1.5)  # a new best: the old one may go now
-    assert ckpt.apply_retention(tmp_path, keep=1) == [20, 50]
-    assert ckpt.complete_steps(tmp_path) == [60]
+    assert ckptdir.apply_retention(tmp_path, keep=1) == [20, 50]
+    assert ckptdir.complete_steps(tmp_path) == [60]
 
 
 def test_retention_without_recorded_val_losses_is_unchanged(tmp_path: Path) -> None:
     for step in (1, 2, 3):
         _checkpoint(tmp_path, step)
-    (ckpt.step_dir(tmp_path, 1) / ckpt.MARKER).write_text("{not json")
-    assert ckpt.best(tmp_path) is None
-    assert ckpt.retention_victims([1, 2, 3], keep=1, best=None) == [1, 2]
-    assert ckpt.retention_victims([1, 2, 3], keep=1, best=2) == [1]
-    assert ckpt.lowest_val_loss({1: 2.0, 3: 2.0, 2: 2.5}) == (3, 2.0)  # a tie: the newer
+    (ckptdir.step_dir(tmp_path, 1) / ckptdir.MARKER).write_text("{not json")
+    assert ckptdir.best(tmp_path) is None
+    assert ckptdir.retention_victims([1, 2, 3], keep=1, best=None) == [1, 2]
+    assert ckptdir.retention_victims([1, 2, 3], keep=1, best=2) == [1]
+    assert ckptdir.lowest_val_loss({1: 2.0, 3: 2.0, 2: 2.5}) == (3, 2.0)  # a tie: the newer
 
 
 def test_best_checkpoint_over_the_transport_matches_the_launcher(tmp_path: Path) -> None:
     from submit.jobs import checkpoints
     from submit.transport.base import LocalTransport
 
-    assert checkpoints.MARKER == ckpt.MARKER
+    assert checkpoints.MARKER == ckptdir.MARKER
     transport = LocalTransport()
     assert checkpoints.best_checkpoint(transport, str(tmp_path / "none")) is None
     for step, val in [(5, 4.25), (10, 3.5e-1), (15, None), (20, 1e-3)]:
         _checkpoint(tmp_path, step, val)
-    tmp = ckpt.step_dir(tmp_path, 25).with_suffix(".tmp")  # an unmarked save is no candidate
+    tmp = ckptdir.step_dir(tmp_path, 25).with_suffix(".tmp")  # an unmarked save is no candidate
     tmp.mkdir()
     (tmp / "meshrun-staged.json").write_text('{"val_loss": 0.0001}')
-    assert checkpoints.best_checkpoint(transport, str(tmp_path)) == (20, 1e-3) == ckpt.best(tmp_path)
+    assert checkpoints.best_checkpoint(transport, str(tmp_path)) == (20, 1e-3) == ckptdir.best(tmp_path)

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from submit import api
-from submit.cli import main as cli
+from submit.cli.common import profile_path_of
 from submit.config.cluster import SHIPPED_DIR, load_profile
 from submit.errors import HostKeyChanged, InputError
 from submit.jobs.checkpoints import check_output, with_overrides
@@ -38,7 +38,7 @@ def test_readmes_copy_step_names_the_profile_after_its_file(user_home: Path) -> 
     clusters.mkdir(parents=True)
     shutil.copy(SHIPPED_DIR / "h100-ndr.yaml", clusters / "mycluster.yaml")
     assert load_profile("mycluster").name == "mycluster"
-    assert cli._profile_path("mycluster") == str((clusters / "mycluster.yaml").resolve())
+    assert profile_path_of("mycluster") == str((clusters / "mycluster.yaml").resolve())
     (clusters / "other.yaml").write_text((SHIPPED_DIR / "h100-ndr.yaml").read_text() + "name: h100-ndr\n")
     with pytest.raises(InputError, match="a profile's name is its file name"):
         load_profile("other")

@@ -18,6 +18,7 @@ from launcher import rankfail
 from launcher.checkpoint import commit as ckpt
 from launcher.checkpoint import resume
 from launcher.checkpoint.manager import marker_job
+from launcher.contract import ckptdir
 from launcher.contract.rundir import RunDir
 from launcher.contract.schema import SchemaError
 from launcher.contract.spec import JobSpec, Model, RunInfo, RunSpec, SpecFileError, Train, dumps_run_spec, read_run_spec
@@ -68,7 +69,7 @@ def test_checkpoints_under_a_checkpoint_root_are_private(tmp_path: Path, group: 
     resume.write_attempts(root, {"scratch": 1})
     resume.quarantine(root, 2, "test")
     assert _mode(shared) == 0o755  # a folder that already existed is not ours to change
-    for folder in (shared / "ckpt-root", root, ckpt.step_dir(root, 2)):
+    for folder in (shared / "ckpt-root", root, ckptdir.step_dir(root, 2)):
         assert _mode(folder) == 0o700, folder
     files = [p for p in root.rglob("*") if p.is_file()]
     names = {p.name for p in files}
@@ -97,7 +98,7 @@ def test_every_commit_calls_on_commit_whichever_call_commits_it(tmp_path: Path, 
     saver.save(1, ckpt.dcp_writer(saver, {"model": _state()}), {})
     saver.save(2, ckpt.dcp_writer(saver, {"model": _state()}), {})  # async: step 1 commits inside this save's wait
     saver.close()  # and step 2 here
-    assert seen == [1, 2] == ckpt.complete_steps(tmp_path)
+    assert seen == [1, 2] == ckptdir.complete_steps(tmp_path)
 
 
 # ------------------------------------------------------------------ item 11: validation cadence

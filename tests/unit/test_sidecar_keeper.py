@@ -17,8 +17,7 @@ from typing import Any
 import pytest
 
 from launcher import requeue
-from launcher.checkpoint import commit as ckpt
-from launcher.contract import lost
+from launcher.contract import ckptdir, lost
 from launcher.contract.alerts import read as read_alerts
 from launcher.contract.rundir import RunDir
 from launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, write_run_spec
@@ -167,9 +166,9 @@ def _run_dir(tmp_path: Path, saved: list[int], complete: list[int]) -> RunDir:
     events = [{"event": "checkpoint", "checkpoint_step": s, "staged": True} for s in saved]
     Path(run_dir.metrics).write_text(_events(*events))
     for step in complete:
-        folder = ckpt.step_dir(Path(run_dir.default_checkpoints), step)
+        folder = ckptdir.step_dir(Path(run_dir.default_checkpoints), step)
         folder.mkdir(parents=True)
-        (folder / ckpt.MARKER).write_text(json.dumps({"step": step}))
+        (folder / ckptdir.MARKER).write_text(json.dumps({"step": step}))
     return run_dir
 
 

@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from launcher.contract.envcheck import newest_run
-from submit.cli.jobs import detail_lines, finding_note, status_table
 from submit.jobs import findings
 from submit.jobs.registry import JobRecord
 from submit.schedulers.local import BACKEND as LOCAL
 from submit.schedulers.slurm import BACKEND as SLURM
 from submit.transport.base import LocalTransport, Result
 from submit.views.logs import fetch_diagnosis, format_diagnosis, heartbeat_lines
+from submit.views.tables import detail_lines, finding_note, status_table
 from tests.unit.test_local_and_wait import _status
 
 NOW = time.time()

@@ -19,13 +19,9 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 import torch
 
 from launcher.checkpoint.commit import Writer
-from launcher.contract.parallel_dims import ParallelDims
-from launcher.contract.spec import JobSpec
-from launcher.data.dataset import Layout, MicroBatches
-from launcher.env import RankEnv
+from launcher.data.dataset import MicroBatches
 from launcher.train.model import GPT
 from launcher.train.pipeline import StepLoss
-from launcher.train.runtime import Runtime
 
 if TYPE_CHECKING:
     from launcher.checkpoint.commit import Checkpointer
@@ -69,16 +65,3 @@ class Engine(Protocol):
 
     def load_checkpoint(self, saver: Checkpointer, trainer_state: dict[str, Any], path: Path) -> None:
         """Restore its own parts from complete checkpoint `path`, and `trainer_state`'s values in place."""
-
-
-def build_engine(job: JobSpec, env: RankEnv, runtime: Runtime, dims: ParallelDims, layout: Layout) -> Engine:
-    """The engine the spec asks for (needs the process group)."""
-    if job.trainer.engine == "deepspeed":
-        from launcher.train.engines.deepspeed import (
-            DeepSpeedEngine,  # deepspeed is an optional extra: imported only here
-        )
-
-        return DeepSpeedEngine.build(job, env, runtime, dims, layout)
-    from launcher.train.engines.native import NativeEngine
-
-    return NativeEngine.build(job, env, runtime, dims, layout)

@@ -26,9 +26,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from launcher.checkpoint import commit as ckpt
 from launcher.checkpoint.commit import Checkpointer, Writer
-from launcher.contract import dsconfig
+from launcher.contract import ckptdir, dsconfig
 from launcher.contract.parallel_dims import ParallelDims
 from launcher.contract.spec import JobSpec, Train
 from launcher.data.dataset import Layout, MicroBatches
@@ -165,25 +164,25 @@ class DeepSpeedEngine:
         return write
 
     def load_checkpoint(self, saver: Checkpointer, trainer_state: dict[str, Any], path: Path) -> None:
-        ckpt.check_complete(path)
-        marker = ckpt.read_marker(path)
+        ckptdir.check_complete(path)
+        marker = ckptdir.read_marker(path)
         self._check_loadable(path, marker)
         loaded, _ = self.ds.load_checkpoint(
             str(path), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False
         )
         if loaded is None:
-            raise ckpt.CheckpointError(f"{path}: DeepSpeed found no checkpoint in {path / TAG}")
+            raise ckptdir.CheckpointError(f"{path}: DeepSpeed found no checkpoint in {path / TAG}")
         saver.dcp_load(trainer_state, path)
 
     def _check_loadable(self, path: Path, marker: dict[str, Any]) -> None:
         engine, saved_world = marker.get("engine", "native"), marker.get("world_size")
         if engine != self.name or not (path / TAG).is_dir():
-            raise ckpt.CheckpointError(
+            raise ckptdir.CheckpointError(
                 f"{path} was saved by the {engine} engine; the deepspeed engine loads only its own checkpoints: "
                 "resume with the engine that saved it (train.engine), or start a new run"
             )
         if self.stage > 0 and saved_world != self.world_size:
-            raise ckpt.CheckpointError(
+            raise ckptdir.CheckpointError(
                 f"{path} holds ZeRO shards of {saved_world} ranks and this job runs {self.world_size}: DeepSpeed "
                 "loads them only into the same data-parallel size; resume with the same resources, or convert it "
                 "with DeepSpeed's universal checkpoint"

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from launcher.checkpoint import commit as ckpt
 from launcher.checkpoint.commit import Checkpointer, Writer, dcp_writer
+from launcher.contract import ckptdir
 from launcher.contract.parallel_dims import ParallelDims
 from launcher.contract.spec import JobSpec
 from launcher.data.dataset import Layout, MicroBatches
@@ -193,9 +194,9 @@ class NativeEngine:
         return dcp_writer(saver, self._state(trainer_state))
 
     def load_checkpoint(self, saver: Checkpointer, trainer_state: dict[str, Any], path: Path) -> None:
-        engine = ckpt.read_marker(path).get("engine", self.name)
+        engine = ckptdir.read_marker(path).get("engine", self.name)
         if engine != self.name:
-            raise ckpt.CheckpointError(
+            raise ckptdir.CheckpointError(
                 f"{path} was saved by the {engine} engine; the native engine loads only its own checkpoints: "
                 f"resume with train.engine: {engine}, or start a new run"
             )
