@@ -84,32 +84,11 @@ class _output_to:
             os.close(saved)
 
 
-def _children(parent: int) -> Iterator[int]:
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as handle:
-                if int(handle.read().rsplit(")", 1)[1].split()[1]) == parent:
-                    yield int(entry)
-        except (OSError, IndexError, ValueError):
-            continue
-
-
-def _group_members() -> Iterator[int]:
+def _group_members() -> list[int]:
     """Every other process of this supervisor's process group: the controller, the ranks and whatever
     the ranks started (a `command:` job's program runs as a rank's child)."""
-    me, group = os.getpid(), os.getpgid(0)
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[3]) == group and fields[0] not in ("Z", "X"):
-            yield int(entry)
+    me = os.getpid()
+    return [pid for pid in procs.group_members(os.getpgid(0)) if pid != me]
 
 
 def _signal_found(pids: Iterator[int], sig: int) -> None:
@@ -130,7 +109,7 @@ def _signal_group(sig: int) -> None:
 
 def _signal_ranks(controller: int, sig: int) -> None:
     """Signal the rank processes (the submitit controller's children), not this supervisor."""
-    _signal_found(_children(controller), sig)
+    _signal_found(iter(procs.children(controller)), sig)
 
 
 class Supervisor:

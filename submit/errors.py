@@ -9,9 +9,9 @@ meshrun bug, never reported as bad input.
 
 from __future__ import annotations
 
+from launcher.contract.exitcodes import EXIT_INPUT
 from launcher.contract.schema import SchemaError
 
-EXIT_INPUT = 2
 EXIT_CLUSTER = 1
 
 

@@ -203,6 +203,16 @@ def group_members(pgid: int) -> list[int]:
     return found
 
 
+def children(pid: int) -> list[int]:
+    """The direct children of `pid` ([] once it is gone)."""
+    import psutil  # here, not at the top: see the module's docstring
+
+    try:
+        return [child.pid for child in psutil.Process(pid).children()]
+    except psutil.Error:
+        return []
+
+
 def write_pid_file(path: str, identity: Optional[Identity] = None) -> None:
     """Record `identity` (default: this process) in `path`, 0600, replaced atomically."""
     data = json.dumps((identity or own_identity()).to_json())

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional
 
+from launcher.contract.parallel_dims import ParallelDims, Problem
 from launcher.contract.rundir import NodeDir, RunDir, expand_node_path, node_name
 from launcher.contract.schema import SchemaError, load, to_plain
 from launcher.contract.secrets import (
@@ -165,9 +166,13 @@ class BlendSource:
     """Its share of the training sequences, relative to the other files' weights (above 0)."""
 
 
+DEFAULT_DATA_PATH = "~/.cache/meshrun/data/stdlib.u16"
+"""The examples' token file: what `meshrun data` writes by default and a spec reads when it names none."""
+
+
 @dataclass(frozen=True)
 class Data:
-    path: str = "~/.cache/meshrun/data/stdlib.u16"
+    path: str = DEFAULT_DATA_PATH
     """Token file as seen by the ranks (uint16 or uint32 tokens); build one with `meshrun data`."""
     val_path: Optional[str] = None
     """A separate validation token file. Unset: the held-out documents `meshrun data` wrote beside `path`
@@ -364,6 +369,35 @@ class JobSpec:
         from launcher.contract import dsconfig  # here, not at the top: dsconfig reads JobSpec
 
         dsconfig.check(self)
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The dp x tp x pp layout the spec asks for: the one place a job's ParallelDims is built."""
+        p = self.parallel
+        return ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp)
+
+    def layout_problem(
+        self,
+        dims: Optional[ParallelDims] = None,
+        *,
+        world_size: Optional[int] = None,
+        ranks_per_node: Optional[int] = None,
+        sequence_parallel: Optional[bool] = None,
+    ) -> Optional[Problem]:
+        """The first thing wrong with a layout for this job's model (default: the spec's own layout, on the
+        spec's world and nodes): what the planner, the layout search, the mesh count and every rank check."""
+        model = self.trainer.model
+        return (dims or self.dims).problem(
+            self.world_size if world_size is None else world_size,
+            model.n_layers,
+            model.n_heads,
+            self.tasks_per_node if ranks_per_node is None else ranks_per_node,
+            vocab_size=model.vocab_size,
+            seq_len=model.seq_len,
+            sequence_parallel=self.parallel.sequence_parallel if sequence_parallel is None else sequence_parallel,
+            n_kv_heads=model.n_kv_heads,
+            tie_embeddings=model.tie_embeddings,
+        )
 
     @property
     def trainer(self) -> Train:

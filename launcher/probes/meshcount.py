@@ -55,25 +55,15 @@ def dims_of(job: JobSpec) -> ParallelDims:
     """The job's layout, refused with one line when it cannot be built (the planner's own checks)."""
     if job.train is None:
         raise SchemaError("train", None, "a command job's model is your program: the mesh dry run counts train: jobs")
-    par, model = job.parallel, job.trainer.model
+    model = job.trainer.model
     if model.d_model % model.n_heads or (model.d_model // model.n_heads) % 2:  # what GPT() refuses, as input
         raise SchemaError(
             "train.model.d_model",
             model.d_model,
             f"must split into n_heads({model.n_heads}) heads of an even size (rotary embeddings rotate pairs)",
         )
-    dims = ParallelDims(par.dp, par.tp, par.pp)
-    problem = dims.problem(
-        job.world_size,
-        model.n_layers,
-        model.n_heads,
-        job.tasks_per_node,
-        vocab_size=model.vocab_size,
-        seq_len=model.seq_len,
-        sequence_parallel=par.sequence_parallel,
-        n_kv_heads=model.n_kv_heads,
-        tie_embeddings=model.tie_embeddings,
-    )
+    dims = job.dims
+    problem = job.layout_problem(dims)
     if problem:
         raise SchemaError(problem.key, problem.value, problem.fix)
     return dims

@@ -43,19 +43,10 @@ from launcher.train.worktime import BusyClock
 
 def check_layout(job: JobSpec, env: RankEnv) -> ParallelDims:
     """Validate the parallel layout and the batch arithmetic before any collective can hang on it."""
-    par, cfg = job.parallel, job.trainer
-    dims = ParallelDims(par.dp, par.tp, par.pp)
-    problem = dims.problem(
-        env.world_size,
-        cfg.model.n_layers,
-        cfg.model.n_heads,
-        env.local_world_size,
-        vocab_size=cfg.model.vocab_size,
-        seq_len=cfg.model.seq_len,
-        sequence_parallel=par.sequence_parallel,
-        n_kv_heads=cfg.model.n_kv_heads,
-        tie_embeddings=cfg.model.tie_embeddings,
-    ) or dims.batch_problem(cfg.global_batch, cfg.micro_batch)
+    cfg = job.trainer
+    dims = job.dims
+    problem = job.layout_problem(dims, world_size=env.world_size, ranks_per_node=env.local_world_size)
+    problem = problem or dims.batch_problem(cfg.global_batch, cfg.micro_batch)
     if problem:
         raise SchemaError(problem.key, problem.value, problem.fix)
     return dims

@@ -98,8 +98,8 @@ class Trainer:
 
 def build_trainer(job: JobSpec, env: RankEnv, runtime: Runtime, dataset: TokenDataset) -> Trainer:
     """The layout, the engine the spec names, the data stream (needs a process group)."""
-    cfg, par = job.trainer, job.parallel
-    dims = ParallelDims(par.dp, par.tp, par.pp)
+    cfg = job.trainer
+    dims = job.dims
     coords = dims.coordinates(env.rank)
     layout = Layout(cfg.global_batch, cfg.micro_batch, dp_rank=coords.dp, dp_size=dims.dp)
     stream = TrainStream(dataset, layout, cfg.seed)

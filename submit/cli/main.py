@@ -15,8 +15,10 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from launcher.contract.exitcodes import EXIT_INPUT
 from launcher.contract.private import private_umask
 from launcher.contract.schema import SchemaError
+from launcher.contract.spec import DEFAULT_DATA_PATH
 from submit.cli import checkpoints as cli_ckpt
 from submit.cli import doctor as cli_doctor
 from submit.cli import jobs as cli_jobs
@@ -25,7 +27,7 @@ from submit.cli import plan as cli_plan
 from submit.cli import tb as cli_tb
 from submit.cli.args import cluster_arg, overrides_arg
 from submit.cli.common import finish_wait, home_for, profile_path_of
-from submit.errors import EXIT_INPUT, InputError, InternalError, MeshrunError
+from submit.errors import InputError, InternalError, MeshrunError
 from submit.views.tables import table
 
 
@@ -143,8 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out",
         type=Path,
-        default=Path("~/.cache/meshrun/data/stdlib.u16").expanduser(),
-        help="token file to write (default: ~/.cache/meshrun/data/stdlib.u16)",
+        default=Path(DEFAULT_DATA_PATH).expanduser(),
+        help=f"token file to write (default: {DEFAULT_DATA_PATH})",
     )
     p.add_argument("--source", type=Path, action="append", default=[], help=argparse.SUPPRESS)  # older name of INPUT
     p.add_argument(

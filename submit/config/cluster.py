@@ -16,6 +16,7 @@ from typing import Literal, Mapping, Optional
 from launcher.contract import schema
 from launcher.contract.schema import SchemaError
 from launcher.contract.spec import ENV_KEY
+from submit.config.folders import config_dir
 from submit.config.resources import shipped_profiles_dir
 from submit.config.yamlfile import YamlDoc
 from submit.errors import InputError
@@ -180,8 +181,7 @@ class ClusterProfile:
 
 
 def user_dir() -> Path:
-    base = os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config")
-    return Path(base) / "meshrun" / "clusters"
+    return config_dir() / "clusters"
 
 
 def profile_files() -> dict[str, Path]:

@@ -7,12 +7,12 @@ Optional; read strictly (an unknown key or a wrong type exits 2 naming file:line
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from launcher.contract import schema
+from submit.config.folders import config_dir
 from submit.config.yamlfile import YamlDoc
 
 
@@ -29,8 +29,7 @@ class UserConfig:
 
 
 def path() -> Path:
-    base = os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config")
-    return Path(base) / "meshrun" / "config.yaml"
+    return config_dir() / "config.yaml"
 
 
 def load(where: Optional[Path] = None) -> UserConfig:

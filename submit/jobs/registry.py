@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from launcher.contract.private import make_private_dir
+from submit.config.folders import state_dir
 from submit.errors import InputError, JobNotFound
 
 _SCHEMA = """
@@ -70,8 +71,7 @@ class JobRecord:
 
 
 def default_path() -> Path:
-    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
-    return Path(base) / "meshrun" / "registry.sqlite"
+    return state_dir() / "registry.sqlite"
 
 
 def _private(path: Path) -> None:

@@ -23,7 +23,6 @@ from typing import Optional
 
 from launcher.contract import dsconfig
 from launcher.contract.modelshape import ModelPart, StageBytes, ffn_hidden, part_param_count
-from launcher.contract.parallel_dims import ParallelDims
 from launcher.contract.spec import JobSpec
 from launcher.contract.spec import Model as ModelConfig
 
@@ -189,7 +188,7 @@ def compute_mode(spec: JobSpec) -> str:
     par = spec.parallel
     if not mixed(spec):
         return "fp32"
-    if dsconfig.uses_deepspeed(spec) or ParallelDims(par.dp, par.tp, par.pp).fsdp_wraps(par.dp_mode):
+    if dsconfig.uses_deepspeed(spec) or spec.dims.fsdp_wraps(par.dp_mode):
         return "16-bit"
     return "autocast"
 

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from launcher.contract import dsconfig, presets, schema, tokens, weights
-from launcher.contract.parallel_dims import ParallelDims
 from launcher.contract.rundir import RunDir
 from launcher.contract.schema import SchemaError
 from launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec
@@ -326,7 +325,7 @@ def check_parallel(spec: JobSpec, cluster: ClusterProfile) -> None:
     """dp x tp x pp against the ranks, the NVLink domain and the model shape."""
     if spec.command is not None:
         return  # the user's own program decides its parallelism
-    p, m, t = spec.parallel, spec.trainer.model, spec.trainer
+    p, t = spec.parallel, spec.trainer
     domain = cluster.interconnect.nvlink_domain
     if spec.resources.gpus_per_node and p.tp > domain:
         raise InputError(
@@ -335,18 +334,8 @@ def check_parallel(spec: JobSpec, cluster: ClusterProfile) -> None:
             f"tensor parallelism must stay inside one NVLink/NVSwitch domain "
             f"of {domain} GPUs on {cluster.name!r}; use tp <= {domain}",
         )
-    dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp)
-    problem = dims.problem(
-        world_size=spec.world_size,
-        n_layers=m.n_layers,
-        n_heads=m.n_heads,
-        ranks_per_node=spec.tasks_per_node,
-        vocab_size=m.vocab_size,
-        seq_len=m.seq_len,
-        sequence_parallel=p.sequence_parallel,
-        n_kv_heads=m.n_kv_heads,
-        tie_embeddings=m.tie_embeddings,
-    )
+    dims = spec.dims
+    problem = spec.layout_problem(dims)
     if problem:
         raise InputError(problem.key, problem.value, problem.fix)
     problem = dims.batch_problem(t.global_batch, t.micro_batch)

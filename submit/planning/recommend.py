@@ -115,17 +115,7 @@ def layouts(spec: JobSpec, cluster: ClusterProfile, part: Partition, nodes: int)
                 continue
             dims = ParallelDims(dp=world // (tp * pp), tp=tp, pp=pp)
             sp = tp > 1 and cfg.seq_len % tp == 0
-            problem = dims.problem(
-                world,
-                cfg.n_layers,
-                cfg.n_heads,
-                gpus,
-                vocab_size=cfg.vocab_size,
-                seq_len=cfg.seq_len,
-                sequence_parallel=sp,
-                n_kv_heads=cfg.n_kv_heads,
-                tie_embeddings=cfg.tie_embeddings,
-            )
+            problem = spec.layout_problem(dims, world_size=world, ranks_per_node=gpus, sequence_parallel=sp)
             if problem or t.global_batch % dims.dp:
                 continue
             for micro in _divisors(t.global_batch // dims.dp, MAX_MICRO_BATCH):

@@ -22,6 +22,7 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
+from launcher.contract import procs
 from launcher.contract.private import make_private_dir
 from launcher.contract.rundir import JOB_ID_ENV, RunDir, local_state_path, merge_state, read_state
 from launcher.contract.spec import JobSpec
@@ -136,7 +137,7 @@ def _job_states(run_dir: str) -> list[dict[str, Any]]:
 def _refuse_live_writers(run_dir: str) -> None:
     for state in _job_states(run_dir):
         pgid = state.get("pgid")
-        live = process_group_alive(int(pgid)) if pgid else []
+        live = procs.group_members(int(pgid)) if pgid else []
         if live:
             raise ClusterError(
                 f"job {state.get('job_id')} still has {len(live)} live process(es) in {run_dir} "
@@ -176,22 +177,6 @@ def _start(run_dir: str, argv: Sequence[str]) -> str:
     started_at = identity.started_at if identity is not None else None
     merge_state(state_path, supervisor_pid=proc.pid, pgid=proc.pid, supervisor_started_at=started_at)
     return job_id
-
-
-def process_group_alive(pgid: int) -> list[int]:
-    """Live (not zombie) processes of a process group: PID 1 may reap a dead one late."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if len(fields) > 3 and int(fields[3]) == pgid and fields[0] not in ("Z", "X"):
-            found.append(int(entry))
-    return found
 
 
 def _alive(pid: int) -> bool:
@@ -237,7 +222,7 @@ def current_state(run_dir: str, job_id: str) -> dict[str, Any]:
     state = read_state(path)  # it may have finished between the two reads
     if state.get("state") not in ACTIVE:
         return state
-    live = process_group_alive(int(state.get("pgid") or pid)) if _group_is_ours(state) else []
+    live = procs.group_members(int(state.get("pgid") or pid)) if _group_is_ours(state) else []
     if live:
         return {
             **state,
@@ -349,7 +334,6 @@ def _cancel(record: JobRecord) -> None:
     pgid = int(state.get("pgid") or state.get("supervisor_pid") or 0)
     if not pgid:
         return  # not started yet: the supervisor sees cancel_requested and starts nothing
-    from launcher.contract import procs
 
     # Only the group this job's supervisor started, and only if its processes carry this job's id: a pid
     # from a state file may name another process (and group) by now.
@@ -362,7 +346,6 @@ def _cancel(record: JobRecord) -> None:
 def _cancel_submitit_job(record: JobRecord) -> None:
     """A submitit-API job on this machine: its controller (pid = job id) forwards SIGTERM to the tasks;
     the outcome is recorded in meshrun's own state file, which submitit's LocalExecutor does not write."""
-    from launcher.contract import procs
 
     # The job id is the controller's pid: signalled only while that pid runs submitit's controller for this
     # job's run dir and started with the job (a pid from the registry may be another process's by now).

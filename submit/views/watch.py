@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TextIO
 
 from launcher.contract.private import make_private_dir
+from submit.config.folders import state_dir
 from submit.errors import InputError
 from submit.jobs.registry import JobRecord
 from submit.jobs.status import FINAL, Status
@@ -32,8 +33,7 @@ NOTIFY_TIMEOUT_S = 60.0
 
 
 def seen_path() -> Path:
-    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
-    return Path(base) / "meshrun" / "alerts-notified.json"
+    return state_dir() / "alerts-notified.json"
 
 
 def alert_key(status: Status, alert: dict[str, Any]) -> str:

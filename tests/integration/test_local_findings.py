@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from submit.schedulers.local import process_group_alive
+from launcher.contract.procs import group_members
 from tests.integration.cli import REPO, env_for, meshrun, status, submitted
 
 
@@ -57,7 +57,7 @@ def test_one_failing_rank_stops_the_others(tmp_path: Path) -> None:
     assert status(tmp_path, job_id)["state"] == "FAILED"
     # Nothing of the job outlives it: not rank 0's `sleep`, a child of the rank process.
     pgid = yaml.safe_load((run_dir / ".meshrun" / "jobs" / f"{job_id}.json").read_text())["pgid"]
-    assert process_group_alive(pgid) == []
+    assert group_members(pgid) == []
 
 
 def test_cancelling_a_program_that_traps_term_ends_cancelled(tmp_path: Path) -> None:

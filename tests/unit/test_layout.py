@@ -1,32 +1,29 @@
-"""The architecture, guarded: where scheduler knowledge lives and what each side may import."""
+"""The architecture, guarded: where scheduler knowledge lives, no import cycles, and the import contracts
+that `lint-imports` (scripts/test.sh) checks kept complete."""
 
 from __future__ import annotations
 
-import ast
 import re
+import sys
 from pathlib import Path
+
+import grimp
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 REPO = Path(__file__).resolve().parents[2]
 CONTRACT = "launcher.contract"
-CONTRACT_FILES = sorted((REPO / "launcher" / "contract").glob("*.py"))
-"""The torch-free contract: all that `submit` may import of `launcher`. The folder is the list."""
+"""The torch-free contract: all that `submit` may import of `launcher`. The folder is the list (pyproject's
+import-linter contracts hold it)."""
+PACKAGES = ("submit", "launcher")
 SCHEDULER_TEST = re.compile(r"""scheduler\s*(==|!=|\bin\b|\bnot in\b)\s*[\(\[\{]?\s*["'](local|slurm)["']""")
 
 
 def _sources(package: str) -> list[Path]:
     return sorted((REPO / package).rglob("*.py"))
-
-
-def _imports(path: Path) -> set[str]:
-    """Every module a file imports, at any depth (lazy imports inside functions count too)."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return found
 
 
 def test_only_the_backends_test_the_scheduler_by_name() -> None:
@@ -47,30 +44,75 @@ def test_the_guard_itself_sees_a_scheduler_test() -> None:
     assert not SCHEDULER_TEST.search("backend(cluster.scheduler).ships_code")
 
 
-def test_submit_imports_only_the_torch_free_contract_of_launcher() -> None:
-    bad = {
-        f"{path.relative_to(REPO)}: {module}"
-        for path in _sources("submit")
-        for module in _imports(path)
-        if module.split(".")[0] == "launcher"
-        and module != "launcher"
-        and not (module == CONTRACT or module.startswith(CONTRACT + "."))
+def import_cycles(graph: grimp.ImportGraph, packages: tuple[str, ...] = PACKAGES) -> list[list[str]]:
+    """The strongly connected sets of modules (Tarjan) among `packages`' modules: each is a cycle."""
+    modules = sorted(m for m in graph.modules if m.split(".")[0] in packages)
+    edges = {
+        m: sorted(x for x in graph.find_modules_directly_imported_by(m) if x.split(".")[0] in packages) for m in modules
     }
-    assert not bad, f"submit imports launcher beyond its contract ({CONTRACT}): {sorted(bad)}"
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for imported in edges.get(module, []):
+            if imported not in index:
+                visit(imported)
+                low[module] = min(low[module], low[imported])
+            elif imported in stack:
+                low[module] = min(low[module], index[imported])
+        if low[module] == index[module]:
+            found = []
+            while True:
+                member = stack.pop()
+                found.append(member)
+                if member == module:
+                    break
+            if len(found) > 1:
+                cycles.append(sorted(found))
+
+    for module in modules:
+        if module not in index:
+            visit(module)
+    return cycles
 
 
-def test_launcher_never_imports_submit_or_paramiko() -> None:
-    bad = {
-        f"{path.relative_to(REPO)}: {module}"
-        for path in _sources("launcher")
-        for module in _imports(path)
-        if module.split(".")[0] in ("submit", "paramiko")
-    }
-    assert not bad, sorted(bad)
+def test_no_module_imports_itself_through_others() -> None:
+    """0 import cycles in the real import graph, imports inside functions included (a type-only import, under
+    TYPE_CHECKING, is not one: it never runs)."""
+    graph = grimp.build_graph(*PACKAGES, exclude_type_checking_imports=True)
+    cycles = import_cycles(graph)
+    detail = [
+        f"{a} -> {b} (line {d['line_number']}: {d['line_contents']})"
+        for cycle in cycles
+        for a in cycle
+        for b in graph.find_modules_directly_imported_by(a)
+        if b in cycle
+        for d in graph.get_import_details(importer=a, imported=b)[:1]
+    ]
+    assert not cycles, "import cycles:\n" + "\n".join(detail)
 
 
-def test_the_contract_modules_are_torch_free() -> None:
-    assert len(CONTRACT_FILES) > 10
-    for path in CONTRACT_FILES:
-        heavy = {m for m in _imports(path) if m.split(".")[0] in ("torch", "numpy", "submitit")}
-        assert not heavy, f"{path.relative_to(REPO)} imports {heavy}"
+def test_the_cycle_finder_finds_a_cycle_through_a_lazy_import() -> None:
+    graph = grimp.ImportGraph()
+    for importer, imported in (("submit.a", "submit.b"), ("submit.b", "submit.c"), ("submit.c", "submit.a")):
+        graph.add_import(importer=importer, imported=imported)
+    graph.add_import(importer="submit.c", imported="submit.d")
+    assert import_cycles(graph) == [["submit.a", "submit.b", "submit.c"]]
+
+
+def test_the_import_contracts_forbid_submit_every_launcher_module_but_the_contract() -> None:
+    """pyproject's import-linter contract lists what of `launcher` submit may not import: every module and
+    folder of launcher/ but contract/, so that a new one is forbidden the day it is added."""
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
+    contract = next(c for c in config["contracts"] if c["source_modules"] == ["submit"])
+    forbidden = {m for m in contract["forbidden_modules"] if m.startswith("launcher.")}
+    on_disk = {
+        f"launcher.{path.stem if path.suffix else path.name}"
+        for path in (REPO / "launcher").iterdir()
+        if (path.suffix == ".py" and not path.name.startswith("__")) or (path / "__init__.py").is_file()
+    } - {CONTRACT}
+    assert forbidden == on_disk, f"forbid these to submit in pyproject.toml: {sorted(on_disk - forbidden)}"
