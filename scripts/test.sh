@@ -11,5 +11,11 @@ bash tests/testbed/install.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check --quiet .
 .venv/bin/mypy
+# The layers and the contract, as import-linter contracts in pyproject.toml (lazy imports count).
+.venv/bin/lint-imports --no-cache
+# -n: MESHRUN_TEST_WORKERS=N runs the suite in N pytest-xdist workers; every test that reaches the one
+# Slurm testbed runs on one of them (tests/xdistgroups.py). Off by default: on 2 cores the integration
+# tests are CPU-bound (each runs real multi-process jobs), and 3 workers took longer than one process
+# and pushed timing-bound tests past their deadlines. On a machine with more cores, set it.
 # --durations: every run ends with its 20 slowest tests (CI time is shared: watch what grows).
-exec .venv/bin/python -m pytest -q --durations=20 "$@"
+exec .venv/bin/python -m pytest -q -n "${MESHRUN_TEST_WORKERS:-0}" --durations=20 "$@"

@@ -73,3 +73,10 @@ def default_corpus() -> Path:
     if not path.is_file():
         build_corpus(path, max_bytes=2_000_000)
     return path
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Under pytest-xdist (scripts/test.sh): the testbed's test files on one worker (tests/xdistgroups.py)."""
+    from tests.xdistgroups import TestbedScheduling
+
+    return TestbedScheduling(config, log)  # type: ignore[arg-type]

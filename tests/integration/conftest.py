@@ -15,6 +15,7 @@ from typing import Iterator
 
 import pytest
 
+from tests import xdistgroups
 from tests.testbed import health
 from tests.testbed import testbed as tb
 
@@ -73,9 +74,14 @@ def healthy_testbed(request: pytest.FixtureRequest) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the testbed's tests `slurm`; and check that tests/xdistgroups.py, which keeps every test
+    that reaches the testbed on one worker by its file's source, sees each of them (else two workers
+    would share the one testbed, and fail in confusing ways)."""
     for item in items:
         if "testbed" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slurm)
+            if not xdistgroups.in_testbed_group(item.nodeid):
+                raise pytest.UsageError(f"tests/xdistgroups.py does not see {item.nodeid} reach the testbed")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,68 @@
+"""The suite in parallel (pytest-xdist, as scripts/test.sh runs it) with one testbed per machine.
+
+The Slurm testbed and its sshd are one per machine (fixed ports, one work dir), so every test that
+reaches them runs on one worker, in turn, while the other workers share out the rest. The controller sees
+only test ids, not fixtures, so a test is judged by its file's source: it takes the `testbed` fixture,
+itself or through a fixture of its file, or its body uses the testbed's modules (`tb.`, `sshbed.`).
+tests/integration/conftest.py checks every collected test that takes the fixture against this judgement.
+(xdist's own `xdist_group` marker cannot do this under pytest 9: the suffix xdist writes into a test's
+id no longer reaches the id its scheduler groups by.)
+"""
+
+from __future__ import annotations
+
+import ast
+from functools import cache
+from pathlib import Path
+
+from xdist.scheduler import LoadScopeScheduling
+
+REPO = Path(__file__).resolve().parents[1]
+TESTBED_GROUP = "testbed"
+TESTBED_FIXTURE = "testbed"
+TESTBED_MODULES = ("tb", "sshbed")  # the names the test files give tests/testbed/testbed.py and sshbed.py
+
+
+def _functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
+    return {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+
+
+def _uses_modules(function: ast.FunctionDef) -> bool:
+    return any(
+        isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in TESTBED_MODULES
+        for n in ast.walk(function)
+    )
+
+
+@cache
+def testbed_tests(path: str) -> frozenset[str]:
+    """The names of the test functions in the file at `path` (relative to the repo, as in a test id) that
+    reach the testbed: through the fixture (directly or through the file's own fixtures) or its modules."""
+    try:
+        functions = _functions(ast.parse((REPO / path).read_text()))
+    except (OSError, SyntaxError):
+        return frozenset()
+    reaching = {TESTBED_FIXTURE}
+    changed = True
+    while changed:  # fixtures of this file that take (a fixture that takes) the testbed
+        changed = False
+        for name, function in functions.items():
+            args = {a.arg for a in function.args.args}
+            if name not in reaching and (args & reaching or _uses_modules(function)):
+                reaching.add(name)
+                changed = True
+    return frozenset(name for name in reaching if name.startswith("test") and name != TESTBED_FIXTURE)
+
+
+def in_testbed_group(nodeid: str) -> bool:
+    path, _, rest = nodeid.partition("::")
+    name = rest.split("::")[-1].split("[", 1)[0]
+    return name in testbed_tests(path)
+
+
+class TestbedScheduling(LoadScopeScheduling):
+    """xdist's load-by-scope scheduler where a scope is one test, except that the tests that reach the
+    testbed are one scope: one worker runs them all."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return TESTBED_GROUP if in_testbed_group(nodeid) else nodeid
