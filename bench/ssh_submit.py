@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from submit.cli import main as cli  # noqa: E402
 from submit.transport.ssh import STATS, Counters  # noqa: E402
-from tests.integration import sshbed  # noqa: E402
+from tests.helpers import sshbed  # noqa: E402
 from tests.testbed import testbed as tb  # noqa: E402
 
 

@@ -32,7 +32,7 @@ from submit.config.cluster import load_profile, load_profile_file  # noqa: E402
 from submit.jobs.registry import JobRecord  # noqa: E402
 from submit.transport.base import LocalTransport, Result  # noqa: E402
 from submit.transport.ssh import STATS  # noqa: E402
-from tests.integration import sshbed  # noqa: E402
+from tests.helpers import sshbed  # noqa: E402
 from tests.testbed import testbed as tb  # noqa: E402
 
 FIRST_ID = 7_000_000

@@ -15,7 +15,7 @@ import torch
 
 from launcher.contract.spec import Data, JobSpec, Model, Parallel, Resources, RunInfo, RunSpec, write_run_spec
 from launcher.data.corpus import build_corpus
-from tests.integration.ranks import finish, metrics, start, tiny_train
+from tests.helpers.ranks import finish, metrics, start, tiny_train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

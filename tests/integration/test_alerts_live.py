@@ -20,7 +20,7 @@ import yaml
 
 from launcher.contract import alerts
 from launcher.contract.alerts import Alert
-from tests.integration.cli import REPO, env_for, meshrun, submitted
+from tests.helpers.cli import REPO, env_for, meshrun, submitted
 
 IDLE = 'touch "$MESHRUN_RUN_DIR/up"; while [ ! -e "$MESHRUN_RUN_DIR/stop" ]; do sleep 0.2; done'
 

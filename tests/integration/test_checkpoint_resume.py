@@ -19,8 +19,8 @@ from launcher.contract import ckptdir
 from launcher.contract.spec import Checkpoint, Parallel
 from launcher.export.consolidate import consolidated_state
 from launcher.preempt import EXIT_REQUEUE
-from tests.integration.cli import trials
-from tests.integration.ranks import REPO, finish, free_port, make_run, metrics, rank_environ, start, tiny_train
+from tests.helpers.cli import trials
+from tests.helpers.ranks import REPO, finish, free_port, make_run, metrics, rank_environ, start, tiny_train
 
 STEPS = 40
 

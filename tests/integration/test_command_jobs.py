@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 from launcher.contract.exitcodes import EXIT_GAVE_UP
-from tests.integration.cli import meshrun, metrics, status, submitted, wait_for_state, wait_for_step
-from tests.integration.ranks import free_port
+from tests.helpers.cli import meshrun, metrics, status, submitted, wait_for_state, wait_for_step
+from tests.helpers.ranks import free_port
 
 STEPS = 60
 DDP = ["examples/ddp.yaml", "-c", "testbed", "--set", "resources.nodes=2", "--set", "resources.tasks_per_node=1"]

@@ -32,7 +32,7 @@ import pytest
 
 from launcher.contract import ckptdir
 from launcher.sidecar import copier
-from tests.integration.cli import trials
+from tests.helpers.cli import trials
 
 TRIALS = trials(3)
 ATTEMPT = "4242.0"

@@ -9,7 +9,7 @@ import math
 import sysconfig
 from pathlib import Path
 
-from tests.integration.cli import TINY, meshrun, metrics, submitted, wait_for_state
+from tests.helpers.cli import TINY, meshrun, metrics, submitted, wait_for_state
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from launcher.contract.rundir import RunDir
-from tests.integration.cli import meshrun, submitted
+from tests.helpers.cli import meshrun, submitted
 
 SPEC = "examples/deepspeed-command.yaml"
 STEPS = 12

@@ -27,8 +27,8 @@ from launcher.contract import ckptdir
 from launcher.contract.spec import Model, read_run_spec
 from launcher.data.dataset import Layout, TokenDataset, val_steps
 from launcher.train.model import GPT, loss_fn
-from tests.integration.cli import TINY, TWO_NODES, meshrun, metrics, status, submitted, wait_for_state
-from tests.integration.ranks import TIMEOUT_S, finish, free_port, make_run, rank_environ, tiny_train
+from tests.helpers.cli import TINY, TWO_NODES, meshrun, metrics, status, submitted, wait_for_state
+from tests.helpers.ranks import TIMEOUT_S, finish, free_port, make_run, rank_environ, tiny_train
 
 pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed (bash scripts/setup.sh installs it)")
 

@@ -13,7 +13,7 @@ from launcher.contract import alerts, ckptdir
 from launcher.contract.exitcodes import EXIT_DIVERGED
 from launcher.contract.rundir import RunDir
 from launcher.export.consolidate import consolidated_state
-from tests.integration.cli import TINY, meshrun, metrics, submitted, wait_for_state
+from tests.helpers.cli import TINY, meshrun, metrics, submitted, wait_for_state
 
 ENDED = {"FAILED", "COMPLETED", "CANCELLED", "PREEMPTED", "TIMEOUT"}
 

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from launcher.contract.rundir import RunDir, node_name
-from tests.integration.cli import meshrun
+from tests.helpers.cli import meshrun
 
 
 def rows(stdout: str) -> dict[str, list[str]]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from launcher.contract import dsconfig
 from launcher.contract.spec import loads_run_spec
-from tests.integration.cli import TINY, meshrun, status, submitted
+from tests.helpers.cli import TINY, meshrun, status, submitted
 
 
 def test_submitted_deepspeed_job_has_its_config_in_the_run_dir_and_status_shows_the_engine(tmp_path: Path) -> None:

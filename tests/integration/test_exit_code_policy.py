@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from submit.schedulers import slurm_cli as slurm
-from tests.integration.cli import meshrun, submitted, wait_for_state
+from tests.helpers.cli import meshrun, submitted, wait_for_state
 from tests.integration.test_real_preemption import command_spec
 
 

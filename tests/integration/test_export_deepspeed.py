@@ -21,7 +21,7 @@ import torch
 
 from launcher.contract import ckptdir, schema
 from launcher.contract.spec import Checkpoint, Data, JobSpec, Model, Parallel, Resources, Train
-from tests.integration.ranks import REPO, free_port, rank_environ
+from tests.helpers.ranks import REPO, free_port, rank_environ
 
 pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed (bash scripts/setup.sh installs it)")
 

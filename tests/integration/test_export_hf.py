@@ -22,7 +22,7 @@ from launcher.contract.schema import SchemaError
 from launcher.contract.spec import Checkpoint, Data, JobSpec, Model, Parallel, Train
 from launcher.export import run as export
 from launcher.train.model import GPT
-from tests.integration.ranks import finish, make_run, metrics, start, tiny_train
+from tests.helpers.ranks import finish, make_run, metrics, start, tiny_train
 
 transformers = pytest.importorskip("transformers")
 

@@ -20,7 +20,7 @@ from launcher.contract.spec import Data, Train
 from launcher.data.dataset import Layout, TrainStream, open_dataset
 from launcher.train.model import GPT, loss_fn
 from launcher.train.optim import lr_at
-from tests.integration.ranks import finish, make_run, metrics, start, tiny_train
+from tests.helpers.ranks import finish, make_run, metrics, start, tiny_train
 
 CLIP = 0.05  # far below the tiny model's norms (about 1-3 here): every step is clipped
 STEPS = 6

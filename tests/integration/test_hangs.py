@@ -10,7 +10,7 @@ from typing import Any
 
 from launcher.contract.exitcodes import EXIT_NO_PROGRESS
 from launcher.contract.rundir import RunDir, node_name
-from tests.integration.cli import (
+from tests.helpers.cli import (
     FAST_WATCH,
     TINY,
     TWO_NODES,

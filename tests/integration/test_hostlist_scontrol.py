@@ -37,7 +37,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from launcher.env import expand_hostlist
-from tests.integration.cli import SOAK, trials
+from tests.helpers.cli import SOAK, trials
 
 SEED = int(os.environ.get("MESHRUN_HOSTLIST_SEED", "20240611"))
 

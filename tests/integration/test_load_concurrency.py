@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from submit.jobs.registry import JobRecord, Registry
-from tests.integration import sshbed
-from tests.integration.cli import REPO, env_for, meshrun, submitted, trials
+from tests.helpers import sshbed
+from tests.helpers.cli import REPO, env_for, meshrun, submitted, trials
 
 CONCURRENT = 10
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}

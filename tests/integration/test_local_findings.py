@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from launcher.contract.procs import group_members
-from tests.integration.cli import REPO, env_for, meshrun, status, submitted
+from tests.helpers.cli import REPO, env_for, meshrun, status, submitted
 
 
 def _command_spec(tmp_path: Path, name: str, script: str, tasks: int = 2) -> Path:

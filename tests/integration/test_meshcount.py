@@ -230,7 +230,7 @@ def test_plan_mesh_summary_sets_the_count_beside_the_plan(monkeypatch: pytest.Mo
 
 def test_meshrun_plan_mesh_through_the_cli(tmp_path: Path) -> None:
     """The real verb: the example 64-GPU job, `meshrun plan --mesh` (text and --json), and a layout error."""
-    from tests.integration.cli import meshrun
+    from tests.helpers.cli import meshrun
 
     spec = str(REPO / "examples" / "h100-8node.yaml")
     out = meshrun(tmp_path, "plan", spec, "-c", "h100-ndr", "--mesh", "--json", check=True)

@@ -14,7 +14,7 @@ import pytest
 from submit.cli import main as cli
 from submit.planning import plan as planning
 from submit.schedulers import render as rendering
-from tests.integration import sshbed
+from tests.helpers import sshbed
 
 
 @pytest.fixture

@@ -40,7 +40,7 @@ from launcher.contract import ckptdir
 from launcher.contract.spec import Checkpoint, Model, Parallel, Train
 from launcher.export import run as export
 from launcher.train.model import GPT
-from tests.integration.ranks import finish, free_port, make_run, metrics, rank_environ, start, tiny_train
+from tests.helpers.ranks import finish, free_port, make_run, metrics, rank_environ, start, tiny_train
 
 STEPS = 10
 RESUME_AT = 5

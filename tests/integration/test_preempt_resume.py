@@ -12,7 +12,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from tests.integration.cli import TWO_NODES, meshrun, metrics, status, submitted, wait_for_state, wait_for_step
+from tests.helpers.cli import TWO_NODES, meshrun, metrics, status, submitted, wait_for_state, wait_for_step
 
 STEPS = 150
 

@@ -21,8 +21,9 @@ import pytest
 
 from launcher.contract.rundir import RunDir, node_name
 from submit.schedulers.executor import executor
-from tests.integration import sshbed, submitit_fns
-from tests.integration.cli import TINY, meshrun, submitted
+from tests.helpers import sshbed
+from tests.helpers.cli import TINY, meshrun, submitted
+from tests.integration import submitit_fns
 
 STEPS = ["--set", "train.steps=6", "--set", "checkpoint.every=2", "--set", "checkpoint.async_save=false"]
 

@@ -21,7 +21,7 @@ import torch
 from launcher.contract import ckptdir
 from launcher.contract.rundir import ATTEMPTS_FILE, RunDir
 from launcher.contract.spec import Checkpoint
-from tests.integration.ranks import REPO, TIMEOUT_S, finish, make_run, metrics, start, tiny_train
+from tests.helpers.ranks import REPO, TIMEOUT_S, finish, make_run, metrics, start, tiny_train
 from tests.integration.test_train_processes import own_environ  # noqa: F401  (a fixture)
 
 SECRET = "s3cret-token-value"

@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from launcher.contract.exitcodes import EXIT_REQUEUE
-from tests.integration.cli import meshrun, submitted, wait_for_state
+from tests.helpers.cli import meshrun, submitted, wait_for_state
 from tests.testbed import health
 from tests.testbed import testbed as tb
 

@@ -19,8 +19,8 @@ import yaml
 
 from launcher.contract.secrets import secrets_dir_for
 from submit.config.cluster import load_profile
-from tests.integration import sshbed
-from tests.integration.cli import meshrun, submitted
+from tests.helpers import sshbed
+from tests.helpers.cli import meshrun, submitted
 
 # Exits 0 when every NAME in $CHECK holds the value whose sha256 is in $WANT_NAME and no variable in $ABSENT
 # (the sources in meshrun submit's environment) reached the rank, else 1; prints nothing of a value.

@@ -13,7 +13,7 @@ from typing import Callable
 
 from launcher.contract import ckptdir, lost
 from launcher.contract.rundir import RunDir, node_name
-from tests.integration.cli import TINY, TWO_NODES, meshrun, metrics, status, submitted, wait_for_state
+from tests.helpers.cli import TINY, TWO_NODES, meshrun, metrics, status, submitted, wait_for_state
 
 SHORT = ["--set", "sidecar.interval_s=0.3", "--set", "resources.tasks_per_node=1"]
 # Long enough for several samples at 0.3 s once the sidecar has started (it imports tensorboard: ~1 s).

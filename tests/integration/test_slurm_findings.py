@@ -8,8 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from tests.integration import sshbed
-from tests.integration.cli import REPO, meshrun, submitted
+from tests.helpers import sshbed
+from tests.helpers.cli import REPO, meshrun, submitted
 from tests.testbed import testbed as tb
 
 

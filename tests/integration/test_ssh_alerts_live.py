@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.integration import sshbed
-from tests.integration.cli import submitted
-from tests.integration.sshbed import meshrun
+from tests.helpers import sshbed
+from tests.helpers.cli import submitted
+from tests.helpers.sshbed import meshrun
 from tests.integration.test_alerts_live import IDLE, check_top, check_watch, until
 
 

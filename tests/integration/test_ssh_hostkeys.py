@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration import sshbed
-from tests.integration.cli import submitted
-from tests.integration.sshbed import meshrun
+from tests.helpers import sshbed
+from tests.helpers.cli import submitted
+from tests.helpers.sshbed import meshrun
 from tests.testbed import testbed as tb
 
 PROBE = sshbed.command_spec("probe", ["true"])

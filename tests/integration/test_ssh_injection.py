@@ -7,8 +7,8 @@ import json
 import subprocess
 from pathlib import Path
 
-from tests.integration import sshbed
-from tests.integration.sshbed import meshrun
+from tests.helpers import sshbed
+from tests.helpers.sshbed import meshrun
 
 
 def hostile(canary: Path) -> str:

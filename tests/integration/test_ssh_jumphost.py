@@ -15,9 +15,9 @@ from typing import Iterator
 import pytest
 
 from submit.jobs.registry import Registry
-from tests.integration import sshbed
-from tests.integration.cli import submitted
-from tests.integration.sshbed import ExtraSshd, meshrun
+from tests.helpers import sshbed
+from tests.helpers.cli import submitted
+from tests.helpers.sshbed import ExtraSshd, meshrun
 from tests.testbed import testbed as tb
 
 PROBE = sshbed.command_spec("probe", ["true"])

@@ -8,9 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-from tests.integration import sshbed
-from tests.integration.cli import REPO, env_for, submitted
-from tests.integration.sshbed import meshrun
+from tests.helpers import sshbed
+from tests.helpers.cli import REPO, env_for, submitted
+from tests.helpers.sshbed import meshrun
 
 # 80 lines over ~8 s, of varying length (so chunk boundaries fall mid-line), no trailing newline.
 TALKER = (

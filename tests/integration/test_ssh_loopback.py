@@ -22,9 +22,9 @@ import pytest
 
 from submit.jobs.registry import JobRecord, Registry
 from submit.views import tbserve
-from tests.integration import sshbed, tbhelp
-from tests.integration.cli import REPO, env_for
-from tests.integration.tbhelp import Cleanup
+from tests.helpers import sshbed, tbhelp
+from tests.helpers.cli import REPO, env_for
+from tests.helpers.tbhelp import Cleanup
 
 LISTEN = "0A"  # TCP_LISTEN in the `st` column
 JOB = "900077"

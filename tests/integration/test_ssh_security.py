@@ -18,8 +18,8 @@ from submit import errors
 from submit.config.cluster import Ssh
 from submit.transport import snapshot, trust
 from submit.transport.ssh import STATS, SshTransport
-from tests.integration import sshbed
-from tests.integration.sshbed import meshrun
+from tests.helpers import sshbed
+from tests.helpers.sshbed import meshrun
 from tests.testbed import testbed as tb
 
 PROBE = sshbed.command_spec("probe", ["true"])

@@ -17,10 +17,10 @@ from typing import Any, Iterator
 
 import pytest
 
-from tests.integration import sshbed, tbhelp
-from tests.integration.cli import REPO, env_for, metrics, submitted
-from tests.integration.sshbed import meshrun
-from tests.integration.tbhelp import Cleanup
+from tests.helpers import sshbed, tbhelp
+from tests.helpers.cli import REPO, env_for, metrics, submitted
+from tests.helpers.sshbed import meshrun
+from tests.helpers.tbhelp import Cleanup
 from tests.testbed import testbed as tb
 
 SLEEPER = sshbed.command_spec("sleeper", ["sleep", "300"])

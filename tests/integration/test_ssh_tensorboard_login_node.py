@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 from submit.jobs.registry import JobRecord, Registry
-from tests.integration import sshbed, tbhelp
-from tests.integration.cli import REPO, env_for
-from tests.integration.tbhelp import Cleanup
+from tests.helpers import sshbed, tbhelp
+from tests.helpers.cli import REPO, env_for
+from tests.helpers.tbhelp import Cleanup
 
 
 def test_tb_on_the_login_node_prints_the_tunnel_line(testbed: dict, tmp_path: Path, tb_cleanup: Cleanup) -> None:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.integration import cli, sshbed
+from tests.helpers import cli, sshbed
 
 PARAGRAPH = (
     "Hang at step 7 (phase step), found by n1 after 95 s without progress (timeout 60 s). Rank 1 on n2 "

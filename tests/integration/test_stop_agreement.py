@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from launcher.contract.exitcodes import EXIT_REQUEUE
-from tests.integration.ranks import TIMEOUT_S, make_run, start, tiny_train
+from tests.helpers.ranks import TIMEOUT_S, make_run, start, tiny_train
 
 STEPS = 400  # far more than it runs: the signal comes at step 3
 STOP_TIMEOUT_S = 90  # the stop takes ~5 s; ranks that disagree hang in their collectives until killed

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from launcher.contract.rundir import node_name
-from tests.integration.cli import TINY, meshrun, metrics, status, submitted
+from tests.helpers.cli import TINY, meshrun, metrics, status, submitted
 
 
 def _tiny(corpus: Path, *extra: str) -> list[str]:

@@ -15,7 +15,7 @@ from submit.config.cluster import load_profile
 from submit.errors import InputError
 from submit.planning.plan import plan_file
 from submit.schedulers.render import render
-from tests.integration.cli import REPO, meshrun, metrics, status, submitted
+from tests.helpers.cli import REPO, meshrun, metrics, status, submitted
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 # Examples sized for another machine, and the key the testbed (2 nodes x 4 CPUs, 2 fake GPUs) refuses.

@@ -10,13 +10,13 @@ import pytest
 
 from submit.jobs.registry import Registry
 from submit.schedulers.executor import MeshrunSlurmExecutor, executor
+from tests.helpers.cli import meshrun, status
 from tests.integration import submitit_fns
-from tests.integration.cli import meshrun, status
 
 
 @pytest.fixture
 def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A private registry for this test, shared with the `meshrun` commands it runs (tests/integration/cli.py)."""
+    """A private registry for this test, shared with the `meshrun` commands it runs (tests/helpers/cli.py)."""
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     return tmp_path
 

@@ -19,9 +19,9 @@ import pytest
 
 from submit.jobs.registry import JobRecord, Registry
 from submit.views import tbserve
-from tests.integration import sshbed, tbhelp
-from tests.integration.cli import REPO, env_for, meshrun
-from tests.integration.tbhelp import Cleanup
+from tests.helpers import sshbed, tbhelp
+from tests.helpers.cli import REPO, env_for, meshrun
+from tests.helpers.tbhelp import Cleanup
 
 LOSSES = [5.5, 4.25, 3.125]
 

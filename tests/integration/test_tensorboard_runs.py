@@ -19,9 +19,9 @@ from typing import Any
 
 from launcher.contract.rundir import RunDir, node_name
 from submit.jobs.registry import JobRecord, Registry
-from tests.integration import sshbed, tbhelp
-from tests.integration.cli import TINY as CLI_TINY
-from tests.integration.cli import meshrun, metrics, status, submitted
+from tests.helpers import sshbed, tbhelp
+from tests.helpers.cli import TINY as CLI_TINY
+from tests.helpers.cli import meshrun, metrics, status, submitted
 
 TINY = [*CLI_TINY, "--set", "train.steps=4"]
 WANTED = {"loss", "grad_norm", "tokens_per_s", "data_wait_fraction", "step_time_s", "lr"}

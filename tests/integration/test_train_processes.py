@@ -15,7 +15,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.integration.ranks import _STRIPPED, _TORCHRUN, STEPS, finish, make_run, metrics, start
+from tests.helpers.ranks import _STRIPPED, _TORCHRUN, STEPS, finish, make_run, metrics, start
 
 
 def test_data_parallel_trains_and_matches_one_process(tmp_path: Path, corpus: Path) -> None:

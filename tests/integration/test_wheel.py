@@ -19,7 +19,7 @@ from typing import Iterator
 import pytest
 import tomllib
 
-from tests.integration.cli import env_for, submitted
+from tests.helpers.cli import env_for, submitted
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = ("pyproject.toml", "README.md", "submit", "launcher", "templates", "cluster_configs")

@@ -108,7 +108,7 @@ def until(what: str, probe: Any, timeout: float = 60) -> Any:
 
 def meshrun_tb(home: Path, *jobs: str) -> subprocess.Popen[str]:
     """`meshrun tb JOB...` as a user in HOME runs it, its output piped (the URL is its first line)."""
-    from tests.integration.cli import REPO, env_for
+    from tests.helpers.cli import REPO, env_for
 
     argv = [sys.executable, "-m", "submit.cli.main", "tb", *jobs]
     return subprocess.Popen(

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import yaml
 
-from tests.integration import cli
+from tests.helpers import cli
 from tests.testbed import testbed as tb
 
 SSHD_LOG = tb.LOG / "sshd.log"
