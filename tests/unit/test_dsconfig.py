@@ -365,7 +365,7 @@ def test_the_slurm_round_trip_brings_spec_json_for_the_detail_view_only(tmp_path
 def test_the_local_backends_status_json_carries_the_engine(tmp_path: Path) -> None:
     from submit.schedulers.local import BACKEND as LOCAL
     from submit.transport.base import LocalTransport
-    from tests.unit.test_status_findings import _record
+    from tests.unit.test_findings_in_status_and_logs import _record
 
     spec = run_dir_files(_plan(DEEPSPEED, "parallel.offload_optimizer=true"), "run.sh", "")[RunDir.SPEC].data
     (tmp_path / "spec.json").write_bytes(spec)  # type: ignore[arg-type]
