@@ -1,5 +1,7 @@
-"""Issue 15, rank side, in one process: private checkpoints, every commit reported, validation
-cadence, data and vocabulary checks, a readable error for a bad spec.json, rank-error.txt."""
+"""What a rank writes and what it refuses, in one process: private checkpoints, every commit reported,
+validation cadence, data and vocabulary checks, a readable error for a bad spec.json, rank-error.txt and
+the exit code a failure gets. The items are issue 15's; the real ranks' side is
+tests/integration/test_rank_outputs_and_bad_input.py."""
 
 from __future__ import annotations
 
