@@ -1,6 +1,7 @@
-"""What a new user hit on the `local` cluster (issue 15), each reproduced through the real CLI with real
-processes: one failing rank stops its peers, a TERM-trapping program cancels as CANCELLED, a killed
-supervisor leaves no second writer, each job id keeps its own outcome and its own log lines."""
+"""A job's life on the `local` cluster, through the real CLI with real processes: one failing rank stops its
+peers, a TERM-trapping program cancels as CANCELLED (at once after submit too), a killed supervisor leaves no
+second writer, each job id keeps its own outcome and its own log lines, resume without a run dir says so,
+Ctrl-C while waiting leaves the job running. The items are what a new user hit in issue 15."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Issue 15's findings that happened on the real Slurm testbed (and over the real sshd): a failed sbatch
-leaves nothing behind, a `%` in the work dir is not a pattern, `render` over SSH shows the real home."""
+"""The profile's work_dir on the real Slurm testbed (and over the real sshd): a failed sbatch leaves no run dir
+in it, a `%` in it is not a pattern, `render` over SSH shows the login node's real home for `~` (issue 15)."""
 
 from __future__ import annotations
 
