@@ -1,12 +1,14 @@
-"""Issue 15's findings on the caller's side, each reproduced without a cluster (the real-cluster ones are in
-tests/integration/)."""
+"""The caller's side without a cluster: a cluster profile is named after its file and a job goes back to the
+file it was submitted with, the registry is private, and input checks refuse what would fail later (`--after`
+ids, a relative data.path, an export output that is a folder, a resume `--set` of what may not change, a
+trailing newline or full-width digits). The items are what a new user hit in issue 15; an unreachable
+cluster in status and --watch is in test_transport_status.py."""
 
 from __future__ import annotations
 
 import os
 import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -14,10 +16,9 @@ import yaml
 from submit import api
 from submit.cli.common import profile_path_of
 from submit.config.cluster import SHIPPED_DIR, load_profile
-from submit.errors import HostKeyChanged, InputError
+from submit.errors import InputError
 from submit.jobs.checkpoints import check_output, with_overrides
 from submit.jobs.registry import JobRecord, Registry
-from submit.jobs.status import statuses
 from submit.planning.plan import plan_file
 from submit.schedulers.slurm_cli import dependency
 
@@ -63,44 +64,6 @@ def test_the_registry_is_private(user_home: Path) -> None:
         os.umask(old)
     path = user_home / "state" / "meshrun" / "registry.sqlite"
     assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
-
-
-class _Clusters:
-    """Two clusters: one answers, the other presents a changed host key."""
-
-    def __init__(self) -> None:
-        self.changed = HostKeyChanged("WARNING: REMOTE HOST IDENTIFICATION HAS CHANGED for login.example")
-
-    def transport_for(self, record: JobRecord) -> Any:
-        if record.cluster == "bad":
-            raise self.changed
-        from submit.transport.base import LocalTransport
-
-        return LocalTransport()
-
-
-def test_a_changed_host_key_reaches_the_person_not_only_json(tmp_path: Path) -> None:
-    """Item 5."""
-    warned: list[str] = []
-    records = [
-        JobRecord("local-x", "ok", "n", str(tmp_path), "local", 0.0, None, "h"),
-        JobRecord("7", "bad", "n", "/r", "slurm", 0.0, None, "h"),
-    ]
-    found = statuses(records, _Clusters(), warn=warned.append)
-    assert [s.state for s in found] == ["UNKNOWN", "UNREACHABLE"]
-    assert warned and "REMOTE HOST IDENTIFICATION HAS CHANGED" in warned[0] and warned[0].startswith("bad: ")
-
-
-def test_watch_returns_when_only_unreachable_jobs_are_left(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
-    """Item 30: --watch never returned while a cluster was unreachable."""
-    from submit.cli import jobs as cli_jobs
-    from submit.jobs.status import Status
-
-    lost = Status("7", "bad", "n", "UNREACHABLE", "/r", 0.0, done=False, succeeded=False, reason="no route")
-    done = Status("8", "ok", "n", "COMPLETED", "/r", 0.0, done=True, succeeded=True)
-    monkeypatch.setattr(api, "statuses", lambda records, clusters, registry=None: [lost, done])
-    assert cli_jobs.watch([], None, None, as_json=True) == 1
-    assert "could not be reached" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value", ["１２３", "123\n", "12 3", "any:１"])

@@ -1,5 +1,6 @@
-"""The transport helpers (batch, put, stream) on this machine, the one-round-trip status merge, the
-log printer, the registry's profile column and array lookups: no cluster needed."""
+"""The transport helpers (batch, put, stream) on this machine, the one-round-trip status merge (and an
+unreachable cluster in status and --watch), the log printer, the registry's profile column and array
+lookups: no cluster needed."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import io
 import json
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from submit.errors import InputError, JobNotFound
+from submit import api
+from submit.errors import HostKeyChanged, InputError, JobNotFound
 from submit.jobs.registry import JobRecord, Registry
-from submit.jobs.status import parse_metrics_tail
+from submit.jobs.status import parse_metrics_tail, statuses
 from submit.schedulers import slurm_cli as slurm
 from submit.schedulers.slurm import query_argvs, states_from
 from submit.transport.base import LocalTransport, Result, Upload, batch, tar_bytes
@@ -104,6 +107,44 @@ def test_accounting_off_falls_back_to_squeue_and_the_last_seen_state() -> None:
     assert [states[j].state for j in ("5", "6", "7")] == ["RUNNING", "COMPLETED", "UNKNOWN"]
     with pytest.raises(Exception, match="accounting storage is disabled"):
         states_from(records, Result((), 1, "", "slurm_load_jobs error: Unable to contact"), sacct)
+
+
+class _Clusters:
+    """Two clusters: one answers, the other presents a changed host key."""
+
+    def __init__(self) -> None:
+        self.changed = HostKeyChanged("WARNING: REMOTE HOST IDENTIFICATION HAS CHANGED for login.example")
+
+    def transport_for(self, record: JobRecord) -> Any:
+        if record.cluster == "bad":
+            raise self.changed
+        from submit.transport.base import LocalTransport
+
+        return LocalTransport()
+
+
+def test_a_changed_host_key_reaches_the_person_not_only_json(tmp_path: Path) -> None:
+    """Issue 15, item 5: a host key warning went only into --json output."""
+    warned: list[str] = []
+    records = [
+        JobRecord("local-x", "ok", "n", str(tmp_path), "local", 0.0, None, "h"),
+        JobRecord("7", "bad", "n", "/r", "slurm", 0.0, None, "h"),
+    ]
+    found = statuses(records, _Clusters(), warn=warned.append)
+    assert [s.state for s in found] == ["UNKNOWN", "UNREACHABLE"]
+    assert warned and "REMOTE HOST IDENTIFICATION HAS CHANGED" in warned[0] and warned[0].startswith("bad: ")
+
+
+def test_watch_returns_when_only_unreachable_jobs_are_left(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """Issue 15, item 30: --watch never returned while a cluster was unreachable."""
+    from submit.cli import jobs as cli_jobs
+    from submit.jobs.status import Status
+
+    lost = Status("7", "bad", "n", "UNREACHABLE", "/r", 0.0, done=False, succeeded=False, reason="no route")
+    done = Status("8", "ok", "n", "COMPLETED", "/r", 0.0, done=True, succeeded=True)
+    monkeypatch.setattr(api, "statuses", lambda records, clusters, registry=None: [lost, done])
+    assert cli_jobs.watch([], None, None, as_json=True) == 1
+    assert "could not be reached" in capsys.readouterr().err
 
 
 def test_metrics_tail_skips_a_line_being_written() -> None:
