@@ -1,15 +1,26 @@
-"""Small display findings of issue 15 (item 34): what a person reads lines up and says the truth."""
+"""What a person reads lines up, says the truth and carries no raw control characters: status columns with
+wide and emoji names, errors and the sweep's input with escape sequences, terminal widths
+(submit/views/textwidth.py), readable ASCII run-dir names (issue 15, item 34)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from launcher.contract.spec import JobSpec
 from submit.config.cluster import load_profile
+from submit.errors import InputError
+from submit.planning import sweep
 from submit.planning.plan import run_dir_for
 from submit.views.tables import progress_line, status_table
-from submit.views.textwidth import display_width
+from submit.views.textwidth import display_width, ljust, printable, slug
 from tests.unit.test_local_and_wait import _status
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_status_columns_line_up_with_wide_and_emoji_names() -> None:
@@ -31,3 +42,82 @@ def test_a_finished_job_shows_no_time_left() -> None:
 def test_non_ascii_names_give_readable_run_dirs() -> None:
     run_dir = run_dir_for(JobSpec(name="Über-Modell ✨"), load_profile("local"), home="/h")
     assert Path(run_dir).name.startswith("Uber-Modell-")
+
+
+def _cli(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"), XDG_CONFIG_HOME=str(tmp_path / "config"))
+    return subprocess.run(
+        [sys.executable, "-m", "submit.cli.main", *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=60
+    )
+
+
+# --- item 34: control characters in errors ----------------------------------------------------------------------
+
+
+class _OddRepr:
+    def __repr__(self) -> str:
+        return "odd\x1b[2Jvalue"
+
+
+def test_input_error_never_shows_raw_control_characters() -> None:
+    assert str(InputError("k", _OddRepr(), "fix")) == "k: odd\\x1b[2Jvalue: fix"
+    assert str(InputError("k", "a\x1b\u202eb", "fix")) == "k: 'a\\x1b\\u202eb': fix"
+    assert printable("x\n\x07\u2028y é") == "x\\n\\x07\\u2028y é"
+
+
+@pytest.mark.parametrize("item", ["train.lr=1e-3,\x1b[31mred", "env.X=a,b\u202eevil", "env.X\x07=a,b"])
+def test_sweep_refuses_control_characters(item: str) -> None:
+    with pytest.raises(InputError) as caught:
+        sweep.parse([item])
+    assert caught.value.key == "--sweep" and str(caught.value).isprintable()
+
+
+def test_cli_errors_from_sweeps_and_sets_print_no_raw_control_characters(tmp_path: Path) -> None:
+    for args in (
+        ["--sweep", "train.lr=1e-3,\x1b[31mred"],
+        ["--sweep", "env.X=a,b\x1b]0;title\x07"],
+        ["--set", "env.X\x1b[31m=a"],
+    ):
+        out = _cli(["render", "examples/tiny.yaml", "-c", "testbed", *args], tmp_path)
+        assert out.returncode == 2, out
+        assert out.stderr.count("\n") == 1 and out.stderr.rstrip("\n").isprintable(), repr(out.stderr)
+        assert "\\x1b" in out.stderr
+
+
+# --- item 34: wide names and run-dir names ----------------------------------------------------------------------
+
+
+def test_display_width_counts_terminal_columns() -> None:
+    assert display_width("job") == 3
+    assert display_width("模型训练") == 8 and display_width("ｆｕｌｌ") == 8
+    assert display_width("✨") == 2 and display_width("🚀 run") == 6 and display_width("❤\ufe0f") == 2
+    assert display_width("cafe\u0301") == 4 and display_width("a\u200db") == 2
+    names = ["plain", "模型", "rocket 🚀", "e\u0301te\u0301"]
+    widths = {display_width(ljust(name, 12) + "|") for name in names}
+    assert widths == {13}
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("Über-Modell ✨", "Uber-Modell"),
+        ("naïve café", "naive_cafe"),
+        ("Straße Ærø", "Strasse_AEro"),
+        ("ｆｕｌｌ-width", "full-width"),
+        ("tiny-gpt", "tiny-gpt"),
+        ("my model+v2", "my_model+v2"),
+        ("模型", "job"),
+        ("✨✨", "job"),
+        ("", "job"),
+        ("-rf ../..", "rf"),
+    ],
+)
+def test_slug_is_readable_ascii_and_never_empty(name: str, expected: str) -> None:
+    assert slug(name) == expected
+
+
+def test_slug_is_file_name_safe_and_bounded() -> None:
+    for name in ["a/b\\c", "x" * 300, "../../etc", "\x1b[31m", "é" * 100, ". ..", "a\nb"]:
+        result = slug(name)
+        assert result and len(result) <= 64 and result.isascii()
+        assert all(c.isalnum() or c in "_+-" for c in result) and not result.startswith("-"), result
