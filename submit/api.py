@@ -1,8 +1,11 @@
-"""The Python face of meshrun, and the only module that both plans and talks to a cluster.
+"""The Python face of meshrun, and the only module that both plans and talks to a cluster: the one road
+every verb takes, from the CLI (which parses, calls this, prints) and from a Python caller alike.
 
-submit = plan (pure, all errors here) -> `dryrun` (the backend builds the request: script,
-argv, run-dir files, each rendered once) -> `schedule` (sends exactly that request over
-the transport) -> record. status/logs/cancel/tb/resume read the registry, then reach the
+submit = `plan_job` (pure, all input errors here) -> `check_job` (files and fit, before any
+connection) -> `prepare` (one round trip: the cluster's home and which copy of the code snapshot the
+job runs from; the backend builds the request: script, argv, run-dir files, each rendered once) ->
+`send` (the code snapshot if it is not there yet, then exactly that request) -> record. A cluster
+is this machine or reached over SSH by one test, `is_local(profile)`. status/logs/cancel/tb/resume read the registry, then reach the
 job's cluster through `Clusters` (one connection per cluster for the whole command) and
 its scheduler backend. `executor(...)` is the submitit API on a login node.
 """
@@ -10,16 +13,17 @@ its scheduler backend. `executor(...)` is the submitit API on a login node.
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 from launcher.contract.private import private_umask_while
 from submit.config.cluster import ClusterProfile, is_profile_path, load_profile, load_profile_file
 from submit.errors import ClusterError, InputError
 from submit.jobs.registry import JobRecord, Registry, now
 from submit.jobs.status import METRICS_FILE, Status, last_metrics, statuses
-from submit.planning.plan import Plan
+from submit.planning.plan import REMOTE_HOME, Plan, with_home
 from submit.schedulers import backend
 from submit.schedulers.base import Request
 from submit.transport import connect
@@ -29,6 +33,19 @@ from submit.transport.base import Progress, Transport
 # `executor` is served by the module's __getattr__ (submitit is imported only when it is asked for).
 __all__ = [
     "Clusters",
+    "Prepared",
+    "check_dependencies",
+    "check_job",
+    "connect",
+    "home_for",
+    "is_local",
+    "plan_job",
+    "poll_interval",
+    "prepare",
+    "reaches_other_machines",
+    "resolve_home",
+    "send",
+    "trust",
     "METRICS_FILE",
     "Request",
     "Status",
@@ -141,6 +158,148 @@ def schedule(
     return records
 
 
+def trust(profile: ClusterProfile, cluster: str, fingerprint: Union[None, str, Sequence[str]], replace: bool) -> None:
+    """`meshrun trust CLUSTER`: show the profile's host key and record it, on the user's word only."""
+    if profile.ssh is None:  # is_local, said so that the type checker sees it
+        raise InputError("CLUSTER", cluster, "this profile has no `ssh:` section: there is no host to trust")
+    from submit.transport.trust import trust as record_host_key  # paramiko, only for this verb
+
+    record_host_key(profile.ssh, cluster, fingerprint, replace)
+
+
+def is_local(profile: ClusterProfile) -> bool:
+    """The one local/SSH test: a profile without `ssh:` is this machine (the local cluster, a login node)."""
+    return profile.ssh is None
+
+
+def home_for(profile: ClusterProfile) -> str:
+    """The home that `~` in the profile's paths means: this machine's, or (over SSH) a placeholder
+    that `prepare` resolves once the login node has said its own."""
+    return os.path.expanduser("~") if is_local(profile) else REMOTE_HOME
+
+
+def reaches_other_machines(scheduler: str) -> bool:
+    """Whether this scheduler's jobs run on other machines than the one meshrun runs on."""
+    return backend(scheduler).over_ssh
+
+
+def poll_interval(scheduler: str, elapsed: float) -> float:
+    """How often a wait asks: the backend's choice (Slurm backs off so a long wait does not hammer slurmctld)."""
+    return backend(scheduler).poll_interval(elapsed)
+
+
+def check_dependencies(after: Sequence[str], scheduler: str) -> None:
+    """`--after JOB`: ids Slurm takes, on a scheduler that has dependencies (InputError otherwise)."""
+    from submit.schedulers.slurm_cli import dependency
+
+    dependency(after)
+    if after and not backend(scheduler).supports_dependencies:
+        raise InputError("--after", after[0], f"dependencies are Slurm's; the {scheduler} cluster has none")
+
+
+def plan_job(
+    spec_path: Path, profile: ClusterProfile, overrides: Sequence[str] = (), sweep: Sequence[str] = ()
+) -> Plan:
+    """Load, validate and resolve the job (a job array with `sweep`): every input error surfaces here,
+    before any connection."""
+    from submit.planning.plan import plan_file
+
+    if sweep:
+        from submit.planning.sweep import plan_sweep
+
+        if not backend(profile.scheduler).supports_arrays:
+            raise InputError(
+                "--sweep",
+                sweep[0],
+                f"sweeps run as job arrays, which the {profile.scheduler} "
+                f"cluster does not have; it runs one job at a time",
+            )
+        return plan_sweep(spec_path, profile, overrides, sweep, home=home_for(profile))
+    return plan_file(spec_path, profile, overrides, home=home_for(profile))
+
+
+def check_job(plan: Plan, force: bool = False) -> None:
+    """Before any connection: the files the job reads where this machine sees them as the ranks will (the
+    local cluster, a login node; over SSH the ranks check theirs when they start), and, unless `force`, that
+    a GPU job fits its partition's memory (InputError)."""
+    from submit.planning.plan import check_files, check_fit
+
+    if is_local(plan.cluster):
+        check_files(plan)
+    if not force:
+        check_fit(plan)
+
+
+def resolve_home(plan: Plan, transport: Transport) -> Plan:
+    """The plan with the cluster's own home for `~` (one command over SSH; nothing to ask locally)."""
+    return plan if is_local(plan.cluster) else with_home(plan, snapshots.remote_home(transport))
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A job made ready to send, exactly as it will be sent."""
+
+    plan: Plan
+    """The plan with the cluster's home and the folder its ranks run from."""
+    request: Request
+    """What the backend sends: script, start argv, run-dir files, each rendered once."""
+    snapshot: Optional[snapshots.Snapshot]
+    """The project's code, for a cluster that runs jobs from a snapshot; None where it runs files in place."""
+    found: Optional[snapshots.Found]
+    """What the cluster said of that snapshot (None before any connection)."""
+    warnings: tuple[str, ...] = ()
+    """Lines to show once: the code goes to a new copy because the old one changed."""
+
+
+def prepare(
+    plan: Plan,
+    spec_dir: Path,
+    transport: Optional[Transport] = None,
+    after: Sequence[str] = (),
+    read_only: bool = False,
+) -> Prepared:
+    """The plan made once, then (with a transport) one round trip asks the cluster for its home and which copy
+    of the code snapshot the job runs from, then the request is built, rendered once. Without a transport
+    (a dry run on this machine) nothing is asked. `read_only` (render): nothing is written on the cluster."""
+    ships_code = backend(plan.cluster.scheduler).ships_code
+    snap = snapshots.collect(spec_dir, plan.spec.code) if ships_code else None
+    found: Optional[snapshots.Found] = None
+    warnings: tuple[str, ...] = ()
+    if transport is not None and (not is_local(plan.cluster) or snap is not None):
+        home, found = snapshots.probe(transport, plan.work_dir, snap, read_only=read_only)
+        if not is_local(plan.cluster):
+            plan = with_home(plan, home)
+        if found is not None and not found.present:
+            warnings = tuple(snapshots.changed_warning(plan.work_dir, found))
+    in_place = None if ships_code else str(snapshots.project_root(spec_dir, plan.spec.code) or spec_dir.resolve())
+    plan = with_code_dir(plan, snap, in_place, found.name if found else None)
+    return Prepared(plan, dryrun(plan, after), snap, found, warnings)
+
+
+def upload(prepared: Prepared, transport: Transport, progress: Optional[Progress] = None) -> Prepared:
+    """The code snapshot put on the cluster unless it is there; the result says it is there now."""
+    found = prepared.found
+    if not sync_code(prepared.plan, transport, prepared.snapshot, progress, found.present if found else None):
+        return prepared
+    present = dataclasses.replace(found, present=True) if found is not None else None
+    return dataclasses.replace(prepared, found=present)
+
+
+def send(
+    prepared: Prepared,
+    registry: Registry,
+    transport: Transport,
+    spec_dir: Path = Path("."),
+    profile_path: Optional[str] = None,
+    progress: Optional[Progress] = None,
+) -> tuple[list[JobRecord], bool]:
+    """The code snapshot if it is not on the cluster yet, then exactly the prepared request; the job
+    recorded. Returns the records (one per sweep task) and whether code was uploaded."""
+    uploaded = upload(prepared, transport, progress) is not prepared
+    records = schedule(prepared.request, prepared.plan, registry, transport, spec_dir, profile_path)
+    return records, uploaded
+
+
 def submit(
     plan: Plan,
     registry: Registry,
@@ -150,16 +309,9 @@ def submit(
     profile_path: Optional[str] = None,
     force: bool = False,
 ) -> list[JobRecord]:
-    """dryrun + schedule: build the request, send it, record the job. A GPU job that cannot fit its
-    partition's memory is refused first (InputError, as `meshrun submit` does), unless `force`."""
-    from submit.planning.plan import check_files, check_fit
-    from submit.transport.base import LocalTransport
-
-    if isinstance(transport, LocalTransport):
-        check_files(plan)  # over SSH, the ranks check their files when they start
-    if not force:
-        check_fit(plan)
-    return schedule(dryrun(plan, after), plan, registry, transport, spec_dir, profile_path)
+    """`meshrun submit`'s road for a Python caller: check_job, prepare, send (code snapshot included)."""
+    check_job(plan, force)
+    return send(prepare(plan, spec_dir, transport, after), registry, transport, spec_dir, profile_path)[0]
 
 
 class Clusters:

@@ -65,3 +65,7 @@ class HostKeyChanged(HostKeyError):
 
 class HostKeyRevoked(HostKeyError):
     """The host presents a key that known_hosts marks `@revoked`."""
+
+
+class ConnectionLost(ClusterError):
+    """The connection dropped mid-command; the caller may reconnect and resume."""

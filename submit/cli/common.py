@@ -1,22 +1,13 @@
-"""What several verbs do alike: find the profile's file and the home its `~` means, and wait for a job (--wait)."""
+"""What several verbs do alike: find the profile's file, and wait for a job (--wait)."""
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from typing import Any, Optional, TextIO
 
 from submit.views.tables import alert_line, progress_line
-
-
-def home_for(profile: Any) -> str:
-    """The home that `~` in the profile's paths means: this machine's, or (over SSH) a placeholder
-    that `plan.with_home` resolves once the login node has said its own."""
-    from submit.planning.plan import REMOTE_HOME
-
-    return os.path.expanduser("~") if profile.ssh is None else REMOTE_HOME
 
 
 def profile_path_of(cluster: str) -> str:
@@ -49,19 +40,12 @@ def finish_wait(record: Any, clusters: Any, registry: Any, total_steps: Optional
     return EXIT_INPUT if status.exit_code == EXIT_INPUT else 1
 
 
-def poll_interval(elapsed: float, scheduler: str) -> float:
-    """How often --wait asks: the backend's choice (Slurm backs off so a long wait does not hammer slurmctld)."""
-    from submit.schedulers import backend
-
-    return backend(scheduler).poll_interval(elapsed)
-
-
 def wait_for(
     record: Any, clusters: Any, registry: Any, total_steps: Optional[int], out: Optional[TextIO] = None
 ) -> Any:
     """Poll until the job ends, showing progress (one rewritten line on a terminal, plain lines piped)."""
     from submit import api
-    from submit.transport.base import ConnectionLost
+    from submit.errors import ConnectionLost
 
     out = out if out is not None else sys.stderr
     tty, last, started = out.isatty(), None, time.monotonic()
@@ -71,7 +55,7 @@ def wait_for(
             status = api.statuses([record], clusters, registry)[0]
         except ConnectionLost:
             clusters.close()  # the job runs on regardless: reconnect at the next poll
-            time.sleep(poll_interval(time.monotonic() - started, record.scheduler))
+            time.sleep(api.poll_interval(record.scheduler, time.monotonic() - started))
             continue
         new = [a for a in status.alerts if json.dumps(a, sort_keys=True) not in shown]
         for alert in new:  # each new alert once, on a line of its own above the progress line
@@ -90,4 +74,4 @@ def wait_for(
             if tty:
                 out.write("\n")
             return status
-        time.sleep(poll_interval(time.monotonic() - started, record.scheduler))
+        time.sleep(api.poll_interval(record.scheduler, time.monotonic() - started))

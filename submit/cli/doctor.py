@@ -39,15 +39,15 @@ def add_parsers(verbs: Any) -> None:
 
 def options(args: argparse.Namespace, profile: Any) -> Any:
     """The doctor's options, checked: every input error before any connection."""
+    from submit import api
     from submit.jobs.doctor import Options
-    from submit.schedulers import backend
 
     try:
         part = profile.partition(args.partition)
     except InputError as exc:
         raise InputError("--partition", exc.value, exc.fix) from None
     # A cluster that is not this machine has several nodes (the local one is this machine: one node).
-    several = backend(profile.scheduler).over_ssh and (part.max_nodes or 2) >= 2
+    several = api.reaches_other_machines(profile.scheduler) and (part.max_nodes or 2) >= 2
     nodes = args.nodes if args.nodes is not None else (2 if several else 1)
     if nodes < 1:
         raise InputError("--nodes", nodes, "check at least 1 node")
@@ -95,22 +95,19 @@ def read_results(transport: Any, run_dir: str, world: int) -> list[Optional[dict
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from submit import api, installed_version
-    from submit.cli.common import home_for, profile_path_of, wait_for
+    from submit.cli.common import profile_path_of, wait_for
     from submit.config.cluster import load_profile
     from submit.jobs.doctor import judge, table
     from submit.jobs.registry import Registry
-    from submit.planning.plan import with_home
-    from submit.transport import connect, snapshot
 
     profile = load_profile(args.cluster)
     opts = options(args, profile)
-    plan = doctor_plan(profile, opts, home_for(profile))  # every input error before any connection
+    plan = doctor_plan(profile, opts, api.home_for(profile))  # every input error before any connection
     clusters = api.Clusters()
     try:
-        transport = connect(profile.ssh, args.cluster)
+        transport = api.connect(profile.ssh, args.cluster)
         clusters.adopt(profile, transport, profile_path_of(args.cluster))
-        if profile.ssh is not None:
-            plan = with_home(plan, snapshot.remote_home(transport))
+        plan = api.resolve_home(plan, transport)
         registry = Registry()
         (record,) = api.schedule(
             api.dryrun(plan), plan, registry, transport, profile_path=profile_path_of(args.cluster)

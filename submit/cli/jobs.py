@@ -166,11 +166,8 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_trust(args: argparse.Namespace) -> int:
+    from submit import api
     from submit.config.cluster import load_profile
-    from submit.transport.trust import trust
 
-    profile = load_profile(args.cluster)
-    if profile.ssh is None:
-        raise InputError("CLUSTER", args.cluster, "this profile has no `ssh:` section: there is no host to trust")
-    trust(profile.ssh, args.cluster, args.fingerprint, args.replace)
+    api.trust(load_profile(args.cluster), args.cluster, args.fingerprint, args.replace)
     return 0

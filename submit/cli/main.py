@@ -26,7 +26,7 @@ from submit.cli import live as cli_live
 from submit.cli import plan as cli_plan
 from submit.cli import tb as cli_tb
 from submit.cli.args import cluster_arg, overrides_arg
-from submit.cli.common import finish_wait, home_for, profile_path_of
+from submit.cli.common import finish_wait, profile_path_of
 from submit.errors import InputError, InternalError, MeshrunError
 from submit.views.tables import table
 
@@ -195,92 +195,43 @@ def cmd_clusters(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace, profile: Any) -> Any:
     """Load, validate and resolve the job: every input error surfaces here, before any connection."""
-    from submit.planning.plan import plan_file
-    from submit.schedulers import backend
-
-    if args.sweep:
-        from submit.planning.sweep import plan_sweep
-
-        if not backend(profile.scheduler).supports_arrays:
-            raise InputError(
-                "--sweep",
-                args.sweep[0],
-                f"sweeps run as job arrays, which the {profile.scheduler} "
-                f"cluster does not have; it runs one job at a time",
-            )
-        return plan_sweep(args.spec, profile, args.overrides, args.sweep, home=home_for(profile))
-    return plan_file(args.spec, profile, args.overrides, home=home_for(profile))
-
-
-def _snapshot(args: argparse.Namespace, profile: Any, plan: Any) -> Any:
-    """The project's code snapshot, when the cluster runs jobs from one."""
-    from submit.schedulers import backend
-    from submit.transport import snapshot
-
-    return snapshot.collect(args.spec.parent, plan.spec.code) if backend(profile.scheduler).ships_code else None
-
-
-def _request(
-    args: argparse.Namespace, profile: Any, plan: Any, snap: Any, transport: Any = None, read_only: bool = False
-) -> tuple[Any, Any, Any]:
-    """The plan made (once, before any connection), then ask the cluster (one round trip; none for a
-    dry run on a login node) for its home and which copy of the code snapshot the job runs from, then
-    build the request, rendered once. Returns (plan with the real home, request, snapshot.Found or None).
-    `read_only` (render): nothing is written on the cluster."""
     from submit import api
-    from submit.planning.plan import with_home
-    from submit.transport import snapshot
 
-    found = None
-    if transport is not None and (profile.ssh is not None or snap is not None):
-        home, found = snapshot.probe(transport, plan.work_dir, snap, read_only=read_only)
-        if profile.ssh is not None:
-            plan = with_home(plan, home)
-        for line in snapshot.changed_warning(plan.work_dir, found) if found and not found.present else ():
-            print(f"meshrun: warning: {line}", file=sys.stderr)  # once: when the code goes to a new copy
-    plan = api.with_code_dir(plan, snap, _project_dir(args, profile, plan), found.name if found else None)
-    return plan, api.dryrun(plan, getattr(args, "after", ())), found
-
-
-def _project_dir(args: argparse.Namespace, profile: Any, plan: Any) -> Optional[str]:
-    """Where a cluster that runs this machine's files in place runs them: the project (code.root, else the
-    git work tree holding the spec), else the spec's folder. None for a cluster that ships a snapshot."""
-    from submit.schedulers import backend
-    from submit.transport import snapshot
-
-    if backend(profile.scheduler).ships_code:
-        return None
-    return str(snapshot.project_root(args.spec.parent, plan.spec.code) or args.spec.parent.resolve())
+    return api.plan_job(args.spec, profile, args.overrides, args.sweep)
 
 
 def cmd_render(args: argparse.Namespace) -> int:
     """The script a submit would write, byte for byte (over SSH the login node is asked for its home);
     nothing is written on the cluster unless --upload asks for the code snapshot the script runs from."""
-    import dataclasses
-
     from submit import api
     from submit.config.cluster import load_profile
-    from submit.transport import connect
 
     profile = load_profile(args.cluster)
     plan = _plan(args, profile)  # every input error before any connection
-    snap = _snapshot(args, profile, plan)
-    transport = connect(profile.ssh, args.cluster)
+    transport = api.connect(profile.ssh, args.cluster)
     try:
-        plan, request, found = _request(args, profile, plan, snap, transport, read_only=not args.upload)
-        if args.upload and found is not None and api.sync_code(plan, transport, snap, present=found.present):
-            found = dataclasses.replace(found, present=True)
-            print(f"code: uploaded the code snapshot {plan.code_dir}", file=sys.stderr)
+        prepared = api.prepare(plan, args.spec.parent, transport, read_only=not args.upload)
+        _warn(prepared.warnings)
+        if args.upload:
+            uploaded = api.upload(prepared, transport)
+            if uploaded is not prepared:
+                print(f"code: uploaded the code snapshot {prepared.plan.code_dir}", file=sys.stderr)
+            prepared = uploaded
     finally:
         transport.close()
     if args.output:
-        args.output.write_text(request.script)
+        args.output.write_text(prepared.request.script)
         print(f"wrote {args.output}", file=sys.stderr)
     else:
-        sys.stdout.write(request.script)
-    if found is not None:
-        print(_code_needed(plan.code_dir, found.present, args), file=sys.stderr)
+        sys.stdout.write(prepared.request.script)
+    if prepared.found is not None and prepared.plan.code_dir is not None:
+        print(_code_needed(prepared.plan.code_dir, prepared.found.present, args), file=sys.stderr)
     return 0
+
+
+def _warn(lines: Sequence[str]) -> None:
+    for line in lines:  # once: when the code goes to a new copy
+        print(f"meshrun: warning: {line}", file=sys.stderr)
 
 
 def _code_needed(code_dir: str, present: bool, args: argparse.Namespace) -> str:
@@ -296,20 +247,18 @@ def _code_needed(code_dir: str, present: bool, args: argparse.Namespace) -> str:
 
 
 def _check_submit_flags(args: argparse.Namespace, scheduler: str) -> None:
-    from submit.schedulers import backend
-    from submit.schedulers.slurm_cli import dependency
+    from submit import api
 
-    dependency(args.after)
-    if args.after and not backend(scheduler).supports_dependencies:
-        raise InputError("--after", args.after[0], f"dependencies are Slurm's; the {scheduler} cluster has none")
+    api.check_dependencies(args.after, scheduler)
     if args.sweep and args.wait:
         raise InputError("--wait", "--sweep", "a sweep is several jobs: follow them with `meshrun status ID --watch`")
 
 
-def print_request(plan: Any, snap: Any, request: Any, as_json: bool) -> None:
+def print_request(prepared: Any, as_json: bool) -> None:
     """`submit --dry-run`: the request exactly as it would be sent."""
     from submit.planning.plan import describe
 
+    plan, snap, request = prepared.plan, prepared.snapshot, prepared.request
     code = (
         {"root": str(snap.root), "files": len(snap.files), "bytes": snap.size, "digest": snap.digest} if snap else None
     )
@@ -332,57 +281,50 @@ def print_request(plan: Any, snap: Any, request: Any, as_json: bool) -> None:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    from submit import api
     from submit.config.cluster import load_profile
     from submit.jobs.doctor import with_exclude
 
     profile = with_exclude(load_profile(args.cluster), args.exclude)
     _check_submit_flags(args, profile.scheduler)
     plan = _plan(args, profile)  # every input error surfaces before any connection
-    if profile.ssh is None:
-        from submit.planning.plan import check_files
-
-        check_files(plan)  # a missing token or weights file, seen from here (a login node, the local cluster)
-    if not args.force:
-        from submit.planning.plan import check_fit
-
-        check_fit(plan)  # a job that cannot fit its GPUs: refused before paying for it
-    snap = _snapshot(args, profile, plan)
-    if args.dry_run and profile.ssh is None:
-        plan, request, _ = _request(args, profile, plan, snap)
-        print_request(plan, snap, request, args.json)
+    api.check_job(plan, force=args.force)  # missing files seen from here; a job that cannot fit its GPUs
+    if args.dry_run and api.is_local(profile):
+        prepared = api.prepare(plan, args.spec.parent, after=args.after)
+        print_request(prepared, args.json)
         return 0
-    return _submit(args, profile, plan, snap)
+    return _submit(args, profile, plan)
 
 
-def _submit(args: argparse.Namespace, profile: Any, plan: Any, snap: Any) -> int:
+def _submit(args: argparse.Namespace, profile: Any, plan: Any) -> int:
     from submit import api
     from submit.jobs.registry import Registry
-    from submit.transport import connect
-    from submit.transport.progress import ProgressBar
+    from submit.views.progress import ProgressBar
 
     clusters = api.Clusters()
     try:
-        transport = connect(profile.ssh, args.cluster)
+        transport = api.connect(profile.ssh, args.cluster)
         clusters.adopt(profile, transport, profile_path_of(args.cluster))
-        plan, request, found = _request(args, profile, plan, snap, transport)
+        prepared = api.prepare(plan, args.spec.parent, transport, after=args.after)
+        _warn(prepared.warnings)
         if args.dry_run:
-            print_request(plan, snap, request, args.json)
+            print_request(prepared, args.json)
             return 0
+        snap = prepared.snapshot
         bar = ProgressBar(f"uploading code ({len(snap.files)} files)" if snap else "")
-        if api.sync_code(plan, transport, snap, progress=bar, present=found.present if found else None):
+        registry = Registry()
+        records, uploaded = api.send(
+            prepared, registry, transport, args.spec.parent, profile_path_of(args.cluster), progress=bar
+        )
+        if uploaded:
             bar.done()
         elif snap is not None:
             print(f"code: unchanged, snapshot {snap.digest} already on {profile.name}", file=sys.stderr)
-        registry = Registry()
-        records = api.schedule(
-            request, plan, registry, transport, spec_dir=args.spec.parent, profile_path=profile_path_of(args.cluster)
-        )
-        _print_submitted(plan, records)
+        _print_submitted(prepared.plan, records)
         if not args.wait:
             return 0
-        return finish_wait(
-            records[0], clusters, registry, total_steps=None if plan.spec.command else plan.spec.trainer.steps
-        )
+        spec = prepared.plan.spec
+        return finish_wait(records[0], clusters, registry, total_steps=None if spec.command else spec.trainer.steps)
     finally:
         clusters.close()
 

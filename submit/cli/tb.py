@@ -55,7 +55,6 @@ def cmd_tb(args: argparse.Namespace) -> int:
         raise InputError("JOB", "", "give the ids of the jobs to show (or --stop to stop a TensorBoard left running)")
     from submit import api
     from submit.jobs.registry import Registry
-    from submit.schedulers import backend
     from submit.views import tensorboard
 
     tensorboard.check_local_port(args.port)  # before anything starts on the cluster
@@ -75,7 +74,7 @@ def cmd_tb(args: argparse.Namespace) -> int:
             + (" (already running)" if board.reused else ""),
             sys.stdout,
         )
-        if tensorboard.is_local(transport) and backend(clusters.profile_for(record).scheduler).over_ssh:
+        if tensorboard.is_local(transport) and api.reaches_other_machines(clusters.profile_for(record).scheduler):
             # On a login node a laptop needs the tunnel; the `local` cluster is this machine's own jobs.
             _say(
                 f"from your laptop: {tensorboard.ssh_hint(board.port, args.port or None)} "

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 from launcher.contract.rundir import RunDir
-from submit.errors import MeshrunError
+from submit.errors import ConnectionLost, MeshrunError
 from submit.jobs.registry import JobRecord, Registry
 from submit.schedulers.slurm_cli import FAILURE, SUCCESS
-from submit.transport.base import ConnectionLost, Transport
+from submit.transport.base import Transport
 
 METRICS_FILE = RunDir.METRICS
 FINAL = SUCCESS | FAILURE

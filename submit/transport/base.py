@@ -52,10 +52,6 @@ class Upload:
     mode: int = 0o600
 
 
-class ConnectionLost(ClusterError):
-    """The connection dropped mid-command; the caller may reconnect and resume."""
-
-
 class Stream(Protocol):
     """A running command's stdout, chunk by chunk; iteration ends when the command exits."""
 

@@ -19,12 +19,11 @@ from typing import Iterator, Mapping, Optional, Sequence
 import paramiko
 
 from submit.config.cluster import Ssh
-from submit.errors import ClusterError
+from submit.errors import ClusterError, ConnectionLost
 from submit.transport import hostkeys
 from submit.transport.base import (
     PUT_FAILED,
     PUT_SCRIPT,
-    ConnectionLost,
     Forward,
     Progress,
     Result,

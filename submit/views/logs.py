@@ -27,9 +27,9 @@ from typing import Any, BinaryIO, Optional, Sequence, TextIO
 
 from launcher.contract.rundir import RunDir
 from submit import api
-from submit.errors import ClusterError, InputError
+from submit.errors import ClusterError, ConnectionLost, InputError
 from submit.jobs.registry import JobRecord
-from submit.transport.base import ConnectionLost, Stream, Transport
+from submit.transport.base import Stream, Transport
 
 RECONNECT_ATTEMPTS = 8
 FOLLOW_TAIL_BYTES = 1 << 20

@@ -117,7 +117,7 @@ def screen(found: Sequence[Status], width: int) -> list[str]:
 def run(records: Sequence[Any], clusters: Any, registry: Any, out: Optional[TextIO] = None, once: bool = False) -> int:
     """Redraw every REFRESH_S until Ctrl-C; not a terminal (or `once`): one refresh as plain lines."""
     from submit import api
-    from submit.transport.base import ConnectionLost
+    from submit.errors import ConnectionLost
 
     out = out or sys.stdout
     tty = out.isatty() and not once

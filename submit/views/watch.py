@@ -161,7 +161,7 @@ def refresh(records: Sequence[Any], clusters: Any, registry: Any) -> Optional[li
     """One status refresh for a loop that follows jobs; None when a connection was lost (closed:
     the next refresh reconnects)."""
     from submit import api
-    from submit.transport.base import ConnectionLost
+    from submit.errors import ConnectionLost
 
     try:
         found: list[Any] = api.statuses(records, clusters, registry)

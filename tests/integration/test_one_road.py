@@ -11,7 +11,10 @@ from typing import Any, Iterator
 
 import pytest
 
+from submit import api
 from submit.cli import main as cli
+from submit.config.cluster import load_profile
+from submit.jobs.registry import Registry
 from submit.planning import plan as planning
 from submit.schedulers import render as rendering
 from tests.helpers import sshbed
@@ -87,3 +90,30 @@ def test_over_ssh_one_plan_one_render_and_the_dry_run_is_what_is_sent(
     assert shown["argv"][0] == "sbatch" and shown["argv"][-1] == shown["script_path"]
     assert not run_dir.startswith("~") and shown["code_dir"] and Path(shown["code_dir"]).is_dir()
     assert f"export MESHRUN_CODE_DIR={shown['code_dir']}" in shown["script"]
+
+
+def test_the_python_api_takes_the_cli_road_over_ssh_code_snapshot_included(
+    testbed: dict, laptop: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """api.submit is `meshrun submit` for a Python caller: one plan, one render, and the code snapshot put on
+    the cluster and sealed before the job that runs from it is queued (once it was a second road without
+    that step: its jobs refused to start)."""
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    home = laptop["home"]
+    profile_file = sshbed.profile(home)
+    root = sshbed.project(home, {"api.yaml": sshbed.command_spec("api-road", ["true"])})
+    profile = load_profile(str(profile_file))
+    plan = api.plan_job(root / "api.yaml", profile)
+    assert not api.is_local(profile) and plan.code_dir is None  # the folder is known once the cluster is asked
+    transport = api.connect(profile.ssh, str(profile_file))
+    try:
+        (record,) = api.submit(plan, Registry(), transport, spec_dir=root, profile_path=str(profile_file))
+    finally:
+        transport.close()
+    assert laptop["calls"] == {"plan": 1, "render": 1}
+    script = Path(record.run_dir, "job.sbatch").read_text()
+    code_dir = next(
+        line.split("=", 1)[1] for line in script.splitlines() if line.startswith("export MESHRUN_CODE_DIR=")
+    )
+    assert Path(code_dir, "api.yaml").is_file()  # uploaded before sbatch: the job finds its code
+    assert Registry().find(record.job_id).run_dir == record.run_dir  # recorded as the CLI records it

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from launcher.contract.rundir import local_state_path, merge_state
-from submit.api import Status
-from submit.cli.common import poll_interval
+from submit.api import Status, poll_interval
 from submit.errors import ClusterError
 from submit.jobs.registry import JobRecord, Registry
 from submit.schedulers import local
@@ -44,8 +43,8 @@ def test_progress_line_shows_state_step_loss_and_time_left() -> None:
 
 
 def test_polling_backs_off_on_slurm() -> None:
-    assert [poll_interval(t, "slurm") for t in (0, 29, 31, 299, 301)] == [2.0, 2.0, 5.0, 5.0, 10.0]
-    assert poll_interval(1000, "local") == 0.5
+    assert [poll_interval("slurm", t) for t in (0, 29, 31, 299, 301)] == [2.0, 2.0, 5.0, 5.0, 10.0]
+    assert poll_interval("local", 1000) == 0.5
 
 
 def test_a_dead_supervisor_reads_as_failed(tmp_path: Path) -> None:

@@ -223,7 +223,7 @@ def test_new_caller_side_modules_stay_light() -> None:
 
     code = (
         "import sys; import submit.cli.main, submit.cli.jobs, submit.transport.snapshot, submit.planning.sweep, submit.jobs.status, "
-        "submit.views.logs, submit.views.tensorboard, submit.transport.sshconfig, submit.transport.progress, submit.transport.portforward; "
+        "submit.views.logs, submit.views.tensorboard, submit.transport.sshconfig, submit.views.progress, submit.transport.portforward; "
         "bad = [m for m in ('torch', 'numpy', 'paramiko', 'tensorboard') if m in sys.modules]; "
         "assert not bad, bad"
     )
