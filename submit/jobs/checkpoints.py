@@ -54,8 +54,7 @@ def checkpoint_dir(record: JobRecord, transport: Transport) -> str:
 def with_overrides(run_spec: RunSpec, overrides: Sequence[str]) -> RunSpec:
     """The run spec with `resume --set` applied (validated like a submit's); only RESUME_SETTABLE keys."""
     from launcher.contract import schema
-    from launcher.contract.spec import JobSpec
-    from submit.planning.plan import check_checkpoint, check_ranges
+    from launcher.contract.spec import JobSpec, check_ranges
 
     for item in overrides:
         key = item.partition("=")[0].strip()
@@ -71,8 +70,10 @@ def with_overrides(run_spec: RunSpec, overrides: Sequence[str]) -> RunSpec:
         job = schema.load(JobSpec, data)
     except schema.SchemaError as exc:
         raise InputError(f"--set {exc.key}", exc.value, exc.fix) from None
-    check_ranges(job)
-    check_checkpoint(job)
+    try:
+        check_ranges(job)  # checkpoint cadence and the requeue guard among them
+    except schema.SchemaError as exc:
+        raise InputError(exc.key, exc.value, exc.fix) from None
     return dataclasses.replace(run_spec, job=job)
 
 

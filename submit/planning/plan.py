@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 from launcher.contract import dsconfig, presets, schema, tokens, weights
 from launcher.contract.rundir import RunDir
 from launcher.contract.schema import SchemaError
-from launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec
+from launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, check_ranges
 from submit import __version__
 from submit.config.cluster import ClusterProfile, Partition
 from submit.config.yamlfile import YamlDoc
@@ -155,116 +155,6 @@ def format_time(seconds: int) -> str:
     hours, m = divmod(minutes, 60)
     days, h = divmod(hours, 24)
     return f"{days}-{h:02d}:{m:02d}:{s:02d}" if days else f"{h:02d}:{m:02d}:{s:02d}"
-
-
-def _positive(key: str, value: float, minimum: float = 1) -> None:
-    if value < minimum:
-        raise InputError(key, value, f"must be at least {minimum:g}")
-
-
-def check_ranges(spec: JobSpec) -> None:
-    res = spec.resources
-    for key, value in (
-        ("resources.nodes", res.nodes),
-        ("resources.cpus_per_task", res.cpus_per_task),
-        ("parallel.dp", spec.parallel.dp),
-        ("parallel.tp", spec.parallel.tp),
-        ("parallel.pp", spec.parallel.pp),
-    ):
-        _positive(key, value)
-    _positive("resources.gpus_per_node", res.gpus_per_node, 0)
-    check_checkpoint(spec)
-    if res.tasks_per_node is not None:
-        _positive("resources.tasks_per_node", res.tasks_per_node)
-    if not 0 <= spec.data.val_fraction < 1:
-        raise InputError("data.val_fraction", spec.data.val_fraction, "use a fraction in [0, 1), e.g. 0.05")
-    if spec.command is None and not (spec.data.path.startswith(("/", "~/")) or spec.data.path == "~"):
-        # The ranks run elsewhere (another cwd, another machine): a relative path means nothing there.
-        raise InputError(
-            "data.path",
-            spec.data.path,
-            f"give an absolute path as the ranks see it (or ~/...), e.g. /shared/data/{Path(spec.data.path).name}",
-        )
-    if spec.command is None:
-        _check_train_ranges(spec)
-
-
-def check_checkpoint(spec: JobSpec) -> None:
-    """Checkpoint cadence, retention and the requeue guard."""
-    ck = spec.checkpoint
-    if ck.keep < 1:
-        raise InputError(
-            "checkpoint.keep",
-            ck.keep,
-            "keep at least 1 complete checkpoint (the one a requeued job resumes from), e.g. 3",
-        )
-    if ck.every < 0:
-        raise InputError(
-            "checkpoint.every", ck.every, "must be at least 0 (0 saves only at the end and on preemption), e.g. 500"
-        )
-    if ck.keep_every < 0:
-        raise InputError(
-            "checkpoint.keep_every",
-            ck.keep_every,
-            "must be at least 0 (0 keeps nothing beyond checkpoint.keep), e.g. 1000",
-        )
-    if ck.max_restarts < 0:
-        raise InputError("checkpoint.max_restarts", ck.max_restarts, "must be at least 0 (0 never requeues), e.g. 20")
-    if ck.resume_step is not None and ck.resume_step < 1:
-        raise InputError(
-            "checkpoint.resume_step",
-            ck.resume_step,
-            "checkpoints are numbered by the step after which they were saved, from 1: give "
-            "a step >= 1, or null to resume from the newest complete checkpoint",
-        )
-
-
-def _check_train_ranges(spec: JobSpec) -> None:
-    t, m = spec.trainer, spec.trainer.model
-    for key, value in (
-        ("train.steps", t.steps),
-        ("train.global_batch", t.global_batch),
-        ("train.micro_batch", t.micro_batch),
-        ("train.log_every", t.log_every),
-        ("train.model.n_layers", m.n_layers),
-        ("train.model.d_model", m.d_model),
-        ("train.model.n_heads", m.n_heads),
-        ("train.model.seq_len", m.seq_len),
-    ):  # not vocab_size: 0 takes the tokenizer's (tokens.resolve_vocab), below 0 the spec refuses
-        _positive(key, value)
-    at_least_zero: tuple[tuple[str, float, str], ...] = (
-        ("train.warmup_steps", t.warmup_steps, "0: no warmup"),
-        ("train.eval_every", t.eval_every, "0: no validation"),
-        ("train.weight_decay", t.weight_decay, "0: no decay; e.g. 0.1"),
-        ("train.grad_clip", t.grad_clip, "0 turns clipping off; e.g. 1.0"),
-        ("train.min_lr", t.min_lr, "the cosine schedule's floor; e.g. lr / 10"),
-    )
-    for key, number, hint in at_least_zero:
-        if number < 0:
-            raise InputError(key, number, f"must be at least 0 ({hint})")
-    if t.lr <= 0:
-        raise InputError("train.lr", t.lr, "the learning rate must be positive, e.g. 3e-4")
-    if t.eval_every > 0 and t.eval_sequences < t.global_batch:
-        raise InputError(
-            "train.eval_sequences",
-            t.eval_sequences,
-            f"validation runs whole global batches, so it needs at least train.global_batch "
-            f"({t.global_batch}) sequences; set eval_sequences >= {t.global_batch} "
-            f"or train.eval_every: 0",
-        )
-    if m.d_model % m.n_heads:
-        raise InputError(
-            "train.model.d_model",
-            m.d_model,
-            f"must be divisible by train.model.n_heads ({m.n_heads}): "
-            f"{m.d_model} % {m.n_heads} = {m.d_model % m.n_heads}",
-        )
-    if (m.d_model // m.n_heads) % 2:
-        raise InputError(
-            "train.model.d_model",
-            m.d_model,
-            f"head size d_model/n_heads = {m.d_model // m.n_heads} must be even for rotary embeddings",
-        )
 
 
 def check_resources(spec: JobSpec, cluster: ClusterProfile) -> Optional[Partition]:
@@ -411,7 +301,10 @@ def make_plan(
     home: Optional[str] = None,
 ) -> Plan:
     """Validate everything, then resolve the run dir. `home` is the cluster user's home."""
-    check_ranges(spec)
+    try:
+        check_ranges(spec)
+    except SchemaError as exc:  # the planner's callers catch InputError, the contract raises its base
+        raise InputError(exc.key, exc.value, exc.fix) from None
     home = home or os.path.expanduser("~")
     if home != REMOTE_HOME:  # the ranks' files may be visible from here (the local cluster, a login node)
         spec = tokens.resolve_vocab(spec, home)
