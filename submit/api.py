@@ -24,7 +24,7 @@ from submit.errors import ClusterError, InputError
 from submit.jobs.registry import JobRecord, Registry, now
 from submit.jobs.status import METRICS_FILE, Status, last_metrics, statuses
 from submit.planning.plan import REMOTE_HOME, Plan, with_home
-from submit.schedulers import backend
+from submit.schedulers import backend, check_profile
 from submit.schedulers.base import Request
 from submit.transport import connect
 from submit.transport import snapshot as snapshots
@@ -39,6 +39,7 @@ __all__ = [
     "connect",
     "home_for",
     "is_local",
+    "load_cluster",
     "plan_job",
     "poll_interval",
     "prepare",
@@ -165,6 +166,11 @@ def trust(profile: ClusterProfile, cluster: str, fingerprint: Union[None, str, S
     from submit.transport.trust import trust as record_host_key  # paramiko, only for this verb
 
     record_host_key(profile.ssh, cluster, fingerprint, replace)
+
+
+def load_cluster(cluster: str) -> ClusterProfile:
+    """The cluster profile by name or YAML path, checked against its scheduler: what every verb loads."""
+    return check_profile(load_profile(cluster))
 
 
 def is_local(profile: ClusterProfile) -> bool:
@@ -336,9 +342,9 @@ class Clusters:
                     raise InputError(
                         "cluster profile", key, "the profile file this job was submitted with is gone; restore it"
                     )
-                self._profiles[key] = load_profile_file(Path(key))
+                self._profiles[key] = check_profile(load_profile_file(Path(key)))
             else:
-                self._profiles[key] = load_profile(key)
+                self._profiles[key] = load_cluster(key)
         return self._profiles[key]
 
     def profile_for(self, record: JobRecord) -> ClusterProfile:

@@ -96,11 +96,10 @@ def read_results(transport: Any, run_dir: str, world: int) -> list[Optional[dict
 def cmd_doctor(args: argparse.Namespace) -> int:
     from submit import api, installed_version
     from submit.cli.common import profile_path_of, wait_for
-    from submit.config.cluster import load_profile
     from submit.jobs.doctor import judge, table
     from submit.jobs.registry import Registry
 
-    profile = load_profile(args.cluster)
+    profile = api.load_cluster(args.cluster)
     opts = options(args, profile)
     plan = doctor_plan(profile, opts, api.home_for(profile))  # every input error before any connection
     clusters = api.Clusters()

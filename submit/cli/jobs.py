@@ -167,7 +167,6 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def cmd_trust(args: argparse.Namespace) -> int:
     from submit import api
-    from submit.config.cluster import load_profile
 
-    api.trust(load_profile(args.cluster), args.cluster, args.fingerprint, args.replace)
+    api.trust(api.load_cluster(args.cluster), args.cluster, args.fingerprint, args.replace)
     return 0

@@ -204,9 +204,8 @@ def cmd_render(args: argparse.Namespace) -> int:
     """The script a submit would write, byte for byte (over SSH the login node is asked for its home);
     nothing is written on the cluster unless --upload asks for the code snapshot the script runs from."""
     from submit import api
-    from submit.config.cluster import load_profile
 
-    profile = load_profile(args.cluster)
+    profile = api.load_cluster(args.cluster)
     plan = _plan(args, profile)  # every input error before any connection
     transport = api.connect(profile.ssh, args.cluster)
     try:
@@ -282,10 +281,9 @@ def print_request(prepared: Any, as_json: bool) -> None:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     from submit import api
-    from submit.config.cluster import load_profile
     from submit.jobs.doctor import with_exclude
 
-    profile = with_exclude(load_profile(args.cluster), args.exclude)
+    profile = with_exclude(api.load_cluster(args.cluster), args.exclude)
     _check_submit_flags(args, profile.scheduler)
     plan = _plan(args, profile)  # every input error surfaces before any connection
     api.check_job(plan, force=args.force)  # missing files seen from here; a job that cannot fit its GPUs

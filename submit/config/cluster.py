@@ -20,7 +20,6 @@ from submit.config.folders import config_dir
 from submit.config.resources import shipped_profiles_dir
 from submit.config.yamlfile import YamlDoc
 from submit.errors import InputError
-from submit.schedulers import backend
 
 SHIPPED_DIR = shipped_profiles_dir()  # package data: a wheel's or a checkout's cluster_configs/
 PROFILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
@@ -156,8 +155,6 @@ class ClusterProfile:
             raise SchemaError("partitions", names, "partition names must be unique")
         if sum(p.default for p in self.partitions) > 1:
             raise SchemaError("partitions", names, "mark at most one partition `default: true`")
-        if self.ssh is not None and not backend(self.scheduler).over_ssh:
-            raise SchemaError("ssh", self.ssh.host, f"a {self.scheduler} cluster runs on this machine; remove `ssh`")
 
     def partition(self, name: Optional[str]) -> Partition:
         """The named partition, else the default one (or the only one)."""

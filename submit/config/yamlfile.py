@@ -9,7 +9,7 @@ import yaml
 
 from launcher.contract import schema
 from submit.errors import InputError
-from submit.views.textwidth import printable
+from submit.textwidth import printable
 
 # libyaml's parser when present: several times faster than the pure-Python one.
 _BaseLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)

@@ -26,7 +26,7 @@ from submit.config.yamlfile import YamlDoc
 from submit.errors import InputError
 from submit.jobs import secrets as job_secrets
 from submit.schedulers import backend
-from submit.views.textwidth import slug
+from submit.textwidth import slug
 
 _TIME = re.compile(r"(?:(?P<d>[0-9]+)-)?(?P<rest>[0-9]+(?::[0-9]+){0,2})")
 

@@ -10,12 +10,22 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from submit.errors import InputError
+
 if TYPE_CHECKING:
+    from submit.config.cluster import ClusterProfile
     from submit.schedulers.base import Backend
 
 _MODULES = {"slurm": "submit.schedulers.slurm", "local": "submit.schedulers.local"}
 NAMES = tuple(_MODULES)
 _loaded: dict[str, Backend] = {}
+
+
+def check_profile(profile: ClusterProfile) -> ClusterProfile:
+    """A profile against its scheduler: an `ssh:` section only where the scheduler runs on other machines."""
+    if profile.ssh is not None and not backend(profile.scheduler).over_ssh:
+        raise InputError("ssh", profile.ssh.host, f"a {profile.scheduler} cluster runs on this machine; remove `ssh`")
+    return profile
 
 
 def backend(name: str) -> Backend:

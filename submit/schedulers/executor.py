@@ -43,7 +43,7 @@ from submit.config.cluster import ClusterProfile, Partition, load_profile_file, 
 from submit.errors import InputError
 from submit.jobs.registry import JobRecord, Registry, now
 from submit.planning.plan import fit_partition, parse_time
-from submit.schedulers import backend
+from submit.schedulers import backend, check_profile
 
 __all__ = ["MeshrunLocalExecutor", "MeshrunSlurmExecutor", "Resources", "executor", "setup_lines"]
 
@@ -74,7 +74,7 @@ def executor(
     extra: further submitit parameters (SlurmExecutor's names: mem, gres, comment, srun_args...).
     """
     path = profile_path(cluster)
-    profile = load_profile_file(path)
+    profile = check_profile(load_profile_file(path))
     if profile.ssh is not None:
         raise InputError(
             "cluster",

@@ -19,7 +19,7 @@ def clock(seconds: Any) -> str:
 
 def table(rows: Sequence[Sequence[str]]) -> str:
     """Columns aligned in terminal cells (a wide or emoji name takes two per character), values printable."""
-    from submit.views.textwidth import display_width, ljust, printable
+    from submit.textwidth import display_width, ljust, printable
 
     cells = [[printable(str(c)) for c in row] for row in rows]
     widths = [max(display_width(r[i]) for r in cells) for i in range(len(cells[0]))]
@@ -74,7 +74,7 @@ def alerts_note(alerts: Sequence[dict[str, Any]]) -> str:
 
 def alert_line(alert: dict[str, Any]) -> str:
     """One alert for a person: when, the rule, where, the message."""
-    from submit.views.textwidth import printable
+    from submit.textwidth import printable
 
     where = "".join(f" {key} {alert[key]}" for key in ("step", "rank", "node") if alert.get(key) is not None)
     return printable(f"{_when(alert.get('time'))} {alert.get('rule')}{where}: {alert.get('message', '')}".strip())
@@ -111,7 +111,7 @@ def detail_lines(status: Any, width: int = 100) -> list[str]:
     """One job's findings under its table row: the engine, the hang's verdict, stragglers, environment mismatches."""
     import textwrap
 
-    from submit.views.textwidth import printable
+    from submit.textwidth import printable
 
     lines = [f"engine: {printable(status.engine)}"] if status.engine else []
     if status.verdict is not None:

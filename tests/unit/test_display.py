@@ -1,6 +1,6 @@
 """What a person reads lines up, says the truth and carries no raw control characters: status columns with
 wide and emoji names, errors and the sweep's input with escape sequences, terminal widths
-(submit/views/textwidth.py), readable ASCII run-dir names (issue 15, item 34)."""
+(submit/textwidth.py), readable ASCII run-dir names (issue 15, item 34)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from submit.config.cluster import load_profile
 from submit.errors import InputError
 from submit.planning import sweep
 from submit.planning.plan import run_dir_for
+from submit.textwidth import display_width, ljust, printable, slug
 from submit.views.tables import progress_line, status_table
-from submit.views.textwidth import display_width, ljust, printable, slug
 from tests.unit.test_local_and_wait import _status
 
 REPO = Path(__file__).resolve().parents[2]

@@ -110,3 +110,14 @@ def test_validators_refuse_a_trailing_newline_and_non_ascii_digits() -> None:
         schema.load(JobSpec, {"name": "x", "env": {"A\n": "1"}})
     with pytest.raises(InputError, match="resources.time"):
         parse_time("１０:００")
+
+
+def test_a_profile_whose_scheduler_runs_here_refuses_an_ssh_section(user_home: Path) -> None:
+    """The scheduler's backend judges the profile (config never looks a backend up), for every verb's load."""
+    mine = user_home / "mine.yaml"
+    mine.write_text((SHIPPED_DIR / "local.yaml").read_text() + "ssh:\n  host: login\n")
+    with pytest.raises(InputError, match=r"^ssh: 'login': a local cluster runs on this machine; remove `ssh`"):
+        api.load_cluster(str(mine))
+    with pytest.raises(InputError, match="remove `ssh`"):
+        api.Clusters().profile(str(mine.resolve()))
+    assert api.load_cluster("local").ssh is None
