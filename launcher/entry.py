@@ -14,7 +14,7 @@ from typing import Mapping, MutableMapping, Optional, Sequence
 
 from launcher import installed_version
 from launcher import job as kit
-from launcher.contract import ckptdir, secrets
+from launcher.contract import private, secrets
 from launcher.contract.exitcodes import EXIT_REQUEUE
 from launcher.contract.private import make_private_below, make_private_dir, private_umask
 from launcher.contract.rundir import NODE_DIR_ENV, NodeDir, RunDir, expand_node_path, record_exit
@@ -119,7 +119,7 @@ def command_env(run_spec: RunSpec, env: RankEnv, environ: Mapping[str, str]) -> 
     """What a `command:` job's program learns beside the torchrun variables (launcher.job reads them):
     where to write, where its checkpoints go (created 0700), which restart this is, how a stop is asked."""
     checkpoints = run_spec.run.checkpoint_dir or RunDir(run_spec.run.run_dir).default_checkpoints
-    ckptdir.make_private_dir(Path(checkpoints))
+    private.make_private_dir(Path(checkpoints))
     return {
         kit.RUN_DIR_ENV: run_spec.run.run_dir,
         kit.CHECKPOINT_DIR_ENV: checkpoints,

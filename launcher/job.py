@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, NoReturn, Optional
 
 from launcher import report as _report
-from launcher.contract import ckptdir
+from launcher.contract import ckptdir, private
 from launcher.contract.exitcodes import EXIT_REQUEUE
 from launcher.contract.rundir import record_exit
 from launcher.preempt import DEFAULT_SIGNALS, StopFlag
@@ -95,7 +95,7 @@ def report(step: int, **scalars: Any) -> None:
 def checkpoint_dir() -> Path:
     """Your checkpoints' folder on shared storage (MESHRUN_CHECKPOINT_DIR; outside meshrun ./checkpoints), 0700."""
     path = Path(os.environ.get(CHECKPOINT_DIR_ENV) or "checkpoints")
-    ckptdir.make_private_dir(path)
+    private.make_private_dir(path)
     return path
 
 
@@ -117,7 +117,7 @@ def new_checkpoint(step: int) -> Path:
     final = ckptdir.step_dir(checkpoint_dir(), step)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # a save of this step that an earlier run never finished
-    ckptdir.make_private_dir(tmp)
+    private.make_private_dir(tmp)
     return tmp
 
 

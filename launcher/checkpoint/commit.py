@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, cast
 
-from launcher.contract import ckptdir
+from launcher.contract import ckptdir, private
 from launcher.contract.rundir import node_name
 
 Writer = Callable[[Path], Optional["Future[Any]"]]
@@ -98,10 +98,10 @@ class Checkpointer:
     def prepare(self) -> None:
         """Start-up, on every rank: the coordinator clears interrupted saves; all agree after."""
         if self.coordinator:
-            ckptdir.make_private_dir(self.root)
+            private.make_private_dir(self.root)
             ckptdir.remove_stale(self.root)
         if self.stage_root is not None and self.node_coordinator:
-            ckptdir.make_private_dir(self.stage_root)
+            private.make_private_dir(self.stage_root)
             ckptdir.remove_stale(self.stage_root)  # staged steps stay: the copier decides about them
         self._barrier()
 
@@ -118,7 +118,7 @@ class Checkpointer:
         tmp = base / f"step-{step:08d}.tmp"
         if self.node_coordinator if self.stage_root is not None else self.coordinator:
             shutil.rmtree(tmp, ignore_errors=True)
-            ckptdir.make_private_dir(tmp)
+            private.make_private_dir(tmp)
         self._barrier()
         began = time.perf_counter()
         self._pending = _Pending(step, tmp, write(tmp), info, began)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from launcher.contract import ckptdir
+from launcher.contract import ckptdir, private
 from launcher.contract.rundir import ATTEMPTS_FILE
 
 MAX_ATTEMPTS = 2
@@ -45,9 +45,9 @@ def read_attempts(root: Path) -> dict[str, int]:
 
 def write_attempts(root: Path, attempts: dict[str, int]) -> None:
     path = Path(root) / ATTEMPTS_FILE
-    ckptdir.make_private_dir(path.parent)
+    private.make_private_dir(path.parent)
     tmp = path.with_name(f".{ATTEMPTS_FILE}.tmp")
-    ckptdir.write_private(tmp, json.dumps(attempts, sort_keys=True))
+    private.write_private(tmp, json.dumps(attempts, sort_keys=True))
     os.replace(tmp, path)
 
 
@@ -57,7 +57,7 @@ def quarantine(root: Path, step: int, reason: str) -> None:
     marker = path / ckptdir.MARKER
     if marker.is_file():
         os.replace(marker, path / QUARANTINE_MARKER)
-    ckptdir.write_private(path / "QUARANTINED.txt", reason + "\n")
+    private.write_private(path / "QUARANTINED.txt", reason + "\n")
 
 
 def choose(root: Path, requested: Optional[int] = None) -> Choice:

@@ -23,15 +23,6 @@ from typing import Any, Optional
 
 from launcher.contract import private
 
-# One place makes meshrun's files and folders private (launcher/contract/private.py); ckpt.X is how the trainer,
-# the kit and the copier name them.
-DIR_MODE, FILE_MODE = private.DIR_MODE, private.FILE_MODE
-make_private_dir, make_private_files, write_private = (
-    private.make_private_dir,
-    private.make_private_files,
-    private.write_private,
-)
-
 MARKER = "meshrun-complete.json"
 VAL_LOSS = "val_loss"
 """The marker key of a checkpoint's validation loss (saved at an eval step with checkpoint.keep_best)."""
@@ -143,8 +134,8 @@ def fsync_dir(path: Path) -> None:
 
 def commit(tmp: Path, final: Path, info: dict[str, Any]) -> None:
     """Marker last, fsync, rename: after this returns the checkpoint is durable and complete."""
-    make_private_files(tmp)  # the shards, before they become a checkpoint anyone may read
-    write_private(tmp / MARKER, json.dumps({**info, "committed_at": time.time()}, sort_keys=True), fsync=True)
+    private.make_private_files(tmp)  # the shards, before they become a checkpoint anyone may read
+    private.write_private(tmp / MARKER, json.dumps({**info, "committed_at": time.time()}, sort_keys=True), fsync=True)
     fsync_dir(tmp)
     if (final / MARKER).is_file():
         # A complete twin from an earlier life of the job at the same step: keep it (replacing
@@ -159,8 +150,8 @@ def commit(tmp: Path, final: Path, info: dict[str, Any]) -> None:
 
 def stage(tmp: Path, final: Path, info: dict[str, Any]) -> None:
     """A node's part on its scratch: staged marker last, fsync, rename (replacing a leftover of that step)."""
-    make_private_files(tmp)
-    write_private(tmp / STAGED, json.dumps({**info, "staged_at": time.time()}, sort_keys=True), fsync=True)
+    private.make_private_files(tmp)
+    private.write_private(tmp / STAGED, json.dumps({**info, "staged_at": time.time()}, sort_keys=True), fsync=True)
     fsync_dir(tmp)
     if final.exists():
         shutil.rmtree(final)

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from launcher.checkpoint import resume
-from launcher.contract import ckptdir
+from launcher.contract import ckptdir, private
 from launcher.contract.exitcodes import EXIT_FAILED, EXIT_INPUT
 from launcher.sidecar.copyfile import CopyError, copy_file, hash_file, same_bytes
 
@@ -105,7 +105,7 @@ def _sizes_match(folder: Path, files: dict[str, Any]) -> bool:
 
 def _write_atomic(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    ckptdir.write_private(tmp, json.dumps(data, sort_keys=True), fsync=True)
+    private.write_private(tmp, json.dumps(data, sort_keys=True), fsync=True)
     os.rename(tmp, path)
     ckptdir.fsync_dir(path.parent)
 
@@ -124,8 +124,8 @@ def copy_part(staged_step_dir: Path, shared_root: Path, node: str, node_rank: in
     if previous and previous.get("attempt") == attempt and _sizes_match(tmp, previous.get("files", {})):
         _mark_copied(staged, previous)
         return True
-    ckptdir.make_private_dir(tmp)
-    ckptdir.make_private_dir(done.parent)
+    private.make_private_dir(tmp)
+    private.make_private_dir(done.parent)
     done.unlink(missing_ok=True)  # from here until the new one, this node's part is not done
     rels = part_files(staged)
     workers = max(1, min(len(rels), os.cpu_count() or 1, MAX_WORKERS))
@@ -143,7 +143,7 @@ def copy_part(staged_step_dir: Path, shared_root: Path, node: str, node_rank: in
 def _copy_verified(src: Path, dst: Path, tmp: Path, pool: ThreadPoolExecutor) -> tuple[int, str]:
     """One file: kept when it is already there and verifies, else copied, fsynced and read back."""
     if dst.parent != tmp:
-        ckptdir.make_private_dir(dst.parent)
+        private.make_private_dir(dst.parent)
     if dst.is_file() and same_bytes(src, dst):
         fd = os.open(dst, os.O_RDONLY)
         try:
@@ -155,7 +155,7 @@ def _copy_verified(src: Path, dst: Path, tmp: Path, pool: ThreadPoolExecutor) ->
 
 
 def _mark_copied(staged: Path, record: dict[str, Any]) -> None:
-    ckptdir.write_private(staged / COPIED, json.dumps({"time": time.time(), "files": len(record.get("files", {}))}))
+    private.write_private(staged / COPIED, json.dumps({"time": time.time(), "files": len(record.get("files", {}))}))
 
 
 def ready(shared_root: Path, step: int, nodes: int, attempt: str) -> Optional[dict[str, Any]]:

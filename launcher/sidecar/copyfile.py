@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
-from launcher.contract import ckptdir
+from launcher.contract import private
 
 CHUNK = 8 << 20
 """Read/write size of the streamed copy (large: few syscalls, the hash keeps up)."""
@@ -75,9 +75,9 @@ def copy_file(src: Path, dst: Path, pool: ThreadPoolExecutor) -> tuple[int, str]
     checks what the kernel holds for the file, which is what the fsync makes durable.
     """
     hasher = Hasher(pool)
-    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, ckptdir.FILE_MODE)
+    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, private.FILE_MODE)
     try:
-        os.fchmod(fd, ckptdir.FILE_MODE)
+        os.fchmod(fd, private.FILE_MODE)
         with open(src, "rb", buffering=0) as handle:
             while (chunk := hasher.fill(handle)) is not None:
                 hasher.add(chunk)
