@@ -18,7 +18,6 @@ from typing import Any, Callable, Optional, Sequence
 from launcher.contract.exitcodes import EXIT_INPUT
 from launcher.contract.private import private_umask
 from launcher.contract.schema import SchemaError
-from launcher.contract.spec import DEFAULT_DATA_PATH
 from submit.cli import checkpoints as cli_ckpt
 from submit.cli import doctor as cli_doctor
 from submit.cli import jobs as cli_jobs
@@ -145,8 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out",
         type=Path,
-        default=Path(DEFAULT_DATA_PATH).expanduser(),
-        help=f"token file to write (default: {DEFAULT_DATA_PATH})",
+        default=None,
+        help="token file to write (default: ~/.cache/meshrun/data/stdlib.u16, the data.path of a spec that names none)",
     )
     p.add_argument("--source", type=Path, action="append", default=[], help=argparse.SUPPRESS)  # older name of INPUT
     p.add_argument(
@@ -344,6 +343,9 @@ def cmd_data(args: argparse.Namespace) -> int:
     caller's side imports only launcher's torch-free contract."""
     import subprocess
 
+    from launcher.contract.spec import DEFAULT_DATA_PATH  # here: the spec module is not every verb's start-up cost
+
+    out = args.out if args.out is not None else Path(DEFAULT_DATA_PATH)
     inputs = [*args.inputs, *(str(folder) for folder in args.source)]
     options = [
         ("--tokenizer", args.tokenizer),
@@ -356,7 +358,7 @@ def cmd_data(args: argparse.Namespace) -> int:
     ]
     flags = [f"{flag}={value}" for flag, value in options if value is not None]
     # "--" ends the options: an input named like a flag is still a path.
-    argv = [sys.executable, "-m", "launcher.data.corpus", *flags, "--", str(args.out.expanduser()), *inputs]
+    argv = [sys.executable, "-m", "launcher.data.corpus", *flags, "--", str(out.expanduser()), *inputs]
     return subprocess.run(argv, check=False).returncode
 
 

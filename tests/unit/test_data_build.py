@@ -343,3 +343,13 @@ def test_the_default_corpus_keeps_its_cap_in_whole_documents(tmp_path: Path) -> 
     files = [data for data in (p.read_bytes() for p in iter_files(corpus.default_inputs())) if data]
     assert docs == files[: len(docs)] and len(files[len(docs)]) + stats.text_bytes > 50_000  # whole files
     assert "not read past the 0.05 MB cap" in stats.skipped_line
+
+
+def test_data_help_names_the_path_a_spec_reads_by_default(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--out`'s help states its default; the one definition is the spec's (checked here, not copied)."""
+    from launcher.contract.spec import DEFAULT_DATA_PATH
+    from submit.cli import main as cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["data", "--help"])
+    assert DEFAULT_DATA_PATH in " ".join(capsys.readouterr().out.split())
