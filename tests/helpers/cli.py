@@ -134,6 +134,21 @@ FAST_WATCH = [
     "checkpoint.every=20",
 ]
 
+
+# Rank 1 as a straggler the sidecar names within seconds, on any machine. Rank 1 burns 0.8 s more per
+# step; with two ranks the median is their mean, so the ratio is 2(a + 0.8)/(2a + 0.8) for a rank's own
+# work a: 1.83 at a = 0.1 s, 1.4 at a = 0.6 s (a loaded 2-core CI machine). The factor 1.25 names it
+# for any a under 1.2 s (1.5, the default, missed it in CI: at a = 0.4 s the ratio is exactly 1.5).
+STRAGGLER_FACTOR = 1.25
+SLOW_RANK_1 = [
+    "--set",
+    "env.MESHRUN_TEST_SLOW=1:0.8",
+    "--set",
+    "watchdog.straggler_check_s=1",
+    "--set",
+    f"watchdog.straggler_factor={STRAGGLER_FACTOR}",
+]
+
 # Two ranks, one on each of the testbed's two nodes.
 TWO_NODES = [
     "examples/two-node.yaml",

@@ -11,7 +11,7 @@ from typing import Any
 from launcher.contract import alerts
 from launcher.contract.exitcodes import EXIT_NO_PROGRESS
 from launcher.contract.rundir import RunDir, node_name
-from tests.helpers.cli import FAST_WATCH, TINY, meshrun, submitted, wait_for_state, wait_for_step
+from tests.helpers.cli import FAST_WATCH, SLOW_RANK_1, STRAGGLER_FACTOR, TINY, meshrun, submitted, wait_for_state, wait_for_step
 
 
 def sidecar_alerts(run_dir: Path, rule: str) -> list[dict[str, Any]]:
@@ -20,11 +20,7 @@ def sidecar_alerts(run_dir: Path, rule: str) -> list[dict[str, Any]]:
 
 def test_a_straggler_is_one_alert_line_and_one_log_line(tmp_path: Path, corpus: Path) -> None:
     args = [*TINY, "--set", f"data.path={corpus}", "--set", "train.steps=100000", *FAST_WATCH]
-    # Rank 1 burns 0.8 s more per step. With two ranks the median is their mean, so the ratio is
-    # 2(a + 0.8)/(2a + 0.8) for a rank's own work a: 1.83 at a = 0.1 s, still 1.63 at a = 0.3 s (0.2 s
-    # made it 1.5 on a machine where a tiny step takes 0.1 s: no alert, as the rule says).
-    slow = ["--set", "env.MESHRUN_TEST_SLOW=1:0.8", "--set", "watchdog.straggler_check_s=1"]
-    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, *slow, check=True))
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, *SLOW_RANK_1, check=True))
     deadline = time.monotonic() + 90
     try:
         while not sidecar_alerts(run_dir, "straggler"):
@@ -36,8 +32,8 @@ def test_a_straggler_is_one_alert_line_and_one_log_line(tmp_path: Path, corpus: 
         meshrun(tmp_path, "cancel", job_id)
         wait_for_state(tmp_path, job_id, {"CANCELLED", "FAILED", "COMPLETED"})  # its processes gone with it
     named = json.loads(Path(RunDir(str(run_dir)).stragglers).read_text())["stragglers"]
-    assert alert["rank"] == 1 and alert["node"] == node_name({}) and alert["threshold"] == 1.5, alert
-    assert alert["value"] > 1.5 and any(s["rank"] == 1 for s in named), (alert, named)
+    assert alert["rank"] == 1 and alert["node"] == node_name({}) and alert["threshold"] == STRAGGLER_FACTOR, alert
+    assert alert["value"] > STRAGGLER_FACTOR and any(s["rank"] == 1 for s in named), (alert, named)
     assert isinstance(alert["step"], int) and alert["step"] > 0, alert
     log = Path(RunDir(str(run_dir)).sidecar_log(node_name({}))).read_text()
     assert log.count("ALERT straggler") == 1 and f"rank 1: {alert['message']}" in log, log[-2000:]

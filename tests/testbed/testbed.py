@@ -729,7 +729,9 @@ SelectTypeParameters=CR_Core
 SlurmdParameters=config_overrides
 ReturnToService=2
 MinJobAge=300
-KillWait=5
+# After a scancel the ranks save, the sidecar stops and the batch shell decides, all before the SIGKILL
+# that follows KillWait seconds later. Slurm's default is 30; 5 was too short on a loaded 2-core CI machine.
+KillWait=15
 GresTypes=gpu
 {nodes}
 # Real preemption (tests/integration/test_real_preemption.py): a job in {HIGH_PARTITION} takes the nodes of
