@@ -11,7 +11,16 @@ from typing import Any
 from launcher.contract import alerts
 from launcher.contract.exitcodes import EXIT_NO_PROGRESS
 from launcher.contract.rundir import RunDir, node_name
-from tests.helpers.cli import FAST_WATCH, SLOW_RANK_1, STRAGGLER_FACTOR, TINY, meshrun, submitted, wait_for_state, wait_for_step
+from tests.helpers.cli import (
+    FAST_WATCH,
+    SLOW_RANK_1,
+    STRAGGLER_FACTOR,
+    TINY,
+    meshrun,
+    submitted,
+    wait_for_state,
+    wait_for_step,
+)
 
 
 def sidecar_alerts(run_dir: Path, rule: str) -> list[dict[str, Any]]:

@@ -205,58 +205,28 @@ def test_newlines_are_refused_before_sbatch(testbed: dict, tmp_path: Path, overr
     assert "two\nlines" not in queue
 
 
-def test_status_and_cancel_of_a_running_job(testbed: dict, tmp_path: Path) -> None:
-    out = meshrun(
-        tmp_path,
-        "submit",
-        "examples/command.yaml",
-        "-c",
-        "testbed",
-        "--set",
-        "command=sleep,300",
-        "--set",
-        "resources.tasks_per_node=1",
-        check=True,
-    )
-    job_id, run_dir = submitted(out)
-    deadline = time.monotonic() + 60
-    while status(tmp_path, job_id)["state"] != "RUNNING":
-        assert time.monotonic() < deadline, "job never started"
-        time.sleep(0.5)
-    meshrun(tmp_path, "cancel", job_id, check=True)
-    deadline = time.monotonic() + 60
-    while (row := status(tmp_path, job_id))["state"] != "CANCELLED":
-        assert time.monotonic() < deadline, row
-        time.sleep(0.5)
-    assert row["done"] is True and row["succeeded"] is False
-
-
-def test_status_without_accounting_falls_back_to_squeue(testbed: dict, tmp_path: Path) -> None:
-    """sacct failing as it does without slurmdbd: squeue --states=all still tells the state, in one round trip."""
+def _no_sacct(tmp_path: Path) -> dict[str, str]:
+    """PATH with an sacct that fails as it does without slurmdbd."""
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "sacct").write_text("#!/bin/sh\necho 'sacct: error: Slurm accounting storage is disabled' >&2\nexit 1\n")
     (fake / "sacct").chmod(0o755)
-    out = meshrun(
-        tmp_path,
-        "submit",
-        "examples/command.yaml",
-        "-c",
-        "testbed",
-        "--set",
-        "command=sleep,300",
-        "--set",
-        "resources.tasks_per_node=1",
-        check=True,
-    )
-    job_id, _ = submitted(out)
-    no_accounting = {"PATH": f"{fake}:{os.environ['PATH']}"}
+    return {"PATH": f"{fake}:{os.environ['PATH']}"}
+
+
+@pytest.mark.parametrize("accounting", [True, False], ids=["sacct", "squeue-without-accounting"])
+def test_status_and_cancel_of_a_running_job(testbed: dict, tmp_path: Path, accounting: bool) -> None:
+    """Without accounting (sacct failing, no slurmdbd) squeue --states=all still tells the state, in one round trip."""
+    env = None if accounting else _no_sacct(tmp_path)
+    sleeper = ["examples/command.yaml", "-c", "testbed", "--set", "command=sleep,300"]
+    job_id, _ = submitted(meshrun(tmp_path, "submit", *sleeper, "--set", "resources.tasks_per_node=1", check=True))
     deadline = time.monotonic() + 60
-    while (row := status(tmp_path, job_id, env=no_accounting))["state"] != "RUNNING":
+    while (row := status(tmp_path, job_id, env=env))["state"] != "RUNNING":
         assert time.monotonic() < deadline and row["state"] in ("PENDING", "UNKNOWN"), row
         time.sleep(0.5)
     meshrun(tmp_path, "cancel", job_id, check=True)
-    while (row := status(tmp_path, job_id, env=no_accounting))["state"] != "CANCELLED":
-        assert time.monotonic() < deadline + 60, row
+    deadline = time.monotonic() + 60
+    while (row := status(tmp_path, job_id, env=env))["state"] != "CANCELLED":
+        assert time.monotonic() < deadline, row
         time.sleep(0.5)
-    assert row["done"] and not row["succeeded"]
+    assert row["done"] is True and row["succeeded"] is False

@@ -94,21 +94,60 @@ def with_(base: dict[str, str], **changes: str | None) -> dict[str, str]:
 # ---- sources --------------------------------------------------------------------------------
 
 
-def test_slurm_step() -> None:
-    assert rank_env(SLURM_STEP) == RankEnv(
-        rank=5,
-        local_rank=1,
-        world_size=8,
-        local_world_size=4,
-        node_rank=1,
-        num_nodes=2,
-        master_addr="gpu07",
-        master_port=master_port("4242"),
-        job_id="4242",
-        restart_count=2,
-        hosts=("gpu07", "gpu08"),
-        source="slurm",
-    )
+def _rank(source: str, **facts: object) -> RankEnv:
+    """What a rank of SOURCE knows: facts given, the rest those of rank 0 of a one-process world."""
+    single = dict(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1)
+    fields = {**single, "master_addr": "127.0.0.1", "job_id": "", "restart_count": 0, "hosts": ("127.0.0.1",)}
+    return RankEnv(**{**fields, "master_port": master_port(str(facts.get("job_id", ""))), **facts, "source": source})
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        (
+            SLURM_STEP,
+            _rank(
+                "slurm",
+                rank=5,
+                local_rank=1,
+                world_size=8,
+                local_world_size=4,
+                node_rank=1,
+                num_nodes=2,
+                master_addr="gpu07",
+                job_id="4242",
+                restart_count=2,
+                hosts=("gpu07", "gpu08"),
+            ),
+        ),
+        (
+            LOCAL_TASK,
+            _rank("local", rank=1, local_rank=1, world_size=2, local_world_size=2, job_id="31337"),
+        ),
+        (
+            TORCHRUN,
+            _rank(
+                "torchrun",
+                rank=3,
+                local_rank=1,
+                world_size=4,
+                local_world_size=2,
+                node_rank=1,
+                num_nodes=2,
+                master_addr="head",
+                master_port=45123,
+                job_id="exp7",
+                restart_count=1,
+                hosts=(),
+            ),
+        ),
+        ({}, _rank("single")),
+    ],
+    ids=["slurm", "local", "torchrun", "single"],
+)
+def test_each_source_gives_the_whole_rank(env: dict[str, str], expected: RankEnv) -> None:
+    # Recorded environments of each source, read field by field (job id 4242's port: master_port("4242")).
+    assert rank_env(env) == expected
 
 
 def test_slurm_uneven_tasks_per_node() -> None:
@@ -164,23 +203,6 @@ def test_slurm_user_master_addr_and_port_are_kept() -> None:
     assert (r.master_addr, r.master_port, r.source) == ("10.0.0.7", 23456, "slurm")
 
 
-def test_local_executor() -> None:
-    assert rank_env(LOCAL_TASK) == RankEnv(
-        rank=1,
-        local_rank=1,
-        world_size=2,
-        local_world_size=2,
-        node_rank=0,
-        num_nodes=1,
-        master_addr="127.0.0.1",
-        master_port=master_port("31337"),
-        job_id="31337",
-        restart_count=0,
-        hosts=("127.0.0.1",),
-        source="local",
-    )
-
-
 def test_local_executor_inside_an_interactive_slurm_shell_is_local() -> None:
     # `srun --pty bash` exports SLURM_PROCID=0 etc.; the LocalExecutor's tasks inherit them.
     shell = with_(
@@ -195,23 +217,6 @@ def test_local_executor_inside_an_interactive_slurm_shell_is_local() -> None:
     )
     r = rank_env({**shell, **LOCAL_TASK})
     assert (r.source, r.rank, r.world_size) == ("local", 1, 2)
-
-
-def test_torchrun_values_are_kept() -> None:
-    assert rank_env(TORCHRUN) == RankEnv(
-        rank=3,
-        local_rank=1,
-        world_size=4,
-        local_world_size=2,
-        node_rank=1,
-        num_nodes=2,
-        master_addr="head",
-        master_port=45123,
-        job_id="exp7",
-        restart_count=1,
-        hosts=(),
-        source="torchrun",
-    )
 
 
 def test_torchrun_inside_a_slurm_step_wins_and_keeps_slurm_job_facts() -> None:
@@ -248,21 +253,7 @@ def test_torchrun_minimal_user_set() -> None:
     assert (r.master_port, r.job_id, r.hosts) == (master_port(""), "", ())
 
 
-def test_single_process() -> None:
-    assert rank_env({}) == RankEnv(
-        rank=0,
-        local_rank=0,
-        world_size=1,
-        local_world_size=1,
-        node_rank=0,
-        num_nodes=1,
-        master_addr="127.0.0.1",
-        master_port=master_port(""),
-        job_id="",
-        restart_count=0,
-        hosts=("127.0.0.1",),
-        source="single",
-    )
+def test_single_process_takes_a_user_master_addr() -> None:
     r = rank_env({"MASTER_ADDR": "10.1.1.1", "PATH": "/usr/bin"})
     assert (r.source, r.master_addr, r.hosts) == ("single", "10.1.1.1", ("10.1.1.1",))
 

@@ -47,6 +47,15 @@ def still_running(proc: subprocess.Popen[bytes]) -> bool:
     return proc.poll() is None
 
 
+def run_until_ended(dog: wd.Watchdog, lines: list[str]) -> None:
+    """Tick the watchdog as its loop would until it has ended its ranks (30 s at most)."""
+    deadline = time.monotonic() + 30
+    while not dog.ended and time.monotonic() < deadline:
+        dog.tick()
+        time.sleep(0.2)
+    assert dog.ended, lines
+
+
 def test_identity_is_exact_and_round_trips_through_a_pid_file(tmp_path: Path) -> None:
     me = procs.own_identity()
     assert procs.same_process(me.pid, me.started_at) and procs.alive(me)
@@ -126,11 +135,7 @@ def test_the_watchdog_never_signals_a_heartbeat_pid_that_now_names_another_proce
     now = time.time()
     beat_of(run, "n1", 0, {"rank": 0, "step": 3, "phase": "step", "time": now, **old.to_json(), "stack_signal": 12})
     dog = wd.Watchdog(run, run.node_dir("", "n1"), "n1", 0, 1, [0], FAST, "5.1", lines.append)
-    deadline = time.monotonic() + 30
-    while not dog.ended and time.monotonic() < deadline:
-        dog.tick()
-        time.sleep(0.2)
-    assert dog.ended, lines
+    run_until_ended(dog, lines)
     assert any("killed ranks none (already gone)" in line for line in lines), lines
     assert any("asked ranks none for their stacks" in line for line in lines), lines
     assert still_running(bystander)
@@ -150,11 +155,7 @@ def test_the_watchdog_kills_its_own_hung_rank(tmp_path: Path) -> None:
         assert procs.Identity.from_json(beat) == procs.process_identity(rank.pid)
         lines: list[str] = []
         dog = wd.Watchdog(run, run.node_dir("", "n1"), "n1", 0, 1, [0], FAST, "5.2", lines.append)
-        deadline = time.monotonic() + 30
-        while not dog.ended and time.monotonic() < deadline:
-            dog.tick()
-            time.sleep(0.2)
-        assert dog.ended, lines
+        run_until_ended(dog, lines)
         assert rank.wait(timeout=10) == -signal.SIGKILL
         assert any(f"killed ranks 0 (pid {rank.pid})" in line for line in lines), lines
     finally:

@@ -195,6 +195,12 @@ def test_a_missing_spec_json_names_the_run_dir(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ item 15: rank-error.txt
 
 
+def as_rank(monkeypatch: pytest.MonkeyPatch, rank: int, world_size: int) -> None:
+    """This process as rank RANK of a torchrun-style world (what reports_fatal_errors names)."""
+    for name, value in {"RANK": rank, "WORLD_SIZE": world_size, "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, str(value))
+
+
 def test_the_first_rank_error_wins_and_is_private(tmp_path: Path, open_umask: None) -> None:
     assert rankfail.record_rank_error(tmp_path, 1, "data.path: 'x': no token file there")
     assert not rankfail.record_rank_error(tmp_path, 0, "a peer's echo")
@@ -205,9 +211,7 @@ def test_the_first_rank_error_wins_and_is_private(tmp_path: Path, open_umask: No
 def test_bad_input_becomes_exit_2_and_anything_else_is_recorded_and_raised(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("RANK", "3")
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    as_rank(monkeypatch, 3, world_size=4)
 
     @rankfail.reports_fatal_errors
     def bad(run_dir: str) -> int:
@@ -234,9 +238,7 @@ def test_a_file_that_vanishes_during_the_run_is_a_failure_that_names_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Exit 2 is for what the user wrote (checked and named where it is read); a file gone mid-run is not."""
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    as_rank(monkeypatch, 0, world_size=2)
 
     @rankfail.reports_fatal_errors
     def reads_a_removed_file(run_dir: str) -> int:
