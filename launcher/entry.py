@@ -7,6 +7,7 @@ Torch-free at import time: submitit pickles `run_rank` by reference, and a
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -160,7 +161,7 @@ def run_command(argv: Sequence[str], environ: Mapping[str, str], replace_process
     try:
         if replace_process:
             os.execvpe(argv[0], list(argv), dict(environ))
-        return _exit_code(subprocess.call(list(argv), env=dict(environ)))
+        return _wait_for_child(argv, environ)
     except FileNotFoundError:
         print(
             f"meshrun launcher: command: {argv[0]!r} not found on PATH; give an absolute path "
@@ -169,6 +170,23 @@ def run_command(argv: Sequence[str], environ: Mapping[str, str], replace_process
             flush=True,
         )
         return 127
+
+
+def _wait_for_child(argv: Sequence[str], environ: Mapping[str, str]) -> int:
+    """Run the program as a child (submitit's worker) and return its exit code.
+
+    A cancel signals the whole process group, the program included, and the program decides what a
+    SIGTERM means; this worker only waits for it. submitit's own handler would print "Bypassing signal
+    SIGTERM" into the rank's log for every signal, a warning about nothing."""
+    previous = signal.signal(signal.SIGTERM, _the_program_decides)
+    try:
+        return _exit_code(subprocess.call(list(argv), env=dict(environ)))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _the_program_decides(_signum: int, _frame: object) -> None:
+    """A Python handler, not SIG_IGN: an ignored signal would stay ignored in the program exec'd after it."""
 
 
 def _exit_code(returncode: int) -> int:

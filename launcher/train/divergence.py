@@ -12,6 +12,7 @@ Every rank gets the same answer from the all-reduce, so all stop at the same ste
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Optional
 
@@ -50,17 +51,23 @@ def agree(stop_local: bool, sentinel: Sentinel) -> tuple[bool, Optional[int]]:
     return bool(stop), (_NEVER - worst if worst else None)
 
 
+def non_finite(values: dict[str, Optional[float]]) -> str:
+    """Which of the values was NaN/inf ("loss", "grad norm", or both joined by "and"). "loss" when none is
+    known to be: this rank's values may be finite when another rank's loss was not."""
+    bad = [name for name, value in values.items() if value is not None and not math.isfinite(value)]
+    return " and ".join(bad) or "loss"
+
+
 def report(
     run_dir: str, step: int, saved: Optional[int], loss: Optional[float], grad_norm: Optional[float], node: str
 ) -> None:
     """Rank 0: the nonfinite_loss alert in alerts.jsonl and the log, with the usual fixes; `saved`: the
     newest step saved (finite: every save comes after its step's check)."""
     last = f"the newest checkpoint is step {saved}" if saved else "no checkpoint was saved yet"
-    seen = ", ".join(
-        f"{name} {value}" for name, value in (("loss", loss), ("grad norm", grad_norm)) if value is not None
-    )
+    values = {"loss": loss, "grad norm": grad_norm}
+    seen = ", ".join(f"{name} {value}" for name, value in values.items() if value is not None)
     message = (
-        f"the loss went non-finite at step {step}{f' ({seen})' if seen else ''}: stopped at once with exit "
+        f"the {non_finite(values)} went non-finite at step {step}{f' ({seen})' if seen else ''}: stopped at once with exit "
         f"{EXIT_DIVERGED}, nothing non-finite saved ({last}). Lower train.lr, check the data, then "
         "`meshrun resume JOB --set train.lr=...` resumes from the last finite checkpoint (add "
         "--set checkpoint.resume_step=N for an earlier one, from before the loss climbed)"

@@ -9,6 +9,7 @@ on one node (ParallelDims checks that tp divides the ranks per node).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -28,6 +29,12 @@ from torch.distributed.tensor.parallel import (
 from launcher.contract.parallel_dims import MESH_DIMS, ParallelDims
 from launcher.train.model import GPT
 from launcher.train.runtime import Runtime
+
+# Under tensor parallelism the head's logits are gathered whole (ColwiseParallel, output Replicate), and the
+# gather hands back a view; FSDP2 warns that an in-place op on the root module's output would skip its
+# pre-backward hook. meshrun never changes the logits in place (the loss reads them: model.loss_fn), so the
+# warning, printed on every rank of the last pipeline stage, has nothing to warn about here.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor", category=UserWarning)
 
 
 def build_mesh(dims: ParallelDims, runtime: Runtime) -> DeviceMesh:

@@ -239,6 +239,8 @@ def test_local_zero3_cancel_resume_and_export_of_the_consolidated_model(tmp_path
     rows = metrics(run_dir)
     assert rows[-1]["step"] == steps and "val_loss" in rows[-1], rows[-1]
     assert "resuming from step" in (run_dir / "logs" / "rank-0.log").read_text()
+    logs = "".join((run_dir / "logs" / f"rank-{rank}.log").read_text() for rank in (0, 1))
+    assert "Warning: " not in logs, [line for line in logs.splitlines() if "Warning: " in line]
     target = tmp_path / "model.safetensors"
     meshrun(tmp_path, "export", job_id, "-o", str(target), check=True)
     weights = load_file(str(target))

@@ -70,6 +70,9 @@ def test_cancelling_a_program_that_traps_term_ends_cancelled(tmp_path: Path) -> 
     _wait_file(run_dir / "up-1")
     meshrun(tmp_path, "cancel", job_id, check=True)
     assert _wait_state(tmp_path, job_id, ("CANCELLED", "FAILED"))["state"] == "CANCELLED"
+    # The program decides what the TERM means; the rank process that waits for it says nothing about it.
+    logs = [(run_dir / "logs" / f"rank-{rank}.log").read_text() for rank in (0, 1)]
+    assert not any("Bypassing signal" in log for log in logs), logs
 
 
 def test_cancel_right_after_submit_is_prompt_and_clean(tmp_path: Path) -> None:
@@ -112,6 +115,9 @@ def test_a_killed_supervisor_leaves_no_second_writer(tmp_path: Path) -> None:
     assert resumed.returncode != 0 and "still RUNNING" in resumed.stderr, resumed.stderr
     meshrun(tmp_path, "cancel", job_id, check=True)
     assert _wait_state(tmp_path, job_id, ("CANCELLED", "FAILED"))["state"] == "CANCELLED"
+    # The program decides what the TERM means; the rank process that waits for it says nothing about it.
+    logs = [(run_dir / "logs" / f"rank-{rank}.log").read_text() for rank in (0, 1)]
+    assert not any("Bypassing signal" in log for log in logs), logs
     deadline = time.monotonic() + 20
     while _pids_of(run_dir):
         assert time.monotonic() < deadline, "the orphaned ranks survived the cancel"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -53,6 +54,12 @@ def import_deepspeed(runtime: Runtime) -> Any:
             "extra after torch: pip install --no-build-isolation 'meshrun[deepspeed]'"
         ) from None
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO lines would bury meshrun's in every rank log
+    # DeepSpeed 0.19 calls torch.distributed's old names for the same collectives (all_gather_into_tensor,
+    # reduce_scatter_tensor); torch 2.13 warns on every rank's first call. Nothing for a user to do, and the
+    # collectives are the ones they always were.
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.distributed\.\w+` is deprecated\. Please use", category=FutureWarning
+    )
     return deepspeed
 
 
