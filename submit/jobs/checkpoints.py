@@ -25,6 +25,7 @@ from launcher.contract.spec import RunSpec
 from submit.errors import ClusterError, InputError
 from submit.jobs.registry import JobRecord, Registry, now
 from submit.jobs.runspec import read_run_spec
+from submit.jobs.state import JobState
 from submit.schedulers import backend
 from submit.transport.base import Transport
 
@@ -81,7 +82,7 @@ def resume(
     record: JobRecord,
     transport: Transport,
     registry: Registry,
-    state: str,
+    state: JobState,
     is_done: bool,
     overrides: Sequence[str] = (),
 ) -> JobRecord:
@@ -95,7 +96,7 @@ def resume(
     run_spec = read_run_spec(record, transport)  # also: is the run dir still there?
     if not is_done:
         raise InputError("JOB", record.job_id, f"the job is still {state}; cancel it first or wait")
-    if state == "COMPLETED" and not overrides:
+    if state == JobState.COMPLETED and not overrides:
         raise InputError(
             "JOB",
             record.job_id,
@@ -109,7 +110,7 @@ def resume(
     root = run_spec.run.checkpoint_dir or RunDir(record.run_dir).default_checkpoints
     transport.run(["rm", "-f", "--", f"{root}/{ATTEMPTS_FILE}"]).check("rm")
     job_id = backend(record.scheduler).restart(record, transport)
-    new = dataclasses.replace(record, job_id=job_id, submitted_at=now(), last_state="SUBMITTED")
+    new = dataclasses.replace(record, job_id=job_id, submitted_at=now(), last_state=JobState.SUBMITTED.value)
     registry.add(new)
     return new
 

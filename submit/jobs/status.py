@@ -18,11 +18,10 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 from launcher.contract.rundir import RunDir
 from submit.errors import ConnectionLost, MeshrunError
 from submit.jobs.registry import JobRecord, Registry
-from submit.schedulers.slurm_cli import FAILURE, SUCCESS
+from submit.jobs.state import JobState
 from submit.transport.base import Transport
 
 METRICS_FILE = RunDir.METRICS
-FINAL = SUCCESS | FAILURE
 
 
 @dataclass(frozen=True)
@@ -30,7 +29,8 @@ class Status:
     job_id: str
     cluster: str
     name: str
-    state: str
+    state: JobState
+    """meshrun's word for it, whatever the scheduler's (submit/jobs/state.py)."""
     run_dir: str
     submitted_at: float
     done: bool
@@ -148,7 +148,7 @@ def _unreachable(record: JobRecord, why: str) -> Status:
         job_id=record.job_id,
         cluster=record.cluster,
         name=record.name,
-        state="UNREACHABLE",
+        state=JobState.UNREACHABLE,
         run_dir=record.run_dir,
         submitted_at=record.submitted_at,
         done=False,
@@ -207,6 +207,6 @@ def statuses(
     result = [found[(r.cluster, r.job_id)] for r in records]
     if registry is not None:
         for record, status in zip(records, result):
-            if status.state != record.last_state and status.state not in ("UNKNOWN", "UNREACHABLE"):
-                registry.set_state(record, status.state)
+            if status.state != record.last_state and status.state not in (JobState.UNKNOWN, JobState.UNREACHABLE):
+                registry.set_state(record, status.state.value)
     return result

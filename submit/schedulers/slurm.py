@@ -17,7 +17,8 @@ from submit.jobs import findings
 from submit.jobs import secrets as job_secrets
 from submit.jobs.registry import JobRecord
 from submit.jobs.runspec import read_run_spec
-from submit.jobs.status import FINAL, Status, metrics_tail_bytes, parse_losses, parse_metrics_tail
+from submit.jobs.state import FINAL, JobState
+from submit.jobs.status import Status, metrics_tail_bytes, parse_losses, parse_metrics_tail
 from submit.planning.plan import Plan
 from submit.schedulers import slurm_cli
 from submit.schedulers.base import Request, run_dir_files
@@ -129,7 +130,7 @@ def query_argvs(records: Sequence[JobRecord], live: bool = False) -> list[list[s
     return [slurm_cli.squeue_argv(ids), slurm_cli.sacct_argv(ids), *tails, *errors]
 
 
-def states_from(records: Sequence[JobRecord], squeue: Result, sacct: Result) -> dict[str, slurm_cli.JobState]:
+def states_from(records: Sequence[JobRecord], squeue: Result, sacct: Result) -> dict[str, slurm_cli.SlurmJob]:
     """Merge both answers; raise only when neither scheduler command worked."""
     if squeue.returncode != 0 and sacct.returncode != 0 and "Invalid job id" not in squeue.stderr:
         sacct.check("sacct and squeue")
@@ -137,8 +138,8 @@ def states_from(records: Sequence[JobRecord], squeue: Result, sacct: Result) -> 
     live = slurm_cli.parse_squeue(squeue.stdout) if squeue.returncode == 0 else {}
     merged = slurm_cli.merge_states([r.job_id for r in records], acct, live)
     for record in records:  # accounting off and slurmctld forgot the job: keep what meshrun last saw
-        if merged[record.job_id].state == "UNKNOWN" and record.last_state in FINAL:
-            merged[record.job_id] = slurm_cli.JobState(job_id=record.job_id, state=record.last_state)
+        if merged[record.job_id].state is JobState.UNKNOWN and record.last_state in FINAL:
+            merged[record.job_id] = slurm_cli.SlurmJob(job_id=record.job_id, state=JobState(record.last_state))
     return merged
 
 
@@ -150,7 +151,7 @@ def _exit_code(text: Optional[str]) -> Optional[int]:
 
 def _status(
     record: JobRecord,
-    job: slurm_cli.JobState,
+    job: slurm_cli.SlurmJob,
     tail: Result,
     error: Result,
     found: findings.Findings = findings.NOTHING,

@@ -15,6 +15,7 @@ import pytest
 from submit import api
 from submit.errors import HostKeyChanged, InputError, JobNotFound
 from submit.jobs.registry import JobRecord, Registry
+from submit.jobs.state import JobState
 from submit.jobs.status import parse_metrics_tail, statuses
 from submit.schedulers import slurm_cli as slurm
 from submit.schedulers.slurm import query_argvs, states_from
@@ -90,9 +91,9 @@ def test_one_round_trip_queries_squeue_sacct_and_every_metrics_tail() -> None:
 
 def test_a_failed_slurm_job_says_why_in_the_ranks_words() -> None:
     from submit.schedulers.slurm import _status
-    from submit.schedulers.slurm_cli import JobState
+    from submit.schedulers.slurm_cli import SlurmJob
 
-    failed, ok = JobState("1", "FAILED", exit_code="2:0"), Result((), 0, "", "")
+    failed, ok = SlurmJob("1", JobState.FAILED, exit_code="2:0"), Result((), 0, "", "")
     error = Result((), 0, "rank 0: data.path: '/x': no token file there\n", "")
     found = _status(_record("1"), failed, ok, error)
     assert found.reason == "rank 0: data.path: '/x': no token file there" and found.exit_code == 2
@@ -140,8 +141,8 @@ def test_watch_returns_when_only_unreachable_jobs_are_left(monkeypatch: pytest.M
     from submit.cli import jobs as cli_jobs
     from submit.jobs.status import Status
 
-    lost = Status("7", "bad", "n", "UNREACHABLE", "/r", 0.0, done=False, succeeded=False, reason="no route")
-    done = Status("8", "ok", "n", "COMPLETED", "/r", 0.0, done=True, succeeded=True)
+    lost = Status("7", "bad", "n", JobState.UNREACHABLE, "/r", 0.0, done=False, succeeded=False, reason="no route")
+    done = Status("8", "ok", "n", JobState.COMPLETED, "/r", 0.0, done=True, succeeded=True)
     monkeypatch.setattr(api, "statuses", lambda records, clusters, registry=None: [lost, done])
     assert cli_jobs.watch([], None, None, as_json=True) == 1
     assert "could not be reached" in capsys.readouterr().err
