@@ -13,7 +13,7 @@ import posixpath
 import re
 import shlex
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any
 
 import jinja2
 
@@ -21,6 +21,7 @@ from launcher.contract import exitcodes
 from launcher.contract.rundir import RunDir
 from launcher.contract.spec import dumps_run_spec
 from submit import __version__
+from submit.config.cluster import check_node_names
 from submit.config.resources import template_source
 from submit.errors import InputError, InternalError
 from submit.planning.plan import Plan, format_time
@@ -31,8 +32,6 @@ VERSION = __version__
 """The meshrun that renders: the script's header and spec.json record it."""
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _LABEL_UNSAFE = re.compile(r"[^A-Za-z0-9._+-]")
-NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-"""A node name for --exclude: needs no quoting (sbatch's #SBATCH parser knows none), so no hostlist ranges."""
 
 
 class Verbatim(str):
@@ -74,16 +73,6 @@ def _name(word: str) -> Verbatim:
     if not re.fullmatch(r"[A-Za-z0-9._-]+", word):
         raise InternalError(f"run-dir name {word!r} would need quoting")
     return Verbatim(word)
-
-
-def check_node_names(key: str, names: Sequence[str]) -> tuple[str, ...]:
-    """Node names for --exclude, each checked, duplicates dropped (first order kept)."""
-    for name in names:
-        if not NODE_NAME.fullmatch(name):
-            raise InputError(
-                key, name, "list node names as Slurm shows them, e.g. n1,n7 (letters, digits, . _ -; no ranges)"
-            )
-    return tuple(dict.fromkeys(names))
 
 
 def _setup_lines(plan: Plan) -> list[Verbatim]:
