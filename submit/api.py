@@ -16,7 +16,7 @@ import dataclasses
 import os
 import subprocess
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from launcher.contract.private import private_umask_while
 from submit.config.cluster import ClusterProfile, is_profile_path, load_profile, load_profile_file
@@ -30,6 +30,9 @@ from submit.transport import connect
 from submit.transport import snapshot as snapshots
 from submit.transport.base import Progress, Transport
 
+if TYPE_CHECKING:
+    from launcher.contract.spec import JobSpec
+
 # `executor` is served by the module's __getattr__ (submitit is imported only when it is asked for).
 __all__ = [
     "Clusters",
@@ -41,6 +44,7 @@ __all__ = [
     "is_local",
     "load_cluster",
     "plan_job",
+    "plan_spec",
     "poll_interval",
     "prepare",
     "reaches_other_machines",
@@ -204,24 +208,38 @@ def check_dependencies(after: Sequence[str], scheduler: str) -> None:
 
 
 def plan_job(
-    spec_path: Path, profile: ClusterProfile, overrides: Sequence[str] = (), sweep: Sequence[str] = ()
+    spec_path: Path,
+    profile: ClusterProfile,
+    overrides: Sequence[str] = (),
+    sweep: Sequence[str] = (),
+    home: Optional[str] = None,
 ) -> Plan:
-    """Load, validate and resolve the job (a job array with `sweep`): every input error surfaces here,
-    before any connection."""
+    """Load, validate and resolve the job (a job array with `sweep`), its scheduler's own checks included:
+    every input error surfaces here, before any connection. `home`: the one `~` means (default home_for)."""
     from submit.planning.plan import plan_file
 
+    scheduler = backend(profile.scheduler)
+    home = home or home_for(profile)
     if sweep:
         from submit.planning.sweep import plan_sweep
 
-        if not backend(profile.scheduler).supports_arrays:
+        if not scheduler.supports_arrays:
             raise InputError(
                 "--sweep",
                 sweep[0],
                 f"sweeps run as job arrays, which the {profile.scheduler} "
                 f"cluster does not have; it runs one job at a time",
             )
-        return plan_sweep(spec_path, profile, overrides, sweep, home=home_for(profile))
-    return plan_file(spec_path, profile, overrides, home=home_for(profile))
+        return plan_sweep(spec_path, profile, overrides, sweep, home=home, scheduler_check=scheduler.check)
+    return plan_file(spec_path, profile, overrides, home=home, scheduler_check=scheduler.check)
+
+
+def plan_spec(spec: JobSpec, submitted: dict[str, Any], profile: ClusterProfile, home: Optional[str] = None) -> Plan:
+    """A job given as a spec, not a file (`meshrun doctor`'s preflight), planned as plan_job plans one."""
+    from submit.planning.plan import make_plan
+
+    home = home or home_for(profile)
+    return make_plan(spec, submitted, profile, home=home, scheduler_check=backend(profile.scheduler).check)
 
 
 def check_job(plan: Plan, force: bool = False) -> None:

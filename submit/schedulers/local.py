@@ -36,7 +36,7 @@ from submit.jobs.runspec import read_run_spec
 from submit.jobs.state import FINAL, SUCCESS, JobState
 from submit.jobs.status import Status, metrics_tail, parse_losses, parse_metrics_tail
 from submit.planning.plan import Plan
-from submit.schedulers.base import Request, run_dir_files
+from submit.schedulers.base import Request, run_dir_files, secret_files, start_argv
 from submit.transport.base import Transport
 
 ACTIVE = ("PENDING", "RUNNING")
@@ -85,16 +85,16 @@ class LocalBackend:
             raise InputError("--after", after[0], "dependencies are Slurm's; the local cluster has none")
         script = render(plan)
         path = RunDir(plan.run_dir).script(self.name)
-        secrets_dir, secret_files = job_secrets.request_files(plan)
+        secrets_dir, secret_names = secret_files(plan)
         return Request(
             scheduler=self.name,
             run_dir=plan.run_dir,
             script_path=path,
             script=script,
-            argv=job_secrets.plan_argv(plan, ("bash", path)),  # the supervisor never holds a secret: the ranks read it
+            argv=start_argv(plan, ("bash", path)),  # the supervisor never holds a secret: the ranks read it
             files=run_dir_files(plan, RunDir.SCRIPTS[self.name], script),
             secrets_dir=secrets_dir,
-            secrets=secret_files,
+            secrets=secret_names,
         )
 
     def schedule(self, request: Request, transport: Transport) -> str:

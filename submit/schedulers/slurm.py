@@ -21,7 +21,7 @@ from submit.jobs.state import FINAL, JobState
 from submit.jobs.status import Status, metrics_tail_bytes, parse_losses, parse_metrics_tail
 from submit.planning.plan import Plan
 from submit.schedulers import slurm_cli
-from submit.schedulers.base import Request, run_dir_files
+from submit.schedulers.base import Request, run_dir_files, secret_files, start_argv
 from submit.transport.base import Result, Transport, batch
 
 BATCH_JOBS = 1000
@@ -49,18 +49,18 @@ class SlurmBackend:
         script = render(plan)
         name = RunDir.SCRIPTS[self.name]
         sbatch = slurm_cli.sbatch_argv(run_dir.script(self.name), plan.spec.name, plan.run_dir, after)
-        secrets_dir, secret_files = job_secrets.request_files(plan)
+        secrets_dir, secret_names = secret_files(plan)
         return Request(
             scheduler=self.name,
             run_dir=plan.run_dir,
             script_path=run_dir.script(self.name),
             script=script,
-            argv=job_secrets.plan_argv(plan, sbatch),  # sbatch's environment is stored: no secret in it
+            argv=start_argv(plan, sbatch),  # sbatch's environment is stored: no secret in it
             files=run_dir_files(plan, name, script),
             code_dir=plan.code_dir,
             array_tasks=len(plan.tasks),
             secrets_dir=secrets_dir,
-            secrets=secret_files,
+            secrets=secret_names,
         )
 
     def schedule(self, request: Request, transport: Transport) -> str:
