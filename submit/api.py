@@ -16,13 +16,14 @@ import dataclasses
 import os
 import subprocess
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from launcher.contract.private import private_umask_while
 from submit.config.cluster import ClusterProfile, is_profile_path, load_profile, load_profile_file
 from submit.errors import ClusterError, InputError
+from submit.jobs import status as job_status
 from submit.jobs.registry import JobRecord, Registry, now
-from submit.jobs.status import METRICS_FILE, Status, last_metrics, statuses
+from submit.jobs.status import METRICS_FILE, Status, last_metrics, warn_to_stderr
 from submit.planning.plan import REMOTE_HOME, Plan, with_home
 from submit.schedulers import backend, check_profile
 from submit.schedulers.base import Request
@@ -45,6 +46,7 @@ __all__ = [
     "load_cluster",
     "plan_job",
     "plan_spec",
+    "resume",
     "poll_interval",
     "prepare",
     "reaches_other_machines",
@@ -411,6 +413,30 @@ def cancel(records: Sequence[JobRecord], clusters: Clusters, registry: Optional[
         )
     record = records[0]
     backend(record.scheduler).cancel(records, clusters.transport_for(record))
+
+
+def statuses(
+    records: Sequence[JobRecord],
+    clusters: job_status.TransportSource,
+    registry: Optional[Registry] = None,
+    warn: Callable[[str], None] = warn_to_stderr,
+    detail: bool = False,
+    live: bool = False,
+) -> list[Status]:
+    """The status of each record, in order: one round trip per cluster, each asked of the record's scheduler
+    backend (submit/jobs/status.py's statuses; `detail` and `live` as there)."""
+    return job_status.statuses(records, clusters, backend, registry, warn, detail, live)
+
+
+def resume(
+    record: JobRecord, transport: Transport, registry: Registry, status: Status, overrides: Sequence[str] = ()
+) -> JobRecord:
+    """`meshrun resume`: the ended job (`status`: its status now) started again in its run dir by its own
+    scheduler backend (submit/jobs/checkpoints.py's resume); the new job's record."""
+    from submit.jobs.checkpoints import resume as restart_job
+
+    restart = backend(record.scheduler).restart
+    return restart_job(record, transport, registry, status.state, status.done, restart, overrides)
 
 
 def log_path(record: JobRecord, rank: Optional[int]) -> str:

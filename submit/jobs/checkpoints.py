@@ -26,7 +26,6 @@ from submit.errors import ClusterError, InputError
 from submit.jobs.registry import JobRecord, Registry, now
 from submit.jobs.runspec import read_run_spec
 from submit.jobs.state import JobState
-from submit.schedulers import backend
 from submit.transport.base import Transport
 
 RESUME_SETTABLE = (
@@ -84,9 +83,11 @@ def resume(
     registry: Registry,
     state: JobState,
     is_done: bool,
+    restart: Callable[[JobRecord, Transport], str],
     overrides: Sequence[str] = (),
 ) -> JobRecord:
-    """Start the stopped/failed/killed job again in its run dir; returns the new job's record."""
+    """Start the stopped/failed/killed job again in its run dir; returns the new job's record. `restart` starts
+    the job's own script again and returns the new job id (its scheduler backend's, handed in by api.resume)."""
     if "_" in record.job_id:
         raise InputError(
             "JOB",
@@ -109,7 +110,7 @@ def resume(
         transport.write_text(RunDir(record.run_dir).spec, dumps_run_spec(with_overrides(run_spec, overrides)))
     root = run_spec.run.checkpoint_dir or RunDir(record.run_dir).default_checkpoints
     transport.run(["rm", "-f", "--", f"{root}/{ATTEMPTS_FILE}"]).check("rm")
-    job_id = backend(record.scheduler).restart(record, transport)
+    job_id = restart(record, transport)
     new = dataclasses.replace(record, job_id=job_id, submitted_at=now(), last_state=JobState.SUBMITTED.value)
     registry.add(new)
     return new

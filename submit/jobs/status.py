@@ -72,6 +72,19 @@ class TransportSource(Protocol):
     def transport_for(self, record: JobRecord) -> Transport: ...
 
 
+class StatusReader(Protocol):
+    """What status asks of a scheduler backend (submit/schedulers/base.py's Backend has it)."""
+
+    def statuses(
+        self, records: Sequence[JobRecord], transport: Transport, detail: bool = False, live: bool = False
+    ) -> list[Status]: ...
+
+
+Schedulers = Callable[[str], StatusReader]
+"""The backend of a record's `scheduler`, handed in (api.statuses hands in schedulers.backend): status never
+looks a scheduler up."""
+
+
 def parse_metrics_tail(text: str) -> dict[str, Any]:
     """The newest step line of a metrics.jsonl tail (a line being written is skipped), with the
     newest `checkpoint_step` from any line (checkpoint events are lines of their own)."""
@@ -157,16 +170,16 @@ def _unreachable(record: JobRecord, why: str) -> Status:
     )
 
 
-def _cluster_statuses(group: Sequence[JobRecord], transport: Transport, detail: bool, live: bool) -> list[Status]:
-    from submit.schedulers import backend
-
+def _cluster_statuses(
+    group: Sequence[JobRecord], transport: Transport, schedulers: Schedulers, detail: bool, live: bool
+) -> list[Status]:
     by_scheduler: dict[str, list[JobRecord]] = defaultdict(list)
     for record in group:
         by_scheduler[record.scheduler].append(record)
     return [
         s
         for name, records in by_scheduler.items()
-        for s in backend(name).statuses(records, transport, detail=detail, live=live)
+        for s in schedulers(name).statuses(records, transport, detail=detail, live=live)
     ]
 
 
@@ -177,6 +190,7 @@ def warn_to_stderr(message: str) -> None:
 def statuses(
     records: Sequence[JobRecord],
     clusters: TransportSource,
+    schedulers: Schedulers,
     registry: Optional[Registry] = None,
     warn: Callable[[str], None] = warn_to_stderr,
     detail: bool = False,
@@ -184,14 +198,15 @@ def statuses(
 ) -> list[Status]:
     """The status of each record, in order: one round trip per cluster. `detail` also compares
     the nodes' environment records (one job's view: the records of many jobs would be a lot to fetch);
-    `live` also brings the loss history and the newest GPU samples (`meshrun top`), in the same trip."""
+    `live` also brings the loss history and the newest GPU samples (`meshrun top`), in the same trip.
+    `schedulers` gives each record's backend (api.statuses hands in schedulers.backend)."""
     by_cluster: dict[str, list[JobRecord]] = defaultdict(list)
     for record in records:
         by_cluster[record.profile or record.cluster].append(record)  # the profile file: one cluster
     found: dict[tuple[str, str], Status] = {}
     for cluster, group in by_cluster.items():
         try:
-            found_here = _cluster_statuses(group, clusters.transport_for(group[0]), detail, live)
+            found_here = _cluster_statuses(group, clusters.transport_for(group[0]), schedulers, detail, live)
         except ConnectionLost:
             raise  # the caller reconnects
         except MeshrunError as exc:

@@ -16,7 +16,7 @@ from submit import api
 from submit.errors import HostKeyChanged, InputError, JobNotFound
 from submit.jobs.registry import JobRecord, Registry
 from submit.jobs.state import JobState
-from submit.jobs.status import parse_metrics_tail, statuses
+from submit.jobs.status import parse_metrics_tail
 from submit.schedulers import slurm_cli as slurm
 from submit.schedulers.slurm import query_argvs, states_from
 from submit.transport.base import LocalTransport, Result, Upload, batch, tar_bytes
@@ -131,7 +131,7 @@ def test_a_changed_host_key_reaches_the_person_not_only_json(tmp_path: Path) -> 
         JobRecord("local-x", "ok", "n", str(tmp_path), "local", 0.0, None, "h"),
         JobRecord("7", "bad", "n", "/r", "slurm", 0.0, None, "h"),
     ]
-    found = statuses(records, _Clusters(), warn=warned.append)
+    found = api.statuses(records, _Clusters(), warn=warned.append)
     assert [s.state for s in found] == ["UNKNOWN", "UNREACHABLE"]
     assert warned and "REMOTE HOST IDENTIFICATION HAS CHANGED" in warned[0] and warned[0].startswith("bad: ")
 
@@ -260,3 +260,27 @@ def test_a_finished_jobs_tail_keeps_its_last_step_behind_the_sidecars_copy_event
     tail = text.encode()[-METRICS_TAIL_BYTES:].decode()
     progress = parse_metrics_tail(tail)
     assert progress["step"] == 30 and progress["restart_count"] == 1 and progress["checkpoint_step"] == 30
+
+
+def test_status_asks_the_scheduler_it_is_handed(tmp_path: Path) -> None:
+    """jobs/status looks no backend up: each record's scheduler is asked through the lookup its caller gives."""
+    from submit.jobs.status import Status, statuses
+
+    asked: list[tuple[str, list[str]]] = []
+
+    class Reader:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def statuses(self, records: Any, transport: Any, detail: bool = False, live: bool = False) -> list[Status]:
+            asked.append((self.name, [r.job_id for r in records]))
+            return [
+                Status(r.job_id, r.cluster, r.name, JobState.RUNNING, r.run_dir, 0.0, False, False) for r in records
+            ]
+
+    records = [
+        JobRecord("1", "ok", "n", "/r", "slurm", 0.0, None, "h"),
+        JobRecord("x", "ok", "n", "/r", "local", 0, None, "h"),
+    ]
+    found = statuses(records, _Clusters(), Reader)
+    assert asked == [("slurm", ["1"]), ("local", ["x"])] and [s.state for s in found] == [JobState.RUNNING] * 2
