@@ -83,7 +83,7 @@ class LocalBackend:
 
         if after:
             raise InputError("--after", after[0], "dependencies are Slurm's; the local cluster has none")
-        script = render(plan)
+        script = render(plan, self)
         path = RunDir(plan.run_dir).script(self.name)
         secrets_dir, secret_names = secret_files(plan)
         return Request(

@@ -1,4 +1,7 @@
-"""Rendering: a plan -> the sbatch script, through templates/ (Jinja2).
+"""Rendering: a plan -> its scheduler's script (the sbatch script, the local run.sh), through templates/ (Jinja2).
+
+The backend that renders hands itself in (`render(plan, self)` in its dryrun): its template and its
+interpreter are all this module asks of it, and it never looks a scheduler up.
 
 Quote by default: every `{{ value }}` is shell-quoted by the environment's
 finalize hook and refused if it holds a newline or a control character. Only
@@ -13,7 +16,7 @@ import posixpath
 import re
 import shlex
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 
@@ -25,8 +28,10 @@ from submit.config.cluster import check_node_names
 from submit.config.resources import template_source
 from submit.errors import InputError, InternalError
 from submit.planning.plan import Plan, format_time
-from submit.schedulers import backend
 from submit.transport import seal
+
+if TYPE_CHECKING:
+    from submit.schedulers.base import Backend
 
 VERSION = __version__
 """The meshrun that renders: the script's header and spec.json record it."""
@@ -112,10 +117,10 @@ def _sidecar_command(rank_command: list[str], module: str = "launcher.sidecar") 
     return [*rank_command[:-1], module]
 
 
-def context(plan: Plan) -> dict[str, Any]:
+def context(plan: Plan, python: str) -> dict[str, Any]:
+    """The template's values; `python` is the interpreter the script runs (the backend's, for the profile)."""
     spec, cluster, res = plan.spec, plan.cluster, plan.spec.resources
     srun_flags, rank_command = _rank_command(plan)
-    python = backend(cluster.scheduler).interpreter(cluster)
     return {
         "version": VERSION,
         "cluster_name": cluster.name,
@@ -172,10 +177,11 @@ def context(plan: Plan) -> dict[str, Any]:
     }
 
 
-def render(plan: Plan) -> str:
-    """The job's script for its scheduler (sbatch script, or the local run.sh). Pure."""
-    template = backend(plan.cluster.scheduler).template
+def render(plan: Plan, backend: Backend) -> str:
+    """The job's script for `backend`, the plan's scheduler's (sbatch script, or the local run.sh). Pure."""
+    template = backend.template
+    python = backend.interpreter(plan.cluster)
     try:
-        return environment().get_template(template).render(**context(plan))
+        return environment().get_template(template).render(**context(plan, python))
     except jinja2.UndefinedError as exc:
         raise InternalError(f"template {template}: {exc}") from None

@@ -46,7 +46,7 @@ class SlurmBackend:
 
         slurm_cli.dependency(after)  # bad --after values fail before anything is sent
         run_dir = RunDir(plan.run_dir)
-        script = render(plan)
+        script = render(plan, self)
         name = RunDir.SCRIPTS[self.name]
         sbatch = slurm_cli.sbatch_argv(run_dir.script(self.name), plan.spec.name, plan.run_dir, after)
         secrets_dir, secret_names = secret_files(plan)
