@@ -42,6 +42,7 @@ __all__ = [
     "check_job",
     "connect",
     "home_for",
+    "interpreter",
     "is_local",
     "load_cluster",
     "plan_job",
@@ -193,6 +194,11 @@ def home_for(profile: ClusterProfile) -> str:
 def reaches_other_machines(scheduler: str) -> bool:
     """Whether this scheduler's jobs run on other machines than the one meshrun runs on."""
     return backend(scheduler).over_ssh
+
+
+def interpreter(profile: ClusterProfile) -> str:
+    """The Python the profile's jobs (and meshrun's helpers on its login node) run: its backend's choice."""
+    return backend(profile.scheduler).interpreter(profile)
 
 
 def poll_interval(scheduler: str, elapsed: float) -> float:
