@@ -116,3 +116,17 @@ def test_a_state_prints_serializes_and_is_stored_as_its_word() -> None:
     db.execute("CREATE TABLE t (s TEXT)")
     db.execute("INSERT INTO t VALUES (?)", (state.value,))
     assert db.execute("SELECT s FROM t").fetchone() == ("NODE_FAIL",)
+
+
+@pytest.mark.parametrize("word", ["RUNNING", "NODE_FAIL", "UNREACHABLE"])
+def test_the_views_show_a_state_exactly_as_they_showed_its_word(word: str) -> None:
+    from submit.jobs.status import Status
+    from submit.views import top
+    from submit.views.tables import detail_lines, progress_line, status_table
+
+    fields: dict = dict(elapsed_s=5, progress={"step": 3, "loss": 1.0}, reason="r")
+    typed = Status("1", "c", "n", JobState(word), "/r", 0.0, False, False, **fields)
+    plain = Status("1", "c", "n", word, "/r", 0.0, False, False, **fields)  # type: ignore[arg-type]
+    assert status_table([typed]) == status_table([plain]) and detail_lines(typed) == detail_lines(plain)
+    assert progress_line(typed, 10) == progress_line(plain, 10) and top.row(typed) == top.row(plain)
+    assert json.dumps(typed.as_json()) == json.dumps(plain.as_json())
