@@ -2,7 +2,8 @@
 
 Only stable formats are parsed: `sbatch --parsable`, `sacct --parsable2` with a
 fixed field list, and `squeue` with a fixed `-o` format. Nothing here runs a
-command; the transport does.
+command; the transport does. Slurm's state names are read here and nowhere else: STATES
+maps each to meshrun's JobState (submit/jobs/state.py).
 """
 
 from __future__ import annotations
