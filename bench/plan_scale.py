@@ -19,6 +19,7 @@ from typing import Callable
 from launcher.env import expand_hostlist
 from submit.config.cluster import load_profile
 from submit.planning.plan import plan_file
+from submit.schedulers import backend
 from submit.schedulers.render import render
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,7 +37,8 @@ def median_s(fn: Callable[[], object], runs: int) -> float:
 
 def plan_and_render(overrides: list[str]) -> Callable[[], object]:
     profile = load_profile("h100-ndr")
-    return lambda: render(plan_file(SPEC, profile, overrides, home="/home/u", run_dir="/r"))
+    scheduler = backend(profile.scheduler)
+    return lambda: render(plan_file(SPEC, profile, overrides, home="/home/u", run_dir="/r"), scheduler)
 
 
 def main() -> None:

@@ -16,19 +16,23 @@ import dataclasses
 import os
 import subprocess
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from launcher.contract.private import private_umask_while
 from submit.config.cluster import ClusterProfile, is_profile_path, load_profile, load_profile_file
 from submit.errors import ClusterError, InputError
+from submit.jobs import status as job_status
 from submit.jobs.registry import JobRecord, Registry, now
-from submit.jobs.status import METRICS_FILE, Status, last_metrics, statuses
+from submit.jobs.status import METRICS_FILE, Status, last_metrics, warn_to_stderr
 from submit.planning.plan import REMOTE_HOME, Plan, with_home
 from submit.schedulers import backend, check_profile
 from submit.schedulers.base import Request
 from submit.transport import connect
 from submit.transport import snapshot as snapshots
 from submit.transport.base import Progress, Transport
+
+if TYPE_CHECKING:
+    from launcher.contract.spec import JobSpec
 
 # `executor` is served by the module's __getattr__ (submitit is imported only when it is asked for).
 __all__ = [
@@ -38,13 +42,16 @@ __all__ = [
     "check_job",
     "connect",
     "home_for",
+    "interpreter",
     "is_local",
     "load_cluster",
     "plan_job",
+    "plan_spec",
     "poll_interval",
     "prepare",
     "reaches_other_machines",
     "resolve_home",
+    "resume",
     "send",
     "trust",
     "METRICS_FILE",
@@ -189,6 +196,11 @@ def reaches_other_machines(scheduler: str) -> bool:
     return backend(scheduler).over_ssh
 
 
+def interpreter(profile: ClusterProfile) -> str:
+    """The Python the profile's jobs (and meshrun's helpers on its login node) run: its backend's choice."""
+    return backend(profile.scheduler).interpreter(profile)
+
+
 def poll_interval(scheduler: str, elapsed: float) -> float:
     """How often a wait asks: the backend's choice (Slurm backs off so a long wait does not hammer slurmctld)."""
     return backend(scheduler).poll_interval(elapsed)
@@ -204,24 +216,38 @@ def check_dependencies(after: Sequence[str], scheduler: str) -> None:
 
 
 def plan_job(
-    spec_path: Path, profile: ClusterProfile, overrides: Sequence[str] = (), sweep: Sequence[str] = ()
+    spec_path: Path,
+    profile: ClusterProfile,
+    overrides: Sequence[str] = (),
+    sweep: Sequence[str] = (),
+    home: Optional[str] = None,
 ) -> Plan:
-    """Load, validate and resolve the job (a job array with `sweep`): every input error surfaces here,
-    before any connection."""
+    """Load, validate and resolve the job (a job array with `sweep`), its scheduler's own checks included:
+    every input error surfaces here, before any connection. `home`: the one `~` means (default home_for)."""
     from submit.planning.plan import plan_file
 
+    scheduler = backend(profile.scheduler)
+    home = home or home_for(profile)
     if sweep:
         from submit.planning.sweep import plan_sweep
 
-        if not backend(profile.scheduler).supports_arrays:
+        if not scheduler.supports_arrays:
             raise InputError(
                 "--sweep",
                 sweep[0],
                 f"sweeps run as job arrays, which the {profile.scheduler} "
                 f"cluster does not have; it runs one job at a time",
             )
-        return plan_sweep(spec_path, profile, overrides, sweep, home=home_for(profile))
-    return plan_file(spec_path, profile, overrides, home=home_for(profile))
+        return plan_sweep(spec_path, profile, overrides, sweep, home=home, scheduler_check=scheduler.check)
+    return plan_file(spec_path, profile, overrides, home=home, scheduler_check=scheduler.check)
+
+
+def plan_spec(spec: JobSpec, submitted: dict[str, Any], profile: ClusterProfile, home: Optional[str] = None) -> Plan:
+    """A job given as a spec, not a file (`meshrun doctor`'s preflight), planned as plan_job plans one."""
+    from submit.planning.plan import make_plan
+
+    home = home or home_for(profile)
+    return make_plan(spec, submitted, profile, home=home, scheduler_check=backend(profile.scheduler).check)
 
 
 def check_job(plan: Plan, force: bool = False) -> None:
@@ -393,6 +419,30 @@ def cancel(records: Sequence[JobRecord], clusters: Clusters, registry: Optional[
         )
     record = records[0]
     backend(record.scheduler).cancel(records, clusters.transport_for(record))
+
+
+def statuses(
+    records: Sequence[JobRecord],
+    clusters: job_status.TransportSource,
+    registry: Optional[Registry] = None,
+    warn: Callable[[str], None] = warn_to_stderr,
+    detail: bool = False,
+    live: bool = False,
+) -> list[Status]:
+    """The status of each record, in order: one round trip per cluster, each asked of the record's scheduler
+    backend (submit/jobs/status.py's statuses; `detail` and `live` as there)."""
+    return job_status.statuses(records, clusters, backend, registry, warn, detail, live)
+
+
+def resume(
+    record: JobRecord, transport: Transport, registry: Registry, status: Status, overrides: Sequence[str] = ()
+) -> JobRecord:
+    """`meshrun resume`: the ended job (`status`: its status now) started again in its run dir by its own
+    scheduler backend (submit/jobs/checkpoints.py's resume); the new job's record."""
+    from submit.jobs.checkpoints import resume as restart_job
+
+    restart = backend(record.scheduler).restart
+    return restart_job(record, transport, registry, status.state, status.done, restart, overrides)
 
 
 def log_path(record: JobRecord, rank: Optional[int]) -> str:

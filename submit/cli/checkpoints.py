@@ -64,7 +64,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     try:
         transport = clusters.transport_for(record)
         status = api.statuses([record], clusters, registry)[0]
-        new = checkpoints.resume(record, transport, registry, status.state, status.done, args.overrides)
+        new = api.resume(record, transport, registry, status, args.overrides)
         print(f"resumed job {record.job_id} as job {new.job_id} on {new.cluster}")
         print(f"run dir: {new.run_dir}")
         note = checkpoints.resume_note(new, transport)

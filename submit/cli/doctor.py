@@ -65,12 +65,12 @@ def options(args: argparse.Namespace, profile: Any) -> Any:
 def doctor_plan(profile: Any, opts: Any, home: str) -> Any:
     from launcher.contract import schema
     from launcher.contract.spec import JobSpec
+    from submit import api
     from submit.jobs.doctor import job_spec
-    from submit.planning.plan import make_plan
 
     data = job_spec(profile, opts)
     try:
-        return make_plan(schema.load(JobSpec, data), data, profile, home=home)
+        return api.plan_spec(schema.load(JobSpec, data), data, profile, home=home)
     except InputError as exc:
         flag = FLAG_FOR_KEY.get(exc.key)
         if flag is None:

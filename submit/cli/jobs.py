@@ -68,6 +68,7 @@ def watch(records: Sequence[Any], clusters: Any, registry: Any, as_json: bool) -
     """Refresh until every job is done: one round trip per cluster each time, backing off
     (2 s, growing to 30 s) while nothing changes; a terminal is redrawn, a pipe gets changes only."""
 
+    from submit.jobs.state import JobState
     from submit.views.watch import refresh, watch_end
 
     tty, interval, last = sys.stdout.isatty(), WATCH_FIRST_S, None
@@ -86,7 +87,7 @@ def watch(records: Sequence[Any], clusters: Any, registry: Any, as_json: bool) -
         elif changed:
             sys.stdout.write(status_table(found) + "\n")
         sys.stdout.flush()
-        if all(s.done or s.state == "UNREACHABLE" for s in found):
+        if all(s.done or s.state == JobState.UNREACHABLE for s in found):
             return watch_end(found)
         time.sleep(interval)
 

@@ -282,7 +282,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from submit import api
     from submit.jobs.doctor import with_exclude
 
-    profile = with_exclude(api.load_cluster(args.cluster), args.exclude)
+    profile = with_exclude(api.load_cluster(args.cluster), args.exclude, api.reaches_other_machines)
     _check_submit_flags(args, profile.scheduler)
     plan = _plan(args, profile)  # every input error surfaces before any connection
     api.check_job(plan, force=args.force)  # missing files seen from here; a job that cannot fit its GPUs

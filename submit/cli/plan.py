@@ -164,10 +164,10 @@ def render(out: dict[str, Any], spec: Any) -> str:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from submit import api
-    from submit.planning.plan import REMOTE_HOME, plan_file
+    from submit.planning.plan import REMOTE_HOME
 
     profile = api.load_cluster(args.cluster)
-    plan = plan_file(args.spec, profile, args.overrides, home=REMOTE_HOME)  # the same checks as submit
+    plan = api.plan_job(args.spec, profile, args.overrides, home=REMOTE_HOME)  # the same checks as submit
     if plan.spec.command is not None:
         raise InputError(
             "command",

@@ -11,7 +11,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Mapping, Optional
+from typing import Literal, Mapping, Optional, Sequence
 
 from launcher.contract import schema
 from launcher.contract.schema import SchemaError
@@ -23,6 +23,8 @@ from submit.errors import InputError
 
 SHIPPED_DIR = shipped_profiles_dir()  # package data: a wheel's or a checkout's cluster_configs/
 PROFILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+"""A node name for --exclude: needs no quoting (sbatch's #SBATCH parser knows none), so no hostlist ranges."""
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,18 @@ class Defaults:
     signal_seconds: int = 120
     """How long before the time limit the job is told to checkpoint (--signal=B:USR1@N)."""
     exclude: tuple[str, ...] = ()
-    """Nodes no job may use (--exclude), e.g. the bad nodes `meshrun doctor` lists; `submit --exclude` adds to it."""
+    """Nodes no job may use (--exclude), e.g. the bad nodes `meshrun doctor` lists; `submit --exclude` adds to it.
+    Checked by `check_node_names` where they are used (the script's render, `submit --exclude`)."""
+
+
+def check_node_names(key: str, names: Sequence[str]) -> tuple[str, ...]:
+    """Node names for --exclude, each checked, duplicates dropped (first order kept)."""
+    for name in names:
+        if not NODE_NAME.fullmatch(name):
+            raise InputError(
+                key, name, "list node names as Slurm shows them, e.g. n1,n7 (letters, digits, . _ -; no ranges)"
+            )
+    return tuple(dict.fromkeys(names))
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from launcher.contract.spec import RunSpec
 from submit.errors import ClusterError, InputError
 from submit.jobs.registry import JobRecord, Registry, now
 from submit.jobs.runspec import read_run_spec
-from submit.schedulers import backend
+from submit.jobs.state import JobState
 from submit.transport.base import Transport
 
 RESUME_SETTABLE = (
@@ -81,11 +81,13 @@ def resume(
     record: JobRecord,
     transport: Transport,
     registry: Registry,
-    state: str,
+    state: JobState,
     is_done: bool,
+    restart: Callable[[JobRecord, Transport], str],
     overrides: Sequence[str] = (),
 ) -> JobRecord:
-    """Start the stopped/failed/killed job again in its run dir; returns the new job's record."""
+    """Start the stopped/failed/killed job again in its run dir; returns the new job's record. `restart` starts
+    the job's own script again and returns the new job id (its scheduler backend's, handed in by api.resume)."""
     if "_" in record.job_id:
         raise InputError(
             "JOB",
@@ -95,7 +97,7 @@ def resume(
     run_spec = read_run_spec(record, transport)  # also: is the run dir still there?
     if not is_done:
         raise InputError("JOB", record.job_id, f"the job is still {state}; cancel it first or wait")
-    if state == "COMPLETED" and not overrides:
+    if state == JobState.COMPLETED and not overrides:
         raise InputError(
             "JOB",
             record.job_id,
@@ -108,8 +110,8 @@ def resume(
         transport.write_text(RunDir(record.run_dir).spec, dumps_run_spec(with_overrides(run_spec, overrides)))
     root = run_spec.run.checkpoint_dir or RunDir(record.run_dir).default_checkpoints
     transport.run(["rm", "-f", "--", f"{root}/{ATTEMPTS_FILE}"]).check("rm")
-    job_id = backend(record.scheduler).restart(record, transport)
-    new = dataclasses.replace(record, job_id=job_id, submitted_at=now(), last_state="SUBMITTED")
+    job_id = restart(record, transport)
+    new = dataclasses.replace(record, job_id=job_id, submitted_at=now(), last_state=JobState.SUBMITTED.value)
     registry.add(new)
     return new
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Any, Literal, Mapping, Optional, Sequence
+from typing import Any, Callable, Literal, Mapping, Optional, Sequence
 
 from launcher.contract.gpus import peak_tflops
-from submit.config.cluster import ClusterProfile, Interconnect, Partition
+from submit.config.cluster import ClusterProfile, Interconnect, Partition, check_node_names
 from submit.errors import InputError
 
 Verdict = Literal["pass", "warn", "fail", "skip"]
@@ -68,16 +68,16 @@ def job_spec(profile: ClusterProfile, opts: Options) -> dict[str, Any]:
     }
 
 
-def with_exclude(profile: ClusterProfile, flags: Sequence[str]) -> ClusterProfile:
-    """The profile with `submit --exclude n1,n7` (repeatable) added to its own defaults.exclude."""
-    from submit.schedulers.render import check_node_names  # jinja2 comes with it: only when --exclude is given
-
+def with_exclude(
+    profile: ClusterProfile, flags: Sequence[str], reaches_other_machines: Callable[[str], bool]
+) -> ClusterProfile:
+    """The profile with `submit --exclude n1,n7` (repeatable) added to its own defaults.exclude.
+    `reaches_other_machines(scheduler)` (the caller's: api.reaches_other_machines) says whether a scheduler has
+    nodes to leave out; it is asked only when names are given (a backend is imported only then)."""
     names = [name.strip() for flag in flags for name in flag.split(",") if name.strip()]
     if not names:
         return profile
-    from submit.schedulers import backend
-
-    if not backend(profile.scheduler).over_ssh:
+    if not reaches_other_machines(profile.scheduler):
         raise InputError(
             "--exclude", names[0], f"the {profile.scheduler} cluster is this one machine: it has no nodes to leave out"
         )

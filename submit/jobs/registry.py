@@ -15,6 +15,7 @@ from typing import Any, Iterator, Optional
 from launcher.contract.private import make_private_dir
 from submit.config.folders import state_dir
 from submit.errors import InputError, JobNotFound
+from submit.jobs.state import JobState
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -63,8 +64,9 @@ class JobRecord:
     """The submitting checkout's commit, if it was a git checkout."""
     spec_hash: str
     """Hash of the validated spec."""
-    last_state: str = "SUBMITTED"
-    """The last state meshrun saw."""
+    last_state: str = JobState.SUBMITTED.value
+    """The last state meshrun saw: a JobState's word (submit/jobs/state.py), kept as the registry file holds it
+    (a row an older meshrun wrote may hold a word the type no longer has)."""
     profile: Optional[str] = None
     """The profile file's absolute path when it was given as a file (-c my.yaml); None for a named one.
     status/logs/cancel/tb reload the profile from here, so a profile outside the profile folders works too."""

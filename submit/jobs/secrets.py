@@ -4,7 +4,8 @@ sent when it is scheduled, never written where a person or Slurm keeps things.
 - plan time (before any connection): every `env:` source is set here and every `file:` source that this
   machine sees is private; a name that the cluster's network preset sets is refused;
 - the request names the files and where each value is read from (a variable of this environment), never
-  a value, so printing it (`--dry-run`) shows names and sources only;
+  a value, so printing it (`--dry-run`) shows names and sources only (submit/schedulers/base.py builds that
+  part of it from the plan: `secret_files`, `start_argv`);
 - schedule: the values go over the transport's input channel (the tar of `put`; over SSH, the channel's
   stdin, never a command line) into the run's private secrets folder, before the job can start; the
   scheduler's start command runs under `env -u NAME...`, so sbatch (whose environment Slurm stores with
@@ -24,7 +25,6 @@ from submit.transport.base import Upload
 if TYPE_CHECKING:
     from launcher.contract.spec import JobSpec, RunSpec
     from submit.config.cluster import ClusterProfile
-    from submit.planning.plan import Plan
     from submit.transport.base import Transport
 
 
@@ -82,31 +82,6 @@ def scrubbed(argv: Sequence[str], specs: Sequence[JobSpec]) -> tuple[str, ...]:
     if not names:
         return tuple(argv)
     return ("env", *[word for name in names for word in ("-u", name)], *argv)
-
-
-def _specs(plan: Plan) -> list[JobSpec]:
-    return [task.run_spec.job for task in plan.tasks] or [plan.spec]
-
-
-def plan_argv(plan: Plan, argv: Sequence[str]) -> tuple[str, ...]:
-    """The plan's start command with its secrets kept out of the scheduler's environment."""
-    return scrubbed(argv, _specs(plan))
-
-
-def request_files(plan: Plan) -> tuple[str, dict[str, str]]:
-    """(the secrets folder, {file in it: the variable of this environment it is read from}): `env:` secrets,
-    one file per name; a sweep task's in `tasks/N/` (each task's folder is its own, removed when it ends)."""
-    folder = ls.secrets_dir_for(plan.run_dir)
-    if plan.tasks:
-        files = {
-            f"tasks/{task.index}/{name}": str(source.env)
-            for task in plan.tasks
-            for name, source in task.run_spec.job.secrets.items()
-            if source.env is not None
-        }
-    else:
-        files = {name: str(source.env) for name, source in plan.spec.secrets.items() if source.env is not None}
-    return (folder, files) if files else ("", {})
 
 
 def send(folder: str, files: Mapping[str, str], transport: Transport) -> None:

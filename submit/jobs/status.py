@@ -18,11 +18,10 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 from launcher.contract.rundir import RunDir
 from submit.errors import ConnectionLost, MeshrunError
 from submit.jobs.registry import JobRecord, Registry
-from submit.schedulers.slurm_cli import FAILURE, SUCCESS
+from submit.jobs.state import JobState
 from submit.transport.base import Transport
 
 METRICS_FILE = RunDir.METRICS
-FINAL = SUCCESS | FAILURE
 
 
 @dataclass(frozen=True)
@@ -30,7 +29,8 @@ class Status:
     job_id: str
     cluster: str
     name: str
-    state: str
+    state: JobState
+    """meshrun's word for it, whatever the scheduler's (submit/jobs/state.py)."""
     run_dir: str
     submitted_at: float
     done: bool
@@ -70,6 +70,19 @@ class Status:
 
 class TransportSource(Protocol):
     def transport_for(self, record: JobRecord) -> Transport: ...
+
+
+class StatusReader(Protocol):
+    """What status asks of a scheduler backend (submit/schedulers/base.py's Backend has it)."""
+
+    def statuses(
+        self, records: Sequence[JobRecord], transport: Transport, detail: bool = False, live: bool = False
+    ) -> list[Status]: ...
+
+
+Schedulers = Callable[[str], StatusReader]
+"""The backend of a record's `scheduler`, handed in (api.statuses hands in schedulers.backend): status never
+looks a scheduler up."""
 
 
 def parse_metrics_tail(text: str) -> dict[str, Any]:
@@ -148,7 +161,7 @@ def _unreachable(record: JobRecord, why: str) -> Status:
         job_id=record.job_id,
         cluster=record.cluster,
         name=record.name,
-        state="UNREACHABLE",
+        state=JobState.UNREACHABLE,
         run_dir=record.run_dir,
         submitted_at=record.submitted_at,
         done=False,
@@ -157,16 +170,16 @@ def _unreachable(record: JobRecord, why: str) -> Status:
     )
 
 
-def _cluster_statuses(group: Sequence[JobRecord], transport: Transport, detail: bool, live: bool) -> list[Status]:
-    from submit.schedulers import backend
-
+def _cluster_statuses(
+    group: Sequence[JobRecord], transport: Transport, schedulers: Schedulers, detail: bool, live: bool
+) -> list[Status]:
     by_scheduler: dict[str, list[JobRecord]] = defaultdict(list)
     for record in group:
         by_scheduler[record.scheduler].append(record)
     return [
         s
         for name, records in by_scheduler.items()
-        for s in backend(name).statuses(records, transport, detail=detail, live=live)
+        for s in schedulers(name).statuses(records, transport, detail=detail, live=live)
     ]
 
 
@@ -177,6 +190,7 @@ def warn_to_stderr(message: str) -> None:
 def statuses(
     records: Sequence[JobRecord],
     clusters: TransportSource,
+    schedulers: Schedulers,
     registry: Optional[Registry] = None,
     warn: Callable[[str], None] = warn_to_stderr,
     detail: bool = False,
@@ -184,14 +198,15 @@ def statuses(
 ) -> list[Status]:
     """The status of each record, in order: one round trip per cluster. `detail` also compares
     the nodes' environment records (one job's view: the records of many jobs would be a lot to fetch);
-    `live` also brings the loss history and the newest GPU samples (`meshrun top`), in the same trip."""
+    `live` also brings the loss history and the newest GPU samples (`meshrun top`), in the same trip.
+    `schedulers` gives each record's backend (api.statuses hands in schedulers.backend)."""
     by_cluster: dict[str, list[JobRecord]] = defaultdict(list)
     for record in records:
         by_cluster[record.profile or record.cluster].append(record)  # the profile file: one cluster
     found: dict[tuple[str, str], Status] = {}
     for cluster, group in by_cluster.items():
         try:
-            found_here = _cluster_statuses(group, clusters.transport_for(group[0]), detail, live)
+            found_here = _cluster_statuses(group, clusters.transport_for(group[0]), schedulers, detail, live)
         except ConnectionLost:
             raise  # the caller reconnects
         except MeshrunError as exc:
@@ -207,6 +222,6 @@ def statuses(
     result = [found[(r.cluster, r.job_id)] for r in records]
     if registry is not None:
         for record, status in zip(records, result):
-            if status.state != record.last_state and status.state not in ("UNKNOWN", "UNREACHABLE"):
-                registry.set_state(record, status.state)
+            if status.state != record.last_state and status.state not in (JobState.UNKNOWN, JobState.UNREACHABLE):
+                registry.set_state(record, status.state.value)
     return result

@@ -14,7 +14,7 @@ import re
 import secrets
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from launcher.contract import dsconfig, presets, schema, tokens, weights
 from launcher.contract.rundir import RunDir
@@ -25,10 +25,13 @@ from submit.config.cluster import ClusterProfile, Partition
 from submit.config.yamlfile import YamlDoc
 from submit.errors import InputError
 from submit.jobs import secrets as job_secrets
-from submit.schedulers import backend
 from submit.textwidth import slug
 
 _TIME = re.compile(r"(?:(?P<d>[0-9]+)-)?(?P<rest>[0-9]+(?::[0-9]+){0,2})")
+
+SchedulerCheck = Callable[[JobSpec, ClusterProfile], None]
+"""A scheduler's own plan-time checks of a spec on a profile (its backend's `check`; InputError), handed in by
+the caller: planning never looks a scheduler up (submit/api.py does, and hands its backend's in)."""
 
 
 @dataclass(frozen=True)
@@ -157,8 +160,8 @@ def format_time(seconds: int) -> str:
     return f"{days}-{h:02d}:{m:02d}:{s:02d}" if days else f"{h:02d}:{m:02d}:{s:02d}"
 
 
-def check_resources(spec: JobSpec, cluster: ClusterProfile) -> Optional[Partition]:
-    """The resources against the cluster: partition, GPUs, CPUs, nodes, time."""
+def check_tasks(spec: JobSpec) -> None:
+    """GPU jobs run one rank per GPU: tasks_per_node, when given, is gpus_per_node."""
     res = spec.resources
     if res.gpus_per_node and res.tasks_per_node is not None and res.tasks_per_node != res.gpus_per_node:
         raise InputError(
@@ -166,8 +169,12 @@ def check_resources(spec: JobSpec, cluster: ClusterProfile) -> Optional[Partitio
             res.tasks_per_node,
             f"GPU jobs run one rank per GPU: set it to resources.gpus_per_node ({res.gpus_per_node}) or leave it unset",
         )
-    backend(cluster.scheduler).check(spec, cluster)
-    return fit_partition(res, spec.tasks_per_node, cluster)
+
+
+def check_resources(spec: JobSpec, cluster: ClusterProfile) -> Optional[Partition]:
+    """The resources against the cluster's partition: GPUs, CPUs, nodes, memory, time (after check_tasks and
+    the scheduler's own checks, which make_plan runs first)."""
+    return fit_partition(spec.resources, spec.tasks_per_node, cluster)
 
 
 def fit_partition(
@@ -299,8 +306,10 @@ def make_plan(
     cluster: ClusterProfile,
     run_dir: Optional[str] = None,
     home: Optional[str] = None,
+    scheduler_check: Optional[SchedulerCheck] = None,
 ) -> Plan:
-    """Validate everything, then resolve the run dir. `home` is the cluster user's home."""
+    """Validate everything, then resolve the run dir. `home` is the cluster user's home; `scheduler_check` the
+    profile's scheduler's own checks (api.plan_job hands them in; None: none, e.g. a test of planning alone)."""
     try:
         check_ranges(spec)
     except SchemaError as exc:  # the planner's callers catch InputError, the contract raises its base
@@ -310,6 +319,9 @@ def make_plan(
         spec = tokens.resolve_vocab(spec, home)
     # Secrets: every env: source set here, file: sources private where visible; before any connection.
     job_secrets.check(spec, cluster, visible=home != REMOTE_HOME)
+    check_tasks(spec)
+    if scheduler_check is not None:
+        scheduler_check(spec, cluster)
     part = check_resources(spec, cluster)
     check_parallel(spec, cluster)
     run_dir = run_dir or run_dir_for(spec, cluster, home)
@@ -377,9 +389,11 @@ def plan_file(
     overrides: Sequence[str] = (),
     run_dir: Optional[str] = None,
     home: Optional[str] = None,
+    scheduler_check: Optional[SchedulerCheck] = None,
 ) -> Plan:
+    """The job spec file planned (make_plan) with its `--set` overrides."""
     spec, submitted = load_job(path, overrides)
-    return make_plan(spec, submitted, cluster, run_dir, home)
+    return make_plan(spec, submitted, cluster, run_dir, home, scheduler_check)
 
 
 def _engine(plan: Plan) -> dict[str, Any]:

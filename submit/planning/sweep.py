@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 from submit.config.cluster import ClusterProfile
 from submit.errors import InputError
-from submit.planning.plan import Plan, Task, plan_file
+from submit.planning.plan import Plan, SchedulerCheck, Task, plan_file
 
 # One array is one shape: keys that change the sbatch script itself cannot be swept.
 _FIXED = ("name", "resources", "code")
@@ -62,11 +62,17 @@ def plan_sweep(
     sweeps: Sequence[str],
     home: str,
     run_dir: Optional[str] = None,
+    scheduler_check: Optional[SchedulerCheck] = None,
 ) -> Plan:
-    """The array's plan: task 0's job as the base (the script's resources), with every task planned."""
+    """The array's plan: task 0's job as the base (the script's resources), with every task planned (each with
+    the scheduler's own checks, as plan_file)."""
     grid = parse(sweeps)
-    base = plan_file(path, cluster, [*overrides, *_sets(grid[0])], run_dir=run_dir, home=home)
-    tasks = tuple(_task(path, cluster, overrides, combo, index, base, home) for index, combo in enumerate(grid))
+    base = plan_file(
+        path, cluster, [*overrides, *_sets(grid[0])], run_dir=run_dir, home=home, scheduler_check=scheduler_check
+    )
+    tasks = tuple(
+        _task(path, cluster, overrides, combo, index, base, home, scheduler_check) for index, combo in enumerate(grid)
+    )
     return dataclasses.replace(base, tasks=tasks)
 
 
@@ -82,10 +88,13 @@ def _task(
     index: int,
     base: Plan,
     home: str,
+    scheduler_check: Optional[SchedulerCheck],
 ) -> Task:
     run_dir = f"{base.run_dir}/tasks/{index}"
     try:
-        plan = plan_file(path, cluster, [*overrides, *_sets(combo)], run_dir=run_dir, home=home)
+        plan = plan_file(
+            path, cluster, [*overrides, *_sets(combo)], run_dir=run_dir, home=home, scheduler_check=scheduler_check
+        )
     except InputError as exc:
         label = " ".join(_sets(combo))
         raise InputError(f"--sweep {label}: {exc.key}", exc.value, exc.fix) from None

@@ -1,7 +1,8 @@
 """The schedulers meshrun submits to, one module each, behind one interface (`base.Backend`).
 
-This package is the only place that knows a scheduler by name: everything else asks
-`backend(name)` what it can do (ship code, arrays, dependencies) and lets it act.
+This package is the only place that knows a scheduler by name. The API (submit/api.py) asks
+`backend(name)` what it can do (ship code, arrays, dependencies) and lets it act; planning, rendering, status
+and resume are handed the backend, or the one thing they need of it, and never look one up.
 Backends are imported on first use, so that a verb pays only for the one it needs.
 """
 

@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence
 import yaml
 
 from launcher.contract import dsconfig
+from launcher.contract import secrets as ls
 from launcher.contract.rundir import RunDir
 from launcher.contract.spec import dumps_run_spec
+from submit.jobs import secrets as job_secrets
 from submit.transport.base import Upload
 
 if TYPE_CHECKING:
@@ -51,7 +53,7 @@ class Request:
     """The private folder the job's `env:` secrets are sent into before the start ("" when it has none)."""
     secrets: Mapping[str, str] = field(default_factory=dict)
     """{file in secrets_dir: the variable of this environment its value is read from when sent}: names only,
-    never a value (submit/jobs/secrets.py)."""
+    never a value (`secret_files`; submit/jobs/secrets.py sends the values)."""
 
     def as_json(self) -> dict[str, Any]:
         files = [
@@ -101,6 +103,31 @@ def _deepspeed_config(prefix: str, job: JobSpec) -> dict[str, Upload]:
     if not dsconfig.uses_deepspeed(job):
         return {}
     return {f"{prefix}{RunDir.DEEPSPEED_CONFIG}": Upload(dsconfig.dumps(job).encode())}
+
+
+def _specs(plan: Plan) -> list[JobSpec]:
+    return [task.run_spec.job for task in plan.tasks] or [plan.spec]
+
+
+def start_argv(plan: Plan, argv: Sequence[str]) -> tuple[str, ...]:
+    """The plan's start command with its secrets kept out of the scheduler's environment (`env -u NAME...`)."""
+    return job_secrets.scrubbed(argv, _specs(plan))
+
+
+def secret_files(plan: Plan) -> tuple[str, dict[str, str]]:
+    """(the secrets folder, {file in it: the variable of this environment it is read from}): `env:` secrets,
+    one file per name; a sweep task's in `tasks/N/` (each task's folder is its own, removed when it ends)."""
+    folder = ls.secrets_dir_for(plan.run_dir)
+    if plan.tasks:
+        files = {
+            f"tasks/{task.index}/{name}": str(source.env)
+            for task in plan.tasks
+            for name, source in task.run_spec.job.secrets.items()
+            if source.env is not None
+        }
+    else:
+        files = {name: str(source.env) for name, source in plan.spec.secrets.items() if source.env is not None}
+    return (folder, files) if files else ("", {})
 
 
 class Backend(Protocol):

@@ -20,7 +20,8 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Optional, Sequence
+from types import MappingProxyType
+from typing import Any, Mapping, Optional, Sequence
 
 from launcher.contract import procs
 from launcher.contract.private import make_private_dir
@@ -32,12 +33,27 @@ from submit.jobs import findings
 from submit.jobs import secrets as job_secrets
 from submit.jobs.registry import JobRecord, now
 from submit.jobs.runspec import read_run_spec
-from submit.jobs.status import FINAL, Status, metrics_tail, parse_losses, parse_metrics_tail
+from submit.jobs.state import FINAL, SUCCESS, JobState
+from submit.jobs.status import Status, metrics_tail, parse_losses, parse_metrics_tail
 from submit.planning.plan import Plan
-from submit.schedulers.base import Request, run_dir_files
+from submit.schedulers.base import Request, run_dir_files, secret_files, start_argv
 from submit.transport.base import Transport
 
 ACTIVE = ("PENDING", "RUNNING")
+"""The state file's words while the job's processes may run."""
+STATES: Mapping[str, JobState] = MappingProxyType(
+    {
+        "PENDING": JobState.PENDING,
+        "RUNNING": JobState.RUNNING,
+        "COMPLETED": JobState.COMPLETED,
+        "FAILED": JobState.FAILED,
+        "CANCELLED": JobState.CANCELLED,
+        "TIMEOUT": JobState.TIMEOUT,
+        "PREEMPTED": JobState.PREEMPTED,
+    }
+)
+"""Every word a local job's state file holds (written here and by launcher/supervisor.py), as meshrun's state:
+the one place that reads them. Anything else (no state file, a word not here) is UNKNOWN."""
 CLOCK_SLACK_S = 30.0
 """A submitit-API job's controller starts just before its registry record is written: at most this before."""
 
@@ -67,18 +83,18 @@ class LocalBackend:
 
         if after:
             raise InputError("--after", after[0], "dependencies are Slurm's; the local cluster has none")
-        script = render(plan)
+        script = render(plan, self)
         path = RunDir(plan.run_dir).script(self.name)
-        secrets_dir, secret_files = job_secrets.request_files(plan)
+        secrets_dir, secret_names = secret_files(plan)
         return Request(
             scheduler=self.name,
             run_dir=plan.run_dir,
             script_path=path,
             script=script,
-            argv=job_secrets.plan_argv(plan, ("bash", path)),  # the supervisor never holds a secret: the ranks read it
+            argv=start_argv(plan, ("bash", path)),  # the supervisor never holds a secret: the ranks read it
             files=run_dir_files(plan, RunDir.SCRIPTS[self.name], script),
             secrets_dir=secrets_dir,
-            secrets=secret_files,
+            secrets=secret_names,
         )
 
     def schedule(self, request: Request, transport: Transport) -> str:
@@ -295,7 +311,7 @@ def _status(record: JobRecord, transport: Transport, detail: bool = False, live:
             or submitit_state(record.run_dir, record.job_id)
             or {"state": "UNKNOWN"}
         )
-    name = state.get("state", "UNKNOWN")
+    job_state = STATES.get(state.get("state", ""), JobState.UNKNOWN)
     started, ended = state.get("started"), state.get("ended")
     elapsed = int((ended or now()) - started) if started else None
     found = findings.findings_from(findings.read_files(record.run_dir, detail, live), record.submitted_at)
@@ -304,13 +320,13 @@ def _status(record: JobRecord, transport: Transport, detail: bool = False, live:
         job_id=record.job_id,
         cluster=record.cluster,
         name=record.name,
-        state=name,
+        state=job_state,
         run_dir=record.run_dir,
         submitted_at=record.submitted_at,
-        done=name in FINAL,
-        succeeded=name == "COMPLETED",
+        done=job_state in FINAL,
+        succeeded=job_state in SUCCESS,
         elapsed_s=elapsed,
-        time_limit_s=None if name in FINAL else state.get("time_limit_s"),
+        time_limit_s=None if job_state in FINAL else state.get("time_limit_s"),
         reason=state.get("message") or None,
         progress=parse_metrics_tail(tail),
         exit_code=state.get("exit_code"),

@@ -1,4 +1,7 @@
-"""Rendering: a plan -> the sbatch script, through templates/ (Jinja2).
+"""Rendering: a plan -> its scheduler's script (the sbatch script, the local run.sh), through templates/ (Jinja2).
+
+The backend that renders hands itself in (`render(plan, self)` in its dryrun): its template and its
+interpreter are all this module asks of it, and it never looks a scheduler up.
 
 Quote by default: every `{{ value }}` is shell-quoted by the environment's
 finalize hook and refused if it holds a newline or a control character. Only
@@ -13,7 +16,7 @@ import posixpath
 import re
 import shlex
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 
@@ -21,18 +24,19 @@ from launcher.contract import exitcodes
 from launcher.contract.rundir import RunDir
 from launcher.contract.spec import dumps_run_spec
 from submit import __version__
+from submit.config.cluster import check_node_names
 from submit.config.resources import template_source
 from submit.errors import InputError, InternalError
 from submit.planning.plan import Plan, format_time
-from submit.schedulers import backend
 from submit.transport import seal
+
+if TYPE_CHECKING:
+    from submit.schedulers.base import Backend
 
 VERSION = __version__
 """The meshrun that renders: the script's header and spec.json record it."""
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _LABEL_UNSAFE = re.compile(r"[^A-Za-z0-9._+-]")
-NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-"""A node name for --exclude: needs no quoting (sbatch's #SBATCH parser knows none), so no hostlist ranges."""
 
 
 class Verbatim(str):
@@ -76,16 +80,6 @@ def _name(word: str) -> Verbatim:
     return Verbatim(word)
 
 
-def check_node_names(key: str, names: Sequence[str]) -> tuple[str, ...]:
-    """Node names for --exclude, each checked, duplicates dropped (first order kept)."""
-    for name in names:
-        if not NODE_NAME.fullmatch(name):
-            raise InputError(
-                key, name, "list node names as Slurm shows them, e.g. n1,n7 (letters, digits, . _ -; no ranges)"
-            )
-    return tuple(dict.fromkeys(names))
-
-
 def _setup_lines(plan: Plan) -> list[Verbatim]:
     lines = []
     for i, line in enumerate(plan.cluster.setup):
@@ -123,10 +117,10 @@ def _sidecar_command(rank_command: list[str], module: str = "launcher.sidecar") 
     return [*rank_command[:-1], module]
 
 
-def context(plan: Plan) -> dict[str, Any]:
+def context(plan: Plan, python: str) -> dict[str, Any]:
+    """The template's values; `python` is the interpreter the script runs (the backend's, for the profile)."""
     spec, cluster, res = plan.spec, plan.cluster, plan.spec.resources
     srun_flags, rank_command = _rank_command(plan)
-    python = backend(cluster.scheduler).interpreter(cluster)
     return {
         "version": VERSION,
         "cluster_name": cluster.name,
@@ -183,10 +177,11 @@ def context(plan: Plan) -> dict[str, Any]:
     }
 
 
-def render(plan: Plan) -> str:
-    """The job's script for its scheduler (sbatch script, or the local run.sh). Pure."""
-    template = backend(plan.cluster.scheduler).template
+def render(plan: Plan, backend: Backend) -> str:
+    """The job's script for `backend`, the plan's scheduler's (sbatch script, or the local run.sh). Pure."""
+    template = backend.template
+    python = backend.interpreter(plan.cluster)
     try:
-        return environment().get_template(template).render(**context(plan))
+        return environment().get_template(template).render(**context(plan, python))
     except jinja2.UndefinedError as exc:
         raise InternalError(f"template {template}: {exc}") from None

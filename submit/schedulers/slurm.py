@@ -17,10 +17,11 @@ from submit.jobs import findings
 from submit.jobs import secrets as job_secrets
 from submit.jobs.registry import JobRecord
 from submit.jobs.runspec import read_run_spec
-from submit.jobs.status import FINAL, Status, metrics_tail_bytes, parse_losses, parse_metrics_tail
+from submit.jobs.state import FINAL, JobState
+from submit.jobs.status import Status, metrics_tail_bytes, parse_losses, parse_metrics_tail
 from submit.planning.plan import Plan
 from submit.schedulers import slurm_cli
-from submit.schedulers.base import Request, run_dir_files
+from submit.schedulers.base import Request, run_dir_files, secret_files, start_argv
 from submit.transport.base import Result, Transport, batch
 
 BATCH_JOBS = 1000
@@ -45,21 +46,21 @@ class SlurmBackend:
 
         slurm_cli.dependency(after)  # bad --after values fail before anything is sent
         run_dir = RunDir(plan.run_dir)
-        script = render(plan)
+        script = render(plan, self)
         name = RunDir.SCRIPTS[self.name]
         sbatch = slurm_cli.sbatch_argv(run_dir.script(self.name), plan.spec.name, plan.run_dir, after)
-        secrets_dir, secret_files = job_secrets.request_files(plan)
+        secrets_dir, secret_names = secret_files(plan)
         return Request(
             scheduler=self.name,
             run_dir=plan.run_dir,
             script_path=run_dir.script(self.name),
             script=script,
-            argv=job_secrets.plan_argv(plan, sbatch),  # sbatch's environment is stored: no secret in it
+            argv=start_argv(plan, sbatch),  # sbatch's environment is stored: no secret in it
             files=run_dir_files(plan, name, script),
             code_dir=plan.code_dir,
             array_tasks=len(plan.tasks),
             secrets_dir=secrets_dir,
-            secrets=secret_files,
+            secrets=secret_names,
         )
 
     def schedule(self, request: Request, transport: Transport) -> str:
@@ -129,7 +130,7 @@ def query_argvs(records: Sequence[JobRecord], live: bool = False) -> list[list[s
     return [slurm_cli.squeue_argv(ids), slurm_cli.sacct_argv(ids), *tails, *errors]
 
 
-def states_from(records: Sequence[JobRecord], squeue: Result, sacct: Result) -> dict[str, slurm_cli.JobState]:
+def states_from(records: Sequence[JobRecord], squeue: Result, sacct: Result) -> dict[str, slurm_cli.SlurmJob]:
     """Merge both answers; raise only when neither scheduler command worked."""
     if squeue.returncode != 0 and sacct.returncode != 0 and "Invalid job id" not in squeue.stderr:
         sacct.check("sacct and squeue")
@@ -137,8 +138,8 @@ def states_from(records: Sequence[JobRecord], squeue: Result, sacct: Result) -> 
     live = slurm_cli.parse_squeue(squeue.stdout) if squeue.returncode == 0 else {}
     merged = slurm_cli.merge_states([r.job_id for r in records], acct, live)
     for record in records:  # accounting off and slurmctld forgot the job: keep what meshrun last saw
-        if merged[record.job_id].state == "UNKNOWN" and record.last_state in FINAL:
-            merged[record.job_id] = slurm_cli.JobState(job_id=record.job_id, state=record.last_state)
+        if merged[record.job_id].state is JobState.UNKNOWN and record.last_state in FINAL:
+            merged[record.job_id] = slurm_cli.SlurmJob(job_id=record.job_id, state=JobState(record.last_state))
     return merged
 
 
@@ -150,7 +151,7 @@ def _exit_code(text: Optional[str]) -> Optional[int]:
 
 def _status(
     record: JobRecord,
-    job: slurm_cli.JobState,
+    job: slurm_cli.SlurmJob,
     tail: Result,
     error: Result,
     found: findings.Findings = findings.NOTHING,

@@ -2,52 +2,71 @@
 
 Only stable formats are parsed: `sbatch --parsable`, `sacct --parsable2` with a
 fixed field list, and `squeue` with a fixed `-o` format. Nothing here runs a
-command; the transport does.
+command; the transport does. Slurm's state names are read here and nowhere else: STATES
+maps each to meshrun's JobState (submit/jobs/state.py).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from types import MappingProxyType
+from typing import Iterable, Mapping, Optional, Sequence
 
 from submit.errors import ClusterError, InputError
+from submit.jobs.state import FINAL, SUCCESS, JobState
 
 # Slurm 22.05's sacct has no restart count field: the ranks report SLURM_RESTART_COUNT in metrics.jsonl.
 SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "Timelimit", "NodeList")
 SQUEUE_FORMAT = "%i|%T|%M|%l|%N|%r"
 _JOB_ID = re.compile(r"[0-9]+(_[0-9]+)?")  # [0-9], not \d: full-width digits are digits to Python, not to Slurm
 
-# Slurm's job states (squeue long names, sacct names), grouped by what they mean for a user.
-ACTIVE = frozenset(
+STATES: Mapping[str, JobState] = MappingProxyType(
     {
-        "PENDING",
-        "RUNNING",
-        "CONFIGURING",
-        "COMPLETING",
-        "REQUEUED",
-        "REQUEUE_HOLD",
-        "REQUEUE_FED",
-        "RESIZING",
-        "SUSPENDED",
-        "STOPPED",
-        "SIGNALING",
-        "STAGE_OUT",
-        "RESV_DEL_HOLD",
-        "SPECIAL_EXIT",
+        # Base states.
+        "PENDING": JobState.PENDING,
+        "RUNNING": JobState.RUNNING,
+        "SUSPENDED": JobState.SUSPENDED,
+        "COMPLETED": JobState.COMPLETED,
+        "CANCELLED": JobState.CANCELLED,
+        "FAILED": JobState.FAILED,
+        "TIMEOUT": JobState.TIMEOUT,
+        "NODE_FAIL": JobState.NODE_FAIL,
+        "PREEMPTED": JobState.PREEMPTED,
+        "BOOT_FAIL": JobState.BOOT_FAIL,
+        "DEADLINE": JobState.DEADLINE,
+        "OUT_OF_MEMORY": JobState.OUT_OF_MEMORY,
+        # Flags, which squeue and sacct print instead of the base state while one is set.
+        "COMPLETING": JobState.COMPLETING,
+        "CONFIGURING": JobState.CONFIGURING,
+        "EXPEDITING": JobState.EXPEDITING,
+        "LAUNCH_FAILED": JobState.LAUNCH_FAILED,
+        "POWER_UP_NODE": JobState.POWER_UP_NODE,
+        "RECONFIG_FAIL": JobState.RECONFIG_FAIL,
+        "REQUEUED": JobState.REQUEUED,
+        "REQUEUE_FED": JobState.REQUEUE_FED,
+        "REQUEUE_HOLD": JobState.REQUEUE_HOLD,
+        "RESIZING": JobState.RESIZING,
+        "RESV_DEL_HOLD": JobState.RESV_DEL_HOLD,
+        "REVOKED": JobState.REVOKED,
+        "SIGNALING": JobState.SIGNALING,
+        "SPECIAL_EXIT": JobState.SPECIAL_EXIT,
+        "STAGE_OUT": JobState.STAGE_OUT,
+        "STOPPED": JobState.STOPPED,
+        "UPDATE_DB": JobState.UPDATE_DB,
     }
 )
-SUCCESS = frozenset({"COMPLETED"})
-FAILURE = frozenset(
-    {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "REVOKED"}
-)
+"""Every job state name Slurm's squeue (%T) and sacct print (slurm.schedmd.com/job_state_codes.html), as
+meshrun's state: the one place that reads Slurm's words. A name not here (a newer Slurm's) is UNKNOWN, and
+the job's reason names it."""
 
 
 @dataclass(frozen=True)
-class JobState:
+class SlurmJob:
+    """One job as squeue or sacct reports it, its state read through STATES."""
+
     job_id: str
-    state: str
-    """One word: PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, TIMEOUT, ..."""
+    state: JobState
     exit_code: Optional[str] = None
     elapsed: Optional[str] = None
     time_limit: Optional[str] = None
@@ -57,7 +76,7 @@ class JobState:
 
     @property
     def done(self) -> bool:
-        return self.state in SUCCESS or self.state in FAILURE
+        return self.state in FINAL
 
     @property
     def succeeded(self) -> bool:
@@ -135,12 +154,23 @@ def scancel_argv(job_id: str, signal: Optional[str] = None) -> list[str]:
 
 def _state_word(text: str) -> str:
     # sacct writes "CANCELLED by 0"; squeue can append a '+' on some versions.
-    return text.split()[0].rstrip("+").upper() if text.strip() else "UNKNOWN"
+    return text.split()[0].rstrip("+").upper() if text.strip() else ""
 
 
-def parse_sacct(output: str) -> dict[str, JobState]:
-    """One JobState per job id from `sacct --allocations --parsable2` with SACCT_FIELDS."""
-    states: dict[str, JobState] = {}
+def state_of(text: str) -> JobState:
+    """A state column of squeue or sacct as meshrun's state (UNKNOWN when empty or not in STATES)."""
+    return STATES.get(_state_word(text), JobState.UNKNOWN)
+
+
+def unknown_state_note(text: str) -> Optional[str]:
+    """For a state name STATES lacks: a reason naming it (the person still sees Slurm's word); else None."""
+    word = _state_word(text)
+    return f"Slurm state {word}" if word and word not in STATES else None
+
+
+def parse_sacct(output: str) -> dict[str, SlurmJob]:
+    """One SlurmJob per job id from `sacct --allocations --parsable2` with SACCT_FIELDS."""
+    states: dict[str, SlurmJob] = {}
     for line in output.splitlines():
         cols = line.split("|")
         if len(cols) < len(SACCT_FIELDS):
@@ -148,52 +178,53 @@ def parse_sacct(output: str) -> dict[str, JobState]:
         job_id, _name, state, exit_code, elapsed, limit, nodes = cols[: len(SACCT_FIELDS)]
         if "." in job_id:  # a step row; --allocations should have removed it
             continue
-        states[job_id] = JobState(
+        states[job_id] = SlurmJob(
             job_id=job_id,
-            state=_state_word(state),
+            state=state_of(state),
             exit_code=exit_code or None,
             elapsed=elapsed or None,
             time_limit=limit or None,
             nodes=nodes or None,
+            reason=unknown_state_note(state),
         )
     return states
 
 
-def parse_squeue(output: str) -> dict[str, JobState]:
-    """One JobState per job id from `squeue -o SQUEUE_FORMAT`."""
-    states: dict[str, JobState] = {}
+def parse_squeue(output: str) -> dict[str, SlurmJob]:
+    """One SlurmJob per job id from `squeue -o SQUEUE_FORMAT`."""
+    states: dict[str, SlurmJob] = {}
     for line in output.splitlines():
         cols = line.strip().split("|")
         if len(cols) != 6:
             continue
         job_id, state, elapsed, limit, nodes, reason = cols
-        states[job_id] = JobState(
+        states[job_id] = SlurmJob(
             job_id=job_id,
-            state=_state_word(state),
+            state=state_of(state),
             elapsed=elapsed or None,
             time_limit=limit or None,
             nodes=nodes or None,
-            reason=None if reason in ("None", "") else reason,
+            reason=unknown_state_note(state) or (None if reason in ("None", "") else reason),
         )
     return states
 
 
 def merge_states(
-    job_ids: Iterable[str], sacct: dict[str, JobState], squeue: dict[str, JobState]
-) -> dict[str, JobState]:
+    job_ids: Iterable[str], sacct: dict[str, SlurmJob], squeue: dict[str, SlurmJob]
+) -> dict[str, SlurmJob]:
     """Accounting is the record, but it trails squeue by seconds: a live squeue row wins
     while sacct has not caught up, and a job neither knows is UNKNOWN."""
-    merged: dict[str, JobState] = {}
+    merged: dict[str, SlurmJob] = {}
     for job_id in job_ids:
         acct, live = sacct.get(job_id), squeue.get(job_id)
         if acct and (acct.done or not live):
             merged[job_id] = acct
         elif live:
             merged[job_id] = (
-                live if not acct else JobState(**{**acct.__dict__, "state": live.state, "reason": live.reason})
+                live if not acct else SlurmJob(**{**acct.__dict__, "state": live.state, "reason": live.reason})
             )
         else:
-            merged[job_id] = JobState(job_id=job_id, state="UNKNOWN")
+            merged[job_id] = SlurmJob(job_id=job_id, state=JobState.UNKNOWN)
     return merged
 
 

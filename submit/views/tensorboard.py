@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from submit import api
 from submit.config.cluster import ClusterProfile
 from submit.errors import ClusterError, InputError
-from submit.schedulers import backend
 from submit.transport.base import LocalTransport, Transport
 
 HELPER = Path(__file__).with_name("tbserve.py")
@@ -90,7 +90,7 @@ def label(job_id: str) -> str:
 def helper_argv(profile: ClusterProfile, *args: str) -> list[str]:
     """bash -c 'SETUP; install the helper; run it' sh PYTHON ARGS...: setup lines are the profile's trusted,
     verbatim bash (as in the batch script); python and the helper's arguments arrive as positional values."""
-    python = backend(profile.scheduler).interpreter(profile)
+    python = api.interpreter(profile)
     script = "\n".join([*profile.setup, _INSTALL])
     return ["bash", "-c", script, "meshrun-tb", python, *args]
 

@@ -25,7 +25,8 @@ from launcher.contract.private import make_private_dir
 from submit.config.folders import state_dir
 from submit.errors import InputError
 from submit.jobs.registry import JobRecord
-from submit.jobs.status import FINAL, Status
+from submit.jobs.state import FINAL, JobState
+from submit.jobs.status import Status
 
 KEEP = 50_000
 """The notified set keeps this many newest keys (a few MB at most)."""
@@ -152,7 +153,7 @@ def follow(
             time.sleep(interval)
             continue
         handle(found, seen, argv, out)
-        if all(s.done or s.state == "UNREACHABLE" for s in found):
+        if all(s.done or s.state == JobState.UNREACHABLE for s in found):
             return watch_end(found)
         time.sleep(interval)
 
@@ -174,7 +175,7 @@ def refresh(records: Sequence[Any], clusters: Any, registry: Any) -> Optional[li
 def watch_end(found: Sequence[Any]) -> int:
     """Nothing is left to watch: every job ended or sits on a cluster that cannot be reached now
     (waiting for it would never return)."""
-    lost = [s for s in found if s.state == "UNREACHABLE"]
+    lost = [s for s in found if s.state == JobState.UNREACHABLE]
     if not lost:
         return 0
     clusters = sorted({s.cluster for s in lost})

@@ -15,6 +15,7 @@ from submit.config.cluster import load_profile
 from submit.errors import InputError
 from submit.planning.plan import plan_file
 from submit.schedulers.render import render
+from submit.schedulers.slurm import BACKEND as SLURM
 from tests.helpers.cli import REPO, meshrun, metrics, status, submitted
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -38,7 +39,7 @@ def test_sbatch_test_only_accepts_every_example(testbed: dict, tmp_path: Path, e
         assert SIZED_ELSEWHERE.get(example.stem) == exc.key, exc
         return
     script = tmp_path / "job.sbatch"
-    script.write_text(render(plan))
+    script.write_text(render(plan, SLURM))
     (tmp_path / "run" / "logs").mkdir(parents=True)
     done = subprocess.run(
         ["sbatch", "--test-only", f"--job-name={plan.spec.name}", str(script)],

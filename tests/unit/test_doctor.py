@@ -192,18 +192,22 @@ def test_bad_input_is_one_line_naming_the_flag(argv: list[str], flag: str, capsy
 def test_exclude_from_the_profile_and_the_flag_is_rendered_once_each() -> None:
     from dataclasses import replace
 
+    from submit import api
     from submit.jobs.doctor import with_exclude
     from submit.planning.plan import plan_file
     from submit.schedulers.render import render
+    from submit.schedulers.slurm import BACKEND as SLURM
 
     testbed = load_profile("testbed")
     mine = replace(testbed, defaults=replace(testbed.defaults, exclude=("n7",)))
-    plan = plan_file(example_spec(), with_exclude(mine, ["n1,n7", "gpu-12.rack3"]), home="/root")
-    assert "\n#SBATCH --exclude=n7,n1,gpu-12.rack3\n" in render(plan)
-    assert "--exclude" not in render(plan_file(example_spec(), testbed, home="/root"))
+    plan = plan_file(
+        example_spec(), with_exclude(mine, ["n1,n7", "gpu-12.rack3"], api.reaches_other_machines), home="/root"
+    )
+    assert "\n#SBATCH --exclude=n7,n1,gpu-12.rack3\n" in render(plan, SLURM)
+    assert "--exclude" not in render(plan_file(example_spec(), testbed, home="/root"), SLURM)
     bad = replace(testbed, defaults=replace(testbed.defaults, exclude=("n1;reboot",)))
     with pytest.raises(InputError) as caught:
-        render(plan_file(example_spec(), bad, home="/root"))
+        render(plan_file(example_spec(), bad, home="/root"), SLURM)
     assert caught.value.key == "defaults.exclude" and caught.value.value == "n1;reboot"
 
 

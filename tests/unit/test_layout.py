@@ -116,3 +116,15 @@ def test_the_import_contracts_forbid_submit_every_launcher_module_but_the_contra
         if (path.suffix == ".py" and not path.name.startswith("__")) or (path / "__init__.py").is_file()
     } - {CONTRACT}
     assert forbidden == on_disk, f"forbid these to submit in pyproject.toml: {sorted(on_disk - forbidden)}"
+
+
+LOOKS_UP_A_BACKEND = {"submit.api", "submit.schedulers.executor"}
+"""The modules that may ask `submit.schedulers.backend` for a scheduler: the API (the one road) and the submitit
+executor, which lives in the backends' own package. Planning, rendering, jobs, config and views are handed the
+backend, or the one thing they need of it, by their caller."""
+
+
+def test_backends_are_handed_in_not_looked_up() -> None:
+    graph = grimp.build_graph("submit")  # type-only imports included: they name the lookup too
+    importers = set(graph.find_modules_that_directly_import("submit.schedulers"))
+    assert importers <= LOOKS_UP_A_BACKEND, f"hand these their backend: {sorted(importers - LOOKS_UP_A_BACKEND)}"

@@ -10,6 +10,7 @@ from launcher.contract.parallel_dims import ParallelDims
 from submit.config.cluster import load_profile
 from submit.errors import InputError
 from submit.planning.plan import describe, format_time, load_job, parse_time, plan_file
+from submit.schedulers import backend
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "tiny.yaml"
@@ -19,7 +20,10 @@ GPT3D = REPO / "examples" / "gpt-3d.yaml"
 
 
 def _plan(spec: Path, cluster: str, *overrides: str):
-    return plan_file(spec, load_profile(cluster), list(overrides), home="/home/u", run_dir="/r")
+    """Planned as `meshrun submit` plans: with the profile's scheduler's own checks (api.plan_job's)."""
+    profile = load_profile(cluster)
+    check = backend(profile.scheduler).check
+    return plan_file(spec, profile, list(overrides), home="/home/u", run_dir="/r", scheduler_check=check)
 
 
 @pytest.mark.parametrize(
@@ -303,3 +307,16 @@ def test_hostile_name_gives_a_safe_run_dir() -> None:
     plan = plan_file(TINY, load_profile("local"), ["name=$(rm -rf ~) x/../y"], home="/home/u")
     leaf = plan.run_dir.rsplit("/", 1)[1]
     assert "/" not in leaf and "$" not in leaf and " " not in leaf and ".." not in plan.run_dir
+
+
+def test_the_scheduler_checks_are_handed_in_and_api_hands_in_the_backends() -> None:
+    """Planning never looks a scheduler up: it runs the check its caller gives (api.plan_job: the backend's)."""
+    from submit import api
+
+    seen: list[tuple[str, str]] = []
+    profile = load_profile("local")
+    plan_file(TINY, profile, home="/home/u", run_dir="/r", scheduler_check=lambda s, p: seen.append((s.name, p.name)))
+    assert seen == [(load_job(TINY)[0].name, "local")]
+    with pytest.raises(InputError, match="one machine") as info:
+        api.plan_job(TINY, profile, ["resources.nodes=2"], home="/home/u")
+    assert info.value.key == "resources.nodes"

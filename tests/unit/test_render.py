@@ -12,7 +12,9 @@ import pytest
 from submit.config.cluster import load_profile, profile_files
 from submit.errors import InputError
 from submit.planning.plan import plan_file
+from submit.schedulers import backend
 from submit.schedulers.render import render, sbatch_label
+from submit.schedulers.slurm import BACKEND as SLURM
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden"
@@ -24,12 +26,17 @@ HOME = "/home/user"
 def _golden_text(cluster: str, example: Path) -> str:
     """The script, or the one-line error a pair that does not fit must give."""
     profile = load_profile(cluster)
+    scheduler = backend(profile.scheduler)  # as `meshrun submit` plans and renders: with the backend's checks
     run_dir = f"/shared/runs/{example.stem}-golden"
     try:
-        plan = plan_file(example, profile, home=HOME, run_dir=run_dir)
+        plan = plan_file(example, profile, home=HOME, run_dir=run_dir, scheduler_check=scheduler.check)
     except InputError as exc:
         return f"ERROR: {exc}\n"
-    return render(plan).replace(sys.executable, "<python>").replace(os.path.dirname(sys.executable), "<python-dir>")
+    return (
+        render(plan, scheduler)
+        .replace(sys.executable, "<python>")
+        .replace(os.path.dirname(sys.executable), "<python-dir>")
+    )
 
 
 @pytest.mark.parametrize("cluster", SHIPPED)
@@ -70,7 +77,7 @@ def _plan_with(tmp_path: Path, *overrides: str):
 
 def test_hostile_values_are_quoted_and_reach_bash_literally(tmp_path: Path, canary: Path) -> None:
     HOSTILE = hostile(canary)
-    script = render(_plan_with(tmp_path, f"name={HOSTILE}", f"env.HOSTILE={HOSTILE}"))
+    script = render(_plan_with(tmp_path, f"name={HOSTILE}", f"env.HOSTILE={HOSTILE}"), SLURM)
     # Run the environment part of the script in bash and read the values back.
     lines = [l for l in script.splitlines() if l.startswith(("export MESHRUN_JOB_NAME=", "export HOSTILE="))]
     probe = "\n".join(lines + ['printf "%s\\n%s\\n" "$MESHRUN_JOB_NAME" "$HOSTILE"'])
@@ -81,7 +88,7 @@ def test_hostile_values_are_quoted_and_reach_bash_literally(tmp_path: Path, cana
 
 def test_sbatch_directives_carry_only_a_safe_label(tmp_path: Path, canary: Path) -> None:
     HOSTILE = hostile(canary)
-    script = render(_plan_with(tmp_path, f"name={HOSTILE}"))
+    script = render(_plan_with(tmp_path, f"name={HOSTILE}"), SLURM)
     directive = next(l for l in script.splitlines() if l.startswith("#SBATCH --job-name="))
     assert directive == f"#SBATCH --job-name={sbatch_label(HOSTILE)}"
     assert all(c.isalnum() or c in "._+-" for c in directive.split("=", 1)[1])

@@ -323,10 +323,11 @@ def test_a_value_travels_only_as_put_data_into_the_private_folder(
 
 def test_a_sweep_sends_each_task_its_own_folder(monkeypatch: pytest.MonkeyPatch) -> None:
     from submit.planning.sweep import plan_sweep
+    from submit.schedulers.base import secret_files
 
     monkeypatch.setenv("SRC", "v")
     plan = plan_sweep(COMMAND, load_profile("testbed"), ["secrets.TOK.env=SRC"], ["env.X=5,6"], home="/h")
-    folder, files = job_secrets.request_files(plan)
+    folder, files = secret_files(plan)
     assert folder == ls.secrets_dir_for(plan.run_dir) and files == {"tasks/0/TOK": "SRC", "tasks/1/TOK": "SRC"}
     assert [ls.secrets_dir_for(t.run_dir) for t in plan.tasks] == [f"{folder}/tasks/0", f"{folder}/tasks/1"]
 

@@ -15,6 +15,7 @@ from launcher.contract.spec import Code
 from submit.config.cluster import load_profile
 from submit.planning.plan import plan_file
 from submit.schedulers.render import render
+from submit.schedulers.slurm import BACKEND as SLURM
 from submit.transport import snapshot
 from submit.transport.base import LocalTransport
 
@@ -113,7 +114,9 @@ def test_the_batch_script_starts_only_from_its_sealed_snapshot(tmp_path: Path) -
     work = tmp_path / "work"
     plan = plan_file(TINY, load_profile("testbed"), home="/h", run_dir=str(tmp_path / "run"))
     code_dir = snapshot.remote_dir(str(work), snap)
-    script = render(dataclasses.replace(plan, code_dir=code_dir, code_seal=(snap.manifest_sha, snap.listing_sha)))
+    script = render(
+        dataclasses.replace(plan, code_dir=code_dir, code_seal=(snap.manifest_sha, snap.listing_sha)), SLURM
+    )
     assert "export PYTHONDONTWRITEBYTECODE=1\n" in script  # the ranks write no bytecode into the snapshot
     missing = _run_check(tmp_path, script)  # rendered, never uploaded (a hand-submitted `render -o` script)
     assert missing.returncode == 2 and missing.stdout == "", missing

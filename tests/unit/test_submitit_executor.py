@@ -169,9 +169,8 @@ def test_local_profile_runs_a_submitit_job_and_records_it(tmp_path: Path, monkey
     assert (logs / "rank-1.log").resolve() == job.task(1).paths.stdout.resolve()
     # `meshrun status` reads submitit's own result files for such a job (its executor writes no meshrun state).
     from submit import api
-    from submit.jobs.status import statuses
 
-    (found,) = statuses([record], api.Clusters())
+    (found,) = api.statuses([record], api.Clusters())
     assert found.state == "COMPLETED" and found.done, found
 
 
@@ -188,7 +187,6 @@ def test_meshrun_cancel_stops_a_local_submitit_job(tmp_path: Path, monkeypatch: 
     import time as _time
 
     from submit import api
-    from submit.jobs.status import statuses
 
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     ex = executor("local", folder=tmp_path / "runs", tasks_per_node=1, time="00:02:00", name="sleepy")
@@ -199,7 +197,7 @@ def test_meshrun_cancel_stops_a_local_submitit_job(tmp_path: Path, monkeypatch: 
     finally:
         registry.close()
     deadline = _time.monotonic() + 30
-    while statuses([record], api.Clusters())[0].state != "RUNNING":
+    while api.statuses([record], api.Clusters())[0].state != "RUNNING":
         assert _time.monotonic() < deadline
         _time.sleep(0.2)
     api.cancel([record], api.Clusters())
@@ -207,4 +205,4 @@ def test_meshrun_cancel_stops_a_local_submitit_job(tmp_path: Path, monkeypatch: 
     while not job.done():
         assert _time.monotonic() < deadline, "the submitit job survived the cancel"
         _time.sleep(0.2)
-    assert statuses([record], api.Clusters())[0].state == "CANCELLED"
+    assert api.statuses([record], api.Clusters())[0].state == "CANCELLED"

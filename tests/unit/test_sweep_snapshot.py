@@ -17,6 +17,7 @@ from submit.errors import InputError
 from submit.planning.plan import plan_file
 from submit.planning.sweep import parse, plan_sweep
 from submit.schedulers.render import render
+from submit.schedulers.slurm import BACKEND as SLURM
 from submit.transport import snapshot
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,7 +70,7 @@ def _bash_n(tmp_path: Path, text: str) -> None:
 
 def test_array_script_points_each_task_at_its_run_dir(tmp_path: Path) -> None:
     plan = plan_sweep(TINY, load_profile("testbed"), [], ["train.lr=1e-3,2e-3,3e-3"], home="/h", run_dir="/w/r")
-    text = render(plan)
+    text = render(plan, SLURM)
     _bash_n(tmp_path, text)
     assert "#SBATCH --array=0-2\n" in text and "#SBATCH --output=/w/r/tasks/%a/logs/slurm-%A_%a.out\n" in text
     assert 'export MESHRUN_RUN_DIR="$MESHRUN_SWEEP_DIR/tasks/${SLURM_ARRAY_TASK_ID:?' in text
@@ -90,8 +91,8 @@ def test_code_snapshot_is_importable_and_the_ranks_cwd(tmp_path: Path) -> None:
     import dataclasses
 
     plan = plan_file(TINY, load_profile("testbed"), home="/h", run_dir="/w/r")
-    assert "MESHRUN_CODE_DIR" not in render(plan)
-    text = render(dataclasses.replace(plan, code_dir="/w/code/abc 'd'"))
+    assert "MESHRUN_CODE_DIR" not in render(plan, SLURM)
+    text = render(dataclasses.replace(plan, code_dir="/w/code/abc 'd'"), SLURM)
     _bash_n(tmp_path, text)
     assert "export MESHRUN_CODE_DIR='/w/code/abc '\"'\"'d'\"'\"''\n" in text
     assert 'export PYTHONPATH="$MESHRUN_CODE_DIR${PYTHONPATH:+:$PYTHONPATH}"' in text

@@ -15,7 +15,8 @@ import pytest
 from submit import api
 from submit.errors import HostKeyChanged, InputError, JobNotFound
 from submit.jobs.registry import JobRecord, Registry
-from submit.jobs.status import parse_metrics_tail, statuses
+from submit.jobs.state import JobState
+from submit.jobs.status import parse_metrics_tail
 from submit.schedulers import slurm_cli as slurm
 from submit.schedulers.slurm import query_argvs, states_from
 from submit.transport.base import LocalTransport, Result, Upload, batch, tar_bytes
@@ -90,9 +91,9 @@ def test_one_round_trip_queries_squeue_sacct_and_every_metrics_tail() -> None:
 
 def test_a_failed_slurm_job_says_why_in_the_ranks_words() -> None:
     from submit.schedulers.slurm import _status
-    from submit.schedulers.slurm_cli import JobState
+    from submit.schedulers.slurm_cli import SlurmJob
 
-    failed, ok = JobState("1", "FAILED", exit_code="2:0"), Result((), 0, "", "")
+    failed, ok = SlurmJob("1", JobState.FAILED, exit_code="2:0"), Result((), 0, "", "")
     error = Result((), 0, "rank 0: data.path: '/x': no token file there\n", "")
     found = _status(_record("1"), failed, ok, error)
     assert found.reason == "rank 0: data.path: '/x': no token file there" and found.exit_code == 2
@@ -130,7 +131,7 @@ def test_a_changed_host_key_reaches_the_person_not_only_json(tmp_path: Path) -> 
         JobRecord("local-x", "ok", "n", str(tmp_path), "local", 0.0, None, "h"),
         JobRecord("7", "bad", "n", "/r", "slurm", 0.0, None, "h"),
     ]
-    found = statuses(records, _Clusters(), warn=warned.append)
+    found = api.statuses(records, _Clusters(), warn=warned.append)
     assert [s.state for s in found] == ["UNKNOWN", "UNREACHABLE"]
     assert warned and "REMOTE HOST IDENTIFICATION HAS CHANGED" in warned[0] and warned[0].startswith("bad: ")
 
@@ -140,8 +141,8 @@ def test_watch_returns_when_only_unreachable_jobs_are_left(monkeypatch: pytest.M
     from submit.cli import jobs as cli_jobs
     from submit.jobs.status import Status
 
-    lost = Status("7", "bad", "n", "UNREACHABLE", "/r", 0.0, done=False, succeeded=False, reason="no route")
-    done = Status("8", "ok", "n", "COMPLETED", "/r", 0.0, done=True, succeeded=True)
+    lost = Status("7", "bad", "n", JobState.UNREACHABLE, "/r", 0.0, done=False, succeeded=False, reason="no route")
+    done = Status("8", "ok", "n", JobState.COMPLETED, "/r", 0.0, done=True, succeeded=True)
     monkeypatch.setattr(api, "statuses", lambda records, clusters, registry=None: [lost, done])
     assert cli_jobs.watch([], None, None, as_json=True) == 1
     assert "could not be reached" in capsys.readouterr().err
@@ -259,3 +260,27 @@ def test_a_finished_jobs_tail_keeps_its_last_step_behind_the_sidecars_copy_event
     tail = text.encode()[-METRICS_TAIL_BYTES:].decode()
     progress = parse_metrics_tail(tail)
     assert progress["step"] == 30 and progress["restart_count"] == 1 and progress["checkpoint_step"] == 30
+
+
+def test_status_asks_the_scheduler_it_is_handed(tmp_path: Path) -> None:
+    """jobs/status looks no backend up: each record's scheduler is asked through the lookup its caller gives."""
+    from submit.jobs.status import Status, statuses
+
+    asked: list[tuple[str, list[str]]] = []
+
+    class Reader:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def statuses(self, records: Any, transport: Any, detail: bool = False, live: bool = False) -> list[Status]:
+            asked.append((self.name, [r.job_id for r in records]))
+            return [
+                Status(r.job_id, r.cluster, r.name, JobState.RUNNING, r.run_dir, 0.0, False, False) for r in records
+            ]
+
+    records = [
+        JobRecord("1", "ok", "n", "/r", "slurm", 0.0, None, "h"),
+        JobRecord("x", "ok", "n", "/r", "local", 0, None, "h"),
+    ]
+    found = statuses(records, _Clusters(), Reader)
+    assert asked == [("slurm", ["1"]), ("local", ["x"])] and [s.state for s in found] == [JobState.RUNNING] * 2

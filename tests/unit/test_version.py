@@ -19,6 +19,7 @@ from launcher.entry import version_mismatch
 from submit.config.cluster import load_profile
 from submit.planning.plan import plan_file
 from submit.schedulers.render import render
+from submit.schedulers.slurm import BACKEND as SLURM
 
 REPO = Path(__file__).resolve().parents[2]
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
@@ -31,7 +32,7 @@ def test_both_sides_read_the_one_version_of_pyproject() -> None:
 def test_script_header_and_spec_json_record_the_rendering_version(tmp_path: Path) -> None:
     plan = plan_file(REPO / "examples" / "tiny.yaml", load_profile("testbed"), run_dir=str(tmp_path / "run"))
     assert plan.run_spec.run.meshrun_version == VERSION
-    script = render(plan)
+    script = render(plan, SLURM)
     assert script.splitlines()[1].startswith(f"# Rendered by meshrun {VERSION} for cluster testbed")
     assert f'"meshrun_version": "{VERSION}"' in script  # the spec.json the script carries
 

@@ -1,0 +1,132 @@
+"""meshrun's own job state type (submit/jobs/state.py) and the backends' tables onto it: every Slurm state name
+squeue and sacct print, every word of a local job's state file; a name no table knows is UNKNOWN, never final;
+and the type prints, serializes and is stored as the very word people read before it existed."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+
+from submit.jobs.state import FAILURE, FINAL, SUCCESS, JobState
+from submit.schedulers import local, slurm_cli
+
+# What the Slurm module called final before the state type existed (its SUCCESS | FAILURE sets).
+ENDED_BEFORE = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "REVOKED",
+}
+# Slurm's base states and the flags squeue/sacct print instead (slurm.schedmd.com/job_state_codes.html).
+SLURM_NAMES = {
+    *ENDED_BEFORE,
+    "PENDING",
+    "RUNNING",
+    "SUSPENDED",
+    "COMPLETING",
+    "CONFIGURING",
+    "EXPEDITING",
+    "LAUNCH_FAILED",
+    "POWER_UP_NODE",
+    "RECONFIG_FAIL",
+    "REQUEUED",
+    "REQUEUE_FED",
+    "REQUEUE_HOLD",
+    "RESIZING",
+    "RESV_DEL_HOLD",
+    "REVOKED",
+    "SIGNALING",
+    "SPECIAL_EXIT",
+    "STAGE_OUT",
+    "STOPPED",
+    "UPDATE_DB",
+}
+
+
+def test_the_slurm_table_names_every_state_slurm_prints() -> None:
+    assert set(slurm_cli.STATES) == SLURM_NAMES
+
+
+@pytest.mark.parametrize("name", sorted(SLURM_NAMES))
+def test_each_slurm_name_reads_as_the_same_word_and_ends_as_before(name: str) -> None:
+    state = slurm_cli.state_of(name)
+    assert isinstance(state, JobState) and state.value == name  # what `meshrun status` prints: unchanged
+    assert (state in FINAL) == (name in ENDED_BEFORE)
+    assert (state in SUCCESS) == (name == "COMPLETED")
+    assert slurm_cli.unknown_state_note(name) is None
+
+
+@pytest.mark.parametrize(
+    "text, state",
+    [
+        ("CANCELLED by 123", JobState.CANCELLED),  # sacct names who cancelled
+        ("CANCELLED+", JobState.CANCELLED),  # some squeue versions mark it
+        ("completed", JobState.COMPLETED),
+        (" RUNNING ", JobState.RUNNING),
+    ],
+)
+def test_slurm_decorations_are_read_through(text: str, state: JobState) -> None:
+    assert slurm_cli.state_of(text) is state
+
+
+@pytest.mark.parametrize("text", ["", "   ", "WIBBLE", "UNKNOWN"])
+def test_a_state_no_table_knows_is_unknown_and_never_final(text: str) -> None:
+    """As before: such a job is still followed (not done, not succeeded), and its word is not lost."""
+    state = slurm_cli.state_of(text)
+    assert state is JobState.UNKNOWN and state not in FINAL
+    note = slurm_cli.unknown_state_note(text)
+    assert note == (f"Slurm state {text.strip()}" if text.strip() else None)
+
+
+def test_an_unknown_word_in_sacct_and_squeue_keeps_the_job_followed_and_says_the_word() -> None:
+    acct = slurm_cli.parse_sacct("21|n|WIBBLE|0:0|00:00:01|00:10:00|n1\n")["21"]
+    assert acct.state is JobState.UNKNOWN and not acct.done and acct.reason == "Slurm state WIBBLE"
+    live = slurm_cli.parse_squeue("21|WIBBLE|0:01|10:00|n1|None\n")["21"]
+    assert live.state is JobState.UNKNOWN and not live.done and live.reason == "Slurm state WIBBLE"
+    assert slurm_cli.parse_squeue("22|PENDING|0:00|10:00||Priority\n")["22"].reason == "Priority"
+
+
+def test_the_local_table_reads_every_word_a_local_state_file_holds() -> None:
+    for word in ("PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED"):
+        assert local.STATES[word].value == word
+    assert set(local.ACTIVE) <= set(local.STATES) and not FINAL & {local.STATES[w] for w in local.ACTIVE}
+
+
+def test_the_sets_are_defined_once_and_agree() -> None:
+    assert FINAL == SUCCESS | FAILURE and not SUCCESS & FAILURE
+    assert {s.value for s in FINAL} == ENDED_BEFORE
+    assert {JobState.SUBMITTED, JobState.UNKNOWN, JobState.UNREACHABLE}.isdisjoint(FINAL)
+
+
+def test_a_state_prints_serializes_and_is_stored_as_its_word() -> None:
+    state = JobState.NODE_FAIL
+    assert str(state) == f"{state}" == f"{state:<10}".rstrip() == "NODE_FAIL"
+    assert json.dumps({"state": state}) == '{"state": "NODE_FAIL"}'
+    assert state == "NODE_FAIL" and "NODE_FAIL" in FINAL and JobState("NODE_FAIL") is state
+    assert ", ".join(sorted({JobState.TIMEOUT, JobState.CANCELLED})) == "CANCELLED, TIMEOUT"
+    db = sqlite3.connect(":memory:")
+    db.execute("CREATE TABLE t (s TEXT)")
+    db.execute("INSERT INTO t VALUES (?)", (state.value,))
+    assert db.execute("SELECT s FROM t").fetchone() == ("NODE_FAIL",)
+
+
+@pytest.mark.parametrize("word", ["RUNNING", "NODE_FAIL", "UNREACHABLE"])
+def test_the_views_show_a_state_exactly_as_they_showed_its_word(word: str) -> None:
+    from submit.jobs.status import Status
+    from submit.views import top
+    from submit.views.tables import detail_lines, progress_line, status_table
+
+    fields: dict = dict(elapsed_s=5, progress={"step": 3, "loss": 1.0}, reason="r")
+    typed = Status("1", "c", "n", JobState(word), "/r", 0.0, False, False, **fields)
+    plain = Status("1", "c", "n", word, "/r", 0.0, False, False, **fields)  # type: ignore[arg-type]
+    assert status_table([typed]) == status_table([plain]) and detail_lines(typed) == detail_lines(plain)
+    assert progress_line(typed, 10) == progress_line(plain, 10) and top.row(typed) == top.row(plain)
+    assert json.dumps(typed.as_json()) == json.dumps(plain.as_json())
