@@ -1,0 +1,117 @@
+"""The docs runner: every example of a page run in one session, every marker checked.
+
+The convention (fence tags, markers, shown output, JOB and RUN_DIR) is tests/docs/README.md. A page
+runs as two sessions: its local blocks (`pytest tests/docs`, no cluster needed), and its `testbed` and
+`ssh` blocks with its `file` blocks (the same test file's testbed test, on the real Slurm testbed).
+A block that fails is reported and the page goes on, so one run lists every broken example of a page.
+
+`python -m tests.docs.runner [PAGE...]` prints each example's fate, and the counts, without running any.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+from tests.docs.blocks import REPO, Block, MarkerError, pages, parse_page
+from tests.docs.session import ExampleFailed, Session
+
+LOCAL = frozenset({"local"})
+CLUSTER = frozenset({"testbed", "ssh"})
+
+
+@dataclass
+class PageRun:
+    page: Path
+    ran: list[Block] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def report(self) -> str:
+        head = f"{_rel(self.page)}: {len(self.failures)} of {len(self.ran)} examples failed ({self.seconds:.0f} s)"
+        return "\n\n".join([head, *self.failures])
+
+
+def selected(blocks: Iterable[Block], places: frozenset[str]) -> list[Block]:
+    """The blocks a session at `places` runs: examples that run there, and (on the cluster) the page's
+    `file` blocks, which later blocks may read."""
+    return [b for b in blocks if b.runs and (b.place in places or (places == CLUSTER and b.has("file")))]
+
+
+def run_page(page: Path, root: Path, places: frozenset[str] = LOCAL) -> PageRun:
+    """Run the page's examples for `places` in one sandbox under `root`; every failure is in the result."""
+    result = PageRun(page)
+    start = time.monotonic()
+    try:
+        blocks = selected(parse_page(page), places)
+    except MarkerError as exc:
+        result.failures.append(str(exc))
+        return result
+    if not blocks:
+        return result
+    session = Session(root)
+    try:
+        for block in blocks:
+            result.ran.append(block)
+            try:
+                session.run(block)
+            except ExampleFailed as exc:
+                result.failures.append(str(exc))
+    finally:
+        session.close()
+        result.seconds = time.monotonic() - start
+    return result
+
+
+def needs_cluster(page: Path) -> bool:
+    """Whether the page has an example for the testbed (a page with a marker error counts as local: its
+    local test reports the error)."""
+    try:
+        return any(b.runs and b.place in CLUSTER for b in parse_page(page))
+    except MarkerError:
+        return False
+
+
+def _rel(page: Path) -> str:
+    try:
+        return str(page.relative_to(REPO))
+    except ValueError:
+        return str(page)
+
+
+def fate(block: Block) -> str:
+    if not block.is_example:
+        return "prose"
+    for directive in ("skip", "covered-by"):
+        marker = block.marker(directive)
+        if marker is not None:
+            return f"{directive} {marker.arg}"
+    return f"runs ({block.place})"
+
+
+def main(argv: list[str]) -> int:
+    chosen = [Path(a).resolve() for a in argv] or pages()
+    counts: dict[str, int] = {}
+    for page in chosen:
+        try:
+            blocks = parse_page(page)
+        except MarkerError as exc:
+            print(f"error: {exc}")
+            counts["marker errors"] = counts.get("marker errors", 0) + 1
+            continue
+        for block in blocks:
+            what = fate(block)
+            if what != "prose":
+                print(f"{_rel(block.page)}:{block.line}  {block.lang:8} {what}")
+            kind = what.split(" ", 1)[0] if what != "runs (local)" else "runs locally"
+            kind = "runs on the testbed" if what.startswith("runs (") and kind != "runs locally" else kind
+            counts[kind] = counts.get(kind, 0) + 1
+    print(", ".join(f"{n} {kind}" for kind, n in sorted(counts.items())))
+    return 1 if "marker errors" in counts else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,374 @@
+"""One page's session: a sandbox user (own HOME, XDG dirs) in a copy of the repository, running its blocks in order.
+
+A `console` command or a `bash` block runs in bash with the session's working directory and environment,
+and what it changes there (`cd`, `export`) carries to the next one, as in one terminal. `meshrun` is the
+worktree's (tests/helpers/cli.py's environment, a `meshrun` on PATH that imports this checkout). `python`
+blocks share one interpreter (tests/docs/pydriver.py). `yaml` blocks are loaded by meshrun's own loaders.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import IO, Optional
+
+import yaml
+
+from tests.docs import console
+from tests.docs.blocks import REPO, Block
+from tests.helpers.cli import CLUSTER_ONLY, env_for, meshrun
+
+DEFAULT_TIMEOUT_S = 120
+"""A command's (or a block's) limit unless `<!-- example: timeout S -->` says otherwise."""
+PROFILE_KEYS = frozenset({"scheduler", "paths", "ssh", "partitions", "interconnect", "setup"})
+"""Top-level keys only a cluster profile has: a yaml block with any of them is validated as one."""
+SHIM = """#!{python}
+# The docs runner's `meshrun`: this checkout's CLI (PYTHONPATH), whatever the working directory.
+import sys
+from submit.cli.main import main
+sys.exit(main())
+"""
+_WRAPPER = 'set -o pipefail; {strict}source "$1"; __rc=$?; pwd >"$2/cwd"; env -0 >"$2/env"; exit $__rc'
+
+
+class ExampleFailed(AssertionError):
+    """An example that did not do what its page says."""
+
+
+class Session:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.home = root / "home"
+        self.repo = root / "repo"
+        self.state = root / ".state"
+        for folder in (self.home, self.state, root / "bin"):
+            folder.mkdir(parents=True, exist_ok=True)
+        _copy_checkout(self.repo)
+        shim = root / "bin" / "meshrun"
+        shim.write_text(SHIM.format(python=sys.executable))
+        shim.chmod(0o755)
+        env = env_for(self.home)
+        env["PATH"] = f"{shim.parent}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        env["PYTHONPATH"] = str(REPO)  # the worktree's code, for every process the examples start
+        self.env = env
+        self.cwd = self.repo
+        self.job: Optional[str] = None
+        self.run_dir: Optional[str] = None
+        self._python: Optional[subprocess.Popen[str]] = None
+        self._python_reply: Optional[IO[str]] = None
+        self._python_log = root / "python.log"
+
+    # ------------------------------------------------------------------ blocks
+
+    def run(self, block: Block) -> None:
+        """Run (or validate, or write) one block; ExampleFailed says what went wrong."""
+        timeout = float(block.marker("timeout").arg) if block.has("timeout") else DEFAULT_TIMEOUT_S  # type: ignore[union-attr]
+        exit_code = int(block.marker("exit").arg) if block.has("exit") else 0  # type: ignore[union-attr]
+        target = block.marker("file")
+        if block.place != "local":
+            self.enter(block.place)
+        if block.lang == "yaml":
+            path = self.resolve(target.arg) if target else None
+            self.check_yaml(block, path)
+        elif target:
+            path = self.resolve(target.arg)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(block.body)
+            path.chmod(0o755)
+        elif block.lang == "bash":
+            self.shell(self.substitute(block.body, block), block.place, timeout, exit_code, True, block.where)
+        elif block.lang == "console":
+            self.console(block, timeout, exit_code)
+        elif block.lang == "python":
+            self.python(block, timeout, exit_code)
+
+    def console(self, block: Block, timeout: float, exit_code: int) -> None:
+        try:
+            commands = console.parse_console(block.body)
+        except console.ConsoleError as exc:
+            raise ExampleFailed(f"{block.where}: {exc}") from None
+        for n, command in enumerate(commands):
+            text = self.substitute(command.text, block)
+            want = exit_code if n == len(commands) - 1 else 0
+            printed = self.shell(text, block.place, timeout, want, False, block.where)
+            values = {k: v for k, v in (("JOB", self.job), ("RUN_DIR", self.run_dir)) if v}
+            values = {k: console.normalize(v, str(self.home)).strip() for k, v in values.items()}
+            if not console.matches(command.shown, printed, values, str(self.home)):
+                shown = "\n".join(command.shown)
+                raise ExampleFailed(
+                    f"{block.where}: `$ {command.text}` printed what the page does not show.\n"
+                    f"shown:\n{_indent(shown)}\nprinted (~ is the sandbox's HOME):\n"
+                    f"{_indent(_tail(console.normalize(printed, str(self.home))))}"
+                )
+
+    def shell(self, text: str, place: str, timeout: float, want: int, strict: bool, where: str) -> str:
+        """Run `text` in bash as the session's user at `place` (`strict`: a bash block, under `set -e`, so
+        every line must succeed); what it printed, stdout and stderr together."""
+        what = "the bash block" if strict else f"`$ {_first(text)}`"
+        script = self.state / "command.sh"
+        script.write_text(text + "\n")
+        argv = [
+            "bash",
+            "-c",
+            _WRAPPER.format(strict="set -e; " if strict else ""),
+            "bash",
+            str(script),
+            str(self.state),
+        ]
+        env = self.env_for(place)
+        proc = subprocess.Popen(
+            argv,
+            cwd=self.cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # a timeout ends the command and everything it started
+        )
+        try:
+            printed, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            printed, _ = proc.communicate()
+            raise ExampleFailed(f"{where}: {what} ran past {timeout:.0f} s\n{_indent(_tail(printed))}") from None
+        self._carry(place)
+        self._note_job(printed)
+        if proc.returncode != want:
+            raise ExampleFailed(
+                f"{where}: {what} exited {proc.returncode}, the page expects {want}\n{_indent(_tail(printed))}"
+            )
+        return printed
+
+    def python(self, block: Block, timeout: float, exit_code: int) -> None:
+        proc, reply = self._interpreter()
+        start = self._python_log.stat().st_size
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps({"code": block.body, "filename": block.where}) + "\n")
+        proc.stdin.flush()
+        answer = _read_line(reply, proc, timeout)
+        with self._python_log.open() as log:
+            log.seek(start)
+            printed = log.read()
+        self._note_job(printed)
+        if answer is None:
+            self._stop_python()
+            raise ExampleFailed(f"{block.where}: the python block ran past {timeout:.0f} s\n{_indent(_tail(printed))}")
+        result = json.loads(answer)
+        if result["exit"] != exit_code:
+            raise ExampleFailed(
+                f"{block.where}: the python block ended with {result['exit']}, the page expects {exit_code}\n"
+                f"{_indent(_tail(printed))}\n{_indent(result['error'])}"
+            )
+
+    def check_yaml(self, block: Block, path: Optional[Path]) -> None:
+        """Load the block with meshrun's own loader: a cluster profile's, or a job spec's (a spec without
+        `name:` is a fragment: validated with a name added at its end, so its line numbers stay). With a
+        `file` marker the block is also written there, as the page shows it."""
+        try:
+            data = yaml.safe_load(block.body)
+        except yaml.YAMLError as exc:
+            raise ExampleFailed(f"{block.where}: not YAML: {exc}") from None
+        keys = set(data) if isinstance(data, dict) else set()
+        profile = block.has("profile") or (not block.has("job-spec") and bool(keys & PROFILE_KEYS))
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(block.body)
+        text = block.body if profile or "name" in keys else block.body + "name: docs-example\n"
+        # A profile's name is its file's: checked under the name the page gives it.
+        stem = path.stem if path is not None else str(data.get("name", "docs-example")) if keys else "docs-example"
+        check = self.root / "yaml-check" / f"{stem}.yaml"
+        check.parent.mkdir(parents=True, exist_ok=True)
+        check.write_text(text)
+        from submit.errors import InputError
+
+        try:
+            if profile:
+                from submit.config.cluster import load_profile_file
+                from submit.schedulers import check_profile
+
+                check_profile(load_profile_file(check))
+            else:
+                from submit.planning.plan import load_job
+
+                load_job(check)
+        except InputError as exc:
+            kind = "cluster profile" if profile else "job spec"
+            raise ExampleFailed(f"{block.where}: not a valid {kind}: {exc}") from None
+
+    # ------------------------------------------------------------------ the session's state
+
+    def resolve(self, path: str) -> Path:
+        """A path a marker names: `~/...` in the sandbox HOME, anything else from the session's folder."""
+        if path.startswith("~/"):
+            return self.home / path[2:]
+        return self.cwd / path
+
+    def env_for(self, place: str) -> dict[str, str]:
+        """The session's environment; on a laptop (ssh) without what only the cluster's login node has."""
+        if place == "ssh":
+            return {k: v for k, v in self.env.items() if k not in CLUSTER_ONLY}
+        return dict(self.env)
+
+    def enter(self, place: str) -> None:
+        """Before a block at `place`: the profile `mycluster` names that cluster (tests/docs/README.md)."""
+        clusters = self.home / "config" / "meshrun" / "clusters"
+        clusters.mkdir(parents=True, exist_ok=True)
+        if place == "testbed":
+            shutil.copy(REPO / "cluster_configs" / "testbed.yaml", clusters / "mycluster.yaml")
+        elif place == "ssh":
+            from tests.helpers import sshbed
+
+            sshbed.profile(clusters, name="mycluster")
+
+    def substitute(self, text: str, block: Block) -> str:
+        """JOB and RUN_DIR (whole words) -> the page's newest job and its run dir."""
+        values = {"JOB": self.job, "RUN_DIR": self.run_dir}
+
+        def value(match: re.Match[str]) -> str:
+            found = values[match[0]]
+            if found is None:
+                raise ExampleFailed(f"{block.where}: {match[0]} is used before the page submitted a job")
+            return found
+
+        return re.sub(r"(?<![$\w{])\b(?:JOB|RUN_DIR)\b", value, text)
+
+    def _carry(self, place: str) -> None:
+        """What the command left: its working directory, its environment (with what its place hid)."""
+        cwd, env = self.state / "cwd", self.state / "env"
+        if cwd.is_file() and env.is_file():
+            self.cwd = Path(cwd.read_text().strip())
+            hidden = {k: v for k, v in self.env.items() if k not in self.env_for(place)}
+            pairs = (item.split("=", 1) for item in env.read_text().split("\0") if "=" in item)
+            left = {k: v for k, v in pairs if k not in ("PWD", "OLDPWD", "SHLVL", "_")}
+            self.env = {**left, **hidden}
+        for stale in (cwd, env):
+            stale.unlink(missing_ok=True)
+
+    def _note_job(self, printed: str) -> None:
+        """The newest job this page submitted, from meshrun's own lines ('submitted job ID on ...', 'run dir: ...')."""
+        for line in printed.splitlines():
+            found = re.match(r"submitted job (?:array )?(\S+) ", line)
+            if found:
+                self.job = self.env["JOB"] = found[1]
+            found = re.match(r"run dir: (\S.*)$", line)
+            if found:
+                self.run_dir = self.env["RUN_DIR"] = found[1].strip()
+
+    def _interpreter(self) -> tuple[subprocess.Popen[str], IO[str]]:
+        if self._python is None or self._python.poll() is not None:
+            read, write = os.pipe()
+            log = self._python_log.open("a")
+            self._python = subprocess.Popen(
+                [sys.executable, str(Path(__file__).with_name("pydriver.py")), str(write)],
+                cwd=self.cwd,
+                env=self.env_for("local"),
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+                pass_fds=(write,),
+                start_new_session=True,
+            )
+            log.close()
+            os.close(write)
+            self._python_reply = os.fdopen(read)
+        assert self._python_reply is not None
+        return self._python, self._python_reply
+
+    def _stop_python(self) -> None:
+        if self._python is not None:
+            if self._python.stdin is not None:
+                self._python.stdin.close()
+            try:
+                self._python.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                _kill_group(self._python)
+            self._python = None
+        if self._python_reply is not None:
+            self._python_reply.close()
+            self._python_reply = None
+
+    def close(self) -> None:
+        """Stop the page's interpreter and every job of the page that still runs, waiting for them to end
+        (the ranks save before they stop), then remove the sandbox."""
+        self._stop_python()
+        registry = self.home / "state" / "meshrun"  # env_for's XDG_STATE_HOME: no registry, no job to stop
+        live = [] if not registry.exists() else [job_id for job_id, done in self._jobs() if not done]
+        for job_id in live:
+            meshrun(self.home, "cancel", job_id, timeout=120)
+        deadline = time.monotonic() + 60
+        while live and time.monotonic() < deadline and not all(done for _, done in self._jobs()):
+            time.sleep(1)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def _jobs(self) -> list[tuple[str, bool]]:
+        """(job id, whether it has ended) of every job the page's user submitted."""
+        out = meshrun(self.home, "status", "--json", "--limit", "1000", timeout=120)
+        try:
+            return [(row["job_id"], bool(row.get("done"))) for row in json.loads(out.stdout or "[]")]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            return []
+
+
+def _copy_checkout(dest: Path) -> None:
+    """The checkout's files (those git does not ignore) in `dest`, itself a fresh git work tree: examples
+    that write files write them there, and the local cluster runs jobs in it as in a user's project."""
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=REPO,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
+    for rel in filter(None, listed):
+        source = REPO / rel
+        if source.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / rel)
+    subprocess.run(["git", "init", "-q", str(dest)], check=True)
+
+
+def _read_line(stream: IO[str], proc: subprocess.Popen[str], timeout: float) -> Optional[str]:
+    import select
+
+    ready, _, _ = select.select([stream], [], [], timeout)
+    if not ready:
+        return None
+    line = stream.readline()
+    if not line:
+        raise ExampleFailed(f"the page's python interpreter died (exit {proc.wait()})")
+    return line
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _first(text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) < 100 else line[:97] + "..."
+
+
+def _tail(text: str, lines: int = 40) -> str:
+    kept = text.rstrip("\n").splitlines()
+    return "\n".join((["..."] if len(kept) > lines else []) + kept[-lines:])
+
+
+def _indent(text: str) -> str:
+    return textwrap.indent(text, "    ")
