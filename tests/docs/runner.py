@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Optional
 
 from tests.docs.blocks import REPO, Block, MarkerError, pages, parse_page
 from tests.docs.session import ExampleFailed, Session
@@ -41,8 +41,9 @@ def selected(blocks: Iterable[Block], places: frozenset[str]) -> list[Block]:
     return [b for b in blocks if b.runs and (b.place in places or (places == CLUSTER and b.has("file")))]
 
 
-def run_page(page: Path, root: Path, places: frozenset[str] = LOCAL) -> PageRun:
-    """Run the page's examples for `places` in one sandbox under `root`; every failure is in the result."""
+def run_page(page: Path, root: Path, places: frozenset[str] = LOCAL, corpus: Optional[Path] = None) -> PageRun:
+    """Run the page's examples for `places` in one sandbox under `root` (whose user has the default token
+    file `corpus` already, when given); every failure is in the result."""
     result = PageRun(page)
     start = time.monotonic()
     try:
@@ -52,7 +53,7 @@ def run_page(page: Path, root: Path, places: frozenset[str] = LOCAL) -> PageRun:
         return result
     if not blocks:
         return result
-    session = Session(root)
+    session = Session(root, corpus)
     try:
         for block in blocks:
             result.ran.append(block)

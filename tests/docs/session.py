@@ -44,7 +44,7 @@ class ExampleFailed(AssertionError):
 
 
 class Session:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, corpus: Optional[Path] = None) -> None:
         self.root = root
         self.home = root / "home"
         self.repo = root / "repo"
@@ -52,6 +52,13 @@ class Session:
         for folder in (self.home, self.state, root / "bin"):
             folder.mkdir(parents=True, exist_ok=True)
         _copy_checkout(self.repo)
+        if (Path(sys.prefix) / "bin" / "activate").is_file():  # as after `bash scripts/setup.sh`: this environment
+            (self.repo / ".venv").symlink_to(sys.prefix)
+        if corpus is not None:  # a user who has run `meshrun data`: the default token file, a copy of the suite's
+            data = self.home / ".cache" / "meshrun" / "data"
+            data.mkdir(parents=True)
+            for part in corpus.parent.glob(f"{corpus.name.split('.')[0]}.*"):
+                shutil.copy(part, data / part.name)
         shim = root / "bin" / "meshrun"
         shim.write_text(SHIM.format(python=sys.executable))
         shim.chmod(0o755)

@@ -17,14 +17,14 @@ def _id(page: Path) -> str:
 
 
 @pytest.mark.parametrize("page", PAGES, ids=_id)
-def test_page_examples(page: Path, tmp_path: Path) -> None:
+def test_page_examples(page: Path, tmp_path: Path, default_corpus: Path) -> None:
     """The page's local examples, in order, in one sandbox: each passes or carries a marker saying why not."""
-    result = run_page(page, tmp_path, LOCAL)
+    result = run_page(page, tmp_path, LOCAL, default_corpus)
     assert not result.failures, result.report()
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if needs_cluster(p)], ids=_id)
-def test_page_examples_on_testbed(page: Path, tmp_path: Path, testbed: dict[str, object]) -> None:
+def test_page_examples_on_testbed(page: Path, tmp_path: Path, default_corpus: Path, testbed: dict[str, object]) -> None:
     """The page's `testbed` and `ssh` examples on the real Slurm testbed (and over its sshd)."""
-    result = run_page(page, tmp_path, CLUSTER)
+    result = run_page(page, tmp_path, CLUSTER, default_corpus)
     assert not result.failures, result.report()
