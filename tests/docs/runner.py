@@ -84,34 +84,31 @@ def _rel(page: Path) -> str:
 
 
 def fate(block: Block) -> str:
-    if not block.is_example:
-        return "prose"
+    """What becomes of an example: 'local' or 'testbed' / 'ssh' (it runs there), 'skip' or 'covered-by'."""
     for directive in ("skip", "covered-by"):
-        marker = block.marker(directive)
-        if marker is not None:
-            return f"{directive} {marker.arg}"
-    return f"runs ({block.place})"
+        if block.has(directive):
+            return directive
+    return block.place
 
 
 def main(argv: list[str]) -> int:
     chosen = [Path(a).resolve() for a in argv] or pages()
-    counts: dict[str, int] = {}
+    counts = {"local": 0, "testbed": 0, "ssh": 0, "skip": 0, "covered-by": 0}
+    errors = 0
     for page in chosen:
         try:
-            blocks = parse_page(page)
+            examples = [b for b in parse_page(page) if b.is_example]
         except MarkerError as exc:
             print(f"error: {exc}")
-            counts["marker errors"] = counts.get("marker errors", 0) + 1
+            errors += 1
             continue
-        for block in blocks:
+        for block in examples:
             what = fate(block)
-            if what != "prose":
-                print(f"{_rel(block.page)}:{block.line}  {block.lang:8} {what}")
-            kind = what.split(" ", 1)[0] if what != "runs (local)" else "runs locally"
-            kind = "runs on the testbed" if what.startswith("runs (") and kind != "runs locally" else kind
-            counts[kind] = counts.get(kind, 0) + 1
-    print(", ".join(f"{n} {kind}" for kind, n in sorted(counts.items())))
-    return 1 if "marker errors" in counts else 0
+            marker = block.marker(what)
+            print(f"{_rel(block.page)}:{block.line}  {block.lang:8} {what}{f' {marker.arg}' if marker else ''}")
+            counts[what] += 1
+    print(f"{sum(counts.values())} examples: " + ", ".join(f"{n} {what}" for what, n in counts.items()))
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ def test_page_examples(page: Path, tmp_path: Path, default_corpus: Path) -> None
     assert not result.failures, result.report()
 
 
+@pytest.mark.slurm
 @pytest.mark.parametrize("page", [p for p in PAGES if needs_cluster(p)], ids=_id)
 def test_page_examples_on_testbed(page: Path, tmp_path: Path, default_corpus: Path, testbed: dict[str, object]) -> None:
     """The page's `testbed` and `ssh` examples on the real Slurm testbed (and over its sshd)."""

@@ -298,3 +298,64 @@ def test_console_text_before_a_command_is_refused() -> None:
 def test_continued_command_and_its_output() -> None:
     (command,) = console.parse_console("$ echo a \\\n  b\na b\n\n")
     assert command.text == "echo a \\\n  b" and command.shown == ("a b",)
+
+
+# ------------------------------------------------------------------ the sandbox
+
+
+def test_meshrun_is_this_checkouts_and_runs_in_the_sandbox(tmp_path: Path) -> None:
+    text = """
+        ~~~console
+        $ command -v meshrun; pwd
+        .../bin/meshrun
+        .../repo
+        $ meshrun clusters
+        NAME      SCHEDULER  REACHED ...
+        ...
+        local     local      this machine ...
+        ...
+        $ test -f examples/tiny.yaml && test -d .git && echo $HOME $XDG_STATE_HOME
+        ~ ~/state
+        ~~~
+
+        <!-- example: exit 2 -->
+        ~~~console
+        $ meshrun submit examples/tiny.yaml --set resources.tasks_per_nod=2 --dry-run
+        meshrun: error: --set resources.tasks_per_nod: ...
+        ~~~
+    """
+    assert failures(tmp_path, text) == []
+
+
+def test_python_blocks_exit_code_and_output(tmp_path: Path) -> None:
+    text = """
+        <!-- example: exit 3 -->
+        ~~~python
+        import sys
+        sys.exit(3)
+        ~~~
+
+        ~~~python
+        raise SystemExit(4)
+        ~~~
+    """
+    (failure,) = failures(tmp_path, text)
+    assert ":8: the python block ended with 4, the page expects 0" in failure
+
+
+def test_a_place_sets_mycluster_and_a_laptop_has_no_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.docs.session import Session
+
+    monkeypatch.setenv("SLURM_CONF", "/etc/slurm.conf")
+    session = Session(tmp_path / "sandbox")
+    try:
+        assert session.env_for("local")["SLURM_CONF"] == "/etc/slurm.conf"
+        assert "SLURM_CONF" not in session.env_for("ssh")
+        session.enter("testbed")
+        profile = session.home / "config" / "meshrun" / "clusters" / "mycluster.yaml"
+        assert "scheduler: slurm" in profile.read_text()
+        # What a laptop's command left does not lose the login node's variables for later blocks.
+        session.shell("export A=1", "ssh", 10, 0, False, "here")
+        assert session.env["A"] == "1" and session.env["SLURM_CONF"] == "/etc/slurm.conf"
+    finally:
+        session.close()
