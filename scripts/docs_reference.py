@@ -137,7 +137,8 @@ def sections(cls: type, key: str = "") -> Iterator[Section]:
             is_list = isinstance(node, ast.Subscript) and ast.unparse(node.value) == "tuple"
             child_key = f"{full}[]" if is_list else full
             nested.append((child_key, child))
-            type_text = re.sub(r"\bsections?\b", lambda m: f"[{m.group(0)}](#{slug(child_key)})", type_text, count=1)
+            anchor = slug(child_key)
+            type_text = re.sub(r"\b(sections?)\b", rf"[\1](#{anchor})", type_text, count=1)
         rows.append((full, type_text, _default_text(field), docs.get(field.name, "")))
     yield Section(key, cls, rows)
     for child_key, child in nested:
@@ -288,8 +289,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.check and stale:
         print(f"stale: {', '.join(stale)}; run `{COMMAND}`", file=sys.stderr)
         return 1
-    for rel in stale:
-        print(f"wrote {rel}")
+    for name in stale:
+        print(f"wrote {name}")
     return 0
 
 
