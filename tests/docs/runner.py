@@ -83,6 +83,17 @@ def _rel(page: Path) -> str:
         return str(page)
 
 
+COMMAND_STARTS = ("$ ", "meshrun ", "python ", "python3 ", ".venv/bin/", "bash ", "source ", "cp ", "pip ", "ssh ")
+COMMAND_STARTS += ("sbatch ", "from ", "import ")
+
+
+def hidden_example(block: Block) -> bool:
+    """A prose fence (`text`, bare) whose first line reads like a command or Python: an example that the
+    runner would never run (tests/docs/test_examples.py keeps a list of those the docs still have)."""
+    first = next((line for line in block.body.splitlines() if line.strip()), "")
+    return not block.is_example and first.startswith(COMMAND_STARTS)
+
+
 def fate(block: Block) -> str:
     """What becomes of an example: 'local' or 'testbed' / 'ssh' (it runs there), 'skip' or 'covered-by'."""
     for directive in ("skip", "covered-by"):
@@ -97,12 +108,14 @@ def main(argv: list[str]) -> int:
     errors = 0
     for page in chosen:
         try:
-            examples = [b for b in parse_page(page) if b.is_example]
+            blocks = parse_page(page)
         except MarkerError as exc:
             print(f"error: {exc}")
             errors += 1
             continue
-        for block in examples:
+        for block in (b for b in blocks if hidden_example(b)):
+            print(f"{_rel(block.page)}:{block.line}  {block.lang or '(bare)':8} not run: a command in a prose fence")
+        for block in (b for b in blocks if b.is_example):
             what = fate(block)
             marker = block.marker(what)
             print(f"{_rel(block.page)}:{block.line}  {block.lang:8} {what}{f' {marker.arg}' if marker else ''}")

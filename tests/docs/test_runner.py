@@ -359,3 +359,10 @@ def test_a_place_sets_mycluster_and_a_laptop_has_no_slurm(tmp_path: Path, monkey
         assert session.env["A"] == "1" and session.env["SLURM_CONF"] == "/etc/slurm.conf"
     finally:
         session.close()
+
+
+def test_a_command_in_a_prose_fence_is_found(tmp_path: Path) -> None:
+    from tests.docs.runner import hidden_example
+
+    text = "~~~text\nmeshrun status JOB\n~~~\n\n~~~text\nmeshrun: error: x\n~~~\n\n~~~\nfrom submit import api\n~~~\n"
+    assert [hidden_example(b) for b in parse_page(page(tmp_path, text))] == [True, False, True]
