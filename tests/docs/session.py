@@ -62,7 +62,13 @@ class Session:
         shim = root / "bin" / "meshrun"
         shim.write_text(SHIM.format(python=sys.executable))
         shim.chmod(0o755)
-        env = env_for(self.home)
+        # The XDG defaults a user without XDG variables has, so that the pages' ~/.config/meshrun/... and
+        # ~/.local/state/meshrun/... are where meshrun looks.
+        self.xdg = {
+            "XDG_STATE_HOME": str(self.home / ".local" / "state"),
+            "XDG_CONFIG_HOME": str(self.home / ".config"),
+        }
+        env = {**env_for(self.home), **self.xdg}
         env["PATH"] = f"{shim.parent}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         env["PYTHONPATH"] = str(REPO)  # the worktree's code, for every process the examples start
         self.env = env
@@ -227,7 +233,7 @@ class Session:
 
     def enter(self, place: str) -> None:
         """Before a block at `place`: the profile `mycluster` names that cluster (tests/docs/README.md)."""
-        clusters = self.home / "config" / "meshrun" / "clusters"
+        clusters = Path(self.xdg["XDG_CONFIG_HOME"]) / "meshrun" / "clusters"
         clusters.mkdir(parents=True, exist_ok=True)
         if place == "testbed":
             shutil.copy(REPO / "cluster_configs" / "testbed.yaml", clusters / "mycluster.yaml")
@@ -308,10 +314,10 @@ class Session:
         """Stop the page's interpreter and every job of the page that still runs, waiting for them to end
         (the ranks save before they stop), then remove the sandbox."""
         self._stop_python()
-        registry = self.home / "state" / "meshrun"  # env_for's XDG_STATE_HOME: no registry, no job to stop
+        registry = Path(self.xdg["XDG_STATE_HOME"]) / "meshrun"  # no registry, no job to stop
         live = [] if not registry.exists() else [job_id for job_id, done in self._jobs() if not done]
         for job_id in live:
-            meshrun(self.home, "cancel", job_id, timeout=120)
+            meshrun(self.home, "cancel", job_id, timeout=120, env=self.xdg)
         deadline = time.monotonic() + 60
         while live and time.monotonic() < deadline and not all(done for _, done in self._jobs()):
             time.sleep(1)
@@ -319,7 +325,7 @@ class Session:
 
     def _jobs(self) -> list[tuple[str, bool]]:
         """(job id, whether it has ended) of every job the page's user submitted."""
-        out = meshrun(self.home, "status", "--json", "--limit", "1000", timeout=120)
+        out = meshrun(self.home, "status", "--json", "--limit", "1000", timeout=120, env=self.xdg)
         try:
             return [(row["job_id"], bool(row.get("done"))) for row in json.loads(out.stdout or "[]")]
         except (json.JSONDecodeError, KeyError, TypeError):

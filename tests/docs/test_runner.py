@@ -315,7 +315,7 @@ def test_meshrun_is_this_checkouts_and_runs_in_the_sandbox(tmp_path: Path) -> No
         local     local      this machine ...
         ...
         $ test -f examples/tiny.yaml && test -d .git && echo $HOME $XDG_STATE_HOME
-        ~ ~/state
+        ~ ~/.local/state
         ~~~
 
         <!-- example: exit 2 -->
@@ -352,7 +352,7 @@ def test_a_place_sets_mycluster_and_a_laptop_has_no_slurm(tmp_path: Path, monkey
         assert session.env_for("local")["SLURM_CONF"] == "/etc/slurm.conf"
         assert "SLURM_CONF" not in session.env_for("ssh")
         session.enter("testbed")
-        profile = session.home / "config" / "meshrun" / "clusters" / "mycluster.yaml"
+        profile = session.home / ".config" / "meshrun" / "clusters" / "mycluster.yaml"
         assert "scheduler: slurm" in profile.read_text()
         # What a laptop's command left does not lose the login node's variables for later blocks.
         session.shell("export A=1", "ssh", 10, 0, False, "here")
