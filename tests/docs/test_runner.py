@@ -366,3 +366,20 @@ def test_a_command_in_a_prose_fence_is_found(tmp_path: Path) -> None:
 
     text = "~~~text\nmeshrun status JOB\n~~~\n\n~~~text\nmeshrun: error: x\n~~~\n\n~~~\nfrom submit import api\n~~~\n"
     assert [hidden_example(b) for b in parse_page(page(tmp_path, text))] == [True, False, True]
+
+
+def test_a_testbed_block_sees_mycluster_as_the_testbed(tmp_path: Path, default_corpus: Path) -> None:
+    """The cluster session's dispatch, without the testbed itself: a dry run sends nothing anywhere."""
+    text = """
+        <!-- example: testbed -->
+        ~~~console
+        $ meshrun submit examples/tiny.yaml -c mycluster --dry-run
+        ...
+        #SBATCH --partition=debug
+        ...
+        ~~~
+    """
+    result = run_page(page(tmp_path, text), tmp_path / "sandbox", CLUSTER, default_corpus)
+    assert len(result.ran) == 1 and result.failures == []
+    # The same page's local session has nothing to run.
+    assert run_page(page(tmp_path, text), tmp_path / "sandbox2", LOCAL).ran == []
