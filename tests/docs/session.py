@@ -83,8 +83,8 @@ class Session:
 
     def run(self, block: Block) -> None:
         """Run (or validate, or write) one block; ExampleFailed says what went wrong."""
-        timeout = float(block.marker("timeout").arg) if block.has("timeout") else DEFAULT_TIMEOUT_S  # type: ignore[union-attr]
-        exit_code = int(block.marker("exit").arg) if block.has("exit") else 0  # type: ignore[union-attr]
+        timeout = float(_arg(block, "timeout", str(DEFAULT_TIMEOUT_S)))
+        exit_code = int(_arg(block, "exit", "0"))
         target = block.marker("file")
         if block.place != "local":
             self.enter(block.place)
@@ -109,15 +109,16 @@ class Session:
         except console.ConsoleError as exc:
             raise ExampleFailed(f"{block.where}: {exc}") from None
         for n, command in enumerate(commands):
+            where = f"{block.page}:{block.line + command.line}"  # the command's own line
             text = self.substitute(command.text, block)
             want = exit_code if n == len(commands) - 1 else 0
-            printed = self.shell(text, block.place, timeout, want, False, block.where)
+            printed = self.shell(text, block.place, timeout, want, False, where)
             values = {k: v for k, v in (("JOB", self.job), ("RUN_DIR", self.run_dir)) if v}
             values = {k: console.normalize(v, str(self.home)).strip() for k, v in values.items()}
             if not console.matches(command.shown, printed, values, str(self.home)):
                 shown = "\n".join(command.shown)
                 raise ExampleFailed(
-                    f"{block.where}: `$ {command.text}` printed what the page does not show.\n"
+                    f"{where}: `$ {command.text}` printed what the page does not show.\n"
                     f"shown:\n{_indent(shown)}\nprinted (~ is the sandbox's HOME):\n"
                     f"{_indent(_tail(console.normalize(printed, str(self.home))))}"
                 )
@@ -215,7 +216,13 @@ class Session:
                 load_job(check)
         except InputError as exc:
             kind = "cluster profile" if profile else "job spec"
-            raise ExampleFailed(f"{block.where}: not a valid {kind}: {exc}") from None
+            # The loader names the checked copy's file:line; the reader needs the page's.
+            message = re.sub(
+                re.escape(str(check)) + r"(?::(\d+))?",
+                lambda m: f"{block.page}:{block.line + int(m[1])}" if m[1] else str(block.page),
+                str(exc),
+            )
+            raise ExampleFailed(f"{block.where}: not a valid {kind}: {message}") from None
 
     # ------------------------------------------------------------------ the session's state
 
@@ -330,6 +337,11 @@ class Session:
             return [(row["job_id"], bool(row.get("done"))) for row in json.loads(out.stdout or "[]")]
         except (json.JSONDecodeError, KeyError, TypeError):
             return []
+
+
+def _arg(block: Block, directive: str, default: str) -> str:
+    marker = block.marker(directive)
+    return marker.arg if marker is not None else default
 
 
 def _copy_checkout(dest: Path) -> None:

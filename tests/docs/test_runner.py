@@ -94,12 +94,12 @@ def test_each_kind_passes_and_fails(tmp_path: Path) -> None:
     assert len(result.ran) == 10  # the text fence is prose
     lines = sorted(int(f.split(":", 2)[1]) for f in result.failures)
     # The second block of each pair: console (order), bash (a middle line), python, job spec, profile.
-    assert lines == [10, 21, 31, 41, 52], result.report()
+    assert lines == [11, 21, 31, 41, 52], result.report()
     report = result.report()
     assert "printed what the page does not show" in report
     assert "exited 1, the page expects 0" in report
     assert "AssertionError: python blocks share one namespace" in report
-    assert "tasks_per_nod" in report and "did you mean 'tasks_per_node'" in report
+    assert "page.md:43: resources.tasks_per_nod: 2: unknown key (did you mean 'tasks_per_node'?)" in report
     assert "not a valid cluster profile" in report and "scratchh" in report
 
 
