@@ -274,9 +274,10 @@ class Session:
             stale.unlink(missing_ok=True)
 
     def _note_job(self, printed: str) -> None:
-        """The newest job this page submitted, from meshrun's own lines ('submitted job ID on ...', 'run dir: ...')."""
+        """The newest job this page started, from meshrun's own lines ('submitted job ID on ...', 'resumed job
+        OLD as job ID on ...', 'run dir: ...')."""
         for line in printed.splitlines():
-            found = re.match(r"submitted job (?:array )?(\S+) ", line)
+            found = re.match(r"(?:submitted job (?:array )?|resumed job \S+ as job )(\S+) ", line)
             if found:
                 self.job = self.env["JOB"] = found[1]
             found = re.match(r"run dir: (\S.*)$", line)

@@ -256,10 +256,14 @@ def test_job_and_run_dir_follow_the_newest_submit(tmp_path: Path) -> None:
         $ echo "submitted job local-0123abcd on local"; echo "run dir: $HOME/runs/x"
         submitted job local-4567cdef on local
         run dir: ~/runs/x
-        $ echo JOB RUN_DIR $JOB
+        $ echo JOB RUN_DIR $JOB; test JOB = local-0123abcd && echo same
         local-0123abcd ~/runs/x local-0123abcd
+        same
         $ echo JOB
         JOB
+        $ echo "resumed job local-0123abcd as job local-89abcdef on local"
+        $ test JOB = local-89abcdef && test $JOB = local-89abcdef && echo followed
+        followed
         ~~~
     """
     assert failures(tmp_path, text) == []
