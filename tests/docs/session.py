@@ -18,18 +18,15 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import IO, Optional
+from typing import Optional
 
-import yaml
-
-from tests.docs import console
+from tests.docs import console, yamlcheck
 from tests.docs.blocks import REPO, Block
+from tests.docs.interpreter import Interpreter
 from tests.helpers.cli import CLUSTER_ONLY, env_for, meshrun
 
 DEFAULT_TIMEOUT_S = 120
 """A command's (or a block's) limit unless `<!-- example: timeout S -->` says otherwise."""
-PROFILE_KEYS = frozenset({"scheduler", "paths", "ssh", "partitions", "interconnect", "setup"})
-"""Top-level keys only a cluster profile has: a yaml block with any of them is validated as one."""
 SHIM = """#!{python}
 # The docs runner's `meshrun`: this checkout's CLI (PYTHONPATH), whatever the working directory.
 import sys
@@ -75,9 +72,7 @@ class Session:
         self.cwd = self.repo
         self.job: Optional[str] = None
         self.run_dir: Optional[str] = None
-        self._python: Optional[subprocess.Popen[str]] = None
-        self._python_reply: Optional[IO[str]] = None
-        self._python_log = root / "python.log"
+        self._python: Optional[Interpreter] = None
 
     # ------------------------------------------------------------------ blocks
 
@@ -163,66 +158,30 @@ class Session:
         return printed
 
     def python(self, block: Block, timeout: float, exit_code: int) -> None:
-        proc, reply = self._interpreter()
-        start = self._python_log.stat().st_size
-        assert proc.stdin is not None
-        proc.stdin.write(json.dumps({"code": block.body, "filename": block.where}) + "\n")
-        proc.stdin.flush()
-        answer = _read_line(reply, proc, timeout)
-        with self._python_log.open() as log:
-            log.seek(start)
-            printed = log.read()
-        self._note_job(printed)
-        if answer is None:
-            self._stop_python()
-            raise ExampleFailed(f"{block.where}: the python block ran past {timeout:.0f} s\n{_indent(_tail(printed))}")
-        result = json.loads(answer)
-        if result["exit"] != exit_code:
+        if self._python is None or not self._python.alive:
+            self._python = Interpreter(self.cwd, self.env_for("local"), self.root / "python.log")
+        outcome = self._python.run(block.body, block.where, timeout)
+        self._note_job(outcome.printed)
+        if outcome.exit is None:
+            self._python = None
             raise ExampleFailed(
-                f"{block.where}: the python block ended with {result['exit']}, the page expects {exit_code}\n"
-                f"{_indent(_tail(printed))}\n{_indent(result['error'])}"
+                f"{block.where}: the python block ran past {timeout:.0f} s\n{_indent(_tail(outcome.printed))}"
+            )
+        if outcome.exit != exit_code:
+            raise ExampleFailed(
+                f"{block.where}: the python block ended with {outcome.exit}, the page expects {exit_code}\n"
+                f"{_indent(_tail(outcome.printed))}\n{_indent(outcome.error)}"
             )
 
     def check_yaml(self, block: Block, path: Optional[Path]) -> None:
-        """Load the block with meshrun's own loader: a cluster profile's, or a job spec's (a spec without
-        `name:` is a fragment: validated with a name added at its end, so its line numbers stay). With a
-        `file` marker the block is also written there, as the page shows it."""
-        try:
-            data = yaml.safe_load(block.body)
-        except yaml.YAMLError as exc:
-            raise ExampleFailed(f"{block.where}: not YAML: {exc}") from None
-        keys = set(data) if isinstance(data, dict) else set()
-        profile = block.has("profile") or (not block.has("job-spec") and bool(keys & PROFILE_KEYS))
+        """Load the block with meshrun's own loader (tests/docs/yamlcheck.py); with a `file` marker it is
+        also written there, as the page shows it."""
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(block.body)
-        text = block.body if profile or "name" in keys else block.body + "name: docs-example\n"
-        # A profile's name is its file's: checked under the name the page gives it.
-        stem = path.stem if path is not None else str(data.get("name", "docs-example")) if keys else "docs-example"
-        check = self.root / "yaml-check" / f"{stem}.yaml"
-        check.parent.mkdir(parents=True, exist_ok=True)
-        check.write_text(text)
-        from submit.errors import InputError
-
-        try:
-            if profile:
-                from submit.config.cluster import load_profile_file
-                from submit.schedulers import check_profile
-
-                check_profile(load_profile_file(check))
-            else:
-                from submit.planning.plan import load_job
-
-                load_job(check)
-        except InputError as exc:
-            kind = "cluster profile" if profile else "job spec"
-            # The loader names the checked copy's file:line; the reader needs the page's.
-            message = re.sub(
-                re.escape(str(check)) + r"(?::(\d+))?",
-                lambda m: f"{block.page}:{block.line + int(m[1])}" if m[1] else str(block.page),
-                str(exc),
-            )
-            raise ExampleFailed(f"{block.where}: not a valid {kind}: {message}") from None
+        found = yamlcheck.problem(block, self.root / "yaml-check", path.stem if path is not None else None)
+        if found:
+            raise ExampleFailed(f"{block.where}: {found}")
 
     # ------------------------------------------------------------------ the session's state
 
@@ -284,44 +243,11 @@ class Session:
             if found:
                 self.run_dir = self.env["RUN_DIR"] = found[1].strip()
 
-    def _interpreter(self) -> tuple[subprocess.Popen[str], IO[str]]:
-        if self._python is None or self._python.poll() is not None:
-            read, write = os.pipe()
-            log = self._python_log.open("a")
-            self._python = subprocess.Popen(
-                [sys.executable, str(Path(__file__).with_name("pydriver.py")), str(write)],
-                cwd=self.cwd,
-                env=self.env_for("local"),
-                stdin=subprocess.PIPE,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                text=True,
-                pass_fds=(write,),
-                start_new_session=True,
-            )
-            log.close()
-            os.close(write)
-            self._python_reply = os.fdopen(read)
-        assert self._python_reply is not None
-        return self._python, self._python_reply
-
-    def _stop_python(self) -> None:
-        if self._python is not None:
-            if self._python.stdin is not None:
-                self._python.stdin.close()
-            try:
-                self._python.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                _kill_group(self._python)
-            self._python = None
-        if self._python_reply is not None:
-            self._python_reply.close()
-            self._python_reply = None
-
     def close(self) -> None:
         """Stop the page's interpreter and every job of the page that still runs, waiting for them to end
         (the ranks save before they stop), then remove the sandbox."""
-        self._stop_python()
+        if self._python is not None:
+            self._python.stop()
         registry = Path(self.xdg["XDG_STATE_HOME"]) / "meshrun"  # no registry, no job to stop
         live = [] if not registry.exists() else [job_id for job_id, done in self._jobs() if not done]
         for job_id in live:
@@ -364,18 +290,6 @@ def _copy_checkout(dest: Path) -> None:
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, dest / rel)
     subprocess.run(["git", "init", "-q", str(dest)], check=True)
-
-
-def _read_line(stream: IO[str], proc: subprocess.Popen[str], timeout: float) -> Optional[str]:
-    import select
-
-    ready, _, _ = select.select([stream], [], [], timeout)
-    if not ready:
-        return None
-    line = stream.readline()
-    if not line:
-        raise ExampleFailed(f"the page's python interpreter died (exit {proc.wait()})")
-    return line
 
 
 def _kill_group(proc: subprocess.Popen[str]) -> None:

@@ -387,3 +387,19 @@ def test_a_testbed_block_sees_mycluster_as_the_testbed(tmp_path: Path, default_c
     assert len(result.ran) == 1 and result.failures == []
     # The same page's local session has nothing to run.
     assert run_page(page(tmp_path, text), tmp_path / "sandbox2", LOCAL).ran == []
+
+
+def test_a_python_block_past_its_timeout_fails_and_the_next_gets_a_fresh_interpreter(tmp_path: Path) -> None:
+    text = """
+        <!-- example: timeout 1 -->
+        ~~~python
+        import time
+        time.sleep(30)
+        ~~~
+
+        ~~~python
+        print("still here")
+        ~~~
+    """
+    (failure,) = failures(tmp_path, text)
+    assert "the python block ran past 1 s" in failure
