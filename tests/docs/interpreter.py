@@ -59,18 +59,19 @@ class Interpreter:
             log.seek(start)
             printed = log.read()
         if not ready:
-            self.stop()
+            self.stop(wait=0)
             return Outcome(None, "", printed)
         if not answer:
             return Outcome(1, f"the page's python interpreter died (exit {self.proc.wait()})", printed)
         result = json.loads(answer)
         return Outcome(result["exit"], result["error"], printed)
 
-    def stop(self) -> None:
+    def stop(self, wait: float = 10) -> None:
+        """End of input, `wait` seconds to finish, then killed with whatever it started."""
         if self.proc.stdin is not None and not self.proc.stdin.closed:
             self.proc.stdin.close()
         try:
-            self.proc.wait(timeout=10)
+            self.proc.wait(timeout=wait)
         except subprocess.TimeoutExpired:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
