@@ -13,6 +13,7 @@ bash tests/testbed/install.sh
 .venv/bin/mypy
 # The layers and the contract, as import-linter contracts in pyproject.toml (lazy imports count).
 .venv/bin/lint-imports --no-cache
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir "$(mktemp -d)"  # the docs site (mkdocs.yml): a broken link or anchor fails the run; not --quiet, which hides them
 # -n: MESHRUN_TEST_WORKERS=N runs the suite in N pytest-xdist workers; every test that reaches the one
 # Slurm testbed runs on one of them (tests/xdistgroups.py). Off by default: on 2 cores the integration
 # tests are CPU-bound (each runs real multi-process jobs), and 3 workers took longer than one process
