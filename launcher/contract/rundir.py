@@ -23,9 +23,9 @@ usually lives on a cluster, not on the machine that names it.
       doctor/rank-N.json     `meshrun doctor`: each rank's preflight results (launcher/probes/doctor.py)
       tasks/N/               a sweep task's own run dir (same layout)
       .meshrun/              scheduler internals: local state, submitit's files, the lock
-        progress/rank-N.json every rank's heartbeat: {"rank", "step", "phase", "time"}
         pylib/launcher       a link to meshrun's launcher package, on a command job's PYTHONPATH
-        nodes/NODE/          a node's own files when the cluster has no node-local scratch (see NodeDir)
+        nodes/NODE/          a node's own files when the cluster has no node-local scratch (see NodeDir),
+                             among them progress/rank-N.json, every rank's heartbeat {"rank", "step", "phase", "time"}
         steptimes/NODE.json  each node's sidecar: its ranks' recent step and busy times (straggler input)
         last-beats/NODE.json each node's ranks' last heartbeats when its sidecar stopped
         reported-step.json   rank 0's highest step given to report(): a command job's progress

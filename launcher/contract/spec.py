@@ -235,7 +235,7 @@ class Sidecar:
 
 @dataclass(frozen=True)
 class Watchdog:
-    """Hang and straggler detection by each node's sidecar, from the ranks' heartbeats (see README, Hangs)."""
+    """Hang and straggler detection by each node's sidecar, from the ranks' heartbeats (docs/guides/hangs-and-alerts.md)."""
 
     enabled: bool = True
     """Declare a hang (diagnose, then end the job with exit 76 for a requeue) when no rank progresses in time."""
@@ -278,7 +278,7 @@ class Watchdog:
 
 @dataclass(frozen=True)
 class Alerts:
-    """Rules over what the job records; each writes RUN_DIR/alerts.jsonl and a log line (README, Alerts).
+    """Rules over what the job records; each writes RUN_DIR/alerts.jsonl and a log line (docs/guides/hangs-and-alerts.md).
     A rule is off at 0 (or false)."""
 
     loss_spike_factor: float = 3.0
@@ -294,6 +294,7 @@ class Alerts:
     gpu_util_below_pct: float = 30.0
     """Alert when a GPU's utilisation stays below this for `gpu_util_minutes` (the sidecar)."""
     gpu_util_minutes: float = 10.0
+    """How long, in minutes, a GPU's utilisation must stay below `gpu_util_below_pct` before the alert."""
     gpu_memory_fraction: float = 0.95
     """Alert when a GPU's memory used exceeds this fraction of its capacity (the sidecar)."""
     stragglers: bool = True

@@ -46,7 +46,7 @@ class EndWait:
     def check(self) -> None:
         if not self.orphaned and os.getppid() != self.parent:
             # Its keeper (and maybe the local supervisor) was killed. Its ranks may run on: the copies, the
-            # hang watch and the samples go on while they do (README: On `local`, orphaned ranks).
+            # hang watch and the samples go on while they do (docs/guides/checkpoints.md: on `local`, orphaned ranks).
             self.orphaned = True
             self.log(f"its parent (pid {self.parent}) is gone: carrying on while this node's ranks run")
         if self.orphaned and not self.sidecar.ranks_alive():

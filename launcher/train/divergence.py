@@ -1,6 +1,6 @@
 """A non-finite loss stops the job before anything non-finite is saved (exit 78, EXIT_DIVERGED).
 
-When it is checked (README, Alerts):
+When it is checked (docs/guides/hangs-and-alerts.md):
 - every step, on the device, without a host sync: `Sentinel.observe` remembers the first step whose
   loss (this rank's) or grad norm (global) was NaN/inf. With fp16 the grad norm is left out: an
   inf there is an overflow the loss scaler answers by skipping the step, weights untouched.

@@ -2,7 +2,7 @@
 
 Fed one metrics record per logged step (launcher/train/loop.py, log_step's record); returns the alerts it
 raises, which the trainer appends to RUN_DIR/alerts.jsonl and prints in the rank-0 log. No rule reads
-a tensor, so none adds a host sync. The rules (README, Alerts; thresholds in the spec's `alerts:`):
+a tensor, so none adds a host sync. The rules (docs/guides/hangs-and-alerts.md; thresholds in the spec's `alerts:`):
 
 - loss_spike: the loss exceeds `loss_spike_factor` x the median of the last `window` logged losses
   (judged once 10 are known); once per streak of spiking logged steps.

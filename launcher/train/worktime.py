@@ -4,7 +4,7 @@ Synchronous training makes every rank's wall time per step the same (the slowest
 so the heartbeat carries what differs: the rank's own work. On CPU ranks that is the process's CPU
 time over the step (gloo waits sleep, they do not burn CPU). On GPU ranks it is the time between two
 CUDA events around the step on the compute stream, read one step late so that no step ever waits
-for it; it includes communication the compute stream waits on (documented in README).
+for it; it includes communication the compute stream waits on (documented in docs/guides/hangs-and-alerts.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`meshrun plan SPEC -c CLUSTER [--set ...] [--json]`: will it fit, how fast, and with which layout.
 
 Pure: reads the spec and the profile, touches no cluster. The numbers come from submit/planning/estimate.py (memory,
-step time) and submit/planning/recommend.py (the layout search); README's `meshrun plan` section states the model.
+step time) and submit/planning/recommend.py (the layout search); docs/guides/plan-and-doctor.md states the model.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ def add_parsers(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("spec", type=Path, help="job spec YAML (see examples/)")
     cluster_arg(p)
     overrides_arg(p, "override a spec key, e.g. --set train.model.preset=llama-70b (repeatable)")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON (stable keys: README)")
+    p.add_argument(
+        "--json", action="store_true", help="print the plan as JSON (stable keys: docs/guides/plan-and-doctor.md)"
+    )
     p.add_argument(
         "--mesh",
         action="store_true",
@@ -47,7 +49,7 @@ def _choice_json(choice: Any, spec: Any) -> Optional[dict[str, Any]]:
 
 
 def build(spec: Any, cluster: Any, partition: Any) -> dict[str, Any]:
-    """The plan's JSON object (README documents every key)."""
+    """The plan's JSON object (docs/guides/plan-and-doctor.md documents every key)."""
     from launcher.contract.modelshape import param_count
     from submit.planning import estimate, recommend, steptime
 

@@ -111,7 +111,7 @@ def flops_per_step(spec: JobSpec) -> int:
 
 
 def step_time(spec: JobSpec, hw: Hardware) -> StepTime:
-    """The step time model (README, `meshrun plan`): compute at COMPUTE_EFFICIENCY of the peak (fp32 at
+    """The step time model (docs/guides/plan-and-doctor.md): compute at COMPUTE_EFFICIENCY of the peak (fp32 at
     gpus.FP32_FRACTION of it), the pipeline bubble, tp/pp traffic in series, dp traffic overlapped."""
     cfg, par, t = spec.trainer.model, spec.parallel, spec.trainer
     world = par.dp * par.tp * par.pp

@@ -1,7 +1,7 @@
 """Benches cannot rot: every bench's quick mode runs here as a user runs it, and prints its numbers.
 
 A quick mode takes the bench's own code path with tiny sizes (seconds, not minutes), so a change
-that breaks a bench fails CI; the full runs stay manual (README, Benchmarks). bench/gpu.sh needs a
+that breaks a bench fails CI; the full runs stay manual (docs/benchmarks.md). bench/gpu.sh needs a
 GPU: here only its fail-fast answer on a machine without one is checked.
 """
 

@@ -10,7 +10,7 @@ byte (sha256). Then both copiers run again and must complete the checkpoint.
 The same trials run on the real 2-node Slurm testbed, each node's copier started by
 `srun -N2 --ntasks-per-node=1` on its own node (n1, n2).
 
-5 local trials and 2 on the testbed in CI; MESHRUN_SOAK=1 runs 20 of each (the issue's soak
+3 local trials and 2 on the testbed in CI; MESHRUN_SOAK=1 runs 20 of each (the issue's soak
 count). The seed of each trial is in its id, so a failing trial reruns the same delays. A copier
 that writes its done file before copying (a deliberate bug) fails about 5 of 20 local trials and
 16 of 20 on the testbed.
