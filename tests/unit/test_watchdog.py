@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import stat
@@ -254,9 +255,14 @@ def test_two_nodes_claim_contribute_verdict_exit_code_then_kill(tmp_path: Path) 
     pipe = f"{nd1.nccl_pipe_prefix}0.pipe"
     os.mkfifo(pipe)
 
+    # The read end is open before any tick, as rank 0's PyTorch holds it from its start: a thread that had
+    # not yet reached open() when the sidecar wrote (a loaded machine) made the write ENXIO, no dump asked.
+    read_end = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK)
+
     def flight_recorder() -> None:  # rank 0's PyTorch: a write to the pipe asks for a dump
-        with open(pipe, "rb") as handle:
-            handle.read(1)
+        select.select([read_end], [], [])
+        os.read(read_end, 1)
+        os.close(read_end)
         Path(nd1.nccl_prefix + "0").write_bytes(b"NCCL trace of rank 0")
 
     reader = threading.Thread(target=flight_recorder, daemon=True)
@@ -268,7 +274,9 @@ def test_two_nodes_claim_contribute_verdict_exit_code_then_kill(tmp_path: Path) 
             dog.tick()
         if all(dog.ended for dog, _, _ in dogs):
             break
-        reader.join(0.2 if claim(run) else 0)
+        # Once claimed, the dump has been asked for: give the recorder's thread real time to write it (a
+        # loaded machine took more than 0.2 s); join returns at once when it has.
+        reader.join(2.0 if claim(run) else 0)
     assert all(dog.ended for dog, _, _ in dogs)
     assert claim(run)["node"] == "n1"  # type: ignore[index]
     # only pids whose heartbeat names the stack signal were asked; rank 3 (no stack_signal) never
