@@ -111,8 +111,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         (record,) = api.schedule(
             api.dryrun(plan), plan, registry, transport, profile_path=profile_path_of(args.cluster)
         )
-        print(
-            f"doctor: job {record.job_id} on {profile.name} ({opts.nodes} node{'s' if opts.nodes > 1 else ''}), run dir {plan.run_dir}"
+        print(  # stderr with --json: stdout is the JSON document alone
+            f"doctor: job {record.job_id} on {profile.name} ({opts.nodes} node{'s' if opts.nodes > 1 else ''}), run dir {plan.run_dir}",
+            file=sys.stderr if args.json else sys.stdout,
         )
         try:
             status = wait_for(record, clusters, registry, None)

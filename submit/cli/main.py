@@ -43,11 +43,25 @@ def _spec_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class _Version(argparse.Action):
+    """--version, looked up only when asked (the package metadata costs every other verb's start-up)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, help: Optional[str] = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_args: Any, **_kwargs: Any) -> None:
+        from submit import installed_version
+
+        print(f"meshrun {installed_version()}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="meshrun",
         description="Large-model training from a laptop to a multi-node GPU Slurm cluster, and kept alive there.",
     )
+    parser.add_argument("--version", action=_Version, help="print meshrun's version and exit")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     verbs.add_parser("clusters", help="list the cluster profiles")
@@ -218,7 +232,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     finally:
         transport.close()
     if args.output:
-        args.output.write_text(prepared.request.script)
+        write_output(args.output, prepared.request.script)
         print(f"wrote {args.output}", file=sys.stderr)
     else:
         sys.stdout.write(prepared.request.script)
@@ -248,6 +262,8 @@ def _check_submit_flags(args: argparse.Namespace, scheduler: str) -> None:
     from submit import api
 
     api.check_dependencies(args.after, scheduler)
+    if args.json and not args.dry_run:
+        raise InputError("--json", "without --dry-run", "--json prints the request of a --dry-run: add --dry-run")
     if args.sweep and args.wait:
         raise InputError("--wait", "--sweep", "a sweep is several jobs: follow them with `meshrun status ID --watch`")
 
@@ -276,6 +292,18 @@ def print_request(prepared: Any, as_json: bool) -> None:
         print(f"  {item['mode']:>6}  {item['path']}")
     print(f"--- {request.script_path}")
     sys.stdout.write(request.script)
+
+
+def write_output(path: Path, text: str) -> None:
+    """-o PATH: the file, or one line naming the flag, the path and what to do (never an errno traceback)."""
+    if path.is_dir():
+        raise InputError("-o", str(path), "is a folder: give a file name in it, e.g. -o {}".format(path / "job.sbatch"))
+    if not path.parent.is_dir():
+        raise InputError("-o", str(path), f"no folder {str(path.parent)!r} to write it in: create it first")
+    try:
+        path.write_text(text)
+    except OSError as exc:
+        raise InputError("-o", str(path), f"cannot write it ({exc.strerror}): give a writable path") from None
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -346,6 +374,10 @@ def cmd_data(args: argparse.Namespace) -> int:
     from launcher.contract.spec import DEFAULT_DATA_PATH  # here: the spec module is not every verb's start-up cost
 
     out = args.out if args.out is not None else Path(DEFAULT_DATA_PATH)
+    if out.expanduser().is_dir():  # before anything is written (the build writes OUT.val beside OUT)
+        raise InputError(
+            "--out", str(out), f"is a folder: give the token file's name in it, e.g. --out {out / 'corpus.u16'}"
+        )
     inputs = [*args.inputs, *(str(folder) for folder in args.source)]
     options = [
         ("--tokenizer", args.tokenizer),
@@ -406,6 +438,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
     except MemoryError:
         raise
+    except BrokenPipeError:
+        # The reader went away (`meshrun logs JOB | head -1`): what it did not read is not an error. stdout
+        # points at /dev/null from here, or Python's flush at exit would report the same broken pipe again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception as exc:  # a bug in meshrun: one line, not a traceback (MESHRUN_DEBUG=1 shows it)
         if os.environ.get("MESHRUN_DEBUG"):
             raise
@@ -414,8 +451,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             file=sys.stderr,
         )
         return 1
-    except BrokenPipeError:
-        return 0
 
 
 if __name__ == "__main__":

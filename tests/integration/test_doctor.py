@@ -83,3 +83,12 @@ def test_submit_exclude_keeps_the_job_off_that_node_on_the_slurm_testbed(testbed
     run_dir = Path(next(l.split(": ", 1)[1] for l in out.stdout.splitlines() if l.startswith("run dir: ")))
     assert "on n2\n" in (run_dir / "logs" / "rank-0.log").read_text()
     assert "#SBATCH --exclude=n1\n" in (run_dir / "job.sbatch").read_text()
+
+
+def test_doctor_json_on_local_is_one_json_document(tmp_path: Path) -> None:
+    """--json: stdout is the JSON alone (the job line goes to stderr), one result per rank."""
+    out = meshrun(tmp_path, "doctor", "-c", "local", "--storage-mib", "2", "--json", timeout=180)
+    document = json.loads(out.stdout)
+    assert document["state"] == "COMPLETED" and len(document["ranks"]) >= 1, document
+    assert all(rank["phase"] == "done" for rank in document["ranks"]), document
+    assert out.stderr.startswith(f"doctor: job {document['job']} on local"), out.stderr

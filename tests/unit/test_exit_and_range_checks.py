@@ -7,6 +7,9 @@ line on stderr naming the key, the value and the fix.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -96,3 +99,52 @@ def test_a_non_finite_number_in_the_file_is_refused_with_its_line(
     spec.write_text(Path(TINY).read_text().replace("train:\n", "train:\n  grad_clip: .nan\n", 1))
     code, err = run(capsys, "render", str(spec), "-c", "testbed")
     assert code == 2 and "job.yaml:" in err and "train.grad_clip: nan: expected a finite number" in err, err
+
+
+# ------------------------------------------------------------------ flags and outputs (issue 22 items 17-19, 26)
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["submit", TINY, "-c", "local", "--json"], "--json: 'without --dry-run'"),
+        (["render", TINY, "-c", "local", "-o", "{tmp}"], "is a folder"),
+        (["render", TINY, "-c", "local", "-o", "{tmp}/missing/job.sbatch"], "no folder"),
+        (["data", "--out", "{tmp}"], "--out: "),
+    ],
+    ids=["submit-json-alone", "render-o-folder", "render-o-missing-folder", "data-out-folder"],
+)
+def test_a_flag_that_cannot_be_honoured_is_one_line_exit_2_and_nothing_written(
+    home: Path, capsys: pytest.CaptureFixture[str], argv: list[str], named: str
+) -> None:
+    folder = home / "out"
+    folder.mkdir()
+    code, err = run(capsys, *[arg.replace("{tmp}", str(folder)) for arg in argv])
+    assert code == 2 and err.startswith("meshrun: error: ") and err.count("\n") == 1, err
+    assert named in err, err
+    assert list(folder.iterdir()) == [] and Registry().recent(10) == [], "nothing written, nothing submitted"
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from submit import installed_version
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out == f"meshrun {installed_version()}\n"
+
+
+def test_a_reader_that_goes_away_is_not_an_internal_error(tmp_path: Path) -> None:
+    """`meshrun logs JOB --rank all | head -1`: the verb's output outlives its reader; exit 0, nothing on stderr."""
+    flood = (
+        "import sys; from submit.cli import main as cli\n"
+        "cli.VERBS['clusters'] = lambda args: [print('line ' * 20) for _ in range(200_000)] and 0\n"
+        "sys.exit(cli.main(['clusters']))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path)}
+    verb = subprocess.Popen(
+        [sys.executable, "-c", flood], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    assert verb.stdout is not None and verb.stdout.readline().startswith("line ")
+    verb.stdout.close()  # what `head -1` does after its line
+    _, err = verb.communicate(timeout=60)
+    assert verb.returncode == 0 and err == "", err
