@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 DEFAULT_CLUSTER = "local"
 
@@ -21,3 +22,21 @@ def cluster_arg(parser: argparse.ArgumentParser) -> None:
 def overrides_arg(parser: argparse.ArgumentParser, help: str) -> None:
     """--set KEY=VALUE (repeatable), collected in `overrides`."""
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help)
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number above 0 (a count or a step), or argparse's one-line usage error."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: give a number above 0")
+    return value
+
+
+def spec_path(text: str) -> Path:
+    """An argparse type: a job spec's path; an empty one is refused here (Path("") would read as '.')."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty: give a job spec file, e.g. examples/tiny.yaml")
+    return Path(text)

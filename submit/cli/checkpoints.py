@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from submit.cli.args import overrides_arg
+from submit.cli.args import overrides_arg, positive_int
 
 
 def add_parsers(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -42,7 +42,7 @@ def add_parsers(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--max-shard-size", default="5GB", help="--format hf: the largest safetensors file (e.g. 5GB, 500MB)"
     )
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--step", type=int, help="this checkpoint step (default: the newest complete one)")
+    which.add_argument("--step", type=positive_int, help="this checkpoint step (default: the newest complete one)")
     which.add_argument(
         "--best",
         action="store_true",

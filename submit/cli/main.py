@@ -24,14 +24,14 @@ from submit.cli import jobs as cli_jobs
 from submit.cli import live as cli_live
 from submit.cli import plan as cli_plan
 from submit.cli import tb as cli_tb
-from submit.cli.args import cluster_arg, overrides_arg
+from submit.cli.args import cluster_arg, overrides_arg, positive_int, spec_path
 from submit.cli.common import finish_wait, profile_path_of
 from submit.errors import InputError, InternalError, MeshrunError
 from submit.views.tables import table
 
 
 def _spec_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("spec", type=Path, help="job spec YAML (see examples/)")
+    parser.add_argument("spec", type=spec_path, help="job spec YAML (see examples/)")
     cluster_arg(parser)
     overrides_arg(parser, "override a spec key, e.g. --set train.steps=100 (repeatable)")
     parser.add_argument(
@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("jobs", nargs="*", help="job ids, or a job array's id (default: the most recent jobs)")
     p.add_argument("--json", action="store_true", help="print a JSON list (one per refresh with --watch)")
     p.add_argument("--watch", action="store_true", help="refresh until every job is done (backing off)")
-    p.add_argument("-n", "--limit", type=int, default=20, help="how many recent jobs without ids")
+    p.add_argument("-n", "--limit", type=positive_int, default=20, help="how many recent jobs without ids")
     p.add_argument("-c", "--cluster", help="only this cluster")
 
     p = verbs.add_parser("logs", help="print (or follow) a job's logs")

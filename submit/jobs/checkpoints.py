@@ -151,6 +151,13 @@ def complete_steps(transport: Transport, root: str) -> list[int]:
     return sorted(int(match.group(1)) for match in found if match)
 
 
+def check_step(step: int, complete: Sequence[int], root: str) -> None:
+    """--step N names a complete checkpoint, or it is bad input naming the ones there are."""
+    if step not in complete:
+        there = ", ".join(map(str, complete)) if complete else "none yet"
+        raise InputError("--step", step, f"no complete checkpoint of that step under {root}; complete steps: {there}")
+
+
 def last_saved_step(record: JobRecord, transport: Transport) -> Optional[int]:
     """The newest checkpoint step the job's ranks reported saving (on scratch or shared storage), if any."""
     from launcher.contract.lost import saved_steps
@@ -264,6 +271,8 @@ def export(
     if best:
         step = best_step(record, transport)
     root = checkpoint_dir(record, transport)
+    if step is not None and not best:
+        check_step(step, complete_steps(transport, root), root)
     ckpt = root if step is None else f"{root}/step-{step:08d}"
     args = ["-m", "launcher.export", ckpt]
     options = ["--format", fmt, "--max-shard-size", max_shard_size]

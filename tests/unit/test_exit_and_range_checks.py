@@ -148,3 +148,32 @@ def test_a_reader_that_goes_away_is_not_an_internal_error(tmp_path: Path) -> Non
     verb.stdout.close()  # what `head -1` does after its line
     _, err = verb.communicate(timeout=60)
     assert verb.returncode == 0 and err == "", err
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["status", "-n", "-5"], "-n/--limit: -5: give a number above 0"),
+        (["submit", "", "-c", "local"], "argument spec: empty: give a job spec file"),
+        (["export", "local-1", "--step", "-3", "-o", "x"], "--step: -3: give a number above 0"),
+        (["export", "local-1", "--step", "two", "-o", "x"], "--step: 'two' is not a whole number"),
+    ],
+    ids=["status-n-negative", "submit-empty-spec", "export-step-negative", "export-step-word"],
+)
+def test_argument_values_argparse_refuses_by_name(
+    home: Path, capsys: pytest.CaptureFixture[str], argv: list[str], named: str
+) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_export_of_a_step_that_is_not_complete_names_those_that_are() -> None:
+    from submit.errors import InputError
+    from submit.jobs.checkpoints import check_step
+
+    check_step(4, [2, 4], "/ckpt")
+    with pytest.raises(InputError, match=r"--step: 999: .* under /ckpt; complete steps: 2, 4"):
+        check_step(999, [2, 4], "/ckpt")
+    with pytest.raises(InputError, match="complete steps: none yet"):
+        check_step(1, [], "/ckpt")
