@@ -107,13 +107,29 @@ def resume(
     if overrides:
         from launcher.contract.spec import dumps_run_spec
 
-        transport.write_text(RunDir(record.run_dir).spec, dumps_run_spec(with_overrides(run_spec, overrides)))
+        changed = with_overrides(run_spec, overrides)
+        if state == JobState.COMPLETED:
+            check_trains_further(run_spec, changed)
+        transport.write_text(RunDir(record.run_dir).spec, dumps_run_spec(changed))
     root = run_spec.run.checkpoint_dir or RunDir(record.run_dir).default_checkpoints
     transport.run(["rm", "-f", "--", f"{root}/{ATTEMPTS_FILE}"]).check("rm")
     job_id = restart(record, transport)
     new = dataclasses.replace(record, job_id=job_id, submitted_at=now(), last_state=JobState.SUBMITTED.value)
     registry.add(new)
     return new
+
+
+def check_trains_further(done: RunSpec, again: RunSpec) -> None:
+    """A completed trainer job resumes only to train more steps than it did (else it would train nothing)."""
+    if done.job.command is not None or again.job.command is not None:
+        return  # a program's own notion of "done" is its own
+    trained, asked = done.job.trainer.steps, again.job.trainer.steps
+    if asked <= trained:
+        raise InputError(
+            "train.steps",
+            asked,
+            f"the job completed all {trained} of its steps: give more than {trained} to train further",
+        )
 
 
 def code_dir(record: JobRecord, transport: Transport) -> Optional[str]:

@@ -177,3 +177,19 @@ def test_export_of_a_step_that_is_not_complete_names_those_that_are() -> None:
         check_step(999, [2, 4], "/ckpt")
     with pytest.raises(InputError, match="complete steps: none yet"):
         check_step(1, [], "/ckpt")
+
+
+@pytest.mark.parametrize("steps, refused", [("100", True), ("60", True), ("101", False)])
+def test_a_completed_job_resumes_only_to_train_further(steps: str, refused: bool) -> None:
+    """README: resume of a COMPLETED job refuses train.steps not larger than done (it trained nothing)."""
+    from launcher.contract.spec import JobSpec, RunInfo, RunSpec, Train
+    from submit.errors import InputError
+    from submit.jobs.checkpoints import check_trains_further, with_overrides
+
+    done = RunSpec(JobSpec(name="j", train=Train(steps=100)), RunInfo(cluster="c", scheduler="local", run_dir="/r"))
+    again = with_overrides(done, [f"train.steps={steps}"])
+    if refused:
+        with pytest.raises(InputError, match=f"train.steps: {steps}: the job completed all 100 of its steps"):
+            check_trains_further(done, again)
+    else:
+        check_trains_further(done, again)
