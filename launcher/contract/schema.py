@@ -197,7 +197,7 @@ def parse_text(tp: Any, text: str, key: str) -> Any:
         if dataclasses.is_dataclass(item):  # a list of sections (data.blend): YAML's flow form
             return _flow_sections(text, key)
         if text.startswith("[") and text.endswith("]"):  # YAML's flow form, as in the spec: [python3, x.py]
-            parts = [part.strip() for part in text[1:-1].split(",")] if text[1:-1].strip() else []
+            parts = _flow_scalars(text, key)
         else:
             parts = text.split(",") if text else []
         return [parse_text(item, part, key) for part in parts]
@@ -226,6 +226,21 @@ def parse_text(tp: Any, text: str, key: str) -> Any:
     if dataclasses.is_dataclass(base) or origin in (dict, collections.abc.Mapping):
         raise SchemaError(key, text, f"this key is a section; set one of its keys, e.g. --set {key}.<key>=VALUE")
     return text
+
+
+def _flow_scalars(text: str, key: str) -> list[str]:
+    """`[python3, -c, "print(1, 2)"]` read as YAML reads it in a spec (quotes group and go), every item kept
+    as its text for the item's own type to judge (YAML's base loader: `yes` stays "yes", `1` stays "1")."""
+    import yaml  # only here, as for _flow_sections: submit's --set, never a rank
+
+    example = f"--set '{key}=[python3, -c, \"print(1, 2)\"]'"
+    try:
+        value = yaml.load(text, Loader=yaml.BaseLoader)
+    except yaml.YAMLError:
+        raise SchemaError(key, text, f"not a YAML list; write it in flow form, e.g. {example}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise SchemaError(key, text, f"expected a list of plain values in YAML's flow form, e.g. {example}")
+    return value
 
 
 def _flow_sections(text: str, key: str) -> list[Any]:

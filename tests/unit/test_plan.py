@@ -243,6 +243,13 @@ def test_set_casts_to_the_field_type() -> None:
     # A list also takes YAML's flow form, as written in a spec file (no "[python" argv word).
     spec, _ = load_job(TINY, ["command=[python, x.py, --lr, 0.1]", "train=null"])
     assert spec.command == ("python", "x.py", "--lr", "0.1")
+    # ... read as YAML reads it: a quoted item keeps its commas and loses its quotes; yes and 1 stay text.
+    spec, _ = load_job(TINY, ['command=[python3, -c, "print(1, 2)", yes, 1]', "train=null"])
+    assert spec.command == ("python3", "-c", "print(1, 2)", "yes", "1")
+    with pytest.raises(InputError, match=r"command: .*not a YAML list; write it in flow form"):
+        load_job(TINY, ['command=[python3, "unclosed]', "train=null"])
+    with pytest.raises(InputError, match=r"command: .*expected a list of plain values"):
+        load_job(TINY, ["command=[python3, [nested]]", "train=null"])
     spec, _ = load_job(TINY, ["train.steps=7", "train.lr=0.01", "train.activation_checkpointing=true"])
     assert (spec.trainer.steps, spec.trainer.lr, spec.trainer.activation_checkpointing) == (7, 0.01, True)
 
