@@ -162,14 +162,17 @@ def field_type(cls: type, dotted: str) -> Any:
     """The declared type at `a.b.c` inside dataclass `cls` (mapping fields accept any key)."""
     tp: Any = cls
     walked = ""
-    for part in dotted.split("."):
-        walked = _join(walked, part)
+    parts = dotted.split(".")
+    for depth, part in enumerate(parts):
+        parent, walked = walked, _join(walked, part)
         tp = _strip_optional(tp)
         if dataclasses.is_dataclass(tp):
             names = {f.name for f in dataclasses.fields(tp)}
             if part not in names:
+                leaf = parts[-1]  # train.optim.lr: the key the user meant lives one level up, as train.lr
+                hint = f"; {leaf} is {_join(parent, leaf)}" if depth < len(parts) - 1 and leaf in names else ""
                 raise SchemaError(
-                    walked, None, f"unknown key{closest(part, names)}; valid keys: {', '.join(sorted(names))}"
+                    walked, None, f"unknown key{closest(part, names)}{hint}; valid keys: {', '.join(sorted(names))}"
                 )
             tp = get_type_hints(tp)[part]
         elif get_origin(tp) in (dict, collections.abc.Mapping):

@@ -99,9 +99,19 @@ def load_job(path: Path, overrides: Sequence[str] = ()) -> tuple[JobSpec, dict[s
         raise InputError(f"--set {exc.key}", exc.value, exc.fix) from None
     data = expand_preset(data, overrides)
     try:
-        return schema.load(JobSpec, data), data
+        spec = schema.load(JobSpec, data)
+        check_ranges(spec)  # here too (make_plan checks it again): an error here knows the overrides
+        return spec, data
     except SchemaError as exc:
+        if set_by_override(exc.key, overrides):  # the value came from the command line, not the file's line
+            raise InputError(f"--set {exc.key}", exc.value, exc.fix) from None
         raise doc.error(exc) from None
+
+
+def set_by_override(key: str, overrides: Sequence[str]) -> bool:
+    """Whether KEY (a.b.c, or a.b[2].c) lies under a key some --set gave: its value is the override's."""
+    plain = key.split("[", 1)[0]
+    return any(plain == given or plain.startswith(given + ".") for given in _set_keys(overrides))
 
 
 def _set_keys(overrides: Sequence[str]) -> set[str]:

@@ -327,3 +327,24 @@ def test_the_scheduler_checks_are_handed_in_and_api_hands_in_the_backends() -> N
     with pytest.raises(InputError, match="one machine") as info:
         api.plan_job(TINY, profile, ["resources.nodes=2"], home="/home/u")
     assert info.value.key == "resources.nodes"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("name=", "--set name: '': give the job a name"),
+        ("train.steps=-1", "--set train.steps: -1: must be at least 1"),
+        ("train.optim.lr=0.1", "--set train.optim: '0.1': unknown key; lr is train.lr; valid keys:"),
+    ],
+)
+def test_an_error_in_an_override_names_the_override_not_a_line_of_the_file(override: str, message: str) -> None:
+    with pytest.raises(InputError) as info:
+        load_job(TINY, [override])
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_an_error_in_the_file_still_names_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text("name: x\ntrain:\n  steps: -1\n")
+    with pytest.raises(InputError, match=rf"^{path}:3: train.steps: -1: must be at least 1"):
+        load_job(path, ["train.lr=0.01"])
