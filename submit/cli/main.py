@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     _spec_args(p)
     p.add_argument("-o", "--output", type=Path, help="write the script to this file")
     p.add_argument(
+        "--offline",
+        action="store_true",
+        help="connect to nothing: the cluster's home stays ~ and the code snapshot's folder is not looked up",
+    )
+    p.add_argument(
         "--upload",
         action="store_true",
         help="also put the job's code snapshot on the cluster (the script runs from it): then sbatch it by hand",
@@ -220,6 +225,12 @@ def cmd_render(args: argparse.Namespace) -> int:
 
     profile = api.load_cluster(args.cluster)
     plan = _plan(args, profile)  # every input error before any connection
+    if args.offline:
+        if args.upload:
+            raise InputError("--offline", "with --upload", "an upload connects to the cluster: drop one of them")
+        print("# render --offline: the cluster was not asked (its home stays ~)", file=sys.stderr)
+        _write_script(args.output, api.prepare(plan, args.spec.parent).request.script)
+        return 0
     transport = api.connect(profile.ssh, args.cluster)
     try:
         prepared = api.prepare(plan, args.spec.parent, transport, read_only=not args.upload)
@@ -231,11 +242,7 @@ def cmd_render(args: argparse.Namespace) -> int:
             prepared = uploaded
     finally:
         transport.close()
-    if args.output:
-        write_output(args.output, prepared.request.script)
-        print(f"wrote {args.output}", file=sys.stderr)
-    else:
-        sys.stdout.write(prepared.request.script)
+    _write_script(args.output, prepared.request.script)
     if prepared.found is not None and prepared.plan.code_dir is not None:
         print(_code_needed(prepared.plan.code_dir, prepared.found.present, args), file=sys.stderr)
     return 0
@@ -292,6 +299,15 @@ def print_request(prepared: Any, as_json: bool) -> None:
         print(f"  {item['mode']:>6}  {item['path']}")
     print(f"--- {request.script_path}")
     sys.stdout.write(request.script)
+
+
+def _write_script(output: Optional[Path], script: str) -> None:
+    """render's script: to -o's file, or stdout."""
+    if output:
+        write_output(output, script)
+        print(f"wrote {output}", file=sys.stderr)
+    else:
+        sys.stdout.write(script)
 
 
 def write_output(path: Path, text: str) -> None:

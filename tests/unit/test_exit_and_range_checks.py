@@ -193,3 +193,15 @@ def test_a_completed_job_resumes_only_to_train_further(steps: str, refused: bool
             check_trains_further(done, again)
     else:
         check_trains_further(done, again)
+
+
+def test_an_example_profile_renders_offline(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """examples/h100-8node.yaml's own suggested command: its profile's login node does not exist."""
+    spec = str(REPO / "examples" / "h100-8node.yaml")
+    assert "-c h100-ndr --offline" in Path(spec).read_text()
+    assert main(["render", spec, "-c", "h100-ndr", "--offline"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("#!/bin/bash") and "#SBATCH --nodes=8" in out.out, out.out[:300]
+    assert out.err.startswith("# render --offline: the cluster was not asked"), out.err
+    code, err = run(capsys, "render", spec, "-c", "h100-ndr", "--offline", "--upload")
+    assert code == 2 and "--offline: 'with --upload'" in err, err
