@@ -210,9 +210,9 @@ def check_dependencies(after: Sequence[str], scheduler: str) -> None:
     """`--after JOB`: ids Slurm takes, on a scheduler that has dependencies (InputError otherwise)."""
     from submit.schedulers.slurm_cli import dependency
 
-    dependency(after)
-    if after and not backend(scheduler).supports_dependencies:
+    if after and not backend(scheduler).supports_dependencies:  # first: a local id is no Slurm id either
         raise InputError("--after", after[0], f"dependencies are Slurm's; the {scheduler} cluster has none")
+    dependency(after)
 
 
 def plan_job(
@@ -235,8 +235,8 @@ def plan_job(
             raise InputError(
                 "--sweep",
                 sweep[0],
-                f"sweeps run as job arrays, which the {profile.scheduler} "
-                f"cluster does not have; it runs one job at a time",
+                f"sweeps run as Slurm job arrays, which the {profile.scheduler} cluster does not have; "
+                "submit one job per value instead (--set KEY=VALUE each)",
             )
         return plan_sweep(spec_path, profile, overrides, sweep, home=home, scheduler_check=scheduler.check)
     return plan_file(spec_path, profile, overrides, home=home, scheduler_check=scheduler.check)

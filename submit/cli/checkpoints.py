@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from submit.cli.args import overrides_arg, positive_int
+from submit.errors import InputError
 
 
 def add_parsers(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -39,7 +40,7 @@ def add_parsers(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "(config.json, sharded safetensors, the tokenizer)",
     )
     p.add_argument(
-        "--max-shard-size", default="5GB", help="--format hf: the largest safetensors file (e.g. 5GB, 500MB)"
+        "--max-shard-size", default=None, help="--format hf: the largest safetensors file (default 5GB; e.g. 500MB)"
     )
     which = p.add_mutually_exclusive_group()
     which.add_argument("--step", type=positive_int, help="this checkpoint step (default: the newest complete one)")
@@ -78,11 +79,19 @@ def cmd_resume(args: argparse.Namespace) -> int:
         clusters.close()
 
 
+def shard_size(given: str | None, fmt: str) -> str:
+    """--max-shard-size, which only the hf format shards by (the meshrun format is one file)."""
+    if given is not None and fmt != "hf":
+        raise InputError("--max-shard-size", given, "only --format hf is sharded: add --format hf, or drop it")
+    return given or "5GB"
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from submit import api
     from submit.jobs import checkpoints
     from submit.jobs.registry import Registry
 
+    max_shard_size = shard_size(args.max_shard_size, args.format)  # before the registry: a flag's mistake first
     record = Registry().find(args.job, args.cluster)
     clusters = api.Clusters()
     try:
@@ -97,7 +106,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             progress=(lambda line: print(f"\r{line}", end="", file=sys.stderr)) if tty else (lambda line: None),
             best=args.best,
             fmt=args.format,
-            max_shard_size=args.max_shard_size,
+            max_shard_size=max_shard_size,
         )
         note = None if args.step is not None or args.best else checkpoints.export_note(record, transport, ckpt)
     finally:

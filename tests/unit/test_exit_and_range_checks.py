@@ -205,3 +205,28 @@ def test_an_example_profile_renders_offline(home: Path, capsys: pytest.CaptureFi
     assert out.err.startswith("# render --offline: the cluster was not asked"), out.err
     code, err = run(capsys, "render", spec, "-c", "h100-ndr", "--offline", "--upload")
     assert code == 2 and "--offline: 'with --upload'" in err, err
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (
+            ["submit", TINY, "-c", "local", "--after", "local-1234", "--dry-run"],
+            "--after: 'local-1234': dependencies are Slurm's; the local cluster has none",
+        ),
+        (
+            ["submit", TINY, "-c", "local", "--sweep", "train.lr=0.1,0.2", "--dry-run"],
+            "which the local cluster does not have; submit one job per value instead",
+        ),
+        (
+            ["export", "local-1", "--max-shard-size", "1GB", "-o", "x.safetensors"],
+            "--max-shard-size: '1GB': only --format hf is sharded",
+        ),
+    ],
+    ids=["after-on-local", "sweep-on-local", "shard-size-without-hf"],
+)
+def test_what_a_cluster_or_format_does_not_have_is_said_plainly(
+    home: Path, capsys: pytest.CaptureFixture[str], argv: list[str], named: str
+) -> None:
+    code, err = run(capsys, *argv)
+    assert code == 2 and named in err, err
