@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Clusters",
     "Prepared",
+    "check_after",
     "check_dependencies",
     "check_job",
     "connect",
@@ -215,6 +216,11 @@ def check_dependencies(after: Sequence[str], scheduler: str) -> None:
     dependency(after)
 
 
+def check_after(profile: ClusterProfile, after: Sequence[str], transport: Transport) -> None:
+    """`--after`'s jobs, asked of the cluster: each exists and can still release the new job (InputError)."""
+    backend(profile.scheduler).check_after(after, transport)
+
+
 def plan_job(
     spec_path: Path,
     profile: ClusterProfile,
@@ -297,6 +303,8 @@ def prepare(
     snap = snapshots.collect(spec_dir, plan.spec.code) if ships_code else None
     found: Optional[snapshots.Found] = None
     warnings: tuple[str, ...] = ()
+    if transport is not None and after:
+        check_after(plan.cluster, after, transport)  # before anything is written or sent
     if transport is not None and (not is_local(plan.cluster) or snap is not None):
         home, found = snapshots.probe(transport, plan.work_dir, snap, read_only=read_only)
         if not is_local(plan.cluster):

@@ -331,6 +331,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
     plan = _plan(args, profile)  # every input error surfaces before any connection
     api.check_job(plan, force=args.force)  # missing files seen from here; a job that cannot fit its GPUs
     if args.dry_run and api.is_local(profile):
+        if args.after:  # a login node's Slurm is asked here too (nothing is written by asking)
+            transport = api.connect(profile.ssh, args.cluster)
+            try:
+                api.check_after(profile, args.after, transport)
+            finally:
+                transport.close()
         prepared = api.prepare(plan, args.spec.parent, after=args.after)
         print_request(prepared, args.json)
         return 0

@@ -154,6 +154,9 @@ class Backend(Protocol):
 
     def dryrun(self, plan: Plan, after: Sequence[str] = ()) -> Request: ...
 
+    def check_after(self, after: Sequence[str], transport: Transport) -> None:
+        """`--after`'s jobs exist and can still release the new one (InputError), asked before it is sent."""
+
     def schedule(self, request: Request, transport: Transport) -> str:
         """Send the request; returns the job id."""
 

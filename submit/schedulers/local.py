@@ -70,6 +70,9 @@ class LocalBackend:
     supports_arrays = False
     supports_dependencies = False
 
+    def check_after(self, after: Sequence[str], transport: Transport) -> None:
+        """No dependencies here: api.check_dependencies refused --after before any connection."""
+
     def interpreter(self, profile: ClusterProfile) -> str:
         # The local supervisor runs with the interpreter running meshrun now.
         return sys.executable

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 from launcher.contract.rundir import RunDir
 from launcher.contract.spec import JobSpec
 from submit.config.cluster import ClusterProfile
+from submit.errors import InputError
 from submit.jobs import findings
 from submit.jobs import secrets as job_secrets
 from submit.jobs.registry import JobRecord
@@ -97,6 +98,18 @@ class SlurmBackend:
             for record, tail, error, found in zip(records, tails, errors, files)
         ]
 
+    def check_after(self, after: Sequence[str], transport: Transport) -> None:
+        """Slurm (22.05) drops a dependency on a job it does not know and starts the new one at once, and
+        holds one that can never be met (afterok on a failed job) forever: both are refused here."""
+        wanted = [slurm_cli.dependency_target(item) for item in after]
+        ids = [job_id for _, job_id in wanted]
+        squeue, sacct = batch(transport, [slurm_cli.squeue_argv(ids), slurm_cli.sacct_argv(ids)])
+        jobs = states_from([], squeue, sacct, ids)
+        for item, (kind, job_id) in zip(after, wanted):
+            problem = slurm_cli.dependency_problem(kind, jobs[job_id])
+            if problem is not None:
+                raise InputError("--after", item, problem)
+
     def cancel(self, records: Sequence[JobRecord], transport: Transport) -> None:
         record = records[0]
         job_id = record.job_id.split("_")[0] if len(records) > 1 else record.job_id
@@ -130,13 +143,15 @@ def query_argvs(records: Sequence[JobRecord], live: bool = False) -> list[list[s
     return [slurm_cli.squeue_argv(ids), slurm_cli.sacct_argv(ids), *tails, *errors]
 
 
-def states_from(records: Sequence[JobRecord], squeue: Result, sacct: Result) -> dict[str, slurm_cli.SlurmJob]:
-    """Merge both answers; raise only when neither scheduler command worked."""
+def states_from(
+    records: Sequence[JobRecord], squeue: Result, sacct: Result, ids: Sequence[str] = ()
+) -> dict[str, slurm_cli.SlurmJob]:
+    """Merge both answers (for the records' ids, or `ids`); raise only when neither scheduler command worked."""
     if squeue.returncode != 0 and sacct.returncode != 0 and "Invalid job id" not in squeue.stderr:
         sacct.check("sacct and squeue")
     acct = slurm_cli.parse_sacct(sacct.stdout) if sacct.returncode == 0 else {}
     live = slurm_cli.parse_squeue(squeue.stdout) if squeue.returncode == 0 else {}
-    merged = slurm_cli.merge_states([r.job_id for r in records], acct, live)
+    merged = slurm_cli.merge_states([r.job_id for r in records] or list(ids), acct, live)
     for record in records:  # accounting off and slurmctld forgot the job: keep what meshrun last saw
         if merged[record.job_id].state is JobState.UNKNOWN and record.last_state in FINAL:
             merged[record.job_id] = slurm_cli.SlurmJob(job_id=record.job_id, state=JobState(record.last_state))

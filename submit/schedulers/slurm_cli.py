@@ -14,7 +14,7 @@ from types import MappingProxyType
 from typing import Iterable, Mapping, Optional, Sequence
 
 from submit.errors import ClusterError, InputError
-from submit.jobs.state import FINAL, SUCCESS, JobState
+from submit.jobs.state import FAILURE, FINAL, SUCCESS, JobState
 
 # Slurm 22.05's sacct has no restart count field: the ranks report SLURM_RESTART_COUNT in metrics.jsonl.
 SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "Timelimit", "NodeList")
@@ -107,6 +107,28 @@ def dependency(after: Sequence[str]) -> Optional[str]:
         slurm_kind = "after" if kind == "start" else f"after{kind}"
         parts.append(f"{slurm_kind}:{job_id}")
     return ",".join(parts) or None
+
+
+def dependency_target(item: str) -> tuple[str, str]:
+    """One `--after [KIND:]JOB` (checked by `dependency`) -> (kind, job id)."""
+    kind, _, job_id = item.rpartition(":")
+    return kind or "ok", job_id
+
+
+def dependency_problem(kind: str, job: SlurmJob) -> Optional[str]:
+    """Why a dependency of KIND on JOB cannot do what the user meant (None: it can)."""
+    if job.state is JobState.UNKNOWN:
+        return (
+            f"Slurm knows no job {job.job_id} (it would drop the dependency and start this job at once): "
+            "`meshrun status` or squeue lists the ids"
+        )
+    if kind == "ok" and job.state in FAILURE:
+        return (
+            f"job {job.job_id} ended {job.state}: afterok would never release this one; any:{job.job_id} runs it anyway"
+        )
+    if kind == "notok" and job.state in SUCCESS:
+        return f"job {job.job_id} COMPLETED: afternotok would never release this one"
+    return None
 
 
 def sbatch_argv(script: str, job_name: str, chdir: str, after: Sequence[str] = ()) -> list[str]:

@@ -231,3 +231,29 @@ def test_status_and_cancel_of_a_running_job(testbed: dict, tmp_path: Path, accou
         assert time.monotonic() < deadline, row
         time.sleep(0.5)
     assert row["done"] is True and row["succeeded"] is False
+
+
+def test_after_a_job_slurm_does_not_know_or_that_cannot_release_is_refused(testbed: dict, tmp_path: Path) -> None:
+    """Slurm 22.05 drops a dependency on an unknown id (the job would start at once) and holds afterok on a
+    failed job forever: both are exit 2 before anything is sent; any: on the failed job is fine."""
+    failing = [
+        "examples/command.yaml",
+        "-c",
+        "testbed",
+        "--set",
+        "command=false",
+        "--set",
+        "resources.tasks_per_node=1",
+    ]
+    failed_id, _ = submitted(meshrun(tmp_path, "submit", *failing, check=True))
+    deadline = time.monotonic() + 60
+    while status(tmp_path, failed_id)["state"] != "FAILED":
+        assert time.monotonic() < deadline, status(tmp_path, failed_id)
+        time.sleep(0.5)
+    after = ["examples/command.yaml", "-c", "testbed", "--set", "command=true", "--dry-run", "--after"]
+    unknown = meshrun(tmp_path, "submit", *after, "99999999")
+    assert unknown.returncode == 2 and "Slurm knows no job 99999999" in unknown.stderr, unknown.stderr
+    never = meshrun(tmp_path, "submit", *after, failed_id)
+    assert never.returncode == 2 and f"job {failed_id} ended FAILED: afterok would never" in never.stderr, never.stderr
+    anyway = meshrun(tmp_path, "submit", *after, f"any:{failed_id}", check=True)
+    assert f"--dependency=afterany:{failed_id}" in anyway.stdout, anyway.stdout

@@ -130,3 +130,25 @@ def test_the_views_show_a_state_exactly_as_they_showed_its_word(word: str) -> No
     assert status_table([typed]) == status_table([plain]) and detail_lines(typed) == detail_lines(plain)
     assert progress_line(typed, 10) == progress_line(plain, 10) and top.row(typed) == top.row(plain)
     assert json.dumps(typed.as_json()) == json.dumps(plain.as_json())
+
+
+@pytest.mark.parametrize(
+    "kind, state, problem",
+    [
+        ("ok", JobState.RUNNING, None),
+        ("ok", JobState.COMPLETED, None),
+        ("ok", JobState.FAILED, "ended FAILED: afterok would never release"),
+        ("ok", JobState.CANCELLED, "ended CANCELLED: afterok would never release"),
+        ("any", JobState.FAILED, None),
+        ("notok", JobState.FAILED, None),
+        ("notok", JobState.COMPLETED, "afternotok would never release"),
+        ("start", JobState.UNKNOWN, "Slurm knows no job 42"),
+        ("ok", JobState.UNKNOWN, "Slurm knows no job 42"),
+    ],
+)
+def test_a_dependency_that_cannot_do_what_was_meant_is_named(kind: str, state: JobState, problem: str | None) -> None:
+    from submit.schedulers.slurm_cli import SlurmJob, dependency_problem, dependency_target
+
+    assert dependency_target(f"{kind}:42") == (kind, "42") and dependency_target("42") == ("ok", "42")
+    said = dependency_problem(kind, SlurmJob(job_id="42", state=state))
+    assert (said is None) if problem is None else (said is not None and problem in said), said
