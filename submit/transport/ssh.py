@@ -13,6 +13,7 @@ import os
 import shlex
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Optional, Sequence
 
@@ -93,6 +94,23 @@ def _connect_error(exc: BaseException, target: Target) -> ClusterError:
     return ClusterError(f"ssh to {where} failed: {text}")
 
 
+def _quick_banner_failure(exc: BaseException, target: Target, elapsed_s: float) -> bool:
+    """No SSH banner, well before the timeout: a peer answered (and closed, or spoke another protocol)."""
+    return "banner" in str(exc).lower() and elapsed_s < 0.8 * target.timeout_s and not target.proxy_command
+
+
+def _what_answers(target: Target) -> str:
+    """What the port says first, as one short printable phrase (a second, plain TCP connection)."""
+    try:
+        with socket.create_connection((target.hostname, target.port), timeout=2) as peer:
+            first = peer.recv(80)
+    except OSError:
+        first = b""
+    text = " ".join(first.decode("ascii", errors="replace").split())
+    shown = "".join(c if c.isprintable() else "?" for c in text)
+    return f"it said {shown[:60]!r}" if shown else "it closed the connection without a word"
+
+
 def open_client(target: Target, cluster: str, sock: Optional[object] = None) -> paramiko.SSHClient:
     """An authenticated client for target, its host key checked; `sock` is the channel of a previous hop."""
     client = paramiko.SSHClient()
@@ -102,6 +120,7 @@ def open_client(target: Target, cluster: str, sock: Optional[object] = None) -> 
     client.set_missing_host_key_policy(hostkeys.RefuseUnknown(target.known_hosts, cluster))
     if sock is None and target.proxy_command:
         sock = paramiko.ProxyCommand(target.proxy_command)
+    started = time.monotonic()
     try:
         client.connect(
             target.hostname,
@@ -126,6 +145,11 @@ def open_client(target: Target, cluster: str, sock: Optional[object] = None) -> 
         raise
     except (paramiko.SSHException, OSError, EOFError) as exc:
         client.close()
+        if _quick_banner_failure(exc, target, time.monotonic() - started) and sock is None:
+            raise ClusterError(
+                f"ssh to {target.hostname}:{target.port}: something answered, but not an SSH server "
+                f"({_what_answers(target)}); check ssh.port and ssh.host"
+            ) from None
         raise _connect_error(exc, target) from None
     transport = client.get_transport()
     assert transport is not None

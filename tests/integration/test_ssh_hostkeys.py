@@ -8,6 +8,7 @@ import socket
 import subprocess
 import threading
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -100,7 +101,28 @@ def silent_port() -> int:
         conn.close()
 
 
-def test_connection_failures_are_one_line_each(testbed: dict, tmp_path: Path, silent_port: int) -> None:
+@pytest.fixture
+def http_port() -> Iterator[int]:
+    """A TCP port where something else answers: one HTTP error line, then it closes."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+
+    def answer() -> None:
+        while True:
+            try:
+                conn = server.accept()[0]
+            except OSError:
+                return
+            with conn:
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+
+    threading.Thread(target=answer, daemon=True).start()
+    yield server.getsockname()[1]
+    server.close()
+
+
+def test_connection_failures_are_one_line_each(testbed: dict, tmp_path: Path, silent_port: int, http_port: int) -> None:
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "stranger")], check=True)
     bad_key = sshbed.profile(tmp_path, "badkey", identity_file=str(tmp_path / "stranger"))
     assert "authentication as 'root' failed" in _one_line_error(_submit(tmp_path, bad_key))
@@ -111,6 +133,10 @@ def test_connection_failures_are_one_line_each(testbed: dict, tmp_path: Path, si
     assert "connection refused" in _one_line_error(_submit(tmp_path, refused))
     silent = sshbed.profile(tmp_path, "silent", port=silent_port, timeout_s=1)
     assert "no answer within 1 s" in _one_line_error(_submit(tmp_path, silent))
+    # Something answers at once, but it is no SSH server: say what answered, not "no answer within 15 s".
+    other = sshbed.profile(tmp_path, "http", port=http_port, timeout_s=15)
+    error = _one_line_error(_submit(tmp_path, other))
+    assert "something answered, but not an SSH server (it said 'HTTP/1.1 400 Bad Request')" in error, error
     unknown = sshbed.profile(tmp_path, "nohost", host="no-such-host.invalid")
     assert "cannot resolve host name" in _one_line_error(_submit(tmp_path, unknown))
 
