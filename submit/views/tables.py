@@ -17,6 +17,29 @@ def clock(seconds: Any) -> str:
     return f"{h}:{m:02d}:{s:02d}"
 
 
+def duration(seconds: Optional[float]) -> str:
+    """A time left for a person: H:MM:SS, '-' when unknown, and no absurd hour count for a far estimate."""
+    if seconds is None:
+        return "-"
+    return ">99 days" if seconds >= 100 * 86400 else clock(max(seconds, 0))
+
+
+def limit_left(status: Any) -> Optional[float]:
+    """What the job's time limit leaves it (Slurm ends it then): `left` in --wait's line and in top."""
+    if status.done or not status.time_limit_s or status.elapsed_s is None:
+        return None
+    return float(max(status.time_limit_s - status.elapsed_s, 0))
+
+
+def finish_in(status: Any, total_steps: Optional[int]) -> Optional[float]:
+    """The steps still to train at the current step time: `eta` in --wait's line and in top."""
+    step, each = status.progress.get("step"), status.progress.get("step_time_s")
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (step, each))
+    if status.done or not total_steps or not numbers:
+        return None
+    return float(max(total_steps - step, 0) * each)
+
+
 def table(rows: Sequence[Sequence[str]]) -> str:
     """Columns aligned in terminal cells (a wide or emoji name takes two per character), values printable."""
     from submit.textwidth import display_width, ljust, printable
@@ -148,8 +171,10 @@ def progress_line(status: Any, total_steps: Optional[int]) -> str:
         parts.append(f"loss {loss_text(status.progress['loss'])}")
     if status.elapsed_s is not None:
         parts.append(f"elapsed {clock(status.elapsed_s)}")
-        if status.time_limit_s and not status.done:
-            parts.append(f"left {clock(max(status.time_limit_s - status.elapsed_s, 0))}")
+    if (eta := finish_in(status, total_steps)) is not None:
+        parts.append(f"eta {duration(eta)}")
+    if (left := limit_left(status)) is not None:
+        parts.append(f"left {duration(left)}" + (" (the limit comes first)" if eta is not None and eta > left else ""))
     if status.reason and not status.done:
         parts.append(f"({status.reason})")
     return " ".join(parts)

@@ -31,6 +31,7 @@ HEAD = (
     "MFU",
     "GPU",
     "MEM",
+    "ETA",
     "LEFT",
     "RST",
     "ALERTS",
@@ -53,23 +54,6 @@ def _number(value: Any) -> Optional[float]:
     return float(value) if ok else None
 
 
-def _clock(seconds: Optional[float]) -> str:
-    if seconds is None:
-        return "-"
-    h, rest = divmod(int(max(seconds, 0)), 3600)
-    return f"{h}:{rest // 60:02d}:{rest % 60:02d}"
-
-
-def time_left(status: Status) -> Optional[float]:
-    """The steps left at the current step time; else what the time limit leaves."""
-    step, each = _number(status.progress.get("step")), _number(status.progress.get("step_time_s"))
-    if status.steps and step is not None and each is not None:
-        return (status.steps - step) * each
-    if status.time_limit_s and status.elapsed_s is not None:
-        return float(status.time_limit_s - status.elapsed_s)
-    return None
-
-
 def gpu_cells(gpus: Sequence[dict[str, Any]]) -> tuple[str, str]:
     """(mean GPU utilisation, memory used/total in GiB summed over the GPUs) of the newest samples."""
     utils = [u for u in (_number(g.get("util_pct")) for g in gpus) if u is not None]
@@ -81,7 +65,7 @@ def gpu_cells(gpus: Sequence[dict[str, Any]]) -> tuple[str, str]:
 
 
 def row(status: Status) -> tuple[str, ...]:
-    from submit.views.tables import alerts_note, loss_text
+    from submit.views.tables import alerts_note, duration, finish_in, limit_left, loss_text
 
     p = status.progress
     step = p.get("step")
@@ -99,7 +83,8 @@ def row(status: Status) -> tuple[str, ...]:
         f"{mfu:.1%}" if mfu is not None else "-",
         util,
         memory,
-        _clock(time_left(status)) if not status.done else "-",
+        duration(finish_in(status, status.steps)),
+        duration(limit_left(status)),
         str(status.restarts),
         alerts_note(status.alerts),
     )

@@ -143,8 +143,15 @@ def test_top_cells_step_of_steps_time_left_and_a_non_finite_loss_in_the_sparklin
     assert findings.parse_steps(json.dumps({"job": {"command": ["sleep", "1"]}})) is None
     assert findings.parse_steps("{cut") is None
     running = _status(progress={"step": 40, "loss": None, "step_time_s": 0.5}, steps=100, losses=[2.0, None])
-    assert top.time_left(running) == 30.0
     cells = top.row(running)
-    assert cells[4:7] == ("40/100", "nan", "▁!") and cells[11] == "0:00:30"
+    assert cells[4:7] == ("40/100", "nan", "▁!") and cells[top.HEAD.index("ETA")] == "0:00:30"
+    # LEFT is what the time limit leaves, as in --wait's line; ETA the steps left at the step time.
     limited = _status(elapsed_s=60, time_limit_s=600)
-    assert top.time_left(limited) == 540.0 and top.row(limited)[9:11] == ("-", "-")
+    cells = top.row(limited)
+    assert cells[9:11] == ("-", "-") and (cells[top.HEAD.index("ETA")], cells[top.HEAD.index("LEFT")]) == (
+        "-",
+        "0:09:00",
+    )
+    huge = _status(progress={"step": 1, "step_time_s": 3.0}, steps=10**9, elapsed_s=60, time_limit_s=300)
+    assert top.row(huge)[top.HEAD.index("ETA")] == ">99 days"
+    assert progress_line(huge, 10**9).endswith("eta >99 days left 0:04:00 (the limit comes first)")
