@@ -42,14 +42,19 @@ class EndWait:
         self.parent = os.getppid()
         self.since: Optional[float] = None
         self.orphaned = False
+        self.seen_alive = False
+        """Whether a rank of this attempt was ever seen running: before that, 'no rank alive' means the ranks
+        have not started (or an earlier attempt's heartbeats are all there is), not that they have ended."""
 
     def check(self) -> None:
+        alive = self.sidecar.ranks_alive()
+        self.seen_alive = self.seen_alive or alive
         if not self.orphaned and os.getppid() != self.parent:
             # Its keeper (and maybe the local supervisor) was killed. Its ranks may run on: the copies, the
             # hang watch and the samples go on while they do (docs/guides/checkpoints.md: on `local`, orphaned ranks).
             self.orphaned = True
             self.log(f"its parent (pid {self.parent}) is gone: carrying on while this node's ranks run")
-        if self.orphaned and not self.sidecar.ranks_alive():
+        if self.orphaned and not alive:
             self.log("its parent is gone and this node's ranks have ended")
             self.stop.set()
             return
@@ -59,7 +64,10 @@ class EndWait:
         if self.since is None:
             self.since = now
             self.log("the job is ending: waiting for this node's ranks to end (and save) first")
-        if not self.sidecar.ranks_alive() or now - self.since > END_WAIT_S:
+        # A cancel in the ranks' first seconds: they will still start, save and stop, and their parent (the
+        # batch shell, the local supervisor) sends USR2 when they have ended. Stopping before them lost the
+        # checkpoint they then staged.
+        if (self.seen_alive and not alive) or now - self.since > END_WAIT_S:
             self.stop.set()
 
 

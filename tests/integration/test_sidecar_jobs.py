@@ -13,7 +13,7 @@ from typing import Callable
 
 from launcher.contract import ckptdir, lost
 from launcher.contract.rundir import RunDir, node_name
-from tests.helpers.cli import TINY, TWO_NODES, meshrun, metrics, status, submitted, wait_for_state
+from tests.helpers.cli import TINY, TWO_NODES, meshrun, metrics, status, submitted, trials, wait_for_state
 
 SHORT = ["--set", "sidecar.interval_s=0.3", "--set", "resources.tasks_per_node=1"]
 # Long enough for several samples at 0.3 s once the sidecar has started (it imports tensorboard: ~1 s).
@@ -236,3 +236,26 @@ def test_a_slurm_job_whose_sidecar_dies_for_good_is_requeued_and_trains_the_lost
     assert "requeueing: restart 1" in batch and "finished (exit 0): not requeueing" in batch, batch
     n1 = Path(RunDir(str(run_dir)).sidecar_log("n1")).read_text()
     assert "node rank(s) 1 stopped copying: not waiting for their parts" in n1, n1
+
+
+def test_a_cancel_before_the_ranks_beat_loses_no_checkpoint(tmp_path: Path, corpus: Path) -> None:
+    """The local cluster stages checkpoints on scratch. A cancel in the ranks' first seconds reaches the
+    sidecar before any heartbeat: it must wait for the ranks to start, save on the TERM and end, then copy
+    their checkpoint (it stopped at once and the checkpoint was lost, 2 times in 3)."""
+    for trial in range(trials(2, soak=10)):
+        home = tmp_path / f"t{trial}"
+        args = [*TINY, "--set", f"data.path={corpus}", "--set", "train.steps=100000", "--set", "checkpoint.every=1000"]
+        job_id, run_dir = submitted(meshrun(home, "submit", *args, check=True))
+        rank_log = run_dir / "logs" / "rank-0.log"
+        deadline = time.monotonic() + 60
+        while not rank_log.exists():  # the ranks have started (their banner), and are importing torch
+            assert time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.05)
+        meshrun(home, "cancel", job_id, check=True)
+        row = wait_for_state(home, job_id, {"CANCELLED", "FAILED", "COMPLETED"})
+        assert row["state"] == "CANCELLED", row
+        alerts = (run_dir / "alerts.jsonl").read_text() if (run_dir / "alerts.jsonl").exists() else ""
+        assert "checkpoint_lost" not in alerts, (trial, alerts)
+        log = rank_log.read_text()
+        assert "checkpoint saved" in log, log[-1500:]  # they started, trained a step, saved on the TERM
+        assert ckptdir.complete_steps(run_dir / "checkpoints"), (trial, log[-1500:])  # ... on shared storage

@@ -227,3 +227,28 @@ def test_node_0_stops_waiting_for_the_parts_of_a_node_whose_sidecar_is_gone(tmp_
     stage(a, 20, 0, {".metadata": b"m20"})
     began = time.monotonic()
     assert zero.drain(began + 3, gone=set) == [10, 20] and time.monotonic() - began >= 3
+
+
+def test_a_sidecar_told_the_job_is_ending_waits_for_ranks_that_have_not_started_yet() -> None:
+    """A cancel in the ranks' first second: no rank of this attempt beat yet. The sidecar waits for them to
+    start, save and end (their checkpoint is staged on scratch for it to copy), not only for them to end."""
+    from launcher.sidecar import __main__ as sidecar_main
+
+    class Ranks:
+        alive = False
+
+        def ranks_alive(self) -> bool:
+            return self.alive
+
+    ranks, ending, stop, log = Ranks(), threading.Event(), threading.Event(), []
+    waiting = sidecar_main.EndWait(ranks, ending, stop, log.append)
+    ending.set()  # the TERM, before any heartbeat
+    for _ in range(3):
+        waiting.check()
+    assert not stop.is_set(), "stopped before the ranks had even started"
+    ranks.alive = True  # they start, and save
+    waiting.check()
+    assert not stop.is_set()
+    ranks.alive = False  # and end
+    waiting.check()
+    assert stop.is_set() and "waiting for this node's ranks to end" in log[0]
