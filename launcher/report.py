@@ -27,7 +27,7 @@ from typing import Any, MutableMapping, Optional, TextIO
 
 from launcher.contract.private import make_private_dir
 from launcher.contract.procs import own_identity
-from launcher.contract.rundir import NODE_DIR_ENV, NodeDir, RunDir, node_name, read_state, write_json
+from launcher.contract.rundir import NODE_DIR_ENV, NodeDir, RunDir, job_field, node_name, read_state, write_json
 from launcher.train.tbwriter import ScalarWriter, scalars_of
 
 RUN_DIR_ENV = "MESHRUN_RUN_DIR"
@@ -171,6 +171,7 @@ class Reporter:
         self.mark = ProgressMark(run_dir) if rank == 0 else None
         restarts = os.environ.get(RESTART_COUNT_ENV, "")
         self.restart = {"restart_count": int(restarts)} if restarts.isdigit() and int(restarts) else {}
+        self.job = job_field(os.environ)
 
     def report(self, step: int, phase: str, scalars: dict[str, float]) -> None:
         self.heartbeat.stamp(step, phase)
@@ -180,7 +181,7 @@ class Reporter:
             return
         now = time.time()
         clean = {k: (v if math.isfinite(v) else None) for k, v in scalars.items()}  # strict JSON: no NaN
-        self.metrics.write(json.dumps({"step": int(step), **clean, **self.restart, "time": now}) + "\n")
+        self.metrics.write(json.dumps({"step": int(step), **clean, **self.restart, "time": now, **self.job}) + "\n")
         self.metrics.flush()
         self.board.add(int(step), scalars_of(scalars), now)
 

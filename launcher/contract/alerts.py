@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from launcher.contract.private import make_private_dir
+from launcher.contract.rundir import job_of
 
 RULES = (
     "nonfinite_loss",
@@ -47,6 +48,8 @@ class Alert:
     rank: Optional[int] = None
     node: Optional[str] = None
     time: float = 0.0
+    job: Optional[str] = None
+    """The job that raised it (default: this process's, rundir.job_of): status shows each id its own."""
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
@@ -55,6 +58,7 @@ class Alert:
     def record(self) -> dict[str, Any]:
         data = asdict(self)
         data["time"] = self.time or time.time()
+        data["job"] = self.job or job_of(os.environ)
         for key in ("value", "threshold"):
             number = data[key]
             data[key] = number if number is None or math.isfinite(number) else None  # strict JSON

@@ -274,6 +274,23 @@ class NodeDir:
         return self.path("nccl", "pipe-rank-")
 
 
+def job_of(environ: Mapping[str, str]) -> Optional[str]:
+    """The id meshrun's registry knows this job by (Slurm's, an array task as ARRAY_TASK; the local job's).
+
+    Every line of a run dir's shared records (metrics.jsonl, alerts.jsonl) names it: a resume is a new job
+    in the same run dir, and each id shows its own progress and alerts."""
+    array, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    if array and task:
+        return f"{array}_{task}"
+    return environ.get("SLURM_JOB_ID") or environ.get(JOB_ID_ENV) or None
+
+
+def job_field(environ: Mapping[str, str]) -> dict[str, str]:
+    """{"job": ID} for a record line, or nothing outside a job (a test, a bench)."""
+    job = job_of(environ)
+    return {"job": job} if job else {}
+
+
 def attempt_id(environ: Mapping[str, str]) -> str:
     """This start of the job: Slurm's job id and restart count (a requeue is a new attempt), or the local job id.
 

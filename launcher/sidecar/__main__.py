@@ -45,6 +45,11 @@ class EndWait:
         self.seen_alive = False
         """Whether a rank of this attempt was ever seen running: before that, 'no rank alive' means the ranks
         have not started (or an earlier attempt's heartbeats are all there is), not that they have ended."""
+        from launcher.contract.procs import current_job
+
+        self.in_job = current_job(os.environ) is not None
+        """Inside a job its parent (batch shell, local supervisor) sends USR2 once the ranks have ended; a
+        sidecar run by hand has no ranks to wait for."""
 
     def check(self) -> None:
         alive = self.sidecar.ranks_alive()
@@ -67,7 +72,8 @@ class EndWait:
         # A cancel in the ranks' first seconds: they will still start, save and stop, and their parent (the
         # batch shell, the local supervisor) sends USR2 when they have ended. Stopping before them lost the
         # checkpoint they then staged.
-        if (self.seen_alive and not alive) or now - self.since > END_WAIT_S:
+        ended = not alive and (self.seen_alive or not self.in_job)
+        if ended or now - self.since > END_WAIT_S:
             self.stop.set()
 
 

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Optional, TextIO
 
 from launcher.contract.gpus import mfu
 from launcher.contract.private import make_private_dir
-from launcher.contract.rundir import RunDir
+from launcher.contract.rundir import RunDir, job_field
 from launcher.report import Heartbeat
 from launcher.train.tbwriter import ScalarWriter, scalars_of
 
@@ -36,6 +36,8 @@ class MetricsLog:
         rank: Optional[int] = None,
     ) -> None:
         self.steps = steps
+        self.job = job_field(os.environ)
+        """Every line names the job that wrote it: a resume appends to the same file under a new id."""
         self.peak_tflops = peak_tflops
         """The GPU's dense bf16 peak: `mfu` joins each record when known."""
         self.file: Optional[TextIO] = None
@@ -67,7 +69,7 @@ class MetricsLog:
             record["mfu"] = mfu(record["tflops_per_rank"], self.peak_tflops)
         # Non-finite floats become null: strict JSON readers reject NaN/Infinity.
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-        self.file.write(json.dumps(clean) + "\n")
+        self.file.write(json.dumps({**clean, **self.job}) + "\n")
         self.file.flush()
         print(self.line(record), flush=True)
         self._board(record, extra or {})
@@ -83,7 +85,7 @@ class MetricsLog:
     def event(self, record: dict[str, Any]) -> None:
         """A non-step line (a committed checkpoint): readers take `step`/`loss` from step lines only."""
         if self.file is not None:
-            self.file.write(json.dumps(record) + "\n")
+            self.file.write(json.dumps({**record, **self.job}) + "\n")
             self.file.flush()
 
     def line(self, r: dict[str, Any]) -> str:

@@ -114,7 +114,9 @@ def resume(
     root = run_spec.run.checkpoint_dir or RunDir(record.run_dir).default_checkpoints
     transport.run(["rm", "-f", "--", f"{root}/{ATTEMPTS_FILE}"]).check("rm")
     job_id = restart(record, transport)
-    new = dataclasses.replace(record, job_id=job_id, submitted_at=now(), last_state=JobState.SUBMITTED.value)
+    new = dataclasses.replace(
+        record, job_id=job_id, submitted_at=now(), last_state=JobState.SUBMITTED.value, last_progress=None
+    )
     registry.add(new)
     return new
 

@@ -195,8 +195,9 @@ def parse_stragglers(text: Optional[str]) -> tuple[Optional[float], list[dict[st
     return _number(data.get("time")), found
 
 
-def findings_from(files: Mapping[str, str], submitted_at: float) -> Findings:
-    """Findings from the files' texts (by path relative to the run dir). Pure; never raises."""
+def findings_from(files: Mapping[str, str], submitted_at: float, job_id: Optional[str] = None) -> Findings:
+    """Findings from the files' texts (by path relative to the run dir). Pure; never raises. Alerts that
+    name a job are `job_id`'s only (its parent's, in the same run dir, are the parent's)."""
     verdict = parse_verdict(files.get(VERDICT_JSON), files.get(VERDICT_TXT))
     if verdict is not None and not _recent(verdict, submitted_at):
         verdict = None
@@ -206,7 +207,8 @@ def findings_from(files: Mapping[str, str], submitted_at: float) -> Findings:
     prefix = ENV_DIR + "/"
     records = [parse_record(text) for name, text in sorted(files.items()) if name.startswith(prefix)]
     mismatches = env_mismatches(newest_run(r for r in records if r is not None))
-    alerts = [a for a in parse_alerts(files.get(ALERTS)) if _recent(a, submitted_at)][-ALERTS_KEPT:]
+    mine = [a for a in parse_alerts(files.get(ALERTS)) if job_id is None or a.get("job") in (None, job_id)]
+    alerts = [a for a in mine if _recent(a, submitted_at)][-ALERTS_KEPT:]
     gpus = parse_gpus(files.get(GPU_METRICS), submitted_at)
     return Findings(
         verdict=verdict,

@@ -29,6 +29,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     spec_hash TEXT NOT NULL,
     last_state TEXT NOT NULL DEFAULT 'SUBMITTED',
     profile TEXT,
+    last_progress TEXT,
     PRIMARY KEY (cluster, job_id)
 )
 """
@@ -43,6 +44,7 @@ _COLUMNS = (
     "spec_hash",
     "last_state",
     "profile",
+    "last_progress",
 )
 
 
@@ -70,6 +72,9 @@ class JobRecord:
     profile: Optional[str] = None
     """The profile file's absolute path when it was given as a file (-c my.yaml); None for a named one.
     status/logs/cancel/tb reload the profile from here, so a profile outside the profile folders works too."""
+    last_progress: Optional[str] = None
+    """The progress (JSON) status saw when the job reached its final state: what its row keeps showing once
+    a resume in the same run dir has pushed its lines out of the metrics tail status reads."""
 
 
 def default_path() -> Path:
@@ -93,6 +98,8 @@ class Registry:
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
         if "profile" not in columns:  # a registry written before profiles were remembered
             self._db.execute("ALTER TABLE jobs ADD COLUMN profile TEXT")
+        if "last_progress" not in columns:  # ... or before a final job's progress was
+            self._db.execute("ALTER TABLE jobs ADD COLUMN last_progress TEXT")
         self._db.commit()
 
     def add(self, record: JobRecord) -> None:
@@ -102,10 +109,12 @@ class Registry:
                 tuple(getattr(record, c) for c in _COLUMNS),
             )
 
-    def set_state(self, record: JobRecord, state: str) -> None:
+    def set_state(self, record: JobRecord, state: str, progress: Optional[str] = None) -> None:
+        """The state status saw; `progress` (JSON) kept with a final one (None keeps what was there)."""
         with self._db:
             self._db.execute(
-                "UPDATE jobs SET last_state=? WHERE cluster=? AND job_id=?", (state, record.cluster, record.job_id)
+                "UPDATE jobs SET last_state=?, last_progress=COALESCE(?, last_progress) WHERE cluster=? AND job_id=?",
+                (state, progress, record.cluster, record.job_id),
             )
 
     def _rows(self, where: str = "", args: tuple[Any, ...] = ()) -> Iterator[JobRecord]:

@@ -8,12 +8,13 @@ shown to the person, not only as UNREACHABLE.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 from launcher.contract.rundir import RunDir
 from submit.errors import ConnectionLost, MeshrunError
@@ -85,9 +86,16 @@ Schedulers = Callable[[str], StatusReader]
 looks a scheduler up."""
 
 
-def parse_metrics_tail(text: str) -> dict[str, Any]:
+def of_job(row: Mapping[str, Any], job_id: Optional[str]) -> bool:
+    """Whether a record line is this job's: a resume appends to its parent's run dir under a new id (lines
+    without an id come from before ids were written, or from outside a job, and count for any)."""
+    return job_id is None or row.get("job") in (None, job_id)
+
+
+def parse_metrics_tail(text: str, job_id: Optional[str] = None) -> dict[str, Any]:
     """The newest step line of a metrics.jsonl tail (a line being written is skipped), with the
-    newest `checkpoint_step` from any line (checkpoint events are lines of their own)."""
+    newest `checkpoint_step` from any line (checkpoint events are lines of their own); `job_id`: that
+    job's lines only."""
     found: dict[str, Any] = {}
     checkpoint = None
     for line in reversed(text.splitlines()):
@@ -95,7 +103,7 @@ def parse_metrics_tail(text: str) -> dict[str, Any]:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if not isinstance(row, dict):
+        if not isinstance(row, dict) or not of_job(row, job_id):
             continue
         # A save staged on node-local scratch is not a checkpoint yet: the sidecar's "copied" event is.
         if checkpoint is None and row.get("checkpoint_step") is not None and not row.get("staged"):
@@ -113,7 +121,7 @@ HISTORY_LINES = 60
 """`meshrun top`'s loss history: the newest metrics lines it fetches (a few kB per job)."""
 
 
-def parse_losses(text: str) -> list[Optional[float]]:
+def parse_losses(text: str, job_id: Optional[str] = None) -> list[Optional[float]]:
     """The step lines' losses of a metrics tail, oldest first (None for a diverged step's null loss)."""
     losses: list[Optional[float]] = []
     for line in text.splitlines():
@@ -121,7 +129,7 @@ def parse_losses(text: str) -> list[Optional[float]]:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(row, dict) and "event" not in row and "loss" in row:
+        if isinstance(row, dict) and "event" not in row and "loss" in row and of_job(row, job_id):
             loss = row["loss"]
             ok = isinstance(loss, (int, float)) and not isinstance(loss, bool) and math.isfinite(loss)
             losses.append(float(loss) if ok else None)
@@ -219,9 +227,22 @@ def statuses(
             found_here = [_unreachable(r, str(exc)) for r in group]
         for status in found_here:
             found[(status.cluster, status.job_id)] = status
-    result = [found[(r.cluster, r.job_id)] for r in records]
+    result = [kept_progress(r, found[(r.cluster, r.job_id)]) for r in records]
     if registry is not None:
         for record, status in zip(records, result):
             if status.state != record.last_state and status.state not in (JobState.UNKNOWN, JobState.UNREACHABLE):
-                registry.set_state(record, status.state.value)
+                final = status.done and bool(status.progress)
+                registry.set_state(record, status.state.value, json.dumps(status.progress) if final else None)
     return result
+
+
+def kept_progress(record: Any, status: Status) -> Status:
+    """A finished job whose lines have left the metrics tail (a resume wrote on in its run dir) shows the
+    progress status saw when it ended, not none."""
+    if not status.done or status.progress or not record.last_progress:
+        return status
+    try:
+        progress = json.loads(record.last_progress)
+    except ValueError:
+        return status
+    return dataclasses.replace(status, progress=progress) if isinstance(progress, dict) else status

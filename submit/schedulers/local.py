@@ -317,7 +317,9 @@ def _status(record: JobRecord, transport: Transport, detail: bool = False, live:
     job_state = STATES.get(state.get("state", ""), JobState.UNKNOWN)
     started, ended = state.get("started"), state.get("ended")
     elapsed = int((ended or now()) - started) if started else None
-    found = findings.findings_from(findings.read_files(record.run_dir, detail, live), record.submitted_at)
+    found = findings.findings_from(
+        findings.read_files(record.run_dir, detail, live), record.submitted_at, record.job_id
+    )
     tail = metrics_tail(transport, record.run_dir, live)
     return Status(
         job_id=record.job_id,
@@ -331,9 +333,9 @@ def _status(record: JobRecord, transport: Transport, detail: bool = False, live:
         elapsed_s=elapsed,
         time_limit_s=None if job_state in FINAL else state.get("time_limit_s"),
         reason=state.get("message") or None,
-        progress=parse_metrics_tail(tail),
+        progress=parse_metrics_tail(tail, record.job_id),
         exit_code=state.get("exit_code"),
-        losses=parse_losses(tail) if live else [],
+        losses=parse_losses(tail, record.job_id) if live else [],
         **found.status_fields(),
     )
 

@@ -93,7 +93,12 @@ class SlurmBackend:
         files = findings.split_findings(results[-1].stdout, len(records), marker)
         return [
             _status(
-                record, states[record.job_id], tail, error, findings.findings_from(found, record.submitted_at), live
+                record,
+                states[record.job_id],
+                tail,
+                error,
+                findings.findings_from(found, record.submitted_at, record.job_id),
+                live,
             )
             for record, tail, error, found in zip(records, tails, errors, files)
         ]
@@ -173,7 +178,7 @@ def _status(
     live: bool = False,
 ) -> Status:
     text = tail.stdout if tail.returncode == 0 else ""
-    progress = parse_metrics_tail(text)
+    progress = parse_metrics_tail(text, record.job_id)
     rank_error = error.stdout.strip().splitlines()[0] if error.returncode == 0 and error.stdout.strip() else None
     # A failed job says why in the ranks' own words (bad input, a crash), as on the local cluster.
     reason = rank_error if job.done and not job.succeeded and rank_error else job.reason
@@ -192,7 +197,7 @@ def _status(
         reason=reason,
         progress=progress,
         exit_code=_exit_code(job.exit_code) if job.done else None,
-        losses=parse_losses(text) if live else [],
+        losses=parse_losses(text, record.job_id) if live else [],
         **found.status_fields(),
     )
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from pathlib import Path
 
 import pytest
 
@@ -152,3 +153,75 @@ def test_a_dependency_that_cannot_do_what_was_meant_is_named(kind: str, state: J
     assert dependency_target(f"{kind}:42") == (kind, "42") and dependency_target("42") == ("ok", "42")
     said = dependency_problem(kind, SlurmJob(job_id="42", state=state))
     assert (said is None) if problem is None else (said is not None and problem in said), said
+
+
+def test_each_job_in_a_run_dir_reads_its_own_progress_checkpoint_and_alerts() -> None:
+    """A resume appends to its parent's metrics.jsonl and alerts.jsonl under its own id: the parent keeps
+    the step and checkpoint it ended with, the child does not show the parent's alert (issue 22 item 9)."""
+    from submit.jobs.findings import ALERTS, findings_from
+    from submit.jobs.status import parse_losses, parse_metrics_tail
+
+    lines = [
+        {"step": 19, "loss": 2.0, "job": "local-a"},
+        {"event": "checkpoint", "checkpoint_step": 19, "job": "local-a"},
+        {"step": 20, "loss": 1.5, "job": "local-b"},
+        {"step": 40, "loss": 1.0, "job": "local-b"},
+        {"event": "checkpoint", "checkpoint_step": 40, "job": "local-b"},
+    ]
+    text = "".join(json.dumps(line) + "\n" for line in lines)
+    parent, child = parse_metrics_tail(text, "local-a"), parse_metrics_tail(text, "local-b")
+    assert (parent["step"], parent["checkpoint_step"]) == (19, 19)
+    assert (child["step"], child["checkpoint_step"]) == (40, 40)
+    assert parse_metrics_tail(text)["step"] == 40 and parse_losses(text, "local-a") == [2.0]
+    old = json.dumps({"step": 7, "loss": 3.0}) + "\n"  # a line written before lines named their job
+    assert parse_metrics_tail(old, "local-a")["step"] == 7
+    alerts = [
+        {"rule": "nonfinite_loss", "step": 12, "time": 1000.0, "job": "local-a", "message": "m"},
+        {"rule": "loss_spike", "step": 30, "time": 1100.0, "job": "local-b", "message": "m"},
+    ]
+    files = {ALERTS: "".join(json.dumps(a) + "\n" for a in alerts)}
+    assert [a["rule"] for a in findings_from(files, 1050.0, "local-b").alerts] == ["loss_spike"]
+    assert [a["rule"] for a in findings_from(files, 900.0, "local-a").alerts] == ["nonfinite_loss"]
+
+
+def test_records_name_the_job_that_wrote_them() -> None:
+    from launcher.contract import alerts
+    from launcher.contract.rundir import job_field, job_of
+
+    assert job_of({"SLURM_JOB_ID": "125", "SLURM_ARRAY_JOB_ID": "123", "SLURM_ARRAY_TASK_ID": "4"}) == "123_4"
+    assert job_of({"SLURM_JOB_ID": "125"}) == "125" and job_of({"MESHRUN_JOB_ID": "local-ab"}) == "local-ab"
+    assert job_of({}) is None and job_field({}) == {} and job_field({"SLURM_JOB_ID": "9"}) == {"job": "9"}
+    alert = alerts.Alert("loss_spike", 3.0, 2.0, "m", job="77")
+    assert alert.record()["job"] == "77"
+
+
+def test_a_final_job_keeps_the_progress_it_ended_with(tmp_path: Path) -> None:
+    """Once its lines have left the metrics tail (a resume wrote on), the row shows what status saw at the end;
+    a running job, or one with lines of its own, never takes it; a resume's record starts without it."""
+    import dataclasses
+
+    from submit.jobs.registry import JobRecord, Registry
+    from submit.jobs.status import Status, kept_progress
+
+    registry = Registry(tmp_path / "r.sqlite")
+    record = JobRecord("local-a", "local", "j", "/r", "local", 1.0, None, "h")
+    registry.add(record)
+    registry.set_state(record, "CANCELLED", json.dumps({"step": 19, "checkpoint_step": 19}))
+    (stored,) = registry.recent(5)
+    assert stored.last_progress is not None
+    ended = Status(
+        job_id="local-a",
+        cluster="local",
+        name="j",
+        state=JobState.CANCELLED,
+        run_dir="/r",
+        submitted_at=1.0,
+        done=True,
+        succeeded=False,
+    )
+    assert kept_progress(stored, ended).progress == {"step": 19, "checkpoint_step": 19}
+    assert kept_progress(stored, dataclasses.replace(ended, progress={"step": 3})).progress == {"step": 3}
+    running = dataclasses.replace(ended, state=JobState.RUNNING, done=False)
+    assert kept_progress(stored, running).progress == {}
+    registry.set_state(stored, "CANCELLED")  # a later state change without progress keeps it
+    assert registry.recent(5)[0].last_progress == stored.last_progress

@@ -229,7 +229,9 @@ def test_node_0_stops_waiting_for_the_parts_of_a_node_whose_sidecar_is_gone(tmp_
     assert zero.drain(began + 3, gone=set) == [10, 20] and time.monotonic() - began >= 3
 
 
-def test_a_sidecar_told_the_job_is_ending_waits_for_ranks_that_have_not_started_yet() -> None:
+def test_a_sidecar_told_the_job_is_ending_waits_for_ranks_that_have_not_started_yet(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A cancel in the ranks' first second: no rank of this attempt beat yet. The sidecar waits for them to
     start, save and end (their checkpoint is staged on scratch for it to copy), not only for them to end."""
     from launcher.sidecar import __main__ as sidecar_main
@@ -241,6 +243,7 @@ def test_a_sidecar_told_the_job_is_ending_waits_for_ranks_that_have_not_started_
             return self.alive
 
     ranks, ending, stop, log = Ranks(), threading.Event(), threading.Event(), []
+    monkeypatch.setenv("MESHRUN_JOB_ID", "local-1")  # a job's sidecar: its parent says when the ranks end
     waiting = sidecar_main.EndWait(ranks, ending, stop, log.append)
     ending.set()  # the TERM, before any heartbeat
     for _ in range(3):
