@@ -89,7 +89,7 @@ COMMAND_STARTS += ("sbatch ", "from ", "import ")
 
 def hidden_example(block: Block) -> bool:
     """A prose fence (`text`, bare) whose first line reads like a command or Python: an example that the
-    runner would never run (tests/docs/test_examples.py keeps a list of those the docs still have)."""
+    runner would never run (tests/docs/test_examples.py allows none)."""
     first = next((line for line in block.body.splitlines() if line.strip()), "")
     return not block.is_example and first.startswith(COMMAND_STARTS)
 
