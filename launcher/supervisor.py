@@ -311,15 +311,16 @@ def start_sidecar(run_dir: str, gpus_per_node: int) -> Optional[subprocess.Popen
 
 
 def stop_sidecar(proc: Optional[subprocess.Popen[bytes]], timeout_s: float = SIDECAR_STOP_S) -> None:
-    """SIGTERM once the ranks are done (it first copies checkpoints staged on scratch, within
-    sidecar.final_copy_s); SIGKILL if it has not stopped after `timeout_s`."""
+    """SIGUSR2 once the ranks are done, as the Slurm batch script sends it (it first copies checkpoints staged
+    on scratch, within sidecar.final_copy_s; a TERM would mean "the job is ending", and a sidecar that never
+    saw the ranks run would wait for them); SIGKILL if it has not stopped after `timeout_s`."""
     if proc is None:
         return
     if proc.poll() is not None:
         _stop_keeperless_sidecar(timeout_s)
         return
     try:
-        proc.terminate()
+        proc.send_signal(signal.SIGUSR2)  # its keeper passes it on
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -331,9 +332,9 @@ def stop_sidecar(proc: Optional[subprocess.Popen[bytes]], timeout_s: float = SID
 
 def _stop_keeperless_sidecar(timeout_s: float) -> None:
     """Its keeper was killed, but the sidecar itself may live on (it carries on alone while the ranks run):
-    it too gets its TERM and its time for the last copies, before the group's SIGKILL ends everything."""
+    it too gets its USR2 and its time for the last copies, before the group's SIGKILL ends everything."""
     sidecars = [pid for pid in _group_members() if b"launcher.sidecar" in _cmdline(pid).split(b"\0")]
-    _signal_found(iter(sidecars), signal.SIGTERM)  # members of this process group, found just now
+    _signal_found(iter(sidecars), signal.SIGUSR2)  # members of this process group, found just now
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and any(pid in sidecars for pid in _group_members()):
         time.sleep(0.2)
