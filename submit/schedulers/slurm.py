@@ -109,9 +109,12 @@ class SlurmBackend:
         wanted = [slurm_cli.dependency_target(item) for item in after]
         ids = [job_id for _, job_id in wanted]
         squeue, sacct = batch(transport, [slurm_cli.squeue_argv(ids), slurm_cli.sacct_argv(ids)])
-        jobs = states_from([], squeue, sacct, ids)
+        if squeue.returncode != 0 and sacct.returncode != 0 and "Invalid job id" not in squeue.stderr:
+            sacct.check("sacct and squeue")
+        acct = slurm_cli.parse_sacct(sacct.stdout) if sacct.returncode == 0 else {}
+        live = slurm_cli.parse_squeue(squeue.stdout) if squeue.returncode == 0 else {}
         for item, (kind, job_id) in zip(after, wanted):
-            problem = slurm_cli.dependency_problem(kind, jobs[job_id])
+            problem = slurm_cli.dependency_problem(kind, slurm_cli.dependency_state(job_id, acct, live))
             if problem is not None:
                 raise InputError("--after", item, problem)
 
@@ -148,15 +151,13 @@ def query_argvs(records: Sequence[JobRecord], live: bool = False) -> list[list[s
     return [slurm_cli.squeue_argv(ids), slurm_cli.sacct_argv(ids), *tails, *errors]
 
 
-def states_from(
-    records: Sequence[JobRecord], squeue: Result, sacct: Result, ids: Sequence[str] = ()
-) -> dict[str, slurm_cli.SlurmJob]:
-    """Merge both answers (for the records' ids, or `ids`); raise only when neither scheduler command worked."""
+def states_from(records: Sequence[JobRecord], squeue: Result, sacct: Result) -> dict[str, slurm_cli.SlurmJob]:
+    """Merge both answers; raise only when neither scheduler command worked."""
     if squeue.returncode != 0 and sacct.returncode != 0 and "Invalid job id" not in squeue.stderr:
         sacct.check("sacct and squeue")
     acct = slurm_cli.parse_sacct(sacct.stdout) if sacct.returncode == 0 else {}
     live = slurm_cli.parse_squeue(squeue.stdout) if squeue.returncode == 0 else {}
-    merged = slurm_cli.merge_states([r.job_id for r in records] or list(ids), acct, live)
+    merged = slurm_cli.merge_states([r.job_id for r in records], acct, live)
     for record in records:  # accounting off and slurmctld forgot the job: keep what meshrun last saw
         if merged[record.job_id].state is JobState.UNKNOWN and record.last_state in FINAL:
             merged[record.job_id] = slurm_cli.SlurmJob(job_id=record.job_id, state=JobState(record.last_state))

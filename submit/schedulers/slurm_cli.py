@@ -115,6 +115,20 @@ def dependency_target(item: str) -> tuple[str, str]:
     return kind or "ok", job_id
 
 
+def dependency_state(job_id: str, sacct: dict[str, SlurmJob], squeue: dict[str, SlurmJob]) -> SlurmJob:
+    """The job a dependency names, as Slurm sees it; a job array's id (its tasks are ID_N rows) stands for
+    all its tasks: failed when one failed, completed when all completed, else the state of one still going."""
+    (known,) = merge_states([job_id], sacct, squeue).values()
+    tasks = sorted({key for key in [*sacct, *squeue] if key.startswith(f"{job_id}_")})
+    if known.state is not JobState.UNKNOWN or not tasks:
+        return known
+    states = [job.state for job in merge_states(tasks, sacct, squeue).values()]
+    failed = [state for state in states if state in FAILURE]
+    going = [state for state in states if state not in FINAL]
+    state = failed[0] if failed else going[0] if going else JobState.COMPLETED
+    return SlurmJob(job_id=job_id, state=state)
+
+
 def dependency_problem(kind: str, job: SlurmJob) -> Optional[str]:
     """Why a dependency of KIND on JOB cannot do what the user meant (None: it can)."""
     if job.state is JobState.UNKNOWN:

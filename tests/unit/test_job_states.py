@@ -225,3 +225,17 @@ def test_a_final_job_keeps_the_progress_it_ended_with(tmp_path: Path) -> None:
     assert kept_progress(stored, running).progress == {}
     registry.set_state(stored, "CANCELLED")  # a later state change without progress keeps it
     assert registry.recent(5)[0].last_progress == stored.last_progress
+
+
+def test_a_dependency_on_a_job_array_stands_for_all_its_tasks() -> None:
+    from submit.schedulers.slurm_cli import SlurmJob, dependency_state
+
+    def rows(*states: JobState) -> dict[str, SlurmJob]:
+        return {f"7_{n}": SlurmJob(job_id=f"7_{n}", state=state) for n, state in enumerate(states)}
+
+    assert dependency_state("7", rows(JobState.COMPLETED, JobState.CANCELLED), {}).state is JobState.CANCELLED
+    assert dependency_state("7", rows(JobState.COMPLETED, JobState.COMPLETED), {}).state is JobState.COMPLETED
+    going = {"7_1": SlurmJob(job_id="7_1", state=JobState.RUNNING)}  # squeue knows a task sacct has not yet
+    assert dependency_state("7", rows(JobState.COMPLETED), going).state is JobState.RUNNING
+    assert dependency_state("70", rows(JobState.COMPLETED), {}).state is JobState.UNKNOWN  # 7_0 is not 70's
+    assert dependency_state("8", {"8": SlurmJob(job_id="8", state=JobState.FAILED)}, {}).state is JobState.FAILED
