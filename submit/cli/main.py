@@ -312,10 +312,9 @@ def _write_script(output: Optional[Path], script: str) -> None:
 
 def write_output(path: Path, text: str) -> None:
     """-o PATH: the file, or one line naming the flag, the path and what to do (never an errno traceback)."""
-    if path.is_dir():
-        raise InputError("-o", str(path), "is a folder: give a file name in it, e.g. -o {}".format(path / "job.sbatch"))
-    if not path.parent.is_dir():
-        raise InputError("-o", str(path), f"no folder {str(path.parent)!r} to write it in: create it first")
+    from submit.jobs.checkpoints import check_output  # export's -o check: a file in a folder that exists
+
+    path = check_output(path, example="job.sbatch")
     try:
         path.write_text(text)
     except OSError as exc:

@@ -254,13 +254,14 @@ def best_step(record: JobRecord, transport: Transport) -> int:
     return found[0]
 
 
-def check_output(out: Path, fmt: str = "meshrun") -> Path:
-    """-o names a file (--format hf: a folder) whose folder exists (checked before anything runs on the cluster)."""
+def check_output(out: Path, fmt: str = "meshrun", example: str = "model.safetensors") -> Path:
+    """-o names a file (--format hf: a folder) whose folder exists (checked before anything runs on the cluster);
+    `example`, the file name the error suggests (render's -o uses it too)."""
     out = Path(out).expanduser().absolute()
     if fmt == "hf" and not hfnames.replaceable_folder(out):
         raise InputError("-o/--output", str(out), "exists and is no earlier hf export; give a new folder name")
     if fmt == "meshrun" and out.is_dir():
-        raise InputError("-o/--output", str(out), f"is a folder; give a file name, e.g. {out / 'model.safetensors'}")
+        raise InputError("-o/--output", str(out), f"is a folder; give a file name, e.g. {out / example}")
     if not out.parent.is_dir():
         raise InputError("-o/--output", str(out), f"folder {out.parent} does not exist; create it first")
     return out

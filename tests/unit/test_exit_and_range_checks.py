@@ -109,7 +109,7 @@ def test_a_non_finite_number_in_the_file_is_refused_with_its_line(
     [
         (["submit", TINY, "-c", "local", "--json"], "--json: 'without --dry-run'"),
         (["render", TINY, "-c", "local", "-o", "{tmp}"], "is a folder"),
-        (["render", TINY, "-c", "local", "-o", "{tmp}/missing/job.sbatch"], "no folder"),
+        (["render", TINY, "-c", "local", "-o", "{tmp}/missing/job.sbatch"], "does not exist; create it first"),
         (["data", "--out", "{tmp}"], "--out: "),
     ],
     ids=["submit-json-alone", "render-o-folder", "render-o-missing-folder", "data-out-folder"],
