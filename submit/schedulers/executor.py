@@ -91,6 +91,7 @@ def executor(
         partition=partition,
     )
     part = check_resources(res, profile)
+    check_extra(extra, on_this_machine(profile))
     minutes = math.ceil(parse_time(time, "time") / 60)
     runs = runs_folder(profile, folder)
     origin = _Origin(cluster=profile.name, scheduler=profile.scheduler, name=name, runs=str(runs), profile=str(path))
@@ -110,7 +111,6 @@ def executor(
             }
         )
         return local
-    check_extra(extra)
     params = slurm_parameters(profile, part, res, minutes, name)
     extra = {
         **extra,
@@ -121,9 +121,15 @@ def executor(
     return slurm
 
 
-def check_extra(extra: dict[str, Any]) -> None:
-    """submitit would raise a ValueError listing every parameter; one line instead."""
-    valid = SlurmExecutor._valid_parameters()
+LOCAL_ONLY = frozenset({"visible_gpus"})
+"""submitit's LocalExecutor parameters that Slurm's has not (the GPUs of this machine a local job may use)."""
+
+
+def check_extra(extra: dict[str, Any], local: bool) -> None:
+    """submitit would raise a ValueError listing every parameter (its LocalExecutor ignores unknown ones
+    silently); one line instead. A local executor takes Slurm's names too, so that code written for the
+    cluster runs unchanged on `local` (where they have no effect)."""
+    valid = SlurmExecutor._valid_parameters() | (LOCAL_ONLY if local else frozenset())
     for key in sorted(set(extra) - valid):
         raise InputError(
             key,
@@ -279,9 +285,10 @@ class _Registering:
             registry.close()
 
     @property
-    def run_dir(self) -> Optional[RunDir]:
-        """The run dir of the latest submission (None before the first)."""
-        return self._run_dir
+    def run_dir(self) -> Optional[Path]:
+        """The run dir of the latest submission (None before the first); an array's task N is
+        `run_dir / "tasks" / str(N)`."""
+        return Path(self._run_dir.root) if self._run_dir is not None else None
 
 
 class MeshrunSlurmExecutor(_Registering, SlurmExecutor):

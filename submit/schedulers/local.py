@@ -285,16 +285,46 @@ def last_activity(run_dir: str, started: float) -> float:
     return min(max([started, *times]), time.time())
 
 
-def submitit_state(run_dir: str, job_id: str) -> dict[str, Any]:
+def submitit_files(run_dir: str) -> str:
+    """Where submitit keeps a submitit-API job's pickles: its run dir's, or for a task of an array
+    submission (`map_array`: RUN/tasks/N, each task its own controller) the submission's, which is the
+    folder submitit was given."""
+    path = os.path.normpath(run_dir)
+    parent = os.path.dirname(path)
+    if os.path.basename(parent) == RunDir.TASKS and os.path.basename(path).isdigit():
+        return RunDir(os.path.dirname(parent)).submitit
+    return RunDir(path).submitit
+
+
+def _submitit_controller(record: JobRecord) -> Optional[procs.Identity]:
+    """The job's submitit controller (its pid is the job id), while that pid still runs submitit's controller
+    for this job's files and started with the job (a pid from the registry may be another process's by now)."""
+    if not record.job_id.isdigit():
+        return None
+    pid = int(record.job_id)
+    controller = procs.process_identity(pid)
+    command = " ".join(procs.command_line(pid) or [])
+    started = procs.started_wall(pid)
+    ours = "submitit.local._local" in command and submitit_files(record.run_dir) in command
+    fresh = started is not None and started >= record.submitted_at - CLOCK_SLACK_S
+    return controller if controller is not None and ours and fresh and _alive(pid) else None
+
+
+def submitit_state(record: JobRecord) -> dict[str, Any]:
     """A job of the submitit API (`submit.api.executor` on a local profile): submitit's own files say
-    how it went (its LocalExecutor writes no meshrun state); the job id is its controller's pid."""
-    results = sorted(glob.glob(os.path.join(RunDir(run_dir).submitit, f"{glob.escape(job_id)}_*_result.pkl")))
-    if not results:
-        alive = job_id.isdigit() and _alive(int(job_id))
-        return {"state": "RUNNING"} if alive else {}
+    how it went (its LocalExecutor writes no meshrun state); the job id is its controller's pid. A controller
+    gone without a result was killed: FAILED, never UNKNOWN, so `watch` and `status --watch` end."""
+    if not record.job_id.isdigit():
+        return {}
+    pattern = os.path.join(submitit_files(record.run_dir), f"{glob.escape(record.job_id)}_*_result.pkl")
+    if not glob.glob(pattern):
+        if _submitit_controller(record) is not None:
+            return {"state": "RUNNING"}
+        if not glob.glob(pattern):  # it may have written its result and ended since the first look
+            return {"state": "FAILED", "message": "its submitit controller ended without a result (killed?)"}
     from submitit.core.utils import pickle_load
 
-    for path in results:
+    for path in sorted(glob.glob(pattern)):
         try:
             outcome, value = pickle_load(path)
         except Exception:  # a result whose type only the caller can import: it did return
@@ -309,11 +339,7 @@ def _status(record: JobRecord, transport: Transport, detail: bool = False, live:
     if not os.path.isdir(record.run_dir):
         state: dict[str, Any] = {"state": "UNKNOWN", "message": f"the run dir {record.run_dir} is gone"}
     else:
-        state = (
-            current_state(record.run_dir, record.job_id)
-            or submitit_state(record.run_dir, record.job_id)
-            or {"state": "UNKNOWN"}
-        )
+        state = current_state(record.run_dir, record.job_id) or submitit_state(record) or {"state": "UNKNOWN"}
     job_state = STATES.get(state.get("state", ""), JobState.UNKNOWN)
     started, ended = state.get("started"), state.get("ended")
     elapsed = int((ended or now()) - started) if started else None
@@ -343,7 +369,7 @@ def _status(record: JobRecord, transport: Transport, detail: bool = False, live:
 def _cancel(record: JobRecord) -> None:
     """SIGTERM to the job's process group: supervisor, submitit controller, ranks (orphans too)."""
     state = current_state(record.run_dir, record.job_id)
-    if not state and submitit_state(record.run_dir, record.job_id).get("state") == "RUNNING":
+    if not state and submitit_state(record).get("state") == "RUNNING":
         _cancel_submitit_job(record)
         return
     if state.get("state") not in ACTIVE:
@@ -368,13 +394,8 @@ def _cancel_submitit_job(record: JobRecord) -> None:
     """A submitit-API job on this machine: its controller (pid = job id) forwards SIGTERM to the tasks;
     the outcome is recorded in meshrun's own state file, which submitit's LocalExecutor does not write."""
 
-    # The job id is the controller's pid: signalled only while that pid runs submitit's controller for this
-    # job's run dir and started with the job (a pid from the registry may be another process's by now).
-    controller = procs.process_identity(int(record.job_id))
-    command = " ".join(procs.command_line(int(record.job_id)) or [])
-    started = procs.started_wall(int(record.job_id))
-    ours = "submitit.local._local" in command and record.run_dir in command
-    if controller is not None and ours and started is not None and started >= record.submitted_at - CLOCK_SLACK_S:
+    controller = _submitit_controller(record)
+    if controller is not None:
         procs.signal_if_same(controller, signal.SIGTERM)
     merge_state(
         local_state_path(record.run_dir, record.job_id),

@@ -111,7 +111,7 @@ def test_a_submitit_api_job_under_umask_000_leaves_nothing_for_others(home: Path
         job = ex.submit(submitit_fns.square, 3)
         assert job.result() == 9
         assert os.umask(0) == 0  # the caller's own umask, untouched
-    assert ex.run_dir is not None and Path(ex.run_dir.submitit).is_dir()
+    assert ex.run_dir is not None and (ex.run_dir / ".meshrun" / "submitit").is_dir()
     assert exposed([home]) == []
 
 

@@ -37,10 +37,10 @@ def test_two_nodes_four_ranks_all_reduce_and_status(testbed: dict, home: Path) -
     assert {r["gloo_ifname"] for r in results} == {"lo"}  # the profile's NCCL/gloo preset reached the ranks
     # meshrun sees the job: its registry record, its final state from sacct, its run dir and logs.
     run_dir = ex.run_dir
-    assert run_dir is not None and Path(run_dir.root).parent == home / "runs"
+    assert run_dir is not None and run_dir.parent == home / "runs"
     row = _final_status(home, job.job_id)
-    assert row["state"] == "COMPLETED" and row["cluster"] == "testbed" and row["run_dir"] == run_dir.root
-    assert job.paths.folder == Path(run_dir.submitit)  # submitit's files stay in the hidden folder
+    assert row["state"] == "COMPLETED" and row["cluster"] == "testbed" and row["run_dir"] == str(run_dir)
+    assert job.paths.folder == run_dir / ".meshrun" / "submitit"  # submitit's files stay in the hidden folder
     log = meshrun(home, "logs", job.job_id, "--rank", "3", check=True).stdout
     assert "completed" in log.lower(), log  # rank 3's submitit log, through logs/rank-3.log
 
@@ -65,7 +65,9 @@ def test_map_array_returns_each_result_and_each_task_is_registered(testbed: dict
     finally:
         registry.close()
     assert [t.job_id for t in tasks] == [j.job_id for j in jobs]
-    assert ex.run_dir is not None and [t.run_dir for t in tasks] == [ex.run_dir.task(i).root for i in range(3)]
+    assert ex.run_dir is not None and [t.run_dir for t in tasks] == [
+        str(ex.run_dir / "tasks" / str(i)) for i in range(3)
+    ]
     assert (Path(tasks[2].run_dir) / "logs" / "rank-0.log").resolve() == jobs[2].paths.stdout.resolve()
 
 

@@ -161,7 +161,7 @@ def test_local_profile_runs_a_submitit_job_and_records_it(tmp_path: Path, monkey
         record = registry.find(job.job_id)
     finally:
         registry.close()
-    assert ex.run_dir is not None and record.run_dir == ex.run_dir.root and record.scheduler == "local"
+    assert ex.run_dir is not None and record.run_dir == str(ex.run_dir) and record.scheduler == "local"
     assert record.cluster == "local" and record.name == "sq" and record.profile == str(profile_path("local"))
     assert Path(record.run_dir).stat().st_mode & 0o777 == 0o700
     logs = Path(record.run_dir) / "logs"
@@ -206,3 +206,68 @@ def test_meshrun_cancel_stops_a_local_submitit_job(tmp_path: Path, monkeypatch: 
         assert _time.monotonic() < deadline, "the submitit job survived the cancel"
         _time.sleep(0.2)
     assert api.statuses([record], api.Clusters())[0].state == "CANCELLED"
+
+
+def _records(job_ids: list[str]) -> list:
+    registry = Registry()
+    try:
+        return [registry.find(j) for j in job_ids]
+    finally:
+        registry.close()
+
+
+def _fails_on_two(x: int) -> int:
+    if x == 2:
+        raise ValueError("two is not allowed")
+    return x
+
+
+def test_a_local_array_task_ends_completed_or_failed_not_unknown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """map_array on `local`: each task is its own controller, but submitit's files are the submission's (not
+    the task's run dir): status must find them there, or `watch` and `top` wait for ever."""
+    from submit import api
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    ex = executor("local", folder=tmp_path / "runs", time="00:02:00", name="arr")
+    jobs = ex.map_array(_fails_on_two, [1, 2, 3])
+    for job in jobs:
+        job.wait()
+    found = api.statuses(_records([j.job_id for j in jobs]), api.Clusters())
+    assert [s.state for s in found] == ["COMPLETED", "FAILED", "COMPLETED"], found
+    assert all(s.done for s in found) and "two is not allowed" in (found[1].reason or "")
+
+
+def test_a_local_submitit_job_whose_controller_was_killed_is_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+    import signal
+    import time as _time
+
+    import psutil
+
+    from submit import api
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    job = executor("local", folder=tmp_path / "runs", time="00:02:00", name="killed").submit(_time.sleep, 120)
+    (record,) = _records([job.job_id])
+    controller = psutil.Process(int(job.job_id))
+    assert api.statuses([record], api.Clusters())[0].state == "RUNNING"
+    children = controller.children(recursive=True)
+    os.kill(controller.pid, signal.SIGKILL)
+    controller.wait(10)
+    for child in children:  # the task the controller started outlives it: not this test's to leave behind
+        child.kill()
+    (after,) = api.statuses([record], api.Clusters())
+    assert after.state == "FAILED" and after.done and "without a result" in (after.reason or ""), after
+
+
+def test_a_local_executor_refuses_an_unknown_parameter_but_takes_slurms(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="bogus"):
+        executor("local", folder=tmp_path / "runs", bogus=1)
+    ex = executor("local", folder=tmp_path / "runs", mem="4G", visible_gpus=())  # cluster code runs unchanged
+    assert isinstance(ex, MeshrunLocalExecutor)
+    with pytest.raises(InputError, match="visible_gpus"):
+        executor(str(profile_path("testbed")), folder=tmp_path / "runs", visible_gpus=())
