@@ -44,8 +44,10 @@ def alert_key(status: Status, alert: dict[str, Any]) -> str:
 
 
 def payload(status: Status, alert: dict[str, Any]) -> bytes:
-    """What the notify command reads on stdin: the alert record, and which job it is."""
-    return json.dumps({**alert, "job_id": status.job_id, "cluster": status.cluster, "name": status.name}).encode()
+    """What the notify command reads on stdin: the alert record, and which job it is (one JSON line, ended
+    by a newline as a line-reading program expects)."""
+    record = {**alert, "job_id": status.job_id, "cluster": status.cluster, "name": status.name}
+    return json.dumps(record).encode() + b"\n"
 
 
 class Seen:
@@ -97,8 +99,19 @@ def notify_argv(option: Optional[str], configured: Optional[Sequence[str]]) -> O
         return None
     if shutil.which(argv[0]) is None:
         where = "--notify" if option is not None else "notify (in ~/.config/meshrun/config.yaml)"
-        raise InputError(where, argv[0], "no such program on PATH; give its full path")
+        raise InputError(where, argv[0], _not_runnable(argv[0]))
     return argv
+
+
+def _not_runnable(program: str) -> str:
+    """Why `program` cannot be run, and the fix: a path is taken as it is, a bare name is looked up on PATH."""
+    if os.sep not in program:
+        return "no such program on PATH; give its full path, or install it"
+    if os.path.isdir(program):
+        return "a folder, not a program; give the program's path"
+    if not os.path.exists(program):
+        return "no such file; check the path"
+    return f"not executable; `chmod u+x {program}`, or give its interpreter first (e.g. 'sh {program}')"
 
 
 def run_notify(argv: Sequence[str], data: bytes, warn: Callable[[str], None]) -> None:
@@ -147,15 +160,29 @@ def follow(
 ) -> int:
     """Refresh every `interval` s until every job is done (or unreachable); 0, or 1 if one was unreachable."""
     out, seen = out or sys.stdout, seen or Seen()
+    ids = ", ".join(dict.fromkeys(r.job_id for r in records))
+    print(f"meshrun: watching {len(records)} job(s) until they end ({ids}); Ctrl-C stops watching", file=sys.stderr)
+    ended: set[str] = set()
     while True:
         found = refresh(records, clusters, registry)
         if found is None:
             time.sleep(interval)
             continue
         handle(found, seen, argv, out)
+        report_ends(found, ended, out)
         if all(s.done or s.state == JobState.UNREACHABLE for s in found):
             return watch_end(found)
         time.sleep(interval)
+
+
+def report_ends(found: Sequence[Status], ended: set[str], out: TextIO) -> None:
+    """One line for each job that ended since the last refresh: what a person following jobs waits for."""
+    for status in found:
+        if status.done and status.job_id not in ended:
+            ended.add(status.job_id)
+            why = f": {status.reason}" if status.reason and not status.succeeded else ""
+            out.write(f"{status.job_id} ({status.cluster}) ended {status.state.value}{why}\n")
+            out.flush()
 
 
 def refresh(records: Sequence[Any], clusters: Any, registry: Any) -> Optional[list[Any]]:
