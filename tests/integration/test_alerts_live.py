@@ -45,9 +45,9 @@ def until(check: Callable[[], Any], what: str, timeout: float = 60) -> Any:
 
 
 def notify_script(tmp_path: Path) -> tuple[Path, Path]:
-    """A notify command appending its stdin (one JSON object) to a file, one line each."""
+    """A notify command appending its stdin (one JSON line, newline included) to a file."""
     script, out = tmp_path / "notify.sh", tmp_path / "notified.jsonl"
-    script.write_text('#!/bin/sh\ncat >> "$1"; echo >> "$1"\n')
+    script.write_text('#!/bin/sh\ncat >> "$1"\n')
     return script, out
 
 
@@ -97,6 +97,7 @@ def check_watch(home: Path, tmp_path: Path, job: str, run_dir: Path, laptop: boo
     assert [r["step"] for r in rows] == [1, 2, 3, 4], rows  # exactly once each, in order
     assert {(r["job_id"], r["rule"], r["name"]) for r in rows} == {(job, "loss_spike", "alerting")}
     assert "loss_spike step 4" in stdout and "step 1" not in stdout  # the restart printed only the new one
+    assert stdout.rstrip().endswith("ended COMPLETED") and f"watching 1 job(s) until they end ({job})" in stderr
 
 
 def test_watch_notifies_each_alert_exactly_once_locally(tmp_path: Path) -> None:
