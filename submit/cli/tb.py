@@ -127,23 +127,31 @@ def _tb_records(registry: Any, jobs: Sequence[str], cluster: Any) -> list[Any]:
     return list(records.values())
 
 
+def _place(profile: Any) -> str:
+    """Where the server runs, as the user knows it: a `local` cluster's is on this machine."""
+    from submit import api
+
+    return "on the login node" if api.reaches_other_machines(profile.scheduler) else "on this machine"
+
+
 def _stop_board(clusters: Any, record: Any, board: Any) -> None:
     from submit.errors import MeshrunError
     from submit.views import tensorboard
 
     profile = clusters.profile_for(record)
+    place = _place(profile)
     try:
         try:
             stopped = tensorboard.stop(clusters.transport_for(record), profile, board)
         except MeshrunError:
             stopped = tensorboard.stop(clusters.reconnect(record), profile, board)  # the connection had dropped
         if stopped:
-            _say(f"stopped TensorBoard (pid {board.pid} on the login node)", sys.stderr)
+            _say(f"stopped TensorBoard (pid {board.pid} {place})", sys.stderr)
         else:
-            _say(f"TensorBoard (pid {board.pid} on the login node) had already stopped", sys.stderr)
+            _say(f"TensorBoard (pid {board.pid} {place}) had already stopped", sys.stderr)
     except MeshrunError as exc:
         _say(
-            f"meshrun: could not stop TensorBoard (pid {board.pid} on the login node): {exc}; "
+            f"meshrun: could not stop TensorBoard (pid {board.pid} {place}): {exc}; "
             f"`meshrun tb --stop {record.job_id}` stops it",
             sys.stderr,
         )
@@ -170,10 +178,11 @@ def _cmd_stop(args: argparse.Namespace) -> int:
                 "--stop", "", "give the ids of the jobs whose TensorBoard to stop, or -c CLUSTER to stop all of yours"
             )
         stopped = tensorboard.stop_servers(clusters.transport(key), clusters.profile(key), *select)
+        place = _place(clusters.profile(key))
     finally:
         clusters.close()
     for server in stopped:
-        print(f"stopped TensorBoard (pid {server.pid} on the login node) serving {', '.join(server.runs)}")
+        print(f"stopped TensorBoard (pid {server.pid} {place}) serving {', '.join(server.runs)}")
     if not stopped:
         print(nothing)
     return 0

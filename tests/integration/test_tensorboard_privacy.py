@@ -123,7 +123,7 @@ def test_stop_ends_a_server_left_running_and_nothing_else(tmp_path: Path, tb_cle
         )
         out = meshrun(tmp_path, "tb", "--stop", "900102", "900103")
         assert out.returncode == 0, out.stderr
-        assert out.stdout.splitlines() == [f"stopped TensorBoard (pid {pid} on the login node) serving 900102"]
+        assert out.stdout.splitlines() == [f"stopped TensorBoard (pid {pid} on this machine) serving 900102"]
         assert tbhelp.gone(pid, started, timeout=15)
         assert decoy.poll() is None and tbhelp.start_time(decoy.pid) == decoy_started
         again = meshrun(tmp_path, "tb", "--stop", "900102")
@@ -135,7 +135,7 @@ def test_stop_ends_a_server_left_running_and_nothing_else(tmp_path: Path, tb_cle
         proc.wait()
         pid, started = _server(tmp_path, run_dir, "900102")
         out = meshrun(tmp_path, "tb", "--stop", "-c", "local")
-        assert out.stdout.splitlines() == [f"stopped TensorBoard (pid {pid} on the login node) serving 900102"]
+        assert out.stdout.splitlines() == [f"stopped TensorBoard (pid {pid} on this machine) serving 900102"]
         assert tbhelp.gone(pid, started, timeout=15) and decoy.poll() is None
         assert meshrun(tmp_path, "tb", "--stop", "-c", "local").stdout == "no TensorBoard of yours runs on local\n"
     finally:
