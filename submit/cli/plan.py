@@ -33,6 +33,16 @@ def add_parsers(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
 
 
+GIB = 2**30
+
+
+def _size(n: float) -> str:
+    """GiB, or MiB below a tenth of one (a small job's parts all read 0.0 GiB otherwise)."""
+    from submit.planning.estimate import gib
+
+    return gib(n) if n >= GIB / 10 or n == 0 else f"{n / 2**20:.1f} MiB"
+
+
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
@@ -112,21 +122,24 @@ def render(out: dict[str, Any], spec: Any) -> str:
     from submit.planning.estimate import gib as _gib
     from submit.views.tables import table
 
-    m, t, p = spec.trainer.model, spec.trainer, spec.parallel
+    m, t, p, res = spec.trainer.model, spec.trainer, spec.parallel, spec.resources
+    on_cpu = not res.gpus_per_node  # ranks on CPU cores: the estimate is of each rank's host memory
     kv = f" ({m.kv_heads} kv)" if m.kv_heads != m.n_heads else ""
     tied = ", tied head" if m.tie_embeddings else ""
+    where = f"{res.tasks_per_node} CPU ranks" if on_cpu else f"{res.gpus_per_node} GPUs"
     lines = [
         f"model: {_count(out['params'])} parameters (n_layers {m.n_layers}, d_model {m.d_model}, n_heads "
         f"{m.n_heads}{kv}, vocab {m.vocab_size}{tied}, seq_len {m.seq_len}), {out['flops_per_step']:.3g} FLOPs "
         "per step",
-        f"layout: {spec.resources.nodes} node(s) x {spec.resources.gpus_per_node} GPUs: dp {p.dp} tp {p.tp} pp "
+        f"layout: {res.nodes} node(s) x {where}: dp {p.dp} tp {p.tp} pp "
         f"{p.pp}, micro_batch {t.micro_batch}, global_batch {t.global_batch}, {t.precision}, engine {t.engine}",
-        f"memory per GPU (stage {out['stage']}, the largest):",
+        f"memory per {'rank (host memory; ' if on_cpu else 'GPU ('}stage {out['stage']}, the largest):",
     ]
     mem = out["memory_per_gpu_bytes"]
     for key in ("params", "grads", "optimizer", "activations", "allowance", "total"):
-        lines.append(f"  {key:<12}{_gib(mem[key]):>12}")
-    lines[-2] += f"   ({_gib(CONTEXT_BYTES)} context + working copies + {FRAGMENTATION:.0%} fragmentation)"
+        lines.append(f"  {key:<12}{_size(mem[key]):>12}")
+    runtime = "runtime" if on_cpu else "context"
+    lines[-2] += f"   ({_gib(CONTEXT_BYTES)} {runtime} + working copies + {FRAGMENTATION:.0%} fragmentation)"
     if mem["cpu"]:
         lines.append(f"  offloaded to CPU memory: {_gib(mem['cpu'])}")
     if out["fits"] is not None:
@@ -134,6 +147,8 @@ def render(out: dict[str, Any], spec: Any) -> str:
         lines.append(
             f"  {verdict} partition {out['partition']!r}: {_gib(out['usable_bytes'])} usable ({HEADROOM:.0%} headroom)"
         )
+    if on_cpu:
+        lines.append("time: not estimated for CPU ranks (the step-time model knows accelerators' peaks only)")
     if out["time"]:
         tm = out["time"]
         lines.append(

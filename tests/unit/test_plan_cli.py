@@ -114,6 +114,14 @@ def test_plan_text_and_the_gpu_table(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert [row[:5] for row in rows] == [["h200", "h200", "141", "no", "16"], ["h200-debug", "h200", "141", "no", "16"]]
 
 
+def test_plan_of_a_cpu_job_speaks_of_ranks_and_host_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "plan", str(REPO / "examples/tiny.yaml"), "-c", "local")
+    assert code == 0, err
+    assert "x 2 CPU ranks" in out and "memory per rank (host memory;" in out and "GPU" not in out
+    assert "params           1.8 MiB" in out  # a small job's parts in MiB, not all "0.0 GiB"
+    assert "time: not estimated for CPU ranks" in out
+
+
 def test_plan_refuses_a_command_job(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "plan", str(REPO / "examples/command.yaml"))
     assert code == 2 and err.startswith("meshrun: error: command: ")
