@@ -41,6 +41,10 @@ STOP_GRACE_S = 60
 FAILED_PEER_GRACE_S = 10
 """How long the other ranks get to exit after one rank failed, before they are killed."""
 SIDECAR_STOP_S = 5
+CLEAN_CODES = (0, EXIT_REQUEUE)
+"""A rank's ends that fail nothing: done, or stopped after saving (a preemption's)."""
+NO_RESULT = "ended without a result (killed?)"
+"""A rank's end when submitit has no result of it: all the supervisor knows unless its controller saw more."""
 """How long the sidecar gets to stop after the ranks ended, before it is killed."""
 
 
@@ -133,11 +137,11 @@ class Supervisor:
     def _executor(self) -> tuple[Any, int]:
         import math
 
-        import submitit
+        from launcher.controller import RecordingExecutor
 
         job = self.spec.job
         limit_s = self.spec.run.time_limit_s or 3600
-        executor = submitit.LocalExecutor(folder=self.run_dir.submitit)
+        executor = RecordingExecutor(folder=self.run_dir.submitit)
         # The supervisor's own clock enforces the limit; submitit's gets a margin so that
         # its timeout path (which would requeue) never fires first.
         executor.update_parameters(
@@ -197,20 +201,15 @@ class Supervisor:
 
     @staticmethod
     def _failed_rank(job: Any) -> Optional[int]:
-        """The first rank that ended with an error or a failing exit code (75 is a clean stop)."""
-        from submitit.core.utils import pickle_load
+        """The first rank that ended with an error or a failing exit code (75 is a clean stop), or that its
+        controller saw end so (a rank killed by a signal leaves no result file)."""
+        from launcher import controller
 
-        for task in range(job.num_tasks):
-            result = job.task(task).paths.result_pickle
-            if not result.exists():
-                continue
-            try:
-                outcome, value = pickle_load(result)
-            except Exception:
-                continue  # being written
-            if outcome != "success" or value not in (0, EXIT_REQUEUE):
-                return task
-        return None
+        returned = _returned(job)
+        died = controller.first_death(controller.read_ends(job.paths.folder, job.job_id), CLEAN_CODES, returned)
+        if died is not None:
+            return int(died["rank"])
+        return next((rank for rank, code in sorted(returned.items()) if code not in CLEAN_CODES), None)
 
     @staticmethod
     def _codes(job: Any) -> tuple[Optional[list[int]], str]:
@@ -224,7 +223,7 @@ class Supervisor:
             try:
                 outcome, value = pickle_load(path)
             except Exception:
-                return None, f"rank {task} ended without a result (killed?)"
+                return None, f"rank {task} {NO_RESULT}"
             if outcome != "success":
                 lines = str(value).strip().splitlines()
                 return None, lines[-1] if lines else f"rank {task} raised"
@@ -243,8 +242,9 @@ class Supervisor:
         rank_error = _first_line(self.run_dir.rank_error)
         if stopped in ("CANCELLED", "TIMEOUT"):
             final = stopped
-            if agreed == EXIT_REQUEUE or (codes and all(c == EXIT_REQUEUE for c in codes)):
-                message = "checkpoint saved: `meshrun resume` continues it"
+            # The ranks were stopped on purpose: how they ended (killed while starting up) is no news.
+            saved = agreed == EXIT_REQUEUE or (codes and all(c == EXIT_REQUEUE for c in codes))
+            message = "checkpoint saved: `meshrun resume` continues it" if saved else ""
         elif codes is not None and all(c == EXIT_REQUEUE for c in codes):
             final, message = "PREEMPTED", "checkpoint saved: `meshrun resume` continues it"
         elif codes is not None and not any(codes) and stopped is None:
@@ -261,7 +261,7 @@ class Supervisor:
             )
         else:
             final = "FAILED"
-            message = rank_error or (f"rank exit codes {codes}" if codes else message)
+            message = first_death(job, rank_error or (f"rank exit codes {codes}" if codes else message))
         code = agreed if agreed is not None else _job_exit_code(codes, final)
         lost = lost_checkpoints.check(self.run_dir.root)  # after the sidecar's last copies: a checkpoint_lost alert
         if lost is not None:
@@ -291,6 +291,36 @@ class Supervisor:
         )
         print(f"[meshrun] local job {self.job_id} {final} {message}".rstrip(), flush=True)
         return 0 if final == "COMPLETED" else 1
+
+
+def _returned(job: Any) -> dict[int, int]:
+    """Each rank's returned exit code, from submitit's result files; a rank that raised counts as 1 (its
+    rank error says why); a rank with no result yet (running, being written, killed) is absent."""
+    from submitit.core.utils import pickle_load
+
+    codes = {}
+    for task in range(job.num_tasks):
+        result = job.task(task).paths.result_pickle
+        if not result.exists():
+            continue
+        try:
+            outcome, value = pickle_load(result)
+        except Exception:
+            continue  # being written
+        codes[task] = int(value) if outcome == "success" and isinstance(value, int) else EXIT_FAILED
+    return codes
+
+
+def first_death(job: Any, message: str) -> str:
+    """`message` led by the first rank that ended badly, and how (its controller saw it): a rank killed by a
+    signal writes nothing, and its peers' errors ("connection closed by peer") would be all there is to read."""
+    from launcher import controller
+
+    first = controller.first_death(controller.read_ends(job.paths.folder, job.job_id), CLEAN_CODES, _returned(job))
+    if first is None or message.startswith(f"rank {first['rank']}:"):
+        return message  # no end recorded, or the first to die said why itself
+    lead = f"rank {first['rank']} {controller.how(first['code'])}"
+    return f"{lead}, first; then {message}" if message and not message.endswith(NO_RESULT) else lead
 
 
 def earlier_runs(run_dir: str, job_id: str) -> int:

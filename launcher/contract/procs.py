@@ -203,6 +203,24 @@ def group_members(pgid: int) -> list[int]:
     return found
 
 
+def others_in_job(job: JobScope) -> list[int]:
+    """The live processes of `job` on this machine other than this process, its ancestors (who started it:
+    a keeper, the local supervisor, a batch shell) and its descendants (its own helpers): the job's ranks
+    and what they run, as far as this process can tell without their heartbeats."""
+    import psutil  # here, not at the top: see the module's docstring
+
+    me = psutil.Process()
+    mine = {me.pid, *(p.pid for p in me.parents()), *(p.pid for p in me.children(recursive=True))}
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid not in mine and proc.status() != psutil.STATUS_ZOMBIE and in_job(proc.pid, job):
+                found.append(proc.pid)
+        except psutil.Error:
+            continue
+    return found
+
+
 def children(pid: int) -> list[int]:
     """The direct children of `pid` ([] once it is gone)."""
     import psutil  # here, not at the top: see the module's docstring

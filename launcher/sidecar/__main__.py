@@ -47,7 +47,7 @@ class EndWait:
         have not started (or an earlier attempt's heartbeats are all there is), not that they have ended."""
         from launcher.contract.procs import current_job
 
-        self.in_job = current_job(os.environ) is not None
+        self.job = current_job(os.environ)
         """Inside a job its parent (batch shell, local supervisor) sends USR2 once the ranks have ended; a
         sidecar run by hand has no ranks to wait for."""
 
@@ -72,9 +72,18 @@ class EndWait:
         # A cancel in the ranks' first seconds: they will still start, save and stop, and their parent (the
         # batch shell, the local supervisor) sends USR2 when they have ended. Stopping before them lost the
         # checkpoint they then staged.
-        ended = not alive and (self.seen_alive or not self.in_job)
+        ended = not alive and (self.seen_alive or self.job is None or not self._job_processes_left())
         if ended or now - self.since > END_WAIT_S:
             self.stop.set()
+
+    def _job_processes_left(self) -> bool:
+        """Ranks that never wrote a heartbeat (a command job that does not call report(), or ranks cancelled
+        while starting) are still the job's processes: gone once none is left but this sidecar's own kin
+        (its parent gone too, nobody would send the USR2: it waited END_WAIT_S for nothing)."""
+        from launcher.contract.procs import others_in_job
+
+        assert self.job is not None
+        return bool(others_in_job(self.job))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

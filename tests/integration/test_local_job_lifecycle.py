@@ -61,6 +61,42 @@ def test_one_failing_rank_stops_the_others(tmp_path: Path) -> None:
     assert group_members(pgid) == []
 
 
+def _rank_process(run_dir: Path, job_id: str, rank: int) -> int:
+    """The pid of rank `rank`'s own process: the child of the job's submitit controller that carries its rank."""
+    import psutil
+
+    state = yaml.safe_load((run_dir / ".meshrun" / "jobs" / f"{job_id}.json").read_text())
+    for child in psutil.Process(state["controller_pid"]).children():
+        if child.environ().get("SUBMITIT_LOCAL_GLOBALID") == str(rank):
+            return int(child.pid)
+    raise AssertionError(f"no process of rank {rank} under the controller {state['controller_pid']}")
+
+
+def test_a_rank_killed_by_a_signal_is_named_and_stops_its_peers(tmp_path: Path) -> None:
+    """Item 13: kill -9 of rank 1 leaves no result and no last word, and its peers' errors were all the reason
+    said (or, with peers that wait, the job held on for their full time). Its controller saw it die: named,
+    first, and the job ends at once."""
+    spec = _command_spec(tmp_path, "killed-rank", 'touch "$MESHRUN_RUN_DIR/up-$RANK"; sleep 300')
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", str(spec), "-c", "local", check=True))
+    _wait_file(run_dir / "up-1")
+    _wait_file(run_dir / "up-0")
+    os.kill(_rank_process(run_dir, job_id, 1), signal.SIGKILL)
+    row = _wait_state(tmp_path, job_id, ("FAILED", "COMPLETED", "CANCELLED"), timeout=40)
+    assert row["state"] == "FAILED", row
+    assert row["reason"].startswith("rank 1 was killed by SIGKILL (kill -9, or the kernel's out-of-memory"), row
+
+
+def test_a_rank_whose_program_was_killed_says_so(tmp_path: Path) -> None:
+    """A command job's rank reports its program's death by signal as 128 + N, as a shell does: said in words."""
+    spec = _command_spec(tmp_path, "killed-program", 'if [ "$RANK" = 1 ]; then kill -9 $$; fi; sleep 300')
+    out = meshrun(tmp_path, "submit", str(spec), "-c", "local", "--wait", timeout=120)
+    job_id, _ = submitted(out)
+    row = status(tmp_path, job_id)
+    assert row["state"] == "FAILED" and "rank 1 exited with code 137 (its program was killed by SIGKILL" in (
+        row["reason"] or ""
+    ), row
+
+
 def test_cancelling_a_program_that_traps_term_ends_cancelled(tmp_path: Path) -> None:
     """Item 10: exit 143 from the user's own TERM trap is still a cancel."""
     spec = _command_spec(
@@ -82,7 +118,7 @@ def test_cancel_right_after_submit_is_prompt_and_clean(tmp_path: Path) -> None:
     meshrun(tmp_path, "cancel", job_id, check=True)
     row = _wait_state(tmp_path, job_id, ("CANCELLED", "FAILED", "COMPLETED"), timeout=20)
     assert row["state"] == "CANCELLED", row
-    assert "log" not in (row["reason"] or "")
+    assert "log" not in (row["reason"] or "") and "without a result" not in (row["reason"] or ""), row
 
 
 def _pids_of(run_dir: Path) -> list[int]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -229,11 +230,20 @@ def test_node_0_stops_waiting_for_the_parts_of_a_node_whose_sidecar_is_gone(tmp_
     assert zero.drain(began + 3, gone=set) == [10, 20] and time.monotonic() - began >= 3
 
 
-def test_a_sidecar_told_the_job_is_ending_waits_for_ranks_that_have_not_started_yet(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A cancel in the ranks' first second: no rank of this attempt beat yet. The sidecar waits for them to
-    start, save and end (their checkpoint is staged on scratch for it to copy), not only for them to end."""
+def _job_process(job_id: str) -> int:
+    """A process of job `job_id` that is not this test's descendant (as a rank is not its sidecar's): a
+    `sleep` started by a shell that exits at once, so the sleep is re-parented away from us."""
+    out = subprocess.run(
+        ["sh", "-c", "sleep 60 >/dev/null 2>&1 & echo $!"],
+        env=dict(os.environ, MESHRUN_JOB_ID=job_id),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(out.stdout)
+
+
+def _ranks_and_wait(monkeypatch: pytest.MonkeyPatch, job_id: str) -> tuple[Any, Any, Any, Any, list[str]]:
     from launcher.sidecar import __main__ as sidecar_main
 
     class Ranks:
@@ -243,15 +253,49 @@ def test_a_sidecar_told_the_job_is_ending_waits_for_ranks_that_have_not_started_
             return self.alive
 
     ranks, ending, stop, log = Ranks(), threading.Event(), threading.Event(), []
-    monkeypatch.setenv("MESHRUN_JOB_ID", "local-1")  # a job's sidecar: its parent says when the ranks end
+    monkeypatch.setenv("MESHRUN_JOB_ID", job_id)  # a job's sidecar: its parent says when the ranks end
     waiting = sidecar_main.EndWait(ranks, ending, stop, log.append)
-    ending.set()  # the TERM, before any heartbeat
-    for _ in range(3):
+    return ranks, ending, stop, waiting, log
+
+
+def test_a_sidecar_told_the_job_is_ending_waits_for_ranks_that_have_not_started_yet(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cancel in the ranks' first second: no rank of this attempt beat yet, but their processes run. The
+    sidecar waits for them to start, save and end (their checkpoint is staged on scratch for it to copy),
+    not only for them to end."""
+    job_id = f"local-{os.getpid()}-starting"
+    ranks, ending, stop, waiting, log = _ranks_and_wait(monkeypatch, job_id)
+    starting = _job_process(job_id)
+    try:
+        ending.set()  # the TERM, before any heartbeat
+        for _ in range(3):
+            waiting.check()
+        assert not stop.is_set(), "stopped before the ranks had even started"
+        ranks.alive = True  # they start, and save
         waiting.check()
-    assert not stop.is_set(), "stopped before the ranks had even started"
-    ranks.alive = True  # they start, and save
+        assert not stop.is_set()
+        ranks.alive = False  # and end
+        waiting.check()
+        assert stop.is_set() and "waiting for this node's ranks to end" in log[0]
+    finally:
+        os.kill(starting, signal.SIGKILL)
+
+
+def test_a_sidecar_whose_ranks_never_beat_stops_once_no_process_of_the_job_is_left(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A command job that never calls report() writes no heartbeat: the job's processes say when its ranks
+    have ended (with the local supervisor killed, nobody else would tell it: it waited 120 s)."""
+    job_id = f"local-{os.getpid()}-silent"
+    ranks, ending, stop, waiting, log = _ranks_and_wait(monkeypatch, job_id)
+    rank = _job_process(job_id)
+    ending.set()
     waiting.check()
-    assert not stop.is_set()
-    ranks.alive = False  # and end
-    waiting.check()
-    assert stop.is_set() and "waiting for this node's ranks to end" in log[0]
+    assert not stop.is_set(), "stopped while a process of the job still ran"
+    os.kill(rank, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while not stop.is_set():
+        assert time.monotonic() < deadline, "never stopped after the job's last process ended"
+        time.sleep(0.1)
+        waiting.check()

@@ -1,0 +1,41 @@
+"""The local rank controller's record of how each rank ended, and the words the supervisor makes of it
+(the processes themselves: tests/integration/test_local_job_lifecycle.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from launcher import controller
+
+
+def _ends(tmp_path: Path, *rows: dict, torn: bool = False) -> Path:
+    path = controller.ends_path(tmp_path, 4242)
+    text = "".join(json.dumps(row) + "\n" for row in rows)
+    path.write_text(text + ('{"rank": 3, "co' if torn else ""))
+    return path
+
+
+def test_ends_are_read_first_first_and_a_torn_last_line_is_skipped(tmp_path: Path) -> None:
+    _ends(tmp_path, {"rank": 0, "code": 1, "time": 5.0}, {"rank": 1, "code": -9, "time": 2.0}, torn=True)
+    assert [end["rank"] for end in controller.read_ends(tmp_path, 4242)] == [1, 0]
+    assert controller.read_ends(tmp_path, 1) == []
+
+
+def test_the_first_death_skips_clean_ends_and_takes_a_returned_code() -> None:
+    ends = [
+        {"rank": 2, "code": 0, "time": 1.0},
+        {"rank": 0, "code": 0, "time": 2.0},
+        {"rank": 1, "code": -9, "time": 3.0},
+    ]
+    assert controller.first_death(ends, (0, 75), {2: 75, 0: 0}) == {"rank": 1, "code": -9, "time": 3.0}
+    # A process that exited 0 after its function returned a failing code: that code.
+    assert controller.first_death(ends, (0, 75), {2: 2}) == {"rank": 2, "code": 2, "time": 1.0}
+    assert controller.first_death(ends[:2], (0, 75), {}) is None
+
+
+def test_how_a_rank_ended_in_words() -> None:
+    assert controller.how(-9).startswith("was killed by SIGKILL (kill -9, or the kernel's out-of-memory killer")
+    assert controller.how(-15) == "was killed by SIGTERM"
+    assert controller.how(137).startswith("exited with code 137 (its program was killed by SIGKILL")
+    assert controller.how(3) == "exited with code 3"
