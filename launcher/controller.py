@@ -99,15 +99,18 @@ def _signal_words(number: int) -> str:
 
 
 def first_death(
-    ends: Sequence[dict[str, Any]], clean: Sequence[int], returned: Mapping[int, int]
+    ends: Sequence[dict[str, Any]], clean: Sequence[int], returned: Mapping[int, tuple[float, int]]
 ) -> Optional[dict[str, Any]]:
-    """The first rank to end other than cleanly, as {"rank", "code", "time"}: its process's own exit code,
-    or, for a process that exited 0, the code its function returned (`returned`, from its result file)."""
-    for end in ends:
-        code = end["code"] or returned.get(end["rank"], 0)
-        if code not in clean:
-            return {**end, "code": code}
-    return None
+    """The first rank to end other than cleanly, as {"rank", "code", "time"}. A rank whose function returned
+    (`returned`: when its result was written, and the code) gave its own account, which a signal reaching its
+    process while it exits (the stop of its peers) does not change; any other rank's end is its process's."""
+    merged = {int(end["rank"]): (float(end.get("time", 0)), int(end["code"])) for end in ends}
+    merged.update(returned)
+    bad = sorted((when, rank, code) for rank, (when, code) in merged.items() if code not in clean)
+    if not bad:
+        return None
+    when, rank, code = bad[0]
+    return {"rank": rank, "code": code, "time": when}
 
 
 def start(folder: Path, command: str, parameters: dict[str, Any]) -> subprocess.Popen[bytes]:

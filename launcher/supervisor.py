@@ -43,8 +43,6 @@ FAILED_PEER_GRACE_S = 10
 SIDECAR_STOP_S = 5
 CLEAN_CODES = (0, EXIT_REQUEUE)
 """A rank's ends that fail nothing: done, or stopped after saving (a preemption's)."""
-NO_RESULT = "ended without a result (killed?)"
-"""A rank's end when submitit has no result of it: all the supervisor knows unless its controller saw more."""
 """How long the sidecar gets to stop after the ranks ended, before it is killed."""
 
 
@@ -207,9 +205,7 @@ class Supervisor:
 
         returned = _returned(job)
         died = controller.first_death(controller.read_ends(job.paths.folder, job.job_id), CLEAN_CODES, returned)
-        if died is not None:
-            return int(died["rank"])
-        return next((rank for rank, code in sorted(returned.items()) if code not in CLEAN_CODES), None)
+        return None if died is None else int(died["rank"])
 
     @staticmethod
     def _codes(job: Any) -> tuple[Optional[list[int]], str]:
@@ -223,7 +219,7 @@ class Supervisor:
             try:
                 outcome, value = pickle_load(path)
             except Exception:
-                return None, f"rank {task} {NO_RESULT}"
+                return None, f"rank {task} ended without a result (killed?)"
             if outcome != "success":
                 lines = str(value).strip().splitlines()
                 return None, lines[-1] if lines else f"rank {task} raised"
@@ -261,7 +257,7 @@ class Supervisor:
             )
         else:
             final = "FAILED"
-            message = first_death(job, rank_error or (f"rank exit codes {codes}" if codes else message))
+            message = first_death(job, rank_error) or rank_error or (f"rank exit codes {codes}" if codes else message)
         code = agreed if agreed is not None else _job_exit_code(codes, final)
         lost = lost_checkpoints.check(self.run_dir.root)  # after the sidecar's last copies: a checkpoint_lost alert
         if lost is not None:
@@ -293,34 +289,35 @@ class Supervisor:
         return 0 if final == "COMPLETED" else 1
 
 
-def _returned(job: Any) -> dict[int, int]:
-    """Each rank's returned exit code, from submitit's result files; a rank that raised counts as 1 (its
-    rank error says why); a rank with no result yet (running, being written, killed) is absent."""
+def _returned(job: Any) -> dict[int, tuple[float, int]]:
+    """Each rank's returned exit code, from submitit's result files, with when it was written; a rank that
+    raised counts as 1 (its rank error says why); a rank with no result yet (running, being written, killed)
+    is absent."""
     from submitit.core.utils import pickle_load
 
     codes = {}
     for task in range(job.num_tasks):
         result = job.task(task).paths.result_pickle
-        if not result.exists():
-            continue
         try:
+            written = result.stat().st_mtime
             outcome, value = pickle_load(result)
         except Exception:
-            continue  # being written
-        codes[task] = int(value) if outcome == "success" and isinstance(value, int) else EXIT_FAILED
+            continue  # none, or being written
+        codes[task] = (written, int(value) if outcome == "success" and isinstance(value, int) else EXIT_FAILED)
     return codes
 
 
-def first_death(job: Any, message: str) -> str:
-    """`message` led by the first rank that ended badly, and how (its controller saw it): a rank killed by a
-    signal writes nothing, and its peers' errors ("connection closed by peer") would be all there is to read."""
+def first_death(job: Any, rank_error: str) -> str:
+    """The first rank that ended badly, and how (its controller saw it), before the first rank error when
+    another rank wrote it: a rank killed by a signal writes nothing, and its peers' errors ("connection
+    closed by peer") would be all there is to read. "" when no end was recorded or that rank said why itself."""
     from launcher import controller
 
     first = controller.first_death(controller.read_ends(job.paths.folder, job.job_id), CLEAN_CODES, _returned(job))
-    if first is None or message.startswith(f"rank {first['rank']}:"):
-        return message  # no end recorded, or the first to die said why itself
+    if first is None or rank_error.startswith(f"rank {first['rank']}:"):
+        return ""
     lead = f"rank {first['rank']} {controller.how(first['code'])}"
-    return f"{lead}, first; then {message}" if message and not message.endswith(NO_RESULT) else lead
+    return f"{lead}, first; then {rank_error}" if rank_error else lead
 
 
 def earlier_runs(run_dir: str, job_id: str) -> int:

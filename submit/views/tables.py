@@ -131,12 +131,14 @@ def _hang_head(verdict: dict[str, Any]) -> str:
 
 
 def detail_lines(status: Any, width: int = 100) -> list[str]:
-    """One job's findings under its table row: the engine, the hang's verdict, stragglers, environment mismatches."""
+    """One job's findings under its table row: why it ended so (or waits), the engine, the hang's verdict,
+    stragglers, environment mismatches."""
     import textwrap
 
     from submit.textwidth import printable
 
-    lines = [f"engine: {printable(status.engine)}"] if status.engine else []
+    lines = textwrap.wrap(printable(_reason_line(status)), width, subsequent_indent="  ") if status.reason else []
+    lines += [f"engine: {printable(status.engine)}"] if status.engine else []
     if status.verdict is not None:
         lines.append(printable(f"hang: {_hang_head(status.verdict)}".rstrip(": ")))
         paragraph = printable(" ".join(str(status.verdict.get("verdict") or "").split()))
@@ -160,6 +162,16 @@ def detail_lines(status: Any, width: int = 100) -> list[str]:
         lines.append(f"alerts ({len(status.alerts)} recent, newest last; all: {status.run_dir}/alerts.jsonl):")
         lines += [f"  {alert_line(a)}" for a in status.alerts[-DETAIL_ALERTS:]]
     return lines
+
+
+def _reason_line(status: Any) -> str:
+    """'reason (exit 2, bad input): ...': the job's own words for its state, with its exit code's meaning."""
+    from launcher.contract.exitcodes import EXIT_NAMES
+
+    code = status.exit_code
+    named = f" (exit {code}, {EXIT_NAMES[code]})" if code in EXIT_NAMES and code else ""
+    named = named or (f" (exit {code})" if code else "")
+    return f"reason{named}: {status.reason}"
 
 
 def progress_line(status: Any, total_steps: Optional[int]) -> str:

@@ -155,3 +155,15 @@ def test_top_cells_step_of_steps_time_left_and_a_non_finite_loss_in_the_sparklin
     huge = _status(progress={"step": 1, "step_time_s": 3.0}, steps=10**9, elapsed_s=60, time_limit_s=300)
     assert top.row(huge)[top.HEAD.index("ETA")] == ">99 days"
     assert progress_line(huge, 10**9).endswith("eta >99 days left 0:04:00 (the limit comes first)")
+
+
+def test_status_of_one_job_says_why_it_ended_with_its_exit_codes_meaning() -> None:
+    from submit.views.tables import detail_lines
+
+    failed = _status(state="FAILED", done=True, reason="rank 0: bad token file", exit_code=2)
+    assert detail_lines(failed)[0] == "reason (exit 2, bad input): rank 0: bad token file"
+    odd = _status(state="FAILED", done=True, reason="rank 1 exited with code 3", exit_code=3)
+    assert detail_lines(odd)[0] == "reason (exit 3): rank 1 exited with code 3"
+    waiting = _status(state="PENDING", reason="Resources")
+    assert detail_lines(waiting) == ["reason: Resources"]
+    assert detail_lines(_status(state="COMPLETED", done=True, succeeded=True)) == []

@@ -22,15 +22,19 @@ def test_ends_are_read_first_first_and_a_torn_last_line_is_skipped(tmp_path: Pat
     assert controller.read_ends(tmp_path, 1) == []
 
 
-def test_the_first_death_skips_clean_ends_and_takes_a_returned_code() -> None:
+def test_the_first_death_skips_clean_ends_and_a_rank_that_returned_speaks_for_itself() -> None:
     ends = [
         {"rank": 2, "code": 0, "time": 1.0},
         {"rank": 0, "code": 0, "time": 2.0},
         {"rank": 1, "code": -9, "time": 3.0},
     ]
-    assert controller.first_death(ends, (0, 75), {2: 75, 0: 0}) == {"rank": 1, "code": -9, "time": 3.0}
-    # A process that exited 0 after its function returned a failing code: that code.
-    assert controller.first_death(ends, (0, 75), {2: 2}) == {"rank": 2, "code": 2, "time": 1.0}
+    assert controller.first_death(ends, (0, 75), {2: (0.9, 75), 0: (1.9, 0)}) == {"rank": 1, "code": -9, "time": 3.0}
+    # A process that exited 0 after its function returned a failing code: that code, when it was written.
+    assert controller.first_death(ends, (0, 75), {2: (0.9, 2)}) == {"rank": 2, "code": 2, "time": 0.9}
+    # Rank 1 returned 3, then its peers were stopped and its own process caught the TERM while exiting:
+    # its returned code, not the TERM, and it came first.
+    late = [{"rank": 0, "code": -15, "time": 5.0}, {"rank": 1, "code": -15, "time": 5.1}]
+    assert controller.first_death(late, (0, 75), {1: (4.0, 3)}) == {"rank": 1, "code": 3, "time": 4.0}
     assert controller.first_death(ends[:2], (0, 75), {}) is None
 
 
