@@ -22,13 +22,15 @@ not verify.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import hashlib
 import os
+import re
 import secrets
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from launcher.contract.spec import Code
 from submit.errors import ClusterError, InputError
@@ -79,18 +81,30 @@ class Snapshot:
 def matches(rel: str, patterns: tuple[str, ...]) -> bool:
     """fnmatch against the relative path (`*` crosses folders); a bare name also matches any file or
     folder of that name at any depth; a folder path matches everything under it."""
-    parts = rel.split("/")
-    for raw in patterns:
-        pattern = raw.strip("/")
-        if not pattern:
-            continue
-        if fnmatch.fnmatchcase(rel, pattern) or rel.startswith(pattern + "/"):
-            return True
-        if "/" not in pattern and any(fnmatch.fnmatchcase(part, pattern) for part in parts):
-            return True
-        if any(fnmatch.fnmatchcase("/".join(parts[:i]), pattern) for i in range(1, len(parts))):
-            return True
-    return False
+    return _matcher(patterns)(rel)
+
+
+@functools.lru_cache(maxsize=64)
+def _matcher(patterns: tuple[str, ...]) -> Callable[[str], bool]:
+    """`matches` for one tuple of patterns, compiled once (a checkout's every file is tested against the same
+    few): one regex for the path or any of its leading folders, one for each of its parts (bare names)."""
+    stripped = [raw.strip("/") for raw in patterns if raw.strip("/")]
+    # fnmatch's own translation, "(?s:...)" and its end anchor: `*` crosses folders, as in fnmatchcase.
+    globs = [re.sub(r"\\[Zz]$", "", fnmatch.translate(pattern)) for pattern in stripped]
+    path = _any_of([f"{glob}(?s:/.*)?" for glob in globs])  # the path, or a leading folder and all under it
+    name = _any_of([glob for pattern, glob in zip(stripped, globs) if "/" not in pattern])
+    prefixes = tuple(pattern + "/" for pattern in stripped)
+
+    def test(rel: str) -> bool:
+        return bool(path(rel) or rel.startswith(prefixes) or any(name(part) for part in rel.split("/")))
+
+    return test
+
+
+def _any_of(regexes: list[str]) -> Callable[[str], object]:
+    if not regexes:
+        return lambda _text: None
+    return re.compile("|".join(f"(?:{regex})" for regex in regexes)).fullmatch
 
 
 def _git(root: Path, *args: str) -> Optional[str]:
