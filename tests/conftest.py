@@ -39,6 +39,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Stop, by pid and start time, whatever this run's tests left running (after every finalizer ran;
     a SIGTERM to the run gets here too), and name it: each is a test's leak to fix."""
+    from tests.helpers import zygote
+
+    zygote.close()  # the rank server is the session's own, not a test's leak
     config = session.config
     left = hygiene.leftovers(config.stash[_MARK], str(config.rootpath))
     if not left:

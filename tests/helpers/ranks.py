@@ -105,7 +105,14 @@ def rank_environ(rank: int, world: int, port: int) -> dict[str, str]:
 
 
 def start(run_dir: Path, world: int) -> list[subprocess.Popen[str]]:
+    """`world` ranks of `run_dir`'s job, forked from a process that imported torch once (tests/helpers/zygote.py;
+    MESHRUN_TEST_NO_FORK=1 starts each with its own interpreter)."""
+    from tests.helpers import zygote
+
     port = free_port()
+    if not os.environ.get(zygote.DISABLED_ENV):
+        argv = [str(Path(sys.modules["launcher"].__file__ or "launcher").parent / "__main__.py"), str(run_dir)]
+        return [zygote.spawn(argv, rank_environ(r, world, port)) for r in range(world)]
     return [
         subprocess.Popen(
             [sys.executable, "-m", "launcher", str(run_dir)],
