@@ -135,9 +135,11 @@ class Supervisor:
     def _executor(self) -> tuple[Any, int]:
         import math
 
-        from launcher.controller import RecordingExecutor
+        from launcher.controller import PRELOAD_ENV, TRAINER_PRELOAD, RecordingExecutor
 
         job = self.spec.job
+        if job.command is None:  # the built-in trainer: its ranks are forked with torch already imported
+            os.environ[PRELOAD_ENV] = ",".join(TRAINER_PRELOAD)
         limit_s = self.spec.run.time_limit_s or 3600
         executor = RecordingExecutor(folder=self.run_dir.submitit)
         # The supervisor's own clock enforces the limit; submitit's gets a margin so that

@@ -27,9 +27,10 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from launcher.controller import TRAINER_PRELOAD as PRELOAD  # what every trainer rank imports first
+
 REPO = Path(__file__).resolve().parents[2]
-PRELOAD = ("torch", "torch.distributed", "launcher.entry", "launcher.train.loop", "launcher.checkpoint.manager")
-"""What every trainer rank imports first; forked children share it, already imported."""
+
 DISABLED_ENV = "MESHRUN_TEST_NO_FORK"
 """Set (to anything) to start every rank with its own `python -m launcher`, as before."""
 
