@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 from launcher.contract.rundir import RunDir
 from submit.errors import ConnectionLost, MeshrunError
 from submit.jobs.registry import JobRecord, Registry
-from submit.jobs.state import JobState
+from submit.jobs.state import FINAL, SUCCESS, JobState
 from submit.transport.base import Transport
 
 METRICS_FILE = RunDir.METRICS
@@ -178,6 +178,24 @@ def _unreachable(record: JobRecord, why: str) -> Status:
     )
 
 
+def _kept_or_unreachable(record: JobRecord, why: str) -> Status:
+    """A job whose cluster cannot be reached now: the final state meshrun saw before, when it had ended
+    (it will not change: its step, loss and checkpoint stay shown), else UNREACHABLE with the reason."""
+    known = next((state for state in FINAL if state.value == record.last_state), None)
+    if known is None:
+        return _unreachable(record, why)
+    return Status(
+        job_id=record.job_id,
+        cluster=record.cluster,
+        name=record.name,
+        state=known,
+        run_dir=record.run_dir,
+        submitted_at=record.submitted_at,
+        done=True,
+        succeeded=known in SUCCESS,
+    )
+
+
 def _cluster_statuses(
     group: Sequence[JobRecord], transport: Transport, schedulers: Schedulers, detail: bool, live: bool
 ) -> list[Status]:
@@ -224,7 +242,7 @@ def statuses(
             # (a changed host key) must still reach the person, not only --json.
             if getattr(exc, "security", False):
                 warn(f"{cluster}: {exc}")
-            found_here = [_unreachable(r, str(exc)) for r in group]
+            found_here = [_kept_or_unreachable(r, str(exc)) for r in group]
         for status in found_here:
             found[(status.cluster, status.job_id)] = status
     result = [kept_progress(r, found[(r.cluster, r.job_id)]) for r in records]

@@ -284,3 +284,17 @@ def test_status_asks_the_scheduler_it_is_handed(tmp_path: Path) -> None:
     ]
     found = statuses(records, _Clusters(), Reader)
     assert asked == [("slurm", ["1"]), ("local", ["x"])] and [s.state for s in found] == [JobState.RUNNING] * 2
+
+
+def test_a_job_known_to_have_ended_keeps_its_final_state_while_its_cluster_is_unreachable(tmp_path: Path) -> None:
+    """A new user's report: with the testbed down, `status` showed jobs meshrun had seen end as UNREACHABLE,
+    their step and loss blanked (watching.md: the last final state is kept)."""
+    records = [
+        JobRecord("local-x", "ok", "n", str(tmp_path), "local", 0.0, None, "h"),
+        JobRecord("7", "bad", "n", "/r", "slurm", 0.0, None, "h", last_state="COMPLETED", last_progress='{"step": 9}'),
+        JobRecord("8", "bad", "n", "/r", "slurm", 0.0, None, "h", last_state="RUNNING"),
+    ]
+    found = api.statuses(records, _Clusters(), warn=lambda _m: None)
+    assert [s.state for s in found] == ["UNKNOWN", "COMPLETED", "UNREACHABLE"]
+    assert found[1].done and found[1].succeeded and found[1].progress == {"step": 9}
+    assert "REMOTE HOST IDENTIFICATION" in (found[2].reason or "")
