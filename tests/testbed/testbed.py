@@ -6,6 +6,7 @@ Everything (configs, keys, state, logs) lives under TESTBED_DIR. Needs root and 
 that tests/testbed/install.sh installs.
 
     python -m tests.testbed.testbed up|down|status|env
+    python -m tests.testbed.testbed profile [NAME]   # ~/.config/meshrun/clusters/NAME.yaml, over its sshd
 
 Environment: MESHRUN_TESTBED_DIR (default /tmp/meshrun-testbed) and the ports
 MESHRUN_TESTBED_{SLURMCTLD,SLURMDBD,SLURMD_N1,SLURMD_N2,MARIADB,SSHD}_PORT. With the default ports
@@ -941,7 +942,8 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("command", choices=("up", "down", "status", "env"))
+    parser.add_argument("command", choices=("up", "down", "status", "env", "profile"))
+    parser.add_argument("name", nargs="?", default="mycluster", help="profile: the cluster profile's name")
     parser.add_argument("--purge", action="store_true", help="down: also delete the testbed folder")
     args = parser.parse_args(argv)
     start = time.monotonic()
@@ -955,6 +957,14 @@ def main(argv: list[str] | None = None) -> int:
             for name, pid in pids.items():
                 print(f"{name:10} {'running, pid ' + str(pid) if pid else 'stopped'}")
             return 0 if all(pids.values()) else 1
+        elif args.command == "profile":
+            # A profile reaching this testbed over SSH, as a laptop would (its host key already trusted).
+            from tests.helpers import sshbed
+
+            clusters = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "meshrun" / "clusters"
+            clusters.mkdir(parents=True, exist_ok=True)
+            print(sshbed.profile(clusters, name=args.name))
+            return 0
         else:
             for key, value in client_env().items():
                 print(f"export {key}={value}")
