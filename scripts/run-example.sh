@@ -6,4 +6,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/meshrun data
+echo "the example's 8 ranks start (each imports torch and builds its stage: up to a minute) before the first step" >&2
 exec .venv/bin/meshrun submit examples/gpt-3d.yaml -c local --wait "$@"
