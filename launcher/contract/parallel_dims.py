@@ -8,7 +8,7 @@ then dp, then pp). Messages carry the arithmetic, as torchtitan's do.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 MESH_DIMS = ("pp", "dp", "tp")
 """DeviceMesh dimension names, outermost first: consecutive ranks (one node) share a tp group."""
@@ -17,7 +17,7 @@ MESH_DIMS = ("pp", "dp", "tp")
 @dataclass(frozen=True)
 class Problem:
     key: str
-    value: int
+    value: Union[int, str]
     fix: str
 
 
@@ -81,7 +81,7 @@ class ParallelDims:
         if self.world_size != world_size:
             return Problem(
                 "parallel",
-                self.world_size,
+                f"dp={self.dp} tp={self.tp} pp={self.pp}",
                 f"{product} != world size {world_size} (nodes x tasks per node); "
                 f"make the product equal the number of ranks",
             )

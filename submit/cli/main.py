@@ -441,11 +441,23 @@ VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+def _suggest_a_verb(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """A mistyped verb gets the nearest one, as a mistyped spec key does (argparse lists them all)."""
+    from launcher.contract.schema import closest
+
+    verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    first = next((word for word in argv if not word.startswith("-")), None)
+    if first is not None and first not in verbs and (hint := closest(first, verbs)):
+        parser.error(f"no verb {first!r}{hint}; `meshrun --help` lists them")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     # Private whatever the user's umask: the registry, run dirs, uploads, sbatch (Slurm gives the job the
     # umask it was submitted with: output files, ranks) and the local supervisor inherit it.
     private_umask()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    _suggest_a_verb(parser, sys.argv[1:] if argv is None else list(argv))
+    args = parser.parse_args(argv)
     try:
         return VERBS[args.verb](args)
     except SchemaError as exc:

@@ -187,7 +187,9 @@ def test_bad_input_is_one_line_and_exit_2() -> None:
         cwd=REPO,
     )
     assert done.returncode == 2, done
-    assert done.stderr.count("\n") == 1 and done.stderr.startswith("meshcount: error: parallel: 3: dp(3)*tp(1)*pp(1)")
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith(
+        "meshcount: error: parallel: 'dp=3 tp=1 pp=1': dp(3)*tp(1)*pp(1)"
+    )
     garbage = subprocess.run(
         [sys.executable, "-m", "launcher.probes.meshcount"], input="{", capture_output=True, text=True, cwd=REPO
     )

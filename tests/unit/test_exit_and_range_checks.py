@@ -133,6 +133,16 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert done.value.code == 0 and capsys.readouterr().out == f"meshrun {installed_version()}\n"
 
 
+def test_a_mistyped_verb_gets_the_nearest_one(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["sumbit", "examples/tiny.yaml"])
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert (
+        done.value.code == 2
+        and err == "meshrun: error: no verb 'sumbit' (did you mean 'submit'?); `meshrun --help` lists them"
+    )
+
+
 def test_a_reader_that_goes_away_is_not_an_internal_error(tmp_path: Path) -> None:
     """`meshrun logs JOB --rank all | head -1`: the verb's output outlives its reader; exit 0, nothing on stderr."""
     flood = (
