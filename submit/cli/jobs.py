@@ -128,6 +128,13 @@ def cmd_logs(args: argparse.Namespace) -> int:
             logs.print_once(transport, sources, printer)
         transport = clusters.transport_for(record)  # after a reconnect, the new connection
         if all(s.offset == 0 for s in sources) and not any(transport.exists(s.path) for s in sources):
+            if not transport.exists(record.run_dir):
+                # Not "no log yet": the folder the logs live in is gone, so none will ever appear.
+                print(
+                    f"meshrun: the run dir of job {record.job_id} is gone ({record.run_dir}); no logs to show",
+                    file=sys.stderr,
+                )
+                return 1
             print(
                 f"meshrun: no log yet at {sources[0].path}"
                 + ("" if args.batch else " (try --batch for the job's own log)"),
@@ -163,6 +170,10 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         clusters.close()
     what = f"job array {args.job} ({len(records)} tasks)" if len(records) > 1 else f"job {records[0].job_id}"
     print(f"cancelled {what} on {records[0].cluster}")
+    # A cancel is a request: the ranks checkpoint and stop in their own time, so "cancelled" is not "ended".
+    print(
+        f"meshrun: its ranks save and stop first; `meshrun status {args.job}` says when it has ended", file=sys.stderr
+    )
     return 0
 
 

@@ -16,7 +16,9 @@ def read_run_spec(record: JobRecord, transport: Transport) -> RunSpec:
     raw = transport.read_bytes(path, 0, 1 << 22)
     if not raw:
         if not transport.exists(record.run_dir):
-            raise ClusterError(f"the run dir of job {record.job_id} is gone ({record.run_dir}); nothing to resume")
+            raise ClusterError(
+                f"the run dir of job {record.job_id} is gone ({record.run_dir}) with its spec and checkpoints"
+            )
         raise ClusterError(f"{path} is missing: the run dir of job {record.job_id} was emptied")
     try:
         return loads_run_spec(raw.decode("utf-8", errors="replace"), path)

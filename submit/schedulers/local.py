@@ -337,7 +337,9 @@ def submitit_state(record: JobRecord) -> dict[str, Any]:
 
 def _status(record: JobRecord, transport: Transport, detail: bool = False, live: bool = False) -> Status:
     if not os.path.isdir(record.run_dir):
-        state: dict[str, Any] = {"state": "UNKNOWN", "message": f"the run dir {record.run_dir} is gone"}
+        # A job that had ended keeps the state meshrun saw then: removing its folder does not undo its end.
+        seen = record.last_state if STATES.get(record.last_state) in FINAL else "UNKNOWN"
+        state: dict[str, Any] = {"state": seen, "message": f"the run dir {record.run_dir} is gone"}
     else:
         state = current_state(record.run_dir, record.job_id) or submitit_state(record) or {"state": "UNKNOWN"}
     job_state = STATES.get(state.get("state", ""), JobState.UNKNOWN)

@@ -185,13 +185,18 @@ def test_each_job_id_keeps_its_outcome_and_its_log(tmp_path: Path) -> None:
     assert ended.returncode == 1 and "already ended (COMPLETED)" in ended.stderr
 
 
-def test_resume_after_the_run_dir_is_gone_says_so(tmp_path: Path) -> None:
+def test_every_verb_says_the_run_dir_is_gone_and_status_keeps_the_end(tmp_path: Path) -> None:
     spec = _command_spec(tmp_path, "gone", "exit 5", tasks=1)
     out = meshrun(tmp_path, "submit", str(spec), "-c", "local", "--wait")
     job_id, run_dir = submitted(out)
+    assert status(tmp_path, job_id)["state"] == "FAILED"
     subprocess.run(["rm", "-rf", str(run_dir)], check=True)
-    resumed = meshrun(tmp_path, "resume", job_id)
-    assert resumed.returncode == 1 and "is gone" in resumed.stderr, resumed.stderr
+    for verb in (("resume", job_id), ("export", job_id, "-o", str(tmp_path / "out")), ("logs", job_id)):
+        said = meshrun(tmp_path, *verb)
+        assert said.returncode == 1 and "is gone" in said.stderr and said.stderr.count("\n") == 1, (verb, said)
+        assert "nothing to resume" not in said.stderr and not said.stdout
+    kept = status(tmp_path, job_id)
+    assert kept["state"] == "FAILED" and "is gone" in kept["reason"], kept
 
 
 def test_ctrl_c_while_waiting_leaves_the_job_running_and_says_so(tmp_path: Path) -> None:
