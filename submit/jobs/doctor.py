@@ -255,11 +255,11 @@ def check_storage(ranks: Sequence[Mapping[str, Any]], best: Mapping[str, float])
             continue
         if "error" in part:
             return Check("storage", "fail", f"{label} error", f"{label} {part['path']}: {part['error']}")
-        cells.append(f"{label} {part['mbps']:g}")
+        cells.append(f"{label} {part['mbps']:g} MB/s")  # each cell its unit: they are read one by one
         found = relative("storage", part["mbps"], best.get(key, 0), "MB/s", f"{label} of {part['path']}")
         if found and RANK_ORDER[found.verdict] > RANK_ORDER[worst.verdict]:
             worst = found
-    return Check("storage", worst.verdict, ", ".join(cells) + " MB/s", worst.why)
+    return Check("storage", worst.verdict, ", ".join(cells), worst.why)
 
 
 def expected_bw(interconnect: Interconnect, which: str, opts: Options) -> Optional[float]:

@@ -108,6 +108,7 @@ def test_slow_figures_warn_then_fail_against_the_fastest_node() -> None:
     report = judge([rank(r, "gpu1") for r in range(8)] + slow, GPU_OPTS, H200, "0.1.0")
     assert report.bad_nodes == ("gpu2",)
     assert "slow: ckpt write of /weka/c 50 MB/s is 2% of the fastest node's (2000 MB/s)" in table(report)
+    assert "ckpt write 50 MB/s" in table(report)  # each figure with its unit, not one unit after a list
 
 
 def test_all_nodes_slow_against_the_profile_and_the_peak_warn() -> None:
