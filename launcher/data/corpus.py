@@ -284,7 +284,7 @@ def check_counts(inputs: Inputs, options: BuildOptions, train: TokenWriter, val:
     shown = ", ".join(inputs.paths)
     if train.documents + val.documents == 0:
         raise SchemaError(
-            "--input", shown, f"no {'/'.join(inputs.suffixes)} text found; give a folder, file or glob of text files"
+            "INPUT", shown, f"no {'/'.join(inputs.suffixes)} text found; give a folder, file or glob of text files"
         )
     if train.documents == 0:
         raise SchemaError(

@@ -68,7 +68,7 @@ def check_format(path: Path) -> None:
     """Refuse a file meshrun cannot read as text, naming it and the accepted suffixes."""
     if path.suffix.lower() not in SUFFIXES:
         raise SchemaError(
-            "--input", str(path), f"unknown format {path.suffix or '(no suffix)'!r}; accepted: {accepted()}"
+            "INPUT", str(path), f"unknown format {path.suffix or '(no suffix)'!r}; accepted: {accepted()}"
         )
 
 
@@ -138,14 +138,14 @@ def iter_files(inputs: Inputs, tally: Optional[Tally] = None) -> Iterator[Path]:
         elif glob.has_magic(given):
             yield from _glob_sorted(str(path))
         else:
-            raise SchemaError("--input", given, "no such file or folder; give a folder, a file or a glob of text files")
+            raise SchemaError("INPUT", given, "no such file or folder; give a folder, a file or a glob of text files")
 
 
 def _glob_sorted(pattern: str) -> Iterator[Path]:
     matches = sorted(Path(p) for p in glob.glob(pattern, recursive=True))
     files = [p for p in matches if p.is_file()]
     if not files:
-        raise SchemaError("--input", pattern, "the glob matches no file; check the pattern (quote it in the shell)")
+        raise SchemaError("INPUT", pattern, "the glob matches no file; check the pattern (quote it in the shell)")
     for path in files:
         check_format(path)
         yield path
