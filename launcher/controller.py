@@ -74,19 +74,15 @@ class RecordingController(submitit_local.Controller):  # type: ignore[misc]
 
     def start_tasks(self) -> None:
         preload = [name for name in os.environ.get(PRELOAD_ENV, "").split(",") if name]
-        if not preload:
-            super().start_tasks()
+        if preload and _preloaded(preload):
+            self._fork_tasks()
         else:
-            self._fork_tasks(preload)
+            super().start_tasks()
         self._ended: set[int] = set()
 
-    def _fork_tasks(self, preload: list[str]) -> None:
-        import importlib
-
+    def _fork_tasks(self) -> None:
         from submitit.core import utils
 
-        for name in preload:
-            importlib.import_module(name)
         self.folder.mkdir(exist_ok=True)
         paths = [utils.JobPaths(self.folder, self.pid, k) for k in range(self.ntasks)]
         self.stdouts = [p.stdout.open("a") for p in paths]
@@ -122,6 +118,18 @@ class RecordingController(submitit_local.Controller):  # type: ignore[misc]
             for rank, code in new:
                 self._ended.add(rank)
                 out.write(json.dumps({"rank": rank, "code": code, "time": now}) + "\n")
+
+
+def _preloaded(modules: Sequence[str]) -> bool:
+    """Imports `modules`; True when forking from this process is safe. A CUDA context does not survive a fork
+    (a child that touches it fails), so once anything imported has created one, each rank gets its own
+    interpreter instead."""
+    import importlib
+
+    for name in modules:
+        importlib.import_module(name)
+    torch = sys.modules.get("torch")
+    return torch is None or not torch.cuda.is_initialized()
 
 
 def _become_worker(folder: Path, task: int, job_id: str, out: int, err: int) -> None:
@@ -189,9 +197,14 @@ def how(code: int) -> str:
     reports its program's death by signal N as 128 + N, as a shell does."""
     if code < 0:
         return f"was killed by {_signal_words(-code)}"
-    if 128 < code < 128 + 65:
+    if by_signal(code):
         return f"exited with code {code} (its program was killed by {_signal_words(code - 128)})"
     return f"exited with code {code}"
+
+
+def by_signal(code: int) -> bool:
+    """Whether a rank's end (as `how` reads it) was a signal's, which leaves the rank no chance to say why."""
+    return code < 0 or 128 < code < 128 + 65
 
 
 def _signal_words(number: int) -> str:

@@ -318,6 +318,10 @@ def first_death(job: Any, rank_error: str) -> str:
     first = controller.first_death(controller.read_ends(job.paths.folder, job.job_id), CLEAN_CODES, _returned(job))
     if first is None or rank_error.startswith(f"rank {first['rank']}:"):
         return ""
+    if rank_error and not controller.by_signal(first["code"]):
+        # A rank that exited with a code of its own had its say: ranks that meet the same bad input exit in any
+        # order, and whichever wrote the rank error first speaks for them.
+        return ""
     lead = f"rank {first['rank']} {controller.how(first['code'])}"
     return f"{lead}, first; then {rank_error}" if rank_error else lead
 

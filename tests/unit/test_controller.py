@@ -43,3 +43,39 @@ def test_how_a_rank_ended_in_words() -> None:
     assert controller.how(-15) == "was killed by SIGTERM"
     assert controller.how(137).startswith("exited with code 137 (its program was killed by SIGKILL")
     assert controller.how(3) == "exited with code 3"
+
+
+def test_ranks_are_forked_only_from_a_process_without_a_cuda_context(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import sys
+    import types
+
+    def torch_with(initialized: bool) -> types.ModuleType:
+        fake = types.ModuleType("torch")
+        fake.cuda = types.SimpleNamespace(is_initialized=lambda: initialized)  # type: ignore[attr-defined]
+        return fake
+
+    monkeypatch.setitem(sys.modules, "torch", torch_with(False))
+    assert controller._preloaded(["json"])
+    monkeypatch.setitem(sys.modules, "torch", torch_with(True))
+    assert not controller._preloaded(["json"])  # a CUDA context does not survive a fork: one interpreter per rank
+
+
+def test_the_reason_leads_with_the_first_death_only_when_a_signal_left_it_no_words(tmp_path: Path) -> None:
+    """A flaky run: both ranks met the same bad data path; rank 1 exited (code 2) a moment before rank 0 wrote
+    the rank error, and the reason led with 'rank 1 exited with code 2, first' instead of the error itself."""
+    import types
+
+    from launcher import supervisor
+
+    class _Task:
+        paths = types.SimpleNamespace(result_pickle=tmp_path / "none.pkl")
+
+    job = types.SimpleNamespace(paths=types.SimpleNamespace(folder=tmp_path), job_id="4242", num_tasks=2)
+    job.task = lambda _k: _Task()
+    error = "rank 0: data.path: '/x': no token file there"
+    _ends(tmp_path, {"rank": 1, "code": 2, "time": 1.0}, {"rank": 0, "code": 2, "time": 1.5})
+    assert supervisor.first_death(job, error) == ""  # the error speaks for both
+    _ends(tmp_path, {"rank": 1, "code": -9, "time": 1.0}, {"rank": 0, "code": 1, "time": 1.5})
+    said = supervisor.first_death(job, "rank 0: Connection closed by peer")
+    assert said.startswith("rank 1 was killed by SIGKILL") and said.endswith("then rank 0: Connection closed by peer")
+    assert supervisor.first_death(job, "").startswith("rank 1 was killed by SIGKILL")
