@@ -236,13 +236,15 @@ def statuses(
         except ConnectionLost:
             raise  # the caller reconnects
         except MeshrunError as exc:
-            if len(by_cluster) == 1:
-                raise
-            # One unreachable cluster must not hide the others' jobs; a security problem
-            # (a changed host key) must still reach the person, not only --json.
-            if getattr(exc, "security", False):
+            kept = [_kept_or_unreachable(r, str(exc)) for r in group]
+            alone = len(by_cluster) == 1
+            if alone and all(s.state == JobState.UNREACHABLE for s in kept):
+                raise  # nothing to show: the error is the answer
+            # One unreachable cluster must not hide the others' jobs, nor the ends meshrun saw before; a
+            # security problem (a changed host key), or the only cluster asked, must still reach the person.
+            if alone or getattr(exc, "security", False):
                 warn(f"{cluster}: {exc}")
-            found_here = [_kept_or_unreachable(r, str(exc)) for r in group]
+            found_here = kept
         for status in found_here:
             found[(status.cluster, status.job_id)] = status
     result = [kept_progress(r, found[(r.cluster, r.job_id)]) for r in records]

@@ -298,3 +298,15 @@ def test_a_job_known_to_have_ended_keeps_its_final_state_while_its_cluster_is_un
     assert [s.state for s in found] == ["UNKNOWN", "COMPLETED", "UNREACHABLE"]
     assert found[1].done and found[1].succeeded and found[1].progress == {"step": 9}
     assert "REMOTE HOST IDENTIFICATION" in (found[2].reason or "")
+
+
+def test_the_only_cluster_asked_unreachable_shows_the_ends_it_saw_and_says_why(tmp_path: Path) -> None:
+    """A new user's trial: `status -c CLUSTER` with the cluster down showed nothing of jobs known to have ended."""
+    warned: list[str] = []
+    ended = JobRecord("7", "bad", "n", "/r", "slurm", 0.0, None, "h", last_state="FAILED", last_progress='{"step": 3}')
+    running = JobRecord("8", "bad", "n", "/r", "slurm", 0.0, None, "h", last_state="RUNNING")
+    found = api.statuses([ended, running], _Clusters(), warn=warned.append)
+    assert [s.state for s in found] == ["FAILED", "UNREACHABLE"] and found[0].progress == {"step": 3}
+    assert len(warned) == 1 and warned[0].startswith("bad: ")  # the one cluster asked: always said
+    with pytest.raises(HostKeyChanged):  # nothing known to show: the error itself is the answer
+        api.statuses([running], _Clusters(), warn=warned.append)
