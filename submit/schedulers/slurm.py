@@ -165,9 +165,12 @@ def states_from(records: Sequence[JobRecord], squeue: Result, sacct: Result) -> 
 
 
 def _exit_code(text: Optional[str]) -> Optional[int]:
-    """sacct's ExitCode is CODE:SIGNAL."""
-    head = (text or "").split(":", 1)[0]
-    return int(head) if head.isdigit() else None
+    """sacct's ExitCode is CODE:SIGNAL. A job ended by a signal (a cancel: 0:15) has no code of its own:
+    None, not a 0 that reads as success."""
+    head, _, signal = (text or "").partition(":")
+    if not head.isdigit() or (head == "0" and signal.isdigit() and signal != "0"):
+        return None
+    return int(head)
 
 
 def _status(

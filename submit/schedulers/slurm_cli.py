@@ -204,6 +204,14 @@ def unknown_state_note(text: str) -> Optional[str]:
     return f"Slurm state {word}" if word and word not in STATES else None
 
 
+def cancel_note(text: str) -> Optional[str]:
+    """sacct's "CANCELLED by UID" as a reason: who ended it (uid 0 is Slurm itself or an administrator)."""
+    words = text.split()
+    if len(words) == 3 and _state_word(text) == "CANCELLED" and words[1] == "by" and words[2].isdigit():
+        return "cancelled by Slurm or an administrator (uid 0)" if words[2] == "0" else f"cancelled by uid {words[2]}"
+    return None
+
+
 def parse_sacct(output: str) -> dict[str, SlurmJob]:
     """One SlurmJob per job id from `sacct --allocations --parsable2` with SACCT_FIELDS."""
     states: dict[str, SlurmJob] = {}
@@ -221,7 +229,7 @@ def parse_sacct(output: str) -> dict[str, SlurmJob]:
             elapsed=elapsed or None,
             time_limit=limit or None,
             nodes=nodes or None,
-            reason=unknown_state_note(state),
+            reason=unknown_state_note(state) or cancel_note(state),
         )
     return states
 

@@ -25,8 +25,17 @@ def test_parse_sacct() -> None:
     states = slurm.parse_sacct(SACCT)
     assert states["11"].state == "COMPLETED" and states["11"].succeeded and states["11"].done
     assert states["12"].state == "CANCELLED" and states["12"].done and not states["12"].succeeded
+    assert states["12"].reason == "cancelled by Slurm or an administrator (uid 0)" and states["11"].reason is None
+    assert slurm.parse_sacct("16|t|CANCELLED by 1000|0:15|00:00:04|00:30:00|n1")["16"].reason == "cancelled by uid 1000"
     assert states["13"].state == "RUNNING" and not states["13"].done and states["13"].time_limit == "00:30:00"
     assert slurm.seconds(states["11"].elapsed) == 21 and slurm.seconds(states["11"].time_limit) == 1200
+
+
+@pytest.mark.parametrize("text, code", [("0:0", 0), ("2:0", 2), ("0:15", None), ("75:0", 75), ("", None)])
+def test_a_job_ended_by_a_signal_has_no_exit_code_of_its_own(text: str, code: object) -> None:
+    from submit.schedulers.slurm import _exit_code
+
+    assert _exit_code(text) == code  # "0:15" (a cancel) must not read as a clean exit 0
 
 
 def test_parse_squeue_and_merge_prefers_live_rows_until_accounting_catches_up() -> None:
