@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import sys
 import time
 from typing import Any, NoReturn, Sequence, TextIO
@@ -18,6 +19,9 @@ from submit.errors import InputError
 
 TEARDOWN_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 """A kill, or the terminal closing: torn down like Ctrl-C."""
+SERVER_CHECK_TICKS = 5
+"""Every this many seconds the server is asked whether it still answers: a `meshrun tb --stop` from another
+terminal (or a kill) must end this command, not leave it forwarding to nothing."""
 
 
 def add_parser(verbs: Any) -> None:
@@ -90,12 +94,25 @@ def cmd_tb(args: argparse.Namespace) -> int:
             ),
             sys.stdout,
         )
+        ticks, misses = 0, 0
         while True:
             time.sleep(1.0)
             if not getattr(transport, "is_active", lambda: True)():
                 forward.close()  # the connection dropped: a new one, same local port
                 transport = clusters.reconnect(record)
                 forward = transport.forward(board.port, forward.local_port)
+                continue
+            ticks += 1
+            if ticks % SERVER_CHECK_TICKS == 0:
+                misses = 0 if _answers(forward.local_port) else misses + 1
+                if misses >= 2:  # twice in a row: not one slow answer
+                    _say(
+                        f"meshrun: TensorBoard (pid {board.pid} {_place(clusters.profile_for(record))}) has stopped "
+                        f"(`meshrun tb --stop`, or it was killed); closing the tunnel",
+                        sys.stderr,
+                    )
+                    board = None  # nothing left to stop
+                    return 1
     except KeyboardInterrupt:
         return 0
     finally:
@@ -108,6 +125,17 @@ def cmd_tb(args: argparse.Namespace) -> int:
         clusters.close()
         for sig, handler in before.items():
             signal.signal(sig, handler)
+
+
+def _answers(port: int, timeout_s: float = 10.0) -> bool:
+    """Whether the server answers an HTTP request through 127.0.0.1:port (a refusal for want of the token is
+    an answer); a forward whose server is gone closes the connection without a byte."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as conn:
+            conn.sendall(b"HEAD / HTTP/1.0\r\n\r\n")
+            return bool(conn.recv(1))
+    except OSError:
+        return False
 
 
 def _tb_records(registry: Any, jobs: Sequence[str], cluster: Any) -> list[Any]:

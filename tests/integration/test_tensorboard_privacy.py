@@ -143,6 +143,24 @@ def test_stop_ends_a_server_left_running_and_nothing_else(tmp_path: Path, tb_cle
         decoy.wait()
 
 
+def test_a_tb_whose_server_another_terminal_stopped_ends_and_says_so(tmp_path: Path, tb_cleanup: Cleanup) -> None:
+    """A new user's trial: after `meshrun tb --stop JOB` in a second terminal, the first `meshrun tb` kept
+    running, forwarding to nothing."""
+    run_dir = _job(tmp_path, "900104", tb_cleanup)
+    proc, _ = _tb(tmp_path, "900104")
+    try:
+        pid, _started = _server(tmp_path, run_dir, "900104")
+        stopped = meshrun(tmp_path, "tb", "--stop", "900104")
+        assert stopped.stdout.startswith(f"stopped TensorBoard (pid {pid} "), stopped
+        assert proc.wait(timeout=60) == 1
+        err = proc.stderr.read()  # type: ignore[union-attr]
+        assert err.count("\n") == 1 and f"TensorBoard (pid {pid} on this machine) has stopped" in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_stop_needs_jobs_or_a_cluster(tmp_path: Path) -> None:
     out = meshrun(tmp_path, "tb")
     assert out.returncode == 2 and "JOB" in out.stderr and len(out.stderr.splitlines()) == 1, out.stderr
