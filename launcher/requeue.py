@@ -29,7 +29,14 @@ from typing import Optional
 
 from launcher.checkpoint.resume import MAX_ATTEMPTS
 from launcher.contract import lost as lost_checkpoints
-from launcher.contract.exitcodes import EXIT_FAILED, EXIT_GAVE_UP, EXIT_NAMES, EXIT_REQUEUE, NOT_REQUEUED
+from launcher.contract.exitcodes import (
+    EXIT_FAILED,
+    EXIT_GAVE_UP,
+    EXIT_INPUT,
+    EXIT_NAMES,
+    EXIT_REQUEUE,
+    NOT_REQUEUED,
+)
 from launcher.contract.rundir import RunDir, read_state, write_json
 from launcher.contract.secrets import remove_dir, secrets_dir_for
 from launcher.report import reported_step
@@ -68,6 +75,18 @@ def crash_loop(run_dir: str, failed: bool) -> Optional[str]:
         f"crash loop: {failures} runs in a row failed without reporting a step {beyond}; "
         f"giving up instead of requeueing (exit {EXIT_GAVE_UP}): fix the program, then `meshrun resume` continues it"
     )
+
+
+def programs_own(run_dir: str, code: int) -> tuple[int, str]:
+    """A command job's exit code as meshrun acts on it, with a note for the log ('' when unchanged).
+
+    2 is meshrun's bad-input verdict only when meshrun's side said so: a rank error line (launcher.job's
+    checks and the trainer's write one). A program's own 2 (argparse's usage error, say) is its failure like
+    any other: requeued, and a repeat without progress ends in the crash-loop guard's 77.
+    """
+    if code != EXIT_INPUT or Path(RunDir(run_dir).rank_error).exists():
+        return code, ""
+    return EXIT_FAILED, f"the program exited with code {EXIT_INPUT}, its own (no bad input was reported)"
 
 
 def decide(
@@ -130,6 +149,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         # A failure is requeued (from the newest complete checkpoint: the lost steps are trained again).
         status = EXIT_FAILED
         record_reason(run_dir, lost)
+    command_job = is_command_job(run_dir)
+    note = ""
+    if command_job:
+        status, note = programs_own(run_dir, status)
     decision = decide(
         run_dir,
         status,
@@ -137,10 +160,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         max_restarts,
         stop_requested="--stop-requested" in flags,
         terminated="--terminated" in flags,
-        command_job=is_command_job(run_dir),
+        command_job=command_job,
     )
     if not decision.requeue:  # the job's final state: its env: secrets go (`meshrun resume` sends them again)
         remove_dir(secrets_dir_for(run_dir))
+    if note:
+        decision = Decision(decision.requeue, decision.code, f"{note}: {decision.why}")
     print(decision.line(), flush=True)
     return 0
 

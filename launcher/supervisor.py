@@ -34,7 +34,7 @@ from launcher.contract.private import make_private_dir, private_umask
 from launcher.contract.rundir import JOB_ID_ENV, RunDir, local_state_path, merge_state, read_state
 from launcher.contract.secrets import remove_dir, secrets_dir_for
 from launcher.job import RESTART_COUNT_ENV
-from launcher.requeue import crash_loop
+from launcher.requeue import crash_loop, programs_own
 
 STOP_GRACE_S = 60
 """How long ranks may take to save and exit after a cancel or the time limit before they are killed."""
@@ -267,6 +267,8 @@ class Supervisor:
             final, code = ("FAILED", EXIT_FAILED) if final == "COMPLETED" else (final, code)
             message = f"{message}; {lost}" if message else lost
         if self.spec.job.command is not None:
+            code, own = programs_own(str(self.run_dir.root), code)
+            message = f"{message} ({own})" if own else message
             # The batch script's crash-loop rule (launcher.requeue): nothing requeues here, but a second
             # failure in a row without progress says so, with the same exit code.
             clean = final != "FAILED" or stopped in ("CANCELLED", "TIMEOUT") or code in NOT_REQUEUED

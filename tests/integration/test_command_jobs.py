@@ -87,6 +87,17 @@ def test_a_command_that_crashes_at_once_gives_up_on_its_second_local_run(tmp_pat
     assert checkpoints == run_dir / "checkpoints" and stat.S_IMODE(checkpoints.stat().st_mode) == 0o700
 
 
+def test_a_programs_own_exit_2_is_its_failure_not_bad_input_on_local(tmp_path: Path) -> None:
+    """Issue 22 item 11: a script's argparse error ended the job as meshrun's exit 2, 'bad input'."""
+    usage = "command=[python3, -c, 'import argparse; argparse.ArgumentParser().parse_args([\"--nope\"])']"
+    out = meshrun(tmp_path, "submit", "examples/command.yaml", "-c", "local", *ONE_RANK, "--set", usage, "--wait")
+    job_id, _ = submitted(out)
+    row = status(tmp_path, job_id)
+    assert out.returncode == 1 and row["state"] == "FAILED" and row["exit_code"] == 1, (out.stdout, row)
+    assert "the program exited with code 2, its own (no bad input was reported)" in row["reason"], row
+    assert "bad input" not in row["reason"].replace("no bad input was reported", ""), row
+
+
 AGREE = """
 import os, signal, sys
 from launcher import job

@@ -43,7 +43,23 @@ DONE = "finished (exit 0): not requeueing"
 CASES = (
     Case("exit-0", _first_run_exits(0), ("COMPLETED",), "0:0", (DONE,)),
     Case("exit-1", _first_run_exits(1), REQUEUED, "0:0", (AGAIN, DONE)),
-    Case("exit-2", _first_run_exits(2), ("FAILED",), "2:0", ("bad input (exit 2): not requeueing",)),
+    # A program's own 2 (argparse's usage error) is a failure like any other (issue 22 item 11); meshrun's
+    # bad-input verdict is a 2 that comes with a rank error line (launcher.job's checks write one).
+    Case(
+        "exit-2",
+        _first_run_exits(2),
+        REQUEUED,
+        "0:0",
+        ("the program exited with code 2, its own (no bad input was reported): requeueing: restart 1", DONE),
+    ),
+    Case(
+        "exit-2-said",
+        'echo "restart $MESHRUN_RESTART_COUNT"; '
+        'echo "rank 0: data.path: /x: no token file there" > "$MESHRUN_RUN_DIR/rank-error.txt"; exit 2',
+        ("FAILED",),
+        "2:0",
+        ("bad input (exit 2): not requeueing",),
+    ),
     Case("exit-75", _first_run_exits(75), REQUEUED, "0:0", (AGAIN, DONE)),
     Case("exit-76", _first_run_exits(76), REQUEUED, "0:0", (AGAIN, DONE)),
     Case("exit-77", _first_run_exits(77), ("FAILED",), "77:0", ("gave up (crash loop) (exit 77): not requeueing",)),

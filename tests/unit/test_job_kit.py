@@ -199,3 +199,23 @@ def test_the_batch_scripts_command_line(tmp_path: Path, capsys: pytest.CaptureFi
     assert capsys.readouterr().out.startswith(f"stop {EXIT_GAVE_UP} gave up (crash loop: 2 runs in a row")
     assert main([str(tmp_path), "x", "1", "20"]) == 2
     assert "usage:" in capsys.readouterr().err
+
+
+def test_a_programs_own_exit_2_is_a_failure_and_only_a_reported_bad_input_is_meshruns_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 22 item 11: a command's argparse error (exit 2) ended the job as meshrun's 'bad input'."""
+    (tmp_path / "spec.json").write_text(
+        json.dumps(
+            {
+                "job": {"name": "x", "resources": {"nodes": 1, "tasks_per_node": 1}, "command": ["false"]},
+                "run": {"cluster": "testbed", "scheduler": "slurm", "run_dir": str(tmp_path)},
+            }
+        )
+    )
+    assert main([str(tmp_path), "2", "0", "20"]) == 0
+    said = capsys.readouterr().out
+    assert said.startswith("requeue 1 the program exited with code 2, its own (no bad input was reported): "), said
+    (tmp_path / RunDir.RANK_ERROR).write_text("rank 0: data.path: '/x': no token file there\n")  # launcher.job's
+    assert main([str(tmp_path), "2", "1", "20"]) == 0
+    assert capsys.readouterr().out == "stop 2 bad input (exit 2): not requeueing\n"
