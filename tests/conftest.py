@@ -83,3 +83,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     from tests.xdistgroups import TestbedScheduling
 
     return TestbedScheduling(config, log)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """~180k byte tokens from the stdlib's logging package: small, stable, on every machine."""
+    import sysconfig
+
+    from launcher.data.corpus import build_corpus
+
+    out = tmp_path_factory.mktemp("corpus") / "logging.u16"
+    build_corpus(out, roots=[Path(sysconfig.get_paths()["stdlib"]) / "logging"])
+    return out

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -82,18 +81,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slurm)
             if not xdistgroups.in_testbed_group(item.nodeid):
                 raise pytest.UsageError(f"tests/xdistgroups.py does not see {item.nodeid} reach the testbed")
-
-
-@pytest.fixture(scope="session")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """~180k byte tokens from the stdlib's logging package: small, stable, on every machine."""
-    import sysconfig
-
-    from launcher.data.corpus import build_corpus
-
-    out = tmp_path_factory.mktemp("corpus") / "logging.u16"
-    build_corpus(out, roots=[Path(sysconfig.get_paths()["stdlib"]) / "logging"])
-    return out
 
 
 @pytest.fixture

@@ -1,0 +1,382 @@
+"""Seeded journeys of a user on the `local` cluster, and the invariants every step must keep (issue 22's
+harness: the class of bug, not its instances).
+
+A journey is a sequence of steps drawn by `random.Random(seed)`: submit beside running jobs, cancel,
+resume, kill -9 of one process of a running job (a rank, the sidecar, the supervisor, the rank controller,
+a `logs -f` client), and the read verbs (status, logs, top, export). Every job trains the same tiny model
+with the same seed, so every loss any job logs for step N must equal, bit for bit, the loss an
+uninterrupted run logged for step N (`reference`): a resume that is not exact shows up wherever it lands.
+
+After every step `check` holds the journey to the invariants:
+- every verb exits 0, 1, 2 or 130; an error is one line, never "internal error" or a traceback;
+- a job seen ended keeps its state, step and checkpoint (each id its own; a resume beside it changes nothing);
+- a checkpoint marked complete is complete (marker and DCP metadata), and the checkpoint a job reports
+  is on disk, or a later job of its run dir went past it;
+- no job reports success with lost steps: a COMPLETED job has no checkpoint_lost alert and exit code 0;
+- nothing meshrun writes is readable by another user, under umask 000 as under 022;
+- no process outside the journey's jobs is signalled (a decoy started first is alive at the end).
+
+The journey's log (`Journey.log`) is in every failure's message, with the seed that replays it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import stat
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import psutil
+
+from launcher.contract import ckptdir
+from tests.helpers.cli import REPO, TINY, env_for, meshrun, submitted
+
+STEPS = 60
+EVERY = 5
+SETTINGS = ["--set", f"train.steps={STEPS}", "--set", f"checkpoint.every={EVERY}"]
+FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED"}
+EXITS = {0, 1, 2, 130}
+MAX_RUNNING = 2
+"""Jobs running at once (two ranks each): more only slows a 2-core machine down."""
+ROLES = ("rank", "sidecar", "supervisor", "controller")
+
+
+def spec_args(corpus: Path) -> list[str]:
+    return [*TINY, "--set", f"data.path={corpus}", *SETTINGS]
+
+
+def losses_by_step(run_dir: Path, job_id: Optional[str] = None) -> dict[int, float]:
+    """The step lines of metrics.jsonl (of one job, or any), as step -> loss."""
+    path = run_dir / "metrics.jsonl"
+    found: dict[int, float] = {}
+    if not path.exists():
+        return found
+    for line in path.read_text().splitlines():
+        if not line.endswith("}"):
+            continue  # being written
+        row = json.loads(line)
+        if "step" in row and "loss" in row and "event" not in row and (job_id is None or row.get("job") == job_id):
+            found[int(row["step"])] = float(row["loss"])
+    return found
+
+
+@dataclass
+class Job:
+    job_id: str
+    run_dir: Path
+    parent: Optional[str] = None
+    ended: Optional[tuple[Any, ...]] = None
+    """(state, step, checkpoint step, exit code) when first seen ended: what it must keep showing."""
+    row: dict[str, Any] = field(default_factory=dict)
+
+
+class JourneyFailed(AssertionError):
+    pass
+
+
+@dataclass
+class Journey:
+    seed: int
+    home: Path
+    corpus: Path
+    reference: dict[int, float]
+    rng: random.Random = field(init=False)
+    umask: int = field(init=False)
+    jobs: dict[str, Job] = field(default_factory=dict)
+    log: list[str] = field(default_factory=list)
+    decoy: Optional[subprocess.Popen[bytes]] = None
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+        self.umask = self.rng.choice([0o022, 0o000])
+
+    # --- running meshrun as the user, and the verbs' invariant ---------------------------------------------
+
+    def verb(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+        old = os.umask(self.umask)  # the user's umask reaches every process meshrun starts
+        try:
+            done = meshrun(self.home, *args, timeout=timeout)
+        finally:
+            os.umask(old)
+        shown = " ".join(args).replace(" ".join(spec_args(self.corpus)), "SPEC")
+        self.log.append(f"meshrun {shown} -> {done.returncode}")
+        said = done.stdout + done.stderr
+        self.expect(done.returncode in EXITS, f"exit {done.returncode} outside {sorted(EXITS)}:\n{said}")
+        self.expect("internal error" not in said and "Traceback" not in said, f"a traceback:\n{said}")
+        if done.returncode not in (0, 130):
+            lines = done.stderr.strip().splitlines()
+            self.expect(len(lines) == 1, f"an error of {len(lines)} lines:\n{done.stderr}")
+        return done
+
+    def expect(self, ok: bool, what: str) -> None:
+        if not ok:
+            raise JourneyFailed(
+                f"seed {self.seed} (umask {self.umask:03o}): {what}\njourney:\n  " + "\n  ".join(self.log)
+            )
+
+    # --- what the user sees ----------------------------------------------------------------------------------
+
+    def rows(self) -> dict[str, dict[str, Any]]:
+        if not self.jobs:
+            return {}
+        done = self.verb("status", *self.jobs, "--json")
+        self.expect(done.returncode == 0, f"status failed: {done.stderr}")
+        return {row["job_id"]: row for row in json.loads(done.stdout)}
+
+    def running(self, rows: dict[str, dict[str, Any]]) -> list[Job]:
+        return [self.jobs[j] for j, row in rows.items() if row["state"] not in FINAL]
+
+    def wait_until(self, what: str, ready: Callable[[], bool], timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            self.expect(time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s")
+            time.sleep(0.5)
+
+    def ended(self, job: Job) -> bool:
+        return self.rows()[job.job_id]["state"] in FINAL
+
+    # --- the steps ---------------------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        rows = self.rows()
+        running = self.running(rows)
+        ended = [self.jobs[j] for j, row in rows.items() if row["state"] in FINAL]
+        choices: list[Callable[[], None]] = [self.read_verbs, self.pause]
+        if len(running) < MAX_RUNNING:
+            choices += [self.submit] * 2
+        if running:
+            choices += [lambda: self.cancel(self.rng.choice(running))] * 2
+            choices += [lambda: self.kill(self.rng.choice(running))] * 3
+            choices += [lambda: self.follow_and_kill(self.rng.choice(running))]
+        resumable = [j for j in ended if rows[j.job_id]["state"] != "COMPLETED" and not self.resumed(j)]
+        if resumable and len(running) < MAX_RUNNING:
+            choices += [lambda: self.resume(self.rng.choice(resumable))] * 4
+        self.rng.choice(choices)()
+
+    def resumed(self, job: Job) -> bool:
+        return any(other.parent == job.job_id for other in self.jobs.values())
+
+    def submit(self) -> None:
+        done = self.verb("submit", *spec_args(self.corpus))
+        self.expect(done.returncode == 0, f"submit failed: {done.stderr}")
+        job_id, run_dir = submitted(done)
+        self.jobs[job_id] = Job(job_id, run_dir)
+        self.log[-1] += f" {job_id}"
+
+    def cancel(self, job: Job) -> None:
+        self.wait_a_few_steps(job)
+        done = self.verb("cancel", job.job_id)
+        self.expect(done.returncode in (0, 1), f"cancel: {done.stderr}")  # 1: it ended meanwhile, said so
+        self.wait_until(f"{job.job_id} ends after its cancel", lambda: self.ended(job))
+
+    def resume(self, job: Job) -> None:
+        done = self.verb("resume", job.job_id)
+        if done.returncode != 0:
+            # Refused in one line (checked): only when there is nothing to resume from.
+            self.expect(not ckptdir.complete_steps(job.run_dir / "checkpoints"), f"resume refused: {done.stderr}")
+            return
+        child = done.stdout.split(" as job ")[1].split()[0]
+        self.log[-1] += f" {child}"
+        self.jobs[child] = Job(child, job.run_dir, parent=job.job_id)
+
+    def kill(self, job: Job) -> None:
+        self.wait_a_few_steps(job)
+        role = self.rng.choice(ROLES)
+        victims = processes_of(job, role)
+        if not victims:
+            self.log.append(f"kill -9 {role} of {job.job_id}: none running")
+            return
+        victim = self.rng.choice(victims)
+        self.log.append(f"kill -9 {role} of {job.job_id} (pid {victim.pid})")
+        try:
+            victim.send_signal(signal.SIGKILL)  # psutil checks it is still that process (its start time)
+        except psutil.NoSuchProcess:
+            return
+        if role == "supervisor":
+            # Its ranks run on as orphans (README's flow): the user cancels them.
+            self.wait_until(f"{job.job_id}'s supervisor gone", lambda: not victim.is_running())
+            self.cancel(job)
+
+    def follow_and_kill(self, job: Job) -> None:
+        """A `logs -f` client killed with -9: nothing of the job may notice."""
+        env = env_for(self.home)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "submit.cli.main", "logs", job.job_id, "-f"],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        time.sleep(self.rng.uniform(0.5, 2.0))
+        proc.kill()
+        proc.wait()
+        self.log.append(f"kill -9 `logs -f {job.job_id}`")
+
+    def pause(self) -> None:
+        seconds = self.rng.uniform(0.5, 4.0)
+        self.log.append(f"pause {seconds:.1f} s")
+        time.sleep(seconds)
+
+    def read_verbs(self) -> None:
+        job = self.rng.choice(list(self.jobs.values())) if self.jobs else None
+        self.verb("status")
+        self.verb("top", "--once")
+        if job is None:
+            return
+        self.verb("status", job.job_id)
+        self.verb("logs", job.job_id)
+        out = self.home / f"export-{len(self.log)}"
+        self.verb("export", job.job_id, "-o", str(out))
+
+    def wait_a_few_steps(self, job: Job) -> None:
+        """Until the job logged a step at random (or ended): the kill or cancel lands mid-training."""
+        want = self.rng.randint(1, STEPS // 2)
+        self.wait_until(
+            f"{job.job_id} reaches step {want}",
+            lambda: max(losses_by_step(job.run_dir, job.job_id), default=0) >= want or self.ended(job),
+        )
+
+    # --- the invariants --------------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        rows = self.rows()
+        for job_id, row in rows.items():
+            job = self.jobs[job_id]
+            job.row = row
+            shown = (
+                row["state"],
+                row["progress"].get("step"),
+                row["progress"].get("checkpoint_step"),
+                row["exit_code"],
+            )
+            if row["state"] in FINAL:
+                if job.ended is None:
+                    job.ended = shown
+                self.expect(shown == job.ended, f"{job_id} ended as {job.ended}, now shows {shown}")
+                self.check_ended(job, row)
+            for step, loss in losses_by_step(job.run_dir, job_id).items():
+                self.expect(
+                    self.reference.get(step) == loss,
+                    f"{job_id} step {step}: loss {loss!r}, an uninterrupted run's {self.reference.get(step)!r}",
+                )
+        self.check_checkpoints()
+        self.check_private()
+
+    def check_ended(self, job: Job, row: dict[str, Any]) -> None:
+        rules = {alert.get("rule") for alert in row.get("alerts") or ()}
+        if row["state"] == "COMPLETED":
+            self.expect("checkpoint_lost" not in rules, f"{job.job_id} COMPLETED with lost steps: {row['alerts']}")
+            self.expect(row["exit_code"] in (0, None), f"{job.job_id} COMPLETED with exit {row['exit_code']}")
+            self.expect(row["progress"].get("step") == STEPS, f"{job.job_id} COMPLETED at step {row['progress']}")
+        reported = row["progress"].get("checkpoint_step")
+        if reported is None:
+            return
+        complete = ckptdir.complete_steps(job.run_dir / "checkpoints")
+        later = [
+            other
+            for other in self.jobs.values()
+            if other.run_dir == job.run_dir and other.job_id != job.job_id and other.parent is not None
+        ]
+        self.expect(
+            reported in complete or bool(later) or "checkpoint_lost" in rules,
+            f"{job.job_id} reports checkpoint {reported}, complete on disk: {complete}, and no alert says it is lost",
+        )
+
+    def check_checkpoints(self) -> None:
+        for run_dir in {job.run_dir for job in self.jobs.values()}:
+            root = run_dir / "checkpoints"
+            for step in ckptdir.complete_steps(root):
+                folder = ckptdir.step_dir(root, step)
+                marker = ckptdir.read_marker(folder)
+                self.expect(isinstance(marker, dict), f"{folder}: its marker is not a record")
+                metadata = folder / ".metadata"
+                self.expect(
+                    metadata.is_file() and metadata.stat().st_size > 0,
+                    f"{folder} is marked complete without DCP metadata",
+                )
+
+    def check_private(self) -> None:
+        for top in (self.home / ".local" / "share" / "meshrun", self.home / "state" / "meshrun"):
+            for path in [top, *top.rglob("*")] if top.exists() else []:
+                try:
+                    mode = path.lstat().st_mode
+                except FileNotFoundError:
+                    continue  # removed while walking (a checkpoint retired)
+                if stat.S_ISLNK(mode):
+                    continue
+                self.expect(mode & 0o077 == 0, f"{path} is {stat.filemode(mode)}: readable by other users")
+
+    # --- the whole journey -----------------------------------------------------------------------------------
+
+    def run(self, steps: int) -> None:
+        self.decoy = subprocess.Popen(["sleep", "3600"], start_new_session=True)
+        decoy = psutil.Process(self.decoy.pid)
+        try:
+            for _ in range(steps):
+                self.step()
+                self.check()
+            self.finish()
+            self.check()
+            self.expect(decoy.is_running() and self.decoy.poll() is None, "a process outside the jobs was signalled")
+        finally:
+            self.decoy.kill()
+            self.decoy.wait()
+            self.stop_everything()
+
+    def finish(self) -> None:
+        """The end: the running jobs run out (or are cancelled when they take long), all end."""
+        for job in self.running(self.rows()):
+            try:
+                self.wait_until(f"{job.job_id} ends", lambda job=job: self.ended(job), timeout=90)
+            except JourneyFailed:
+                self.cancel(job)
+
+    def stop_everything(self) -> None:
+        """Whatever a failed journey left running: cancelled by meshrun, then any survivor killed."""
+        for job in self.jobs.values():
+            meshrun(self.home, "cancel", job.job_id)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and any(processes_of(job, None) for job in self.jobs.values()):
+            time.sleep(0.5)
+        for job in self.jobs.values():
+            for proc in processes_of(job, None):
+                try:
+                    proc.kill()
+                except psutil.NoSuchProcess:
+                    pass
+
+
+def processes_of(job: Job, role: Optional[str]) -> list[psutil.Process]:
+    """The live processes of a local job (its supervisor's environment names the job), by role:
+    "supervisor", "sidecar" (the sidecar and its copier), "controller", "rank" (the controller's children)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE or proc.environ().get("MESHRUN_JOB_ID") != job.job_id:
+                continue
+            argv = " ".join(proc.cmdline())
+            parent = proc.parent()
+            parent_argv = " ".join(parent.cmdline()) if parent else ""
+        except psutil.Error:
+            continue
+        kind = (
+            "sidecar"
+            if "launcher.sidecar" in argv
+            else "supervisor"
+            if "launcher.supervisor" in argv
+            else "rank"
+            if "launcher.controller" in parent_argv or "submitit" in parent_argv
+            else "controller"
+            if "launcher.controller" in argv
+            else "other"
+        )
+        if role is None or kind == role:
+            found.append(proc)
+    return found
