@@ -33,7 +33,7 @@ from typing import Any, NoReturn, Optional
 from launcher import report as _report
 from launcher.contract import ckptdir, private
 from launcher.contract.exitcodes import EXIT_REQUEUE
-from launcher.contract.rundir import record_exit
+from launcher.contract.rundir import note_checkpoint, record_exit
 from launcher.preempt import DEFAULT_SIGNALS, StopFlag
 
 RUN_DIR_ENV = _report.RUN_DIR_ENV
@@ -134,6 +134,8 @@ def mark_complete(path: Path, **info: Any) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         os.rename(path, tmp)
     ckptdir.commit(tmp, final, {"step": step, **info})
+    if os.environ.get(RUN_DIR_ENV):  # in a meshrun job: status's CKPT shows it
+        note_checkpoint(os.environ[RUN_DIR_ENV], step)
     return final
 
 

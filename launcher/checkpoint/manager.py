@@ -23,7 +23,7 @@ from launcher.checkpoint import commit as ckpt
 from launcher.checkpoint import resume
 from launcher.checkpoint.commit import Checkpointer
 from launcher.contract import ckptdir
-from launcher.contract.rundir import RunDir, attempt_id
+from launcher.contract.rundir import RunDir, attempt_id, note_checkpoint
 from launcher.contract.schema import to_plain
 from launcher.contract.spec import RunSpec
 from launcher.env import RankEnv
@@ -175,7 +175,9 @@ def make_checkpointer(run_spec: RunSpec, env: RankEnv, metrics: Optional[Metrics
     group = dist.new_group(backend="gloo") if env.world_size > 1 else None
     root = Path(run_spec.run.checkpoint_dir or RunDir(run_spec.run.run_dir).default_checkpoints)
     staged = bool(run_spec.run.scratch_dir)
-    on_commit = _committed(root, metrics, staged) if env.rank == 0 and metrics is not None else None
+    on_commit = (
+        _committed(root, metrics, staged, run_spec.run.run_dir) if env.rank == 0 and metrics is not None else None
+    )
     saver = Checkpointer(
         root,
         keep=policy.keep,
@@ -196,7 +198,7 @@ def make_checkpointer(run_spec: RunSpec, env: RankEnv, metrics: Optional[Metrics
     return saver
 
 
-def _committed(root: Path, metrics: MetricsLog, staged: bool) -> Callable[[int, float], None]:
+def _committed(root: Path, metrics: MetricsLog, staged: bool, run_dir: str) -> Callable[[int, float], None]:
     """Rank 0's reaction to every commit, whichever call commits it (a poll, the next save's
     wait, the final save, a save on a signal): the metrics event and the crash-loop guard.
     A save staged on scratch is not yet on shared storage: the sidecar's copier resets the guard
@@ -205,6 +207,7 @@ def _committed(root: Path, metrics: MetricsLog, staged: bool) -> Callable[[int, 
     def on_commit(step: int, stall_s: float) -> None:
         if not staged:
             resume.progress_made(root)  # a newer checkpoint: earlier failed resumes stop counting
+            note_checkpoint(run_dir, step)  # on shared storage now (a staged one: when the copier commits it)
         event = {"event": "checkpoint", "checkpoint_step": step, "save_stall_s": round(stall_s, 4)}
         metrics.event({**event, **({"staged": True} if staged else {}), "time": time.time()})
 

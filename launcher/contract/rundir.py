@@ -224,6 +224,13 @@ class RunDir:
         return self.path(self.INTERNAL, "reported-step.json")
 
     @property
+    def last_checkpoint(self) -> str:
+        """{"step", "job", "time"}: the newest checkpoint made complete on shared storage, written by what made
+        it so (rank 0's commit, the sidecar's copier for a staged save, launcher.job's mark_complete): status's
+        CKPT, however many step lines the metrics log has appended since (`note_checkpoint`)."""
+        return self.path(self.INTERNAL, "last-checkpoint.json")
+
+    @property
     def requeue_state(self) -> str:
         """{"failures", "step"}: the requeue policy's memory across a command job's runs (launcher.requeue)."""
         return self.path(self.INTERNAL, "requeue.json")
@@ -289,6 +296,13 @@ def job_field(environ: Mapping[str, str]) -> dict[str, str]:
     """{"job": ID} for a record line, or nothing outside a job (a test, a bench)."""
     job = job_of(environ)
     return {"job": job} if job else {}
+
+
+def note_checkpoint(run_dir: str, step: int, environ: Mapping[str, str] = os.environ) -> None:
+    """Record `step` as the run's newest checkpoint complete on shared storage (RunDir.last_checkpoint)."""
+    import time
+
+    write_json(RunDir(run_dir).last_checkpoint, {"step": step, "time": time.time(), **job_field(environ)})
 
 
 def attempt_id(environ: Mapping[str, str]) -> str:

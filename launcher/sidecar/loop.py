@@ -19,7 +19,15 @@ from typing import Any, Callable, Mapping, Optional, TextIO, Union
 
 from launcher.contract import procs
 from launcher.contract.private import make_private_dir
-from launcher.contract.rundir import RunDir, attempt_id, expand_node_path, job_field, read_state, write_json
+from launcher.contract.rundir import (
+    RunDir,
+    attempt_id,
+    expand_node_path,
+    job_field,
+    note_checkpoint,
+    read_state,
+    write_json,
+)
 from launcher.contract.spec import Alerts, Watchdog
 from launcher.sidecar import envrecord
 from launcher.sidecar.alerting import Alerting
@@ -309,6 +317,7 @@ class Sidecar:
         """A step complete on shared storage, as a metrics.jsonl event: status's CKPT is what resume can use
         (the trainer's own event for a staged save says "staged": only on scratch then). Node rank 0's
         sidecar runs on rank 0's machine: its appends and rank 0's stay whole lines."""
+        note_checkpoint(self.run_dir.root, step)
         event = {"event": "checkpoint", "checkpoint_step": step, "copied": True, "time": time.time()}
         line = json.dumps({**event, **job_field(os.environ)})
         fd = os.open(self.run_dir.metrics, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)

@@ -36,17 +36,20 @@ ENV_DIR = _HERE.path(RunDir.ENV)
 ALERTS = _HERE.alerts
 GPU_METRICS = _HERE.gpu_metrics
 SPEC = RunDir.SPEC
+LAST_CHECKPOINT = _HERE.last_checkpoint
 TAIL_BYTES = 16384
 """Of the appended files (alerts.jsonl, gpu.jsonl) only the newest TAIL_BYTES come back: the newest lines."""
 ALERTS_KEPT = 50
 """A status keeps a job's newest ALERTS_KEPT alerts."""
 
 # $1 marker, $2 cap, $3 verdict.json, $4 verdict.txt, $5 stragglers.json, $6 env dir ("": skip),
-# $7 alerts.jsonl, $8 gpu.jsonl ("": skip), $9 the tail cap, $10 spec.json ("": skip), then the run dirs. The first files are read
-# from their start (head), the appended ones from their end (tail): their newest lines.
+# $7 alerts.jsonl, $8 gpu.jsonl ("": skip), $9 the tail cap, $10 spec.json ("": skip), $11 the last checkpoint's
+# record, then the run dirs. The first files are read from their start (head), the appended ones from their
+# end (tail): their newest lines.
 FINDINGS_SCRIPT = (
-    'm=$1; cap=$2; v=$3; t=$4; s=$5; e=$6; a=$7; g=$8; tc=$9; sp=${10}; shift 10; for d in "$@"; do printf "\\n%s run\\n" "$m"; '
-    'for f in "$d/$v" "$d/$t" "$d/$s" ${e:+"$d/$e"/*.json} ${sp:+"$d/$sp"}; do [ -f "$f" ] || continue; '
+    "m=$1; cap=$2; v=$3; t=$4; s=$5; e=$6; a=$7; g=$8; tc=$9; sp=${10}; lc=${11}; shift 11; "
+    'for d in "$@"; do printf "\\n%s run\\n" "$m"; '
+    'for f in "$d/$v" "$d/$t" "$d/$s" "$d/$lc" ${e:+"$d/$e"/*.json} ${sp:+"$d/$sp"}; do [ -f "$f" ] || continue; '
     'printf "\\n%s file %s\\n" "$m" "${f#"$d"/}"; head -c "$cap" -- "$f"; done; '
     'for f in "$d/$a" ${g:+"$d/$g"}; do [ -f "$f" ] || continue; '
     'printf "\\n%s file %s\\n" "$m" "${f#"$d"/}"; tail -c "$tc" -- "$f"; done; done; exit 0'
@@ -71,6 +74,16 @@ class Findings:
     """The trainer's train.steps from spec.json (one job's detail view and `meshrun top`; None for a command job)."""
     engine: Optional[str] = None
     """The engine from spec.json, e.g. 'deepspeed ZeRO-2, optimizer offload' (as `steps`)."""
+    checkpoint_step: Optional[int] = None
+    """This job's newest checkpoint complete on shared storage (RunDir.last_checkpoint), None when it made none
+    (or a later job of the run dir made the newest: then its own metrics events say)."""
+
+    def progress(self, progress: Mapping[str, Any]) -> dict[str, Any]:
+        """The metrics tail's progress with the checkpoint this record names: the tail's checkpoint events
+        can be further back than it reaches (a long checkpoint interval), or absent (a command job's)."""
+        if self.checkpoint_step is None:
+            return dict(progress)
+        return {**progress, "checkpoint_step": self.checkpoint_step}
 
     def status_fields(self) -> dict[str, Any]:
         """The Status fields these fill, for every backend's status builder alike."""
@@ -100,7 +113,7 @@ def findings_argv(run_dirs: Sequence[str], with_env: bool, marker: str, with_gpu
     gpus = GPU_METRICS if with_gpus else ""
     spec = SPEC if with_env or with_gpus else ""
     caps = (str(CAP_BYTES), VERDICT_JSON, VERDICT_TXT, STRAGGLERS, env, ALERTS, gpus, str(TAIL_BYTES), spec)
-    return ["sh", "-c", FINDINGS_SCRIPT, "sh", marker, *caps, *run_dirs]
+    return ["sh", "-c", FINDINGS_SCRIPT, "sh", marker, *caps, LAST_CHECKPOINT, *run_dirs]
 
 
 def split_findings(output: str, jobs: int, marker: str) -> list[dict[str, str]]:
@@ -139,7 +152,7 @@ def read_files(run_dir: str, with_env: bool, with_gpus: bool = False) -> dict[st
 
     root = RunDir(run_dir)
     tails = {name: _tail(root.path(name)) for name in (ALERTS, *(GPU_METRICS,) * with_gpus)}
-    names = [VERDICT_JSON, VERDICT_TXT, STRAGGLERS, *(SPEC,) * (with_env or with_gpus)]
+    names = [VERDICT_JSON, VERDICT_TXT, STRAGGLERS, LAST_CHECKPOINT, *(SPEC,) * (with_env or with_gpus)]
     if with_env:
         try:
             listed = sorted(os.listdir(root.path(ENV_DIR)))
@@ -218,7 +231,17 @@ def findings_from(files: Mapping[str, str], submitted_at: float, job_id: Optiona
         gpus=gpus,
         steps=parse_steps(files.get(SPEC)),
         engine=parse_engine(files.get(SPEC)),
+        checkpoint_step=parse_last_checkpoint(files.get(LAST_CHECKPOINT), job_id),
     )
+
+
+def parse_last_checkpoint(text: Optional[str], job_id: Optional[str]) -> Optional[int]:
+    """RunDir.last_checkpoint's step when this job made it (a record naming no job counts for any)."""
+    record = _json_object(text)
+    step = record.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return None
+    return step if job_id is None or record.get("job") in (None, job_id) else None
 
 
 def _spec_job(text: Optional[str]) -> dict[str, Any]:

@@ -361,7 +361,7 @@ def _status(record: JobRecord, transport: Transport, detail: bool = False, live:
         elapsed_s=elapsed,
         time_limit_s=None if job_state in FINAL else state.get("time_limit_s"),
         reason=state.get("message") or None,
-        progress=parse_metrics_tail(tail, record.job_id),
+        progress=found.progress(parse_metrics_tail(tail, record.job_id)),
         exit_code=state.get("exit_code"),
         losses=parse_losses(tail, record.job_id) if live else [],
         **found.status_fields(),

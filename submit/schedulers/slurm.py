@@ -182,7 +182,7 @@ def _status(
     live: bool = False,
 ) -> Status:
     text = tail.stdout if tail.returncode == 0 else ""
-    progress = parse_metrics_tail(text, record.job_id)
+    progress = found.progress(parse_metrics_tail(text, record.job_id))
     rank_error = error.stdout.strip().splitlines()[0] if error.returncode == 0 and error.stdout.strip() else None
     # A failed job says why in the ranks' own words (bad input, a crash), as on the local cluster.
     reason = rank_error if job.done and not job.succeeded and rank_error else job.reason

@@ -98,6 +98,18 @@ def test_a_programs_own_exit_2_is_its_failure_not_bad_input_on_local(tmp_path: P
     assert "bad input" not in row["reason"].replace("no bad input was reported", ""), row
 
 
+def test_a_command_job_saving_through_launcher_job_shows_its_checkpoint(tmp_path: Path) -> None:
+    """Issue 22 item 12: CKPT showed '-' for command jobs that saved through launcher.job."""
+    script = "command=[python3, examples/ddp_train.py, --steps, '30', --save-every, '10']"
+    out = meshrun(tmp_path, "submit", "examples/ddp.yaml", "-c", "local", "--set", script, "--wait", check=True)
+    job_id, run_dir = submitted(out)
+    row = status(tmp_path, job_id)
+    assert row["state"] == "COMPLETED" and row["progress"].get("checkpoint_step") == 30, row
+    listed = meshrun(tmp_path, "status", check=True).stdout.splitlines()
+    header, line = listed[0].split(), next(l for l in listed if l.startswith(job_id)).split()
+    assert "CKPT" in header and "30" in line, listed
+
+
 AGREE = """
 import os, signal, sys
 from launcher import job

@@ -275,3 +275,27 @@ def test_logs_diagnosis_survives_garbled_heartbeats_and_says_when_there_is_none(
     empty.mkdir()
     assert fetch_diagnosis(LocalTransport(), str(empty)) == []
     assert format_diagnosis([], "41", str(empty)) == f"no hang was diagnosed for 41 (nothing in {empty}/diagnosis)\n"
+
+
+def test_ckpt_is_the_newest_checkpoint_on_shared_storage_however_far_back_its_metrics_event_is(
+    tmp_path: Path,
+) -> None:
+    """Issue 22 item 12: CKPT showed '-' once more step lines than the metrics tail holds followed the last
+    checkpoint event (a long interval, a requeue's new steps), and for command jobs saving through launcher.job."""
+    from launcher.contract.rundir import note_checkpoint
+
+    run_dir = tmp_path / "run"
+    note_checkpoint(str(run_dir), 40, {"MESHRUN_JOB_ID": "local-a"})
+    marker = findings.new_marker()
+    (remote,) = findings.split_findings(
+        LocalTransport().run(findings.findings_argv([str(run_dir)], False, marker)).stdout, 1, marker
+    )
+    assert remote == findings.read_files(str(run_dir), with_env=False)  # the same file, over SSH and here
+    mine = findings.findings_from(remote, NOW, "local-a")
+    assert mine.checkpoint_step == 40 and mine.progress({"step": 70}) == {"step": 70, "checkpoint_step": 40}
+    theirs = findings.findings_from(remote, NOW, "local-b")  # the parent of a resume: its own events say
+    assert (
+        theirs.checkpoint_step is None and theirs.progress({"step": 19, "checkpoint_step": 15})["checkpoint_step"] == 15
+    )
+    assert findings.parse_last_checkpoint('{"step": true}', None) is None
+    assert findings.parse_last_checkpoint("garbled", None) is None
