@@ -257,11 +257,14 @@ def merge_states(
     job_ids: Iterable[str], sacct: dict[str, SlurmJob], squeue: dict[str, SlurmJob]
 ) -> dict[str, SlurmJob]:
     """Accounting is the record, but it trails squeue by seconds: a live squeue row wins
-    while sacct has not caught up, and a job neither knows is UNKNOWN."""
+    while sacct has not caught up, and a job neither knows is UNKNOWN. A job squeue still lists as
+    COMPLETING is not done whatever sacct says: its processes are ending (the sidecars' last checkpoint
+    copies), and a resume or a CKPT read now would race them."""
     merged: dict[str, SlurmJob] = {}
     for job_id in job_ids:
         acct, live = sacct.get(job_id), squeue.get(job_id)
-        if acct and (acct.done or not live):
+        ending = live is not None and live.state is JobState.COMPLETING
+        if acct and (acct.done or not live) and not ending:
             merged[job_id] = acct
         elif live:
             merged[job_id] = (

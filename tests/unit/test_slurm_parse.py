@@ -74,3 +74,13 @@ def test_argv_builders_reject_anything_but_job_ids() -> None:
 )
 def test_seconds(text, seconds) -> None:
     assert slurm.seconds(text) == seconds
+
+
+def test_a_job_squeue_lists_as_completing_is_not_done_whatever_sacct_says() -> None:
+    """Found by a testbed journey: the batch shell killed, sacct said FAILED while the sidecars still copied
+    checkpoints (squeue: COMPLETING); status showed it ended with CKPT 20, then 37, and a resume raced them."""
+    acct = slurm.parse_sacct("24|tiny|FAILED|0:9|00:00:17|00:30:00|n[1-2]\n")
+    live = slurm.parse_squeue("24|COMPLETING|0:17|30:00|n[1-2]|None\n")
+    merged = slurm.merge_states(["24"], acct, live)["24"]
+    assert merged.state == "COMPLETING" and not merged.done and merged.exit_code == "0:9"
+    assert slurm.merge_states(["24"], acct, {})["24"].state == "FAILED"  # gone from squeue: sacct's record
