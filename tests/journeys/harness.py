@@ -31,25 +31,84 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import psutil
 
 from launcher.contract import ckptdir
-from tests.helpers.cli import REPO, TINY, env_for, meshrun, submitted
+from tests.helpers.cli import REPO, TINY, TWO_NODES, env_for, meshrun, submitted
 
 STEPS = 60
 EVERY = 5
 SETTINGS = ["--set", f"train.steps={STEPS}", "--set", f"checkpoint.every={EVERY}"]
-FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED"}
+SLURM_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}
+"""sacct's words for a job that has ended (the preempting job's)."""
 EXITS = {0, 1, 2, 130}
 MAX_RUNNING = 2
 """Jobs running at once (two ranks each): more only slows a 2-core machine down."""
-ROLES = ("rank", "sidecar", "supervisor", "controller")
 
 
-def spec_args(corpus: Path) -> list[str]:
-    return [*TINY, "--set", f"data.path={corpus}", *SETTINGS]
+@dataclass(frozen=True)
+class Site:
+    """Where the journey's jobs run, and how their processes are told apart."""
+
+    name: str
+    job_env: str
+    """The variable every process of a job carries, valued its job id."""
+    roles: Mapping[str, str]
+    """role -> a word of its command line (the first role whose word matches names the process)."""
+    spec: tuple[str, ...]
+    """The spec file and cluster, before the journey's settings."""
+    high_partition: Optional[str] = None
+    """A partition whose jobs preempt the journey's (Slurm): a `preempt` step is drawn only with one."""
+
+
+# The local job: its supervisor, the rank controller (whose forked children are the ranks: same command
+# line), the sidecar (and its keeper and copier).
+LOCAL = Site(
+    "local",
+    "MESHRUN_JOB_ID",
+    {"sidecar": "launcher.sidecar", "supervisor": "launcher.supervisor", "controller": "launcher.controller"},
+    tuple(TINY),
+)
+# The testbed's two-node job: the batch shell, each node's sidecar, the ranks (`python -m launcher RUN_DIR`).
+TESTBED = Site(
+    "testbed",
+    "SLURM_JOB_ID",
+    {"sidecar": "launcher.sidecar", "batch": "slurm_script", "rank": "-m launcher /"},
+    (
+        *TWO_NODES,
+        "--set",
+        "train.model.n_layers=2",
+        "--set",
+        "train.model.d_model=64",
+        "--set",
+        "train.model.seq_len=64",
+    ),
+    high_partition="high",
+)
+
+
+def spec_args(site: Site, corpus: Path) -> list[str]:
+    return [
+        *site.spec,
+        "--set",
+        f"data.path={corpus}",
+        "--set",
+        "train.eval_every=0",
+        "--set",
+        "train.log_every=1",
+        *SETTINGS,
+    ]
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    """Where the job's checkpoints are (spec.json's run.checkpoint_dir: a cluster's root, or in the run dir)."""
+    try:
+        run = json.loads((run_dir / "spec.json").read_text())["run"]
+    except (OSError, ValueError, KeyError):
+        return run_dir / "checkpoints"
+    return Path(run.get("checkpoint_dir") or run_dir / "checkpoints")
 
 
 def losses_by_step(run_dir: Path, job_id: Optional[str] = None) -> dict[int, float]:
@@ -83,6 +142,7 @@ class JourneyFailed(AssertionError):
 
 @dataclass
 class Journey:
+    site: Site
     seed: int
     home: Path
     corpus: Path
@@ -105,7 +165,7 @@ class Journey:
             done = meshrun(self.home, *args, timeout=timeout)
         finally:
             os.umask(old)
-        shown = " ".join(args).replace(" ".join(spec_args(self.corpus)), "SPEC")
+        shown = " ".join(args).replace(" ".join(spec_args(self.site, self.corpus)), "SPEC")
         self.log.append(f"meshrun {shown} -> {done.returncode}")
         said = done.stdout + done.stderr
         self.expect(done.returncode in EXITS, f"exit {done.returncode} outside {sorted(EXITS)}:\n{said}")
@@ -131,7 +191,7 @@ class Journey:
         return {row["job_id"]: row for row in json.loads(done.stdout)}
 
     def running(self, rows: dict[str, dict[str, Any]]) -> list[Job]:
-        return [self.jobs[j] for j, row in rows.items() if row["state"] not in FINAL]
+        return [self.jobs[j] for j, row in rows.items() if not row["done"]]
 
     def wait_until(self, what: str, ready: Callable[[], bool], timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
@@ -140,14 +200,14 @@ class Journey:
             time.sleep(0.5)
 
     def ended(self, job: Job) -> bool:
-        return self.rows()[job.job_id]["state"] in FINAL
+        return bool(self.rows()[job.job_id]["done"])  # meshrun's own word: `watch` and `--wait` stop on it
 
     # --- the steps ---------------------------------------------------------------------------------------------
 
     def step(self) -> None:
         rows = self.rows()
         running = self.running(rows)
-        ended = [self.jobs[j] for j, row in rows.items() if row["state"] in FINAL]
+        ended = [self.jobs[j] for j, row in rows.items() if row["done"]]
         choices: list[Callable[[], None]] = [self.read_verbs, self.pause]
         if len(running) < MAX_RUNNING:
             choices += [self.submit] * 2
@@ -155,6 +215,8 @@ class Journey:
             choices += [lambda: self.cancel(self.rng.choice(running))] * 2
             choices += [lambda: self.kill(self.rng.choice(running))] * 3
             choices += [lambda: self.follow_and_kill(self.rng.choice(running))]
+        if running and self.site.high_partition:
+            choices += [self.preempt] * 2
         resumable = [j for j in ended if rows[j.job_id]["state"] != "COMPLETED" and not self.resumed(j)]
         if resumable and len(running) < MAX_RUNNING:
             choices += [lambda: self.resume(self.rng.choice(resumable))] * 4
@@ -164,7 +226,7 @@ class Journey:
         return any(other.parent == job.job_id for other in self.jobs.values())
 
     def submit(self) -> None:
-        done = self.verb("submit", *spec_args(self.corpus))
+        done = self.verb("submit", *spec_args(self.site, self.corpus))
         self.expect(done.returncode == 0, f"submit failed: {done.stderr}")
         job_id, run_dir = submitted(done)
         self.jobs[job_id] = Job(job_id, run_dir)
@@ -180,7 +242,7 @@ class Journey:
         done = self.verb("resume", job.job_id)
         if done.returncode != 0:
             # Refused in one line (checked): only when there is nothing to resume from.
-            self.expect(not ckptdir.complete_steps(job.run_dir / "checkpoints"), f"resume refused: {done.stderr}")
+            self.expect(not ckptdir.complete_steps(checkpoint_root(job.run_dir)), f"resume refused: {done.stderr}")
             return
         child = done.stdout.split(" as job ")[1].split()[0]
         self.log[-1] += f" {child}"
@@ -188,8 +250,8 @@ class Journey:
 
     def kill(self, job: Job) -> None:
         self.wait_a_few_steps(job)
-        role = self.rng.choice(ROLES)
-        victims = processes_of(job, role)
+        role = self.rng.choice([*self.site.roles, "rank"] if "rank" not in self.site.roles else list(self.site.roles))
+        victims = processes_of(self.site, job, role)
         if not victims:
             self.log.append(f"kill -9 {role} of {job.job_id}: none running")
             return
@@ -203,6 +265,27 @@ class Journey:
             # Its ranks run on as orphans (README's flow): the user cancels them.
             self.wait_until(f"{job.job_id}'s supervisor gone", lambda: not victim.is_running())
             self.cancel(job)
+
+    def preempt(self) -> None:
+        """A job in the high partition that needs the nodes' CPUs: Slurm preempts the running jobs (their
+        ranks save in the grace time, the batch script requeues them) and they resume when it is done."""
+        from tests.testbed import testbed as tb
+
+        for job in self.running(self.rows()):
+            self.wait_a_few_steps(job)
+        argv = [
+            "sbatch",
+            "--parsable",
+            f"--partition={self.site.high_partition}",
+            "--nodes=2",
+            "--ntasks-per-node=1",
+            f"--cpus-per-task={tb.CPUS_PER_NODE - 1}",
+            f"--output={self.home}/preemptor-%j.out",
+            "--wrap=sleep 3",
+        ]
+        high = subprocess.run(argv, capture_output=True, text=True, check=True).stdout.strip()
+        self.log.append(f"preempt: high job {high}")
+        self.wait_until(f"the preempting job {high} ends", lambda: _sacct_state(high) in SLURM_ENDED, timeout=180)
 
     def follow_and_kill(self, job: Job) -> None:
         """A `logs -f` client killed with -9: nothing of the job may notice."""
@@ -256,7 +339,7 @@ class Journey:
                 row["progress"].get("checkpoint_step"),
                 row["exit_code"],
             )
-            if row["state"] in FINAL:
+            if row["done"]:
                 if job.ended is None:
                     job.ended = shown
                 self.expect(shown == job.ended, f"{job_id} ended as {job.ended}, now shows {shown}")
@@ -278,7 +361,7 @@ class Journey:
         reported = row["progress"].get("checkpoint_step")
         if reported is None:
             return
-        complete = ckptdir.complete_steps(job.run_dir / "checkpoints")
+        complete = ckptdir.complete_steps(checkpoint_root(job.run_dir))
         later = [
             other
             for other in self.jobs.values()
@@ -291,7 +374,7 @@ class Journey:
 
     def check_checkpoints(self) -> None:
         for run_dir in {job.run_dir for job in self.jobs.values()}:
-            root = run_dir / "checkpoints"
+            root = checkpoint_root(run_dir)
             for step in ckptdir.complete_steps(root):
                 folder = ckptdir.step_dir(root, step)
                 marker = ckptdir.read_marker(folder)
@@ -303,7 +386,10 @@ class Journey:
                 )
 
     def check_private(self) -> None:
-        for top in (self.home / ".local" / "share" / "meshrun", self.home / "state" / "meshrun"):
+        mine = {job.run_dir for job in self.jobs.values()} | {
+            checkpoint_root(job.run_dir) for job in self.jobs.values()
+        }
+        for top in (self.home / ".local" / "share" / "meshrun", self.home / "state" / "meshrun", *mine):
             for path in [top, *top.rglob("*")] if top.exists() else []:
                 try:
                     mode = path.lstat().st_mode
@@ -343,40 +429,43 @@ class Journey:
         for job in self.jobs.values():
             meshrun(self.home, "cancel", job.job_id)
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and any(processes_of(job, None) for job in self.jobs.values()):
+        while time.monotonic() < deadline and any(processes_of(self.site, job, None) for job in self.jobs.values()):
             time.sleep(0.5)
         for job in self.jobs.values():
-            for proc in processes_of(job, None):
+            for proc in processes_of(self.site, job, None):
                 try:
                     proc.kill()
                 except psutil.NoSuchProcess:
                     pass
 
 
-def processes_of(job: Job, role: Optional[str]) -> list[psutil.Process]:
-    """The live processes of a local job (its supervisor's environment names the job), by role:
-    "supervisor", "sidecar" (the sidecar and its copier), "controller", "rank" (the controller's children)."""
+def processes_of(site: Site, job: Job, role: Optional[str]) -> list[psutil.Process]:
+    """The live processes of a job (every one carries its id in `site.job_env`), of one role or all. On
+    `local` the ranks are the rank controller's forked children (its command line, its child)."""
     found = []
     for proc in psutil.process_iter():
         try:
-            if proc.status() == psutil.STATUS_ZOMBIE or proc.environ().get("MESHRUN_JOB_ID") != job.job_id:
+            if proc.status() == psutil.STATUS_ZOMBIE or proc.environ().get(site.job_env) != job.job_id:
                 continue
-            argv = " ".join(proc.cmdline())
+            kind = _role(site, proc.cmdline())
             parent = proc.parent()
-            parent_argv = " ".join(parent.cmdline()) if parent else ""
+            if kind == "controller" and parent is not None and _role(site, parent.cmdline()) == "controller":
+                kind = "rank"
         except psutil.Error:
             continue
-        kind = (
-            "sidecar"
-            if "launcher.sidecar" in argv
-            else "supervisor"
-            if "launcher.supervisor" in argv
-            else "rank"
-            if "launcher.controller" in parent_argv or "submitit" in parent_argv
-            else "controller"
-            if "launcher.controller" in argv
-            else "other"
-        )
         if role is None or kind == role:
             found.append(proc)
     return found
+
+
+def _role(site: Site, argv: list[str]) -> str:
+    if argv and os.path.basename(argv[0]) in ("srun", "slurmstepd"):
+        return "slurm"  # Slurm's own: never a journey's target
+    line = " ".join(argv)
+    return next((role for role, word in site.roles.items() if word in line), "other")
+
+
+def _sacct_state(job_id: str) -> str:
+    done = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "State", "-j", job_id], capture_output=True, text=True)
+    words = done.stdout.split()
+    return words[-1] if words else ""

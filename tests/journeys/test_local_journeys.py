@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.cli import SOAK, meshrun, submitted
-from tests.journeys.harness import Journey, losses_by_step, spec_args
+from tests.journeys.harness import LOCAL, Journey, losses_by_step, spec_args
 
 CI_SEEDS = (1, 2, 3)
 SEEDS = range(int(os.environ.get("MESHRUN_JOURNEYS", "100"))) if SOAK else CI_SEEDS
@@ -22,7 +22,7 @@ STEPS_PER_JOURNEY = (5, 10)
 def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> dict[int, float]:
     """Every step's loss in one uninterrupted run of the journeys' job: what any job must log for that step."""
     home = tmp_path_factory.mktemp("reference")
-    done = meshrun(home, "submit", *spec_args(corpus), "--wait", check=True)
+    done = meshrun(home, "submit", *spec_args(LOCAL, corpus), "--wait", check=True)
     job_id, run_dir = submitted(done)
     losses = losses_by_step(run_dir, job_id)
     assert sorted(losses) == list(range(1, max(losses) + 1)) and len(losses) > 10, losses
@@ -31,6 +31,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> dict[in
 
 @pytest.mark.parametrize("seed", SEEDS, ids=lambda seed: f"seed{seed}")
 def test_local_journey(seed: int, tmp_path: Path, corpus: Path, reference: dict[int, float]) -> None:
-    journey = Journey(seed, tmp_path, corpus, reference)
+    journey = Journey(LOCAL, seed, tmp_path, corpus, reference)
     journey.run(journey.rng.randint(*STEPS_PER_JOURNEY))
     print(f"\nseed {seed}: " + "; ".join(line for line in journey.log if not line.startswith("meshrun status")))  # -s
