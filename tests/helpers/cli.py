@@ -101,17 +101,14 @@ def metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [r for r in rows if "event" not in r]  # step lines only (checkpoint events are lines of their own)
 
 
+# The model the tests train: small enough for CPU ranks on a 2-core machine.
+SMALL_MODEL = ["--set", "train.model.n_layers=2", "--set", "train.model.d_model=64", "--set", "train.model.seq_len=64"]
 # A tiny GPT on the local cluster (two ranks): the spec the local integration tests train.
 TINY = [
     "examples/tiny.yaml",
     "-c",
     "local",
-    "--set",
-    "train.model.n_layers=2",
-    "--set",
-    "train.model.d_model=64",
-    "--set",
-    "train.model.seq_len=64",
+    *SMALL_MODEL,
     "--set",
     "train.eval_every=0",
     "--set",

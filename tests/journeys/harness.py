@@ -36,7 +36,7 @@ from typing import Any, Callable, Mapping, Optional
 import psutil
 
 from launcher.contract import ckptdir
-from tests.helpers.cli import REPO, TINY, TWO_NODES, env_for, meshrun, submitted
+from tests.helpers.cli import REPO, SMALL_MODEL, TINY, TWO_NODES, env_for, meshrun, submitted
 
 STEPS = 60
 EVERY = 5
@@ -76,15 +76,7 @@ TESTBED = Site(
     "testbed",
     "SLURM_JOB_ID",
     {"sidecar": "launcher.sidecar", "batch": "slurm_script", "rank": "-m launcher /"},
-    (
-        *TWO_NODES,
-        "--set",
-        "train.model.n_layers=2",
-        "--set",
-        "train.model.d_model=64",
-        "--set",
-        "train.model.seq_len=64",
-    ),
+    (*TWO_NODES, *SMALL_MODEL),
     high_partition="high",
 )
 
@@ -469,3 +461,12 @@ def _sacct_state(job_id: str) -> str:
     done = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "State", "-j", job_id], capture_output=True, text=True)
     words = done.stdout.split()
     return words[-1] if words else ""
+
+
+def reference_losses(site: Site, home: Path, corpus: Path) -> dict[int, float]:
+    """Every step's loss in one uninterrupted run of the journeys' job at `site`: what any job must log then."""
+    done = meshrun(home, "submit", *spec_args(site, corpus), "--wait", check=True)
+    job_id, run_dir = submitted(done)
+    losses = losses_by_step(run_dir, job_id)
+    assert sorted(losses) == list(range(1, STEPS + 1)), losses
+    return losses

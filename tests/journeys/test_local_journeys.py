@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.cli import SOAK, meshrun, submitted
-from tests.journeys.harness import LOCAL, Journey, losses_by_step, spec_args
+from tests.helpers.cli import SOAK
+from tests.journeys.harness import LOCAL, Journey, reference_losses
 
 CI_SEEDS = (1, 2, 3)
 SEEDS = range(int(os.environ.get("MESHRUN_JOURNEYS", "100"))) if SOAK else CI_SEEDS
@@ -21,12 +21,7 @@ STEPS_PER_JOURNEY = (5, 10)
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> dict[int, float]:
     """Every step's loss in one uninterrupted run of the journeys' job: what any job must log for that step."""
-    home = tmp_path_factory.mktemp("reference")
-    done = meshrun(home, "submit", *spec_args(LOCAL, corpus), "--wait", check=True)
-    job_id, run_dir = submitted(done)
-    losses = losses_by_step(run_dir, job_id)
-    assert sorted(losses) == list(range(1, max(losses) + 1)) and len(losses) > 10, losses
-    return losses
+    return reference_losses(LOCAL, tmp_path_factory.mktemp("reference"), corpus)
 
 
 @pytest.mark.parametrize("seed", SEEDS, ids=lambda seed: f"seed{seed}")

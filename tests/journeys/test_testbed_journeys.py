@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.cli import SOAK, meshrun, submitted
-from tests.journeys.harness import TESTBED, Journey, losses_by_step, spec_args
+from tests.helpers.cli import SOAK
+from tests.journeys.harness import TESTBED, Journey, reference_losses
 
 CI_SEEDS = (101,)
 SEEDS = range(100, 100 + int(os.environ.get("MESHRUN_TESTBED_JOURNEYS", "30"))) if SOAK else CI_SEEDS
@@ -24,12 +24,7 @@ def testbed_reference(
     testbed: dict[str, object], tmp_path_factory: pytest.TempPathFactory, corpus: Path
 ) -> dict[int, float]:
     """Every step's loss in one uninterrupted two-node run of the journeys' job on the testbed."""
-    home = tmp_path_factory.mktemp("testbed-reference")
-    done = meshrun(home, "submit", *spec_args(TESTBED, corpus), "--wait", check=True)
-    job_id, run_dir = submitted(done)
-    losses = losses_by_step(run_dir, job_id)
-    assert sorted(losses) == list(range(1, max(losses) + 1)) and len(losses) > 10, losses
-    return losses
+    return reference_losses(TESTBED, tmp_path_factory.mktemp("testbed-reference"), corpus)
 
 
 @pytest.mark.parametrize("seed", SEEDS, ids=lambda seed: f"seed{seed}")
