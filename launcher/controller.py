@@ -192,31 +192,6 @@ def read_ends(folder: str | Path, controller_pid: int | str) -> list[dict[str, A
     return sorted(ends, key=lambda end: float(end.get("time", 0)))
 
 
-def how(code: int) -> str:
-    """A rank's end in words: 'was killed by SIGKILL ...' or 'exited with code 1'. A command job's rank
-    reports its program's death by signal N as 128 + N, as a shell does."""
-    if code < 0:
-        return f"was killed by {_signal_words(-code)}"
-    if by_signal(code):
-        return f"exited with code {code} (its program was killed by {_signal_words(code - 128)})"
-    return f"exited with code {code}"
-
-
-def by_signal(code: int) -> bool:
-    """Whether a rank's end (as `how` reads it) was a signal's, which leaves the rank no chance to say why."""
-    return code < 0 or 128 < code < 128 + 65
-
-
-def _signal_words(number: int) -> str:
-    try:
-        name = signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-    if number == signal.SIGKILL:
-        return f"{name} (kill -9, or the kernel's out-of-memory killer: see `dmesg`)"
-    return name
-
-
 def first_death(
     ends: Sequence[dict[str, Any]], clean: Sequence[int], returned: Mapping[int, tuple[float, int]]
 ) -> Optional[dict[str, Any]]:

@@ -22,15 +22,18 @@ The local supervisor never requeues (`meshrun resume` does), but applies the sam
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
+from launcher import rankends
 from launcher.checkpoint.resume import MAX_ATTEMPTS
 from launcher.contract import lost as lost_checkpoints
 from launcher.contract.exitcodes import (
     EXIT_FAILED,
+    EXIT_FINISHED,
     EXIT_GAVE_UP,
     EXIT_INPUT,
     EXIT_NAMES,
@@ -117,6 +120,32 @@ def decide(
     return Decision(True, status, f"requeueing: restart {restarts + 1} of at most {max_restarts}")
 
 
+def record_first_death(run_dir: str, restarts: int, environ: Mapping[str, str] = os.environ) -> None:
+    """On Slurm, the first rank a signal ended leads the job's reason (rank-error.txt), before what the
+    other ranks said (a collective's "connection closed by peer"): srun's own line for it ("srun: error: n1:
+    task 0: Killed"), read from this attempt's part of the batch log. The local supervisor does the same
+    from its rank controller's record."""
+    job = environ.get("SLURM_JOB_ID")
+    if not job:
+        return
+    array, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    try:
+        log = Path(RunDir(run_dir).batch_log(f"{array}_{task}" if array and task else job)).read_text(errors="replace")
+    except OSError:
+        return
+    found = rankends.first_srun_death(log, f"[meshrun] job {job} restart {restarts} on ")
+    if found is None or not rankends.by_signal(found[2]):
+        return  # a rank that exited with a code of its own had its say
+    rank, node, code = found
+    path = Path(RunDir(run_dir).rank_error)
+    said = path.read_text(errors="replace").strip() if path.exists() else ""
+    if said.startswith(f"rank {rank}:"):
+        return
+    lead = f"rank {rank} (on {node}) {rankends.how(code)}"
+    path.write_text((f"{lead}, first; then {said}" if said else lead) + "\n")
+    path.chmod(0o600)
+
+
 def record_reason(run_dir: str, why: str) -> None:
     """The job's one-line reason for `meshrun status` (RUN_DIR/rank-error.txt, which both schedulers
     show for a failed job), unless a rank already wrote its own error there."""
@@ -149,6 +178,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         # A failure is requeued (from the newest complete checkpoint: the lost steps are trained again).
         status = EXIT_FAILED
         record_reason(run_dir, lost)
+    stop_requested, terminated = "--stop-requested" in flags, "--terminated" in flags
+    if status not in (EXIT_FINISHED, EXIT_REQUEUE) and not stop_requested and not terminated:
+        record_first_death(run_dir, restarts)  # a stop's or a cancel's signals are no news
     command_job = is_command_job(run_dir)
     note = ""
     if command_job:
@@ -158,8 +190,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         status,
         restarts,
         max_restarts,
-        stop_requested="--stop-requested" in flags,
-        terminated="--terminated" in flags,
+        stop_requested=stop_requested,
+        terminated=terminated,
         command_job=command_job,
     )
     if not decision.requeue:  # the job's final state: its env: secrets go (`meshrun resume` sends them again)

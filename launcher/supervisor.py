@@ -315,16 +315,16 @@ def first_death(job: Any, rank_error: str) -> str:
     """The first rank that ended badly, and how (its controller saw it), before the first rank error when
     another rank wrote it: a rank killed by a signal writes nothing, and its peers' errors ("connection
     closed by peer") would be all there is to read. "" when no end was recorded or that rank said why itself."""
-    from launcher import controller
+    from launcher import controller, rankends
 
     first = controller.first_death(controller.read_ends(job.paths.folder, job.job_id), CLEAN_CODES, _returned(job))
     if first is None or rank_error.startswith(f"rank {first['rank']}:"):
         return ""
-    if rank_error and not controller.by_signal(first["code"]):
+    if rank_error and not rankends.by_signal(first["code"]):
         # A rank that exited with a code of its own had its say: ranks that meet the same bad input exit in any
         # order, and whichever wrote the rank error first speaks for them.
         return ""
-    lead = f"rank {first['rank']} {controller.how(first['code'])}"
+    lead = f"rank {first['rank']} {rankends.how(first['code'])}"
     return f"{lead}, first; then {rank_error}" if rank_error else lead
 
 

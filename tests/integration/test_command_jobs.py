@@ -69,6 +69,19 @@ def test_a_command_that_crashes_at_once_gives_up_after_two_runs_on_slurm(testbed
     )
 
 
+def test_on_slurm_the_reason_names_the_rank_killed_first_and_how(testbed: dict, tmp_path: Path) -> None:
+    """Issue 22 item 13 on Slurm: rank 1 killed with -9 while rank 0 waits; the reason led with nothing of it."""
+    program = (
+        'command=[python3, -c, \'import os, time; r = os.environ["RANK"]; time.sleep(2); '
+        'os.kill(os.getpid(), 9) if r == "1" else time.sleep(120)\']'
+    )
+    args = [*DDP, "--set", program, "--set", "checkpoint.max_restarts=0"]
+    job_id, _ = submitted(meshrun(tmp_path, "submit", *args, check=True))
+    row = wait_for_state(tmp_path, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
+    assert row["state"] == "FAILED" and row["reason"].startswith("rank 1 (on n2) "), row
+    assert "SIGKILL (kill -9, or the kernel's out-of-memory killer" in row["reason"], row
+
+
 def test_a_command_that_crashes_at_once_gives_up_on_its_second_local_run(tmp_path: Path) -> None:
     args = ["examples/command.yaml", "-c", "local", *ONE_RANK, "--set", CRASH]
     out = meshrun(tmp_path, "submit", *args, "--wait")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from launcher import controller
+from launcher import controller, rankends
 
 
 def _ends(tmp_path: Path, *rows: dict, torn: bool = False) -> Path:
@@ -39,10 +39,10 @@ def test_the_first_death_skips_clean_ends_and_a_rank_that_returned_speaks_for_it
 
 
 def test_how_a_rank_ended_in_words() -> None:
-    assert controller.how(-9).startswith("was killed by SIGKILL (kill -9, or the kernel's out-of-memory killer")
-    assert controller.how(-15) == "was killed by SIGTERM"
-    assert controller.how(137).startswith("exited with code 137 (its program was killed by SIGKILL")
-    assert controller.how(3) == "exited with code 3"
+    assert rankends.how(-9).startswith("was killed by SIGKILL (kill -9, or the kernel's out-of-memory killer")
+    assert rankends.how(-15) == "was killed by SIGTERM"
+    assert rankends.how(137).startswith("exited with code 137 (its program was killed by SIGKILL")
+    assert rankends.how(3) == "exited with code 3"
 
 
 def test_ranks_are_forked_only_from_a_process_without_a_cuda_context(monkeypatch) -> None:  # type: ignore[no-untyped-def]

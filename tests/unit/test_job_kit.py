@@ -219,3 +219,38 @@ def test_a_programs_own_exit_2_is_a_failure_and_only_a_reported_bad_input_is_mes
     (tmp_path / RunDir.RANK_ERROR).write_text("rank 0: data.path: '/x': no token file there\n")  # launcher.job's
     assert main([str(tmp_path), "2", "1", "20"]) == 0
     assert capsys.readouterr().out == "stop 2 bad input (exit 2): not requeueing\n"
+
+
+# Job 30's batch log on the testbed (slurm-wlm 22.05): rank 0 killed with -9 by a journey, srun's
+# --kill-on-bad-exit then ended rank 1; requeued, the second run was cancelled.
+BATCH_LOG = """\
+[meshrun] job 30 restart 0 on n[1-2] at 2026-12-03T08:07:01Z
+srun: error: n1: task 0: Killed
+srun: launch/slurm: _step_signal: Terminating StepId=30.1
+srun: error: n2: task 1: Terminated
+srun: Force Terminated StepId=30.1
+[meshrun] ranks exited with status 143 at 2026-12-03T08:07:23Z
+[meshrun] requeueing: restart 1 of at most 20
+[meshrun] job 30 restart 1 on n[1-2] at 2026-12-03T08:07:34Z
+srun: error: n2: task 1: Exited with exit code 3
+srun: error: n1: task 0: Terminated
+"""
+
+
+def test_on_slurm_the_first_rank_a_signal_ended_leads_the_reason(tmp_path: Path) -> None:
+    """Issue 22 item 13 on Slurm: the reason named what the surviving rank said, not the rank killed first."""
+    from launcher.requeue import record_first_death
+
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "slurm-30.out").write_text(BATCH_LOG)
+    error = tmp_path / RunDir.RANK_ERROR
+    error.write_text("rank 1: RuntimeError: Connection closed by peer\n")
+    record_first_death(str(tmp_path), 0, {"SLURM_JOB_ID": "30"})
+    said = error.read_text()
+    assert said.startswith("rank 0 (on n1) was killed by SIGKILL (kill -9, or the kernel's out-of-memory killer")
+    assert said.endswith(", first; then rank 1: RuntimeError: Connection closed by peer\n")
+    error.unlink()
+    record_first_death(str(tmp_path), 1, {"SLURM_JOB_ID": "30"})  # restart 1: rank 1 exited with a code of its own
+    assert not error.exists()
+    record_first_death(str(tmp_path), 0, {})  # not under Slurm: nothing to read
+    assert not error.exists()

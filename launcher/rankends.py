@@ -1,0 +1,66 @@
+"""How a rank ended, in words: from an exit code (the local controller's record: -N for signal N) or from
+srun's own line for a task (`srun: error: n1: task 0: Killed`). Torch-free, stdlib only: the batch script's
+requeue decision reads srun's lines with it, the local supervisor its controller's record.
+
+A rank killed by a signal writes nothing of its own, and its peers then fail with a collective's
+"connection closed by peer": the first rank that died, and how, is what a person needs first.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from typing import Optional
+
+
+def how(code: int) -> str:
+    """A rank's end in words: 'was killed by SIGKILL ...' or 'exited with code 1'. A command job's rank
+    reports its program's death by signal N as 128 + N, as a shell does."""
+    if code < 0:
+        return f"was killed by {signal_words(-code)}"
+    if by_signal(code):
+        return f"exited with code {code} (its program was killed by {signal_words(code - 128)})"
+    return f"exited with code {code}"
+
+
+def by_signal(code: int) -> bool:
+    """Whether a rank's end (as `how` reads it) was a signal's, which leaves the rank no chance to say why."""
+    return code < 0 or 128 < code < 128 + 65
+
+
+def signal_words(number: int) -> str:
+    try:
+        name = signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+    if number == signal.SIGKILL:
+        return f"{name} (kill -9, or the kernel's out-of-memory killer: see `dmesg`)"
+    return name
+
+
+_SRUN_TASK_END = re.compile(r"^srun: error: (?P<node>\S+): tasks? (?P<task>\d+)(?:[-,]\S*)?: (?P<what>.+?)\s*$")
+_EXITED = re.compile(r"^Exited with exit code (\d+)$")
+_BY_DESCRIPTION = {signal.strsignal(s) or s.name: s for s in signal.Signals}
+"""srun names a task's killing signal by its description ("Killed", "Terminated", "Segmentation fault")."""
+
+
+def srun_code(what: str) -> Optional[int]:
+    """srun's words for a task's end as an exit code (-N: signal N), None for words it does not know."""
+    exited = _EXITED.match(what)
+    if exited:
+        return int(exited.group(1))
+    sig = _BY_DESCRIPTION.get(what)
+    return -int(sig) if sig is not None else None
+
+
+def first_srun_death(batch_log: str, attempt_line: str) -> Optional[tuple[int, str, int]]:
+    """(rank, node, code) of the first task srun reported ending badly after `attempt_line` (this attempt's
+    start line in the batch log), or None."""
+    start = batch_log.rfind(attempt_line)
+    if start < 0:
+        return None
+    for line in batch_log[start:].splitlines():
+        match = _SRUN_TASK_END.match(line)
+        if match and (code := srun_code(match.group("what"))) is not None:
+            return int(match.group("task")), match.group("node"), code
+    return None
