@@ -15,7 +15,7 @@ import math
 import re
 import types
 import typing
-from typing import Any, Literal, Mapping, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, Mapping, Optional, Union, get_args, get_origin, get_type_hints
 
 _CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
 
@@ -39,9 +39,26 @@ def _show(value: Any) -> str:
 
 
 def closest(name: str, choices: typing.Iterable[str]) -> str:
-    """' (did you mean X?)' for the nearest valid name, or ''."""
-    match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {match[0]!r}?)" if match else ""
+    """' (did you mean X?)' for the nearest valid name, or ''. A name that differs from valid ones only in
+    its numbers (a size: 'llama-80b') gets the one of nearest size ('llama-70b'), not the nearest spelling
+    ('llama3-8b')."""
+    options = list(choices)
+    match = _nearest_size(name, options) or next(iter(difflib.get_close_matches(name, options, n=1, cutoff=0.6)), None)
+    return f" (did you mean {match!r}?)" if match else ""
+
+
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+def _nearest_size(name: str, options: list[str]) -> Optional[str]:
+    sizes = [float(n) for n in _NUMBER.findall(name)]
+    if not sizes:
+        return None
+    skeleton = _NUMBER.sub("#", name)
+    same = [o for o in options if _NUMBER.sub("#", o) == skeleton]
+    if not same:
+        return None
+    return min(same, key=lambda o: sum(abs(float(a) - b) for a, b in zip(_NUMBER.findall(o), sizes)))
 
 
 def check_text(key: str, value: str) -> str:

@@ -348,3 +348,15 @@ def test_an_error_in_the_file_still_names_its_line(tmp_path: Path) -> None:
     path.write_text("name: x\ntrain:\n  steps: -1\n")
     with pytest.raises(InputError, match=rf"^{path}:3: train.steps: -1: must be at least 1"):
         load_job(path, ["train.lr=0.01"])
+
+
+@pytest.mark.parametrize(
+    "given, meant",
+    [("llama-80b", "llama-70b"), ("llama-6b", "llama-7b"), ("llama3-7b", "llama3-8b"), ("lama-7b", "llama-7b")],
+)
+def test_a_preset_off_by_its_size_gets_the_nearest_size_not_the_nearest_spelling(given: str, meant: str) -> None:
+    """Issue 22 item 26: 'llama-80b' suggested 'llama3-8b'."""
+    from launcher.contract.presets import PRESETS
+    from launcher.contract.schema import closest
+
+    assert closest(given, PRESETS) == f" (did you mean {meant!r}?)"
