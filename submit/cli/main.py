@@ -26,7 +26,7 @@ from submit.cli import plan as cli_plan
 from submit.cli import tb as cli_tb
 from submit.cli.args import cluster_arg, overrides_arg, positive_int, spec_path
 from submit.cli.common import finish_wait, profile_path_of
-from submit.errors import InputError, InternalError, MeshrunError
+from submit.errors import ClusterError, HostKeyError, InputError, InternalError, MeshrunError
 from submit.views.tables import table
 
 
@@ -231,7 +231,13 @@ def cmd_render(args: argparse.Namespace) -> int:
         print("# render --offline: the cluster was not asked (its home stays ~)", file=sys.stderr)
         _write_script(args.output, api.prepare(plan, args.spec.parent).request.script)
         return 0
-    transport = api.connect(profile.ssh, args.cluster)
+    try:
+        transport = api.connect(profile.ssh, args.cluster)
+    except ClusterError as exc:
+        if isinstance(exc, HostKeyError) or args.upload:
+            raise
+        # render asks the login node only for its home: an example profile's host need not exist
+        raise ClusterError(f"{exc}; or render without asking the cluster: add --offline") from None
     try:
         prepared = api.prepare(plan, args.spec.parent, transport, read_only=not args.upload)
         _warn(prepared.warnings)

@@ -240,3 +240,18 @@ def test_what_a_cluster_or_format_does_not_have_is_said_plainly(
 ) -> None:
     code, err = run(capsys, *argv)
     assert code == 2 and named in err, err
+
+
+def test_render_of_an_unreachable_cluster_says_it_can_render_offline(
+    home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 22 item 22: an example profile's host does not exist; render asks the cluster only for its home."""
+    profile = unreachable_profile(home)
+    code, err = run(capsys, "render", str(REPO / "examples" / "command.yaml"), "-c", str(profile))
+    assert (
+        code == 1
+        and err.count("\n") == 1
+        and err.rstrip().endswith("or render without asking the cluster: add --offline")
+    ), err
+    code, _ = run(capsys, "render", str(REPO / "examples" / "command.yaml"), "-c", str(profile), "--offline")
+    assert code == 0
