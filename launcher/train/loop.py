@@ -212,6 +212,10 @@ def run_loop(
                 return EXIT_DIVERGED
             checkpoints.poll()
             if stopping and checkpoints.enabled:
+                if not logged:  # the step saved is the step shown: status's STEP never trails its CKPT
+                    watch.logged(
+                        log_step(t, env, metrics, step, result, clock, checkpoints.shared_step, validate=False)
+                    )
                 metrics.stamp(step, "checkpoint")
                 checkpoints.save_now(t, step, watch.val_loss(step))
                 if env.rank == 0:

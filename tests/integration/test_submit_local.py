@@ -67,7 +67,9 @@ def test_bad_data_shows_the_ranks_one_line_error_and_exits_2(tmp_path: Path) -> 
 
 
 def test_cancel_a_running_job(tmp_path: Path, corpus: Path) -> None:
-    out = meshrun(tmp_path, "submit", *_tiny(corpus, "--set", "train.steps=100000"), check=True)
+    # Steps logged every 7: the step the cancel's save lands on is logged too (STEP never trails CKPT).
+    tiny = _tiny(corpus, "--set", "train.steps=100000", "--set", "train.log_every=7")
+    out = meshrun(tmp_path, "submit", *tiny, check=True)
     job_id, run_dir = submitted(out)
     deadline = time.monotonic() + 120
     while status(tmp_path, job_id)["state"] != "RUNNING" or not (run_dir / "metrics.jsonl").exists():
@@ -75,10 +77,10 @@ def test_cancel_a_running_job(tmp_path: Path, corpus: Path) -> None:
         time.sleep(0.5)
     assert meshrun(tmp_path, "cancel", job_id, check=True).stdout.startswith(f"cancelled job {job_id}")
     deadline = time.monotonic() + 60
-    while (state := status(tmp_path, job_id)["state"]) not in ("CANCELLED", "FAILED"):
+    while (row := status(tmp_path, job_id))["state"] not in ("CANCELLED", "FAILED"):
         assert time.monotonic() < deadline
         time.sleep(0.5)
-    assert state == "CANCELLED"
+    assert row["state"] == "CANCELLED" and row["progress"]["step"] == row["progress"]["checkpoint_step"], row
     second = meshrun(tmp_path, "cancel", job_id)
     assert second.returncode == 1 and "already ended (CANCELLED)" in second.stderr  # not "cancelled" + exit 0
 
