@@ -94,10 +94,10 @@ def of_job(row: Mapping[str, Any], job_id: Optional[str]) -> bool:
 
 def parse_metrics_tail(text: str, job_id: Optional[str] = None) -> dict[str, Any]:
     """The newest step line of a metrics.jsonl tail (a line being written is skipped), with the
-    newest `checkpoint_step` from any line (checkpoint events are lines of their own); `job_id`: that
-    job's lines only."""
+    newest `checkpoint_step` from any line (checkpoint events are lines of their own) and the newest
+    `val_loss` with its `val_step` (evaluations are every eval_every steps); `job_id`: that job's lines only."""
     found: dict[str, Any] = {}
-    checkpoint = None
+    checkpoint, validated = None, None
     for line in reversed(text.splitlines()):
         try:
             row = json.loads(line)
@@ -110,10 +110,14 @@ def parse_metrics_tail(text: str, job_id: Optional[str] = None) -> dict[str, Any
             checkpoint = row["checkpoint_step"]
         if not found and "event" not in row:
             found = row
-        if found and checkpoint is not None:
+        if validated is None and "val_loss" in row and "event" not in row:
+            validated = {"val_loss": row["val_loss"], "val_step": row.get("step")}
+        if found and checkpoint is not None and validated is not None:
             break
     if checkpoint is not None:
         found = {**found, "checkpoint_step": checkpoint}
+    if validated is not None and found:
+        found = {**found, **validated}
     return found
 
 

@@ -181,6 +181,9 @@ def progress_line(status: Any, total_steps: Optional[int]) -> str:
         parts.append(f"step {step}/{total_steps}" if total_steps else f"step {step}")
     if "loss" in status.progress:
         parts.append(f"loss {loss_text(status.progress['loss'])}")
+    if "val_loss" in status.progress:
+        at = status.progress.get("val_step")
+        parts.append(f"val_loss {loss_text(status.progress['val_loss'])}" + (f" (step {at})" if at is not None else ""))
     if status.elapsed_s is not None:
         parts.append(f"elapsed {clock(status.elapsed_s)}")
     if (eta := finish_in(status, total_steps)) is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -40,6 +41,22 @@ def test_progress_line_shows_state_step_loss_and_time_left() -> None:
         progress_line(_status(state="PENDING", progress={}, elapsed_s=None, reason="Resources"), 60)
         == "[PENDING] (Resources)"
     )
+
+
+def test_wait_shows_the_newest_validation_loss_and_its_step() -> None:
+    """A new user's trial: --wait never showed val_loss (only the newest step line, rarely an eval step's)."""
+    from submit.jobs.status import parse_metrics_tail
+
+    lines = [
+        {"step": 30, "loss": 3.5, "val_loss": 3.25, "job": "j"},
+        {"step": 31, "loss": 3.4, "job": "j"},
+        {"event": "checkpoint", "checkpoint_step": 30, "job": "j"},
+        {"step": 32, "loss": 3.3, "job": "j"},
+    ]
+    progress = parse_metrics_tail("\n".join(json.dumps(line) for line in lines), "j")
+    assert progress["step"] == 32 and (progress["val_loss"], progress["val_step"]) == (3.25, 30)
+    line = progress_line(_status(progress=progress), 60)
+    assert line.startswith("[RUNNING] step 32/60 loss 3.3000 val_loss 3.2500 (step 30) elapsed"), line
 
 
 def test_polling_backs_off_on_slurm() -> None:
