@@ -1,9 +1,11 @@
-"""Seeded journeys of a user on the `local` cluster, and the invariants every step must keep (issue 22's
-harness: the class of bug, not its instances).
+"""Seeded journeys of a user on a cluster (a `Site`: `local`, or the real Slurm testbed), and the invariants
+every step must keep (issue 22's harness: the class of bug, not its instances).
 
 A journey is a sequence of steps drawn by `random.Random(seed)`: submit beside running jobs, cancel,
-resume, kill -9 of one process of a running job (a rank, the sidecar, the supervisor, the rank controller,
-a `logs -f` client), and the read verbs (status, logs, top, export). Every job trains the same tiny model
+resume, kill -9 of one process of a running job (local: a rank, the rank controller, the sidecar, the
+supervisor; Slurm: a rank, a node's sidecar or its copier child, the batch shell), a `logs -f` client
+killed, a preemption by a high-partition job (Slurm), and the read verbs (status, logs, top, export).
+Every job trains the same tiny model
 with the same seed, so every loss any job logs for step N must equal, bit for bit, the loss an
 uninterrupted run logged for step N (`reference`): a resume that is not exact shows up wherever it lands.
 
@@ -75,7 +77,13 @@ LOCAL = Site(
 TESTBED = Site(
     "testbed",
     "SLURM_JOB_ID",
-    {"sidecar": "launcher.sidecar", "batch": "slurm_script", "rank": "-m launcher /"},
+    # The copier (a sidecar's child copying one staged checkpoint) first: its command line names the sidecar too.
+    {
+        "copier": "launcher.sidecar.copier",
+        "sidecar": "launcher.sidecar",
+        "batch": "slurm_script",
+        "rank": "-m launcher /",
+    },
     (*TWO_NODES, *SMALL_MODEL),
     high_partition="high",
 )
@@ -244,6 +252,10 @@ class Journey:
         self.wait_a_few_steps(job)
         role = self.rng.choice([*self.site.roles, "rank"] if "rank" not in self.site.roles else list(self.site.roles))
         victims = processes_of(self.site, job, role)
+        deadline = time.monotonic() + 10
+        while not victims and role == "copier" and time.monotonic() < deadline:  # it lives while a copy runs
+            time.sleep(0.05)
+            victims = processes_of(self.site, job, role)
         if not victims:
             self.log.append(f"kill -9 {role} of {job.job_id}: none running")
             return
