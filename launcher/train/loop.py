@@ -221,7 +221,7 @@ def run_loop(
                 if env.rank == 0:
                     print(
                         f"[meshrun] stopping after step {step} on {flag.describe() if flag and flag.raised else 'a peer'}"
-                        f"'s signal: checkpoint saved, exit {EXIT_REQUEUE} (requeue)",
+                        f"'s signal: checkpoint saved, exit {EXIT_REQUEUE} (saved to continue: a requeue or `meshrun resume`)",
                         flush=True,
                     )
                 return EXIT_REQUEUE
