@@ -104,14 +104,16 @@ def resume(
             "the job completed: there is nothing left to train; to train "
             "further, `meshrun resume JOB --set train.steps=N` with a larger N",
         )
+    root = run_spec.run.checkpoint_dir or RunDir(record.run_dir).default_checkpoints
+    changed = with_overrides(run_spec, overrides) if overrides else run_spec
+    if state == JobState.COMPLETED:
+        check_trains_further(run_spec, changed)
+    else:
+        check_steps_left(changed, root, transport)
     if overrides:
         from launcher.contract.spec import dumps_run_spec
 
-        changed = with_overrides(run_spec, overrides)
-        if state == JobState.COMPLETED:
-            check_trains_further(run_spec, changed)
         transport.write_text(RunDir(record.run_dir).spec, dumps_run_spec(changed))
-    root = run_spec.run.checkpoint_dir or RunDir(record.run_dir).default_checkpoints
     transport.run(["rm", "-f", "--", f"{root}/{ATTEMPTS_FILE}"]).check("rm")
     job_id = restart(record, transport)
     new = dataclasses.replace(
@@ -131,6 +133,23 @@ def check_trains_further(done: RunSpec, again: RunSpec) -> None:
             "train.steps",
             asked,
             f"the job completed all {trained} of its steps: give more than {trained} to train further",
+        )
+
+
+def check_steps_left(run_spec: RunSpec, root: str, transport: Transport) -> None:
+    """A stopped trainer job resumes only when its newest complete checkpoint is short of train.steps: one
+    that saved its last step before it was stopped (a cancel as it finished) would train nothing and
+    end COMPLETED with no step of its own (found by a journey)."""
+    job = run_spec.job
+    if job.command is not None or job.checkpoint.resume_step is not None:
+        return  # a program's own notion of "done" is its own; an earlier step was asked for
+    complete = complete_steps(transport, root)
+    if complete and complete[-1] >= job.trainer.steps:
+        raise InputError(
+            "train.steps",
+            job.trainer.steps,
+            f"the job's newest checkpoint is step {complete[-1]}: nothing is left to train; "
+            f"`meshrun resume JOB --set train.steps=N` with N above {complete[-1]} trains further",
         )
 
 

@@ -261,12 +261,14 @@ def statuses(
 
 
 def kept_progress(record: Any, status: Status) -> Status:
-    """A finished job whose lines have left the metrics tail (a resume wrote on in its run dir) shows the
-    progress status saw when it ended, not none."""
-    if not status.done or status.progress or not record.last_progress:
+    """A finished job whose step lines have left the metrics tail (a resume wrote on in its run dir) shows the
+    progress status saw when it ended, not none (what is still read, its checkpoint record, is kept over it)."""
+    if not status.done or "step" in status.progress or not record.last_progress:
         return status
     try:
         progress = json.loads(record.last_progress)
     except ValueError:
         return status
-    return dataclasses.replace(status, progress=progress) if isinstance(progress, dict) else status
+    return (
+        dataclasses.replace(status, progress={**progress, **status.progress}) if isinstance(progress, dict) else status
+    )

@@ -241,8 +241,9 @@ class Journey:
     def resume(self, job: Job) -> None:
         done = self.verb("resume", job.job_id)
         if done.returncode != 0:
-            # Refused in one line (checked): only when there is nothing to resume from.
-            self.expect(not ckptdir.complete_steps(checkpoint_root(job.run_dir)), f"resume refused: {done.stderr}")
+            # Refused in one line (checked): only when there is nothing to resume from, or nothing left to train.
+            complete = ckptdir.complete_steps(checkpoint_root(job.run_dir))
+            self.expect(not complete or complete[-1] >= STEPS, f"resume refused: {done.stderr}")
             return
         child = done.stdout.split(" as job ")[1].split()[0]
         self.log[-1] += f" {child}"

@@ -205,6 +205,28 @@ def test_a_completed_job_resumes_only_to_train_further(steps: str, refused: bool
         check_trains_further(done, again)
 
 
+@pytest.mark.parametrize("steps, newest, refused", [(100, 100, True), (100, 95, False), (120, 100, False)])
+def test_a_stopped_job_whose_newest_checkpoint_is_its_last_step_is_not_resumed(
+    tmp_path: Path, steps: int, newest: int, refused: bool
+) -> None:
+    """Found by a journey: orphaned ranks trained to the end and saved, the job was cancelled, and its resume
+    ended COMPLETED having trained nothing."""
+    from launcher.contract import ckptdir
+    from launcher.contract.spec import JobSpec, RunInfo, RunSpec, Train
+    from submit.errors import InputError
+    from submit.jobs.checkpoints import check_steps_left
+    from submit.transport.base import LocalTransport
+
+    (ckptdir.step_dir(tmp_path, newest) / ckptdir.MARKER).parent.mkdir(parents=True)
+    (ckptdir.step_dir(tmp_path, newest) / ckptdir.MARKER).write_text("{}")
+    spec = RunSpec(JobSpec(name="j", train=Train(steps=steps)), RunInfo(cluster="c", scheduler="local", run_dir="/r"))
+    if refused:
+        with pytest.raises(InputError, match=f"newest checkpoint is step {newest}: nothing is left to train"):
+            check_steps_left(spec, str(tmp_path), LocalTransport())
+    else:
+        check_steps_left(spec, str(tmp_path), LocalTransport())
+
+
 def test_an_example_profile_renders_offline(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """examples/h100-8node.yaml's own suggested command: its profile's login node does not exist."""
     spec = str(REPO / "examples" / "h100-8node.yaml")

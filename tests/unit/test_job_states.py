@@ -221,6 +221,9 @@ def test_a_final_job_keeps_the_progress_it_ended_with(tmp_path: Path) -> None:
     )
     assert kept_progress(stored, ended).progress == {"step": 19, "checkpoint_step": 19}
     assert kept_progress(stored, dataclasses.replace(ended, progress={"step": 3})).progress == {"step": 3}
+    # Found by a journey: its checkpoint record still read (a resume had not saved yet) hid the kept step.
+    recorded = kept_progress(stored, dataclasses.replace(ended, progress={"checkpoint_step": 19}))
+    assert recorded.progress == {"step": 19, "checkpoint_step": 19}
     running = dataclasses.replace(ended, state=JobState.RUNNING, done=False)
     assert kept_progress(stored, running).progress == {}
     registry.set_state(stored, "CANCELLED")  # a later state change without progress keeps it

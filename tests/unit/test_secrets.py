@@ -271,6 +271,8 @@ def test_the_final_requeue_decision_removes_the_folder_a_requeue_keeps_it(
     folder = Path(ls.secrets_dir_for(str(run_dir)))
     folder.mkdir(mode=0o700)
     (folder / "TOK").write_text("v")
+    if status == 2:  # meshrun's bad-input verdict comes with a rank error line (a program's own 2 is requeued)
+        (run_dir / "rank-error.txt").write_text("rank 0: data.path: '/x': no token file there\n")
     assert requeue.main([str(run_dir), str(status), "0", "20"]) == 0
     assert capsys.readouterr().out.startswith("stop" if removed else "requeue")
     assert folder.exists() is not removed
