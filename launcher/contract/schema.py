@@ -31,11 +31,16 @@ class SchemaError(ValueError):
         super().__init__(f"{key or '<top>'}: {_show(value)}: {fix}")
 
 
+SHOWN_CHARS = 320
+"""An error line shows a value up to this long: a path whole (a cut one hides what is wrong with it), a
+pasted blob shortened."""
+
+
 def _show(value: Any) -> str:
     # Escaped even where an odd __repr__ lets control characters through: an error line must
     # never carry a terminal escape sequence from a value the user (or a sweep) gave.
     text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in repr(value))
-    return text if len(text) <= 80 else text[:77] + "..."
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
 
 
 def closest(name: str, choices: typing.Iterable[str]) -> str:

@@ -121,3 +121,14 @@ def test_slug_is_file_name_safe_and_bounded() -> None:
         result = slug(name)
         assert result and len(result) <= 64 and result.isascii()
         assert all(c.isalnum() or c in "_+-" for c in result) and not result.startswith("-"), result
+
+
+def test_an_error_shows_a_long_path_whole_and_a_pasted_blob_shortened() -> None:
+    """A 2-worker run found error lines cutting paths at 80 characters ('/tmp/.../miss...'): a user with a
+    deep project folder saw no file name."""
+    from launcher.contract.schema import SchemaError
+
+    path = "/home/someone/projects/" + "deep/" * 30 + "tokens.u16"
+    assert f"'{path}'" in str(SchemaError("data.path", path, "no token file there"))
+    blob = "x" * 5000
+    assert len(str(SchemaError("name", blob, "too long"))) < 400
