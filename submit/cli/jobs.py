@@ -169,7 +169,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     finally:
         clusters.close()
     what = f"job array {args.job} ({len(records)} tasks)" if len(records) > 1 else f"job {records[0].job_id}"
-    print(f"cancelled {what} on {records[0].cluster}")
+    print(f"cancelled {what} on {records[0].cluster}", flush=True)  # before the stderr hint, in a merged stream
     # A cancel is a request: the ranks checkpoint and stop in their own time, so "cancelled" is not "ended".
     print(
         f"meshrun: its ranks save and stop first; `meshrun status {args.job}` says when it has ended", file=sys.stderr
