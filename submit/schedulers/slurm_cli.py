@@ -117,7 +117,10 @@ def dependency_target(item: str) -> tuple[str, str]:
 
 def dependency_state(job_id: str, sacct: dict[str, SlurmJob], squeue: dict[str, SlurmJob]) -> SlurmJob:
     """The job a dependency names, as Slurm sees it; a job array's id (its tasks are ID_N rows) stands for
-    all its tasks: failed when one failed, completed when all completed, else the state of one still going."""
+    all its tasks: failed when one failed, completed when all completed, else the state of one still going.
+    A job still COMPLETING (its processes ending) whose accounting record has ended has its outcome: that
+    is what a dependency waits on (merge_states keeps it running for status: its last copies are not done)."""
+    squeue = {key: job for key, job in squeue.items() if not (job.state is JobState.COMPLETING and _ended(sacct, key))}
     (known,) = merge_states([job_id], sacct, squeue).values()
     tasks = sorted({key for key in [*sacct, *squeue] if key.startswith(f"{job_id}_")})
     if known.state is not JobState.UNKNOWN or not tasks:
@@ -127,6 +130,11 @@ def dependency_state(job_id: str, sacct: dict[str, SlurmJob], squeue: dict[str, 
     going = [state for state in states if state not in FINAL]
     state = failed[0] if failed else going[0] if going else JobState.COMPLETED
     return SlurmJob(job_id=job_id, state=state)
+
+
+def _ended(sacct: Mapping[str, SlurmJob], job_id: str) -> bool:
+    job = sacct.get(job_id)
+    return job is not None and job.done
 
 
 def dependency_problem(kind: str, job: SlurmJob) -> Optional[str]:

@@ -185,6 +185,12 @@ def test_kill_9_requeue_resumes_zero2_to_the_uninterrupted_final_loss(
     slowed = [*args, "--set", "env.MESHRUN_TEST_DATA_DELAY=0.2"]
     job_id, run_dir = submitted(meshrun(tmp_path, "submit", *slowed, env=EXTENSIONS, check=True))
     _wait_for_commit(run_dir, 10)
+    # Past the newest commit by a step: a kill during a save (DeepSpeed's is slow) resumed from the very step
+    # it saved and redid nothing, which this test needs it to.
+    deadline = time.monotonic() + 120
+    while max((r["step"] for r in metrics(run_dir)), default=0) <= max(_shared_commits(run_dir), default=0) + 1:
+        assert time.monotonic() < deadline, metrics(run_dir)[-3:]
+        time.sleep(0.05)
     pids = _rank_pids(run_dir)
     assert len(pids) == 2, pids  # one rank on each "node"
     os.kill(pids[-1], signal.SIGKILL)  # a rank dies mid-run: srun ends the other, the batch script requeues

@@ -242,3 +242,7 @@ def test_a_dependency_on_a_job_array_stands_for_all_its_tasks() -> None:
     assert dependency_state("7", rows(JobState.COMPLETED), going).state is JobState.RUNNING
     assert dependency_state("70", rows(JobState.COMPLETED), {}).state is JobState.UNKNOWN  # 7_0 is not 70's
     assert dependency_state("8", {"8": SlurmJob(job_id="8", state=JobState.FAILED)}, {}).state is JobState.FAILED
+    # Just cancelled: squeue still lists the tasks COMPLETING (status keeps them not done) but the outcome is
+    # decided, and afterok on it would never release (the docs' sweep example caught it).
+    ending = {f"7_{n}": SlurmJob(job_id=f"7_{n}", state=JobState.COMPLETING) for n in range(2)}
+    assert dependency_state("7", rows(JobState.CANCELLED, JobState.CANCELLED), ending).state is JobState.CANCELLED
