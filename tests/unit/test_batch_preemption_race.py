@@ -1,0 +1,120 @@
+"""The batch script's reading of Slurm once the ranks have ended (templates/slurm.sbatch.j2), run for real
+under bash with stub `srun`, `squeue` and `scontrol` on PATH.
+
+Found by a 2-worker run of the suite (issue 23), on a loaded 2-core machine: at a preemption's grace time's
+end Slurm signals the batch shell and requeues the job, but counts the restart a moment after the shell
+first asked squeue, which then showed the job preempted and no longer RUNNING. The shell took that for a
+scancel, ended the job as cancelled and removed its `env:` secrets; Slurm's requeued run found them gone and
+failed with exit 2. The shell now asks again (up to 5 s) before it takes a preempted job for a cancelled one.
+
+The stub srun plays ranks that exit 75 (saved, as on the grace time's SIGTERM) and a sidecar that ends at
+once, and runs the requeue policy itself (`python -m launcher.requeue`, the real one); the stub squeue gives
+Slurm's answers in turn, the last one for good.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher.contract.secrets import secrets_dir_for
+from submit.config.cluster import load_profile
+from submit.planning.plan import plan_file
+from submit.schedulers import backend
+from submit.schedulers.render import render
+
+REPO = Path(__file__).resolve().parents[2]
+PREEMPTED_AT = "2026-12-03T09:03:05"
+
+SRUN = """#!/bin/bash
+# The job's steps: the requeue policy runs for real; the sidecar ends; the ranks "saved" (exit 75).
+for word in "$@"; do
+  case "$word" in
+    launcher.requeue) while [ "$1" != python ] && [ "${1##*/}" != python ]; do shift; done; exec "$@" ;;
+    launcher.sidecar) exit 0 ;;
+  esac
+done
+exit 75
+"""
+
+SQUEUE = """#!/bin/bash
+# Slurm's answers in turn (one a line, the last for good): PreemptTime RestartCnt State.
+n=$(cat "$ANSWERS.n" 2>/dev/null || echo 0)
+total=$(wc -l < "$ANSWERS")
+line=$(( n < total ? n + 1 : total ))
+echo $((n + 1)) > "$ANSWERS.n"
+sed -n "${line}p" "$ANSWERS"
+"""
+
+SCONTROL = """#!/bin/bash
+echo "scontrol $*" >> "$ANSWERS.scontrol"
+"""
+
+
+def _script(run_dir: Path) -> str:
+    """The testbed profile's script for examples/command.yaml, as `meshrun submit` renders it."""
+    profile = load_profile("testbed")
+    scheduler = backend(profile.scheduler)
+    plan = plan_file(
+        REPO / "examples" / "command.yaml",
+        profile,
+        home=str(run_dir.parent),
+        run_dir=str(run_dir),
+        scheduler_check=scheduler.check,
+    )
+    return render(plan, scheduler)
+
+
+def _run(tmp_path: Path, answers: list[str]) -> tuple[subprocess.CompletedProcess[str], Path, Path]:
+    run_dir = tmp_path / "runs" / "job"
+    (run_dir / "logs").mkdir(parents=True)
+    secrets = Path(secrets_dir_for(str(run_dir)))
+    secrets.mkdir(mode=0o700)
+    (secrets / "TOKEN").write_text("t0ken")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in {"srun": SRUN, "squeue": SQUEUE, "scontrol": SCONTROL}.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "answers").write_text("".join(line + "\n" for line in answers))
+    script = tmp_path / "job.sbatch"
+    script.write_text(_script(run_dir))
+    env = {
+        "PATH": f"{bin_dir}:{os.path.dirname(sys.executable)}:/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "ANSWERS": str(tmp_path / "answers"),
+        "MESHRUN_TESTBED_VENV": sys.prefix,
+        "PYTHONPATH": str(REPO),
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "n1",
+    }
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    return done, secrets, tmp_path / "answers.scontrol"
+
+
+def test_a_preemption_whose_requeue_slurm_counts_late_keeps_the_secrets_and_is_not_requeued_twice(
+    tmp_path: Path,
+) -> None:
+    done, secrets, scontrol = _run(
+        tmp_path, [f"{PREEMPTED_AT} 0 COMPLETING", f"{PREEMPTED_AT} 0 COMPLETING", "N/A 1 PENDING"]
+    )
+    said = done.stdout + done.stderr
+    assert "Slurm has requeued the job itself" in said, said
+    assert "scancel" not in said and "not requeueing (status" not in said, said
+    assert secrets.exists() and (secrets / "TOKEN").read_text() == "t0ken"  # the requeued run needs it
+    assert not scontrol.exists(), scontrol.read_text()  # Slurm requeues it: not a second time from here
+    assert done.returncode == 75, said
+
+
+@pytest.mark.parametrize("state", ["COMPLETING", "CANCELLED"])
+def test_a_preempted_job_slurm_ends_without_a_requeue_ends_as_cancelled(tmp_path: Path, state: str) -> None:
+    """A scancel in the grace time (Slurm never counts a restart): after the wait, ended; its secrets go."""
+    done, secrets, scontrol = _run(tmp_path, [f"{PREEMPTED_AT} 0 {state}"])
+    said = done.stdout + done.stderr
+    assert "SIGTERM (scancel, or Slurm ended the job): not requeueing (status 75)" in said, said
+    assert not secrets.exists()
+    assert not scontrol.exists()
