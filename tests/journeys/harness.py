@@ -1,10 +1,12 @@
 """Seeded journeys of a user on a cluster (a `Site`: `local`, or the real Slurm testbed), and the invariants
 every step must keep (issue 22's harness: the class of bug, not its instances).
 
-A journey is a sequence of steps drawn by `random.Random(seed)`: submit beside running jobs, cancel,
-resume, kill -9 of one process of a running job (local: a rank, the rank controller, the sidecar, the
-supervisor; Slurm: a rank, a node's sidecar or its copier child, the batch shell), a `logs -f` client
-killed, a preemption by a high-partition job (Slurm), and the read verbs (status, logs, top, export).
+A journey is a sequence of steps drawn by `random.Random(seed)`: submit beside running jobs (the same
+code, or from one of two project folders, changed since its last submit), cancel, resume, kill -9 of one
+process of a running job (local: a rank, the rank controller, the sidecar, the supervisor; Slurm: a rank,
+a node's sidecar or its copier child, the batch shell), a `logs -f` client killed, a `meshrun tb` client
+killed (then `tb --stop`), a preemption by a high-partition job (Slurm), a second Unix user trying to read a
+job's files and its TensorBoard, and the read verbs (status, logs, top, export).
 Every job trains the same tiny model
 with the same seed, so every loss any job logs for step N must equal, bit for bit, the loss an
 uninterrupted run logged for step N (`reference`): a resume that is not exact shows up wherever it lands.
@@ -15,7 +17,9 @@ After every step `check` holds the journey to the invariants:
 - a checkpoint marked complete is complete (marker and DCP metadata), and the checkpoint a job reports
   is on disk, or a later job of its run dir went past it;
 - no job reports success with lost steps: a COMPLETED job has no checkpoint_lost alert and exit code 0;
-- nothing meshrun writes is readable by another user, under umask 000 as under 022;
+- nothing meshrun writes is readable by another user, under umask 000 as under 022 (mode bits after every
+  step; a real second user's reads and HTTP requests in the steps that are about it);
+- the code snapshot a running job runs from (Slurm) is there, unchanged, until it ends;
 - no process outside the journey's jobs is signalled (a decoy started first is alive at the end).
 
 The journey's log (`Journey.log`) is in every failure's message, with the seed that replays it.
@@ -23,6 +27,7 @@ The journey's log (`Journey.log`) is in every failure's message, with the seed t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -38,6 +43,8 @@ from typing import Any, Callable, Mapping, Optional
 import psutil
 
 from launcher.contract import ckptdir
+from submit.views import tbserve
+from tests.helpers import sshbed, tbhelp
 from tests.helpers.cli import REPO, SMALL_MODEL, TINY, TWO_NODES, env_for, meshrun, submitted
 
 STEPS = 60
@@ -63,6 +70,11 @@ class Site:
     """The spec file and cluster, before the journey's settings."""
     high_partition: Optional[str] = None
     """A partition whose jobs preempt the journey's (Slurm): a `preempt` step is drawn only with one."""
+    ships_code: bool = False
+    """Jobs run from a code snapshot on the cluster (Slurm), not from the project folder in place (`local`)."""
+    laptop: bool = False
+    """meshrun runs as on a laptop: no Slurm here, the cluster reached over SSH (its profile in the journey's
+    HOME); a `drop_ssh` step kills the server side of its SSH connections."""
 
 
 # The local job: its supervisor, the rank controller (whose forked children are the ranks: same command
@@ -86,12 +98,16 @@ TESTBED = Site(
     },
     (*TWO_NODES, *SMALL_MODEL),
     high_partition="high",
+    ships_code=True,
 )
+# The same cluster from a laptop: every verb over SSH to the testbed's sshd (tests/helpers/sshbed.py).
+LAPTOP = dataclasses.replace(TESTBED, name="laptop", laptop=True)
 
 
-def spec_args(site: Site, corpus: Path) -> list[str]:
+def spec_args(site: Site, corpus: Path, spec_file: Optional[Path] = None) -> list[str]:
+    """The journey's job: the site's spec (or its copy in a project folder), the shared corpus, STEPS long."""
     return [
-        *site.spec,
+        *([str(spec_file), *site.spec[1:]] if spec_file else site.spec),
         "--set",
         f"data.path={corpus}",
         "--set",
@@ -134,6 +150,8 @@ class Job:
     ended: Optional[tuple[Any, ...]] = None
     """(state, step, checkpoint step, exit code) when first seen ended: what it must keep showing."""
     row: dict[str, Any] = field(default_factory=dict)
+    code: Optional[dict[str, int]] = None
+    """The files (path -> size) of the folder it runs from, when first seen running."""
 
 
 class JourneyFailed(AssertionError):
@@ -156,16 +174,20 @@ class Journey:
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
         self.umask = self.rng.choice([0o022, 0o000])
+        if self.site.laptop:  # the cluster is the profile that reaches the testbed over SSH
+            profile = sshbed.profile(self.home, name="testbed-ssh")
+            self.site = dataclasses.replace(self.site, spec=_on_cluster(self.site.spec, str(profile)))
 
     # --- running meshrun as the user, and the verbs' invariant ---------------------------------------------
 
     def verb(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
         old = os.umask(self.umask)  # the user's umask reaches every process meshrun starts
         try:
-            done = meshrun(self.home, *args, timeout=timeout)
+            done = meshrun(self.home, *args, timeout=timeout, laptop=self.site.laptop)
         finally:
             os.umask(old)
         shown = " ".join(args).replace(" ".join(spec_args(self.site, self.corpus)), "SPEC")
+        shown = shown.split(" -c ")[0] + " SPEC" if " code.root=" in shown else shown  # a project's spec copy
         self.log.append(f"meshrun {shown} -> {done.returncode}")
         said = done.stdout + done.stderr
         self.expect(done.returncode in EXITS, f"exit {done.returncode} outside {sorted(EXITS)}:\n{said}")
@@ -210,13 +232,17 @@ class Journey:
         ended = [self.jobs[j] for j, row in rows.items() if row["done"]]
         choices: list[Callable[[], None]] = [self.read_verbs, self.pause]
         if len(running) < MAX_RUNNING:
-            choices += [self.submit] * 2
+            choices += [self.submit] * 2 + [self.submit_project]
+        if self.jobs:
+            choices += [self.tensorboard, self.peer_reads]
         if running:
             choices += [lambda: self.cancel(self.rng.choice(running))] * 2
             choices += [lambda: self.kill(self.rng.choice(running))] * 3
             choices += [lambda: self.follow_and_kill(self.rng.choice(running))]
         if running and self.site.high_partition:
             choices += [self.preempt] * 2
+        if running and self.site.laptop:
+            choices += [lambda: self.drop_ssh(self.rng.choice(running))] * 2
         resumable = [j for j in ended if rows[j.job_id]["state"] != "COMPLETED" and not self.resumed(j)]
         if resumable and len(running) < MAX_RUNNING:
             choices += [lambda: self.resume(self.rng.choice(resumable))] * 4
@@ -231,6 +257,74 @@ class Journey:
         job_id, run_dir = submitted(done)
         self.jobs[job_id] = Job(job_id, run_dir)
         self.log[-1] += f" {job_id}"
+
+    def submit_project(self) -> None:
+        """A submit from one of two project folders (the spec's copy in it, `code.root: .`), the second time
+        after a file of it changed: on Slurm a new code snapshot beside the running jobs' own, which must
+        keep theirs unchanged (`check_code`); on `local` the ranks run in the project folder itself."""
+        project = self.home / "projects" / self.rng.choice(["alpha", "beta"])
+        spec = project / Path(self.site.spec[0]).name
+        if project.exists():
+            with (project / "notes.py").open("a") as changed:
+                changed.write(f"# changed before submit {len(self.jobs)}\n")
+        else:
+            project.mkdir(parents=True)
+            spec.write_text((REPO / self.site.spec[0]).read_text())
+            (project / "notes.py").write_text("# the project's own code\n")
+        done = self.verb("submit", *spec_args(self.site, self.corpus, spec), "--set", "code.root=.")
+        self.expect(done.returncode == 0, f"submit from {project.name} failed: {done.stderr}")
+        job_id, run_dir = submitted(done)
+        self.jobs[job_id] = Job(job_id, run_dir)
+        self.log[-1] += f" {job_id} (project {project.name})"
+
+    def tensorboard(self) -> None:
+        """`meshrun tb JOB`: the owner's URL opens the board; the second Unix user, on the same loopback port,
+        gets 403 and nothing of the run. Then the client is killed with -9 (its server is left running, as
+        documented) and `meshrun tb --stop JOB` ends that server."""
+        job = self.rng.choice(list(self.jobs.values()))
+        proc = tbhelp.meshrun_tb(self.home, job.job_id)
+        try:
+            line = sshbed.first_line_with(proc.stdout, "http://127.0.0.1:", timeout=90)
+            self.expect(line is not None, f"meshrun tb {job.job_id} printed no URL")
+            url = (line or "").split()[-1]
+            tbhelp.Browser(url)  # the owner's browser: the token URL sets its cookie (an HTTP error raises)
+            base, _ = tbhelp.split_url(url)
+            code, body = tbhelp.http_code_as_other(base + "data/runs")
+            self.expect(code == 403 and job.job_id not in body, f"another user got HTTP {code} from {base}")
+        finally:
+            proc.kill()
+            proc.wait()
+            for stream in (proc.stdout, proc.stderr):
+                if stream:
+                    stream.close()
+        self.log.append(f"meshrun tb {job.job_id}: another user refused; kill -9 of the client")
+        left = tbhelp.servers(keys=[tbserve.state_dir([(job.job_id, job.run_dir)]).name], under=[self.home])
+        done = self.verb("tb", "--stop", job.job_id)
+        self.expect(done.returncode == 0, f"tb --stop: {done.stderr}")
+        self.expect(
+            all(tbhelp.gone(pid, started) for pid, started in left.items()), "a TensorBoard server outlived tb --stop"
+        )
+
+    def peer_reads(self) -> None:
+        """The second Unix user tries to list and read a job's files: every attempt fails."""
+        job = self.rng.choice(list(self.jobs.values()))
+        root = checkpoint_root(job.run_dir)
+        complete = ckptdir.complete_steps(root)
+        targets = [
+            job.run_dir / "metrics.jsonl",
+            job.run_dir / "spec.json",
+            job.run_dir / "logs" / "rank-0.log",
+            *([ckptdir.step_dir(root, complete[-1]) / ".metadata"] if complete else []),
+            self.home / "state" / "meshrun" / "registry.sqlite",
+        ]
+        self.log.append(f"another user reads {job.job_id}'s files")
+        for path in targets:
+            if path.exists():
+                read = tbhelp.as_other("cat", str(path))
+                self.expect(read.returncode != 0, f"another user read {path}")
+        for folder in (job.run_dir, root):
+            listed = tbhelp.as_other("ls", str(folder))
+            self.expect(listed.returncode != 0, f"another user listed {folder}: {listed.stdout[:200]}")
 
     def cancel(self, job: Job) -> None:
         self.wait_a_few_steps(job)
@@ -294,7 +388,7 @@ class Journey:
 
     def follow_and_kill(self, job: Job) -> None:
         """A `logs -f` client killed with -9: nothing of the job may notice."""
-        env = env_for(self.home)
+        env = env_for(self.home, laptop=self.site.laptop)
         proc = subprocess.Popen(
             [sys.executable, "-m", "submit.cli.main", "logs", job.job_id, "-f"],
             cwd=REPO,
@@ -306,6 +400,34 @@ class Journey:
         proc.kill()
         proc.wait()
         self.log.append(f"kill -9 `logs -f {job.job_id}`")
+
+    def drop_ssh(self, job: Job) -> None:
+        """kill -9 of the server side of every SSH connection (sshd's per-connection processes) while a
+        `logs -f` follows a running job: the follower reconnects (or ends with the job), the next verb works."""
+        follower = subprocess.Popen(
+            [sys.executable, "-m", "submit.cli.main", "logs", job.job_id, "-f"],
+            cwd=REPO,
+            env=env_for(self.home, laptop=True),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            time.sleep(self.rng.uniform(1.0, 3.0))
+            dropped = sshbed.kill_sessions()
+            self.log.append(f"kill -9 of {dropped} SSH connection(s) while `logs -f {job.job_id}` follows")
+            time.sleep(3.0)
+            if follower.poll() is None:
+                follower.send_signal(signal.SIGINT)  # the user's Ctrl-C, once it has had time to reconnect
+            _, err = follower.communicate(timeout=60)
+        finally:
+            if follower.poll() is None:
+                follower.kill()
+                follower.wait()
+        self.expect(
+            follower.returncode in (0, 130), f"logs -f after a dropped connection: {follower.returncode}\n{err}"
+        )
+        self.expect("Traceback" not in err and "internal error" not in err, f"logs -f after a drop:\n{err}")
 
     def pause(self) -> None:
         seconds = self.rng.uniform(0.5, 4.0)
@@ -356,6 +478,7 @@ class Journey:
                 )
         self.check_checkpoints()
         self.check_private()
+        self.check_code(rows)
 
     def check_ended(self, job: Job, row: dict[str, Any]) -> None:
         rules = {alert.get("rule") for alert in row.get("alerts") or ()}
@@ -391,6 +514,26 @@ class Journey:
                     self.expect(False, f"{folder} is marked complete without DCP metadata")
                 self.expect(isinstance(marker, dict), f"{folder}: its marker is not a record")
                 self.expect(size > 0, f"{folder} is marked complete with empty DCP metadata")
+
+    def check_code(self, rows: dict[str, dict[str, Any]]) -> None:
+        """The code a job runs from (its snapshot on Slurm, the project on `local`) is there, as first seen,
+        while the job has not ended: a later submit never removes or replaces it (issue 22 item 1)."""
+        if not self.site.ships_code:
+            return
+        for job_id, row in rows.items():
+            job = self.jobs[job_id]
+            folder = code_dir(job.run_dir)
+            if row["done"] or folder is None:
+                continue
+            files = {
+                str(path.relative_to(folder)): path.stat().st_size
+                for path in folder.rglob("*")
+                if path.is_file() and "__pycache__" not in path.parts
+            }
+            self.expect(bool(files), f"{job_id} runs from {folder}, which is gone or empty")
+            if job.code is None:
+                job.code = files
+            self.expect(files == job.code, f"{job_id}'s code in {folder} changed while it ran")
 
     def check_private(self) -> None:
         mine = {job.run_dir for job in self.jobs.values()} | {
@@ -433,8 +576,9 @@ class Journey:
 
     def stop_everything(self) -> None:
         """Whatever a failed journey left running: cancelled by meshrun, then any survivor killed."""
+        tbhelp.stop(tbhelp.servers(under=[self.home]))
         for job in self.jobs.values():
-            meshrun(self.home, "cancel", job.job_id)
+            meshrun(self.home, "cancel", job.job_id, laptop=self.site.laptop)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and any(processes_of(self.site, job, None) for job in self.jobs.values()):
             time.sleep(0.5)
@@ -480,11 +624,27 @@ def _sacct_state(job_id: str) -> str:
 
 def reference_losses(site: Site, home: Path, corpus: Path) -> dict[int, float]:
     """Every step's loss in one uninterrupted run of the journeys' job at `site`: what any job must log then."""
-    done = meshrun(home, "submit", *spec_args(site, corpus), "--wait", check=True)
+    done = meshrun(home, "submit", *spec_args(site, corpus), "--wait", check=True, laptop=site.laptop)
     job_id, run_dir = submitted(done)
     losses = losses_by_step(run_dir, job_id)
     assert sorted(losses) == list(range(1, STEPS + 1)), losses
     return losses
+
+
+def _on_cluster(spec: tuple[str, ...], cluster: str) -> tuple[str, ...]:
+    """The spec's arguments with its `-c CLUSTER` replaced."""
+    words = list(spec)
+    words[words.index("-c") + 1] = cluster
+    return tuple(words)
+
+
+def code_dir(run_dir: Path) -> Optional[Path]:
+    """The folder the job's ranks run from, as its rendered script exports it (MESHRUN_CODE_DIR)."""
+    for script in run_dir.glob("job.*"):
+        for line in script.read_text(errors="replace").splitlines():
+            if line.startswith("export MESHRUN_CODE_DIR="):
+                return Path(line.split("=", 1)[1].strip("'\""))
+    return None
 
 
 def _walk(top: Path) -> list[Path]:

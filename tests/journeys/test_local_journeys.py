@@ -25,7 +25,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> dict[in
 
 
 @pytest.mark.parametrize("seed", SEEDS, ids=lambda seed: f"seed{seed}")
-def test_local_journey(seed: int, tmp_path: Path, corpus: Path, reference: dict[int, float]) -> None:
-    journey = Journey(LOCAL, seed, tmp_path, corpus, reference)
+def test_local_journey(seed: int, home: Path, corpus: Path, reference: dict[int, float]) -> None:
+    journey = Journey(LOCAL, seed, home, corpus, reference)
     journey.run(journey.rng.randint(*STEPS_PER_JOURNEY))
     print(f"\nseed {seed}: " + "; ".join(line for line in journey.log if not line.startswith("meshrun status")))  # -s
