@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from launcher.contract import goodput, procs
 from launcher.contract import lost as lost_checkpoints
-from launcher.contract import procs
 from launcher.contract.exitcodes import (
     EXIT_DIVERGED,
     EXIT_FAILED,
@@ -31,7 +31,7 @@ from launcher.contract.exitcodes import (
     NOT_REQUEUED,
 )
 from launcher.contract.private import make_private_dir, private_umask
-from launcher.contract.rundir import JOB_ID_ENV, RunDir, local_state_path, merge_state, read_state
+from launcher.contract.rundir import JOB_ID_ENV, RunDir, local_state_path, merge_state, node_name, read_state
 from launcher.contract.secrets import remove_dir, secrets_dir_for
 from launcher.job import RESTART_COUNT_ENV
 from launcher.requeue import crash_loop, programs_own
@@ -162,6 +162,14 @@ class Supervisor:
         executor, limit_s = self._executor()
         # A command job's program learns which run this is (Slurm's SLURM_RESTART_COUNT has no local twin).
         os.environ[RESTART_COUNT_ENV] = str(earlier_runs(self.run_dir.root, self.job_id))
+        submitted = read_state(self.state_path).get("submitted")
+        goodput.record_start(
+            str(self.run_dir.root),
+            self.job_id,
+            0,
+            submitted if isinstance(submitted, (int, float)) else None,
+            node_name(os.environ),
+        )
         job = executor.submit(rank_main, self.run_dir.root)
         self.sidecar = start_sidecar(self.run_dir.root, self.spec.job.resources.gpus_per_node)
         started = time.time()
@@ -289,6 +297,8 @@ class Supervisor:
             exit_code=exit_code,
             elapsed_s=round(time.time() - started, 3),
         )
+        goodput.record_end(str(self.run_dir.root), self.job_id, 0, exit_code)
+        goodput.write(str(self.run_dir.root), self.job_id)
         print(f"[meshrun] local job {self.job_id} {final} {message}".rstrip(), flush=True)
         return 0 if final == "COMPLETED" else 1
 

@@ -30,6 +30,8 @@ usually lives on a cluster, not on the machine that names it.
         last-beats/NODE.json each node's ranks' last heartbeats when its sidecar stopped
         reported-step.json   rank 0's highest step given to report(): a command job's progress
         requeue.json         the requeue policy's count of failed runs without progress (launcher.requeue)
+        attempts.jsonl       each start and end of the job's allocation (the batch shell, the local supervisor)
+        goodput/JOB.json     where the job's allocated time went (launcher/contract/goodput.py)
 
 A node's own files live in its NodeDir: on node-local scratch (`paths.scratch` in the cluster
 profile) when there is one, else under RUN_DIR/.meshrun/nodes/NODE/.
@@ -229,6 +231,16 @@ class RunDir:
         it so (rank 0's commit, the sidecar's copier for a staged save, launcher.job's mark_complete): status's
         CKPT, however many step lines the metrics log has appended since (`note_checkpoint`)."""
         return self.path(self.INTERNAL, "last-checkpoint.json")
+
+    @property
+    def attempts(self) -> str:
+        """One JSON line per start and end of an allocation of the job: {"event": "start", "job", "restart",
+        "time", "submitted", "nodes"} and {"event": "end", "job", "restart", "time", "status"}."""
+        return self.path(self.INTERNAL, "attempts.jsonl")
+
+    def goodput(self, job_id: str) -> str:
+        """Where job_id's allocated time went, as of its newest attempt's start or end (goodput.account)."""
+        return self.path(self.INTERNAL, "goodput", f"{job_id}.json")
 
     @property
     def requeue_state(self) -> str:

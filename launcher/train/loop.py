@@ -130,7 +130,7 @@ def train(run_spec: RunSpec, env: RankEnv, flag: Optional[StopFlag] = None) -> i
         first = checkpoints.resume(trainer)
         if first is None:
             return EXIT_GAVE_UP
-        metrics.resume_at(first)
+        metrics.resume_at(first, env.restart_count)
         announce(trainer, env)
         if env.rank == 0 and no_mfu:
             print(f"[meshrun] no MFU: {no_mfu}", flush=True)
@@ -280,7 +280,9 @@ def log_step(
         record["loss_scale"] = loss_scale
     if eval_due(cfg, step, cfg.steps) if validate is None else validate:
         metrics.stamp(step, "eval")
+        began = time.perf_counter()
         record["val_loss"] = t.evaluate()
+        record["eval_s"] = time.perf_counter() - began  # after the line's time stamp: goodput books it so
         record["val_ppl"] = perplexity(record["val_loss"])
     metrics.write(record, extra=gpu_memory(t.runtime))
     clock.last_time, clock.last_step, clock.waited = time.perf_counter(), step, 0.0

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any, Mapping, Optional, TextIO
 
+from launcher.contract import goodput
 from launcher.contract.gpus import mfu
 from launcher.contract.private import make_private_dir
 from launcher.contract.rundir import RunDir, job_field
@@ -56,10 +58,15 @@ class MetricsLog:
         if self.beat is not None:
             self.beat.stamp(step, phase, busy_s)
 
-    def resume_at(self, step: int) -> None:
-        """This attempt's first step: TensorBoard drops what an earlier attempt logged from there on."""
+    def resume_at(self, step: int, restart_count: int = 0) -> None:
+        """This attempt's first step is about to begin: TensorBoard drops what an earlier attempt logged from
+        there on, and metrics.jsonl says when training began and from which step (goodput's setup ends here,
+        and the steps an earlier attempt computed past it were lost: launcher/contract/goodput.py)."""
         if self.board is not None:
             self.board.starts_at(step)
+        self.event(
+            {"event": goodput.TRAIN_START, "from_step": step - 1, "restart_count": restart_count, "time": time.time()}
+        )
 
     def write(self, record: dict[str, Any], extra: Optional[Mapping[str, float]] = None) -> None:
         """One step's record; `extra` goes to TensorBoard only (metrics.jsonl keeps its keys)."""

@@ -37,6 +37,7 @@ ALERTS = _HERE.alerts
 GPU_METRICS = _HERE.gpu_metrics
 SPEC = RunDir.SPEC
 LAST_CHECKPOINT = _HERE.last_checkpoint
+GOODPUT_DIR = posixpath.dirname(_HERE.goodput("JOB"))
 TAIL_BYTES = 16384
 """Of the appended files (alerts.jsonl, gpu.jsonl) only the newest TAIL_BYTES come back: the newest lines."""
 ALERTS_KEPT = 50
@@ -44,12 +45,12 @@ ALERTS_KEPT = 50
 
 # $1 marker, $2 cap, $3 verdict.json, $4 verdict.txt, $5 stragglers.json, $6 env dir ("": skip),
 # $7 alerts.jsonl, $8 gpu.jsonl ("": skip), $9 the tail cap, $10 spec.json ("": skip), $11 the last checkpoint's
-# record, then the run dirs. The first files are read from their start (head), the appended ones from their
+# record, $12 the goodput dir ("": skip), then the run dirs. The first files are read from their start (head), the appended ones from their
 # end (tail): their newest lines.
 FINDINGS_SCRIPT = (
-    "m=$1; cap=$2; v=$3; t=$4; s=$5; e=$6; a=$7; g=$8; tc=$9; sp=${10}; lc=${11}; shift 11; "
+    "m=$1; cap=$2; v=$3; t=$4; s=$5; e=$6; a=$7; g=$8; tc=$9; sp=${10}; lc=${11}; gp=${12}; shift 12; "
     'for d in "$@"; do printf "\\n%s run\\n" "$m"; '
-    'for f in "$d/$v" "$d/$t" "$d/$s" "$d/$lc" ${e:+"$d/$e"/*.json} ${sp:+"$d/$sp"}; do [ -f "$f" ] || continue; '
+    'for f in "$d/$v" "$d/$t" "$d/$s" "$d/$lc" ${e:+"$d/$e"/*.json} ${sp:+"$d/$sp"} ${gp:+"$d/$gp"/*.json}; do [ -f "$f" ] || continue; '
     'printf "\\n%s file %s\\n" "$m" "${f#"$d"/}"; head -c "$cap" -- "$f"; done; '
     'for f in "$d/$a" ${g:+"$d/$g"}; do [ -f "$f" ] || continue; '
     'printf "\\n%s file %s\\n" "$m" "${f#"$d"/}"; tail -c "$tc" -- "$f"; done; done; exit 0'
@@ -74,6 +75,9 @@ class Findings:
     """The trainer's train.steps from spec.json (one job's detail view and `meshrun top`; None for a command job)."""
     engine: Optional[str] = None
     """The engine from spec.json, e.g. 'deepspeed ZeRO-2, optimizer offload' (as `steps`)."""
+    goodput: Optional[dict[str, Any]] = None
+    """Where this job's allocated time went, as of its newest attempt's start or end (one job's detail view
+    only): RUN_DIR/.meshrun/goodput/JOB.json, launcher/contract/goodput.py."""
     checkpoint_step: Optional[int] = None
     """This job's newest checkpoint complete on shared storage (RunDir.last_checkpoint), None when it made none
     (or a later job of the run dir made the newest: then its own metrics events say)."""
@@ -95,6 +99,7 @@ class Findings:
             "gpus": self.gpus,
             "steps": self.steps,
             "engine": self.engine,
+            "goodput": self.goodput,
         }
 
 
@@ -113,7 +118,8 @@ def findings_argv(run_dirs: Sequence[str], with_env: bool, marker: str, with_gpu
     gpus = GPU_METRICS if with_gpus else ""
     spec = SPEC if with_env or with_gpus else ""
     caps = (str(CAP_BYTES), VERDICT_JSON, VERDICT_TXT, STRAGGLERS, env, ALERTS, gpus, str(TAIL_BYTES), spec)
-    return ["sh", "-c", FINDINGS_SCRIPT, "sh", marker, *caps, LAST_CHECKPOINT, *run_dirs]
+    goodput = GOODPUT_DIR if with_env else ""
+    return ["sh", "-c", FINDINGS_SCRIPT, "sh", marker, *caps, LAST_CHECKPOINT, goodput, *run_dirs]
 
 
 def split_findings(output: str, jobs: int, marker: str) -> list[dict[str, str]]:
@@ -153,12 +159,12 @@ def read_files(run_dir: str, with_env: bool, with_gpus: bool = False) -> dict[st
     root = RunDir(run_dir)
     tails = {name: _tail(root.path(name)) for name in (ALERTS, *(GPU_METRICS,) * with_gpus)}
     names = [VERDICT_JSON, VERDICT_TXT, STRAGGLERS, LAST_CHECKPOINT, *(SPEC,) * (with_env or with_gpus)]
-    if with_env:
+    for folder in (ENV_DIR, GOODPUT_DIR) if with_env else ():
         try:
-            listed = sorted(os.listdir(root.path(ENV_DIR)))
+            listed = sorted(os.listdir(root.path(folder)))
         except OSError:
             listed = []
-        names += [posixpath.join(ENV_DIR, n) for n in listed if n.endswith(".json") and not n.startswith(".")]
+        names += [posixpath.join(folder, n) for n in listed if n.endswith(".json") and not n.startswith(".")]
     found = {**{name: _read(root.path(name)) for name in names}, **tails}
     return {name: text for name, text in found.items() if text is not None}
 
@@ -232,7 +238,20 @@ def findings_from(files: Mapping[str, str], submitted_at: float, job_id: Optiona
         steps=parse_steps(files.get(SPEC)),
         engine=parse_engine(files.get(SPEC)),
         checkpoint_step=parse_last_checkpoint(files.get(LAST_CHECKPOINT), job_id),
+        goodput=parse_goodput(files.get(posixpath.join(GOODPUT_DIR, f"{job_id}.json")) if job_id else None, job_id),
     )
+
+
+def parse_goodput(text: Optional[str], job_id: Optional[str]) -> Optional[dict[str, Any]]:
+    """This job's goodput record when it is whole (its parts and allocated time numbers), else None."""
+    record = _json_object(text)
+    parts = record.get("parts_s")
+    allocated = _number(record.get("allocated_s"))
+    if record.get("job") != job_id or allocated is None or not isinstance(parts, dict):
+        return None
+    if not all(_number(v) is not None for v in parts.values()):
+        return None
+    return record
 
 
 def parse_last_checkpoint(text: Optional[str], job_id: Optional[str]) -> Optional[int]:

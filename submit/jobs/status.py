@@ -64,6 +64,10 @@ class Status:
     engine: Optional[str] = None
     """The trainer's engine, e.g. 'deepspeed ZeRO-2, optimizer offload' (from spec.json; one job's detail view
     and `top` only; None for a command job)."""
+    goodput: Optional[dict[str, Any]] = None
+    """Where the job's allocated time went ({"allocated_s", "parts_s", "effective_pct", "lost_steps",
+    "queue_s", "requeue_s", "running", "attempts", ...}: launcher/contract/goodput.py), as of its newest
+    attempt's start or end; one job's detail view only."""
 
     def as_json(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -162,6 +162,7 @@ def context(plan: Plan, python: str) -> dict[str, Any]:
         "rank_command": rank_command,
         "max_restarts": spec.checkpoint.max_restarts,
         "requeue_command": _sidecar_command(rank_command, "launcher.requeue"),
+        "attempt_command": _sidecar_command(rank_command, "launcher.attempt"),
         "exit_requeue": exitcodes.EXIT_REQUEUE,
         "exit_no_progress": exitcodes.EXIT_NO_PROGRESS,
         "exit_file": _name(RunDir.EXIT_CODE),

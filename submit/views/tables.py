@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 DETAIL_ALERTS = 10
 """`status JOB` lists this many of the newest alerts."""
@@ -158,10 +158,51 @@ def detail_lines(status: Any, width: int = 100) -> list[str]:
             f"best checkpoint: step {best['step']}, val_loss {best['val_loss']:.4f} "
             f"(meshrun export {status.job_id} --best)"
         )
+    if status.goodput is not None:
+        lines.append(goodput_line(status.goodput))
     if status.alerts:
         lines.append(f"alerts ({len(status.alerts)} recent, newest last; all: {status.run_dir}/alerts.jsonl):")
         lines += [f"  {alert_line(a)}" for a in status.alerts[-DETAIL_ALERTS:]]
     return lines
+
+
+GOODPUT_WORDS = {"setup": "setup", "lost": "lost", "ckpt_stall": "checkpoint stall", "eval": "eval", "end": "end"}
+
+
+def span(seconds: float) -> str:
+    """A part of a job's time, short: 0.3s, 42.0s, 3m07s, 2h05m."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
+
+
+def goodput_line(figures: Mapping[str, Any]) -> str:
+    """'goodput: 81% effective (productive 9m45s of 12m03s allocated; setup 40.2s, lost 1m02s (37 steps), ...);
+    queued 3.1s, requeue 45.0s': launcher/contract/goodput.py's record, in one line."""
+    parts = figures.get("parts_s") or {}
+    pct = figures.get("effective_pct")
+    head = "goodput so far" if figures.get("running") else "goodput"
+    rest = [
+        f"{word} {span(parts[key])}" + (f" ({figures.get('lost_steps')} steps)" if key == "lost" else "")
+        for key, word in GOODPUT_WORDS.items()
+        if parts.get(key, 0) >= 0.05
+    ]
+    waits = [
+        f"{word} {span(figures[key])}"
+        for key, word in (("queue_s", "queued"), ("requeue_s", "requeue"))
+        if figures.get(key)
+    ]
+    starts = len(figures.get("attempts") or ())
+    return (
+        f"{head}: {pct if pct is not None else 0:.0f}% effective (productive {span(parts.get('productive', 0))} of "
+        f"{span(float(figures.get('allocated_s') or 0))} allocated"
+        + (f" in {starts} starts" if starts > 1 else "")
+        + (f"; {', '.join(rest)}" if rest else "")
+        + ")"
+        + (f"; {', '.join(waits)}" if waits else "")
+    )
 
 
 def _reason_line(status: Any) -> str:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,21 @@ def test_testbed_hang_on_the_second_node_is_requeued_resumes_and_finishes(
     assert "resuming from step 40" in rank0, rank0[-2000:]
     steps = [r["step"] for r in metrics(run_dir)]
     assert steps[-1] == 80 and steps.count(41) == 2  # steps 41.. ran again after the resume from 40
+
+    # Goodput (issue 24): two starts; the steps the first trained past its last checkpoint (40) are the lost
+    # ones; the parts add up to the allocated time, which is Slurm's own elapsed time of both runs.
+    good = row["goodput"]
+    redone = [r["step"] for r in metrics(run_dir) if r.get("restart_count") == 0 and r["step"] > 40]
+    assert [a["restart"] for a in good["attempts"]] == [0, 1] and not good["running"], good
+    assert good["lost_steps"] == len(redone) > 0, (good, redone)
+    assert abs(sum(good["parts_s"].values()) - good["allocated_s"]) <= 0.01 * good["allocated_s"], good
+    assert all(v >= 0 for v in good["parts_s"].values()) and 0 < good["effective_pct"] < 100, good
+    assert good["parts_s"]["lost"] > 0 and good["requeue_s"] > 0, good
+    elapsed = subprocess.run(
+        ["sacct", "-X", "-D", "-n", "-P", "-o", "ElapsedRaw", "-j", job_id], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert abs(sum(map(int, elapsed)) - good["allocated_s"]) <= 3.0, (elapsed, good)
+    assert "goodput: " in meshrun(tmp_path, "status", job_id, check=True).stdout
 
 
 # A `command:` job that reports progress (launcher.report) gets the same watch: rank 1 stops reporting.

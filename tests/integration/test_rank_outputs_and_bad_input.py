@@ -71,7 +71,8 @@ def test_validation_checkpoint_events_privacy_and_export(tmp_path: Path, corpus:
     assert [r["step"] for r in rows] == [3, 4, 6, 8, 9, 10]
     # Item 12: one event per commit (synchronous saves commit inside save()), and the guard saw them.
     events = [json.loads(line) for line in (run_dir / RunDir.METRICS).read_text().splitlines() if '"event"' in line]
-    assert [e["checkpoint_step"] for e in events] == [3, 6, 9, 10]
+    assert [e["checkpoint_step"] for e in events if e["event"] == "checkpoint"] == [3, 6, 9, 10]
+    assert [e["from_step"] for e in events if e["event"] == "train_start"] == [0]  # goodput's start of training
     assert json.loads((ckroot / ATTEMPTS_FILE).read_text()) == {}
 
     # Item 1: private wherever they live, and no env in the marker (nor anywhere in the checkpoint).

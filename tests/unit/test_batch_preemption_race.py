@@ -42,7 +42,9 @@ exit 75
 """
 
 SQUEUE = """#!/bin/bash
-# Slurm's answers in turn (one a line, the last for good): PreemptTime RestartCnt State.
+# The job's submit time (asked once, at the start); then Slurm's answers in turn (one a line, the last for
+# good): PreemptTime RestartCnt State.
+case "$*" in *SubmitTime*) echo "2026-12-03T09:02:50"; exit 0 ;; esac
 n=$(cat "$ANSWERS.n" 2>/dev/null || echo 0)
 total=$(wc -l < "$ANSWERS")
 line=$(( n < total ? n + 1 : total ))

@@ -1,0 +1,184 @@
+"""Goodput accounting (launcher/contract/goodput.py) on recorded lines: the parts of every allocation add up
+to it, lost work is exactly the steps a later start computed again, and the records stay private."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from launcher import attempt as attempt_cli
+from launcher.contract import goodput
+from launcher.contract.rundir import RunDir
+
+SUBMITTED, START0 = 1000.0, 1010.0
+
+
+def _steps(job: str, restart: int, first: int, last: int, t0: float, dt: float, **extra: Any) -> list[dict[str, Any]]:
+    return [
+        {
+            "step": s,
+            "loss": 1.0,
+            "time": t0 + (s - first + 1) * dt,
+            "step_time_s": dt,
+            "job": job,
+            "restart_count": restart,
+            **extra,
+        }
+        for s in range(first, last + 1)
+    ]
+
+
+def _start(job: str, restart: int, from_step: int, t: float) -> dict[str, Any]:
+    return {"event": goodput.TRAIN_START, "from_step": from_step, "restart_count": restart, "time": t, "job": job}
+
+
+def test_a_killed_attempt_and_its_requeue_add_up_and_the_redone_steps_are_the_lost_ones() -> None:
+    # Attempt 0: setup 5 s, steps 1..37 at 1 s each (validation of step 20 took 2 s, the save after step 35
+    # stalled 0.5 s), then killed 3 s after step 37. Attempt 1: queued again for 20 s, setup 4 s, resumes from
+    # 35 (36 and 37 are computed again: lost), steps 36..60, ends 1 s after.
+    a0 = _steps("7", 0, 1, 20, START0 + 5, 1.0)
+    a0[-1]["eval_s"] = 2.0
+    a0 += _steps("7", 0, 21, 37, START0 + 5 + 20 + 2, 1.0)
+    ckpt = {"event": "checkpoint", "checkpoint_step": 35, "save_stall_s": 0.5, "time": a0[-1]["time"], "job": "7"}
+    # the save after step 35 delays steps 36 and 37 by its stall
+    for row in a0[35:]:
+        row["time"] += 0.5
+    end0 = a0[-1]["time"] + 3.0
+    start1 = end0 + 20.0
+    a1 = _steps("7", 1, 36, 60, start1 + 4.0, 1.0)
+    end1 = a1[-1]["time"] + 1.0
+    metrics = [_start("7", 0, 0, START0 + 5), *a0, ckpt, _start("7", 1, 35, start1 + 4.0), *a1]
+    attempts = goodput.attempts_of(
+        [
+            {"event": "start", "job": "7", "restart": 0, "time": START0, "submitted": SUBMITTED, "nodes": "n[1-2]"},
+            {"event": "end", "job": "7", "restart": 0, "time": end0, "status": 143},
+            {"event": "start", "job": "7", "restart": 1, "time": start1, "submitted": end0, "nodes": "n[1-2]"},
+            {"event": "end", "job": "7", "restart": 1, "time": end1, "status": 0},
+            {"event": "start", "job": "8", "restart": 0, "time": 0.0},  # another job's: not this one's
+        ],
+        "7",
+    )
+    g = goodput.account(attempts, metrics, now=end1 + 100)
+    parts = g["parts_s"]
+    assert g["allocated_s"] == pytest.approx((end0 - START0) + (end1 - start1))
+    assert sum(parts.values()) == pytest.approx(g["allocated_s"])
+    assert parts["setup"] == pytest.approx(5.0 + 4.0)
+    assert parts["eval"] == pytest.approx(2.0)
+    assert parts["ckpt_stall"] == pytest.approx(0.5)
+    assert g["lost_steps"] == 2 and parts["lost"] == pytest.approx(2.0)
+    assert parts["productive"] == pytest.approx(60.0)  # every step once, at 1 s
+    assert parts["end"] == pytest.approx(3.0 + 1.0)
+    assert g["queue_s"] == pytest.approx(START0 - SUBMITTED) and g["requeue_s"] == pytest.approx(20.0)
+    assert g["effective_pct"] == pytest.approx(100 * 60.0 / g["allocated_s"], abs=0.01)
+    assert [a["restart"] for a in g["attempts"]] == [0, 1] and not g["running"]
+    assert g["attempts"][0]["lost_steps"] == 2 and g["attempts"][1]["lost_steps"] == 0
+
+
+def test_a_running_attempt_counts_to_now_and_a_job_that_never_stepped_is_all_setup() -> None:
+    attempts = goodput.attempts_of([{"event": "start", "job": "9", "restart": 0, "time": 100.0}], "9")
+    g = goodput.account(attempts, [], now=130.0)
+    assert g["running"] and g["allocated_s"] == 30.0 and g["parts_s"]["setup"] == 30.0 and g["effective_pct"] == 0
+
+
+def test_a_resume_under_a_new_job_id_makes_the_parents_unsaved_steps_lost() -> None:
+    parent = [_start("a", 0, 0, 10.0), *_steps("a", 0, 1, 12, 10.0, 1.0)]
+    child = [_start("b", 0, 10, 50.0), *_steps("b", 0, 11, 20, 50.0, 1.0)]
+    attempts = goodput.attempts_of(
+        [
+            {"event": "start", "job": "a", "restart": 0, "time": 8.0},
+            {"event": "end", "job": "a", "restart": 0, "time": 23.0},
+        ],
+        "a",
+    )
+    g = goodput.account(attempts, parent + child, now=60.0)
+    assert g["lost_steps"] == 2 and g["parts_s"]["lost"] == pytest.approx(2.0)
+    assert sum(g["parts_s"].values()) == pytest.approx(g["allocated_s"]) == 15.0
+
+
+def test_lines_of_an_older_trainer_without_train_start_bound_setup_by_the_first_step() -> None:
+    attempts = goodput.attempts_of(
+        [
+            {"event": "start", "job": "c", "restart": 0, "time": 0.0},
+            {"event": "end", "job": "c", "restart": 0, "time": 20.0},
+        ],
+        "c",
+    )
+    g = goodput.account(attempts, _steps("c", 0, 1, 10, 5.0, 1.0), now=99.0)
+    assert g["parts_s"]["setup"] == pytest.approx(5.0) and g["parts_s"]["productive"] == pytest.approx(10.0)
+    assert g["parts_s"]["end"] == pytest.approx(5.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.floats(0, 30),  # setup
+            st.integers(0, 25),  # steps computed
+            st.floats(0.01, 3),  # step time
+            st.floats(0, 10),  # tail to the end
+            st.integers(0, 4),  # log every
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    st.integers(0, 5),
+)
+def test_any_history_adds_up_and_loses_exactly_the_steps_computed_again(history: list, step_back: int) -> None:
+    """Attempts that each resume `step_back` steps before where the one before stopped (its last checkpoint)."""
+    lines, metrics, t, done_to, recomputed = [], [], 0.0, 0, 0
+    highest = 0
+    for restart, (setup, steps, dt, tail, log_every) in enumerate(history):
+        lines.append({"event": "start", "job": "j", "restart": restart, "time": t})
+        resume = max(0, done_to - step_back) if restart else 0
+        recomputed += max(0, highest - resume) if restart else 0
+        metrics.append(_start("j", restart, resume, t + setup))
+        now, last_logged = t + setup, resume
+        for s in range(resume + 1, resume + steps + 1):
+            now += dt
+            if log_every == 0 or s % log_every == 0 or s == resume + steps:
+                metrics.append({"step": s, "time": now, "step_time_s": dt, "job": "j", "restart_count": restart})
+                last_logged = s
+        done_to = highest = max(last_logged, resume) if steps else resume
+        t = now + tail
+        lines.append({"event": "end", "job": "j", "restart": restart, "time": t})
+        t += 1.0  # requeued
+    g = goodput.account(goodput.attempts_of(lines, "j"), metrics, now=t)
+    assert all(v >= -1e-9 for v in g["parts_s"].values()), g["parts_s"]
+    assert sum(g["parts_s"].values()) == pytest.approx(g["allocated_s"], abs=0.005)  # each rounded to 1 ms
+    assert g["lost_steps"] == recomputed
+
+
+def test_the_batch_scripts_records_are_private_and_account_the_job(tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        env = {"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "0", "SLURM_JOB_NODELIST": "n[1-2]"}
+        assert attempt_cli.main([str(tmp_path), "start", "2026-12-03T09:02:50"], env) == 0
+        (tmp_path / RunDir.METRICS).write_text(json.dumps(_start("42", 0, 0, 1e12)) + "\n")
+        assert attempt_cli.main([str(tmp_path), "end", "75"], env) == 0
+    finally:
+        os.umask(old)
+    rd = RunDir(str(tmp_path))
+    lines = [json.loads(line) for line in Path(rd.attempts).read_text().splitlines()]
+    assert [(r["event"], r["job"], r["restart"]) for r in lines] == [("start", "42", 0), ("end", "42", 0)]
+    assert lines[0]["nodes"] == "n[1-2]" and lines[1]["status"] == 75
+    assert lines[0]["submitted"] == attempt_cli.submitted_time("2026-12-03T09:02:50")
+    figures = json.loads(Path(rd.goodput("42")).read_text())
+    assert figures["job"] == "42" and not figures["running"] and len(figures["attempts"]) == 1
+    for path in (Path(rd.attempts), Path(rd.goodput("42")), Path(rd.goodput("42")).parent):
+        assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, path
+
+
+def test_outside_a_job_or_with_bad_arguments_it_says_how_and_never_fails(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert attempt_cli.main([str(tmp_path), "start"], {}) == 0
+    assert attempt_cli.main([str(tmp_path), "begin"], {"SLURM_JOB_ID": "1"}) == 0
+    assert capsys.readouterr().err.count("usage:") == 2
+    assert not Path(RunDir(str(tmp_path)).attempts).exists()
