@@ -20,7 +20,8 @@ After every step `check` holds the journey to the invariants:
 - nothing meshrun writes is readable by another user, under umask 000 as under 022 (mode bits after every
   step; a real second user's reads and HTTP requests in the steps that are about it);
 - the code snapshot a running job runs from (Slurm) is there, unchanged, until it ends;
-- no process outside the journey's jobs is signalled (a decoy started first is alive at the end).
+- no process outside the journey's jobs is signalled (a decoy started first is alive at the end);
+- an ended job's goodput record adds up (its parts, none negative, sum to its allocated time).
 
 The journey's log (`Journey.log`) is in every failure's message, with the seed that replays it.
 """
@@ -43,6 +44,7 @@ from typing import Any, Callable, Mapping, Optional
 import psutil
 
 from launcher.contract import ckptdir
+from launcher.contract.rundir import RunDir
 from submit.views import tbserve
 from tests.helpers import sshbed, tbhelp
 from tests.helpers.cli import REPO, SMALL_MODEL, TINY, TWO_NODES, env_for, meshrun, submitted
@@ -481,6 +483,7 @@ class Journey:
         self.check_code(rows)
 
     def check_ended(self, job: Job, row: dict[str, Any]) -> None:
+        self.check_goodput(job)
         rules = {alert.get("rule") for alert in row.get("alerts") or ()}
         if row["state"] == "COMPLETED":
             self.expect("checkpoint_lost" not in rules, f"{job.job_id} COMPLETED with lost steps: {row['alerts']}")
@@ -499,6 +502,20 @@ class Journey:
             reported in complete or bool(later) or "checkpoint_lost" in rules,
             f"{job.job_id} reports checkpoint {reported}, complete on disk: {complete}, and no alert says it is lost",
         )
+
+    def check_goodput(self, job: Job) -> None:
+        """An ended job's goodput record (where it has one: it started) adds up: no part negative, the parts
+        sum to the allocated time within 1%, no more steps lost than computed."""
+        path = Path(RunDir(str(job.run_dir)).goodput(job.job_id))
+        try:
+            good = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return
+        parts = good["parts_s"]
+        self.expect(all(v >= 0 for v in parts.values()), f"{job.job_id}'s goodput has a negative part: {good}")
+        gap = abs(sum(parts.values()) - good["allocated_s"])
+        self.expect(gap <= max(0.01 * good["allocated_s"], 0.01), f"{job.job_id}'s goodput parts do not add up: {good}")
+        self.expect(0 <= good["lost_steps"] <= good["steps"], f"{job.job_id} lost more steps than it computed: {good}")
 
     def check_checkpoints(self) -> None:
         for run_dir in {job.run_dir for job in self.jobs.values()}:
