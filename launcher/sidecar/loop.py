@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, TextIO, Union
 
-from launcher.contract import procs
+from launcher.contract import goodput, procs
 from launcher.contract.private import make_private_dir
 from launcher.contract.rundir import (
     RunDir,
     attempt_id,
     expand_node_path,
     job_field,
+    job_of,
     note_checkpoint,
     read_state,
     write_json,
@@ -49,6 +50,8 @@ WATCH_S = 1.0
 POLL_S = 1.0
 """The longest the loop sleeps between checks that its parent is still there."""
 STAMP_S = 5.0
+GOODPUT_S = 60.0
+"""How often node 0's sidecar works out the job's goodput so far (`status JOB`, its TensorBoard files)."""
 """How often a sidecar of a multi-node job with scratch stamps RUN_DIR/.meshrun/sidecars/NODE_RANK.json."""
 STAMP_STALE_S = 30.0
 """A stamp this old is a dead sidecar's (node rank 0 stops waiting for its parts at the end)."""
@@ -342,6 +345,14 @@ class Sidecar:
         steps = [b["step"] for b in self.watchdog.live_beats().values()] if self.watchdog is not None else []
         return max(steps) if steps else None
 
+    def account(self) -> None:
+        """The job's goodput so far, for `status JOB` (RUN_DIR/.meshrun/goodput/JOB.json) and TensorBoard."""
+        job = job_of(self.environ)
+        figures = goodput.write(self.run_dir.root, job) if job else None
+        if figures is not None:
+            parts = {f"goodput/{k}_s": v for k, v in figures["parts_s"].items()}
+            self.add_scalars({"goodput/effective_pct": figures["effective_pct"] or 0.0, **parts})
+
     def add_scalars(self, scalars: dict[str, float]) -> None:
         """Scalars from the watchdog (straggler ratios) into this node's TensorBoard files."""
         if self.tb is not None:
@@ -429,6 +440,8 @@ class Sidecar:
             extra.append(Periodic("alert forwarding", WATCH_S, self.alerting.forward))
         if self.copier is not None and self.settings.nodes > 1:
             extra.append(Periodic("liveness stamp", WATCH_S, self.stamp_running))
+        if self.settings.node_rank == 0 and job_of(self.environ):
+            extra.append(Periodic("goodput", GOODPUT_S, self.account, next_at=time.monotonic() + GOODPUT_S))
         return [
             *extra,
             Periodic("sample", self.settings.interval_s, self.sample),

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from launcher.contract import goodput
 from launcher.contract.rundir import RunDir, node_name
 from launcher.contract.schema import SchemaError, load
 from launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, Sidecar, write_run_spec
@@ -328,6 +329,21 @@ def test_the_env_check_warns_once_and_compares_only_this_run(tmp_path: Path) -> 
     sidecar.close()
     warnings = [line for line in log if line.startswith("warning:")]
     assert warnings == [f"warning: meshrun differs between nodes: 0.0.9 on n2; {sidecar.record['meshrun']} on n1"]
+
+
+def test_node_0s_sidecar_accounts_the_running_jobs_goodput_and_others_do_not(tmp_path: Path) -> None:
+    run_dir = run_dir_with_spec(tmp_path, nodes=2)
+    goodput.record_start(run_dir.root, "9", 0, None, "n[1-2]")
+    start = {"event": goodput.TRAIN_START, "from_step": 0, "restart_count": 0, "time": time.time(), "job": "9"}
+    Path(run_dir.metrics).write_text(json.dumps(start) + "\n")
+    first = loop.Sidecar(run_dir, "n1", {"SLURM_JOB_ID": "9", "SLURM_NODEID": "0"}, Lines())
+    second = loop.Sidecar(run_dir, "n2", {"SLURM_JOB_ID": "9", "SLURM_NODEID": "1"}, Lines())
+    assert "goodput" in {t.name for t in first.tasks()} and "goodput" not in {t.name for t in second.tasks()}
+    first.account()
+    first.close()
+    second.close()
+    figures = json.loads(Path(run_dir.goodput("9")).read_text())
+    assert figures["running"] and figures["job"] == "9" and figures["parts_s"]["setup"] >= 0
 
 
 # --- the loop and the process ------------------------------------------------------------------------------
