@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from launcher.contract.private import private_umask_while
-from submit.config.cluster import ClusterProfile, is_profile_path, load_profile, load_profile_file
+from submit.config.cluster import ClusterProfile, is_profile_path, load_profile, load_profile_file, profile_path
 from submit.errors import ClusterError, InputError
 from submit.jobs import status as job_status
 from submit.jobs.registry import JobRecord, Registry, now
@@ -179,6 +179,13 @@ def trust(profile: ClusterProfile, cluster: str, fingerprint: Union[None, str, S
 def load_cluster(cluster: str) -> ClusterProfile:
     """The cluster profile by name or YAML path, checked against its scheduler: what every verb loads."""
     return check_profile(load_profile(cluster))
+
+
+def check_cluster_filter(cluster: Optional[str], registry: Registry) -> None:
+    """`-c NAME` on a verb that lists recorded jobs (status, top): a name with no profile and no job on record
+    is a typo, refused in one line naming the known clusters, not an empty list."""
+    if cluster is not None and not registry.recent(1, cluster):
+        profile_path(cluster)
 
 
 def is_local(profile: ClusterProfile) -> bool:

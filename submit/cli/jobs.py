@@ -31,6 +31,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     from submit.jobs.registry import Registry
 
     registry = Registry()
+    if not args.jobs:
+        api.check_cluster_filter(args.cluster, registry)
     records = _records(args, registry)
     detail = bool(args.jobs) and len(records) == 1  # one job asked for by id: its detail view
     clusters = api.Clusters()

@@ -25,8 +25,10 @@ def add_parsers(verbs: Any) -> None:
 
 
 def _followed(args: argparse.Namespace, registry: Any) -> list[Any]:
+    from submit import api
     from submit.views.watch import running_records
 
+    api.check_cluster_filter(args.cluster, registry)
     if args.jobs:
         return [r for job in args.jobs for r in registry.find_all(job, args.cluster)]
     return [r for r in running_records(registry) if args.cluster in (None, r.cluster)]

@@ -13,7 +13,7 @@ import os
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
 from launcher.contract.exitcodes import EXIT_INPUT
 from launcher.contract.private import private_umask
@@ -56,13 +56,23 @@ class _Version(argparse.Action):
         parser.exit()
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """argparse, but a usage error is one line like every other meshrun error (not the usage block), naming
+    where the whole usage is; every verb's parser is one of these (subparsers take their parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_INPUT, f"{self.prog}: error: {message} (`{self.prog} --help` shows the usage)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineErrors(
         prog="meshrun",
         description="Large-model training from a laptop to a multi-node GPU Slurm cluster, and kept alive there.",
     )
     parser.add_argument("--version", action=_Version, help="print meshrun's version and exit")
-    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    verbs: argparse._SubParsersAction[argparse.ArgumentParser] = parser.add_subparsers(  # type: ignore[assignment]
+        dest="verb", required=True, metavar="VERB"
+    )  # the verbs' parsers are _OneLineErrors too (argparse makes them of the parent's class)
 
     verbs.add_parser("clusters", help="list the cluster profiles")
 
@@ -454,7 +464,15 @@ def _suggest_a_verb(parser: argparse.ArgumentParser, argv: list[str]) -> None:
     verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     first = next((word for word in argv if not word.startswith("-")), None)
     if first is not None and first not in verbs and (hint := closest(first, verbs)):
-        parser.error(f"no verb {first!r}{hint}; `meshrun --help` lists them")
+        parser.error(f"no verb {first!r}{hint}")
+
+
+def _named_as_given(exc: SchemaError, argv: Sequence[str]) -> SchemaError:
+    """A cluster the user never typed came from $MESHRUN_CLUSTER (cluster_arg's default): the error names it."""
+    typed = any(a in ("-c", "--cluster") or a.startswith(("-c", "--cluster=")) for a in argv)
+    if exc.key == "-c/--cluster" and not typed and os.environ.get("MESHRUN_CLUSTER"):
+        return SchemaError("$MESHRUN_CLUSTER", exc.value, exc.fix)
+    return exc
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -467,7 +485,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return VERBS[args.verb](args)
     except SchemaError as exc:
-        print(f"meshrun: error: {exc}", file=sys.stderr)
+        print(f"meshrun: error: {_named_as_given(exc, sys.argv[1:] if argv is None else list(argv))}", file=sys.stderr)
         return EXIT_INPUT
     except MeshrunError as exc:
         print(f"meshrun: error: {exc}", file=sys.stderr)

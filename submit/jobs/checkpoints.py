@@ -26,7 +26,7 @@ from submit.errors import ClusterError, InputError
 from submit.jobs.registry import JobRecord, Registry, now
 from submit.jobs.runspec import read_run_spec
 from submit.jobs.state import JobState
-from submit.transport.base import Transport
+from submit.transport.base import Result, Transport
 
 RESUME_SETTABLE = (
     "train.steps",
@@ -316,13 +316,13 @@ def export(
     options = ["--format", fmt, "--max-shard-size", max_shard_size]
     if profile.ssh is None:
         done = transport.run([sys.executable, *args, str(out), *options], timeout=3600)
-        done.check("export")
+        _check_export(done, "export")
         return _exported(done.stdout, ckpt)
     remote = f"{record.run_dir}/.export-{secrets.token_hex(4)}" + (".safetensors" if fmt == "meshrun" else "")
     script = _remote_script(profile.setup, profile.python, [*args, remote, *options], code_dir(record, transport))
     done = transport.run(["bash", "-c", script], timeout=3600)
     try:
-        done.check("export on the cluster")
+        _check_export(done, "export on the cluster")
         if fmt == "hf":
             _download_folder(transport, remote, out, progress)
         else:
@@ -330,6 +330,14 @@ def export(
     finally:
         transport.run(["rm", "-rf", "--", remote])
     return _exported(done.stdout, ckpt)
+
+
+def _check_export(done: Result, what: str) -> None:
+    """The exporter's own one-line error (`meshrun export: ...`) as meshrun's, without its prefix twice."""
+    if done.returncode != 0:
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        said = lines[-1].removeprefix("meshrun export: ") if lines else f"exit code {done.returncode}"
+        raise ClusterError(f"{what}: {said}")
 
 
 def _exported(stdout: str, asked: str) -> str:

@@ -96,7 +96,7 @@ def load_job(path: Path, overrides: Sequence[str] = ()) -> tuple[JobSpec, dict[s
     try:
         data = schema.apply_overrides(JobSpec, doc.data, overrides)
     except SchemaError as exc:
-        raise InputError(f"--set {exc.key}", exc.value, exc.fix) from None
+        raise _override_error(exc, overrides) from None
     data = expand_preset(data, overrides)
     try:
         spec = schema.load(JobSpec, data)
@@ -104,8 +104,18 @@ def load_job(path: Path, overrides: Sequence[str] = ()) -> tuple[JobSpec, dict[s
         return spec, data
     except SchemaError as exc:
         if set_by_override(exc.key, overrides):  # the value came from the command line, not the file's line
-            raise InputError(f"--set {exc.key}", exc.value, exc.fix) from None
+            raise _override_error(exc, overrides) from None
         raise doc.error(exc) from None
+
+
+def _override_error(exc: SchemaError, overrides: Sequence[str]) -> InputError:
+    """A --set's error; one naming an unknown key shows the whole override and the name that is wrong
+    (`--set trian.steps=10: 'trian': unknown key (did you mean 'train'?)`), not the value it would set."""
+    if exc.fix.startswith("unknown key"):
+        given = next((o for o in overrides if o.split("=", 1)[0].startswith(exc.key)), None)
+        if given is not None:
+            return InputError(f"--set {given}", exc.key.rsplit(".", 1)[-1], exc.fix)
+    return InputError(f"--set {exc.key}", exc.value, exc.fix)
 
 
 def set_by_override(key: str, overrides: Sequence[str]) -> bool:

@@ -59,7 +59,10 @@ def profile(tmp: Path, name: str = "sshbed", **ssh: Any) -> Path:
         "interconnect": {"nvlink_domain": 2, "nccl": {"NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}},
     }
     path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # a user's profile: private, as meshrun's files
+    with os.fdopen(fd, "w") as handle:
+        handle.write(yaml.safe_dump(data, sort_keys=False))
+    os.chmod(path, 0o600)  # an existing file keeps its mode through O_CREAT
     return path
 
 

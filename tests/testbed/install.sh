@@ -1,7 +1,7 @@
 #!/bin/sh
 # Install the Debian packages the Slurm + sshd testbed needs (tests/testbed/testbed.py).
 # Idempotent: when every binary is already present it exits at once without touching apt.
-# Needs root (Debian 12). Usage: sh tests/testbed/install.sh
+# Needs root (Debian 12; as another user it runs itself through sudo). Usage: sh tests/testbed/install.sh
 set -eu
 
 PACKAGES="slurmctld slurmd slurm-client munge mariadb-server slurmdbd openssh-server tmux"
@@ -23,7 +23,11 @@ fi
 echo "missing:$missing; installing: $PACKAGES"
 
 if [ "$(id -u)" -ne 0 ]; then
-    echo "install.sh must run as root" >&2
+    # Not root: apt through sudo when there is one (it asks for the password), else say what to do.
+    if command -v sudo >/dev/null 2>&1; then
+        exec sudo sh "$0" "$@"
+    fi
+    echo "install.sh installs Debian packages: run it as root (there is no sudo here)" >&2
     exit 1
 fi
 

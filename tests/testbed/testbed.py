@@ -961,8 +961,12 @@ def main(argv: list[str] | None = None) -> int:
             # A profile reaching this testbed over SSH, as a laptop would (its host key already trusted).
             from tests.helpers import sshbed
 
-            clusters = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "meshrun" / "clusters"
-            clusters.mkdir(parents=True, exist_ok=True)
+            from launcher.contract.private import make_private_dir
+
+            meshrun_config = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "meshrun"
+            clusters = meshrun_config / "clusters"
+            for folder in (meshrun_config, clusters):  # private whatever the umask: it names the key file
+                make_private_dir(str(folder))
             print(sshbed.profile(clusters, name=args.name))
             return 0
         else:

@@ -52,11 +52,39 @@ def test_bad_input_is_one_line_exit_2_no_traceback(tmp_path: Path) -> None:
         ["status", "12345"],
         ["logs", "12345"],
         ["cancel", "12345"],
+        # A new user's trial (issue 22): a mistyped cluster listed nothing with exit 0; argparse's own errors
+        # printed the usage block.
+        ["status", "-c", "nosuchcluster"],
+        ["top", "--once", "-c", "nosuchcluster"],
+        ["watch", "-c", "nosuchcluster"],
+        ["export", "12345", "-o", "x", "--format", "onnx"],
+        ["export"],
+        ["status", "-n", "-5"],
     ):
         out = _run(args, tmp_path)
         assert out.returncode == 2, (args, out.stderr)
         assert "Traceback" not in out.stderr and out.stderr.count("\n") == 1, out.stderr
-        assert out.stderr.startswith("meshrun: error: ")
+        assert out.stderr.startswith("meshrun") and ": error: " in out.stderr and "usage:" not in out.stderr
+
+
+def test_errors_name_what_the_user_gave(tmp_path: Path) -> None:
+    """The trial's findings: the cluster from $MESHRUN_CLUSTER is named as such (not as -c, never typed), and
+    an unknown --set key shows the override and the name that is wrong (not the value it would set)."""
+    env_cluster = subprocess.run(
+        [sys.executable, "-m", "submit.cli.main", "submit", "examples/tiny.yaml", "--dry-run"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, MESHRUN_CLUSTER="nosuch", XDG_CONFIG_HOME=str(tmp_path / "config")),
+        cwd=REPO,
+    )
+    assert env_cluster.returncode == 2
+    assert env_cluster.stderr.startswith("meshrun: error: $MESHRUN_CLUSTER: 'nosuch': no such cluster"), (
+        env_cluster.stderr
+    )
+    typo = _run(["submit", "examples/tiny.yaml", "--set", "trian.steps=10", "--dry-run"], tmp_path)
+    assert typo.stderr.startswith("meshrun: error: --set trian.steps=10: 'trian': unknown key (did you mean 'train'?)")
+    deep = _run(["submit", "examples/tiny.yaml", "--set", "train.stpes=10", "--dry-run"], tmp_path)
+    assert deep.stderr.startswith("meshrun: error: --set train.stpes=10: 'stpes': unknown key (did you mean 'steps'?)")
 
 
 def test_dry_run_touches_nothing(tmp_path: Path) -> None:

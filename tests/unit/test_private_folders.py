@@ -4,13 +4,17 @@ shared login node, a 0755 work dir lets everyone list runs and read what is not 
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
+import sys
 from pathlib import Path
 
 from launcher.contract import private
 from launcher.contract.spec import Code
 from submit.transport import snapshot
 from submit.transport.base import PUT_SCRIPT, LocalTransport, Upload
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _modes(top: Path, *rels: str) -> list[str]:
@@ -117,3 +121,22 @@ def test_every_entry_point_sets_the_private_umask() -> None:
         "templates/local.sh.j2": "\numask 077\n",
     }.items():
         assert call in (repo / module).read_text(), module
+
+
+def test_the_testbeds_profile_command_writes_a_private_profile_whatever_the_umask(tmp_path: Path) -> None:
+    """A new user's trial: `testbed profile mycluster` left ~/.config/meshrun 0755 and the profile (which names
+    the key file) 0644 under umask 022."""
+    env = dict(os.environ, XDG_CONFIG_HOME=str(tmp_path / "config"))
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.testbed.testbed", "profile", "mycluster"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        preexec_fn=lambda: os.umask(0o022),
+    )
+    assert done.returncode == 0, done.stderr
+    profile = tmp_path / "config" / "meshrun" / "clusters" / "mycluster.yaml"
+    assert done.stdout.strip() == str(profile)
+    for path, mode in ((profile, 0o600), (profile.parent, 0o700), (profile.parent.parent, 0o700)):
+        assert stat.S_IMODE(path.stat().st_mode) == mode, path
