@@ -186,6 +186,9 @@ def _status(
     rank_error = error.stdout.strip().splitlines()[0] if error.returncode == 0 and error.stdout.strip() else None
     # A failed job says why in the ranks' own words (bad input, a crash), as on the local cluster.
     reason = rank_error if job.done and not job.succeeded and rank_error else job.reason
+    if job.state is JobState.CANCELLED and progress.get("checkpoint_step") is not None:
+        saved = f"checkpoint at step {progress['checkpoint_step']}: `meshrun resume {record.job_id}` continues it"
+        reason = f"{reason}; {saved}" if reason else saved
     return Status(
         job_id=record.job_id,
         cluster=record.cluster,

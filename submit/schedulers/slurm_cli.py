@@ -17,7 +17,10 @@ from submit.errors import ClusterError, InputError
 from submit.jobs.state import FAILURE, FINAL, SUCCESS, JobState
 
 # Slurm 22.05's sacct has no restart count field: the ranks report SLURM_RESTART_COUNT in metrics.jsonl.
-SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "Timelimit", "NodeList")
+SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "Timelimit", "NodeList", "UID")
+SACCT_READ = 7
+"""The fields every row must have; UID (the owner, to tell an owner's cancel from an admin's) may be absent
+from recorded output of older versions."""
 SQUEUE_FORMAT = "%i|%T|%M|%l|%N|%r"
 _JOB_ID = re.compile(r"[0-9]+(_[0-9]+)?")  # [0-9], not \d: full-width digits are digits to Python, not to Slurm
 
@@ -212,10 +215,13 @@ def unknown_state_note(text: str) -> Optional[str]:
     return f"Slurm state {word}" if word and word not in STATES else None
 
 
-def cancel_note(text: str) -> Optional[str]:
-    """sacct's "CANCELLED by UID" as a reason: who ended it (uid 0 is Slurm itself or an administrator)."""
+def cancel_note(text: str, owner: Optional[str] = None) -> Optional[str]:
+    """sacct's "CANCELLED by UID" as a reason: who ended it, the job's owner (`meshrun cancel`, scancel), Slurm
+    itself or an administrator (uid 0), or another uid."""
     words = text.split()
     if len(words) == 3 and _state_word(text) == "CANCELLED" and words[1] == "by" and words[2].isdigit():
+        if words[2] == owner:
+            return f"cancelled by its owner (uid {owner})"
         return "cancelled by Slurm or an administrator (uid 0)" if words[2] == "0" else f"cancelled by uid {words[2]}"
     return None
 
@@ -225,9 +231,10 @@ def parse_sacct(output: str) -> dict[str, SlurmJob]:
     states: dict[str, SlurmJob] = {}
     for line in output.splitlines():
         cols = line.split("|")
-        if len(cols) < len(SACCT_FIELDS):
+        if len(cols) < SACCT_READ:
             continue
-        job_id, _name, state, exit_code, elapsed, limit, nodes = cols[: len(SACCT_FIELDS)]
+        job_id, _name, state, exit_code, elapsed, limit, nodes = cols[:SACCT_READ]
+        owner = cols[SACCT_READ].strip() if len(cols) > SACCT_READ else None
         if "." in job_id:  # a step row; --allocations should have removed it
             continue
         states[job_id] = SlurmJob(
@@ -237,7 +244,7 @@ def parse_sacct(output: str) -> dict[str, SlurmJob]:
             elapsed=elapsed or None,
             time_limit=limit or None,
             nodes=nodes or None,
-            reason=unknown_state_note(state) or cancel_note(state),
+            reason=unknown_state_note(state) or cancel_note(state, owner),
         )
     return states
 

@@ -27,6 +27,11 @@ def test_parse_sacct() -> None:
     assert states["12"].state == "CANCELLED" and states["12"].done and not states["12"].succeeded
     assert states["12"].reason == "cancelled by Slurm or an administrator (uid 0)" and states["11"].reason is None
     assert slurm.parse_sacct("16|t|CANCELLED by 1000|0:15|00:00:04|00:30:00|n1")["16"].reason == "cancelled by uid 1000"
+    # With the owner's UID (sacct's 8th field): the owner's own cancel (`meshrun cancel`, root's included) is
+    # said so, not blamed on Slurm or an administrator (a new user's trial, as root, read it that way).
+    owned = slurm.parse_sacct("17|t|CANCELLED by 0|0:15|00:00:04|00:30:00|n1|0\n18|t|CANCELLED by 0|0:15|1|1|n1|1000")
+    assert owned["17"].reason == "cancelled by its owner (uid 0)"
+    assert owned["18"].reason == "cancelled by Slurm or an administrator (uid 0)"
     assert states["13"].state == "RUNNING" and not states["13"].done and states["13"].time_limit == "00:30:00"
     assert slurm.seconds(states["11"].elapsed) == 21 and slurm.seconds(states["11"].time_limit) == 1200
 
