@@ -126,6 +126,26 @@ def print_once(transport: Transport, sources: Sequence[Source], printer: Printer
     printer.finish(sources)
 
 
+# $1 and $2 the job's start lines (local, Slurm), then the files: each file's byte offset of the first line
+# naming this job's start, or an empty line (none: an older log, or not a rank log).
+_OWN_START_SCRIPT = 'a=$1; b=$2; shift 2; for f in "$@"; do grep -b -m1 -F -e "$a" -e "$b" -- "$f" 2>/dev/null | cut -d: -f1 | grep . || echo; done'
+
+
+def start_at_own_run(transport: Transport, job_id: str, sources: Sequence[Source], err: TextIO) -> None:
+    """A resumed job shares its rank logs with the jobs before it in the run dir (appended): its `logs` start
+    at its own first line (the rank's start line naming its id), saying so, not at its parent's output."""
+    markers = (f"[meshrun] local job {job_id} rank ", f" job {job_id} restart ")
+    found = transport.run(["sh", "-c", _OWN_START_SCRIPT, "sh", *markers, *(s.path for s in sources)])
+    offsets = found.stdout.split("\n") if found.returncode == 0 else []
+    skipped = False
+    for source, text in zip(sources, offsets):
+        if source.offset == 0 and text.strip().isdigit() and int(text) > 0:
+            source.offset, skipped = int(text), True
+    if skipped:
+        err.write(f"meshrun: from job {job_id}'s own start (earlier jobs of its run dir wrote above it)\n")
+        err.flush()
+
+
 def start_near_end(transport: Transport, sources: Sequence[Source], err: TextIO) -> None:
     """Move each not yet started source of a big file to the first line start in its last FOLLOW_TAIL_BYTES
     (two small reads per file, whatever its size), saying on `err` how much is skipped."""

@@ -90,6 +90,14 @@ def test_local_cancel_saves_then_resume_finishes_and_export_writes_safetensors(t
     parent = status(tmp_path, job_id)
     assert parent["state"] == "CANCELLED" and parent["progress"]["step"] < 80, parent
     assert parent["progress"]["checkpoint_step"] == row["progress"]["checkpoint_step"], (parent, row)
+    # Each job's `logs` is its own, though both append to the run dir's rank logs (a new user's trial: the
+    # resumed job's logs opened with its parent's lines).
+    child = out.stdout.split()[5]
+    own = meshrun(tmp_path, "logs", child, check=True)
+    assert own.stdout.startswith(f"[meshrun] local job {child} rank 0"), own.stdout[:300]
+    assert job_id not in own.stdout and "own start" in own.stderr, own.stderr
+    first = meshrun(tmp_path, "logs", job_id, check=True)
+    assert first.stdout.startswith(f"[meshrun] local job {job_id} rank 0") and first.stderr == "", first.stderr
     target = tmp_path / "model.safetensors"
     meshrun(tmp_path, "export", job_id, "-o", str(target), check=True)
     weights = load_file(str(target))
