@@ -28,19 +28,35 @@ PY
 }
 
 say() { echo "setup: $* ($(date +%H:%M:%S))" >&2; }  # pip is --quiet: a line per step says where it is
+# A long step says every 30 s that it is still going (pip --quiet prints nothing for minutes while it
+# builds DeepSpeed). The ticker sleeps in the background so that it stops at once when the step ends.
+ticking() {
+  local what=$1 rc=0 ticker; shift
+  ( trap 'kill "$nap" 2>/dev/null; exit 0' TERM
+    s=0
+    while :; do
+      sleep 30 & nap=$!; wait "$nap"
+      s=$((s + 30)); printf 'setup: still %s (%dm%02ds)\n' "$what" $((s / 60)) $((s % 60)) >&2
+    done ) &
+  ticker=$!
+  "$@" || rc=$?
+  kill "$ticker" 2>/dev/null || true
+  wait "$ticker" 2>/dev/null || true
+  return "$rc"
+}
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # constraints/cpu.txt pins the CPU torch wheel; the package itself asks only for a range
   # so that a cluster keeps its CUDA build.
   say "installing meshrun and its packages into .venv (the CPU torch wheel among them: a minute or more)"
-  "${pip[@]}" -e '.[dev]'
+  ticking "installing packages" "${pip[@]}" -e '.[dev]'
   # DeepSpeed builds against the torch above (its setup imports torch): no build isolation, after
   # torch. ninja first: the op build uses it (without it, a slow serial compile). No pip cache: a
   # cached wheel built without the ops would be reused as is.
   "${pip[@]}" ninja
   say "building DeepSpeed and compiling its CPU ops (several minutes on a new machine; once)"
-  env "${ds_ops[@]}" "${pip[@]}" --no-build-isolation --no-cache-dir -e '.[dev,deepspeed]'
+  ticking "building DeepSpeed" env "${ds_ops[@]}" "${pip[@]}" --no-build-isolation --no-cache-dir -e '.[dev,deepspeed]'
   if ! ds_ops_installed; then  # a DeepSpeed installed earlier without the ops: rebuild it with them
-    env "${ds_ops[@]}" "${pip[@]}" --no-build-isolation --no-cache-dir --force-reinstall --no-deps deepspeed
+    ticking "building DeepSpeed's CPU ops" env "${ds_ops[@]}" "${pip[@]}" --no-build-isolation --no-cache-dir --force-reinstall --no-deps deepspeed
     ds_ops_installed || { echo "setup: DeepSpeed's CPU ops did not build (is g++ installed?)" >&2; exit 1; }
   fi
   echo "$want" > "$stamp"
