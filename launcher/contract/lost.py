@@ -19,10 +19,10 @@ from launcher.contract import alerts, ckptdir
 from launcher.contract.rundir import RunDir
 
 
-def saved_steps(metrics_text: str) -> list[int]:
+def saved_steps(metrics_text: str, job: Optional[str] = None) -> list[int]:
     """The checkpoint steps a job's metrics.jsonl reports that are still its own (ascending): a save at or
     below an earlier one means the job went back (a resume from an older checkpoint) and retrains the
-    steps above it, so those are dropped."""
+    steps above it, so those are dropped. With `job`, only that job id's saves (a line naming none counts)."""
     steps: list[int] = []
     for line in metrics_text.splitlines():
         if '"checkpoint_step"' not in line:
@@ -34,6 +34,8 @@ def saved_steps(metrics_text: str) -> list[int]:
         step = row.get("checkpoint_step") if isinstance(row, dict) else None
         if not isinstance(step, int) or row.get("event") != "checkpoint" or row.get("copied"):
             continue  # "copied": the sidecar's commit on shared storage, not a save
+        if job is not None and row.get("job") not in (None, job):
+            continue
         steps = [s for s in steps if s < step] + [step]
     return steps
 

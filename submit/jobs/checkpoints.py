@@ -205,7 +205,7 @@ def last_saved_step(record: JobRecord, transport: Transport) -> Optional[int]:
     except (OSError, ClusterError):
         return None
     text = transport.read_bytes(path, max(0, size - METRICS_TAIL), METRICS_TAIL).decode("utf-8", errors="replace")
-    steps = saved_steps(text)
+    steps = saved_steps(text, record.job_id)  # its own: a later job of the run dir (a resume) saves there too
     return steps[-1] if steps else None
 
 
@@ -233,9 +233,19 @@ def resume_note(record: JobRecord, transport: Transport) -> Optional[str]:
 
 
 def export_note(record: JobRecord, transport: Transport, exported: str) -> Optional[str]:
-    """After an export of the newest complete step: a note when that is not the job's last checkpoint."""
+    """After an export of the newest complete step: a note when that is not the job's last checkpoint (older:
+    the newer never completed; newer: a later job of the run dir, a resume, made it)."""
     match = re.search(r"step-(\d+)/?$", exported.strip())
-    return not_the_last(record, transport, int(match.group(1))) if match else None
+    if not match:
+        return None
+    step = int(match.group(1))
+    last = last_saved_step(record, transport)
+    if last is not None and step > last:
+        return (
+            f"note: step {step} is the run dir's newest checkpoint, made by a later job there (a resume); job "
+            f"{record.job_id}'s own last is step {last}: `--step {last}` exports it"
+        )
+    return not_the_last(record, transport, step)
 
 
 def best_checkpoint(transport: Transport, root: str) -> Optional[tuple[int, float]]:

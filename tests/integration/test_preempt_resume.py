@@ -99,7 +99,11 @@ def test_local_cancel_saves_then_resume_finishes_and_export_writes_safetensors(t
     first = meshrun(tmp_path, "logs", job_id, check=True)
     assert first.stdout.startswith(f"[meshrun] local job {job_id} rank 0") and first.stderr == "", first.stderr
     target = tmp_path / "model.safetensors"
-    meshrun(tmp_path, "export", job_id, "-o", str(target), check=True)
+    exported = meshrun(tmp_path, "export", job_id, "-o", str(target), check=True)
+    # The run dir's newest checkpoint is the resume's (step 80): the parent's export says whose it is and
+    # how to get the parent's own (a new user's trial exported step 200 for a job that showed CKPT 41).
+    own = row["progress"]["checkpoint_step"]
+    assert "step-00000080" in exported.stdout and f"`--step {own}` exports it" in exported.stdout, exported.stdout
     weights = load_file(str(target))
     assert weights["tok_embeddings.weight"].shape == (256, 64) and len(weights) > 10
 
