@@ -365,7 +365,15 @@ def _submit(args: argparse.Namespace, profile: Any, plan: Any) -> int:
 
     clusters = api.Clusters()
     try:
-        transport = api.connect(profile.ssh, args.cluster)
+        try:
+            transport = api.connect(profile.ssh, args.cluster)
+        except ClusterError as exc:
+            if not args.dry_run or isinstance(exc, HostKeyError):
+                raise
+            # A dry run asks the login node for its home and the code snapshot; an example profile's host
+            # need not exist: render shows the script without asking.
+            offline = shlex.join(["meshrun", "render", str(args.spec), "-c", args.cluster, "--offline"])
+            raise ClusterError(f"{exc}; or see the script without asking the cluster: {offline}") from None
         clusters.adopt(profile, transport, profile_path_of(args.cluster))
         prepared = api.prepare(plan, args.spec.parent, transport, after=args.after)
         _warn(prepared.warnings)

@@ -277,3 +277,6 @@ def test_render_of_an_unreachable_cluster_says_it_can_render_offline(
     ), err
     code, _ = run(capsys, "render", str(REPO / "examples" / "command.yaml"), "-c", str(profile), "--offline")
     assert code == 0
+    # submit --dry-run asks the cluster too (a new user's trial tried it on h100-ndr): it names the offline way.
+    code, err = run(capsys, "submit", str(REPO / "examples" / "command.yaml"), "-c", str(profile), "--dry-run")
+    assert code == 1 and err.count("\n") == 1 and err.rstrip().endswith(f"-c {profile} --offline"), err
