@@ -78,3 +78,16 @@ def test_a_rank_running_another_meshrun_says_so_in_one_line(tmp_path: Path) -> N
         "meshrun 0.0.1; install the same meshrun on the cluster and where you submit"
     ]
     assert "version mismatch" not in _rank_log(tmp_path, VERSION)
+
+
+def test_the_version_is_read_without_importlib_metadata_and_agrees_with_it(tmp_path: Path) -> None:
+    """The installed dist-info's METADATA read directly (importlib.metadata's email parsers cost every render
+    ~10 ms): the same answer, and importlib.metadata is left unimported; a tree without one still answers."""
+    from importlib import metadata
+
+    from launcher.contract import version
+
+    assert version._dist_info_version() == metadata.version("meshrun") == VERSION
+    code = "import sys; from launcher.contract import version; print(version.installed_version(), 'importlib.metadata' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
+    assert out.stdout.split() == [VERSION, "False"]
