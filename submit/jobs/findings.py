@@ -76,8 +76,8 @@ class Findings:
     engine: Optional[str] = None
     """The engine from spec.json, e.g. 'deepspeed ZeRO-2, optimizer offload' (as `steps`)."""
     goodput: Optional[dict[str, Any]] = None
-    """Where this job's allocated time went, as of its newest attempt's start or end (one job's detail view
-    only): RUN_DIR/.meshrun/goodput/JOB.json, launcher/contract/goodput.py."""
+    """Where this job's allocated time went, as of its newest attempt's start or end or its sidecar's last
+    minute (one job's detail view and `top`): RUN_DIR/.meshrun/goodput/JOB.json, launcher/contract/goodput.py."""
     checkpoint_step: Optional[int] = None
     """This job's newest checkpoint complete on shared storage (RunDir.last_checkpoint), None when it made none
     (or a later job of the run dir made the newest: then its own metrics events say)."""
@@ -118,7 +118,7 @@ def findings_argv(run_dirs: Sequence[str], with_env: bool, marker: str, with_gpu
     gpus = GPU_METRICS if with_gpus else ""
     spec = SPEC if with_env or with_gpus else ""
     caps = (str(CAP_BYTES), VERDICT_JSON, VERDICT_TXT, STRAGGLERS, env, ALERTS, gpus, str(TAIL_BYTES), spec)
-    goodput = GOODPUT_DIR if with_env else ""
+    goodput = GOODPUT_DIR if with_env or with_gpus else ""
     return ["sh", "-c", FINDINGS_SCRIPT, "sh", marker, *caps, LAST_CHECKPOINT, goodput, *run_dirs]
 
 
@@ -159,7 +159,7 @@ def read_files(run_dir: str, with_env: bool, with_gpus: bool = False) -> dict[st
     root = RunDir(run_dir)
     tails = {name: _tail(root.path(name)) for name in (ALERTS, *(GPU_METRICS,) * with_gpus)}
     names = [VERDICT_JSON, VERDICT_TXT, STRAGGLERS, LAST_CHECKPOINT, *(SPEC,) * (with_env or with_gpus)]
-    for folder in (ENV_DIR, GOODPUT_DIR) if with_env else ():
+    for folder in (*(ENV_DIR,) * with_env, *(GOODPUT_DIR,) * (with_env or with_gpus)):
         try:
             listed = sorted(os.listdir(root.path(folder)))
         except OSError:

@@ -34,6 +34,7 @@ HEAD = (
     "ETA",
     "LEFT",
     "RST",
+    "GOODPUT",
     "ALERTS",
 )
 
@@ -86,8 +87,15 @@ def row(status: Status) -> tuple[str, ...]:
         duration(finish_in(status, status.steps)),
         duration(limit_left(status)),
         str(status.restarts),
+        goodput_cell(status.goodput),
         alerts_note(status.alerts),
     )
+
+
+def goodput_cell(figures: Optional[dict[str, Any]]) -> str:
+    """The job's effective training time so far (productive / allocated, launcher/contract/goodput.py)."""
+    pct = _number((figures or {}).get("effective_pct"))
+    return "-" if pct is None else f"{pct:.0f}%"
 
 
 def screen(found: Sequence[Status], width: int) -> list[str]:

@@ -152,6 +152,9 @@ def test_top_cells_step_of_steps_time_left_and_a_non_finite_loss_in_the_sparklin
         "-",
         "0:09:00",
     )
+    # GOODPUT: the job's effective training time so far, from its goodput record (issue 24).
+    assert top.row(_status(goodput={"effective_pct": 81.4}))[top.HEAD.index("GOODPUT")] == "81%"
+    assert limited and cells[top.HEAD.index("GOODPUT")] == "-"
     huge = _status(progress={"step": 1, "step_time_s": 3.0}, steps=10**9, elapsed_s=60, time_limit_s=300)
     assert top.row(huge)[top.HEAD.index("ETA")] == ">99 days"
     assert progress_line(huge, 10**9).endswith("eta >99 days left 0:04:00 (the limit comes first)")
