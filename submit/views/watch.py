@@ -1,8 +1,12 @@
-"""`meshrun watch [JOB...] --notify CMD`: follow jobs and run a command once for each new alert.
+"""`meshrun watch [JOB...] --notify CMD`: follow jobs and run a command once for each new alert, and once for
+each failure, requeue or hang with the digest a person needs.
 
 Each refresh is one `statuses` call: one round trip per cluster, which already brings every job's newest
 alerts. A new alert is printed and handed to the notify command as one JSON object on its stdin (the
-alert record plus "job_id", "cluster" and "name"); the command is an argv list, never a shell line.
+alert record plus "job_id", "cluster" and "name"); the command is an argv list, never a shell line. A job
+that fails, is requeued or hangs gets one more notification, its `digest` (`digest()`): what happened, the
+verdict and the node blamed, the newest checkpoint, a loss sparkline, the goodput so far and the commands
+to look, resume or cancel.
 What was notified is kept in the user's state dir ($XDG_STATE_HOME/meshrun/alerts-notified.json),
 recorded before the command runs: an alert is never notified twice, even across a restart of watch
 or by two watches at once (a lock), at the price of a lost one if watch dies in between.
@@ -129,6 +133,113 @@ def running_records(registry: Any, limit: int = 200) -> list[JobRecord]:
     return [r for r in registry.recent(limit) if r.last_state not in FINAL]
 
 
+DIGEST_EVENTS = ("failed", "requeued", "hang")
+
+
+def events_of(status: Status, first_restarts: Optional[int]) -> list[str]:
+    """Which digest events this refresh shows for the job: it ended FAILED or TIMEOUT, Slurm restarted it since
+    watch first saw it (`first_restarts`), a hang was diagnosed."""
+    events = []
+    if status.done and status.state in (JobState.FAILED, JobState.TIMEOUT):
+        events.append("failed")
+    if first_restarts is not None and status.restarts > first_restarts:
+        events.append("requeued")
+    if status.verdict is not None or any(a.get("rule") == "hang" for a in status.alerts):
+        events.append("hang")
+    return events
+
+
+def digest(status: Status, event: str) -> dict[str, Any]:
+    """One notification's worth of a failure, requeue or hang: JSON-ready, with `text`, its lines for a person."""
+    from submit.views.tables import goodput_line
+    from submit.views.top import sparkline
+
+    verdict = status.verdict or {}
+    ranks = [r for r in verdict.get("ranks") or [] if isinstance(r, dict)]
+    blamed = sorted({str(r["node"]) for r in ranks if r.get("state") == "stalled" and r.get("node")})
+    hang = next((a for a in reversed(status.alerts) if a.get("rule") == "hang"), None)
+    if not blamed and hang is not None and hang.get("node"):
+        blamed = [str(hang["node"])]
+    first_sentence = str(verdict.get("verdict") or (hang or {}).get("message") or "").split(". ")[0].strip()
+    checkpoint = status.progress.get("checkpoint_step")
+    what = {
+        "failed": f"ended {status.state.value}" + (f": {status.reason}" if status.reason else ""),
+        "requeued": f"requeued (restart {status.restarts})" + (f": {status.reason}" if status.reason else ""),
+        "hang": "hung" + (f": {first_sentence}" if first_sentence else ""),
+    }[event]
+    commands = {"status": f"meshrun status {status.job_id}", "logs": f"meshrun logs {status.job_id}"}
+    if status.verdict is not None:
+        commands["diagnosis"] = f"meshrun logs {status.job_id} --diagnosis"
+    if status.done and checkpoint is not None:
+        commands["resume"] = f"meshrun resume {status.job_id}"
+    if not status.done:
+        commands["cancel"] = f"meshrun cancel {status.job_id}"
+    record: dict[str, Any] = {
+        "event": event,
+        "job_id": status.job_id,
+        "cluster": status.cluster,
+        "name": status.name,
+        "state": status.state.value,
+        "what": what,
+        "verdict": first_sentence or None,
+        "blamed_nodes": blamed,
+        "step": status.progress.get("step"),
+        "checkpoint_step": checkpoint,
+        "losses": sparkline(status.losses) or None,
+        "goodput": status.goodput,
+        "commands": commands,
+    }
+    lines = [f"{status.job_id} ({status.cluster}, {status.name}) {what}"]
+    lines += [f"  blamed: {', '.join(blamed)}"] if blamed else []
+    lines.append(
+        f"  step {record['step'] if record['step'] is not None else '-'}, newest checkpoint "
+        + (f"step {checkpoint}" if checkpoint is not None else "none")
+        + (f", loss {record['losses']}" if record["losses"] else "")
+    )
+    lines += [f"  {goodput_line(status.goodput)}"] if status.goodput else []
+    lines += [f"  {name}: {command}" for name, command in commands.items() if name in ("diagnosis", "resume", "cancel")]
+    record["text"] = "\n".join(lines)
+    return record
+
+
+def _hang_moment(status: Status) -> Any:
+    """Which hang it is (its verdict's time, else its alert's): a verdict still shown after the requeue it
+    caused is the same hang, not a new one."""
+    if status.verdict is not None and status.verdict.get("time") is not None:
+        return status.verdict.get("time")
+    return next((a.get("time") for a in reversed(status.alerts) if a.get("rule") == "hang"), None)
+
+
+def handle_digests(
+    found: Sequence[Status],
+    first_restarts: dict[str, int],
+    seen: Seen,
+    argv: Optional[Sequence[str]],
+    out: TextIO,
+) -> int:
+    """One digest per failure, requeue (per restart) and hang of each job, claimed like alerts: never twice."""
+    from submit.jobs.status import warn_to_stderr
+
+    pending = []
+    for status in found:
+        first_restarts.setdefault(f"{status.cluster}/{status.job_id}", status.restarts)
+        for event in events_of(status, first_restarts[f"{status.cluster}/{status.job_id}"]):
+            moment = {"failed": status.state.value, "requeued": status.restarts, "hang": _hang_moment(status)}[event]
+            key = hashlib.sha256(json.dumps([status.cluster, status.job_id, event, moment]).encode()).hexdigest()[:32]
+            pending.append((status, event, key))
+    new = set(seen.claim([key for _, _, key in pending]))
+    for status, event, key in pending:
+        if key not in new:
+            continue
+        new.discard(key)
+        record = digest(status, event)
+        out.write(record["text"] + "\n")
+        out.flush()
+        if argv:
+            run_notify(argv, json.dumps(record).encode() + b"\n", warn_to_stderr)
+    return len(pending)
+
+
 def handle(found: Sequence[Status], seen: Seen, argv: Optional[Sequence[str]], out: TextIO) -> int:
     """Print and notify every alert not claimed before; how many were new."""
     from submit.jobs.status import warn_to_stderr
@@ -163,12 +274,14 @@ def follow(
     ids = ", ".join(dict.fromkeys(r.job_id for r in records))
     print(f"meshrun: watching {len(records)} job(s) until they end ({ids}); Ctrl-C stops watching", file=sys.stderr)
     ended: set[str] = set()
+    first_restarts: dict[str, int] = {}
     while True:
-        found = refresh(records, clusters, registry)
+        found = refresh(records, clusters, registry, live=True)  # live: the losses and goodput a digest shows
         if found is None:
             time.sleep(interval)
             continue
         handle(found, seen, argv, out)
+        handle_digests(found, first_restarts, seen, argv, out)
         report_ends(found, ended, out)
         if all(s.done or s.state == JobState.UNREACHABLE for s in found):
             return watch_end(found)
@@ -185,14 +298,14 @@ def report_ends(found: Sequence[Status], ended: set[str], out: TextIO) -> None:
             out.flush()
 
 
-def refresh(records: Sequence[Any], clusters: Any, registry: Any) -> Optional[list[Any]]:
+def refresh(records: Sequence[Any], clusters: Any, registry: Any, live: bool = False) -> Optional[list[Any]]:
     """One status refresh for a loop that follows jobs; None when a connection was lost (closed:
     the next refresh reconnects)."""
     from submit import api
     from submit.errors import ConnectionLost
 
     try:
-        found: list[Any] = api.statuses(records, clusters, registry)
+        found: list[Any] = api.statuses(records, clusters, registry, live=live)
     except ConnectionLost:
         clusters.close()
         return None

@@ -107,6 +107,31 @@ def test_watch_notifies_each_alert_exactly_once_locally(tmp_path: Path) -> None:
     check_watch(home, tmp_path, job, run_dir)
 
 
+def test_a_job_that_fails_gets_one_digest_with_its_reason_goodput_and_commands(tmp_path: Path) -> None:
+    """Issue 24: a failure is one notification holding what a person needs (a real local job, the real loop)."""
+    home = tmp_path / "home"
+    spec = tmp_path / "failing.yaml"
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "name": "failing",
+                "resources": {"nodes": 1, "tasks_per_node": 1, "time": "00:10:00"},
+                "command": ["bash", "-c", "sleep 2; echo broken >&2; exit 3"],
+            }
+        )
+    )
+    job, _ = submitted(meshrun(home, "submit", str(spec), "-c", "local", check=True))
+    script, out = notify_script(tmp_path)
+    watching = start_watch(home, job, "--notify", f"sh {script} {out}")
+    stdout, stderr = watching.communicate(timeout=120)
+    assert watching.returncode == 0, stderr
+    (record,) = notified(out)
+    assert record["event"] == "failed" and record["job_id"] == job and record["state"] == "FAILED", record
+    assert record["goodput"] is not None and record["goodput"]["allocated_s"] > 0, record
+    assert record["commands"]["status"] == f"meshrun status {job}" and "cancel" not in record["commands"], record
+    assert f"{job} (local, failing) ended FAILED" in stdout and record["text"] in stdout
+
+
 def test_a_bad_notify_setting_is_refused_with_exit_2(tmp_path: Path) -> None:
     home = tmp_path / "home"
     done = meshrun(home, "watch", "x", "--notify", "no-such-program-xyz --flag")
