@@ -12,7 +12,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from tests.helpers.cli import TWO_NODES, meshrun, metrics, status, submitted, wait_for_state, wait_for_step
+from tests.helpers.cli import SMALL_MODEL, TWO_NODES, meshrun, metrics, status, submitted, wait_for_state, wait_for_step
 
 STEPS = 150
 
@@ -68,12 +68,7 @@ def test_local_cancel_saves_then_resume_finishes_and_export_writes_safetensors(t
         "examples/tiny.yaml",
         "-c",
         "local",
-        "--set",
-        "train.model.n_layers=2",
-        "--set",
-        "train.model.d_model=64",
-        "--set",
-        "train.model.seq_len=64",
+        *SMALL_MODEL,
         *_train_args(corpus, steps=80),  # enough to cancel mid-run: the resume's rest was most of the time
     ]
     job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, check=True))

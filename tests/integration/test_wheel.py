@@ -19,7 +19,7 @@ from typing import Iterator
 import pytest
 import tomllib
 
-from tests.helpers.cli import env_for, submitted
+from tests.helpers.cli import SMALL_MODEL, env_for, submitted
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = ("pyproject.toml", "README.md", "submit", "launcher", "templates", "cluster_configs")
@@ -30,14 +30,9 @@ TRAIN = [
     "resources.tasks_per_node=1",
     "--set",
     "parallel.dp=1",
+    *SMALL_MODEL,
     "--set",
-    "train.global_batch=4",
-    "--set",
-    "train.model.n_layers=2",
-    "--set",
-    "train.model.d_model=64",
-    "--set",
-    "train.model.seq_len=64",
+    "train.global_batch=4",  # after SMALL_MODEL's: one process, micro 4
     "--set",
     "train.eval_every=0",
     "--set",
