@@ -19,12 +19,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from launcher.contract.private import private_umask_while
+from launcher.contract.suspects import Finding, suspects
 from submit.config.cluster import ClusterProfile, is_profile_path, load_profile, load_profile_file, profile_path
 from submit.errors import ClusterError, InputError
 from submit.jobs import status as job_status
+from submit.jobs import suspects as job_suspects
 from submit.jobs.registry import JobRecord, Registry, now
 from submit.jobs.status import METRICS_FILE, Status, last_metrics, warn_to_stderr
-from submit.planning.plan import REMOTE_HOME, Plan, with_home
+from submit.planning.plan import REMOTE_HOME, Plan, avoid_suspects, expand_home, with_home
 from submit.schedulers import backend, check_profile
 from submit.schedulers.base import Request
 from submit.transport import connect
@@ -199,6 +201,24 @@ def home_for(profile: ClusterProfile) -> str:
     return os.path.expanduser("~") if is_local(profile) else REMOTE_HOME
 
 
+def suspect_nodes(profile: ClusterProfile, transport: Transport) -> dict[str, Finding]:
+    """The cluster's suspect nodes now (`meshrun nodes`), each with its newest finding (the default
+    forget_after: a job's own `resilience.forget_after_h` may forget sooner)."""
+    import time
+
+    return suspects(job_suspects.read(transport, cluster_work_dir(profile, transport)), time.time())
+
+
+def clear_suspects(profile: ClusterProfile, transport: Transport, nodes: Sequence[str]) -> None:
+    """`meshrun nodes --clear NODE`: the nodes are trusted again (new submits use them)."""
+    job_suspects.clear(transport, cluster_work_dir(profile, transport), nodes)
+
+
+def cluster_work_dir(profile: ClusterProfile, transport: Transport) -> str:
+    """The profile's work dir on the cluster, `~` as the cluster user's home."""
+    return expand_home(profile.paths.work_dir, transport.home()).rstrip("/")
+
+
 def reaches_other_machines(scheduler: str) -> bool:
     """Whether this scheduler's jobs run on other machines than the one meshrun runs on."""
     return backend(scheduler).over_ssh
@@ -318,6 +338,10 @@ def prepare(
             plan = with_home(plan, home)
         if found is not None and not found.present:
             warnings = tuple(snapshots.changed_warning(plan.work_dir, found))
+    if transport is not None and reaches_other_machines(plan.cluster.scheduler):
+        # The cluster's suspect nodes (a hang verdict blamed them) are left out, as far as the partition can spare.
+        plan, avoided = avoid_suspects(plan, job_suspects.read(transport, plan.work_dir))
+        warnings += avoided
     in_place = None if ships_code else str(snapshots.project_root(spec_dir, plan.spec.code) or spec_dir.resolve())
     plan = with_code_dir(plan, snap, in_place, found.name if found else None)
     return Prepared(plan, dryrun(plan, after), snap, found, warnings)

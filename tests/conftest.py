@@ -18,6 +18,7 @@ from typing import Iterator
 
 import pytest
 
+from launcher.contract import suspects
 from tests import hygiene, xdistgroups
 from tests.testbed import health
 from tests.testbed import testbed as tb
@@ -152,6 +153,9 @@ def healthy_testbed(request: pytest.FixtureRequest) -> None:
     if "testbed" not in request.fixturenames:
         return
     request.getfixturevalue("testbed")
+    # Each test starts with no suspect nodes: a hang test's verdict must not keep nodes from later tests' jobs.
+    for work in ("work", "work-ssh"):
+        (tb.TESTBED_DIR / work / suspects.LEDGER).unlink(missing_ok=True)
     try:
         healed = health.heal()
     except tb.TestbedError as e:

@@ -234,6 +234,21 @@ class Sidecar:
 
 
 @dataclass(frozen=True)
+class Resilience:
+    """Keeping a long job productive across failures (docs/guides/hangs-and-alerts.md: suspect nodes)."""
+
+    forget_after_h: float = 24.0
+    """A node a hang verdict blamed stays in the cluster's ledger of suspects, left out of new submits, for this
+    many hours after its last finding (then it is tried again); 0-8760. `meshrun nodes --clear` clears it."""
+    avoid_suspects: bool = True
+    """Leave the cluster's suspect nodes out of this job (as many as its partition can spare)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.forget_after_h <= 8760:
+            raise SchemaError("resilience.forget_after_h", self.forget_after_h, "give 0 to 8760 hours (default 24)")
+
+
+@dataclass(frozen=True)
 class Watchdog:
     """Hang and straggler detection by each node's sidecar, from the ranks' heartbeats (docs/guides/hangs-and-alerts.md)."""
 
@@ -350,6 +365,8 @@ class JobSpec:
     """The per-node sidecar's settings (sampling interval, the final checkpoint copy)."""
     watchdog: Watchdog = field(default_factory=Watchdog)
     """Hang and straggler detection (the sidecar, from the ranks' heartbeats)."""
+    resilience: Resilience = field(default_factory=Resilience)
+    """Suspect nodes: how long a blamed node is left out of new submits, and whether this job avoids them."""
     alerts: Alerts = field(default_factory=Alerts)
     """Alert rules and their thresholds (alerts.jsonl, the rank-0 log, status, `meshrun watch --notify`)."""
     deepspeed: Mapping[str, Any] = field(default_factory=dict)
@@ -440,6 +457,9 @@ class RunInfo:
     gpu_type: str = ""
     """The partition's GPU type from the cluster profile (h100, h200, ...): MFU is measured against its
     peak (launcher.contract.gpus); "" when the profile names none (then the device's own name is looked up)."""
+    suspects_file: str = ""
+    """The cluster's ledger of suspect nodes (WORK_DIR/.meshrun/suspect-nodes.jsonl: launcher/contract/suspects.py),
+    where a hang verdict records the nodes it blames ("" in a spec.json written before there was one)."""
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional
 
-from launcher.contract import alerts
+from launcher.contract import alerts, suspects
 from launcher.contract.alerts import Alert
-from launcher.contract.rundir import RunDir
+from launcher.contract.rundir import RunDir, job_of
 from launcher.contract.spec import Alerts as AlertSettings
 from launcher.sidecar.stragglers import RankTime
 
@@ -229,9 +229,17 @@ class Alerting:
     """One node's alerts: the rules' state, where they are written, and (node 0) the forwarding."""
 
     def __init__(
-        self, run_dir: RunDir, node: str, node_rank: int, settings: AlertSettings, log: LogFn, step: StepFn
+        self,
+        run_dir: RunDir,
+        node: str,
+        node_rank: int,
+        settings: AlertSettings,
+        log: LogFn,
+        step: StepFn,
+        suspects_file: str = "",
     ) -> None:
         self.run_dir, self.node, self.node_rank, self.settings = run_dir, node, node_rank, settings
+        self.suspects_file = suspects_file
         self.log, self.step = log, step
         self.gpu_rules = GpuRules(settings)
         self.hang_seen = False
@@ -285,9 +293,28 @@ class Alerting:
         """This node's watchdog saw its attempt's verdict. Node 0 raises the alert, whichever node wrote
         the verdict: every node sees it within a tick, and node 0 needs no forwarding from a node whose
         sidecar is about to stop."""
-        if self.settings.hangs and self.node_rank == 0 and not self.hang_seen:
+        if self.node_rank == 0 and not self.hang_seen:
             self.hang_seen = True
-            self.emit([hang_alert(verdict, now)])
+            self.blame(verdict, now)
+            if self.settings.hangs:
+                self.emit([hang_alert(verdict, now)])
+
+    def blame(self, verdict: dict[str, Any], now: float) -> None:
+        """The nodes of the ranks the verdict found stalled go in the cluster's ledger of suspects (new submits
+        leave them out: launcher/contract/suspects.py), with the verdict's first sentence as the evidence."""
+        stalled = [r for r in verdict.get("ranks") or [] if isinstance(r, dict) and r.get("state") == "stalled"]
+        nodes = sorted({str(r["node"]) for r in stalled if r.get("node")})
+        if not self.suspects_file or not nodes:
+            return
+        head = str(verdict.get("verdict") or "a hang").split(". ")[0].strip()
+        job = job_of(os.environ) or "?"
+        for node in nodes:
+            try:
+                suspects.append(self.suspects_file, suspects.finding_line(node, f"hang verdict: {head}", job, now))
+            except OSError as exc:
+                self.log(f"suspects: cannot append to {self.suspects_file}: {exc}")
+            else:
+                self.log(f"suspects: {node} recorded as suspect ({self.suspects_file})")
 
     def forward(self) -> None:
         if self.forwarder is not None:

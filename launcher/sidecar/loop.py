@@ -180,6 +180,8 @@ class Settings:
     final_copy_s: float = 0.0
     alerts: Alerts = field(default_factory=Alerts)
     """The GPU, straggler and hang rules' thresholds (launcher/sidecar/alerting.py)."""
+    suspects_file: str = ""
+    """The cluster's ledger of suspect nodes, where a hang verdict records the nodes it blames ("": none)."""
 
     @property
     def ranks(self) -> range:
@@ -209,6 +211,7 @@ def read_settings(run_dir: RunDir, environ: Mapping[str, str], log: LogFn) -> Se
         keep_every=job.checkpoint.keep_every,
         final_copy_s=job.sidecar.final_copy_s,
         alerts=job.alerts,
+        suspects_file=spec.run.suspects_file,
     )
 
 
@@ -246,7 +249,9 @@ class Sidecar:
         self.started = started_at(environ)
         self.node_dir = run_dir.node_dir(expand_node_path(self.settings.scratch_dir), node)
         self.attempt = attempt_id(environ)
-        self.alerting = Alerting(run_dir, node, self.settings.node_rank, self.settings.alerts, log, self.step)
+        self.alerting = Alerting(
+            run_dir, node, self.settings.node_rank, self.settings.alerts, log, self.step, self.settings.suspects_file
+        )
         self.watchdog = self._open_watchdog()
         self.copier = self._open_copier()
         self._stamped = -STAMP_S

@@ -36,6 +36,14 @@ def add_parsers(verbs: Any) -> None:
     p.add_argument("--time", default="00:10:00", help="the job's time limit (default 00:10:00)")
     p.add_argument("--json", action="store_true", help="print every rank's raw results as JSON instead of the table")
 
+    p = verbs.add_parser(
+        "nodes",
+        help="the cluster's suspect nodes (a hang verdict blamed them; new submits leave them out); --clear trusts one again",
+    )
+    cluster_arg(p)
+    p.add_argument("--clear", action="append", default=[], metavar="NODE", help="trust this node again (repeatable)")
+    p.add_argument("--json", action="store_true", help="the suspects as JSON")
+
 
 def options(args: argparse.Namespace, profile: Any) -> Any:
     """The doctor's options, checked: every input error before any connection."""
@@ -131,3 +139,36 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if not status.succeeded:
         print(f"doctor job {record.job_id} {status.state}: `meshrun logs {record.job_id} --rank all` shows why")
     return 1 if report.bad_nodes or not status.succeeded else 0
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    """`meshrun nodes -c CLUSTER [--clear NODE]`: the ledger of suspect nodes kept where the jobs run."""
+    import time
+
+    from submit import api
+    from submit.views.tables import table
+
+    profile = api.load_cluster(args.cluster)
+    if not api.reaches_other_machines(profile.scheduler):
+        raise InputError("-c/--cluster", args.cluster, "this cluster is this one machine: it has no nodes to suspect")
+    transport = api.connect(profile.ssh, args.cluster)
+    try:
+        if args.clear:
+            api.clear_suspects(profile, transport, args.clear)
+            print(f"cleared {', '.join(args.clear)}: new submits to {args.cluster} may use them again")
+        found = api.suspect_nodes(profile, transport)
+    finally:
+        transport.close()
+    if args.json:
+        print(json.dumps([vars(f) for f in found.values()], indent=1))
+        return 0
+    if not found:
+        print(f"no suspect nodes on {args.cluster}")
+        return 0
+    now = time.time()
+    rows = [(f.node, f"{(now - f.time) / 3600:.1f} h ago", f.job, f.evidence) for f in found.values()]
+    print(table([("NODE", "SEEN", "JOB", "EVIDENCE"), *rows]))
+    print(
+        f"new submits leave these out (as far as the partition can spare); `meshrun nodes -c {args.cluster} --clear NODE`"
+    )
+    return 0

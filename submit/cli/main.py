@@ -462,6 +462,7 @@ VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
     "watch": cli_live.cmd_watch,
     "top": cli_live.cmd_top,
     "doctor": cli_doctor.cmd_doctor,
+    "nodes": cli_doctor.cmd_nodes,
 }
 
 

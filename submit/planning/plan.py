@@ -14,14 +14,14 @@ import re
 import secrets
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
-from launcher.contract import dsconfig, presets, schema, tokens, weights
+from launcher.contract import dsconfig, presets, schema, suspects, tokens, weights
 from launcher.contract.rundir import RunDir
 from launcher.contract.schema import SchemaError
 from launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, check_ranges
 from submit import __version__
-from submit.config.cluster import ClusterProfile, Partition
+from submit.config.cluster import ClusterProfile, Partition, check_node_names
 from submit.config.yamlfile import YamlDoc
 from submit.errors import InputError
 from submit.jobs import secrets as job_secrets
@@ -361,6 +361,7 @@ def make_plan(
         time_limit_s=parse_time(spec.resources.time),
         meshrun_version=__version__,
         gpu_type=(part.gpu_type or "") if part else "",
+        suspects_file=suspects.ledger_path(expand_home(cluster.paths.work_dir, home).rstrip("/")),
     )
     return Plan(
         spec=spec,
@@ -388,7 +389,10 @@ def with_home(plan: Plan, home: str) -> Plan:
 
     def run_spec(spec: RunSpec) -> RunSpec:
         run = replace(
-            spec.run, run_dir=_rehome(spec.run.run_dir, home), checkpoint_dir=_rehome(spec.run.checkpoint_dir, home)
+            spec.run,
+            run_dir=_rehome(spec.run.run_dir, home),
+            checkpoint_dir=_rehome(spec.run.checkpoint_dir, home),
+            suspects_file=_rehome(spec.run.suspects_file, home),
         )
         return replace(spec, run=run)
 
@@ -458,3 +462,50 @@ def describe(plan: Plan) -> dict[str, Any]:
             {"index": task.index, "overrides": dict(task.overrides), "run_dir": task.run_dir} for task in plan.tasks
         ]
     return out
+
+
+# ----------------------------------------------------------------- suspect nodes
+
+
+def ago(seconds: float) -> str:
+    return f"{int(seconds // 60)} min ago" if seconds < 7200 else f"{seconds / 3600:.0f} h ago"
+
+
+def avoid_suspects(
+    plan: Plan, rows: Sequence[Mapping[str, Any]], now: Optional[float] = None
+) -> tuple[Plan, tuple[str, ...]]:
+    """The plan with the cluster's suspect nodes left out (its defaults.exclude grown), as many as the partition
+    can spare beside the job's own nodes; the lines that say which were left out, and which were kept in."""
+    import time
+
+    now = time.time() if now is None else now
+    cluster, spec = plan.cluster, plan.spec
+    if not spec.resilience.avoid_suspects:
+        return plan, ()
+    found = suspects.suspects(rows, now, spec.resilience.forget_after_h * 3600)
+    already = list(cluster.defaults.exclude)
+    new = [node for node in sorted(found) if node not in already]
+    try:
+        new = list(check_node_names("suspect nodes", new))
+    except InputError:  # a name no script may carry (a garbled ledger): none of them is used
+        return plan, ("the suspect-node ledger holds a name meshrun cannot pass to sbatch: not used",)
+    if not new:
+        return plan, ()
+    total = plan.partition.max_nodes if plan.partition else None
+    spare = len(new) if total is None else max(0, total - len(already) - spec.resources.nodes)
+    left_out, kept = new[:spare], new[spare:]
+    where = f"`meshrun nodes -c {cluster.name}` lists them; `--clear NODE` trusts one again"
+    lines = [
+        f"leaving out suspect node {node} ({found[node].evidence}; job {found[node].job}, "
+        f"{ago(now - found[node].time)}); {where}"
+        for node in left_out
+    ]
+    if kept:
+        lines.append(
+            f"suspect node(s) {', '.join(kept)} kept in: the job needs {spec.resources.nodes} of partition "
+            f"{plan.partition.name if plan.partition else '?'}'s {total} nodes; {where}"
+        )
+    if not left_out:
+        return plan, tuple(lines)
+    defaults = replace(cluster.defaults, exclude=tuple([*already, *left_out]))
+    return replace(plan, cluster=replace(cluster, defaults=defaults)), tuple(lines)

@@ -112,6 +112,19 @@ def test_testbed_hang_on_the_second_node_is_requeued_resumes_and_finishes(
     assert abs(sum(map(int, elapsed)) - good["allocated_s"]) <= 3.0, (elapsed, good)
     assert "goodput: " in meshrun(tmp_path, "status", job_id, check=True).stdout
 
+    # The verdict blamed n2 (issue 24, part 3): the cluster's ledger lists it, a new 1-node job leaves it out
+    # (the 2-node partition can spare one node) and says so, until n2 is cleared.
+    listed = meshrun(tmp_path, "nodes", "-c", "testbed", check=True).stdout
+    assert "n2" in listed and job_id in listed and "hang verdict: Hang at step" in listed, listed
+    one_node = ["examples/two-node.yaml", "-c", "testbed", "--set", "resources.nodes=1", "--set", "parallel.dp=2"]
+    rendered = meshrun(tmp_path, "render", *one_node, check=True)
+    assert "#SBATCH --exclude=n2" in rendered.stdout and "leaving out suspect node n2" in rendered.stderr
+    two_nodes = meshrun(tmp_path, "render", *TWO_NODES, check=True)
+    assert "--exclude" not in two_nodes.stdout and "n2 kept in: the job needs 2" in two_nodes.stderr
+    meshrun(tmp_path, "nodes", "-c", "testbed", "--clear", "n2", check=True)
+    assert "no suspect nodes on testbed" in meshrun(tmp_path, "nodes", "-c", "testbed", check=True).stdout
+    assert "--exclude" not in meshrun(tmp_path, "render", *one_node, check=True).stdout
+
 
 # A `command:` job that reports progress (launcher.report) gets the same watch: rank 1 stops reporting.
 REPORTING_SCRIPT = """

@@ -218,15 +218,24 @@ def example_spec() -> Any:
     return Path(__file__).resolve().parents[2] / "examples" / "command.yaml"
 
 
-def test_busbw_is_nccl_tests_formula_and_slow_storage_is_slower_by_its_factor(tmp_path: Any) -> None:
+def test_busbw_is_nccl_tests_formula_and_slow_storage_is_slower_by_its_factor(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from launcher.probes import doctor
 
     assert doctor.busbw(1.0, 8_000_000_000, 8) == pytest.approx(8 * 2 * 7 / 8)  # algbw 8 GB/s x 2(n-1)/n
     assert doctor.injected(doctor.SLOW_ENV, "n2", {doctor.SLOW_ENV: "n1, n2"})
     assert not doctor.injected(doctor.SLOW_ENV, "n2", {doctor.SLOW_ENV: "n22"})
-    fast = doctor.write_mbps(str(tmp_path / "a"), "x.bin", 2, slow=False)
+    assert doctor.write_mbps(str(tmp_path / "a"), "x.bin", 2, slow=False) > 0
+    # The slow node's write takes SLOW_FACTOR times its own time, on a clock of the test's (two real
+    # measurements compared failed on a loaded machine: 15.7 vs 89.6 MB/s is not 10x).
+    clock, slept = iter([0.0, 1.0, float(doctor.SLOW_FACTOR)]), []
+    monkeypatch.setattr(doctor.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(doctor.time, "sleep", slept.append)
     slow = doctor.write_mbps(str(tmp_path / "a"), "x.bin", 2, slow=True)
-    assert slow < fast / 10 and not any((tmp_path / "a").iterdir())  # measured, then removed
+    monkeypatch.undo()
+    assert slept == [doctor.SLOW_FACTOR - 1.0] and slow == round(2 * doctor.MIB / doctor.SLOW_FACTOR / 1e6, 1)
+    assert not any((tmp_path / "a").iterdir())  # measured, then removed
     (tmp_path / "f").write_text("x")
     found = doctor.measured(lambda: doctor.write_mbps(str(tmp_path / "f" / "sub"), "x.bin", 1, slow=False))
     assert found["error"].startswith(("FileExistsError", "NotADirectoryError")), found

@@ -136,10 +136,12 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 def test_a_mistyped_verb_gets_the_nearest_one(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as done:
         main(["sumbit", "examples/tiny.yaml"])
-    err = capsys.readouterr().err.splitlines()[-1]
+    said = capsys.readouterr().err.splitlines()
+    err = said[-1]
     assert (
         done.value.code == 2
-        and err == "meshrun: error: no verb 'sumbit' (did you mean 'submit'?); `meshrun --help` lists them"
+        and len(said) == 1  # one line, no usage block
+        and err == "meshrun: error: no verb 'sumbit' (did you mean 'submit'?) (`meshrun --help` shows the usage)"
     )
 
 

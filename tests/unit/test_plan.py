@@ -334,7 +334,7 @@ def test_the_scheduler_checks_are_handed_in_and_api_hands_in_the_backends() -> N
     [
         ("name=", "--set name: '': give the job a name"),
         ("train.steps=-1", "--set train.steps: -1: must be at least 1"),
-        ("train.optim.lr=0.1", "--set train.optim: '0.1': unknown key; lr is train.lr; valid keys:"),
+        ("train.optim.lr=0.1", "--set train.optim.lr=0.1: 'optim': unknown key; lr is train.lr; valid keys:"),
     ],
 )
 def test_an_error_in_an_override_names_the_override_not_a_line_of_the_file(override: str, message: str) -> None:

@@ -143,7 +143,7 @@ def test_watch_returns_when_only_unreachable_jobs_are_left(monkeypatch: pytest.M
 
     lost = Status("7", "bad", "n", JobState.UNREACHABLE, "/r", 0.0, done=False, succeeded=False, reason="no route")
     done = Status("8", "ok", "n", JobState.COMPLETED, "/r", 0.0, done=True, succeeded=True)
-    monkeypatch.setattr(api, "statuses", lambda records, clusters, registry=None: [lost, done])
+    monkeypatch.setattr(api, "statuses", lambda records, clusters, registry=None, **how: [lost, done])
     assert cli_jobs.watch([], None, None, as_json=True) == 1
     assert "could not be reached" in capsys.readouterr().err
 
