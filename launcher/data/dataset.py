@@ -392,6 +392,10 @@ def val_steps(dataset: TokenDataset, layout: Layout, max_windows: int) -> Iterat
         yield [dataset.batch("val", mine[i : i + m]) for i in range(0, len(mine), m)]
 
 
+PUT_WAIT_S = 0.1
+"""How long the producer waits in each put on a full queue before it looks at the stop flag again."""
+
+
 class Prefetcher:
     """Reads the next steps' micro batches in a background thread, so steps rarely wait for data.
 
@@ -424,7 +428,7 @@ class Prefetcher:
     def _put(self, item: tuple[int, MicroBatches] | BaseException) -> bool:
         while not self._stop.is_set():
             try:
-                self._queue.put(item, timeout=0.1)
+                self._queue.put(item, timeout=PUT_WAIT_S)
                 return True
             except queue.Full:
                 continue
