@@ -117,13 +117,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
         transport = clusters.transport_for(record)
         if getattr(args, "diagnosis", False):
             return _print_diagnosis(transport, record)
-        if args.batch:
-            sources = [logs.Source(api.log_path(record, None))]
-        else:
-            ranks = logs.select_ranks(transport, record, args.rank)
-            labels = len(ranks) > 1
-            sources = [logs.Source(api.log_path(record, r), f"[rank {r}] ".encode() if labels else b"") for r in ranks]
-            logs.start_at_own_run(transport, record.job_id, sources, sys.stderr)
+        sources = logs.sources_for(clusters, record, args.rank, args.batch, sys.stderr, args.follow)
         printer = logs.Printer(sys.stdout.buffer, merged=len(sources) > 1)
         if args.follow:
             logs.Follower(record, clusters, sources, printer, sys.stderr).run()

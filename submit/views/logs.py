@@ -245,24 +245,51 @@ class Follower:
                 self.printer.emit(self.sources[index], chunk)
 
     def _reconnect(self) -> None:
-        self.err.write(f"meshrun: the connection to {self.record.cluster} was lost; reconnecting\n")
-        self.err.flush()
-        delay, last = 1.0, None
-        for _ in range(RECONNECT_ATTEMPTS):
-            try:
-                self.clusters.reconnect(self.record)
-                self.err.write("meshrun: reconnected; resuming where the output stopped\n")
-                self.err.flush()
-                return
-            except ClusterError as exc:
-                if not getattr(exc, "retry", True):
-                    raise
-                last = exc
-                time.sleep(delay)
-                delay = min(delay * 2, 15.0)
-        raise ClusterError(
-            f"lost the connection to {self.record.cluster} and could not reconnect ({RECONNECT_ATTEMPTS} tries): {last}"
-        )
+        reconnect(self.clusters, self.record, self.err)
+
+
+def reconnect(clusters: api.Clusters, record: JobRecord, err: TextIO) -> None:
+    """A dropped connection to the job's cluster opened again (with backoff), saying so on `err`."""
+    err.write(f"meshrun: the connection to {record.cluster} was lost; reconnecting\n")
+    err.flush()
+    delay, last = 1.0, None
+    for _ in range(RECONNECT_ATTEMPTS):
+        try:
+            clusters.reconnect(record)
+            err.write("meshrun: reconnected; resuming where the output stopped\n")
+            err.flush()
+            return
+        except ClusterError as exc:
+            if not getattr(exc, "retry", True):
+                raise
+            last = exc
+            time.sleep(delay)
+            delay = min(delay * 2, 15.0)
+    raise ClusterError(
+        f"lost the connection to {record.cluster} and could not reconnect ({RECONNECT_ATTEMPTS} tries): {last}"
+    )
+
+
+def sources_for(
+    clusters: api.Clusters, record: JobRecord, ranks_text: str, batch: bool, err: TextIO, follow: bool
+) -> list[Source]:
+    """The files `logs` prints: the batch log, or the chosen ranks' logs from the job's own first line. Asking
+    the cluster (the job's size, where its lines start) survives a dropped connection when following."""
+    if batch:
+        return [Source(api.log_path(record, None))]
+    for attempt in range(RECONNECT_ATTEMPTS):
+        try:
+            transport = clusters.transport_for(record)
+            ranks = select_ranks(transport, record, ranks_text)
+            label = len(ranks) > 1
+            sources = [Source(api.log_path(record, r), f"[rank {r}] ".encode() if label else b"") for r in ranks]
+            start_at_own_run(transport, record.job_id, sources, err)
+            return sources
+        except ConnectionLost:
+            if not follow or attempt == RECONNECT_ATTEMPTS - 1:
+                raise
+            reconnect(clusters, record, err)
+    raise AssertionError("unreachable")  # the loop returns or raises
 
 
 # ------------------------------------------------------------------ `logs JOB --diagnosis`

@@ -98,3 +98,43 @@ def test_select_ranks_reads_the_world_size_even_for_one_rank(tmp_path: Path) -> 
 
 def test_select_ranks_without_a_spec_yet_accepts_any_rank(tmp_path: Path) -> None:
     assert logs.select_ranks(LocalTransport(), _record(tmp_path), "7") == [7]
+
+
+def test_logs_f_survives_a_connection_dropped_while_it_asks_for_the_jobs_size(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A laptop journey (seed 207) killed the SSH connection just as `logs -f` read the job's size: it exited 1
+    ("the connection was lost") instead of reconnecting as it does once following. Without -f it says so."""
+    import io
+
+    from submit.errors import ConnectionLost
+    from submit.jobs.registry import JobRecord
+    from submit.transport.base import LocalTransport
+    from submit.views import logs
+
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "spec.json").write_text('{"job": {"resources": {"nodes": 1, "tasks_per_node": 2}}}')
+    record = JobRecord("7", "c", "n", str(run_dir), "slurm", 0.0, None, "h")
+
+    class Dropping(LocalTransport):
+        def read_bytes(self, path: str, offset: int = 0, limit: int = 1 << 20) -> bytes:
+            raise ConnectionLost("ssh: the connection to c was lost")
+
+    class Clusters:
+        def __init__(self) -> None:
+            self.current: LocalTransport = Dropping()
+            self.reconnects = 0
+
+        def transport_for(self, record: JobRecord) -> LocalTransport:
+            return self.current
+
+        def reconnect(self, record: JobRecord) -> LocalTransport:
+            self.reconnects += 1
+            self.current = LocalTransport()
+            return self.current
+
+    clusters, err = Clusters(), io.StringIO()
+    sources = logs.sources_for(clusters, record, "all", False, err, follow=True)  # type: ignore[arg-type]
+    assert [s.label for s in sources] == [b"[rank 0] ", b"[rank 1] "] and clusters.reconnects == 1
+    assert "reconnecting" in err.getvalue() and "reconnected" in err.getvalue()
+    with pytest.raises(ConnectionLost):
+        logs.sources_for(Clusters(), record, "all", False, io.StringIO(), follow=False)  # type: ignore[arg-type]
