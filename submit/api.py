@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from launcher.contract.private import private_umask_while
-from launcher.contract.suspects import Finding, suspects
+from launcher.contract.suspects import LEDGER, Finding, suspects
+from launcher.contract.suspects import parse as parse_suspects
 from submit.config.cluster import ClusterProfile, is_profile_path, load_profile, load_profile_file, profile_path
 from submit.errors import ClusterError, InputError
 from submit.jobs import status as job_status
@@ -332,15 +333,21 @@ def prepare(
     warnings: tuple[str, ...] = ()
     if transport is not None and after:
         check_after(plan.cluster, after, transport)  # before anything is written or sent
+    probed: Optional[snapshots.Probed] = None
     if transport is not None and (not is_local(plan.cluster) or snap is not None):
-        home, found = snapshots.probe(transport, plan.work_dir, snap, read_only=read_only)
+        # The suspect-node ledger comes in the same round trip as the home and the code snapshot's copy.
+        ledger = LEDGER if reaches_other_machines(plan.cluster.scheduler) else ""
+        probed = snapshots.probe_all(transport, plan.work_dir, snap, read_only=read_only, ledger=ledger)
+        home, found = probed.home, probed.found
         if not is_local(plan.cluster):
             plan = with_home(plan, home)
         if found is not None and not found.present:
             warnings = tuple(snapshots.changed_warning(plan.work_dir, found))
     if transport is not None and reaches_other_machines(plan.cluster.scheduler):
         # The cluster's suspect nodes (a hang verdict blamed them) are left out, as far as the partition can spare.
-        plan, avoided = avoid_suspects(plan, job_suspects.read(transport, plan.work_dir))
+        lines = probed.suspect_lines if probed is not None else None
+        rows = parse_suspects(lines) if lines is not None else job_suspects.read(transport, plan.work_dir)
+        plan, avoided = avoid_suspects(plan, rows)
         warnings += avoided
     in_place = None if ships_code else str(snapshots.project_root(spec_dir, plan.spec.code) or spec_dir.resolve())
     plan = with_code_dir(plan, snap, in_place, found.name if found else None)

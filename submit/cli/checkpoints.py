@@ -68,7 +68,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
         new = api.resume(record, transport, registry, status, args.overrides)
         print(f"resumed job {record.job_id} as job {new.job_id} on {new.cluster}")
         print(f"run dir: {new.run_dir}")
-        note = checkpoints.resume_note(new, transport)
+        note = checkpoints.resume_note(new, transport, parent=record)  # the saves are the parent's
         if note:
             print(note)
         if not args.wait:

@@ -222,14 +222,14 @@ def not_the_last(record: JobRecord, transport: Transport, step: Optional[int]) -
     )
 
 
-def resume_note(record: JobRecord, transport: Transport) -> Optional[str]:
-    """After a resume: the step it starts from when that is not the job's last checkpoint (None otherwise,
-    and when checkpoint.resume_step chose it)."""
+def resume_note(record: JobRecord, transport: Transport, parent: Optional[JobRecord] = None) -> Optional[str]:
+    """After a resume (`record`, the new job, of `parent`): the step it starts from when that is not the parent's
+    last checkpoint (None otherwise, and when checkpoint.resume_step chose it)."""
     run = read_run_spec(record, transport)
     if run.job.checkpoint.resume_step is not None:
         return None
     complete = complete_steps(transport, run.run.checkpoint_dir or RunDir(record.run_dir).default_checkpoints)
-    return not_the_last(record, transport, complete[-1] if complete else None)
+    return not_the_last(parent or record, transport, complete[-1] if complete else None)
 
 
 def export_note(record: JobRecord, transport: Transport, exported: str) -> Optional[str]:

@@ -234,7 +234,8 @@ MARKER_LINE = "meshrun-probe"
 """The probe's output starts after this line: a chatty shell start-up file may print before it."""
 
 # From the home folder: print the marker and $HOME; make the work dir, runs/ and code/ private (0700) if
-# they are new (not when "$5" asks to write nothing); then, for the snapshot "$2" (none when empty), walk
+# they are new (not when "$5" asks to write nothing); the cluster's suspect-node ledger "$7", each line after
+# `suspect ` (launcher/contract/suspects.py: a submit leaves them out); then, for the snapshot "$2" (none when empty), walk
 # its copies: `code/$2`, `code/$2-1`, ... A copy that does not verify is reported (`changed NAME WHY`) and
 # left as it is: a job queued or running may use it. The last line is `WORD NAME`: the first copy that
 # verifies (present) or the first free name (absent); `unsafe` or `full` stop the walk.
@@ -244,6 +245,7 @@ PROBE_SCRIPT = (
     + WHY_FUNCTION
     + r"""
 cd "$HOME" 2>/dev/null; echo meshrun-probe; printf '%s\n' "$HOME"
+[ -z "$7" ] || [ ! -f "$7" ] || tail -c 65536 -- "$7" | sed 's/^/suspect /'
 [ -z "$1" ] || [ -n "$5" ] || (umask 077 && mkdir -p -- "$1/runs" "$1/code") 2>/dev/null
 [ -n "$2" ] || { echo none; exit 0; }
 if [ -n "$5" ] && [ ! -e "$1/code" ]; then echo "absent $2"; exit 0; fi
@@ -344,32 +346,55 @@ def _home_line(lines: list[str]) -> str:
     return lines[0]
 
 
+@dataclass(frozen=True)
+class Probed:
+    """What the one round trip before a submit learns."""
+
+    home: str
+    found: Optional[Found]
+    suspect_lines: tuple[str, ...] = ()
+    """The cluster's suspect-node ledger's newest lines (launcher/contract/suspects.py parses them)."""
+
+
 def probe(
     transport: Transport, work_dir: str, snapshot: Optional[Snapshot], read_only: bool = False
 ) -> tuple[str, Optional[Found]]:
+    """`probe_all`'s home and snapshot copy."""
+    probed = probe_all(transport, work_dir, snapshot, read_only)
+    return probed.home, probed.found
+
+
+def probe_all(
+    transport: Transport, work_dir: str, snapshot: Optional[Snapshot], read_only: bool = False, ledger: str = ""
+) -> Probed:
     """ONE round trip before planning: the cluster user's home (for `~` in the profile's paths), the work
-    dir's folders made private if new (unless `read_only`), and which copy of the snapshot the job runs
-    from (None when there is no snapshot): one that verifies, else a free name to upload to."""
+    dir's folders made private if new (unless `read_only`), the suspect-node ledger's lines (`ledger`, under
+    the work dir; none when ""), and which copy of the snapshot the job runs from (None when there is no
+    snapshot): one that verifies, else a free name to upload to."""
     args = [
         _from_home(work_dir),
         *((snapshot.digest, snapshot.manifest_sha, snapshot.listing_sha) if snapshot is not None else ("", "", "")),
         "read-only" if read_only else "",
         str(MAX_COPIES),
+        _from_home(f"{work_dir.rstrip('/')}/{ledger}") if ledger else "",
     ]
     done = transport.run(["sh", "-c", PROBE_SCRIPT, "sh", *args], timeout=300).check("reading $HOME")
     lines = done.stdout.splitlines()
     mark = max((i for i, line in enumerate(lines) if line == MARKER_LINE), default=-1)
     lines = lines[mark + 1 :] if mark >= 0 else []
     home = _home_line(lines)
+    suspect_lines = tuple(line[len("suspect ") :] for line in lines if line.startswith("suspect "))
+    lines = [line for line in lines if not line.startswith("suspect ")]
     if snapshot is None:
-        return home, None
+        return Probed(home, None, suspect_lines)
     word, _, name = (lines[-1] if len(lines) > 1 else "").partition(" ")
     _check_answer(word, work_dir)
     changed = tuple(
         (parts[1], parts[2] if len(parts) > 2 else "")
         for parts in (line.split(" ", 2) for line in lines[1:-1] if line.startswith("changed "))
     )
-    return home, Found(name=name or snapshot.digest, present=word == "present", changed=changed)
+    found = Found(name=name or snapshot.digest, present=word == "present", changed=changed)
+    return Probed(home, found, suspect_lines)
 
 
 def remote_home(transport: Transport) -> str:

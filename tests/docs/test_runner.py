@@ -325,7 +325,7 @@ def test_meshrun_is_this_checkouts_and_runs_in_the_sandbox(tmp_path: Path) -> No
         <!-- example: exit 2 -->
         ~~~console
         $ meshrun submit examples/tiny.yaml --set resources.tasks_per_nod=2 --dry-run
-        meshrun: error: --set resources.tasks_per_nod: ...
+        meshrun: error: --set resources.tasks_per_nod=2: 'tasks_per_nod': unknown key ...
         ~~~
     """
     assert failures(tmp_path, text) == []

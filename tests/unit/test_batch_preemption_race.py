@@ -112,6 +112,14 @@ def test_a_preemption_whose_requeue_slurm_counts_late_keeps_the_secrets_and_is_n
     assert done.returncode == 75, said
 
 
+def test_a_preemption_while_squeue_answers_nothing_is_asked_again(tmp_path: Path) -> None:
+    """The full suite's run found the next order: squeue printed nothing while Slurm requeued the job (the
+    shell's own SIGTERM then read as a scancel's, and the secrets went); an empty answer is asked again."""
+    done, secrets, scontrol = _run(tmp_path, ["", "", "N/A 1 PENDING"])
+    said = done.stdout + done.stderr
+    assert "Slurm has requeued the job itself" in said and secrets.exists() and not scontrol.exists(), said
+
+
 @pytest.mark.parametrize("state", ["COMPLETING", "CANCELLED"])
 def test_a_preempted_job_slurm_ends_without_a_requeue_ends_as_cancelled(tmp_path: Path, state: str) -> None:
     """A scancel in the grace time (Slurm never counts a restart): after the wait, ended; its secrets go."""
