@@ -98,6 +98,9 @@ def account(attempts: list[Attempt], metrics: list[Mapping[str, Any]], now: Opti
     resume decides which steps were lost). JSON-ready: seconds per part, per attempt and in all."""
     now = time.time() if now is None else now
     redone = _recomputed(metrics)
+    for a, later in zip(attempts, attempts[1:]):
+        if a.end is None:  # its batch shell was killed before it could say (Slurm's kill after a preemption)
+            a.end = later.start  # at the latest: the next start (the requeue's wait is counted in it)
     for a in attempts:
         _split(a, metrics, redone, now)
     totals = dict.fromkeys(PARTS, 0.0)

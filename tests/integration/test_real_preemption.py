@@ -187,9 +187,10 @@ def test_a_real_preemption_saves_in_the_grace_time_requeues_once_and_matches_an_
     row = wait_for_state(tmp_path, slow_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
     slow_batch = _batch_log(slow_dir, slow_id)
     assert row["state"] == "COMPLETED", (row, slow_batch, _rank_log(slow_dir))
-    assert (
-        "Slurm has requeued the job itself (a preemption past its grace time): not requeueing it again" in slow_batch
-    ), slow_batch
+    # The batch shell says Slurm requeued the job, unless Slurm killed it first while it was still asking
+    # (then it decided nothing: the secret stays, and the requeued run below shows it).
+    said = "Slurm has requeued the job itself (a preemption past its grace time): not requeueing it again"
+    assert said in slow_batch or "ranks exited with status" not in slow_batch.split(" restart 1 ")[0], slow_batch
     assert "requeueing: restart" not in slow_batch and "SIGTERM (scancel" not in slow_batch, slow_batch
     # Its second SIGTERM came at the grace time's end; the second run is Slurm's restart 1, not 2.
     assert "SIGTERM 2" in _rank_log(slow_dir) and "restart 1: done" in _rank_log(slow_dir), _rank_log(slow_dir)

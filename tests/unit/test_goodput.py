@@ -182,3 +182,14 @@ def test_outside_a_job_or_with_bad_arguments_it_says_how_and_never_fails(
     assert attempt_cli.main([str(tmp_path), "begin"], {"SLURM_JOB_ID": "1"}) == 0
     assert capsys.readouterr().err.count("usage:") == 2
     assert not Path(RunDir(str(tmp_path)).attempts).exists()
+
+
+def test_an_attempt_whose_end_was_never_recorded_ends_at_the_next_start() -> None:
+    """A batch shell Slurm killed after a preemption records no end: the next start bounds it."""
+    lines = [
+        {"event": "start", "job": "k", "restart": 0, "time": 0.0},
+        {"event": "start", "job": "k", "restart": 1, "time": 50.0},
+        {"event": "end", "job": "k", "restart": 1, "time": 80.0},
+    ]
+    g = goodput.account(goodput.attempts_of(lines, "k"), [], now=1000.0)
+    assert g["allocated_s"] == 80.0 and not g["running"] and g["attempts"][0]["end"] == 50.0
