@@ -24,12 +24,11 @@ Outside any allocation (no GPU held, so not in the percentage): `queue`, submit 
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Optional
 
-from launcher.contract.private import make_private_dir
+from launcher.contract.private import append_line
 from launcher.contract.rundir import RunDir, write_json
 
 PARTS = ("setup", "productive", "lost", "ckpt_stall", "eval", "end")
@@ -224,27 +223,20 @@ def _take(parts: dict[str, float], interval: float, eval_s: float, stall_s: floa
 
 
 def record_start(run_dir: str, job: str, restart: int, submitted: Optional[float], nodes: str) -> None:
-    _append(
-        RunDir(run_dir).attempts,
-        {"event": "start", "job": job, "restart": restart, "time": time.time(), "submitted": submitted, "nodes": nodes},
-    )
+    record = {
+        "event": "start",
+        "job": job,
+        "restart": restart,
+        "time": time.time(),
+        "submitted": submitted,
+        "nodes": nodes,
+    }
+    append_line(RunDir(run_dir).attempts, json.dumps(record, sort_keys=True))
 
 
 def record_end(run_dir: str, job: str, restart: int, status: Optional[int]) -> None:
-    _append(
-        RunDir(run_dir).attempts,
-        {"event": "end", "job": job, "restart": restart, "time": time.time(), "status": status},
-    )
-
-
-def _append(path: str, record: Mapping[str, Any]) -> None:
-    """One line, appended in one write (O_APPEND: lines of two writers never interleave); private (0600)."""
-    make_private_dir(os.path.dirname(path))
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    try:
-        os.write(fd, (json.dumps(record, sort_keys=True) + "\n").encode())
-    finally:
-        os.close(fd)
+    record = {"event": "end", "job": job, "restart": restart, "time": time.time(), "status": status}
+    append_line(RunDir(run_dir).attempts, json.dumps(record, sort_keys=True))
 
 
 def write(run_dir: str, job: str, now: Optional[float] = None) -> Optional[dict[str, Any]]:

@@ -97,3 +97,14 @@ def write_private(path: PathLike, text: str, fsync: bool = False) -> None:
         handle.flush()
         if fsync:
             os.fsync(handle.fileno())
+
+
+def append_line(path: str, line: str) -> None:
+    """One line appended to a private (0600) file in its private folder, in one write (O_APPEND: the lines of
+    two writers of this machine never interleave)."""
+    make_private_dir(os.path.dirname(path))
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)

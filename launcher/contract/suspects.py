@@ -10,13 +10,10 @@ leave suspects out (`submit/jobs/suspects.py`, as many as the partition can spar
 from __future__ import annotations
 
 import json
-import os
 import posixpath
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional
-
-from launcher.contract.private import make_private_dir
 
 LEDGER = posixpath.join(".meshrun", "suspect-nodes.jsonl")
 """The ledger's path under the cluster's work dir."""
@@ -72,13 +69,3 @@ def finding_line(node: str, evidence: str, job: str, now: Optional[float] = None
 
 def cleared_line(node: str, now: Optional[float] = None) -> str:
     return json.dumps({"node": node, "cleared": True, "time": time.time() if now is None else now})
-
-
-def append(path: str, line: str) -> None:
-    """One line, appended in one write (O_APPEND; lines of two writers never interleave); private (0600)."""
-    make_private_dir(os.path.dirname(path))
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    try:
-        os.write(fd, (line + "\n").encode())
-    finally:
-        os.close(fd)

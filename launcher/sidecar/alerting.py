@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 
 from launcher.contract import alerts, suspects
 from launcher.contract.alerts import Alert
+from launcher.contract.private import append_line
 from launcher.contract.rundir import RunDir, job_of
 from launcher.contract.spec import Alerts as AlertSettings
 from launcher.sidecar.stragglers import RankTime
@@ -310,7 +311,7 @@ class Alerting:
         job = job_of(os.environ) or "?"
         for node in nodes:
             try:
-                suspects.append(self.suspects_file, suspects.finding_line(node, f"hang verdict: {head}", job, now))
+                append_line(self.suspects_file, suspects.finding_line(node, f"hang verdict: {head}", job, now))
             except OSError as exc:
                 self.log(f"suspects: cannot append to {self.suspects_file}: {exc}")
             else:
