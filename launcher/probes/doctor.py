@@ -189,10 +189,15 @@ def read_mbps(path: str, mib: int, slow: bool) -> float:
     return round(total / (time.perf_counter() - begin) / 1e6, 1)
 
 
+STORAGE_TRIES = 3
+"""Each storage figure is the best of this many: one write can share the disk with a neighbour's burst (on the
+testbed, with the other node's own check), while a node whose storage is slow stays slow in every try."""
+
+
 def measured(fn: Callable[[], float]) -> dict[str, Any]:
-    """{"mbps": figure} or {"error": one line}: a storage path that fails is reported, not raised."""
+    """{"mbps": the best of STORAGE_TRIES} or {"error": one line}: a storage path that fails is reported, not raised."""
     try:
-        return {"mbps": fn()}
+        return {"mbps": max(fn() for _ in range(STORAGE_TRIES))}
     except OSError as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
 

@@ -69,6 +69,17 @@ def test_signal_to_one_rank_saves_requeues_and_resumes_bit_identically(tmp_path:
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+PEER_LOST = ("closed by peer", "reset by peer", "Broken pipe")
+"""What gloo says to a rank whose peer was killed while the two were in a collective."""
+
+
+def _lost_its_peer(out: str) -> bool:
+    """Whether a rank that ended by itself failed only because its peer was killed: its error line (the first
+    failure rankfail records) names the lost connection, not a checkpoint that did not load."""
+    errors = [line for line in out.splitlines() if line.startswith("meshrun launcher: error:")]
+    return len(errors) == 1 and any(sign in errors[0] for sign in PEER_LOST)
+
+
 def test_kill_9_during_saves_never_loads_a_partial_checkpoint(tmp_path: Path, corpus: Path) -> None:
     """Kills at random moments while a checkpoint is saved every step (3 in CI, 20 with MESHRUN_SOAK=1);
     each restart resumes from a checkpoint that loads, and the run then finishes."""
@@ -96,7 +107,7 @@ def test_kill_9_during_saves_never_loads_a_partial_checkpoint(tmp_path: Path, co
         for p in procs:  # what Slurm's kill-on-bad-exit does to the rest
             p.kill()
             out = p.communicate()[0]
-            assert "Traceback" not in out or p.returncode == -9, out
+            assert "Traceback" not in out or p.returncode == -9 or _lost_its_peer(out), out
         steps = ckptdir.complete_steps(root)
         assert steps, "no complete checkpoint survived"
         for step in steps:  # everything that looks complete loads

@@ -239,6 +239,9 @@ def test_busbw_is_nccl_tests_formula_and_slow_storage_is_slower_by_its_factor(
     (tmp_path / "f").write_text("x")
     found = doctor.measured(lambda: doctor.write_mbps(str(tmp_path / "f" / "sub"), "x.bin", 1, slow=False))
     assert found["error"].startswith(("FileExistsError", "NotADirectoryError")), found
+    # A figure is the best of its tries: one write that shared the disk with a burst does not fail the node.
+    tries = iter([75.2, 697.8, 640.0])
+    assert doctor.measured(lambda: next(tries)) == {"mbps": 697.8}
 
 
 def test_results_are_read_per_rank_and_a_missing_or_torn_file_is_none(tmp_path: Any) -> None:
