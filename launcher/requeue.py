@@ -9,6 +9,8 @@ WHY the sentence for its log. The rules:
 
 - 0 (finished), 2 (bad input), 77 (crash loop) and 78 (diverged) end the job; so does a SIGTERM
   (`scancel`, or Slurm ending the job itself) and the restart limit (`checkpoint.max_restarts`).
+- 79 (a node failed its health check before the ranks started) is requeued when launcher.gate excluded the
+  node, and ends the job when it could not (too few nodes would be left).
 - 75 (saved for requeue), 76 (no progress) and failures (a crash, a lost node: often transient) are
   requeued, as is anything after the batch shell passed on a stop signal (a program that died of it).
 - A `command:` job has one more rule, the built-in trainer's crash-loop guard (launcher/checkpoint/resume.py) said
@@ -38,10 +40,12 @@ from launcher.contract.exitcodes import (
     EXIT_INPUT,
     EXIT_NAMES,
     EXIT_REQUEUE,
+    EXIT_UNHEALTHY,
     NOT_REQUEUED,
 )
 from launcher.contract.rundir import RunDir, read_state, write_json
 from launcher.contract.secrets import remove_dir, secrets_dir_for
+from launcher.gate import verdict_of
 from launcher.report import reported_step
 
 
@@ -103,13 +107,17 @@ def decide(
 ) -> Decision:
     """What the batch script does with a run that ended with `status` (see the module docstring)."""
     ends = terminated or status in NOT_REQUEUED
-    failed = not ends and status != EXIT_REQUEUE and not stop_requested
+    failed = not ends and status not in (EXIT_REQUEUE, EXIT_UNHEALTHY) and not stop_requested  # no rank ran on 79
     # Every run moves the mark the next one is measured against, even one that is not requeued.
     gave_up = crash_loop(run_dir, failed) if command_job else None
     if terminated:
         return Decision(False, status, f"SIGTERM (scancel, or Slurm ended the job): not requeueing (status {status})")
     if status in NOT_REQUEUED:
         return Decision(False, status, f"{EXIT_NAMES[status]} (exit {status}): not requeueing")
+    if status == EXIT_UNHEALTHY and (gate := verdict_of(run_dir)).get("action") != "requeue":
+        why = str(gate.get("why") or "a node failed its health check and could not be excluded")
+        record_reason(run_dir, why)
+        return Decision(False, status, f"{why} (exit {status})")
     if gave_up is not None:
         record_reason(run_dir, f"gave up ({gave_up})")
         return Decision(False, EXIT_GAVE_UP, f"gave up ({gave_up})")
@@ -179,7 +187,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         status = EXIT_FAILED
         record_reason(run_dir, lost)
     stop_requested, terminated = "--stop-requested" in flags, "--terminated" in flags
-    if status not in (EXIT_FINISHED, EXIT_REQUEUE) and not stop_requested and not terminated:
+    if status not in (EXIT_FINISHED, EXIT_REQUEUE, EXIT_UNHEALTHY) and not stop_requested and not terminated:
         record_first_death(run_dir, restarts)  # a stop's or a cancel's signals are no news
     command_job = is_command_job(run_dir)
     note = ""

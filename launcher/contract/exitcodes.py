@@ -22,6 +22,9 @@ EXIT_GAVE_UP = 77
 EXIT_DIVERGED = 78
 """The loss went NaN or inf: stopped at once, nothing non-finite saved. Never requeued (it would diverge
 again): lower the learning rate or look at the data, then `meshrun resume` from the last finite checkpoint."""
+EXIT_UNHEALTHY = 79
+"""A node failed its health check before the ranks started (launcher/gate.py): the job is requeued with the
+node excluded (it counts as a restart), or ends when excluding it would leave too few nodes."""
 
 EXIT_NAMES = {
     EXIT_FINISHED: "finished",
@@ -31,6 +34,7 @@ EXIT_NAMES = {
     EXIT_NO_PROGRESS: "no progress",
     EXIT_GAVE_UP: "gave up (crash loop)",
     EXIT_DIVERGED: "diverged (non-finite loss)",
+    EXIT_UNHEALTHY: "a node failed its health check",
 }
 
 NOT_REQUEUED = (EXIT_FINISHED, EXIT_INPUT, EXIT_GAVE_UP, EXIT_DIVERGED)

@@ -21,6 +21,8 @@ usually lives on a cluster, not on the machine that names it.
       stragglers.json        the sidecars: ranks persistently slower than the median (absent: none)
       alerts.jsonl           rank 0 and node 0's sidecar: one JSON line per alert (see launcher/contract/alerts.py)
       doctor/rank-N.json     `meshrun doctor`: each rank's preflight results (launcher/probes/doctor.py)
+      health/NODE.json       each node's health check before this start (launcher/probes/health.py)
+      health.json            the health gate's verdict on this start: failing nodes, what was done (launcher/gate.py)
       tasks/N/               a sweep task's own run dir (same layout)
       .meshrun/              scheduler internals: local state, submitit's files, the lock
         pylib/launcher       a link to meshrun's launcher package, on a command job's PYTHONPATH
@@ -83,6 +85,8 @@ class RunDir:
     """train.engine: deepspeed: the DeepSpeed config generated from the spec (written for inspection)."""
     DOCTOR = "doctor"
     """`meshrun doctor`'s job: one rank-N.json of preflight results per rank (launcher/probes/doctor.py)."""
+    HEALTH = "health"
+    """Each node's answer to the health check before the ranks start (launcher/probes/health.py)."""
     TASKS = "tasks"
     INTERNAL = ".meshrun"
     SCRIPTS = {"slurm": "job.sbatch", "local": "run.sh"}
@@ -168,6 +172,15 @@ class RunDir:
     def doctor_result(self, rank: int) -> str:
         """A doctor job's rank's results: versions, GPUs, storage, compute and all-reduce figures."""
         return self.path(self.DOCTOR, f"rank-{rank}.json")
+
+    def health_result(self, node: str) -> str:
+        """A node's health check before this start: each check's verdict and evidence."""
+        return self.path(self.HEALTH, f"{node}.json")
+
+    @property
+    def health_verdict(self) -> str:
+        """The health gate's verdict on the latest start (launcher/gate.py): the failing nodes and the action."""
+        return self.path(f"{self.HEALTH}.json")
 
     def env_record(self, node: str) -> str:
         """A node's environment record (written by its sidecar)."""

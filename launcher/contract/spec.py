@@ -242,10 +242,26 @@ class Resilience:
     many hours after its last finding (then it is tried again); 0-8760. `meshrun nodes --clear` clears it."""
     avoid_suspects: bool = True
     """Leave the cluster's suspect nodes out of this job (as many as its partition can spare)."""
+    health_check: bool = True
+    """On Slurm, before each start (the first and every requeue) every node checks its GPUs, free space, storage,
+    Python environment and clock; a failing node is excluded and the job requeued (docs/guides/hangs-and-alerts.md)."""
+    health_timeout_s: float = 120.0
+    """A node that has not answered its health check in this many seconds fails it; 10-1800."""
+    min_free_gb: float = 0.0
+    """Free space each node needs on the checkpoint root and its scratch, in GB; 0: two checkpoints' worth,
+    estimated from the model (at least 1 GB)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.forget_after_h <= 8760:
             raise SchemaError("resilience.forget_after_h", self.forget_after_h, "give 0 to 8760 hours (default 24)")
+        if not 10 <= self.health_timeout_s <= 1800:
+            raise SchemaError(
+                "resilience.health_timeout_s", self.health_timeout_s, "give 10 to 1800 seconds (default 120)"
+            )
+        if not 0 <= self.min_free_gb <= 1e6:
+            raise SchemaError(
+                "resilience.min_free_gb", self.min_free_gb, "give 0 (two checkpoints' worth) to 1000000 GB"
+            )
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import platform
 import socket
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -32,6 +33,7 @@ from launcher.contract.private import make_private_dir
 from launcher.contract.rundir import RunDir, expand_node_path, node_name, write_json
 from launcher.contract.spec import RunSpec, read_run_spec
 from launcher.env import RankEnv, rank_env
+from launcher.probes.health import node_checks
 
 FAIL_ENV = "MESHRUN_TEST_DOCTOR_FAIL"
 SLOW_ENV = "MESHRUN_TEST_DOCTOR_SLOW"
@@ -320,6 +322,8 @@ def run(argv: Sequence[str], environ: Mapping[str, str]) -> int:
     if env.local_rank == 0:
         slow = injected(SLOW_ENV, node, environ)
         check(result, "storage", lambda: storage(run_spec, node, args.storage_mib, args.data, slow))
+        # The health gate's own checks (GPU faults, free space, Python), the one implementation of them.
+        check(result, "health", lambda: [asdict(c) for c in node_checks(run_spec, node, environ, reference=None)])
     write_json(path, result, indent=1)  # before any collective: a node that cannot talk still reports
     import torch
 

@@ -293,6 +293,20 @@ def check_comm(ranks: Sequence[Mapping[str, Any]], best: float, expected: Option
     return Check("comm", "pass", text)
 
 
+def check_health(ranks: Sequence[Mapping[str, Any]]) -> Check:
+    """The health gate's checks (launcher/probes/health.py), as each node's local rank 0 ran them."""
+    found = next((r["health"] for r in ranks if "health" in r), None)
+    if found is None:  # an older meshrun on the node (a rank that wrote nothing fails as "ranks")
+        return Check("health", "skip", "not run")
+    if isinstance(found, dict):  # {"error": ...}: the checks themselves broke
+        return Check("health", "fail", "error", str(found.get("error")))
+    failed = [c for c in found if c.get("verdict") == "fail"]
+    if failed:
+        why = "; ".join(f"{c.get('name')}: {c.get('evidence')}" for c in failed)
+        return Check("health", "fail", ", ".join(str(c.get("name")) for c in failed), why)
+    return Check("health", "pass", f"{sum(c.get('verdict') == 'pass' for c in found)} checks")
+
+
 # ------------------------------------------------------------------ the report
 
 
@@ -332,6 +346,7 @@ def judge(
                 check_comm(got, best_comm, intra, opts.gpus_per_node),
                 check_compute(got, best_compute, opts),
                 check_storage(got, best_store),
+                check_health(got),
             ]
         rows.append(NodeRow(node, tuple(checks)))
     return Report(tuple(rows), tuple(notes(present, opts, profile)))
@@ -361,7 +376,7 @@ def notes(present: Sequence[Mapping[str, Any]], opts: Options, profile: ClusterP
 
 def table(report: Report) -> str:
     """The pass/warn/fail table, the reasons, the bad nodes and the --exclude to add."""
-    names = ("versions", "gpus", "comm", "compute", "storage")
+    names = ("versions", "gpus", "comm", "compute", "storage", "health")
     rows = [("NODE", *(n.upper() for n in names), "RESULT")]
     for row in report.rows:
         cells = {c.name: c for c in row.checks}

@@ -54,6 +54,10 @@ class FakeGpu:
     pcie: tuple[int, int] = (1000, 2000)
     nvlink_kib: list[float] = field(default_factory=lambda: [0.0, 0.0])
     migs: tuple[str, ...] = ()
+    pages_pending: int = 0
+    """Retired pages waiting for a reset (1) or not (0)."""
+    rows: tuple[int, int, int, int] = (0, 0, 0, 0)
+    """Remapped rows: corrected, uncorrected, pending, failure."""
     unsupported: set[str] = field(default_factory=set)
     """Functions that raise NotSupported for this GPU."""
     broken: set[str] = field(default_factory=set)
@@ -116,6 +120,8 @@ def make(gpus: list[FakeGpu], init_error: Optional[type[NVMLError]] = None, even
     m.nvmlDeviceGetCurrentClocksThrottleReasons = lambda h: call("throttle", h, h.gpu.throttle)
     m.nvmlDeviceGetTotalEccErrors = lambda h, kind, counter: call("ecc", h, h.gpu.ecc[kind])
     m.nvmlDeviceGetPcieThroughput = lambda h, d: call("pcie", h, h.gpu.pcie[d])
+    m.nvmlDeviceGetRetiredPagesPendingStatus = lambda h: call("pages", h, h.gpu.pages_pending)
+    m.nvmlDeviceGetRemappedRows = lambda h: call("rows", h, h.gpu.rows)
 
     def field_values(h: Handle, ids: list[tuple[int, int]]) -> list[Any]:
         call("nvlink", h, None)

@@ -31,10 +31,14 @@ REPO = Path(__file__).resolve().parents[2]
 PREEMPTED_AT = "2026-12-03T09:03:05"
 
 SRUN = """#!/bin/bash
-# The job's steps: the requeue policy runs for real; the sidecar ends; the ranks "saved" (exit 75).
+# The job's steps: the requeue policy runs for real; n1 passes its health check (the real gate reads its
+# answer); the sidecar ends; the ranks "saved" (exit 75).
 for word in "$@"; do
   case "$word" in
     launcher.requeue) while [ "$1" != python ] && [ "${1##*/}" != python ]; do shift; done; exec "$@" ;;
+    launcher.probes.health)
+      mkdir -p "$MESHRUN_RUN_DIR/health" && echo '{"node": "n1", "checks": []}' > "$MESHRUN_RUN_DIR/health/n1.json"
+      exit 0 ;;
     launcher.sidecar) exit 0 ;;
   esac
 done

@@ -50,6 +50,7 @@ def rank(r: int, node: str, **over: Any) -> dict[str, Any]:
     }
     if r % 8 == 0:
         res["storage"] = {"mib": 64, "checkpoint": {"path": "/weka/c", "mbps": 2000.0}}
+        res["health"] = [{"name": n, "verdict": "pass", "evidence": "fine"} for n in ("gpus", "space", "storage")]
     res.update(copy.deepcopy(over))
     return res
 
@@ -278,3 +279,14 @@ def test_exclude_on_the_local_cluster_is_refused(capsys: pytest.CaptureFixture[s
     assert (
         err == "meshrun: error: --exclude: 'n1': the local cluster is this one machine: it has no nodes to leave out\n"
     )
+
+
+def test_a_failed_health_check_fails_its_node_with_the_evidence() -> None:
+    sick = [{"name": "gpus", "verdict": "fail", "evidence": "GPU-gpu2-3: row remapping failed"}]
+    results = cluster()
+    results[8] = rank(8, "gpu2", health=sick)
+    report = judge(results, GPU_OPTS, H200, "0.1.0")
+    assert {r.node: r.verdict for r in report.rows} == {"gpu1": "pass", "gpu2": "fail"}
+    text = table(report)
+    assert "gpu2: FAIL health: gpus: GPU-gpu2-3: row remapping failed" in text and "ok 3 checks" in text
+    assert text.rstrip().endswith("add to submit: --exclude gpu2")

@@ -73,6 +73,8 @@ def test_a_cluster_that_fails_exits_1_with_one_line_and_records_nothing(
         ("train.lr=inf", "train.lr: inf", "expected a finite number"),
         ("train.min_lr=-inf", "train.min_lr: -inf", "expected a finite number"),
         ("train.lr=1e400", "train.lr: inf", "expected a finite number"),  # float() overflows to inf
+        ("resilience.health_timeout_s=5", "resilience.health_timeout_s: 5.0", "give 10 to 1800 seconds (default 120)"),
+        ("resilience.min_free_gb=-1", "resilience.min_free_gb: -1.0", "give 0 (two checkpoints' worth) to 1000000 GB"),
     ],
 )
 def test_bad_values_exit_2_with_key_value_and_fix(

@@ -1,0 +1,170 @@
+"""The health gate's verdict, on the batch host, before the ranks start (issue 24). Torch-free, stdlib only.
+
+    python -m launcher.gate RUN_DIR
+
+After every node of the allocation answered launcher/probes/health.py (or ran out of time), the batch script
+asks this module what to do and gets one line on stdout, `ACTION [NODES]`; what it found goes to stderr (the
+batch log):
+- `start`: every node passed: the ranks start.
+- `requeue NODES`: nodes failed. Each is recorded in the cluster's ledger of suspect nodes (with the failing
+  check as its evidence: `meshrun nodes`) and the job ends its run with EXIT_UNHEALTHY, which launcher.requeue
+  requeues (it counts as a restart); NODES (the job's excluded nodes with the failing ones added) become the
+  requeued job's ExcNodeList. Slurm changes that only on a pending job: the batch script sets it right after
+  `scontrol requeue`, before the requeued job can be scheduled.
+- `stop`: nodes failed, and excluding them would leave the partition too few nodes for the job: the job
+  ends with EXIT_UNHEALTHY and the reason in `meshrun status` (clear the node, or ask the admins).
+RUN_DIR/health.json holds the verdict (`launcher.requeue` reads its action).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+from launcher.contract import suspects
+from launcher.contract.private import append_line
+from launcher.contract.rundir import RunDir, job_of, read_state, write_json
+from launcher.contract.spec import read_run_spec
+from launcher.hostlist import expand_hostlist
+
+Runner = Callable[[Sequence[str]], Optional[str]]
+"""Runs a Slurm query; its stdout, or None when it failed (tests hand in recorded answers)."""
+
+
+def run_slurm(argv: Sequence[str]) -> Optional[str]:
+    try:
+        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    action: str
+    """start, requeue or stop."""
+    failing: Mapping[str, str]
+    """Each failing node's evidence: its failed checks, one clause each."""
+    excluded: tuple[str, ...] = ()
+    """The job's excluded nodes after this verdict."""
+    why: str = ""
+    """One sentence for the batch log and `meshrun status`."""
+
+
+def failures(
+    nodes: Sequence[str], answers: Mapping[str, Optional[Mapping[str, Any]]], timeout_s: float
+) -> dict[str, str]:
+    """Each node that failed its check, with the evidence: a node without an answer failed too."""
+    failing: dict[str, str] = {}
+    for node in nodes:
+        answer = answers.get(node)
+        if answer is None:
+            failing[node] = f"no answer within {timeout_s:g} s (the node is down, or cannot run Python)"
+            continue
+        bad = [c for c in answer.get("checks") or [] if isinstance(c, dict) and c.get("verdict") == "fail"]
+        if bad:
+            failing[node] = "; ".join(f"{c.get('name')}: {c.get('evidence')}" for c in bad)
+    return failing
+
+
+def exclusion(
+    failing: Mapping[str, str], excluded: Sequence[str], partition_nodes: Sequence[str], nodes_needed: int
+) -> Verdict:
+    """What to do with failing nodes: exclude them and requeue, unless that leaves the partition too few nodes."""
+    if not failing:
+        return Verdict("start", {})
+    wanted = tuple(sorted({*excluded, *failing}))
+    named = ", ".join(f"{node} ({why})" for node, why in sorted(failing.items()))
+    left = len(set(partition_nodes) - set(wanted)) if partition_nodes else nodes_needed
+    if left < nodes_needed:
+        why = (
+            f"health check failed on {named}; excluding {', '.join(wanted)} would leave the partition "
+            f"{left} of the {nodes_needed} nodes the job needs: not requeueing (`meshrun nodes --clear NODE` once "
+            "it is repaired, then `meshrun resume`)"
+        )
+        return Verdict("stop", dict(failing), tuple(excluded), why)
+    why = f"health check failed on {named}: requeueing with {', '.join(wanted)} excluded"
+    return Verdict("requeue", dict(failing), wanted, why)
+
+
+def job_excluded(job: str, run: Runner) -> tuple[list[str], str]:
+    """The job's excluded nodes and its partition, from `scontrol show job -o`."""
+    out = run(["scontrol", "show", "job", "-o", job]) or ""
+    fields = dict(word.split("=", 1) for word in out.split() if "=" in word)
+    listed = fields.get("ExcNodeList", "(null)")
+    return ([] if listed in ("", "(null)") else expand_hostlist(listed)), fields.get("Partition", "")
+
+
+def partition_nodes(partition: str, run: Runner) -> list[str]:
+    out = run(["sinfo", "-h", "-N", "-p", partition, "-o", "%N"]) if partition else None
+    return sorted({line.strip() for line in (out or "").splitlines() if line.strip()})
+
+
+def read_answers(run_dir: str, nodes: Sequence[str]) -> dict[str, Optional[Mapping[str, Any]]]:
+    answers: dict[str, Optional[Mapping[str, Any]]] = {}
+    for node in nodes:
+        answer = read_state(RunDir(run_dir).health_result(node))
+        answers[node] = answer if answer.get("node") == node else None
+    return answers
+
+
+def judge(run_dir: str, environ: Mapping[str, str], run: Runner = run_slurm, now: Optional[float] = None) -> Verdict:
+    """The gate: read the answers, record failing nodes as suspects, exclude them (module docstring)."""
+    spec = read_run_spec_quietly(run_dir)
+    nodes = expand_hostlist(environ.get("SLURM_JOB_NODELIST", ""))
+    timeout_s = spec.job.resilience.health_timeout_s if spec else 0.0
+    failing = failures(nodes, read_answers(run_dir, nodes), timeout_s)
+    if not failing:
+        return Verdict("start", {}, why=f"health check passed on {len(nodes)} nodes")
+    job = job_of(environ) or "?"
+    ledger = spec.run.suspects_file if spec else ""
+    for node, evidence in sorted(failing.items()):
+        if ledger:
+            try:
+                append_line(ledger, suspects.finding_line(node, f"health check: {evidence}", job, now))
+            except OSError as exc:
+                print(f"[meshrun] health: cannot record {node} in {ledger}: {exc}", file=sys.stderr)
+    excluded, partition = job_excluded(job, run)
+    return exclusion(failing, excluded, partition_nodes(partition, run), len(nodes))
+
+
+def read_run_spec_quietly(run_dir: str) -> Any:
+    """The run's spec, or None when it cannot be read (the gate still judges the answers)."""
+    try:
+        return read_run_spec(Path(run_dir))
+    except Exception:  # no spec to read: the gate still judges the answers
+        return None
+
+
+def main(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> int:
+    if len(argv) != 1:
+        print("usage: python -m launcher.gate RUN_DIR", file=sys.stderr)
+        return 2
+    run_dir = argv[0]
+    verdict = judge(run_dir, environ)
+    record = {
+        "time": time.time(),
+        "job": job_of(environ),
+        "action": verdict.action,
+        "failing": dict(verdict.failing),
+        "excluded": list(verdict.excluded),
+        "why": verdict.why,
+    }
+    write_json(RunDir(run_dir).health_verdict, record, indent=1)
+    print(f"[meshrun] {verdict.why}", file=sys.stderr, flush=True)
+    print(verdict.action, ",".join(verdict.excluded) if verdict.action == "requeue" else "", flush=True)
+    return 0
+
+
+def verdict_of(run_dir: str) -> dict[str, Any]:
+    """The latest start's gate verdict ({} when there was none)."""
+    return read_state(RunDir(run_dir).health_verdict)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
