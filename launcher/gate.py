@@ -129,8 +129,13 @@ def judge(run_dir: str, environ: Mapping[str, str], run: Runner = run_slurm, now
                 append_line(ledger, suspects.finding_line(node, f"health check: {evidence}", job, now))
             except OSError as exc:
                 print(f"[meshrun] health: cannot record {node} in {ledger}: {exc}", file=sys.stderr)
+    return excluding(failing, job, len(nodes), run)
+
+
+def excluding(failing: Mapping[str, str], job: str, nodes_needed: int, run: Runner = run_slurm) -> Verdict:
+    """`exclusion` for this Slurm job: its excluded nodes and its partition's nodes asked of Slurm."""
     excluded, partition = job_excluded(job, run)
-    return exclusion(failing, excluded, partition_nodes(partition, run), len(nodes))
+    return exclusion(failing, excluded, partition_nodes(partition, run), nodes_needed)
 
 
 def read_run_spec_quietly(run_dir: str) -> Any:

@@ -33,19 +33,22 @@ from typing import Mapping, Optional
 from launcher import rankends
 from launcher.checkpoint.resume import MAX_ATTEMPTS
 from launcher.contract import lost as lost_checkpoints
+from launcher.contract import suspects
 from launcher.contract.exitcodes import (
     EXIT_FAILED,
     EXIT_FINISHED,
     EXIT_GAVE_UP,
     EXIT_INPUT,
     EXIT_NAMES,
+    EXIT_NO_PROGRESS,
     EXIT_REQUEUE,
     EXIT_UNHEALTHY,
     NOT_REQUEUED,
 )
-from launcher.contract.rundir import RunDir, read_state, write_json
+from launcher.contract.rundir import RunDir, attempt_id, job_of, read_state, write_json
 from launcher.contract.secrets import remove_dir, secrets_dir_for
-from launcher.gate import verdict_of
+from launcher.gate import Runner, excluding, run_slurm, verdict_of
+from launcher.hostlist import expand_hostlist
 from launcher.report import reported_step
 
 
@@ -207,7 +210,27 @@ def main(argv: Optional[list[str]] = None) -> int:
     if note:
         decision = Decision(decision.requeue, decision.code, f"{note}: {decision.why}")
     print(decision.line(), flush=True)
+    if decision.requeue and status == EXIT_NO_PROGRESS:
+        hung_nodes_leave(run_dir)
     return 0
+
+
+def hung_nodes_leave(run_dir: str, environ: Mapping[str, str] = os.environ, run: Runner = run_slurm) -> None:
+    """A hang this attempt's sidecar blamed on nodes (their ranks stalled) takes them out of the requeued job:
+    a second line, `exclude NODES`, which the batch script sets as the job's ExcNodeList after the requeue (as
+    for the health gate's failures), unless that would leave the partition too few nodes (then the requeue
+    tries them again: a hang is often the job's own, not the node's)."""
+    verdict = read_state(RunDir(run_dir).verdict_json)
+    blamed = suspects.blamed_nodes(verdict) if verdict.get("attempt") == attempt_id(environ) else []
+    job = job_of(environ)
+    if not blamed or not job:
+        return
+    nodes = len(expand_hostlist(environ.get("SLURM_JOB_NODELIST", ""))) or len(blamed)
+    found = excluding({node: suspects.verdict_evidence(verdict) for node in blamed}, job, nodes, run)
+    if found.action == "requeue":
+        print(f"exclude {','.join(found.excluded)}", flush=True)
+    else:
+        print(f"[meshrun] the hang's node(s) {', '.join(blamed)} stay in: {found.why}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

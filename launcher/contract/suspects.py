@@ -69,3 +69,14 @@ def finding_line(node: str, evidence: str, job: str, now: Optional[float] = None
 
 def cleared_line(node: str, now: Optional[float] = None) -> str:
     return json.dumps({"node": node, "cleared": True, "time": time.time() if now is None else now})
+
+
+def blamed_nodes(verdict: Mapping[str, Any]) -> list[str]:
+    """The nodes of the ranks a hang verdict found stalled (the sidecar's verdict.json), sorted."""
+    stalled = [r for r in verdict.get("ranks") or [] if isinstance(r, dict) and r.get("state") == "stalled"]
+    return sorted({str(r["node"]) for r in stalled if r.get("node")})
+
+
+def verdict_evidence(verdict: Mapping[str, Any]) -> str:
+    """A hang verdict as a suspect's evidence: its first sentence."""
+    return "hang verdict: " + str(verdict.get("verdict") or "a hang").split(". ")[0].strip()

@@ -303,15 +303,13 @@ class Alerting:
     def blame(self, verdict: dict[str, Any], now: float) -> None:
         """The nodes of the ranks the verdict found stalled go in the cluster's ledger of suspects (new submits
         leave them out: launcher/contract/suspects.py), with the verdict's first sentence as the evidence."""
-        stalled = [r for r in verdict.get("ranks") or [] if isinstance(r, dict) and r.get("state") == "stalled"]
-        nodes = sorted({str(r["node"]) for r in stalled if r.get("node")})
+        nodes = suspects.blamed_nodes(verdict)
         if not self.suspects_file or not nodes:
             return
-        head = str(verdict.get("verdict") or "a hang").split(". ")[0].strip()
-        job = job_of(os.environ) or "?"
+        evidence, job = suspects.verdict_evidence(verdict), job_of(os.environ) or "?"
         for node in nodes:
             try:
-                append_line(self.suspects_file, suspects.finding_line(node, f"hang verdict: {head}", job, now))
+                append_line(self.suspects_file, suspects.finding_line(node, evidence, job, now))
             except OSError as exc:
                 self.log(f"suspects: cannot append to {self.suspects_file}: {exc}")
             else:

@@ -17,7 +17,7 @@ from launcher.contract import suspects
 from launcher.contract.exitcodes import EXIT_UNHEALTHY
 from launcher.contract.modelshape import param_count
 from launcher.contract.presets import PRESETS
-from launcher.contract.rundir import RunDir
+from launcher.contract.rundir import RunDir, attempt_id
 from launcher.contract.spec import (
     JobSpec,
     Model,
@@ -240,3 +240,27 @@ def test_main_prints_the_action_and_keeps_the_verdict_for_the_requeue_policy(
     Path(RunDir(run_dir).health_verdict).write_text(json.dumps({"action": "requeue"}))
     again = decide(run_dir, EXIT_UNHEALTHY, restarts=0, max_restarts=3)
     assert again.requeue and again.why == "requeueing: restart 1 of at most 3"
+
+
+def test_a_requeue_after_a_hang_leaves_out_the_blamed_nodes_when_the_partition_can_spare_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from launcher.requeue import hung_nodes_leave
+
+    run_dir = _run(tmp_path)
+    env = {"SLURM_JOB_ID": "41", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_RESTART_COUNT": "0"}
+    verdict = {
+        "attempt": attempt_id(env),
+        "verdict": "Rank 1 on n2 is stuck in inject_hang. Others wait.",
+        "ranks": [{"rank": 0, "node": "n1", "state": "collective"}, {"rank": 1, "node": "n2", "state": "stalled"}],
+    }
+    Path(RunDir(run_dir).verdict_json).parent.mkdir(parents=True, exist_ok=True)
+    Path(RunDir(run_dir).verdict_json).write_text(json.dumps(verdict))
+    hung_nodes_leave(run_dir, env, Slurm(partition=("n1", "n2", "n3")))
+    assert capsys.readouterr().out == "exclude n2\n"
+    hung_nodes_leave(run_dir, env, Slurm(partition=("n1", "n2")))  # the job needs both: n2 stays in
+    out, err = capsys.readouterr()
+    assert out == "" and "the hang's node(s) n2 stay in: " in err and "would leave the partition 1 of the 2" in err
+    # An older attempt's verdict blames nobody now.
+    hung_nodes_leave(run_dir, {**env, "SLURM_RESTART_COUNT": "1"}, Slurm(partition=("n1", "n2", "n3")))
+    assert capsys.readouterr() == ("", "")
