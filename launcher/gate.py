@@ -118,9 +118,11 @@ def judge(run_dir: str, environ: Mapping[str, str], run: Runner = run_slurm, now
     spec = read_run_spec_quietly(run_dir)
     nodes = expand_hostlist(environ.get("SLURM_JOB_NODELIST", ""))
     timeout_s = spec.job.resilience.health_timeout_s if spec else 0.0
-    failing = failures(nodes, read_answers(run_dir, nodes), timeout_s)
+    answers = read_answers(run_dir, nodes)
+    failing = failures(nodes, answers, timeout_s)
     if not failing:
-        return Verdict("start", {}, why=f"health check passed on {len(nodes)} nodes")
+        slowest = max((float(a.get("seconds") or 0) for a in answers.values() if a), default=0.0)
+        return Verdict("start", {}, why=f"health check passed on {len(nodes)} nodes (the slowest took {slowest:.1f} s)")
     job = job_of(environ) or "?"
     ledger = spec.run.suspects_file if spec else ""
     for node, evidence in sorted(failing.items()):

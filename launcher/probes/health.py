@@ -2,7 +2,8 @@
 
     python -m launcher.probes.health RUN_DIR REFERENCE_TIME
 
-Each node answers in RUN_DIR/health/NODE.json ({"node", "time", "checks": [{"name", "verdict", "evidence"}]}):
+Each node answers in RUN_DIR/health/NODE.json ({"node", "time", "seconds", "checks": [{"name", "verdict",
+"evidence"}]}; seconds: how long its checks took):
 - gpus: the GPUs the job asked for are there (NVML) and none reports a fault that a restart will not fix:
   uncorrectable ECC errors since the driver loaded, retired pages or remapped rows waiting for a reset, a
   failed row remapping;
@@ -215,12 +216,13 @@ def node_checks(run_spec: RunSpec, node: str, environ: Mapping[str, str], refere
 
 def run(argv: Sequence[str], environ: Mapping[str, str]) -> int:
     run_dir, reference = argv[0], float(argv[1])
-    node = node_name(environ)
+    node, began = node_name(environ), time.perf_counter()
     try:
         checks = node_checks(read_run_spec(Path(run_dir)), node, environ, reference)
     except Exception as exc:  # the spec or a check itself broke: still this node's answer
         checks = [Check("setup", "fail", f"{type(exc).__name__}: {exc}")]
-    answer = {"node": node, "time": time.time(), "checks": [asdict(c) for c in checks]}
+    seconds = round(time.perf_counter() - began, 3)
+    answer = {"node": node, "time": time.time(), "seconds": seconds, "checks": [asdict(c) for c in checks]}
     make_private_dir(os.path.dirname(RunDir(run_dir).health_result(node)))
     write_json(RunDir(run_dir).health_result(node), answer, indent=1)
     return 0

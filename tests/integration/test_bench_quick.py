@@ -89,6 +89,10 @@ QUICK: dict[str, tuple[list[str], list[str]]] = {
     ),
 }
 ON_TESTBED = {
+    "health.py": (
+        ["--quick"],
+        [rf"health check, {kind} job +{NUMBER} +{NUMBER} +{NUMBER} s$" for kind in ("command", "trainer")],
+    ),
     "ssh_submit.py": (
         ["--quick"],
         [

@@ -219,7 +219,7 @@ def test_judge_records_suspects_and_excludes_them_from_the_requeued_job(tmp_path
     ]
     _answer(run_dir, "n2", ("space", "pass", "plenty"))
     passed = gate.judge(run_dir, env, Slurm())
-    assert (passed.action, passed.why) == ("start", "health check passed on 2 nodes")
+    assert (passed.action, passed.why) == ("start", "health check passed on 2 nodes (the slowest took 0.0 s)")
 
 
 def test_main_prints_the_action_and_keeps_the_verdict_for_the_requeue_policy(
