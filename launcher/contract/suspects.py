@@ -1,6 +1,7 @@
 """The cluster's ledger of suspect nodes (issue 24, part 3): remembered across requeues and new submits.
 
-One JSON line per finding, appended where the jobs run (WORK_DIR/.meshrun/suspect-nodes.jsonl: shared
+One JSON line per finding (a hang verdict's stalled nodes, a failed health check, a straggler, a hardware XID),
+appended where the jobs run (WORK_DIR/.meshrun/suspect-nodes.jsonl: shared
 storage, private to the user): {"node", "evidence", "job", "time"}; `meshrun nodes --clear NODE` appends
 {"node", "cleared": true, "time"}. A node is suspect while it has a finding newer than its last clearing and
 younger than the job's `resilience.forget_after`: a node clean for that long is tried again. New submits
@@ -19,6 +20,11 @@ LEDGER = posixpath.join(".meshrun", "suspect-nodes.jsonl")
 """The ledger's path under the cluster's work dir."""
 FORGET_AFTER_S = 24 * 3600
 """How long a finding keeps a node suspect unless the job's spec says otherwise (resilience.forget_after)."""
+
+
+HARDWARE_XIDS = frozenset({48, 61, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140})
+"""XID codes that point at the GPU or its node (double-bit ECC, row remapping, NVLink, fallen off the bus, GSP
+errors), not at the program (13, 31, 43: its own illegal access): a node that reports one is a suspect."""
 
 
 def ledger_path(work_dir: str) -> str:

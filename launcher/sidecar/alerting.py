@@ -244,6 +244,8 @@ class Alerting:
         self.log, self.step = log, step
         self.gpu_rules = GpuRules(settings)
         self.hang_seen = False
+        self.recorded: set[str] = set()
+        """Evidence this sidecar already put in the ledger (a straggler or an XID is recorded once)."""
         self.forwarder: Optional[Forwarder] = None
         if node_rank == 0:
             self.forwarder = Forwarder(run_dir, log)
@@ -281,14 +283,21 @@ class Alerting:
             self.log(f"alerts: cannot append to {self.run_dir.rank_log(0)}: {exc}")
 
     def on_sample(self, rows: list[dict[str, Any]], now: float) -> None:
-        """A sample's GPU rows (with "rank"); without NVML there are none, and no GPU alerts."""
+        """A sample's GPU rows (with "rank"); without NVML there are none, and no GPU alerts. A GPU's
+        hardware XID makes this node a suspect."""
         if rows:
             self.emit(self.gpu_rules.check(rows, self.node, now, self.step()))
+        for row in rows:
+            for code in row.get("xid") or []:
+                if code in suspects.HARDWARE_XIDS:
+                    self.record_suspect(self.node, f"XID {code} on {row.get('uuid', 'a GPU')}", now)
 
     def on_straggler(self, t: RankTime, ratio: float, median_s: float, factor: float, now: float) -> None:
-        """The straggler tracker (node 0's) named a rank: once per streak, the tracker's own rule."""
+        """The straggler tracker (node 0's) named a rank: once per streak, the tracker's own rule. Its node is a
+        suspect (a throttled GPU or a slow link is the node's, and every rank waits for it)."""
         if self.settings.stragglers:
             self.emit([straggler_alert(t, ratio, median_s, factor, now, self.step())])
+        self.record_suspect(t.node, f"straggler: rank {t.rank} took {ratio:.2f}x the median step time", now)
 
     def on_verdict(self, verdict: dict[str, Any], now: float) -> None:
         """This node's watchdog saw its attempt's verdict. Node 0 raises the alert, whichever node wrote
@@ -303,17 +312,21 @@ class Alerting:
     def blame(self, verdict: dict[str, Any], now: float) -> None:
         """The nodes of the ranks the verdict found stalled go in the cluster's ledger of suspects (new submits
         leave them out: launcher/contract/suspects.py), with the verdict's first sentence as the evidence."""
-        nodes = suspects.blamed_nodes(verdict)
-        if not self.suspects_file or not nodes:
+        for node in suspects.blamed_nodes(verdict):
+            self.record_suspect(node, suspects.verdict_evidence(verdict), now)
+
+    def record_suspect(self, node: str, evidence: str, now: float) -> None:
+        """One finding in the cluster's ledger of suspect nodes (once per node and evidence kind a sidecar's life)."""
+        kind = f"{node} {evidence.split(':')[0].split(' on ')[0]}"
+        if not self.suspects_file or kind in self.recorded:
             return
-        evidence, job = suspects.verdict_evidence(verdict), job_of(os.environ) or "?"
-        for node in nodes:
-            try:
-                append_line(self.suspects_file, suspects.finding_line(node, evidence, job, now))
-            except OSError as exc:
-                self.log(f"suspects: cannot append to {self.suspects_file}: {exc}")
-            else:
-                self.log(f"suspects: {node} recorded as suspect ({self.suspects_file})")
+        self.recorded.add(kind)
+        try:
+            append_line(self.suspects_file, suspects.finding_line(node, evidence, job_of(os.environ) or "?", now))
+        except OSError as exc:
+            self.log(f"suspects: cannot append to {self.suspects_file}: {exc}")
+        else:
+            self.log(f"suspects: {node} recorded as suspect ({evidence}; {self.suspects_file})")
 
     def forward(self) -> None:
         if self.forwarder is not None:

@@ -107,3 +107,22 @@ def test_node_0s_hang_verdict_records_the_stalled_ranks_nodes_privately(tmp_path
     other = Alerting(RunDir(str(tmp_path)), "n2", 1, Alerts(), lines.append, lambda: 7, str(ledger))
     other.on_verdict(verdict, 1002.0)  # another node's sidecar: node 0 records, once
     assert len(ledger.read_text().splitlines()) == 1
+
+
+def test_a_straggler_and_a_hardware_xid_make_their_nodes_suspects_once(tmp_path: Path) -> None:
+    from launcher.sidecar.stragglers import RankTime
+
+    ledger = tmp_path / "work" / suspects.LEDGER
+    alerting = Alerting(RunDir(str(tmp_path)), "n1", 0, Alerts(), [].append, lambda: 7, str(ledger))
+    alerting.on_straggler(RankTime(3, "n2", 0.9), 1.8, 0.5, 1.5, 1000.0)
+    alerting.on_straggler(RankTime(3, "n2", 0.9), 1.9, 0.5, 1.5, 1010.0)  # the same straggler again: once
+    rows = [
+        {"uuid": "GPU-a", "rank": 0, "xid": [13]},  # the program's own illegal access: not the node's
+        {"uuid": "GPU-b", "rank": 1, "xid": [79, 79]},  # fallen off the bus
+    ]
+    alerting.on_sample(rows, 1020.0)
+    found = [(r["node"], r["evidence"]) for r in suspects.parse(ledger.read_text().splitlines())]
+    assert found == [
+        ("n2", "straggler: rank 3 took 1.80x the median step time"),
+        ("n1", "XID 79 on GPU-b"),
+    ]
