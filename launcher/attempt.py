@@ -3,7 +3,8 @@
     python -m launcher.attempt RUN_DIR start [SUBMITTED]   # SUBMITTED: squeue's SubmitTime (ISO), or ""
     python -m launcher.attempt RUN_DIR end STATUS
 
-The job id, restart count and nodes come from Slurm's environment. Both append to RUN_DIR/.meshrun/
+The job id, restart count and nodes come from Slurm's environment (a restart inside the allocation, on spare
+nodes, from the batch script's MESHRUN_RESTART_IN_JOB and MESHRUN_RUN_NODES). Both append to RUN_DIR/.meshrun/
 attempts.jsonl and then account the job's goodput so far (RUN_DIR/.meshrun/goodput/JOB.json, which
 `meshrun status JOB` shows): launcher/contract/goodput.py. Never fails the job: a problem is one line on
 stderr and exit 0.
@@ -17,7 +18,7 @@ from datetime import datetime
 from typing import Mapping, Optional
 
 from launcher.contract import goodput
-from launcher.contract.rundir import job_of
+from launcher.contract.rundir import RUN_NODES_ENV, in_job_restart, job_of
 
 USAGE = "usage: python -m launcher.attempt RUN_DIR start [SUBMITTED] | RUN_DIR end STATUS"
 
@@ -37,14 +38,15 @@ def main(argv: Optional[list[str]] = None, environ: Mapping[str, str] = os.envir
         print(USAGE, file=sys.stderr)
         return 0
     run_dir, event = args[0], args[1]
-    restart = int(environ.get("SLURM_RESTART_COUNT") or 0)
+    restart, in_job = int(environ.get("SLURM_RESTART_COUNT") or 0), in_job_restart(environ)
+    nodes = environ.get(RUN_NODES_ENV) or environ.get("SLURM_JOB_NODELIST", "")
     try:
         if event == "start":
             submitted = submitted_time(args[2]) if len(args) > 2 else None
-            goodput.record_start(run_dir, job, restart, submitted, environ.get("SLURM_JOB_NODELIST", ""))
+            goodput.record_start(run_dir, job, restart, submitted, nodes, in_job)
         else:
             status = int(args[2]) if len(args) > 2 and args[2].isdigit() else None
-            goodput.record_end(run_dir, job, restart, status)
+            goodput.record_end(run_dir, job, restart, status, in_job)
         goodput.write(run_dir, job)
     except OSError as exc:  # the accounting never fails the job it accounts
         print(f"[meshrun] goodput: {exc}", file=sys.stderr)

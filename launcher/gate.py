@@ -5,7 +5,8 @@
 After every node of the allocation answered launcher/probes/health.py (or ran out of time), the batch script
 asks this module what to do and gets one line on stdout, `ACTION [NODES]`; what it found goes to stderr (the
 batch log):
-- `start`: every node passed: the ranks start.
+- `start [NODES]`: every node passed, or the job has spare nodes enough to leave NODES (the failing ones,
+  recorded as suspects) out: the ranks start on the others.
 - `requeue NODES`: nodes failed. Each is recorded in the cluster's ledger of suspect nodes (with the failing
   check as its evidence: `meshrun nodes`) and the job ends its run with EXIT_UNHEALTHY, which launcher.requeue
   requeues (it counts as a restart); NODES (the job's excluded nodes with the failing ones added) become the
@@ -32,6 +33,9 @@ from launcher.contract.rundir import RunDir, job_of, read_state, write_json
 from launcher.contract.spec import read_run_spec
 from launcher.hostlist import expand_hostlist
 
+LEFT_OUT_ENV = "MESHRUN_LEFT_OUT"
+"""Set by the batch script of a job with spare nodes: the allocation's nodes its ranks no longer run on
+(space-separated): they failed earlier in this allocation."""
 Runner = Callable[[Sequence[str]], Optional[str]]
 """Runs a Slurm query; its stdout, or None when it failed (tests hand in recorded answers)."""
 
@@ -116,7 +120,9 @@ def read_answers(run_dir: str, nodes: Sequence[str]) -> dict[str, Optional[Mappi
 def judge(run_dir: str, environ: Mapping[str, str], run: Runner = run_slurm, now: Optional[float] = None) -> Verdict:
     """The gate: read the answers, record failing nodes as suspects, exclude them (module docstring)."""
     spec = read_run_spec_quietly(run_dir)
-    nodes = expand_hostlist(environ.get("SLURM_JOB_NODELIST", ""))
+    allocated = expand_hostlist(environ.get("SLURM_JOB_NODELIST", ""))
+    left_out = set(environ.get(LEFT_OUT_ENV, "").split())
+    nodes = [n for n in allocated if n not in left_out]  # a node left out earlier in the allocation is not asked
     timeout_s = spec.job.resilience.health_timeout_s if spec else 0.0
     answers = read_answers(run_dir, nodes)
     failing = failures(nodes, answers, timeout_s)
@@ -131,7 +137,12 @@ def judge(run_dir: str, environ: Mapping[str, str], run: Runner = run_slurm, now
                 append_line(ledger, suspects.finding_line(node, f"health check: {evidence}", job, now))
             except OSError as exc:
                 print(f"[meshrun] health: cannot record {node} in {ledger}: {exc}", file=sys.stderr)
-    return excluding(failing, job, len(nodes), run)
+    needed = spec.job.resources.nodes if spec else len(allocated)
+    if len(nodes) - len(failing) >= needed:  # spare nodes take their place: no requeue
+        named = ", ".join(f"{node} ({why})" for node, why in sorted(failing.items()))
+        why = f"health check failed on {named}: the ranks start on spare nodes instead"
+        return Verdict("start", dict(failing), tuple(sorted(failing)), why)
+    return excluding(failing, job, len(allocated), run)
 
 
 def excluding(failing: Mapping[str, str], job: str, nodes_needed: int, run: Runner = run_slurm) -> Verdict:
@@ -164,7 +175,7 @@ def main(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> int:
     }
     write_json(RunDir(run_dir).health_verdict, record, indent=1)
     print(f"[meshrun] {verdict.why}", file=sys.stderr, flush=True)
-    print(verdict.action, ",".join(verdict.excluded) if verdict.action == "requeue" else "", flush=True)
+    print(verdict.action, ",".join(verdict.excluded) if verdict.action != "stop" else "", flush=True)
     return 0
 
 

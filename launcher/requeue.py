@@ -45,7 +45,8 @@ from launcher.contract.exitcodes import (
     EXIT_UNHEALTHY,
     NOT_REQUEUED,
 )
-from launcher.contract.rundir import RunDir, attempt_id, job_of, read_state, write_json
+from launcher.contract.private import append_line
+from launcher.contract.rundir import RunDir, attempt_id, in_job_restart, job_of, read_state, write_json
 from launcher.contract.secrets import remove_dir, secrets_dir_for
 from launcher.gate import Runner, excluding, run_slurm, verdict_of
 from launcher.hostlist import expand_hostlist
@@ -60,8 +61,12 @@ class Decision:
     why: str
     """One sentence for the batch log."""
 
+    restart: bool = False
+    """Restart the ranks inside the allocation (spare nodes) instead of requeueing the job."""
+
     def line(self) -> str:
-        return f"{'requeue' if self.requeue else 'stop'} {self.code} {self.why}"
+        action = "restart" if self.restart else "requeue" if self.requeue else "stop"
+        return f"{action} {self.code} {self.why}"
 
 
 def crash_loop(run_dir: str, failed: bool) -> Optional[str]:
@@ -144,7 +149,7 @@ def record_first_death(run_dir: str, restarts: int, environ: Mapping[str, str] =
         log = Path(RunDir(run_dir).batch_log(f"{array}_{task}" if array and task else job)).read_text(errors="replace")
     except OSError:
         return
-    found = rankends.first_srun_death(log, f"[meshrun] job {job} restart {restarts} on ")
+    found = rankends.first_srun_death(log, attempt_line(job, restarts, in_job_restart(environ)))
     if found is None or not rankends.by_signal(found[2]):
         return  # a rank that exited with a code of its own had its say
     rank, node, code = found
@@ -155,6 +160,69 @@ def record_first_death(run_dir: str, restarts: int, environ: Mapping[str, str] =
     lead = f"rank {rank} (on {node}) {rankends.how(code)}"
     path.write_text((f"{lead}, first; then {said}" if said else lead) + "\n")
     path.chmod(0o600)
+
+
+def attempt_line(job: str, restarts: int, in_job: int) -> str:
+    """The start of the batch log's line that opens this attempt (the batch script echoes it)."""
+    return f"[meshrun] job {job} restart {restarts} " + (f"in-job {in_job} on " if in_job else "on ")
+
+
+def batch_log_text(run_dir: str, environ: Mapping[str, str]) -> str:
+    job = environ.get("SLURM_JOB_ID") or ""
+    array, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    try:
+        return Path(RunDir(run_dir).batch_log(f"{array}_{task}" if array and task else job)).read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def blamed_for(run_dir: str, status: int, restarts: int, environ: Mapping[str, str]) -> dict[str, str]:
+    """The nodes this attempt's end points at, with the evidence: a hang verdict's stalled ranks' nodes (exit
+    76), or the node of the first rank a signal killed (srun's line: the kernel's OOM killer, a lost node, a
+    kill -9). A rank that exited with a code of its own blames no node: its error is the program's."""
+    if status == EXIT_NO_PROGRESS:
+        verdict = read_state(RunDir(run_dir).verdict_json)
+        if verdict.get("attempt") != attempt_id(environ):
+            return {}
+        return {node: suspects.verdict_evidence(verdict) for node in suspects.blamed_nodes(verdict)}
+    job = environ.get("SLURM_JOB_ID") or ""
+    found = rankends.first_srun_death(
+        batch_log_text(run_dir, environ), attempt_line(job, restarts, in_job_restart(environ))
+    )
+    if found is None or not rankends.by_signal(found[2]):
+        return {}
+    rank, node, code = found
+    return {node: f"rank {rank} {rankends.how(code)}"}
+
+
+def restart_in_allocation(
+    run_dir: str, status: int, restarts: int, spares: int, environ: Mapping[str, str] = os.environ
+) -> Optional[tuple[Decision, dict[str, str]]]:
+    """A failure or hang the job restarts from inside its allocation, on spare nodes in place of the blamed
+    ones (resilience.spare_nodes, .max_restarts, .restart_on); None when it is requeued as before."""
+    from launcher.contract.spec import read_run_spec  # torch-free
+
+    res = read_run_spec(Path(run_dir)).job.resilience
+    kind = "hang" if status == EXIT_NO_PROGRESS else "failure"
+    if not res.spare_nodes or status in (EXIT_REQUEUE, EXIT_UNHEALTHY) or kind not in res.restart_on:
+        return None
+    done = in_job_restart(environ)
+    if done >= res.max_restarts:
+        print(
+            f"[meshrun] {done} restarts inside the allocation already (resilience.max_restarts): requeueing",
+            file=sys.stderr,
+        )
+        return None
+    blamed = blamed_for(run_dir, status, restarts, environ)
+    if len(blamed) > spares:
+        print(
+            f"[meshrun] {len(blamed)} node(s) to replace and {spares} healthy spare(s) left: requeueing",
+            file=sys.stderr,
+        )
+        return None
+    without = f" without {', '.join(f'{n} ({why})' for n, why in sorted(blamed.items()))}" if blamed else ""
+    why = f"restarting inside the allocation{without}: restart {done + 1} of at most {res.max_restarts} (exit {status})"
+    return Decision(True, status, why, restart=True), blamed
 
 
 def record_reason(run_dir: str, why: str) -> None:
@@ -172,14 +240,22 @@ def is_command_job(run_dir: str) -> bool:
     return read_run_spec(Path(run_dir)).job.command is not None
 
 
-USAGE = "usage: python -m launcher.requeue RUN_DIR STATUS RESTARTS MAX_RESTARTS [--stop-requested] [--terminated]"
+USAGE = (
+    "usage: python -m launcher.requeue RUN_DIR STATUS RESTARTS MAX_RESTARTS [--stop-requested] [--terminated] "
+    "[--spares=N]"
+)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    flags = {a for a in args if a.startswith("--")}
+    spares_given = [a.split("=", 1)[1] for a in args if a.startswith("--spares=")]
+    flags = {a for a in args if a.startswith("--") and not a.startswith("--spares=")}
     words = [a for a in args if not a.startswith("--")]
-    if len(words) != 4 or not all(w.isdigit() for w in words[1:]) or flags - {"--stop-requested", "--terminated"}:
+    if (
+        len(words) != 4
+        or not all(w.isdigit() for w in [*words[1:], *spares_given])
+        or flags - {"--stop-requested", "--terminated"}
+    ):
         print(USAGE, file=sys.stderr)
         return 2
     run_dir, (status, restarts, max_restarts) = words[0], map(int, words[1:])
@@ -205,6 +281,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         terminated=terminated,
         command_job=command_job,
     )
+    if decision.requeue and spares_given and not decision.restart:
+        restart = restart_in_allocation(run_dir, status, restarts, int(spares_given[0]))
+        if restart is not None:
+            decision, blamed = restart
+            for node, evidence in blamed.items():
+                record_suspect(run_dir, node, evidence)
+            print(decision.line(), flush=True)
+            if blamed:
+                print(f"exclude {','.join(sorted(blamed))}", flush=True)
+            return 0
     if not decision.requeue:  # the job's final state: its env: secrets go (`meshrun resume` sends them again)
         remove_dir(secrets_dir_for(run_dir))
     if note:
@@ -213,6 +299,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     if decision.requeue and status == EXIT_NO_PROGRESS:
         hung_nodes_leave(run_dir)
     return 0
+
+
+def record_suspect(run_dir: str, node: str, evidence: str, environ: Mapping[str, str] = os.environ) -> None:
+    """A node a restart inside the allocation leaves behind goes in the cluster's ledger of suspects (a hang's
+    nodes are there already: the sidecar put them)."""
+    from launcher.contract.spec import read_run_spec  # torch-free
+
+    ledger = read_run_spec(Path(run_dir)).run.suspects_file
+    if not ledger or evidence.startswith("hang verdict"):
+        return
+    try:
+        append_line(ledger, suspects.finding_line(node, evidence, job_of(environ) or "?"))
+    except OSError as exc:
+        print(f"[meshrun] cannot record {node} in {ledger}: {exc}", file=sys.stderr)
 
 
 def hung_nodes_leave(run_dir: str, environ: Mapping[str, str] = os.environ, run: Runner = run_slurm) -> None:

@@ -2,7 +2,8 @@
 
 Its inputs are the run dir's own records, so the same accounting runs wherever they are read:
 - RUN_DIR/.meshrun/attempts.jsonl: each start and end of an allocation ({"event": "start"|"end", "job",
-  "restart", "time", "submitted", "nodes", "status"}), written by the batch shell (Slurm) or the
+  "restart", "in_job", "time", "submitted", "nodes", "status"}; in_job: a restart inside the allocation on spare
+  nodes, absent for the allocation's first start), written by the batch shell (Slurm) or the
   supervisor (local) through `record_start` / `record_end`;
 - metrics.jsonl: rank 0's step lines ({"step", "time", "eval_s", ...}: each covers the steps since the line
   before), its "train_start" event per attempt ({"event": "train_start", "from_step", "time"}: the first
@@ -47,6 +48,8 @@ class Attempt:
     submitted: Optional[float] = None
     nodes: str = ""
     status: Optional[int] = None
+    in_job: int = 0
+    """Its restart inside the allocation (spare nodes); 0 for the allocation's first start."""
     parts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
     lost_steps: int = 0
     steps: int = 0
@@ -73,18 +76,23 @@ def read_jsonl(path: str) -> Iterator[dict[str, Any]]:
 
 def attempts_of(records: Iterable[Mapping[str, Any]], job: str) -> list[Attempt]:
     """The job's attempts from attempts.jsonl's lines, oldest first (an end without its start is dropped)."""
-    found: dict[int, Attempt] = {}
+    found: dict[tuple[int, int], Attempt] = {}
     for r in records:
         if r.get("job") != job or not isinstance(r.get("time"), (int, float)):
             continue
-        restart = int(r.get("restart") or 0)
+        key = (int(r.get("restart") or 0), int(r.get("in_job") or 0))
         if r.get("event") == "start":
-            found[restart] = Attempt(
-                job, restart, float(r["time"]), submitted=_number(r.get("submitted")), nodes=str(r.get("nodes", ""))
+            found[key] = Attempt(
+                job,
+                key[0],
+                float(r["time"]),
+                submitted=_number(r.get("submitted")),
+                nodes=str(r.get("nodes", "")),
+                in_job=key[1],
             )
-        elif r.get("event") == "end" and restart in found:
-            found[restart].end = float(r["time"])
-            found[restart].status = r.get("status") if isinstance(r.get("status"), int) else None
+        elif r.get("event") == "end" and key in found:
+            found[key].end = float(r["time"])
+            found[key].status = r.get("status") if isinstance(r.get("status"), int) else None
     return [found[k] for k in sorted(found)]
 
 
@@ -100,6 +108,8 @@ def account(attempts: list[Attempt], metrics: list[Mapping[str, Any]], now: Opti
     for a, later in zip(attempts, attempts[1:]):
         if a.end is None:  # its batch shell was killed before it could say (Slurm's kill after a preemption)
             a.end = later.start  # at the latest: the next start (the requeue's wait is counted in it)
+        if later.in_job and later.restart == a.restart:  # a restart inside the allocation: no queue between
+            later.start = min(later.start, a.end)  # the batch shell's decision is the restart's own setup
     for a in attempts:
         _split(a, metrics, redone, now)
     totals = dict.fromkeys(PARTS, 0.0)
@@ -123,6 +133,7 @@ def account(attempts: list[Attempt], metrics: list[Mapping[str, Any]], now: Opti
         "attempts": [
             {
                 "restart": a.restart,
+                "in_job": a.in_job,
                 "nodes": a.nodes,
                 "start": a.start,
                 "end": a.end,
@@ -222,7 +233,7 @@ def _take(parts: dict[str, float], interval: float, eval_s: float, stall_s: floa
     return interval - busy * scale
 
 
-def record_start(run_dir: str, job: str, restart: int, submitted: Optional[float], nodes: str) -> None:
+def record_start(run_dir: str, job: str, restart: int, submitted: Optional[float], nodes: str, in_job: int = 0) -> None:
     record = {
         "event": "start",
         "job": job,
@@ -230,12 +241,15 @@ def record_start(run_dir: str, job: str, restart: int, submitted: Optional[float
         "time": time.time(),
         "submitted": submitted,
         "nodes": nodes,
+        **({"in_job": in_job} if in_job else {}),
     }
     append_line(RunDir(run_dir).attempts, json.dumps(record, sort_keys=True))
 
 
-def record_end(run_dir: str, job: str, restart: int, status: Optional[int]) -> None:
+def record_end(run_dir: str, job: str, restart: int, status: Optional[int], in_job: int = 0) -> None:
     record = {"event": "end", "job": job, "restart": restart, "time": time.time(), "status": status}
+    if in_job:
+        record["in_job"] = in_job
     append_line(RunDir(run_dir).attempts, json.dumps(record, sort_keys=True))
 
 

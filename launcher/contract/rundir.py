@@ -331,13 +331,28 @@ def note_checkpoint(run_dir: str, step: int, environ: Mapping[str, str] = os.env
 
 
 def attempt_id(environ: Mapping[str, str]) -> str:
-    """This start of the job: Slurm's job id and restart count (a requeue is a new attempt), or the local job id.
+    """This start of the job: Slurm's job id and restart count (a requeue is a new attempt) and its restart inside
+    the allocation (on spare nodes), or the local job id.
 
     Files one attempt leaves on a node (heartbeats, staged checkpoints, a hang claim) name it, so the
     next attempt never mistakes them for its own.
     """
     job = environ.get("SLURM_JOB_ID") or environ.get(JOB_ID_ENV) or "nojob"
-    return f"{job}.{environ.get('SLURM_RESTART_COUNT') or 0}"
+    in_job = in_job_restart(environ)
+    return f"{job}.{environ.get('SLURM_RESTART_COUNT') or 0}" + (f".{in_job}" if in_job else "")
+
+
+IN_JOB_ENV = "MESHRUN_RESTART_IN_JOB"
+"""Set by the batch script: how many times the ranks were restarted inside this allocation (on spare nodes)."""
+RUN_NODES_ENV = "MESHRUN_RUN_NODES"
+"""Set by the batch script when the job has spare nodes: the nodes the ranks run on now (comma-separated)."""
+
+
+def in_job_restart(environ: Mapping[str, str]) -> int:
+    try:
+        return int(environ.get(IN_JOB_ENV) or 0)
+    except ValueError:
+        return 0
 
 
 def expand_node_path(path: str) -> str:

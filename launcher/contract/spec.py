@@ -233,6 +233,10 @@ class Sidecar:
             raise SchemaError("sidecar.final_copy_s", self.final_copy_s, "give 0 to 86400 seconds (default 300)")
 
 
+RESTART_ON = ("failure", "hang", "health")
+"""What may restart a job inside its allocation (resilience.restart_on)."""
+
+
 @dataclass(frozen=True)
 class Resilience:
     """Keeping a long job productive across failures (docs/guides/hangs-and-alerts.md: suspect nodes)."""
@@ -250,6 +254,14 @@ class Resilience:
     min_free_gb: float = 0.0
     """Free space each node needs on the checkpoint root and its scratch, in GB; 0: two checkpoints' worth,
     estimated from the model (at least 1 GB)."""
+    spare_nodes: int = 0
+    """Nodes allocated beyond resources.nodes (Slurm): a failed node's ranks restart on a spare inside the same
+    allocation, from the last complete checkpoint, instead of waiting in the queue again; 0-1024."""
+    max_restarts: int = 3
+    """Restarts inside one allocation (with spare_nodes) before the job falls back to a requeue; 0-100."""
+    restart_on: tuple[str, ...] = ("failure", "hang", "health")
+    """What restarts inside the allocation: a rank's failure, a hang verdict (exit 76), a node failing its
+    health check; anything else (bad input, a crash loop, divergence) never does."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.forget_after_h <= 8760:
@@ -258,6 +270,13 @@ class Resilience:
             raise SchemaError(
                 "resilience.health_timeout_s", self.health_timeout_s, "give 10 to 1800 seconds (default 120)"
             )
+        if not 0 <= self.spare_nodes <= 1024:
+            raise SchemaError("resilience.spare_nodes", self.spare_nodes, "give 0 to 1024 nodes (default 0)")
+        if not 0 <= self.max_restarts <= 100:
+            raise SchemaError("resilience.max_restarts", self.max_restarts, "give 0 to 100 restarts (default 3)")
+        unknown = [word for word in self.restart_on if word not in RESTART_ON]
+        if unknown:
+            raise SchemaError("resilience.restart_on", unknown[0], f"give some of {', '.join(RESTART_ON)}")
         if not 0 <= self.min_free_gb <= 1e6:
             raise SchemaError(
                 "resilience.min_free_gb", self.min_free_gb, "give 0 (two checkpoints' worth) to 1000000 GB"

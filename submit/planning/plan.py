@@ -194,7 +194,16 @@ def check_tasks(spec: JobSpec) -> None:
 def check_resources(spec: JobSpec, cluster: ClusterProfile) -> Optional[Partition]:
     """The resources against the cluster's partition: GPUs, CPUs, nodes, memory, time (after check_tasks and
     the scheduler's own checks, which make_plan runs first)."""
-    return fit_partition(spec.resources, spec.tasks_per_node, cluster)
+    part = fit_partition(spec.resources, spec.tasks_per_node, cluster)
+    res = spec.resources
+    spares = spec.resilience.spare_nodes  # (the local backend's own check refuses any: one machine)
+    if spares and part.max_nodes is not None and res.nodes + spares > part.max_nodes:
+        raise InputError(
+            "resilience.spare_nodes",
+            spares,
+            f"{res.nodes} nodes + {spares} spares > the {part.max_nodes} nodes of partition {part.name!r}; ask for fewer",
+        )
+    return part
 
 
 def fit_partition(

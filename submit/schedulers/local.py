@@ -80,6 +80,10 @@ class LocalBackend:
     def check(self, spec: JobSpec, profile: ClusterProfile) -> None:
         if spec.resources.nodes != 1:
             raise InputError("resources.nodes", spec.resources.nodes, "the local cluster is this one machine: use 1")
+        if spec.resilience.spare_nodes:
+            raise InputError(
+                "resilience.spare_nodes", spec.resilience.spare_nodes, "the local cluster is this one machine: give 0"
+            )
 
     def dryrun(self, plan: Plan, after: Sequence[str] = ()) -> Request:
         from submit.schedulers.render import render

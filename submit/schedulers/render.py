@@ -163,6 +163,8 @@ def context(plan: Plan, python: str) -> dict[str, Any]:
         "max_restarts": spec.checkpoint.max_restarts,
         "requeue_command": _sidecar_command(rank_command, "launcher.requeue"),
         "attempt_command": _sidecar_command(rank_command, "launcher.attempt"),
+        "spare_nodes": spec.resilience.spare_nodes,
+        "max_restarts_in_job": spec.resilience.max_restarts,
         "health_gate": spec.resilience.health_check,
         "health_command": _sidecar_command(rank_command, "launcher.probes.health"),
         "gate_command": _sidecar_command(rank_command, "launcher.gate"),

@@ -194,7 +194,16 @@ def goodput_line(figures: Mapping[str, Any]) -> str:
         for key, word in (("queue_s", "queued"), ("requeue_s", "requeue"))
         if figures.get(key)
     ]
-    starts = len(figures.get("attempts") or ())
+    attempts = list(figures.get("attempts") or ())
+    starts = len(attempts)
+    moves = [
+        f"{before.get('nodes')} -> {after.get('nodes')}"
+        for before, after in zip(attempts, attempts[1:])
+        if after.get("in_job") and before.get("nodes") != after.get("nodes")
+    ]
+    in_job = sum(1 for a in attempts if a.get("in_job"))
+    if in_job:  # restarts inside an allocation (spare nodes) apart from Slurm's requeues
+        waits.append(f"{in_job} restart(s) inside the allocation" + (f" ({', '.join(moves)})" if moves else ""))
     return (
         f"{head}: {pct if pct is not None else 0:.0f}% effective (productive {span(parts.get('productive', 0))} of "
         f"{span(float(figures.get('allocated_s') or 0))} allocated"

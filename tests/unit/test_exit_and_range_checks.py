@@ -75,6 +75,9 @@ def test_a_cluster_that_fails_exits_1_with_one_line_and_records_nothing(
         ("train.lr=1e400", "train.lr: inf", "expected a finite number"),  # float() overflows to inf
         ("resilience.health_timeout_s=5", "resilience.health_timeout_s: 5.0", "give 10 to 1800 seconds (default 120)"),
         ("resilience.min_free_gb=-1", "resilience.min_free_gb: -1.0", "give 0 (two checkpoints' worth) to 1000000 GB"),
+        ("resilience.spare_nodes=2", "resilience.spare_nodes: 2", "1 nodes + 2 spares > the 2 nodes of partition"),
+        ("resilience.max_restarts=-1", "resilience.max_restarts: -1", "give 0 to 100 restarts (default 3)"),
+        ("resilience.restart_on=failure,oom", "resilience.restart_on: 'oom'", "give some of failure, hang, health"),
     ],
 )
 def test_bad_values_exit_2_with_key_value_and_fix(
@@ -284,3 +287,13 @@ def test_render_of_an_unreachable_cluster_says_it_can_render_offline(
     # submit --dry-run asks the cluster too (a new user's trial tried it on h100-ndr): it names the offline way.
     code, err = run(capsys, "submit", str(REPO / "examples" / "command.yaml"), "-c", str(profile), "--dry-run")
     assert code == 1 and err.count("\n") == 1 and err.rstrip().endswith(f"-c {profile} --offline"), err
+
+
+def test_spare_nodes_on_the_one_machine_local_cluster_are_refused(
+    home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = run(capsys, "render", TINY, "-c", "local", "--set", "resilience.spare_nodes=1")
+    assert (
+        code == 2
+        and err == "meshrun: error: resilience.spare_nodes: 1: the local cluster is this one machine: give 0\n"
+    )

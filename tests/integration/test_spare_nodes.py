@@ -1,0 +1,79 @@
+"""Restart inside the allocation on a spare node (issue 24, part 1), on the real Slurm testbed: a 1-node job
+with 1 spare (the testbed has two nodes) whose rank is killed with -9 mid-run restarts on the spare inside the
+same Slurm job (no requeue), resumes from its last complete checkpoint and finishes every step; the node it
+left is a suspect with srun's evidence, and goodput counts both runs of the allocation."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import psutil
+
+from tests.helpers.cli import SMALL_MODEL, TWO_NODES, meshrun, metrics, submitted, wait_for_state, wait_for_step
+
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}
+STEPS = 40
+
+
+def _rank_pids(run_dir: Path) -> list[int]:
+    """The job's rank processes (`python -m launcher RUN_DIR`, not its sidecar), on this one testbed machine."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if cmd[-3:] == ["-m", "launcher", str(run_dir)] and os.path.basename(cmd[0]).startswith("python"):  # not srun
+            found.append(proc.pid)
+    return found
+
+
+def _sacct_states(testbed: dict, job_id: str) -> list[str]:
+    out = subprocess.run(
+        ["sacct", "-n", "-X", "-D", "-j", job_id, "-o", "State"],
+        env={"SLURM_CONF": str(testbed["slurm_conf"]), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return out.split()
+
+
+def test_a_rank_killed_on_its_node_restarts_on_the_spare_inside_the_same_allocation(
+    testbed: dict, tmp_path: Path, corpus: Path
+) -> None:
+    args = [*TWO_NODES, *SMALL_MODEL, "--set", "resources.nodes=1", "--set", "parallel.dp=1"]
+    args += ["--set", "resilience.spare_nodes=1", "--set", "resilience.avoid_suspects=false"]
+    args += ["--set", f"data.path={corpus}", "--set", f"train.steps={STEPS}", "--set", "train.log_every=1"]
+    args += ["--set", "checkpoint.every=5"]
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, check=True))
+    wait_for_step(run_dir, 12, timeout=180)
+    (pid,) = _rank_pids(run_dir)
+    os.kill(pid, signal.SIGKILL)
+    row = wait_for_state(tmp_path, job_id, ENDED, timeout=240)
+    batch = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    assert row["state"] == "COMPLETED" and row["restarts"] == 0, (row, batch)  # no requeue: one allocation
+    assert "restarting inside the allocation without n1 (rank 0 " in batch and "restart 1 of at most 3" in batch, batch
+    assert f"[meshrun] job {job_id} restart 0 in-job 1 on n2 at " in batch, batch
+    assert "REQUEUED" not in _sacct_states(testbed, job_id)
+    steps = [r["step"] for r in metrics(run_dir)]
+    assert steps[-1] == STEPS and sorted(set(steps)) == list(range(1, STEPS + 1)), steps
+    assert "resuming from step" in (run_dir / "logs" / "rank-0.log").read_text()
+    # Goodput: the allocation's two runs, the second on the spare.
+    runs = row["goodput"]["attempts"]
+    assert [(a["restart"], a["in_job"], a["nodes"]) for a in runs] == [(0, 0, "n1"), (0, 1, "n2")], runs
+    assert runs[0]["status"] not in (0, None) and runs[1]["status"] == 0, runs
+    shown = " ".join(meshrun(tmp_path, "status", job_id, check=True).stdout.split())
+    assert "1 restart(s) inside the allocation (n1 -> n2)" in shown, shown
+    # n1 is a suspect, with srun's word for the rank's end.
+    listed = json.loads(meshrun(tmp_path, "nodes", "-c", "testbed", "--json", check=True).stdout)
+    (n1,) = [s for s in listed if s["node"] == "n1"]
+    assert n1["evidence"].startswith("rank 0 ") and "SIGKILL" in n1["evidence"], listed
+    # The same job uninterrupted, without spares: each step's kept loss (its last line) is the same, bit for bit.
+    at = args.index("resilience.spare_nodes=1")
+    plain = args[: at - 1] + args[at + 1 :]  # without that --set and its value
+    ref_id, ref_dir = submitted(meshrun(tmp_path, "submit", *plain, check=True))
+    assert wait_for_state(tmp_path, ref_id, ENDED, timeout=240)["state"] == "COMPLETED"
+    kept = {r["step"]: r["loss"] for r in metrics(run_dir)}  # a step trained again: its later line wins
+    assert kept == {r["step"]: r["loss"] for r in metrics(ref_dir)}

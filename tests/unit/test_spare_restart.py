@@ -1,0 +1,108 @@
+"""The requeue policy's restart inside the allocation (issue 24, part 1): which ends restart on a spare node,
+which node they leave out, and when the job falls back to a requeue. The real thing on the Slurm testbed:
+tests/integration/test_spare_nodes.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from launcher.contract import suspects
+from launcher.contract.exitcodes import EXIT_NO_PROGRESS, EXIT_REQUEUE
+from launcher.contract.rundir import RunDir, attempt_id
+from launcher.contract.spec import JobSpec, Resilience, Resources, RunInfo, RunSpec, write_run_spec
+from launcher.requeue import main, restart_in_allocation
+
+ENV = {"SLURM_JOB_ID": "41", "SLURM_RESTART_COUNT": "0", "SLURM_JOB_NODELIST": "n[1-2]"}
+KILLED = "[meshrun] job 41 restart 0 on n[1-2] at 2026-12-03T15:15:09Z\nsrun: error: n1: task 0: Killed\n"
+
+
+def _run(tmp_path: Path, **resilience: object) -> str:
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    job = JobSpec(name="s", resources=Resources(nodes=1), command=("true",), resilience=Resilience(**resilience))  # type: ignore[arg-type]
+    info = RunInfo(cluster="c", scheduler="slurm", run_dir=str(run_dir), suspects_file=str(tmp_path / "ledger.jsonl"))
+    write_run_spec(RunSpec(job, info), run_dir)
+    return str(run_dir)
+
+
+def test_a_rank_killed_by_a_signal_restarts_on_a_spare_without_its_node(tmp_path: Path) -> None:
+    run_dir = _run(tmp_path, spare_nodes=1)
+    Path(RunDir(run_dir).batch_log("41")).write_text(KILLED)
+    found = restart_in_allocation(run_dir, 137, 0, spares=1, environ=ENV)
+    assert found is not None
+    decision, blamed = found
+    assert decision.line().startswith(
+        "restart 137 restarting inside the allocation without n1 (rank 0 was killed by SIGKILL"
+    )
+    assert decision.line().endswith("restart 1 of at most 3 (exit 137)") and list(blamed) == ["n1"]
+
+
+@pytest.mark.parametrize(
+    "resilience, status, spares, env",
+    [
+        ({}, 137, 1, ENV),  # no spare nodes asked for: requeued as ever
+        ({"spare_nodes": 1}, 137, 0, ENV),  # no healthy spare left
+        ({"spare_nodes": 1}, EXIT_REQUEUE, 1, ENV),  # a stop signal saved: preempted or timed out, requeued
+        ({"spare_nodes": 1, "restart_on": ("hang",)}, 137, 1, ENV),  # failures do not restart here
+        ({"spare_nodes": 1, "max_restarts": 2}, 137, 1, {**ENV, "MESHRUN_RESTART_IN_JOB": "2"}),  # limit reached
+    ],
+    ids=["no-spares", "none-left", "saved", "not-restart-on", "limit"],
+)
+def test_when_the_job_falls_back_to_a_requeue(
+    tmp_path: Path, resilience: dict, status: int, spares: int, env: dict[str, str]
+) -> None:
+    run_dir = _run(tmp_path, **resilience)
+    Path(RunDir(run_dir).batch_log("41")).write_text(KILLED)
+    assert restart_in_allocation(run_dir, status, 0, spares=spares, environ=env) is None
+
+
+def test_a_hang_leaves_its_stalled_node_and_a_program_error_blames_no_node(tmp_path: Path) -> None:
+    run_dir = _run(tmp_path, spare_nodes=1)
+    verdict = {
+        "attempt": attempt_id(ENV),
+        "verdict": "Rank 0 on n1 stalled. More.",
+        "ranks": [{"node": "n1", "state": "stalled"}],
+    }
+    Path(RunDir(run_dir).verdict_json).parent.mkdir(parents=True)
+    Path(RunDir(run_dir).verdict_json).write_text(json.dumps(verdict))
+    found = restart_in_allocation(run_dir, EXIT_NO_PROGRESS, 0, spares=1, environ=ENV)
+    assert found is not None and found[1] == {"n1": "hang verdict: Rank 0 on n1 stalled"}
+    # A rank that exited 1 by itself: restarted in place (its node is not to blame), on the same nodes.
+    Path(RunDir(run_dir).batch_log("41")).write_text(KILLED.replace("Killed", "Exited with exit code 1"))
+    again = restart_in_allocation(run_dir, 1, 0, spares=1, environ=ENV)
+    assert again is not None and again[1] == {} and "without" not in again[0].why
+
+
+def test_main_prints_restart_and_the_node_to_leave_out_and_records_it_as_a_suspect(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_dir = _run(tmp_path, spare_nodes=1)
+    Path(RunDir(run_dir).batch_log("41")).write_text(KILLED)
+    for key, value in ENV.items():
+        monkeypatch.setenv(key, value)
+    assert main([run_dir, "137", "0", "20", "--spares=1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("restart 137 restarting inside the allocation without n1") and out[1:] == ["exclude n1"]
+    (row,) = suspects.parse((tmp_path / "ledger.jsonl").read_text().splitlines())
+    assert row["node"] == "n1" and row["evidence"].startswith("rank 0 was killed by SIGKILL") and row["job"] == "41"
+    assert main([run_dir, "137", "0", "20", "--spares=x"]) == 2  # a bad count: the usage line
+
+
+def test_status_counts_restarts_inside_the_allocation_apart_from_requeues() -> None:
+    from submit.views.tables import goodput_line
+
+    figures = {
+        "allocated_s": 60.0,
+        "parts_s": {"productive": 45.0, "setup": 15.0},
+        "effective_pct": 75.0,
+        "attempts": [
+            {"restart": 0, "in_job": 0, "nodes": "n1"},
+            {"restart": 0, "in_job": 1, "nodes": "n2"},
+        ],
+    }
+    line = goodput_line(figures)
+    assert line.startswith("goodput: 75% effective (productive 45.0s of 1m00s allocated in 2 starts")
+    assert line.endswith("; 1 restart(s) inside the allocation (n1 -> n2)"), line
