@@ -89,6 +89,10 @@ QUICK: dict[str, tuple[list[str], list[str]]] = {
     ),
 }
 ON_TESTBED = {
+    "restart.py": (
+        ["--quick"],
+        [rf"restart inside the allocation \(1 spare\) +{NUMBER} ", rf"ratio restart/requeue = {NUMBER}"],
+    ),
     "health.py": (
         ["--quick"],
         [rf"health check, {kind} job +{NUMBER} +{NUMBER} +{NUMBER} s$" for kind in ("command", "trainer")],
