@@ -46,7 +46,7 @@ def main(argv: Optional[list[str]] = None, environ: Mapping[str, str] = os.envir
             goodput.record_start(run_dir, job, restart, submitted, nodes, in_job)
         else:
             status = int(args[2]) if len(args) > 2 and args[2].isdigit() else None
-            goodput.record_end(run_dir, job, restart, status, in_job)
+            goodput.record_end(run_dir, job, restart, status, in_job, environ.get(RUN_NODES_ENV, ""))
         goodput.write(run_dir, job)
     except OSError as exc:  # the accounting never fails the job it accounts
         print(f"[meshrun] goodput: {exc}", file=sys.stderr)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
@@ -296,8 +297,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if note:
         decision = Decision(decision.requeue, decision.code, f"{note}: {decision.why}")
     print(decision.line(), flush=True)
-    if decision.requeue and status == EXIT_NO_PROGRESS:
-        hung_nodes_leave(run_dir)
+    if decision.requeue and status != EXIT_UNHEALTHY:  # (the health gate named its own nodes already)
+        requeue_leaves_out(run_dir, status, restarts)
     return 0
 
 
@@ -315,22 +316,50 @@ def record_suspect(run_dir: str, node: str, evidence: str, environ: Mapping[str,
         print(f"[meshrun] cannot record {node} in {ledger}: {exc}", file=sys.stderr)
 
 
-def hung_nodes_leave(run_dir: str, environ: Mapping[str, str] = os.environ, run: Runner = run_slurm) -> None:
-    """A hang this attempt's sidecar blamed on nodes (their ranks stalled) takes them out of the requeued job:
-    a second line, `exclude NODES`, which the batch script sets as the job's ExcNodeList after the requeue (as
-    for the health gate's failures), unless that would leave the partition too few nodes (then the requeue
-    tries them again: a hang is often the job's own, not the node's)."""
-    verdict = read_state(RunDir(run_dir).verdict_json)
-    blamed = suspects.blamed_nodes(verdict) if verdict.get("attempt") == attempt_id(environ) else []
+def requeue_leaves_out(
+    run_dir: str,
+    status: int,
+    restarts: int,
+    environ: Mapping[str, str] = os.environ,
+    run: Runner = run_slurm,
+    now: Optional[float] = None,
+) -> None:
+    """The nodes the requeued job leaves out: those this attempt's end blames (a hang's stalled nodes, the node
+    of the first rank a signal killed: recorded as suspects) and the cluster's other suspects in the ledger
+    (unless resilience.avoid_suspects is off). A second line, `exclude NODES`, which the batch script sets as
+    the job's ExcNodeList right after the requeue (as for the health gate's failures). When the partition
+    cannot spare them all, this attempt's own are tried alone; when not even those, the log says they stay in."""
+    from launcher.contract.spec import read_run_spec  # torch-free
+
     job = job_of(environ)
-    if not blamed or not job:
+    if not job:
         return
-    nodes = len(expand_hostlist(environ.get("SLURM_JOB_NODELIST", ""))) or len(blamed)
-    found = excluding({node: suspects.verdict_evidence(verdict) for node in blamed}, job, nodes, run)
-    if found.action == "requeue":
-        print(f"exclude {','.join(found.excluded)}", flush=True)
-    else:
-        print(f"[meshrun] the hang's node(s) {', '.join(blamed)} stay in: {found.why}", file=sys.stderr, flush=True)
+    spec = read_run_spec(Path(run_dir))
+    blamed = blamed_for(run_dir, status, restarts, environ)
+    for node, evidence in blamed.items():
+        record_suspect(run_dir, node, evidence, environ)
+    known: dict[str, str] = {}
+    if spec.job.resilience.avoid_suspects and spec.run.suspects_file:
+        rows = suspects.parse(_lines(spec.run.suspects_file))
+        found = suspects.suspects(rows, time.time() if now is None else now, spec.job.resilience.forget_after_h * 3600)
+        known = {node: f.evidence for node, f in found.items()}
+    if not blamed and not known:
+        return
+    nodes = len(expand_hostlist(environ.get("SLURM_JOB_NODELIST", ""))) or 1
+    verdict = excluding({**known, **blamed}, job, nodes, run)
+    if verdict.action != "requeue" and known and blamed:
+        verdict = excluding(blamed, job, nodes, run)  # the partition cannot spare every suspect: this end's
+    if verdict.action == "requeue":
+        print(f"exclude {','.join(verdict.excluded)}", flush=True)
+    elif blamed:
+        print(f"[meshrun] node(s) {', '.join(sorted(blamed))} stay in: {verdict.why}", file=sys.stderr, flush=True)
+
+
+def _lines(path: str) -> list[str]:
+    try:
+        return Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return []
 
 
 if __name__ == "__main__":

@@ -93,6 +93,7 @@ def attempts_of(records: Iterable[Mapping[str, Any]], job: str) -> list[Attempt]
         elif r.get("event") == "end" and key in found:
             found[key].end = float(r["time"])
             found[key].status = r.get("status") if isinstance(r.get("status"), int) else None
+            found[key].nodes = str(r.get("nodes") or found[key].nodes)
     return [found[k] for k in sorted(found)]
 
 
@@ -246,10 +247,13 @@ def record_start(run_dir: str, job: str, restart: int, submitted: Optional[float
     append_line(RunDir(run_dir).attempts, json.dumps(record, sort_keys=True))
 
 
-def record_end(run_dir: str, job: str, restart: int, status: Optional[int], in_job: int = 0) -> None:
-    record = {"event": "end", "job": job, "restart": restart, "time": time.time(), "status": status}
+def record_end(run_dir: str, job: str, restart: int, status: Optional[int], in_job: int = 0, nodes: str = "") -> None:
+    """The attempt's end; `nodes`: the nodes its ranks ran on, when the health gate changed them after the start."""
+    record: dict[str, Any] = {"event": "end", "job": job, "restart": restart, "time": time.time(), "status": status}
     if in_job:
         record["in_job"] = in_job
+    if nodes:
+        record["nodes"] = nodes
     append_line(RunDir(run_dir).attempts, json.dumps(record, sort_keys=True))
 
 

@@ -77,3 +77,22 @@ def test_a_rank_killed_on_its_node_restarts_on_the_spare_inside_the_same_allocat
     assert wait_for_state(tmp_path, ref_id, ENDED, timeout=240)["state"] == "COMPLETED"
     kept = {r["step"]: r["loss"] for r in metrics(run_dir)}  # a step trained again: its later line wins
     assert kept == {r["step"]: r["loss"] for r in metrics(ref_dir)}
+
+
+def test_a_node_failing_its_health_check_is_replaced_by_the_spare_before_any_rank_starts(
+    testbed: dict, tmp_path: Path, corpus: Path
+) -> None:
+    args = [*TWO_NODES, *SMALL_MODEL, "--set", "resources.nodes=1", "--set", "parallel.dp=1"]
+    args += ["--set", "resilience.spare_nodes=1", "--set", "resilience.avoid_suspects=false"]
+    args += ["--set", f"data.path={corpus}", "--set", "train.steps=4", "--set", "train.log_every=1"]
+    out = meshrun(tmp_path, "submit", *args, env={"MESHRUN_TEST_HEALTH_FAIL": "n1"}, check=True)
+    job_id, run_dir = submitted(out)
+    row = wait_for_state(tmp_path, job_id, ENDED, timeout=240)
+    batch = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    assert row["state"] == "COMPLETED" and row["restarts"] == 0, (row, batch)
+    assert "health check failed on n1 (gpus: MESHRUN_TEST_HEALTH_FAIL" in batch, batch
+    assert "the ranks start on spare nodes instead" in batch and "in-job" not in batch, batch
+    runs = row["goodput"]["attempts"]
+    assert [(a["in_job"], a["nodes"]) for a in runs] == [(0, "n2")], runs  # the end's record names the spare
+    assert "(n2)" in (run_dir / "logs" / "rank-0.log").read_text()  # rank 0 ran on the spare
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]

@@ -4,6 +4,8 @@ the requeue policy's part in it. The real thing on the Slurm testbed: tests/inte
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import sys
 from dataclasses import replace
@@ -14,7 +16,7 @@ import pytest
 
 from launcher import gate
 from launcher.contract import suspects
-from launcher.contract.exitcodes import EXIT_UNHEALTHY
+from launcher.contract.exitcodes import EXIT_NO_PROGRESS, EXIT_UNHEALTHY
 from launcher.contract.modelshape import param_count
 from launcher.contract.presets import PRESETS
 from launcher.contract.rundir import RunDir, attempt_id
@@ -245,7 +247,7 @@ def test_main_prints_the_action_and_keeps_the_verdict_for_the_requeue_policy(
 def test_a_requeue_after_a_hang_leaves_out_the_blamed_nodes_when_the_partition_can_spare_them(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from launcher.requeue import hung_nodes_leave
+    from launcher.requeue import requeue_leaves_out
 
     run_dir = _run(tmp_path)
     env = {"SLURM_JOB_ID": "41", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_RESTART_COUNT": "0"}
@@ -256,11 +258,41 @@ def test_a_requeue_after_a_hang_leaves_out_the_blamed_nodes_when_the_partition_c
     }
     Path(RunDir(run_dir).verdict_json).parent.mkdir(parents=True, exist_ok=True)
     Path(RunDir(run_dir).verdict_json).write_text(json.dumps(verdict))
-    hung_nodes_leave(run_dir, env, Slurm(partition=("n1", "n2", "n3")))
+    requeue_leaves_out(run_dir, EXIT_NO_PROGRESS, 0, env, Slurm(partition=("n1", "n2", "n3")))
     assert capsys.readouterr().out == "exclude n2\n"
-    hung_nodes_leave(run_dir, env, Slurm(partition=("n1", "n2")))  # the job needs both: n2 stays in
+    requeue_leaves_out(
+        run_dir, EXIT_NO_PROGRESS, 0, env, Slurm(partition=("n1", "n2"))
+    )  # the job needs both: n2 stays in
     out, err = capsys.readouterr()
-    assert out == "" and "the hang's node(s) n2 stay in: " in err and "would leave the partition 1 of the 2" in err
+    assert out == "" and "node(s) n2 stay in: " in err and "would leave the partition 1 of the 2" in err
     # An older attempt's verdict blames nobody now.
-    hung_nodes_leave(run_dir, {**env, "SLURM_RESTART_COUNT": "1"}, Slurm(partition=("n1", "n2", "n3")))
+    requeue_leaves_out(
+        run_dir, EXIT_NO_PROGRESS, 1, {**env, "SLURM_RESTART_COUNT": "1"}, Slurm(partition=("n1", "n2", "n3"))
+    )
     assert capsys.readouterr() == ("", "")
+
+
+def test_a_requeue_leaves_out_the_ledgers_suspects_too_and_this_ends_own_first(tmp_path: Path) -> None:
+    from launcher.requeue import requeue_leaves_out
+
+    run_dir = _run(tmp_path)
+    ledger = tmp_path / "work/.meshrun/s.jsonl"
+    ledger.parent.mkdir(parents=True)
+    ledger.write_text(
+        suspects.finding_line("n3", "straggler: rank 1 took 2.00x the median step time", "40", 900.0) + "\n"
+    )
+    Path(RunDir(run_dir).batch_log("41")).parent.mkdir(parents=True, exist_ok=True)
+    Path(RunDir(run_dir).batch_log("41")).write_text(
+        "[meshrun] job 41 restart 0 on n[1-2] at x\nsrun: error: n2: task 1: Killed\n"
+    )
+    env = {"SLURM_JOB_ID": "41", "SLURM_JOB_NODELIST": "n[1-2]"}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        requeue_leaves_out(run_dir, 137, 0, env, Slurm(partition=("n1", "n2", "n3", "n4", "n5")), now=1000.0)
+    assert out.getvalue() == "exclude n2,n3\n"  # the killed rank's node and the ledger's straggler
+    rows = suspects.parse(ledger.read_text().splitlines())
+    assert [(r["node"], r["evidence"].split(" (")[0]) for r in rows][-1] == ("n2", "rank 1 was killed by SIGKILL")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):  # room for one only: this end's own node
+        requeue_leaves_out(run_dir, 137, 0, env, Slurm(partition=("n1", "n2", "n3")), now=1000.0)
+    assert out.getvalue() == "exclude n2\n"
