@@ -25,6 +25,7 @@ The local supervisor never requeues (`meshrun resume` does), but applies the sam
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -177,10 +178,17 @@ def batch_log_text(run_dir: str, environ: Mapping[str, str]) -> str:
         return ""
 
 
+NODE_SIGNALS = (signal.SIGKILL, signal.SIGBUS)
+"""Deaths that point at the node: killed from outside (the kernel's OOM killer, an operator, a lost node) or
+a bus error (failing memory, a vanished file system). Not the stop signals meshrun and Slurm send, nor a
+segfault or an abort, which are the program's own more often than not."""
+
+
 def blamed_for(run_dir: str, status: int, restarts: int, environ: Mapping[str, str]) -> dict[str, str]:
     """The nodes this attempt's end points at, with the evidence: a hang verdict's stalled ranks' nodes (exit
-    76), or the node of the first rank a signal killed (srun's line: the kernel's OOM killer, a lost node, a
-    kill -9). A rank that exited with a code of its own blames no node: its error is the program's."""
+    76), or the node of the first rank killed by SIGKILL or SIGBUS (srun's line: the kernel's OOM killer, a lost
+    node, a kill -9, failing memory). A rank that exited with a code of its own blames no node: its error is
+    the program's."""
     if status == EXIT_NO_PROGRESS:
         verdict = read_state(RunDir(run_dir).verdict_json)
         if verdict.get("attempt") != attempt_id(environ):
@@ -190,7 +198,7 @@ def blamed_for(run_dir: str, status: int, restarts: int, environ: Mapping[str, s
     found = rankends.first_srun_death(
         batch_log_text(run_dir, environ), attempt_line(job, restarts, in_job_restart(environ))
     )
-    if found is None or not rankends.by_signal(found[2]):
+    if found is None or not rankends.by_signal(found[2]) or abs(found[2]) % 128 not in NODE_SIGNALS:
         return {}
     rank, node, code = found
     return {node: f"rank {rank} {rankends.how(code)}"}

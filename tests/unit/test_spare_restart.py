@@ -106,3 +106,11 @@ def test_status_counts_restarts_inside_the_allocation_apart_from_requeues() -> N
     line = goodput_line(figures)
     assert line.startswith("goodput: 75% effective (productive 45.0s of 1m00s allocated in 2 starts")
     assert line.endswith("; 1 restart(s) inside the allocation (n1 -> n2)"), line
+
+
+def test_a_stop_signal_or_a_segfault_blames_no_node(tmp_path: Path) -> None:
+    run_dir = _run(tmp_path, spare_nodes=1)
+    for words in ("User defined signal 1", "Segmentation fault", "Terminated"):
+        Path(RunDir(run_dir).batch_log("41")).write_text(KILLED.replace("Killed", words))
+        found = restart_in_allocation(run_dir, 1, 0, spares=1, environ=ENV)
+        assert found is not None and found[1] == {}, words
