@@ -8,7 +8,7 @@ Set through the job's environment (`env:` in the spec, or `--set env.MESHRUN_TES
     MESHRUN_TEST_DATA_DELAY=SECONDS  every rank waits SECONDS for its data in every step (a starved
                                      input pipeline: the wait counts as data wait)
 
-Both act on the job's first attempt only (Slurm's restart count 0), so a requeued job resumes and
+Both act on the job's first attempt only (Slurm's restart count 0, and not a restart inside the allocation), so a requeued job resumes and
 finishes: what the watchdog's end-to-end tests need. Nothing here runs unless one is set.
 """
 
@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+from launcher.contract.rundir import in_job_restart
 from launcher.contract.schema import SchemaError
 
 HANG_ENV = "MESHRUN_TEST_HANG"
@@ -66,8 +67,8 @@ def _pair(environ: Mapping[str, str], key: str) -> Optional[tuple[int, str]]:
 
 
 def faults_for(rank: int, restart_count: int, environ: Mapping[str, str] = os.environ) -> Faults:
-    """The faults this rank injects (none after a requeue: the rerun must finish)."""
-    if restart_count > 0:
+    """The faults this rank injects (none after a requeue or a restart on a spare node: the rerun must finish)."""
+    if restart_count > 0 or in_job_restart(environ) > 0:
         return Faults()
     hang, slow = _pair(environ, HANG_ENV), _pair(environ, SLOW_ENV)
     hang_step = int(hang[1]) if hang and hang[0] == rank else None

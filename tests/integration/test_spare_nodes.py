@@ -1,7 +1,8 @@
 """Restart inside the allocation on a spare node (issue 24, part 1), on the real Slurm testbed: a 1-node job
 with 1 spare (the testbed has two nodes) whose rank is killed with -9 mid-run restarts on the spare inside the
 same Slurm job (no requeue), resumes from its last complete checkpoint and finishes every step; the node it
-left is a suspect with srun's evidence, and goodput counts both runs of the allocation."""
+left is a suspect with srun's evidence, and goodput counts both runs of the allocation. A hang on its node
+(launcher/testing/faults.py) restarts the same way, and a node failing the health gate is replaced first."""
 
 from __future__ import annotations
 
@@ -13,7 +14,17 @@ from pathlib import Path
 
 import psutil
 
-from tests.helpers.cli import SMALL_MODEL, TWO_NODES, meshrun, metrics, submitted, wait_for_state, wait_for_step
+from launcher.contract.exitcodes import EXIT_NO_PROGRESS
+from tests.helpers.cli import (
+    FAST_WATCH,
+    SMALL_MODEL,
+    TWO_NODES,
+    meshrun,
+    metrics,
+    submitted,
+    wait_for_state,
+    wait_for_step,
+)
 
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}
 STEPS = 40
@@ -96,3 +107,23 @@ def test_a_node_failing_its_health_check_is_replaced_by_the_spare_before_any_ran
     assert [(a["in_job"], a["nodes"]) for a in runs] == [(0, "n2")], runs  # the end's record names the spare
     assert "(n2)" in (run_dir / "logs" / "rank-0.log").read_text()  # rank 0 ran on the spare
     assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
+
+
+def test_a_hang_on_its_node_restarts_on_the_spare_inside_the_same_allocation(
+    testbed: dict, tmp_path: Path, corpus: Path
+) -> None:
+    args = [*TWO_NODES, *SMALL_MODEL, "--set", "resources.nodes=1", "--set", "parallel.dp=1", *FAST_WATCH]
+    args += ["--set", "resilience.spare_nodes=1", "--set", "resilience.avoid_suspects=false"]
+    args += ["--set", f"data.path={corpus}", "--set", "train.steps=30", "--set", "env.MESHRUN_TEST_HANG=0:25"]
+    # One rank's tiny steps take ~10 ms: 0.1 s more each lets the sidecar time them before the hang (its
+    # step timeout then applies, not the setup's 20 minutes). Faults act on the allocation's first run only.
+    args += ["--set", "env.MESHRUN_TEST_SLOW=0:0.1"]
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, check=True))
+    row = wait_for_state(tmp_path, job_id, ENDED, timeout=240)
+    batch = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    assert row["state"] == "COMPLETED" and row["restarts"] == 0, (row, batch)
+    assert f"ranks exited with status {EXIT_NO_PROGRESS}" in batch, batch
+    assert "restarting inside the allocation without n1 (hang verdict: " in batch, batch
+    assert f"[meshrun] job {job_id} restart 0 in-job 1 on n2 at " in batch, batch
+    assert "resuming from step 20" in (run_dir / "logs" / "rank-0.log").read_text()
+    assert metrics(run_dir)[-1]["step"] == 30
