@@ -78,6 +78,9 @@ class Findings:
     goodput: Optional[dict[str, Any]] = None
     """Where this job's allocated time went, as of its newest attempt's start or end or its sidecar's last
     minute (one job's detail view and `top`): RUN_DIR/.meshrun/goodput/JOB.json, launcher/contract/goodput.py."""
+    run_goodput: Optional[dict[str, Any]] = None
+    """The run dir's total over every job in it (a resume in the run dir is a job of its own), when it has more
+    than one: {"jobs", "allocated_s", "productive_s", "lost_steps", "effective_pct"}."""
     checkpoint_step: Optional[int] = None
     """This job's newest checkpoint complete on shared storage (RunDir.last_checkpoint), None when it made none
     (or a later job of the run dir made the newest: then its own metrics events say)."""
@@ -100,6 +103,7 @@ class Findings:
             "steps": self.steps,
             "engine": self.engine,
             "goodput": self.goodput,
+            "run_goodput": self.run_goodput,
         }
 
 
@@ -239,7 +243,31 @@ def findings_from(files: Mapping[str, str], submitted_at: float, job_id: Optiona
         engine=parse_engine(files.get(SPEC)),
         checkpoint_step=parse_last_checkpoint(files.get(LAST_CHECKPOINT), job_id),
         goodput=parse_goodput(files.get(posixpath.join(GOODPUT_DIR, f"{job_id}.json")) if job_id else None, job_id),
+        run_goodput=run_total(files) if job_id else None,
     )
+
+
+def run_total(files: Mapping[str, str]) -> Optional[dict[str, Any]]:
+    """Every whole goodput record of the run dir summed (None unless it holds more than one job's)."""
+    prefix = GOODPUT_DIR + "/"
+    records = [
+        record
+        for name, text in sorted(files.items())
+        if name.startswith(prefix)
+        and name.endswith(".json")
+        and (record := parse_goodput(text, name[len(prefix) : -len(".json")])) is not None
+    ]
+    if len(records) < 2:
+        return None
+    allocated = sum(float(r["allocated_s"]) for r in records)
+    productive = sum(float(r["parts_s"].get("productive", 0)) for r in records)
+    return {
+        "jobs": len(records),
+        "allocated_s": round(allocated, 3),
+        "productive_s": round(productive, 3),
+        "lost_steps": sum(int(r.get("lost_steps") or 0) for r in records),
+        "effective_pct": round(100.0 * productive / allocated, 2) if allocated > 0 else None,
+    }
 
 
 def parse_goodput(text: Optional[str], job_id: Optional[str]) -> Optional[dict[str, Any]]:

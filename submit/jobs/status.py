@@ -68,6 +68,9 @@ class Status:
     """Where the job's allocated time went ({"allocated_s", "parts_s", "effective_pct", "lost_steps",
     "queue_s", "requeue_s", "running", "attempts", ...}: launcher/contract/goodput.py), as of its newest
     attempt's start or end; one job's detail view only."""
+    run_goodput: Optional[dict[str, Any]] = None
+    """The run dir's total over its jobs (a resume in the run dir is a job of its own) when it has more than one:
+    {"jobs", "allocated_s", "productive_s", "lost_steps", "effective_pct"}; one job's detail view only."""
 
     def as_json(self) -> dict[str, Any]:
         return dict(self.__dict__)

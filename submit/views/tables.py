@@ -160,6 +160,14 @@ def detail_lines(status: Any, width: int = 100) -> list[str]:
         )
     if status.goodput is not None:
         lines.append(goodput_line(status.goodput))
+    if status.run_goodput is not None:
+        run = status.run_goodput
+        lines.append(
+            f"the run dir's {run['jobs']} jobs: {run.get('effective_pct') or 0:.0f}% effective (productive "
+            f"{span(float(run['productive_s']))} of {span(float(run['allocated_s']))} allocated"
+            + (f", {run['lost_steps']} steps lost" if run.get("lost_steps") else "")
+            + ")"
+        )
     if status.alerts:
         lines.append(f"alerts ({len(status.alerts)} recent, newest last; all: {status.run_dir}/alerts.jsonl):")
         lines += [f"  {alert_line(a)}" for a in status.alerts[-DETAIL_ALERTS:]]

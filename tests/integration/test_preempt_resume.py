@@ -119,3 +119,6 @@ def test_resume_a_stopped_slurm_job_in_its_run_dir(testbed: dict, tmp_path: Path
     rows = _step_rows(run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert "resuming from step" in (run_dir / "logs" / "rank-0.log").read_text()
+    # Goodput per job and for the run: the resume is a job of its own in the same run dir.
+    shown = " ".join(meshrun(tmp_path, "status", new_id, check=True).stdout.split())
+    assert "the run dir's 2 jobs: " in shown and "% effective (productive " in shown, shown

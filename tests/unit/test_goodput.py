@@ -193,3 +193,26 @@ def test_an_attempt_whose_end_was_never_recorded_ends_at_the_next_start() -> Non
     ]
     g = goodput.account(goodput.attempts_of(lines, "k"), [], now=1000.0)
     assert g["allocated_s"] == 80.0 and not g["running"] and g["attempts"][0]["end"] == 50.0
+
+
+def test_the_run_dirs_total_sums_every_jobs_whole_record_and_only_when_there_are_several() -> None:
+    import json as _json
+
+    from submit.jobs.findings import GOODPUT_DIR, run_total
+
+    def record(job: str, allocated: float, productive: float, lost: int) -> str:
+        parts = {"productive": productive, "setup": allocated - productive}
+        return _json.dumps({"job": job, "allocated_s": allocated, "parts_s": parts, "lost_steps": lost})
+
+    files = {f"{GOODPUT_DIR}/41.json": record("41", 100.0, 60.0, 5)}
+    assert run_total(files) is None  # one job: its own line says it all
+    files[f"{GOODPUT_DIR}/57.json"] = record("57", 50.0, 45.0, 0)  # its resume, in the same run dir
+    files[f"{GOODPUT_DIR}/58.json"] = '{"job": "58", "allocated_s": '  # torn: left out
+    files[f"{GOODPUT_DIR}/59.json"] = record("60", 10.0, 10.0, 0)  # names another job: left out
+    assert run_total(files) == {
+        "jobs": 2,
+        "allocated_s": 150.0,
+        "productive_s": 105.0,
+        "lost_steps": 5,
+        "effective_pct": 70.0,
+    }
