@@ -6,7 +6,7 @@ Each node answers in RUN_DIR/health/NODE.json ({"node", "time", "seconds", "chec
 "evidence"}]}; seconds: how long its checks took):
 - gpus: the GPUs the job asked for are there (NVML) and none reports a fault that a restart will not fix:
   uncorrectable ECC errors since the driver loaded, retired pages or remapped rows waiting for a reset, a
-  failed row remapping;
+  failed row remapping, clocks held down by the hardware (slowdown, thermal, power brake);
 - space: free space on the checkpoint root and on the node's scratch, for two checkpoints of the model (the
   spec's `resilience.min_free_gb` when given);
 - storage: the checkpoint root takes a written, fsynced file (the run dir took the answer itself);
@@ -45,6 +45,9 @@ seconds, a clock without NTP drifts minutes)."""
 CHECKPOINT_BYTES_PER_PARAM = 12
 """A checkpoint holds each parameter in fp32 and Adam's two fp32 moments."""
 MIN_FREE_BYTES = 1 << 30
+HARDWARE_SLOWDOWN = 0x8 | 0x40 | 0x80
+"""NVML's throttle reasons that only the hardware sets (HW slowdown, HW thermal slowdown, HW power brake): a
+GPU held down by one before any work runs makes every step of the job wait for it."""
 GB = 1e9
 
 
@@ -82,6 +85,11 @@ def gpu_faults(nvml: Any, handle: Any) -> list[str]:
         faults.append(f"{ecc} uncorrectable ECC errors since the driver loaded")
     if read(lambda: nvml.nvmlDeviceGetRetiredPagesPendingStatus(handle)):
         faults.append("retired pages pending (the GPU needs a reset)")
+    reasons = read(lambda: nvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle))
+    if isinstance(reasons, int) and reasons & HARDWARE_SLOWDOWN:
+        faults.append(
+            f"clocks held down by the hardware (throttle reasons {reasons:#x}: slowdown, thermal or power brake)"
+        )
     rows = read(lambda: nvml.nvmlDeviceGetRemappedRows(handle))
     if rows is not None and len(rows) >= 4:
         if rows[3]:

@@ -36,8 +36,8 @@ from launcher.requeue import decide
 from tests.unit import fake_nvml
 from tests.unit.fake_nvml import FakeGpu
 
-GPU_A = FakeGpu(uuid="GPU-aaaa1111-0000", bus="00000000:01:00.0")
-GPU_B = FakeGpu(uuid="GPU-bbbb2222-0000", bus="00000000:41:00.0")
+GPU_A = FakeGpu(uuid="GPU-aaaa1111-0000", bus="00000000:01:00.0", throttle=0x1)  # idle: no finding
+GPU_B = FakeGpu(uuid="GPU-bbbb2222-0000", bus="00000000:41:00.0", throttle=0x1)
 
 
 def _run(tmp_path: Path, gpus: int = 0, **resilience: object) -> str:
@@ -92,18 +92,22 @@ def test_gpus_pass_when_every_asked_gpu_is_there_and_fail_on_a_lasting_fault(mon
     assert health.check_gpus(2, None, broken=False) == health.Check("gpus", "pass", "2 x NVIDIA H200")
     short = health.check_gpus(2, "1", broken=False)
     assert short.verdict == "fail" and short.evidence.startswith("1 of the 2 GPUs asked for are visible")
-    ecc = FakeGpu(uuid="GPU-aaaa1111-0000", bus="00000000:01:00.0", ecc=(0, 2))
-    rows = FakeGpu(uuid="GPU-bbbb2222-0000", bus="00000000:41:00.0", rows=(0, 0, 1, 0), pages_pending=1)
+    ecc = FakeGpu(uuid="GPU-aaaa1111-0000", bus="00000000:01:00.0", ecc=(0, 2), throttle=0x1)
+    rows = FakeGpu(uuid="GPU-bbbb2222-0000", bus="00000000:41:00.0", rows=(0, 0, 1, 0), pages_pending=1, throttle=0x40)
     monkeypatch.setitem(sys.modules, "pynvml", fake_nvml.make([ecc, rows]))
     bad = health.check_gpus(2, None, broken=False)
     assert bad.verdict == "fail"
     assert bad.evidence == (
         "GPU-aaaa1111-0000: 2 uncorrectable ECC errors since the driver loaded; "
         "GPU-bbbb2222-0000: retired pages pending (the GPU needs a reset); "
+        "GPU-bbbb2222-0000: clocks held down by the "
+        "hardware (throttle reasons 0x40: slowdown, thermal or power brake); "
         "GPU-bbbb2222-0000: remapped rows pending (the GPU needs a reset)"
     )
     # A counter the GPU does not support is no finding.
-    quiet = FakeGpu(uuid="GPU-aaaa1111-0000", bus="00000000:01:00.0", ecc=(0, 5), unsupported={"ecc", "rows", "pages"})
+    quiet = FakeGpu(
+        uuid="GPU-aaaa1111-0000", bus="00000000:01:00.0", ecc=(0, 5), unsupported={"ecc", "rows", "pages", "throttle"}
+    )
     monkeypatch.setitem(sys.modules, "pynvml", fake_nvml.make([quiet]))
     assert health.check_gpus(1, None, broken=False).verdict == "pass"
 
