@@ -77,7 +77,12 @@ def failures(
 
 
 def exclusion(
-    failing: Mapping[str, str], excluded: Sequence[str], partition_nodes: Sequence[str], nodes_needed: int
+    failing: Mapping[str, str],
+    excluded: Sequence[str],
+    partition_nodes: Sequence[str],
+    nodes_needed: int,
+    cluster: str = "CLUSTER",
+    job: str = "JOB",
 ) -> Verdict:
     """What to do with failing nodes: exclude them and requeue, unless that leaves the partition too few nodes."""
     if not failing:
@@ -86,10 +91,11 @@ def exclusion(
     named = ", ".join(f"{node} ({why})" for node, why in sorted(failing.items()))
     left = len(set(partition_nodes) - set(wanted)) if partition_nodes else nodes_needed
     if left < nodes_needed:
+        nodes = " ".join(f"--clear {node}" for node in sorted(failing))
         why = (
             f"health check failed on {named}; excluding {', '.join(wanted)} would leave the partition "
-            f"{left} of the {nodes_needed} nodes the job needs: not requeueing (`meshrun nodes --clear NODE` once "
-            "it is repaired, then `meshrun resume`)"
+            f"{left} of the {nodes_needed} nodes the job needs: not requeueing (`meshrun nodes -c {cluster} {nodes}` "
+            f"once repaired, then `meshrun resume {job}`)"
         )
         return Verdict("stop", dict(failing), tuple(excluded), why)
     why = f"health check failed on {named}: requeueing with {', '.join(wanted)} excluded"
@@ -128,7 +134,8 @@ def judge(run_dir: str, environ: Mapping[str, str], run: Runner = run_slurm, now
     failing = failures(nodes, answers, timeout_s)
     if not failing:
         slowest = max((float(a.get("seconds") or 0) for a in answers.values() if a), default=0.0)
-        return Verdict("start", {}, why=f"health check passed on {len(nodes)} nodes (the slowest took {slowest:.1f} s)")
+        counted = f"{len(nodes)} node" + ("s" if len(nodes) != 1 else "")
+        return Verdict("start", {}, why=f"health check passed on {counted} (the slowest took {slowest:.1f} s)")
     job = job_of(environ) or "?"
     ledger = spec.run.suspects_file if spec else ""
     for node, evidence in sorted(failing.items()):
@@ -142,13 +149,15 @@ def judge(run_dir: str, environ: Mapping[str, str], run: Runner = run_slurm, now
         named = ", ".join(f"{node} ({why})" for node, why in sorted(failing.items()))
         why = f"health check failed on {named}: the ranks start on spare nodes instead"
         return Verdict("start", dict(failing), tuple(sorted(failing)), why)
-    return excluding(failing, job, len(allocated), run)
+    return excluding(failing, job, len(allocated), run, spec.run.cluster if spec else "CLUSTER")
 
 
-def excluding(failing: Mapping[str, str], job: str, nodes_needed: int, run: Runner = run_slurm) -> Verdict:
+def excluding(
+    failing: Mapping[str, str], job: str, nodes_needed: int, run: Runner = run_slurm, cluster: str = "CLUSTER"
+) -> Verdict:
     """`exclusion` for this Slurm job: its excluded nodes and its partition's nodes asked of Slurm."""
     excluded, partition = job_excluded(job, run)
-    return exclusion(failing, excluded, partition_nodes(partition, run), nodes_needed)
+    return exclusion(failing, excluded, partition_nodes(partition, run), nodes_needed, cluster, job)
 
 
 def read_run_spec_quietly(run_dir: str) -> Any:

@@ -360,7 +360,12 @@ def requeue_leaves_out(
     if verdict.action == "requeue":
         print(f"exclude {','.join(verdict.excluded)}", flush=True)
     elif blamed:
-        print(f"[meshrun] node(s) {', '.join(sorted(blamed))} stay in: {verdict.why}", file=sys.stderr, flush=True)
+        print(
+            f"[meshrun] node(s) {', '.join(sorted(blamed))} stay in the requeued job: the partition cannot spare "
+            f"them beside the job's {nodes} nodes",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _lines(path: str) -> list[str]:

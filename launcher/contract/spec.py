@@ -277,6 +277,13 @@ class Resilience:
         unknown = [word for word in self.restart_on if word not in RESTART_ON]
         if unknown:
             raise SchemaError("resilience.restart_on", unknown[0], f"give some of {', '.join(RESTART_ON)}")
+        if self.spare_nodes and (self.max_restarts == 0 or not self.restart_on):
+            raise SchemaError(
+                "resilience.spare_nodes",
+                self.spare_nodes,
+                "spares serve only restarts inside the allocation: give resilience.max_restarts >= 1 and a "
+                "restart_on, or 0 spares (a spare is allocated, and billed, while it idles)",
+            )
         if not 0 <= self.min_free_gb <= 1e6:
             raise SchemaError(
                 "resilience.min_free_gb", self.min_free_gb, "give 0 (two checkpoints' worth) to 1000000 GB"
@@ -401,7 +408,8 @@ class JobSpec:
     watchdog: Watchdog = field(default_factory=Watchdog)
     """Hang and straggler detection (the sidecar, from the ranks' heartbeats)."""
     resilience: Resilience = field(default_factory=Resilience)
-    """Suspect nodes: how long a blamed node is left out of new submits, and whether this job avoids them."""
+    """Keeping the allocation: spare nodes and restarts inside it, the health gate before each start, and the
+    suspect nodes a job leaves out (docs/guides/hangs-and-alerts.md)."""
     alerts: Alerts = field(default_factory=Alerts)
     """Alert rules and their thresholds (alerts.jsonl, the rank-0 log, status, `meshrun watch --notify`)."""
     deepspeed: Mapping[str, Any] = field(default_factory=dict)

@@ -501,7 +501,8 @@ def avoid_suspects(
     if not new:
         return plan, ()
     total = plan.partition.max_nodes if plan.partition else None
-    spare = len(new) if total is None else max(0, total - len(already) - spec.resources.nodes)
+    needed = spec.resources.nodes + spec.resilience.spare_nodes  # the job's own nodes and its spares
+    spare = len(new) if total is None else max(0, total - len(already) - needed)
     left_out, kept = new[:spare], new[spare:]
     where = f"`meshrun nodes -c {cluster.name}` lists them; `--clear NODE` trusts one again"
     lines = [

@@ -85,7 +85,7 @@ def test_testbed_hang_on_the_second_node_is_requeued_resumes_and_finishes(
     assert row["state"] == "COMPLETED" and row["restarts"] == 1, (row, batch)
     assert f"ranks exited with status {EXIT_NO_PROGRESS}" in batch and "requeueing: restart 1" in batch, batch
     # The requeue would leave out n2, the node the verdict blamed, but the job needs both of the partition's.
-    assert "node(s) n2 stay in: " in batch and "would leave the partition 1 of the 2 nodes" in batch, batch
+    assert "node(s) n2 stay in the requeued job: the partition cannot spare them beside the job's 2 nodes" in batch
 
     verdict = _verdict(run_dir)
     hung = _rank(verdict, 1)

@@ -41,7 +41,7 @@ def test_a_node_failing_its_health_check_is_excluded_and_the_job_requeued_onto_a
     assert row["state"] == "COMPLETED" and row["restarts"] == 1, (row, batch)
     assert "health check failed on n1 (gpus: MESHRUN_TEST_HEALTH_FAIL: 1 uncorrectable ECC error" in batch, batch
     assert "requeueing with n1 excluded" in batch and f"ranks exited with status {EXIT_UNHEALTHY}" not in batch, batch
-    assert "health check passed on 1 nodes" in batch, batch
+    assert "health check passed on 1 node " in batch, batch
     assert _scontrol_field(testbed, job_id, "ExcNodeList") == "n1"
     assert _scontrol_field(testbed, job_id, "NodeList") == "n2"
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, 7))  # no rank ran on n1: nothing repeated
@@ -84,4 +84,5 @@ def test_a_failing_node_that_cannot_be_spared_ends_the_job_with_79_and_its_reaso
     assert row["state"] == "FAILED" and row["exit_code"] == EXIT_UNHEALTHY and row["restarts"] == 0, (row, batch)
     assert not list((run_dir / "logs").glob("rank-*.log")), batch  # no rank started
     shown = " ".join(meshrun(tmp_path, "status", job_id, check=True).stdout.split())  # unwrapped
-    assert "health check failed on n2" in shown and "meshrun nodes --clear NODE" in shown, shown
+    assert "health check failed on n2" in shown, shown
+    assert f"`meshrun nodes -c testbed --clear n2` once repaired, then `meshrun resume {job_id}`" in shown, shown

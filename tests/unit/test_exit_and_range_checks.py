@@ -78,12 +78,14 @@ def test_a_cluster_that_fails_exits_1_with_one_line_and_records_nothing(
         ("resilience.spare_nodes=2", "resilience.spare_nodes: 2", "1 nodes + 2 spares > the 2 nodes of partition"),
         ("resilience.max_restarts=-1", "resilience.max_restarts: -1", "give 0 to 100 restarts (default 3)"),
         ("resilience.restart_on=failure,oom", "resilience.restart_on: 'oom'", "give some of failure, hang, health"),
+        ("resilience.spare_nodes=1 --set resilience.max_restarts=0", "resilience.spare_nodes: 1", "spares serve only"),
     ],
 )
 def test_bad_values_exit_2_with_key_value_and_fix(
     home: Path, capsys: pytest.CaptureFixture[str], override: str, named: str, fix: str
 ) -> None:
-    code, err = run(capsys, "render", TINY, "-c", "testbed", "--set", override)
+    sets = [word for one in override.split(" --set ") for word in ("--set", one)]  # one or more --set
+    code, err = run(capsys, "render", TINY, "-c", "testbed", *sets)
     assert code == 2, err
     assert err.count("\n") == 1 and err.startswith("meshrun: error: "), err
     assert f"{named}: {fix}" in err, err

@@ -200,7 +200,7 @@ def test_exclusion_merges_with_what_is_excluded_and_never_leaves_too_few_nodes()
     stop = gate.exclusion({"n2": "gpus: x"}, [], ["n1", "n2"], 2)
     assert stop.action == "stop" and stop.excluded == ()
     assert "would leave the partition 1 of the 2 nodes the job needs: not requeueing" in stop.why
-    assert "meshrun nodes --clear NODE" in stop.why
+    assert "`meshrun nodes -c CLUSTER --clear n2` once repaired, then `meshrun resume JOB`" in stop.why
     unknown = gate.exclusion({"n2": "gpus: x"}, [], [], 2)  # sinfo did not answer: Slurm keeps the job pending
     assert unknown.action == "requeue"
 
@@ -268,7 +268,9 @@ def test_a_requeue_after_a_hang_leaves_out_the_blamed_nodes_when_the_partition_c
         run_dir, EXIT_NO_PROGRESS, 0, env, Slurm(partition=("n1", "n2"))
     )  # the job needs both: n2 stays in
     out, err = capsys.readouterr()
-    assert out == "" and "node(s) n2 stay in: " in err and "would leave the partition 1 of the 2" in err
+    assert (
+        out == "" and "node(s) n2 stay in the requeued job: the partition cannot spare them beside the job's 2" in err
+    )
     # An older attempt's verdict blames nobody now.
     requeue_leaves_out(
         run_dir, EXIT_NO_PROGRESS, 1, {**env, "SLURM_RESTART_COUNT": "1"}, Slurm(partition=("n1", "n2", "n3"))

@@ -126,3 +126,14 @@ def test_a_straggler_and_a_hardware_xid_make_their_nodes_suspects_once(tmp_path:
         ("n2", "straggler: rank 3 took 1.80x the median step time"),
         ("n1", "XID 79 on GPU-b"),
     ]
+
+
+def test_a_job_with_spares_leaves_out_only_what_the_partition_can_spare_beside_its_spares_too() -> None:
+    profile = load_profile("testbed")  # partition debug: 2 nodes
+    spec = REPO / "examples" / "two-node.yaml"
+    sets = {"resources.nodes": 1, "resources.tasks_per_node": 1, "parallel.dp": 1, "resilience.spare_nodes": 1}
+    plan = plan_file(spec, profile, overrides=[f"{k}={v}" for k, v in sets.items()])
+    now = 100 * HOUR
+    kept, lines = avoid_suspects(plan, [_row("n1", now - HOUR)], now)
+    assert kept.cluster.defaults.exclude == ()  # 1 node + 1 spare need both: n1 stays in
+    assert lines and "kept in" in lines[0]
