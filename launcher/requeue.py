@@ -306,7 +306,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         decision = Decision(decision.requeue, decision.code, f"{note}: {decision.why}")
     print(decision.line(), flush=True)
     if decision.requeue and status != EXIT_UNHEALTHY:  # (the health gate named its own nodes already)
-        requeue_leaves_out(run_dir, status, restarts)
+        # A saved stop (a preemption, the time limit) blames no node: Slurm's own kills at its grace time's end
+        # are no finding.
+        requeue_leaves_out(run_dir, status, restarts, blame=status != EXIT_REQUEUE and not stop_requested)
     return 0
 
 
@@ -331,6 +333,7 @@ def requeue_leaves_out(
     environ: Mapping[str, str] = os.environ,
     run: Runner = run_slurm,
     now: Optional[float] = None,
+    blame: bool = True,
 ) -> None:
     """The nodes the requeued job leaves out: those this attempt's end blames (a hang's stalled nodes, the node
     of the first rank a signal killed: recorded as suspects) and the cluster's other suspects in the ledger
@@ -343,7 +346,7 @@ def requeue_leaves_out(
     if not job:
         return
     spec = read_run_spec(Path(run_dir))
-    blamed = blamed_for(run_dir, status, restarts, environ)
+    blamed = blamed_for(run_dir, status, restarts, environ) if blame else {}
     for node, evidence in blamed.items():
         record_suspect(run_dir, node, evidence, environ)
     known: dict[str, str] = {}

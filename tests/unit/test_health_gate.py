@@ -302,3 +302,22 @@ def test_a_requeue_leaves_out_the_ledgers_suspects_too_and_this_ends_own_first(t
     with contextlib.redirect_stdout(out):  # room for one only: this end's own node
         requeue_leaves_out(run_dir, 137, 0, env, Slurm(partition=("n1", "n2", "n3")), now=1000.0)
     assert out.getvalue() == "exclude n2\n"
+
+
+def test_a_saved_stop_blames_no_node_for_slurms_own_kills(tmp_path: Path) -> None:
+    from launcher.requeue import main
+
+    run_dir = _run(tmp_path)
+    Path(RunDir(run_dir).batch_log("41")).parent.mkdir(parents=True, exist_ok=True)
+    Path(RunDir(run_dir).batch_log("41")).write_text(
+        "[meshrun] job 41 restart 0 on n[1-2] at x\nsrun: error: n2: task 1: Killed\n"
+    )
+    env = {"SLURM_JOB_ID": "41", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_RESTART_COUNT": "0"}
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main([run_dir, "75", "0", "20"]) == 0  # saved after a preemption's signal
+    assert out.getvalue().startswith("requeue 75 ") and "exclude" not in out.getvalue()
+    assert not (tmp_path / "work/.meshrun/s.jsonl").exists()  # nobody recorded
