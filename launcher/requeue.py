@@ -143,15 +143,7 @@ def record_first_death(run_dir: str, restarts: int, environ: Mapping[str, str] =
     other ranks said (a collective's "connection closed by peer"): srun's own line for it ("srun: error: n1:
     task 0: Killed"), read from this attempt's part of the batch log. The local supervisor does the same
     from its rank controller's record."""
-    job = environ.get("SLURM_JOB_ID")
-    if not job:
-        return
-    array, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
-    try:
-        log = Path(RunDir(run_dir).batch_log(f"{array}_{task}" if array and task else job)).read_text(errors="replace")
-    except OSError:
-        return
-    found = rankends.first_srun_death(log, attempt_line(job, restarts, in_job_restart(environ)))
+    found = first_death(run_dir, restarts, environ)
     if found is None or not rankends.by_signal(found[2]):
         return  # a rank that exited with a code of its own had its say
     rank, node, code = found
@@ -169,13 +161,17 @@ def attempt_line(job: str, restarts: int, in_job: int) -> str:
     return f"[meshrun] job {job} restart {restarts} " + (f"in-job {in_job} on " if in_job else "on ")
 
 
-def batch_log_text(run_dir: str, environ: Mapping[str, str]) -> str:
-    job = environ.get("SLURM_JOB_ID") or ""
+def first_death(run_dir: str, restarts: int, environ: Mapping[str, str]) -> Optional[tuple[int, str, int]]:
+    """(rank, node, code) of the first task srun reported ending badly in this attempt's part of the batch log."""
+    job = environ.get("SLURM_JOB_ID")
+    if not job:
+        return None
     array, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
     try:
-        return Path(RunDir(run_dir).batch_log(f"{array}_{task}" if array and task else job)).read_text(errors="replace")
+        log = Path(RunDir(run_dir).batch_log(f"{array}_{task}" if array and task else job)).read_text(errors="replace")
     except OSError:
-        return ""
+        return None
+    return rankends.first_srun_death(log, attempt_line(job, restarts, in_job_restart(environ)))
 
 
 NODE_SIGNALS = (signal.SIGKILL, signal.SIGBUS)
@@ -194,10 +190,7 @@ def blamed_for(run_dir: str, status: int, restarts: int, environ: Mapping[str, s
         if verdict.get("attempt") != attempt_id(environ):
             return {}
         return {node: suspects.verdict_evidence(verdict) for node in suspects.blamed_nodes(verdict)}
-    job = environ.get("SLURM_JOB_ID") or ""
-    found = rankends.first_srun_death(
-        batch_log_text(run_dir, environ), attempt_line(job, restarts, in_job_restart(environ))
-    )
+    found = first_death(run_dir, restarts, environ)
     if found is None or not rankends.by_signal(found[2]) or abs(found[2]) % 128 not in NODE_SIGNALS:
         return {}
     rank, node, code = found
