@@ -18,7 +18,7 @@ from launcher import job as kit
 from launcher.contract import private, secrets
 from launcher.contract.exitcodes import EXIT_REQUEUE
 from launcher.contract.private import make_private_below, make_private_dir, private_umask
-from launcher.contract.rundir import NODE_DIR_ENV, NodeDir, RunDir, expand_node_path, record_exit
+from launcher.contract.rundir import NODE_DIR_ENV, NodeDir, RunDir, expand_node_path, in_job_restart, record_exit
 from launcher.contract.spec import RunSpec, read_run_spec
 from launcher.env import RankEnv, rank_env, setdefault_env, torchrun_vars
 from launcher.preempt import StopFlag
@@ -135,10 +135,12 @@ def command_env(run_spec: RunSpec, env: RankEnv, environ: Mapping[str, str]) -> 
 def rank_banner(env: RankEnv, environ: Mapping[str, str]) -> str:
     """One line per rank at start: which rank, where, and which restart (logs append across requeues)."""
     host = environ.get("SLURMD_NODENAME") or os.uname().nodename
+    in_job = in_job_restart(environ)  # a restart inside the allocation, on spare nodes (0: the allocation's first run)
     return (
         f"[meshrun] rank {env.rank}/{env.world_size} local {env.local_rank}/{env.local_world_size} "
         f"node {env.node_rank}/{env.num_nodes} ({host}) job {env.job_id or '-'} restart {env.restart_count} "
-        f"master {env.master_addr}:{env.master_port}"
+        + (f"in-job {in_job} " if in_job else "")
+        + f"master {env.master_addr}:{env.master_port}"
     )
 
 

@@ -21,7 +21,14 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 from launcher.contract.private import private_umask_while
 from launcher.contract.suspects import LEDGER, Finding, suspects
 from launcher.contract.suspects import parse as parse_suspects
-from submit.config.cluster import ClusterProfile, is_profile_path, load_profile, load_profile_file, profile_path
+from submit.config.cluster import (
+    ClusterProfile,
+    check_node_names,
+    is_profile_path,
+    load_profile,
+    load_profile_file,
+    profile_path,
+)
 from submit.errors import ClusterError, InputError
 from submit.jobs import status as job_status
 from submit.jobs import suspects as job_suspects
@@ -210,9 +217,15 @@ def suspect_nodes(profile: ClusterProfile, transport: Transport) -> dict[str, Fi
     return suspects(job_suspects.read(transport, cluster_work_dir(profile, transport)), time.time())
 
 
-def clear_suspects(profile: ClusterProfile, transport: Transport, nodes: Sequence[str]) -> None:
-    """`meshrun nodes --clear NODE`: the nodes are trusted again (new submits use them)."""
-    job_suspects.clear(transport, cluster_work_dir(profile, transport), nodes)
+def clear_suspects(profile: ClusterProfile, transport: Transport, nodes: Sequence[str]) -> list[str]:
+    """`meshrun nodes --clear NODE`: the nodes are trusted again (new submits use them). Returns those that were
+    suspects (a name the ledger does not hold now is left alone: clearing it would say nothing true)."""
+    named = check_node_names("--clear", list(nodes))
+    now_suspect = suspect_nodes(profile, transport)
+    cleared = [node for node in named if node in now_suspect]
+    if cleared:
+        job_suspects.clear(transport, cluster_work_dir(profile, transport), cleared)
+    return cleared
 
 
 def cluster_work_dir(profile: ClusterProfile, transport: Transport) -> str:

@@ -154,8 +154,12 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     transport = api.connect(profile.ssh, args.cluster)
     try:
         if args.clear:
-            api.clear_suspects(profile, transport, args.clear)
-            print(f"cleared {', '.join(args.clear)}: new submits to {args.cluster} may use them again")
+            cleared = api.clear_suspects(profile, transport, args.clear)
+            if cleared:
+                them = "it" if len(cleared) == 1 else "them"
+                print(f"cleared {', '.join(cleared)}: new submits to {args.cluster} may use {them} again")
+            for node in (n for n in dict.fromkeys(args.clear) if n not in cleared):
+                print(f"{node} is not a suspect on {args.cluster}: nothing to clear")
         found = api.suspect_nodes(profile, transport)
     finally:
         transport.close()

@@ -104,6 +104,7 @@ class Findings:
             "engine": self.engine,
             "goodput": self.goodput,
             "run_goodput": self.run_goodput,
+            "restarts_in_job": sum(1 for a in (self.goodput or {}).get("attempts") or () if a.get("in_job")),
         }
 
 

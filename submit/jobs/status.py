@@ -39,6 +39,10 @@ class Status:
     elapsed_s: Optional[int] = None
     time_limit_s: Optional[int] = None
     restarts: int = 0
+    """Slurm's requeues of the job (its restart count)."""
+    restarts_in_job: int = 0
+    """Restarts inside the allocation, on spare nodes (resilience.spare_nodes), from the job's goodput record:
+    one job's detail view (and `top`) only, else 0."""
     reason: Optional[str] = None
     progress: dict[str, Any] = field(default_factory=dict)
     """The last metrics.jsonl line: step, loss, ... (empty before the first step)."""

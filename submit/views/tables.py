@@ -79,7 +79,7 @@ def status_table(found: Sequence[Any]) -> str:
                 s.state,
                 str(s.progress.get("step", "-")),
                 f"{loss:.4f}" if isinstance(loss, (int, float)) else "nan" if "loss" in s.progress else "-",
-                str(s.restarts),
+                str(s.restarts) + (f"+{s.restarts_in_job} in job" if s.restarts_in_job else ""),
                 str(s.progress.get("checkpoint_step", "-")),
                 clock(s.elapsed_s) if s.elapsed_s is not None else "-",
                 *alerted * (alerts_note(s.alerts),),

@@ -70,13 +70,15 @@ def test_a_rank_killed_on_its_node_restarts_on_the_spare_inside_the_same_allocat
     assert "REQUEUED" not in _sacct_states(testbed, job_id)
     steps = [r["step"] for r in metrics(run_dir)]
     assert steps[-1] == STEPS and sorted(set(steps)) == list(range(1, STEPS + 1)), steps
-    assert "resuming from step" in (run_dir / "logs" / "rank-0.log").read_text()
+    rank_log = (run_dir / "logs" / "rank-0.log").read_text()
+    assert "resuming from step" in rank_log and f"(n2) job {job_id} restart 0 in-job 1 master" in rank_log, rank_log
     # Goodput: the allocation's two runs, the second on the spare.
     runs = row["goodput"]["attempts"]
     assert [(a["restart"], a["in_job"], a["nodes"]) for a in runs] == [(0, 0, "n1"), (0, 1, "n2")], runs
     assert runs[0]["status"] not in (0, None) and runs[1]["status"] == 0, runs
     shown = " ".join(meshrun(tmp_path, "status", job_id, check=True).stdout.split())
-    assert "1 restart(s) inside the allocation (n1 -> n2)" in shown, shown
+    assert "1 restart(s) inside the allocation (n1 -> n2)" in shown and " 0+1 in job " in shown, shown
+    assert row["restarts_in_job"] == 1, row
     # n1 is a suspect, with srun's word for the rank's end.
     listed = json.loads(meshrun(tmp_path, "nodes", "-c", "testbed", "--json", check=True).stdout)
     (n1,) = [s for s in listed if s["node"] == "n1"]

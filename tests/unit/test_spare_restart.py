@@ -114,3 +114,17 @@ def test_a_stop_signal_or_a_segfault_blames_no_node(tmp_path: Path) -> None:
         Path(RunDir(run_dir).batch_log("41")).write_text(KILLED.replace("Killed", words))
         found = restart_in_allocation(run_dir, 1, 0, spares=1, environ=ENV)
         assert found is not None and found[1] == {}, words
+
+
+def test_a_ranks_banner_and_the_status_table_name_the_restart_inside_the_allocation() -> None:
+    from launcher.entry import rank_banner
+    from launcher.env import RankEnv
+    from submit.jobs.findings import Findings
+
+    env = RankEnv(0, 0, 1, 1, 0, 1, "n1", 29500, "41", 0, ("n1",), "slurm")
+    first = rank_banner(env, {"SLURMD_NODENAME": "n1"})
+    again = rank_banner(env, {"SLURMD_NODENAME": "n2", "MESHRUN_RESTART_IN_JOB": "1"})
+    assert "(n1) job 41 restart 0 master" in first and "(n2) job 41 restart 0 in-job 1 master" in again
+    attempts = [{"restart": 0, "in_job": 0, "nodes": "n1"}, {"restart": 0, "in_job": 1, "nodes": "n2"}]
+    assert Findings(goodput={"attempts": attempts}).status_fields()["restarts_in_job"] == 1
+    assert Findings().status_fields()["restarts_in_job"] == 0
