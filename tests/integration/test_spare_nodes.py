@@ -1,8 +1,9 @@
-"""Restart inside the allocation on a spare node (issue 24, part 1), on the real Slurm testbed: a 1-node job
-with 1 spare (the testbed has two nodes) whose rank is killed with -9 mid-run restarts on the spare inside the
-same Slurm job (no requeue), resumes from its last complete checkpoint and finishes every step; the node it
-left is a suspect with srun's evidence, and goodput counts both runs of the allocation. A hang on its node
-(launcher/testing/faults.py) restarts the same way, and a node failing the health gate is replaced first."""
+"""Restart inside the allocation on a spare node (issue 24, part 1), on the real Slurm testbed: a 2-node job
+with 1 spare (the testbed's `wide` partition has three nodes) whose rank on n2 is killed with -9 mid-run
+restarts on n1 + n3 inside the same Slurm job (no requeue), resumes from its last complete checkpoint and
+finishes every step, bit for bit as an uninterrupted run; the node it left is a suspect with srun's evidence,
+and goodput counts both runs of the allocation. A hang on its node (launcher/testing/faults.py) restarts the
+same way, and a node failing the health gate is replaced first."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from tests.helpers.cli import (
     wait_for_state,
     wait_for_step,
 )
+from tests.testbed import testbed as tb
 
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}
 STEPS = 40
@@ -54,35 +56,37 @@ def _sacct_states(testbed: dict, job_id: str) -> list[str]:
 def test_a_rank_killed_on_its_node_restarts_on_the_spare_inside_the_same_allocation(
     testbed: dict, tmp_path: Path, corpus: Path
 ) -> None:
-    args = [*TWO_NODES, *SMALL_MODEL, "--set", "resources.nodes=1", "--set", "parallel.dp=1"]
+    # Two nodes and a spare: the testbed's `wide` partition (n1-n3).
+    args = [*TWO_NODES, *SMALL_MODEL, "--set", f"resources.partition={tb.WIDE_PARTITION}"]
     args += ["--set", "resilience.spare_nodes=1", "--set", "resilience.avoid_suspects=false"]
     args += ["--set", f"data.path={corpus}", "--set", f"train.steps={STEPS}", "--set", "train.log_every=1"]
     args += ["--set", "checkpoint.every=5"]
     job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, check=True))
     wait_for_step(run_dir, 12, timeout=180)
-    (pid,) = _rank_pids(run_dir)
+    (pid,) = [p for p in _rank_pids(run_dir) if psutil.Process(p).environ().get("SLURMD_NODENAME") == "n2"]
     os.kill(pid, signal.SIGKILL)
     row = wait_for_state(tmp_path, job_id, ENDED, timeout=240)
     batch = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
     assert row["state"] == "COMPLETED" and row["restarts"] == 0, (row, batch)  # no requeue: one allocation
-    assert "restarting inside the allocation without n1 (rank 0 " in batch and "restart 1 of at most 3" in batch, batch
-    assert f"[meshrun] job {job_id} restart 0 in-job 1 on n2 at " in batch, batch
-    assert "REQUEUED" not in _sacct_states(testbed, job_id)
+    assert "restarting inside the allocation without n2 (rank 1 " in batch and "restart 1 of at most 3" in batch, batch
+    assert f"[meshrun] job {job_id} restart 0 in-job 1 on n1,n3 at " in batch, batch
+    assert "REQUEUED" not in _sacct_states(testbed, job_id)  # sacct: one allocation
     steps = [r["step"] for r in metrics(run_dir)]
     assert steps[-1] == STEPS and sorted(set(steps)) == list(range(1, STEPS + 1)), steps
-    rank_log = (run_dir / "logs" / "rank-0.log").read_text()
-    assert "resuming from step" in rank_log and f"(n2) job {job_id} restart 0 in-job 1 master" in rank_log, rank_log
+    assert "resuming from step" in (run_dir / "logs" / "rank-0.log").read_text()
+    moved = (run_dir / "logs" / "rank-1.log").read_text()  # rank 1 moved from n2 to the spare
+    assert f"(n3) job {job_id} restart 0 in-job 1 master" in moved, moved
     # Goodput: the allocation's two runs, the second on the spare.
     runs = row["goodput"]["attempts"]
-    assert [(a["restart"], a["in_job"], a["nodes"]) for a in runs] == [(0, 0, "n1"), (0, 1, "n2")], runs
+    assert [(a["restart"], a["in_job"], a["nodes"]) for a in runs] == [(0, 0, "n1,n2"), (0, 1, "n1,n3")], runs
     assert runs[0]["status"] not in (0, None) and runs[1]["status"] == 0, runs
     shown = " ".join(meshrun(tmp_path, "status", job_id, check=True).stdout.split())
-    assert "1 restart(s) inside the allocation (n1 -> n2)" in shown and " 0+1 in job " in shown, shown
+    assert "1 restart(s) inside the allocation (n1,n2 -> n1,n3)" in shown and " 0+1 in job " in shown, shown
     assert row["restarts_in_job"] == 1, row
-    # n1 is a suspect, with srun's word for the rank's end.
+    # n2 is a suspect, with srun's word for the rank's end; n1, whose rank the kill took down with it, is not.
     listed = json.loads(meshrun(tmp_path, "nodes", "-c", "testbed", "--json", check=True).stdout)
-    (n1,) = [s for s in listed if s["node"] == "n1"]
-    assert n1["evidence"].startswith("rank 0 ") and "SIGKILL" in n1["evidence"], listed
+    assert [s["node"] for s in listed] == ["n2"], listed
+    assert listed[0]["evidence"].startswith("rank 1 ") and "SIGKILL" in listed[0]["evidence"], listed
     # The same job uninterrupted, without spares: each step's kept loss (its last line) is the same, bit for bit.
     at = args.index("resilience.spare_nodes=1")
     plain = args[: at - 1] + args[at + 1 :]  # without that --set and its value
@@ -129,3 +133,25 @@ def test_a_hang_on_its_node_restarts_on_the_spare_inside_the_same_allocation(
     assert f"[meshrun] job {job_id} restart 0 in-job 1 on n2 at " in batch, batch
     assert "resuming from step 20" in (run_dir / "logs" / "rank-0.log").read_text()
     assert metrics(run_dir)[-1]["step"] == 30
+
+
+def test_without_a_spare_the_job_requeues_without_the_node_and_new_submits_avoid_it_until_forgotten(
+    testbed: dict, tmp_path: Path, corpus: Path
+) -> None:
+    wide = [*TWO_NODES, *SMALL_MODEL, "--set", f"resources.partition={tb.WIDE_PARTITION}"]
+    args = [*wide, "--set", f"data.path={corpus}", "--set", "train.steps=24", "--set", "checkpoint.every=5"]
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, check=True))
+    wait_for_step(run_dir, 8, timeout=180)
+    (pid,) = [p for p in _rank_pids(run_dir) if psutil.Process(p).environ().get("SLURMD_NODENAME") == "n2"]
+    os.kill(pid, signal.SIGKILL)
+    row = wait_for_state(tmp_path, job_id, ENDED, timeout=300)
+    batch = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    assert row["state"] == "COMPLETED" and row["restarts"] == 1, (row, batch)  # requeued once: no spare
+    assert f"[meshrun] job {job_id} restart 1 on n[1,3] at " in batch, batch  # n2 left out of the requeued job
+    assert "REQUEUED" in _sacct_states(testbed, job_id)
+    assert metrics(run_dir)[-1]["step"] == 24
+    # A new submit to the cluster leaves n2 out (the wide partition can spare it) until it is forgotten.
+    rendered = meshrun(tmp_path, "render", *wide, check=True)
+    assert "#SBATCH --exclude=n2" in rendered.stdout and "leaving out suspect node n2" in rendered.stderr
+    forgetting = ["--set", "resilience.forget_after_h=0.0001"]  # 0.36 s
+    assert "--exclude" not in meshrun(tmp_path, "render", *wide, *forgetting, check=True).stdout

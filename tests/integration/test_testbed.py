@@ -60,7 +60,8 @@ def wait_node_states(want: str, timeout_s: float = 15.0) -> dict[str, tuple[str,
 
 
 def test_nodes_idle_with_two_gpus(testbed: dict) -> None:
-    assert wait_node_states("idle") == {"n1": ("idle", "gpu:2"), "n2": ("idle", "gpu:2")}
+    # n1 and n2 (the default partition) and n3 (only in `wide`: the spare of a 2-node job)
+    assert wait_node_states("idle") == {"n1": ("idle", "gpu:2"), "n2": ("idle", "gpu:2"), "n3": ("idle", "gpu:2")}
 
 
 @pytest.fixture(scope="module")

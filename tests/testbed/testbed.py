@@ -1,7 +1,8 @@
 """A real Slurm cluster and a key-only sshd on this one machine, for the integration tests.
 
-`up()` starts munged, MariaDB, slurmdbd, slurmctld, two slurmd (emulated nodes n1 and n2, two fake
-GPUs each) and an OpenSSH sshd on 127.0.0.1; `down()` stops each of them by its own PID file.
+`up()` starts munged, MariaDB, slurmdbd, slurmctld, three slurmd (emulated nodes n1, n2 and n3, two fake
+GPUs each: the default partition holds n1 and n2, `wide` all three, so a 2-node job can have a spare) and an
+OpenSSH sshd on 127.0.0.1; `down()` stops each of them by its own PID file.
 Everything (configs, keys, state, logs) lives under TESTBED_DIR. Needs root and the Debian packages
 that tests/testbed/install.sh installs.
 
@@ -9,7 +10,7 @@ that tests/testbed/install.sh installs.
     python -m tests.testbed.testbed profile [NAME]   # ~/.config/meshrun/clusters/NAME.yaml, over its sshd
 
 Environment: MESHRUN_TESTBED_DIR (default /tmp/meshrun-testbed) and the ports
-MESHRUN_TESTBED_{SLURMCTLD,SLURMDBD,SLURMD_N1,SLURMD_N2,MARIADB,SSHD}_PORT. With the default ports
+MESHRUN_TESTBED_{SLURMCTLD,SLURMDBD,SLURMD_N1,SLURMD_N2,SLURMD_N3,MARIADB,SSHD}_PORT. With the default ports
 one testbed runs per machine; a second needs its own folder and ports.
 """
 
@@ -35,7 +36,11 @@ from typing import Callable, Iterator
 TESTBED_DIR = Path(os.environ.get("MESHRUN_TESTBED_DIR", "/tmp/meshrun-testbed")).absolute()
 
 CLUSTER = "testbed"
-NODES = ("n1", "n2")
+NODES = ("n1", "n2", "n3")
+PARTITION_NODES = NODES[:2]
+"""The default (and the high) partition's nodes: the two every test but the spares' uses."""
+WIDE_PARTITION = "wide"
+"""All three nodes: a 2-node job with a spare (tests/integration/test_spare_nodes.py)."""
 GPUS_PER_NODE = 2
 CPUS_PER_NODE = 4
 PARTITION = "debug"
@@ -54,6 +59,7 @@ PORTS: dict[str, int] = {
     "slurmdbd": _port("SLURMDBD", 16819),
     "slurmd-n1": _port("SLURMD_N1", 16821),
     "slurmd-n2": _port("SLURMD_N2", 16822),
+    "slurmd-n3": _port("SLURMD_N3", 16823),
     "mariadb": _port("MARIADB", 13306),
     "sshd": _port("SSHD", 2222),
 }
@@ -740,8 +746,9 @@ GresTypes=gpu
 # The default partition is the low one; jobs in one tier never preempt each other.
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
-PartitionName={PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime={GRACE_TIME_S}
-PartitionName={HIGH_PARTITION} Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
+PartitionName={PARTITION} Nodes={",".join(PARTITION_NODES)} Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime={GRACE_TIME_S}
+PartitionName={HIGH_PARTITION} Nodes={",".join(PARTITION_NODES)} MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
+PartitionName={WIDE_PARTITION} Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=1 GraceTime={GRACE_TIME_S}
 """
 
 
