@@ -24,3 +24,8 @@ def state_dir() -> Path:
 def config_dir() -> Path:
     """$XDG_CONFIG_HOME/meshrun (default ~/.config/meshrun): what the user writes."""
     return _base("XDG_CONFIG_HOME", "~/.config")
+
+
+def cache_dir() -> Path:
+    """$XDG_CACHE_HOME/meshrun (default ~/.cache/meshrun): what meshrun can make again (compiled templates)."""
+    return _base("XDG_CACHE_HOME", "~/.cache")

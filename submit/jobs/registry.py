@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import os
-import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +92,8 @@ class Registry:
     def __init__(self, path: Optional[Path] = None) -> None:
         self.path = Path(path) if path else default_path()
         _private(self.path)
+        import sqlite3  # here: `render` and `plan` import this module and never open the registry
+
         self._db = sqlite3.connect(self.path, timeout=10)
         self._db.execute(_SCHEMA)
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}

@@ -11,11 +11,9 @@ from __future__ import annotations
 import io
 import os
 import re
-import secrets
 import shlex
 import signal
 import subprocess
-import tarfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,6 +120,8 @@ PUT_FAILED = 97
 
 def tar_bytes(files: Mapping[str, Upload]) -> bytes:
     """A gzipped tar of `files` (relative paths; folders implied) with their modes (code compresses ~4x)."""
+    import tarfile  # here: every `meshrun` call imports this module, few upload
+
     buf, stamp = io.BytesIO(), int(time.time())
     folders = {str(Path(p).parent) for p in files} | {p.rstrip("/") for p in files if p.endswith("/")}
     with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
@@ -142,7 +142,7 @@ def tar_bytes(files: Mapping[str, Upload]) -> bytes:
 
 def batch(transport: Transport, argvs: Sequence[Sequence[str]], timeout: float = 60.0) -> list[Result]:
     """Run several commands in ONE round trip; one Result each (their output kept apart by a random marker)."""
-    marker = f"MESHRUN-{secrets.token_hex(8)}"
+    marker = f"MESHRUN-{os.urandom(8).hex()}"  # os.urandom, not secrets: secrets' hmac import costs every call ~5 ms
     lines = [
         f"{shlex.join(argv)} </dev/null; s=$?; printf '\\n%s %s\\n' {marker} $s; printf '\\n%s %s\\n' {marker} $s >&2"
         for argv in argvs

@@ -13,7 +13,7 @@ from submit.config.cluster import load_profile, profile_files
 from submit.errors import InputError
 from submit.planning.plan import plan_file
 from submit.schedulers import backend
-from submit.schedulers.render import render, sbatch_label
+from submit.schedulers.render import compiled_templates, render, sbatch_label
 from submit.schedulers.slurm import BACKEND as SLURM
 
 REPO = Path(__file__).resolve().parents[2]
@@ -172,3 +172,30 @@ def test_render_o_says_the_code_snapshot_must_be_on_the_cluster_first(tmp_path: 
     assert out.stderr.endswith(
         f"code: the script runs from the code snapshot {code_dir}, which is on the cluster (sealed)\n"
     )
+
+
+def test_compiled_templates_are_kept_only_in_a_folder_no_one_else_can_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    private = tmp_path / "cache" / "templates"
+    assert compiled_templates(private) is not None
+    assert private.stat().st_mode & 0o777 == 0o700  # made private, whatever the umask
+    monkeypatch.setattr(os, "getuid", lambda: private.stat().st_uid + 1)  # a folder another user owns
+    assert compiled_templates(private) is None  # they could plant code there: it is not used
+    assert compiled_templates(Path("/proc/no/such")) is None  # not creatable: every render compiles, as before
+
+
+def test_a_script_rendered_from_compiled_templates_is_the_one_compiled_afresh(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from submit.schedulers import render as rendering
+
+    plan = plan_file(REPO / "examples" / "tiny.yaml", load_profile("local"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    scripts = []
+    for _ in range(2):  # the first compiles and keeps them, the second loads them
+        rendering.environment.cache_clear()
+        scripts.append(render(plan, backend("local")))
+    rendering.environment.cache_clear()
+    assert list((tmp_path / "meshrun" / "templates").iterdir())
+    assert scripts[0] == scripts[1] and scripts[0].startswith("#!/")
