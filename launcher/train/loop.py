@@ -13,7 +13,7 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -91,13 +91,28 @@ def announce(t: Trainer, env: RankEnv) -> None:
         else ""
     )
     extras = [f"{t.engine.name} engine", *t.engine.describe()]
+    threads = torch.get_num_threads()  # CPU ranks: resources.cpus_per_task each (match_math_threads)
+    on_cpu = "" if rt.cuda else f" ({threads} math thread{'s' if threads > 1 else ''} a rank)"
     print(
         f"meshrun: GPT {param_count(cfg.model) / 1e6:.2f}M params, {env.world_size} rank(s), "
-        f"dp={t.dims.dp} tp={t.dims.tp} pp={t.dims.pp} ({', '.join(extras)}), {rt.backend} on {rt.device.type}, "
+        f"dp={t.dims.dp} tp={t.dims.tp} pp={t.dims.pp} ({', '.join(extras)}), {rt.backend} on {rt.device.type}{on_cpu}, "
         f"global batch {cfg.global_batch} = micro {cfg.micro_batch} x dp {t.dims.dp} "
         f"x accumulation {t.layout.accumulation}, precision {rt.precision}{note}",
         flush=True,
     )
+
+
+def match_math_threads(environ: Mapping[str, str]) -> None:
+    """torch's math threads = OMP_NUM_THREADS, which launcher.entry sets to the job's cpus_per_task. torch reads
+    it when it loads; a rank forked from a process that had loaded it already (launcher/controller.py, a local
+    job's ranks) would keep one thread per core of the machine in every rank instead, and co-located ranks would
+    spin in each other's OpenMP barriers."""
+    try:
+        threads = int(environ.get("OMP_NUM_THREADS") or 0)
+    except ValueError:
+        return  # not a count: as torch itself would, leave its default
+    if threads > 0 and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 def train(run_spec: RunSpec, env: RankEnv, flag: Optional[StopFlag] = None) -> int:
@@ -114,6 +129,7 @@ def train(run_spec: RunSpec, env: RankEnv, flag: Optional[StopFlag] = None) -> i
     dataset = open_dataset(job.data, job.trainer.model.seq_len)
     check_data(job, dataset)
     setdefault_env(run_spec.run.nccl_env, os.environ)  # the cluster preset, unless the user set a key
+    match_math_threads(os.environ)
     runtime = pick_runtime(job, env, os.environ)
     torch.manual_seed(job.trainer.seed)
     own_flag = flag is None

@@ -40,6 +40,9 @@ def test_submit_wait_trains_and_records(tmp_path: Path, corpus: Path) -> None:
     assert row["progress"]["step"] == 12
     log = meshrun(tmp_path, "logs", job_id, "--rank", "0", check=True).stdout
     assert "step 12" in log
+    # The ranks are forked from a process that loaded torch before OMP_NUM_THREADS was set: still
+    # resources.cpus_per_task (1) math threads each, not one per core of the machine.
+    assert "gloo on cpu (1 math thread a rank)" in log, log
     assert meshrun(tmp_path, "logs", job_id, "--batch", check=True).stdout.count("COMPLETED") == 1
 
 
