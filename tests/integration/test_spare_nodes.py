@@ -42,6 +42,17 @@ def _rank_pids(run_dir: Path) -> list[int]:
     return found
 
 
+WIDE = [*TWO_NODES, *SMALL_MODEL, "--set", f"resources.partition={tb.WIDE_PARTITION}"]
+"""A 2-node job (a rank a node) in the testbed's `wide` partition (n1-n3): room for a spare."""
+
+
+def _kill_rank_on(node: str, run_dir: Path, after_step: int) -> None:
+    """kill -9 the job's rank on `node` once rank 0 has logged `after_step`."""
+    wait_for_step(run_dir, after_step, timeout=180)
+    (pid,) = [p for p in _rank_pids(run_dir) if psutil.Process(p).environ().get("SLURMD_NODENAME") == node]
+    os.kill(pid, signal.SIGKILL)
+
+
 def _sacct_states(testbed: dict, job_id: str) -> list[str]:
     out = subprocess.run(
         ["sacct", "-n", "-X", "-D", "-j", job_id, "-o", "State"],
@@ -56,15 +67,11 @@ def _sacct_states(testbed: dict, job_id: str) -> list[str]:
 def test_a_rank_killed_on_its_node_restarts_on_the_spare_inside_the_same_allocation(
     testbed: dict, tmp_path: Path, corpus: Path
 ) -> None:
-    # Two nodes and a spare: the testbed's `wide` partition (n1-n3).
-    args = [*TWO_NODES, *SMALL_MODEL, "--set", f"resources.partition={tb.WIDE_PARTITION}"]
-    args += ["--set", "resilience.spare_nodes=1", "--set", "resilience.avoid_suspects=false"]
+    args = [*WIDE, "--set", "resilience.spare_nodes=1", "--set", "resilience.avoid_suspects=false"]
     args += ["--set", f"data.path={corpus}", "--set", f"train.steps={STEPS}", "--set", "train.log_every=1"]
     args += ["--set", "checkpoint.every=5"]
     job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, check=True))
-    wait_for_step(run_dir, 12, timeout=180)
-    (pid,) = [p for p in _rank_pids(run_dir) if psutil.Process(p).environ().get("SLURMD_NODENAME") == "n2"]
-    os.kill(pid, signal.SIGKILL)
+    _kill_rank_on("n2", run_dir, after_step=12)
     row = wait_for_state(tmp_path, job_id, ENDED, timeout=240)
     batch = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
     assert row["state"] == "COMPLETED" and row["restarts"] == 0, (row, batch)  # no requeue: one allocation
@@ -138,12 +145,9 @@ def test_a_hang_on_its_node_restarts_on_the_spare_inside_the_same_allocation(
 def test_without_a_spare_the_job_requeues_without_the_node_and_new_submits_avoid_it_until_forgotten(
     testbed: dict, tmp_path: Path, corpus: Path
 ) -> None:
-    wide = [*TWO_NODES, *SMALL_MODEL, "--set", f"resources.partition={tb.WIDE_PARTITION}"]
-    args = [*wide, "--set", f"data.path={corpus}", "--set", "train.steps=24", "--set", "checkpoint.every=5"]
+    args = [*WIDE, "--set", f"data.path={corpus}", "--set", "train.steps=24", "--set", "checkpoint.every=5"]
     job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, check=True))
-    wait_for_step(run_dir, 8, timeout=180)
-    (pid,) = [p for p in _rank_pids(run_dir) if psutil.Process(p).environ().get("SLURMD_NODENAME") == "n2"]
-    os.kill(pid, signal.SIGKILL)
+    _kill_rank_on("n2", run_dir, after_step=8)
     row = wait_for_state(tmp_path, job_id, ENDED, timeout=300)
     batch = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
     assert row["state"] == "COMPLETED" and row["restarts"] == 1, (row, batch)  # requeued once: no spare
@@ -151,7 +155,7 @@ def test_without_a_spare_the_job_requeues_without_the_node_and_new_submits_avoid
     assert "REQUEUED" in _sacct_states(testbed, job_id)
     assert metrics(run_dir)[-1]["step"] == 24
     # A new submit to the cluster leaves n2 out (the wide partition can spare it) until it is forgotten.
-    rendered = meshrun(tmp_path, "render", *wide, check=True)
+    rendered = meshrun(tmp_path, "render", *WIDE, check=True)
     assert "#SBATCH --exclude=n2" in rendered.stdout and "leaving out suspect node n2" in rendered.stderr
     forgetting = ["--set", "resilience.forget_after_h=0.0001"]  # 0.36 s
-    assert "--exclude" not in meshrun(tmp_path, "render", *wide, *forgetting, check=True).stdout
+    assert "--exclude" not in meshrun(tmp_path, "render", *WIDE, *forgetting, check=True).stdout
