@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from launcher.contract import suspects
+from launcher.contract import alerts, suspects
 from launcher.contract.private import append_line
 from launcher.contract.rundir import RunDir, job_of, read_state, write_json
 from launcher.contract.spec import read_run_spec
@@ -183,6 +183,11 @@ def main(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> int:
         "why": verdict.why,
     }
     write_json(RunDir(run_dir).health_verdict, record, indent=1)
+    if verdict.failing:  # status's ALERTS, `watch --notify`: the node and what is done about it
+        failed = sorted(verdict.failing)
+        node = failed[0] if len(failed) == 1 else None
+        alert = alerts.Alert("node_unhealthy", float(len(failed)), None, verdict.why, node=node, job=record["job"])
+        alerts.append(RunDir(run_dir).alerts, [alert])
     print(f"[meshrun] {verdict.why}", file=sys.stderr, flush=True)
     print(verdict.action, ",".join(verdict.excluded) if verdict.action != "stop" else "", flush=True)
     return 0

@@ -31,6 +31,7 @@ RULES = (
     "straggler",
     "hang",
     "checkpoint_lost",
+    "node_unhealthy",
 )
 
 

@@ -45,6 +45,7 @@ def test_a_node_failing_its_health_check_is_excluded_and_the_job_requeued_onto_a
     assert _scontrol_field(testbed, job_id, "ExcNodeList") == "n1"
     assert _scontrol_field(testbed, job_id, "NodeList") == "n2"
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, 7))  # no rank ran on n1: nothing repeated
+    assert [(a["rule"], a["node"]) for a in row["alerts"]] == [("node_unhealthy", "n1")], row["alerts"]
     # The latest start's verdict, and n2's answer, in the run dir.
     assert json.loads(Path(RunDir(str(run_dir)).health_verdict).read_text())["action"] == "start"
     answer = json.loads(Path(RunDir(str(run_dir)).health_result("n2")).read_text())

@@ -239,6 +239,10 @@ def test_main_prints_the_action_and_keeps_the_verdict_for_the_requeue_policy(
     out, err = capsys.readouterr()
     assert out == "stop \n" and "health check failed on n1 (gpus: GPU-1: row remapping failed)" in err
     assert gate.verdict_of(run_dir)["action"] == "stop"
+    # One alert, the sentence the batch log has, for status and `watch --notify`.
+    (alert,) = [json.loads(line) for line in Path(RunDir(run_dir).alerts).read_text().splitlines()]
+    assert (alert["rule"], alert["node"], alert["job"]) == ("node_unhealthy", "n1", "41"), alert
+    assert alert["message"].startswith("health check failed on n1 (gpus: GPU-1: row remapping failed)"), alert
     # The requeue policy ends the job with the gate's reason; a requeue verdict is requeued like a failure.
     d = decide(run_dir, EXIT_UNHEALTHY, restarts=0, max_restarts=3)
     assert not d.requeue and d.code == EXIT_UNHEALTHY and "health check failed on n1" in d.why
