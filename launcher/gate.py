@@ -147,7 +147,8 @@ def judge(run_dir: str, environ: Mapping[str, str], run: Runner = run_slurm, now
     needed = spec.job.resources.nodes if spec else len(allocated)
     if len(nodes) - len(failing) >= needed:  # spare nodes take their place: no requeue
         named = ", ".join(f"{node} ({why})" for node, why in sorted(failing.items()))
-        why = f"health check failed on {named}: the ranks start on spare nodes instead"
+        run_on = [node for node in nodes if node not in failing][:needed]  # as the batch script picks them
+        why = f"health check failed on {named}: the ranks start on {','.join(run_on)} instead (spare nodes in its place)"
         return Verdict("start", dict(failing), tuple(sorted(failing)), why)
     return excluding(failing, job, len(allocated), run, spec.run.cluster if spec else "CLUSTER")
 

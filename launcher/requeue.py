@@ -353,11 +353,15 @@ def requeue_leaves_out(
     verdict = excluding({**known, **blamed}, job, nodes, run)
     if verdict.action != "requeue" and known and blamed:
         verdict = excluding(blamed, job, nodes, run)  # the partition cannot spare every suspect: this end's
+    reasons = {**known, **blamed}
     if verdict.action == "requeue":
+        left = [f"{node} ({reasons[node]})" for node in verdict.excluded if node in reasons]
+        print(f"[meshrun] the requeued job leaves out {'; '.join(left)}", file=sys.stderr, flush=True)
         print(f"exclude {','.join(verdict.excluded)}", flush=True)
-    elif blamed:
+    else:
+        staying = [node for node in sorted(reasons) if node not in verdict.excluded]
         print(
-            f"[meshrun] node(s) {', '.join(sorted(blamed))} stay in the requeued job: the partition cannot spare "
+            f"[meshrun] suspect node(s) {', '.join(staying)} stay in the requeued job: the partition cannot spare "
             f"them beside the job's {nodes} nodes",
             file=sys.stderr,
             flush=True,

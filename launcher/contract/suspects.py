@@ -86,3 +86,8 @@ def blamed_nodes(verdict: Mapping[str, Any]) -> list[str]:
 def verdict_evidence(verdict: Mapping[str, Any]) -> str:
     """A hang verdict as a suspect's evidence: its first sentence."""
     return "hang verdict: " + str(verdict.get("verdict") or "a hang").split(". ")[0].strip()
+
+
+def ago(seconds: float) -> str:
+    """'3 min ago', '5 h ago': how long since a finding (the render warning and `meshrun nodes` alike)."""
+    return f"{int(seconds // 60)} min ago" if seconds < 7200 else f"{seconds / 3600:.0f} h ago"

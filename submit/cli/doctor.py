@@ -145,12 +145,15 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     """`meshrun nodes -c CLUSTER [--clear NODE]`: the ledger of suspect nodes kept where the jobs run."""
     import time
 
+    from launcher.contract import suspects
     from submit import api
     from submit.views.tables import table
 
     profile = api.load_cluster(args.cluster)
     if not api.reaches_other_machines(profile.scheduler):
-        raise InputError("-c/--cluster", args.cluster, "this cluster is this one machine: it has no nodes to suspect")
+        raise InputError(
+            "-c/--cluster", args.cluster, "this cluster is this one machine, with no nodes to suspect: give -c CLUSTER"
+        )
     transport = api.connect(profile.ssh, args.cluster)
     try:
         if args.clear:
@@ -170,7 +173,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         print(f"no suspect nodes on {args.cluster}")
         return 0
     now = time.time()
-    rows = [(f.node, f"{(now - f.time) / 3600:.1f} h ago", f.job, f.evidence) for f in found.values()]
+    rows = [(f.node, suspects.ago(now - f.time), f.job, f.evidence) for f in found.values()]
     print(table([("NODE", "SEEN", "JOB", "EVIDENCE"), *rows]))
     print(
         f"new submits leave these out (as far as the partition can spare); `meshrun nodes -c {args.cluster} --clear NODE`"

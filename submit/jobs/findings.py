@@ -118,13 +118,13 @@ def new_marker() -> str:
 
 def findings_argv(run_dirs: Sequence[str], with_env: bool, marker: str, with_gpus: bool = False) -> list[str]:
     """One command printing every job's finding files, each after a line naming it. spec.json (steps, engine)
-    comes with the detail view (`with_env`) and `top` (`with_gpus`) only: a long list needs neither."""
+    comes with the detail view (`with_env`) and `top` (`with_gpus`) only: a long list needs neither. The goodput
+    records come with every view: the list's RESTARTS counts the restarts inside an allocation from them."""
     env = ENV_DIR if with_env else ""
     gpus = GPU_METRICS if with_gpus else ""
     spec = SPEC if with_env or with_gpus else ""
     caps = (str(CAP_BYTES), VERDICT_JSON, VERDICT_TXT, STRAGGLERS, env, ALERTS, gpus, str(TAIL_BYTES), spec)
-    goodput = GOODPUT_DIR if with_env or with_gpus else ""
-    return ["sh", "-c", FINDINGS_SCRIPT, "sh", marker, *caps, LAST_CHECKPOINT, goodput, *run_dirs]
+    return ["sh", "-c", FINDINGS_SCRIPT, "sh", marker, *caps, LAST_CHECKPOINT, GOODPUT_DIR, *run_dirs]
 
 
 def split_findings(output: str, jobs: int, marker: str) -> list[dict[str, str]]:
@@ -164,7 +164,7 @@ def read_files(run_dir: str, with_env: bool, with_gpus: bool = False) -> dict[st
     root = RunDir(run_dir)
     tails = {name: _tail(root.path(name)) for name in (ALERTS, *(GPU_METRICS,) * with_gpus)}
     names = [VERDICT_JSON, VERDICT_TXT, STRAGGLERS, LAST_CHECKPOINT, *(SPEC,) * (with_env or with_gpus)]
-    for folder in (*(ENV_DIR,) * with_env, *(GOODPUT_DIR,) * (with_env or with_gpus)):
+    for folder in (*(ENV_DIR,) * with_env, GOODPUT_DIR):
         try:
             listed = sorted(os.listdir(root.path(folder)))
         except OSError:

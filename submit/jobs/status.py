@@ -41,8 +41,7 @@ class Status:
     restarts: int = 0
     """Slurm's requeues of the job (its restart count)."""
     restarts_in_job: int = 0
-    """Restarts inside the allocation, on spare nodes (resilience.spare_nodes), from the job's goodput record:
-    one job's detail view (and `top`) only, else 0."""
+    """Restarts inside the allocation, on spare nodes (resilience.spare_nodes), from the job's goodput record."""
     reason: Optional[str] = None
     progress: dict[str, Any] = field(default_factory=dict)
     """The last metrics.jsonl line: step, loss, ... (empty before the first step)."""
@@ -71,10 +70,10 @@ class Status:
     goodput: Optional[dict[str, Any]] = None
     """Where the job's allocated time went ({"allocated_s", "parts_s", "effective_pct", "lost_steps",
     "queue_s", "requeue_s", "running", "attempts", ...}: launcher/contract/goodput.py), as of its newest
-    attempt's start or end; one job's detail view only."""
+    attempt's start or end."""
     run_goodput: Optional[dict[str, Any]] = None
     """The run dir's total over its jobs (a resume in the run dir is a job of its own) when it has more than one:
-    {"jobs", "allocated_s", "productive_s", "lost_steps", "effective_pct"}; one job's detail view only."""
+    {"jobs", "allocated_s", "productive_s", "lost_steps", "effective_pct"}."""
 
     def as_json(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -198,10 +198,15 @@ def check_resources(spec: JobSpec, cluster: ClusterProfile) -> Optional[Partitio
     res = spec.resources
     spares = spec.resilience.spare_nodes  # (the local backend's own check refuses any: one machine)
     if spares and part.max_nodes is not None and res.nodes + spares > part.max_nodes:
+        roomy = [
+            f"{p.name} ({p.max_nodes} nodes)" for p in cluster.partitions if (p.max_nodes or 0) >= res.nodes + spares
+        ]
+        elsewhere = f", or a partition with room (resources.partition: {', '.join(roomy)})" if roomy else ""
         raise InputError(
             "resilience.spare_nodes",
             spares,
-            f"{res.nodes} nodes + {spares} spares > the {part.max_nodes} nodes of partition {part.name!r}; ask for fewer",
+            f"{res.nodes} node{'s' if res.nodes > 1 else ''} + {spares} spare{'s' if spares > 1 else ''} > the {part.max_nodes} nodes of partition "
+            f"{part.name!r}; ask for fewer{elsewhere}",
         )
     return part
 
@@ -476,10 +481,6 @@ def describe(plan: Plan) -> dict[str, Any]:
 # ----------------------------------------------------------------- suspect nodes
 
 
-def ago(seconds: float) -> str:
-    return f"{int(seconds // 60)} min ago" if seconds < 7200 else f"{seconds / 3600:.0f} h ago"
-
-
 def avoid_suspects(
     plan: Plan, rows: Sequence[Mapping[str, Any]], now: Optional[float] = None
 ) -> tuple[Plan, tuple[str, ...]]:
@@ -507,7 +508,7 @@ def avoid_suspects(
     where = f"`meshrun nodes -c {cluster.name}` lists them; `--clear NODE` trusts one again"
     lines = [
         f"leaving out suspect node {node} ({found[node].evidence}; job {found[node].job}, "
-        f"{ago(now - found[node].time)}); {where}"
+        f"{suspects.ago(now - found[node].time)}); {where}"
         for node in left_out
     ]
     if kept:

@@ -79,7 +79,7 @@ def status_table(found: Sequence[Any]) -> str:
                 s.state,
                 str(s.progress.get("step", "-")),
                 f"{loss:.4f}" if isinstance(loss, (int, float)) else "nan" if "loss" in s.progress else "-",
-                str(s.restarts) + (f"+{s.restarts_in_job} in job" if s.restarts_in_job else ""),
+                restarts_cell(s),
                 str(s.progress.get("checkpoint_step", "-")),
                 clock(s.elapsed_s) if s.elapsed_s is not None else "-",
                 *alerted * (alerts_note(s.alerts),),
@@ -88,6 +88,14 @@ def status_table(found: Sequence[Any]) -> str:
             )
         )
     return table(rows)
+
+
+def restarts_cell(status: Any, short: bool = False) -> str:
+    """RESTARTS: Slurm's requeues, then the restarts inside the allocation on spare nodes ('0+1 in job'; `top`'s
+    narrow column: '0+1')."""
+    if not status.restarts_in_job:
+        return str(status.restarts)
+    return f"{status.restarts}+{status.restarts_in_job}" + ("" if short else " in job")
 
 
 def alerts_note(alerts: Sequence[dict[str, Any]]) -> str:
@@ -192,6 +200,8 @@ def goodput_line(figures: Mapping[str, Any]) -> str:
     parts = figures.get("parts_s") or {}
     pct = figures.get("effective_pct")
     head = "goodput so far" if figures.get("running") else "goodput"
+    if pct is None:  # the record of a start that has not run a second yet (a running job refreshes it each minute)
+        return f"{head}: not measured yet (a running job's record is refreshed each minute)"
     rest = [
         f"{word} {span(parts[key])}" + (f" ({figures.get('lost_steps')} steps)" if key == "lost" else "")
         for key, word in GOODPUT_WORDS.items()

@@ -66,7 +66,7 @@ def gpu_cells(gpus: Sequence[dict[str, Any]]) -> tuple[str, str]:
 
 
 def row(status: Status) -> tuple[str, ...]:
-    from submit.views.tables import alerts_note, duration, finish_in, limit_left, loss_text
+    from submit.views.tables import alerts_note, duration, finish_in, limit_left, loss_text, restarts_cell
 
     p = status.progress
     step = p.get("step")
@@ -86,7 +86,7 @@ def row(status: Status) -> tuple[str, ...]:
         memory,
         duration(finish_in(status, status.steps)),
         duration(limit_left(status)),
-        str(status.restarts),
+        restarts_cell(status, short=True),
         goodput_cell(status.goodput),
         alerts_note(status.alerts),
     )

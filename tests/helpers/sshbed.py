@@ -27,6 +27,17 @@ SSHD_LOG = tb.LOG / "sshd.log"
 SSHD_START_S = 10.0
 
 
+def _partition(name: str, nodes: int, default: bool = False) -> dict[str, Any]:
+    shape = {"gpus_per_node": tb.GPUS_PER_NODE, "cpus_per_node": tb.CPUS_PER_NODE, "memory_gb": 2}
+    return {
+        "name": name,
+        **shape,
+        "max_time": "1-00:00:00",
+        "max_nodes": nodes,
+        **({"default": True} if default else {}),
+    }
+
+
 def profile(tmp: Path, name: str = "sshbed", **ssh: Any) -> Path:
     """A profile YAML file reaching the testbed over SSH (`ssh` entries override the testbed's)."""
     info = tb.ssh_info()
@@ -45,16 +56,12 @@ def profile(tmp: Path, name: str = "sshbed", **ssh: Any) -> Path:
         "paths": {"work_dir": f"{tb.TESTBED_DIR}/work-ssh", "checkpoint_root": f"{tb.TESTBED_DIR}/ckpt-ssh"},
         "setup": [f"source {sys.prefix}/bin/activate"],
         "python": "python",
+        # As cluster_configs/testbed.yaml: the 2-node default, its preempting twin, and `wide` (n1-n3: room for
+        # a spare node).
         "partitions": [
-            {
-                "name": tb.PARTITION,
-                "gpus_per_node": tb.GPUS_PER_NODE,
-                "cpus_per_node": tb.CPUS_PER_NODE,
-                "memory_gb": 2,
-                "max_time": "1-00:00:00",
-                "max_nodes": 2,
-                "default": True,
-            }
+            _partition(tb.PARTITION, len(tb.PARTITION_NODES), default=True),
+            _partition(tb.HIGH_PARTITION, len(tb.PARTITION_NODES)),
+            _partition(tb.WIDE_PARTITION, len(tb.NODES)),
         ],
         "interconnect": {"nvlink_domain": 2, "nccl": {"NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}},
     }

@@ -90,6 +90,8 @@ def test_a_rank_killed_on_its_node_restarts_on_the_spare_inside_the_same_allocat
     shown = " ".join(meshrun(tmp_path, "status", job_id, check=True).stdout.split())
     assert "1 restart(s) inside the allocation (n1,n2 -> n1,n3)" in shown and " 0+1 in job " in shown, shown
     assert row["restarts_in_job"] == 1, row
+    (listed_row,) = [line for line in meshrun(tmp_path, "status", check=True).stdout.splitlines() if job_id in line]
+    assert " 0+1 in job " in listed_row, listed_row  # the list of jobs counts it too
     # n2 is a suspect, with srun's word for the rank's end; n1, whose rank the kill took down with it, is not.
     listed = json.loads(meshrun(tmp_path, "nodes", "-c", "testbed", "--json", check=True).stdout)
     assert [s["node"] for s in listed] == ["n2"], listed
@@ -115,7 +117,10 @@ def test_a_node_failing_its_health_check_is_replaced_by_the_spare_before_any_ran
     batch = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
     assert row["state"] == "COMPLETED" and row["restarts"] == 0, (row, batch)
     assert "health check failed on n1 (gpus: MESHRUN_TEST_HEALTH_FAIL" in batch, batch
-    assert "the ranks start on spare nodes instead" in batch and "in-job" not in batch, batch
+    assert "the ranks start on n2 instead (spare nodes in its place)" in batch and "in-job" not in batch, batch
+    assert [(a["rule"], a["node"]) for a in row["alerts"]] == [("node_unhealthy", "n1")], row[
+        "alerts"
+    ]  # status shows it
     runs = row["goodput"]["attempts"]
     assert [(a["in_job"], a["nodes"]) for a in runs] == [(0, "n2")], runs  # the end's record names the spare
     assert "(n2)" in (run_dir / "logs" / "rank-0.log").read_text()  # rank 0 ran on the spare
@@ -152,6 +157,7 @@ def test_without_a_spare_the_job_requeues_without_the_node_and_new_submits_avoid
     batch = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
     assert row["state"] == "COMPLETED" and row["restarts"] == 1, (row, batch)  # requeued once: no spare
     assert f"[meshrun] job {job_id} restart 1 on n[1,3] at " in batch, batch  # n2 left out of the requeued job
+    assert "[meshrun] the requeued job leaves out n2 (rank 1 was killed by SIGKILL" in batch, batch
     assert "REQUEUED" in _sacct_states(testbed, job_id)
     assert metrics(run_dir)[-1]["step"] == 24
     # A new submit to the cluster leaves n2 out (the wide partition can spare it) until it is forgotten.

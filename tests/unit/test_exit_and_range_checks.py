@@ -75,7 +75,17 @@ def test_a_cluster_that_fails_exits_1_with_one_line_and_records_nothing(
         ("train.lr=1e400", "train.lr: inf", "expected a finite number"),  # float() overflows to inf
         ("resilience.health_timeout_s=5", "resilience.health_timeout_s: 5.0", "give 10 to 1800 seconds (default 120)"),
         ("resilience.min_free_gb=-1", "resilience.min_free_gb: -1.0", "give 0 (two checkpoints' worth) to 1000000 GB"),
-        ("resilience.spare_nodes=2", "resilience.spare_nodes: 2", "1 nodes + 2 spares > the 2 nodes of partition"),
+        (
+            "resilience.spare_nodes=2",
+            "resilience.spare_nodes: 2",
+            "1 node + 2 spares > the 2 nodes of partition 'debug'; ask for fewer, or a partition with room "
+            "(resources.partition: wide (3 nodes))",
+        ),
+        (
+            "resilience.spare_nodes=4",
+            "resilience.spare_nodes: 4",
+            "1 node + 4 spares > the 2 nodes of partition 'debug'; ",
+        ),
         ("resilience.max_restarts=-1", "resilience.max_restarts: -1", "give 0 to 100 restarts (default 3)"),
         ("resilience.restart_on=failure,oom", "resilience.restart_on: 'oom'", "give some of failure, hang, health"),
         ("resilience.spare_nodes=1 --set resilience.max_restarts=0", "resilience.spare_nodes: 1", "spares serve only"),

@@ -216,3 +216,17 @@ def test_the_run_dirs_total_sums_every_jobs_whole_record_and_only_when_there_are
         "lost_steps": 5,
         "effective_pct": 70.0,
     }
+
+
+def test_a_start_too_new_to_measure_says_so_and_restarts_inside_the_allocation_count_in_every_view() -> None:
+    from types import SimpleNamespace
+
+    from submit.views.tables import goodput_line, restarts_cell
+
+    fresh = goodput.account([goodput.Attempt(job="7", restart=0, start=100.0, submitted=99.0)], [], now=100.4)
+    assert fresh["effective_pct"] is None  # 0.4 s allocated: no percentage to give yet
+    shown = goodput_line({**fresh, "running": True})
+    assert shown == "goodput so far: not measured yet (a running job's record is refreshed each minute)"
+    assert restarts_cell(SimpleNamespace(restarts=1, restarts_in_job=2)) == "1+2 in job"
+    assert restarts_cell(SimpleNamespace(restarts=1, restarts_in_job=2), short=True) == "1+2"
+    assert restarts_cell(SimpleNamespace(restarts=3, restarts_in_job=0)) == "3"

@@ -267,7 +267,9 @@ def test_a_requeue_after_a_hang_leaves_out_the_blamed_nodes_when_the_partition_c
     Path(RunDir(run_dir).verdict_json).parent.mkdir(parents=True, exist_ok=True)
     Path(RunDir(run_dir).verdict_json).write_text(json.dumps(verdict))
     requeue_leaves_out(run_dir, EXIT_NO_PROGRESS, 0, env, Slurm(partition=("n1", "n2", "n3")))
-    assert capsys.readouterr().out == "exclude n2\n"
+    out, err = capsys.readouterr()
+    assert out == "exclude n2\n"
+    assert "[meshrun] the requeued job leaves out n2 (hang verdict: Rank 1 on n2 is stuck in inject_hang" in err, err
     requeue_leaves_out(
         run_dir, EXIT_NO_PROGRESS, 0, env, Slurm(partition=("n1", "n2"))
     )  # the job needs both: n2 stays in
