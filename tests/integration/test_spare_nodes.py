@@ -83,6 +83,8 @@ def test_a_rank_killed_on_its_node_restarts_on_the_spare_inside_the_same_allocat
     assert "resuming from step" in (run_dir / "logs" / "rank-0.log").read_text()
     moved = (run_dir / "logs" / "rank-1.log").read_text()  # rank 1 moved from n2 to the spare
     assert f"(n3) job {job_id} restart 0 in-job 1 master" in moved, moved
+    why = "[meshrun] restarting inside the allocation without n2 (rank 1 "
+    assert why in moved and why in (run_dir / "logs" / "rank-0.log").read_text()  # each rank's log says why
     # Goodput: the allocation's two runs, the second on the spare.
     runs = row["goodput"]["attempts"]
     assert [(a["restart"], a["in_job"], a["nodes"]) for a in runs] == [(0, 0, "n1,n2"), (0, 1, "n1,n3")], runs
