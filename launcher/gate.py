@@ -148,7 +148,9 @@ def judge(run_dir: str, environ: Mapping[str, str], run: Runner = run_slurm, now
     if len(nodes) - len(failing) >= needed:  # spare nodes take their place: no requeue
         named = ", ".join(f"{node} ({why})" for node, why in sorted(failing.items()))
         run_on = [node for node in nodes if node not in failing][:needed]  # as the batch script picks them
-        why = f"health check failed on {named}: the ranks start on {','.join(run_on)} instead (spare nodes in its place)"
+        why = (
+            f"health check failed on {named}: the ranks start on {','.join(run_on)} instead (spare nodes in its place)"
+        )
         return Verdict("start", dict(failing), tuple(sorted(failing)), why)
     return excluding(failing, job, len(allocated), run, spec.run.cluster if spec else "CLUSTER")
 
@@ -189,7 +191,8 @@ def main(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> int:
         node = failed[0] if len(failed) == 1 else None
         alert = alerts.Alert("node_unhealthy", float(len(failed)), None, verdict.why, node=node, job=record["job"])
         alerts.append(RunDir(run_dir).alerts, [alert])
-    print(f"[meshrun] {verdict.why}", file=sys.stderr, flush=True)
+    if verdict.action != "stop":  # a stop's sentence is the requeue policy's reason: the batch log has it once
+        print(f"[meshrun] {verdict.why}", file=sys.stderr, flush=True)
     print(verdict.action, ",".join(verdict.excluded) if verdict.action != "stop" else "", flush=True)
     return 0
 

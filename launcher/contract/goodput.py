@@ -128,7 +128,8 @@ def account(attempts: list[Attempt], metrics: list[Mapping[str, Any]], now: Opti
         "parts_s": {k: round(v, 3) for k, v in totals.items()},
         "queue_s": round(queue, 3),
         "requeue_s": round(requeue, 3),
-        "effective_pct": round(100.0 * totals["productive"] / allocated, 2) if allocated >= 1.0 else None,  # else: too soon
+        # Under a second allocated (a start just recorded): too soon to give a percentage.
+        "effective_pct": round(100.0 * totals["productive"] / allocated, 2) if allocated >= 1.0 else None,
         "lost_steps": sum(a.lost_steps for a in attempts),
         "steps": sum(a.steps for a in attempts),
         "attempts": [

@@ -277,6 +277,9 @@ class Resilience:
         unknown = [word for word in self.restart_on if word not in RESTART_ON]
         if unknown:
             raise SchemaError("resilience.restart_on", unknown[0], f"give some of {', '.join(RESTART_ON)}")
+        repeated = [word for word in RESTART_ON if self.restart_on.count(word) > 1]
+        if repeated:
+            raise SchemaError("resilience.restart_on", repeated[0], "name each at most once")
         if self.spare_nodes and (self.max_restarts == 0 or not self.restart_on):
             raise SchemaError(
                 "resilience.spare_nodes",

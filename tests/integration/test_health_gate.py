@@ -84,6 +84,7 @@ def test_a_failing_node_that_cannot_be_spared_ends_the_job_with_79_and_its_reaso
     batch = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
     assert row["state"] == "FAILED" and row["exit_code"] == EXIT_UNHEALTHY and row["restarts"] == 0, (row, batch)
     assert not list((run_dir / "logs").glob("rank-*.log")), batch  # no rank started
+    assert batch.count("health check failed on n2") == 1, batch  # the reason once, in the policy's line
     shown = " ".join(meshrun(tmp_path, "status", job_id, check=True).stdout.split())  # unwrapped
     assert "health check failed on n2" in shown, shown
     assert f"`meshrun nodes -c testbed --clear n2` once repaired, then `meshrun resume {job_id}`" in shown, shown

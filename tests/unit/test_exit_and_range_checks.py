@@ -88,6 +88,7 @@ def test_a_cluster_that_fails_exits_1_with_one_line_and_records_nothing(
         ),
         ("resilience.max_restarts=-1", "resilience.max_restarts: -1", "give 0 to 100 restarts (default 3)"),
         ("resilience.restart_on=failure,oom", "resilience.restart_on: 'oom'", "give some of failure, hang, health"),
+        ("resilience.restart_on=failure,failure", "resilience.restart_on: 'failure'", "name each at most once"),
         ("resilience.spare_nodes=1 --set resilience.max_restarts=0", "resilience.spare_nodes: 1", "spares serve only"),
     ],
 )
