@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import psutil
+
 from launcher.contract import ckptdir, lost
 from launcher.contract.rundir import RunDir, node_name
 from tests.helpers.cli import TINY, TWO_NODES, meshrun, metrics, status, submitted, trials, wait_for_state
@@ -107,7 +109,15 @@ def kept_sidecars(run_dir: Path, node: str = "") -> tuple[list[int], list[int]]:
         if node and f"SLURMD_NODENAME={node}".encode() not in env:
             continue
         (kept if any(e.startswith(b"MESHRUN_SIDECAR_KEPT=") for e in env) else keepers).append(pid)
-    return keepers, kept
+    # A sidecar's own forked children (its checkpoint copier) share its command line and environment: not them.
+    return keepers, [pid for pid in kept if _parent(pid) not in kept]
+
+
+def _parent(pid: int) -> int:
+    try:
+        return psutil.Process(pid).ppid()
+    except psutil.Error:
+        return 0
 
 
 def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 120) -> None:
