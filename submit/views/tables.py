@@ -187,11 +187,13 @@ GOODPUT_WORDS = {"setup": "setup", "lost": "lost", "ckpt_stall": "checkpoint sta
 
 def span(seconds: float) -> str:
     """A part of a job's time, short: 0.3s, 42.0s, 3m07s, 2h05m."""
-    if seconds < 60:
+    if seconds < 59.95:  # what rounds to 60.0s is 1m00s
         return f"{seconds:.1f}s"
-    if seconds < 3600:
-        return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
-    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
+    if seconds < 3599.5:
+        whole = round(seconds)  # rounded as sacct's elapsed time is, not cut: 60.98 s is 1m01s
+        return f"{whole // 60}m{whole % 60:02d}s"
+    minutes = round(seconds / 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m"
 
 
 def goodput_line(figures: Mapping[str, Any]) -> str:

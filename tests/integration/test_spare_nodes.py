@@ -3,7 +3,8 @@ with 1 spare (the testbed's `wide` partition has three nodes) whose rank on n2 i
 restarts on n1 + n3 inside the same Slurm job (no requeue), resumes from its last complete checkpoint and
 finishes every step, bit for bit as an uninterrupted run; the node it left is a suspect with srun's evidence,
 and goodput counts both runs of the allocation. A hang on its node (launcher/testing/faults.py) restarts the
-same way, and a node failing the health gate is replaced first."""
+same way, a node failing the health gate is replaced first, and without a spare the job requeues without the
+node."""
 
 from __future__ import annotations
 
@@ -132,19 +133,19 @@ def test_a_node_failing_its_health_check_is_replaced_by_the_spare_before_any_ran
 def test_a_hang_on_its_node_restarts_on_the_spare_inside_the_same_allocation(
     testbed: dict, tmp_path: Path, corpus: Path
 ) -> None:
-    args = [*TWO_NODES, *SMALL_MODEL, "--set", "resources.nodes=1", "--set", "parallel.dp=1", *FAST_WATCH]
-    args += ["--set", "resilience.spare_nodes=1", "--set", "resilience.avoid_suspects=false"]
-    args += ["--set", f"data.path={corpus}", "--set", "train.steps=30", "--set", "env.MESHRUN_TEST_HANG=0:25"]
-    # One rank's tiny steps take ~10 ms: 0.1 s more each lets the sidecar time them before the hang (its
-    # step timeout then applies, not the setup's 20 minutes). Faults act on the allocation's first run only.
-    args += ["--set", "env.MESHRUN_TEST_SLOW=0:0.1"]
+    args = [*WIDE, *FAST_WATCH, "--set", "resilience.spare_nodes=1", "--set", "resilience.avoid_suspects=false"]
+    args += ["--set", f"data.path={corpus}", "--set", "train.steps=30", "--set", "env.MESHRUN_TEST_HANG=1:25"]
+    # Tiny steps take ~10 ms: 0.1 s more each lets the sidecar time them before the hang (its step timeout
+    # then applies, not the setup's 20 minutes). Faults act on the allocation's first run only.
+    args += ["--set", "env.MESHRUN_TEST_SLOW=1:0.1"]
     job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, check=True))
     row = wait_for_state(tmp_path, job_id, ENDED, timeout=240)
     batch = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
     assert row["state"] == "COMPLETED" and row["restarts"] == 0, (row, batch)
     assert f"ranks exited with status {EXIT_NO_PROGRESS}" in batch, batch
-    assert "restarting inside the allocation without n1 (hang verdict: " in batch, batch
-    assert f"[meshrun] job {job_id} restart 0 in-job 1 on n2 at " in batch, batch
+    assert "restarting inside the allocation without n2 (hang verdict: " in batch, batch  # rank 1 hung on n2
+    assert f"[meshrun] job {job_id} restart 0 in-job 1 on n1,n3 at " in batch, batch
+    assert "REQUEUED" not in _sacct_states(testbed, job_id)
     assert "resuming from step 20" in (run_dir / "logs" / "rank-0.log").read_text()
     assert metrics(run_dir)[-1]["step"] == 30
 

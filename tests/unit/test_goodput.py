@@ -230,3 +230,22 @@ def test_a_start_too_new_to_measure_says_so_and_restarts_inside_the_allocation_c
     assert restarts_cell(SimpleNamespace(restarts=1, restarts_in_job=2)) == "1+2 in job"
     assert restarts_cell(SimpleNamespace(restarts=1, restarts_in_job=2), short=True) == "1+2"
     assert restarts_cell(SimpleNamespace(restarts=3, restarts_in_job=0)) == "3"
+
+
+@pytest.mark.parametrize(
+    "seconds, shown",
+    [
+        (0.34, "0.3s"),
+        (59.94, "59.9s"),
+        (59.96, "1m00s"),
+        (60.98, "1m01s"),
+        (187.0, "3m07s"),
+        (3599.4, "59m59s"),
+        (3599.6, "1h00m"),
+        (7529.0, "2h05m"),
+    ],
+)
+def test_a_part_of_a_jobs_time_is_rounded_not_cut(seconds: float, shown: str) -> None:
+    from submit.views.tables import span
+
+    assert span(seconds) == shown
