@@ -2,8 +2,8 @@
 
 They live at the repo's top level (templates/, cluster_configs/) and install as the
 data-only packages `submit.templates` and `submit.cluster_configs` (pyproject's
-package-dir), so they are found through importlib.resources the same way from a
-wheel and from the editable install of a checkout.
+package-dir): found beside the package's __init__.py, from a wheel and from the editable install of a
+checkout alike (through importlib.resources where the package is not a folder on disk).
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import posixpath
-import secrets
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
@@ -109,11 +108,6 @@ class Findings:
 
 
 NOTHING = Findings()
-
-
-def new_marker() -> str:
-    """A separator no file can forge: random per call, as submit.transport.base.batch's."""
-    return f"MESHRUN-{secrets.token_hex(8)}"
 
 
 def findings_argv(run_dirs: Sequence[str], with_env: bool, marker: str, with_gpus: bool = False) -> list[str]:

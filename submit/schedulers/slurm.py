@@ -23,7 +23,7 @@ from submit.jobs.status import Status, metrics_tail_bytes, parse_losses, parse_m
 from submit.planning.plan import Plan
 from submit.schedulers import slurm_cli
 from submit.schedulers.base import Request, run_dir_files, secret_files, start_argv
-from submit.transport.base import Result, Transport, batch
+from submit.transport.base import Result, Transport, batch, new_marker
 
 BATCH_JOBS = 1000
 
@@ -85,7 +85,7 @@ class SlurmBackend:
                 for i in range(0, len(records), BATCH_JOBS)
                 for s in self.statuses(records[i : i + BATCH_JOBS], transport, detail, live)
             ]
-        marker = findings.new_marker()
+        marker = new_marker()
         extra = findings.findings_argv([r.run_dir for r in records], detail, marker, with_gpus=live)
         results = batch(transport, [*query_argvs(records, live), extra], timeout=120)
         states = states_from(records, results[0], results[1])

@@ -140,9 +140,15 @@ def tar_bytes(files: Mapping[str, Upload]) -> bytes:
     return buf.getvalue()
 
 
+def new_marker() -> str:
+    """A separator no command's output can forge: random per call (os.urandom, not secrets, whose hmac import
+    would cost every `meshrun` call ~5 ms)."""
+    return f"MESHRUN-{os.urandom(8).hex()}"
+
+
 def batch(transport: Transport, argvs: Sequence[Sequence[str]], timeout: float = 60.0) -> list[Result]:
     """Run several commands in ONE round trip; one Result each (their output kept apart by a random marker)."""
-    marker = f"MESHRUN-{os.urandom(8).hex()}"  # os.urandom, not secrets: secrets' hmac import costs every call ~5 ms
+    marker = new_marker()
     lines = [
         f"{shlex.join(argv)} </dev/null; s=$?; printf '\\n%s %s\\n' {marker} $s; printf '\\n%s %s\\n' {marker} $s >&2"
         for argv in argvs

@@ -19,7 +19,6 @@ import json
 import posixpath
 import queue
 import re
-import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from launcher.contract.rundir import RunDir
 from submit import api
 from submit.errors import ClusterError, ConnectionLost, InputError
 from submit.jobs.registry import JobRecord
-from submit.transport.base import Stream, Transport
+from submit.transport.base import Stream, Transport, new_marker
 
 RECONNECT_ATTEMPTS = 8
 FOLLOW_TAIL_BYTES = 1 << 20
@@ -331,7 +330,7 @@ def parse_diagnosis(output: str, marker: str) -> list[DiagnosisFile]:
 
 def fetch_diagnosis(transport: Transport, run_dir: str) -> list[DiagnosisFile]:
     """Every file of the run's diagnosis, in ONE command (locally or over SSH); [] when there is none."""
-    marker = f"MESHRUN-{secrets.token_hex(8)}"
+    marker = new_marker()
     done = transport.run(diagnosis_argv(run_dir, marker), timeout=120).check("reading the diagnosis")
     return parse_diagnosis(done.stdout, marker)
 

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from submit.jobs.status import Status
+from submit.transport.base import new_marker
 from submit.views.tables import progress_line
 
 
@@ -60,7 +61,7 @@ def test_the_remote_command_brings_each_jobs_newest_alerts_and_gpu_lines_capped(
         for r in (1, 0)
     ]
     (busy / "gpu.jsonl").write_text("".join(json.dumps(g) + "\n" for g in gpu))
-    marker = findings.new_marker()
+    marker = new_marker()
     dirs = [str(busy), str(quiet)]
     done = LocalTransport().run(findings.findings_argv(dirs, False, marker, with_gpus=True))
     got = findings.split_findings(done.stdout, 2, marker)

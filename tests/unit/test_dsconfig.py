@@ -19,6 +19,7 @@ from submit.jobs import findings
 from submit.planning.plan import describe, plan_file
 from submit.planning.sweep import plan_sweep
 from submit.schedulers.base import run_dir_files
+from submit.transport.base import new_marker
 from submit.views.tables import detail_lines
 from tests.unit.test_cli_light import _run
 from tests.unit.test_local_and_wait import _status
@@ -355,7 +356,7 @@ def test_the_slurm_round_trip_brings_spec_json_for_the_detail_view_only(tmp_path
     run_dir.mkdir()
     spec = run_dir_files(_plan(DEEPSPEED, "parallel.zero=1"), "run.sh", "")[RunDir.SPEC].data
     (run_dir / "spec.json").write_bytes(spec)  # type: ignore[arg-type]
-    marker = findings.new_marker()
+    marker = new_marker()
     for detail, engine in ((True, "deepspeed ZeRO-1"), (False, None)):
         done = LocalTransport().run(findings.findings_argv([str(run_dir)], detail, marker))
         (files,) = findings.split_findings(done.stdout, 1, marker)

@@ -17,7 +17,7 @@ from submit.jobs import findings
 from submit.jobs.registry import JobRecord
 from submit.schedulers.local import BACKEND as LOCAL
 from submit.schedulers.slurm import BACKEND as SLURM
-from submit.transport.base import LocalTransport, Result
+from submit.transport.base import LocalTransport, Result, new_marker
 from submit.views.logs import fetch_diagnosis, format_diagnosis, heartbeat_lines
 from submit.views.tables import detail_lines, finding_note, status_table
 from tests.unit.test_local_and_wait import _status
@@ -117,7 +117,7 @@ def test_one_command_reads_every_jobs_findings_and_a_file_cannot_forge_a_separat
     odd = _run_dir(tmp_path / "it's a $(dir) *")
     quiet = _run_dir(tmp_path / "quiet", hung=False)
     forger = tmp_path / "forger"
-    marker = findings.new_marker()
+    marker = new_marker()
     _write(forger, "stragglers.json", "\nMESHRUN-0000000000000000 run\n\nMESHRUN-0000000000000000 file env/x.json\n{}")
     _write(forger, "diagnosis/verdict.txt", "x" * (findings.CAP_BYTES + 10))
     dirs = [str(odd), str(tmp_path / "missing"), str(forger), str(quiet)]
@@ -286,7 +286,7 @@ def test_ckpt_is_the_newest_checkpoint_on_shared_storage_however_far_back_its_me
 
     run_dir = tmp_path / "run"
     note_checkpoint(str(run_dir), 40, {"MESHRUN_JOB_ID": "local-a"})
-    marker = findings.new_marker()
+    marker = new_marker()
     (remote,) = findings.split_findings(
         LocalTransport().run(findings.findings_argv([str(run_dir)], False, marker)).stdout, 1, marker
     )
