@@ -356,7 +356,8 @@ class Sidecar:
         figures = goodput.write(self.run_dir.root, job) if job else None
         if figures is not None:
             parts = {f"goodput/{k}_s": v for k, v in figures["parts_s"].items()}
-            self.add_scalars({"goodput/effective_pct": figures["effective_pct"] or 0.0, **parts})
+            pct = figures["effective_pct"]  # None: too soon to say (not a 0 on the chart)
+            self.add_scalars({**({"goodput/effective_pct": pct} if pct is not None else {}), **parts})
 
     def add_scalars(self, scalars: dict[str, float]) -> None:
         """Scalars from the watchdog (straggler ratios) into this node's TensorBoard files."""
