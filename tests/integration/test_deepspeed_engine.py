@@ -123,6 +123,7 @@ def test_zero_trains_a_gqa_model_with_a_tied_head_like_the_native_engine(
 # ------------------------------------------------------------------ kill -9, requeue, resume (Slurm testbed)
 
 TESTBED_STEPS = 40
+HELD_AT = 15  # the step the kill test's first attempt stops at
 
 
 def _deepspeed_args(corpus: Path, zero: int, steps: int, every: int) -> list[str]:
@@ -180,15 +181,14 @@ def test_kill_9_requeue_resumes_zero2_to_the_uninterrupted_final_loss(
 ) -> None:
     args = [*TWO_NODES, *_deepspeed_args(corpus, 2, TESTBED_STEPS, every=10)]
     ref_id, ref_dir = submitted(meshrun(tmp_path, "submit", *args, env=EXTENSIONS, check=True))
-    # The first attempt waits 0.2 s for each step's data (the steps themselves take ~0.1 s: 40 of them
-    # ended before a poll saw step 10's commit), so the kill lands mid-run; the resumed attempt does not.
-    slowed = [*args, "--set", "env.MESHRUN_TEST_DATA_DELAY=0.2"]
-    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *slowed, env=EXTENSIONS, check=True))
+    # The first attempt's rank 1 stops at step 15 (MESHRUN_TEST_HANG; the watchdog's 60 s floor is far off),
+    # so rank 0 finishes step 14 and waits in step 15's collective: the kill always lands mid-run, past the
+    # step-10 checkpoint, whatever the machine's load (a fixed wait once let all 40 steps end first).
+    held = [*args, "--set", f"env.MESHRUN_TEST_HANG=1:{HELD_AT}"]
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *held, env=EXTENSIONS, check=True))
     _wait_for_commit(run_dir, 10)
-    # Past the newest commit by a step: a kill during a save (DeepSpeed's is slow) resumed from the very step
-    # it saved and redid nothing, which this test needs it to.
     deadline = time.monotonic() + 120
-    while max((r["step"] for r in metrics(run_dir)), default=0) <= max(_shared_commits(run_dir), default=0) + 1:
+    while max((r["step"] for r in metrics(run_dir)), default=0) < HELD_AT - 1:
         assert time.monotonic() < deadline, metrics(run_dir)[-3:]
         time.sleep(0.05)
     pids = _rank_pids(run_dir)
@@ -205,7 +205,7 @@ def test_kill_9_requeue_resumes_zero2_to_the_uninterrupted_final_loss(
     # metrics.jsonl is appended to: the steps after the checkpoint that ran before the kill come twice.
     got = list({r["step"]: r for r in rows}.values())
     assert [r["step"] for r in got] == list(range(1, TESTBED_STEPS + 1)), [r["step"] for r in rows]
-    assert len(rows) > TESTBED_STEPS, "the kill came after the last step: nothing was redone"
+    assert [r["step"] for r in rows][: HELD_AT + 3] == [*range(1, HELD_AT), *range(11, 15)], "steps 11-14 redone"
     # Bit-identical: fp32 on CPU, the same ranks, DeepSpeed's fp32 master partitions and Adam moments
     # restored exactly, the data position and every rank's RNG from the DCP part of the checkpoint.
     assert got[-1]["loss"] == ref[-1]["loss"], [(a["loss"], b["loss"]) for a, b in zip(ref, got)]
