@@ -46,7 +46,6 @@ import json
 import os
 import posixpath
 import re
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -366,7 +365,7 @@ def expand_node_path(path: str) -> str:
 
 def node_name(environ: Mapping[str, str]) -> str:
     """Slurm's name of this node (two nodes may share a hostname), else the short hostname; file-name safe."""
-    name = environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0] or "node"
+    name = environ.get("SLURMD_NODENAME") or os.uname().nodename.split(".")[0] or "node"
     return re.sub(r"[^A-Za-z0-9._-]", "_", name)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import signal
-import socket
 import sys
 import time
 from typing import Any, NoReturn, Sequence, TextIO
@@ -131,6 +130,8 @@ def _answers(port: int, timeout_s: float = 10.0) -> bool:
     """Whether the server answers an HTTP request through 127.0.0.1:port (a refusal for want of the token is
     an answer); a forward whose server is gone closes the connection without a byte."""
     try:
+        import socket  # here, not at the top: every other verb's start-up would pay for it
+
         with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as conn:
             conn.sendall(b"HEAD / HTTP/1.0\r\n\r\n")
             return bool(conn.recv(1))

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Optional
+
+from launcher.contract.private import make_private_dir
 
 
 def _base(variable: str, default: str) -> Path:
@@ -27,5 +30,21 @@ def config_dir() -> Path:
 
 
 def cache_dir() -> Path:
-    """$XDG_CACHE_HOME/meshrun (default ~/.cache/meshrun): what meshrun can make again (compiled templates)."""
+    """$XDG_CACHE_HOME/meshrun (default ~/.cache/meshrun): what meshrun can make again (compiled templates,
+    the checkout's file hashes)."""
     return _base("XDG_CACHE_HOME", "~/.cache")
+
+
+def own_cache(name: str) -> Optional[Path]:
+    """cache_dir()/name, made private, when it is this user's and no one else can write it; else None and the
+    caller does without (what is cached there is trusted as Python's own __pycache__ is: compiled code to run,
+    hashes that decide what ships)."""
+    folder = cache_dir() / name
+    try:
+        make_private_dir(folder)
+        found = os.stat(folder)
+    except OSError:
+        return None
+    if found.st_uid != os.getuid() or found.st_mode & 0o022:
+        return None
+    return folder

@@ -12,23 +12,20 @@ through as written.
 from __future__ import annotations
 
 import math
-import os
 import posixpath
 import re
 import shlex
 from functools import lru_cache
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import jinja2
 
 from launcher.contract import exitcodes
-from launcher.contract.private import make_private_dir
 from launcher.contract.rundir import RunDir
 from launcher.contract.spec import dumps_run_spec
 from submit import __version__
 from submit.config.cluster import check_node_names
-from submit.config.folders import cache_dir
+from submit.config.folders import own_cache
 from submit.config.resources import template_source
 from submit.errors import InputError, InternalError
 from submit.planning.plan import Plan, format_time
@@ -62,7 +59,7 @@ def _finalize(value: Any) -> str:
 def environment() -> jinja2.Environment:
     return jinja2.Environment(
         loader=jinja2.FunctionLoader(template_source),  # package data: a wheel's or a checkout's templates/
-        bytecode_cache=compiled_templates(cache_dir() / "templates"),
+        bytecode_cache=compiled_templates(),
         undefined=jinja2.StrictUndefined,
         finalize=_finalize,
         autoescape=False,
@@ -72,19 +69,13 @@ def environment() -> jinja2.Environment:
     )
 
 
-def compiled_templates(folder: Path) -> Optional[jinja2.BytecodeCache]:
+def compiled_templates() -> Optional[jinja2.BytecodeCache]:
     """The templates compiled once, in the user's cache folder: compiling them took ~25 ms of every `render`
     and `submit`. Jinja keys each by its template's source, so an edited or upgraded template compiles again.
     Loading runs the cached code, so the folder serves only when it is this user's and no one else can write
-    it (as Python's own __pycache__ beside the code); otherwise every call compiles, as before."""
-    try:
-        make_private_dir(folder)
-        found = os.stat(folder)
-    except OSError:
-        return None
-    if found.st_uid != os.getuid() or found.st_mode & 0o022:
-        return None
-    return jinja2.FileSystemBytecodeCache(str(folder))
+    it (`own_cache`); otherwise every call compiles, as before."""
+    folder = own_cache("templates")
+    return None if folder is None else jinja2.FileSystemBytecodeCache(str(folder))
 
 
 def sbatch_label(name: str) -> str:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from submit.config.cluster import load_profile, profile_files
+from submit.config.folders import own_cache
 from submit.errors import InputError
 from submit.planning.plan import plan_file
 from submit.schedulers import backend
@@ -177,12 +178,15 @@ def test_render_o_says_the_code_snapshot_must_be_on_the_cluster_first(tmp_path: 
 def test_compiled_templates_are_kept_only_in_a_folder_no_one_else_can_write(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    private = tmp_path / "cache" / "templates"
-    assert compiled_templates(private) is not None
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    private = tmp_path / "cache" / "meshrun" / "templates"
+    assert own_cache("templates") == private and compiled_templates() is not None
     assert private.stat().st_mode & 0o777 == 0o700  # made private, whatever the umask
     monkeypatch.setattr(os, "getuid", lambda: private.stat().st_uid + 1)  # a folder another user owns
-    assert compiled_templates(private) is None  # they could plant code there: it is not used
-    assert compiled_templates(Path("/proc/no/such")) is None  # not creatable: every render compiles, as before
+    assert own_cache("templates") is None and compiled_templates() is None  # they could plant code there
+    monkeypatch.undo()
+    monkeypatch.setenv("XDG_CACHE_HOME", "/proc/no/such")
+    assert compiled_templates() is None  # not creatable: every render compiles, as before
 
 
 def test_a_script_rendered_from_compiled_templates_is_the_one_compiled_afresh(
