@@ -11,11 +11,13 @@ Slurm-like environment), enforces the time limit, stops every rank when one fail
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -41,9 +43,12 @@ STOP_GRACE_S = 60
 FAILED_PEER_GRACE_S = 10
 """How long the other ranks get to exit after one rank failed, before they are killed."""
 SIDECAR_STOP_S = 5
+"""How long the sidecar gets to stop after the ranks ended, before it is killed."""
 CLEAN_CODES = (0, EXIT_REQUEUE)
 """A rank's ends that fail nothing: done, or stopped after saving (a preemption's)."""
-"""How long the sidecar gets to stop after the ranks ended, before it is killed."""
+RESIGNAL_S = 2.0
+"""After a stop, how often the ranks are signalled again: one that was still starting (submitit's worker
+waves a SIGTERM through until the rank's own handler is in place) must not miss it."""
 
 
 def rank_main(run_dir: str) -> int:
@@ -93,25 +98,68 @@ def _group_members() -> list[int]:
     return [pid for pid in procs.group_members(os.getpgid(0)) if pid != me]
 
 
-def _signal_found(pids: Iterator[int], sig: int) -> None:
+def _signal_found(pids: Iterator[int], sig: int, skip: Optional[set[procs.Identity]] = None) -> None:
     """Signal processes a /proc scan found: each identity is taken as it is found and checked at the signal
-    (launcher.contract.procs), so a process that exits meanwhile never passes its signal to a reuse of its pid."""
+    (launcher.contract.procs), so a process that exits meanwhile never passes its signal to a reuse of its pid.
+    Those in `skip` are left alone; each one signalled is added to it."""
     found = [identity for identity in map(procs.process_identity, pids) if identity is not None]
     for identity in found:
+        if skip is not None and identity in skip:
+            continue
         try:
             procs.signal_if_same(identity, sig)
         except OSError:
             pass
+        if skip is not None:
+            skip.add(identity)
 
 
-def _signal_group(sig: int) -> None:
+def _signal_group(sig: int, skip: Optional[set[procs.Identity]] = None) -> None:
     """Like Slurm ending a step: every process of the job, not only the ranks (their children too)."""
-    _signal_found(_group_members(), sig)
+    _signal_found(iter(_group_members()), sig, skip)
 
 
 def _signal_ranks(controller: int, sig: int) -> None:
     """Signal the rank processes (the submitit controller's children), not this supervisor."""
     _signal_found(iter(procs.children(controller)), sig)
+
+
+@dataclass
+class _Stop:
+    """A stop under way: why, the signal, whether it goes to the whole group or to the ranks only, and when
+    the ranks are killed if they have not ended."""
+
+    why: str
+    sig: int
+    whole_group: bool
+    deadline: float
+    sidecar: Optional[procs.Identity] = None
+    """Never signalled: the supervisor stops it once the ranks have ended, after it copied their last
+    checkpoint (a TERM in its first second ended it before it had a handler, and the checkpoint was lost)."""
+    signalled: set[procs.Identity] = dataclasses.field(default_factory=set)
+    """The group's processes that have had the signal: one that appears later (a program a rank started after
+    a cancel in the job's first second) gets it once too."""
+    resignal_at: float = 0.0
+
+    def send(self, controller: int, now: float) -> None:
+        if self.whole_group:
+            skip = self.signalled | self._sidecars()
+            _signal_group(self.sig, skip)
+            self.signalled |= skip
+        if now >= self.resignal_at:  # the ranks again: one may have been starting when the last came
+            _signal_ranks(controller, self.sig)
+            self.resignal_at = now + RESIGNAL_S
+
+    def _sidecars(self) -> set[procs.Identity]:
+        """The sidecar's processes now (its keeper, the sidecar, its copiers)."""
+        if self.sidecar is None:
+            return set()
+        found = {self.sidecar}
+        for pid in _group_members():
+            identity = procs.process_identity(pid)
+            if identity is not None and procs.descendant_of(pid, self.sidecar):
+                found.add(identity)
+        return found
 
 
 class Supervisor:
@@ -182,30 +230,36 @@ class Supervisor:
 
     def _watch(self, job: Any, started: float, limit_s: int) -> Optional[str]:
         """Wait for the ranks; returns why they were stopped (None: they ended by themselves)."""
-        stopped: Optional[str] = None
-        deadline: Optional[float] = None
+        stop: Optional[_Stop] = None
         controller = int(job.job_id)
         while not job.done():
             now = time.time()
-            if stopped is None:
+            if stop is None:
                 if self._cancel_requested():
-                    stopped, deadline = "CANCELLED", now + STOP_GRACE_S
                     # The whole job, as scancel does: the ranks save a checkpoint and exit, and a
                     # command's own program gets it too (submitit's workers ignore TERM, and a cancel
-                    # in the first second reached the group before the program existed).
-                    _signal_group(signal.SIGTERM)
+                    # in the first second reached the group before the program existed, or the ranks).
+                    stop = _Stop("CANCELLED", signal.SIGTERM, True, now + STOP_GRACE_S, self._sidecar_identity())
                 elif now - started > limit_s:
-                    stopped, deadline = "TIMEOUT", now + STOP_GRACE_S
-                    _signal_ranks(controller, signal.SIGUSR1)
+                    stop = _Stop("TIMEOUT", signal.SIGUSR1, False, now + STOP_GRACE_S)
                 elif self._failed_rank(job) is not None:
                     # Slurm's --kill-on-bad-exit: one rank's failure ends the job, not its full time.
-                    stopped, deadline = "FAILED", now + FAILED_PEER_GRACE_S
-                    _signal_group(signal.SIGTERM)
-            if deadline is not None and now > deadline:
-                _signal_group(signal.SIGKILL)
-                deadline = now + STOP_GRACE_S  # SIGKILL again later if something survived
+                    stop = _Stop("FAILED", signal.SIGTERM, True, now + FAILED_PEER_GRACE_S, self._sidecar_identity())
+            if stop is not None:
+                stop.send(controller, now)
+                if stop.why != "FAILED" and self._failed_rank(job) is not None:
+                    # A rank the stop ended before it could save (a TERM while it started): its peers wait in
+                    # a collective it will never join, and no checkpoint can come of them. As Slurm's
+                    # --kill-on-bad-exit, they get the failed peer's grace, not the whole stop's.
+                    stop.deadline = min(stop.deadline, now + FAILED_PEER_GRACE_S)
+                if now > stop.deadline:
+                    _signal_group(signal.SIGKILL)
+                    stop.deadline = now + STOP_GRACE_S  # SIGKILL again later if something survived
             time.sleep(0.25)
-        return stopped
+        return None if stop is None else stop.why
+
+    def _sidecar_identity(self) -> Optional[procs.Identity]:
+        return None if self.sidecar is None else procs.process_identity(self.sidecar.pid)
 
     @staticmethod
     def _failed_rank(job: Any) -> Optional[int]:

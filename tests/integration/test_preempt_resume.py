@@ -45,9 +45,18 @@ def _step_rows(run_dir: Path) -> list[dict]:
 
 
 def test_time_limit_ends_in_a_checkpoint_and_a_requeue(testbed: dict, tmp_path: Path, corpus: Path) -> None:
-    # Two minutes, signalled 60 s ahead (testbed profile): training never ends by itself here.
+    # Two minutes, signalled 60 s ahead (testbed profile): training never ends by itself here. The first
+    # attempt's steps wait 0.5 s for their data (asleep, not burning two cores for the minute before the signal).
     args = _two_ranks_on_two_nodes(
-        corpus, "--set", "resources.time=2", "--set", "train.steps=1000000", "--set", "checkpoint.every=0"
+        corpus,
+        "--set",
+        "resources.time=2",
+        "--set",
+        "train.steps=1000000",
+        "--set",
+        "checkpoint.every=0",
+        "--set",
+        "env.MESHRUN_TEST_DATA_DELAY=0.5",
     )
     job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, check=True))
     deadline = time.monotonic() + 200

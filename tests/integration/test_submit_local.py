@@ -88,6 +88,27 @@ def test_cancel_a_running_job(tmp_path: Path, corpus: Path) -> None:
     assert second.returncode == 1 and "already ended (CANCELLED)" in second.stderr  # not "cancelled" + exit 0
 
 
+def test_a_cancel_before_the_ranks_exist_stops_them_when_they_start(tmp_path: Path, corpus: Path) -> None:
+    """A cancel in the job's first second reaches the controller while it imports torch, before it forks the
+    ranks: the ranks it forks later must get the stop too (they trained all their steps, and a long job ran
+    the 60 s grace before it was killed without a checkpoint)."""
+    tiny = _tiny(corpus, "--set", "train.steps=100000", "--set", "checkpoint.every=1000")
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *tiny, check=True))
+    deadline = time.monotonic() + 60
+    while status(tmp_path, job_id)["state"] != "RUNNING":  # the controller is starting: no rank yet
+        assert time.monotonic() < deadline, "the job never started"
+        time.sleep(0.1)
+    meshrun(tmp_path, "cancel", job_id, check=True)
+    cancelled = time.monotonic()
+    while (row := status(tmp_path, job_id))["state"] not in ("CANCELLED", "FAILED", "COMPLETED"):
+        assert time.monotonic() - cancelled < 45, f"still {row['state']} 45 s after the cancel: the ranks missed it"
+        time.sleep(0.5)
+    assert row["state"] == "CANCELLED", row
+    progress = row["progress"]
+    # Whatever the ranks trained before they saw the stop, they saved: nothing was killed mid-run.
+    assert progress.get("step", 0) == progress.get("checkpoint_step", 0), row
+
+
 def test_command_job_gets_torchrun_variables(tmp_path: Path) -> None:
     out = meshrun(tmp_path, "submit", "examples/command.yaml", "-c", "local", "--wait", check=True)
     job_id, _ = submitted(out)

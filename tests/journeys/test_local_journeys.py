@@ -13,9 +13,11 @@ import pytest
 from tests.helpers.cli import SOAK
 from tests.journeys.harness import LOCAL, Journey, reference_losses
 
-CI_SEEDS = (1, 2, 3)
+CI_SEEDS = (1, 2)
 SEEDS = range(int(os.environ.get("MESHRUN_JOURNEYS", "100"))) if SOAK else CI_SEEDS
-STEPS_PER_JOURNEY = (5, 10)
+# CI's few journeys are short (the suite's time is shared: issue 23 keeps every journey under 3 minutes in all);
+# the soak's are longer.
+STEPS_PER_JOURNEY = (5, 10) if SOAK else (4, 6)
 
 
 @pytest.fixture(scope="session")
