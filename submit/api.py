@@ -43,6 +43,7 @@ from submit.transport.base import Progress, Transport
 
 if TYPE_CHECKING:
     from launcher.contract.spec import JobSpec
+    from submit.schedulers.preflight import Preflight
 
 # `executor` is served by the module's __getattr__ (submitit is imported only when it is asked for).
 __all__ = [
@@ -367,6 +368,16 @@ def prepare(
     return Prepared(plan, dryrun(plan, after), snap, found, warnings)
 
 
+def preflight(prepared: Prepared, transport: Transport) -> Preflight:
+    """What would end the job in its first second, asked of the cluster in one round trip before it queues
+    (submit/schedulers/preflight.py): Slurm's verdict and start estimate, the files the ranks read, the
+    interpreter after the profile's setup lines, free space for the checkpoints."""
+    from submit.schedulers import preflight as checks
+
+    local = not reaches_other_machines(prepared.plan.cluster.scheduler)
+    return checks.run(prepared.plan, prepared.request, transport, local)
+
+
 def upload(prepared: Prepared, transport: Transport, progress: Optional[Progress] = None) -> Prepared:
     """The code snapshot put on the cluster unless it is there; the result says it is there now."""
     found = prepared.found
@@ -399,10 +410,17 @@ def submit(
     after: Sequence[str] = (),
     profile_path: Optional[str] = None,
     force: bool = False,
+    check: bool = True,
 ) -> list[JobRecord]:
-    """`meshrun submit`'s road for a Python caller: check_job, prepare, send (code snapshot included)."""
+    """`meshrun submit`'s road for a Python caller: check_job, prepare, the preflight (unless not `check`;
+    a failed one raises InputError naming every failed check), send (code snapshot included)."""
     check_job(plan, force)
-    return send(prepare(plan, spec_dir, transport, after), registry, transport, spec_dir, profile_path)[0]
+    prepared = prepare(plan, spec_dir, transport, after)
+    if check:
+        failed = preflight(prepared, transport).failures
+        if failed:
+            raise InputError("preflight", ", ".join(c.what for c in failed), "; ".join(c.line for c in failed))
+    return send(prepared, registry, transport, spec_dir, profile_path)[0]
 
 
 class Clusters:

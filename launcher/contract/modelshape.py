@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from launcher.contract.spec import JobSpec
 from launcher.contract.spec import Model as ModelConfig
 
 
@@ -99,3 +100,20 @@ class StageBytes:
     """Bytes of gradients it holds at the optimizer step (ZeRO-1: the backward's full set, its peak)."""
     optimizer: int
     """Bytes of optimizer state (+ fp32 master copies where the engine keeps extra ones)."""
+
+
+CHECKPOINT_BYTES_PER_PARAM = 12
+"""A checkpoint holds each parameter in fp32 and Adam's two fp32 moments."""
+MIN_FREE_BYTES = 1 << 30
+
+
+def checkpoint_space_needed(job: JobSpec) -> int:
+    """Free bytes a job's checkpoint folders need: the spec's `resilience.min_free_gb`, else two checkpoints of
+    the model (one being written beside the newest complete one), at least 1 GiB. The health gate checks it on
+    every node, the submit's preflight on the checkpoint root."""
+    given = job.resilience.min_free_gb
+    if given > 0:
+        return int(given * 1e9)
+    if job.train is None:  # a command job: its checkpoints are its own business
+        return MIN_FREE_BYTES
+    return max(MIN_FREE_BYTES, 2 * CHECKPOINT_BYTES_PER_PARAM * param_count(job.train.model))

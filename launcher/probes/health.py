@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Optional, Sequence
 
+from launcher.contract.modelshape import checkpoint_space_needed
 from launcher.contract.private import make_private_dir
 from launcher.contract.rundir import RunDir, expand_node_path, node_name, write_json
 from launcher.contract.spec import RunSpec, read_run_spec
@@ -42,9 +43,6 @@ FAIL_ENV = "MESHRUN_TEST_HEALTH_FAIL"
 CLOCK_SKEW_S = 60.0
 """A node whose clock is this far from the batch host's fails (srun's start-up on a busy cluster takes
 seconds, a clock without NTP drifts minutes)."""
-CHECKPOINT_BYTES_PER_PARAM = 12
-"""A checkpoint holds each parameter in fp32 and Adam's two fp32 moments."""
-MIN_FREE_BYTES = 1 << 30
 HARDWARE_SLOWDOWN = 0x8 | 0x40 | 0x80
 """NVML's throttle reasons that only the hardware sets (HW slowdown, HW thermal slowdown, HW power brake): a
 GPU held down by one before any work runs makes every step of the job wait for it."""
@@ -130,14 +128,7 @@ def check_gpus(expected: int, visible: Optional[str], broken: bool) -> Check:
 
 def needed_bytes(run_spec: RunSpec) -> int:
     """Free space a node needs per folder: the spec's min_free_gb, else two checkpoints of the model."""
-    given = run_spec.job.resilience.min_free_gb
-    if given > 0:
-        return int(given * GB)
-    if run_spec.job.train is None:  # a command job: its checkpoints are its own business
-        return MIN_FREE_BYTES
-    from launcher.contract.modelshape import param_count
-
-    return max(MIN_FREE_BYTES, 2 * CHECKPOINT_BYTES_PER_PARAM * param_count(run_spec.job.train.model))
+    return checkpoint_space_needed(run_spec.job)
 
 
 def check_space(folders: Sequence[str], need: int) -> Check:

@@ -100,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="with --dry-run: the request as JSON fields")
     p.add_argument("--wait", action="store_true", help="wait for the end; exit 0 only if it succeeded")
     p.add_argument("--force", action="store_true", help="submit even when the plan says it cannot fit the GPUs")
+    check = p.add_mutually_exclusive_group()
+    check.add_argument(
+        "--check",
+        action="store_true",
+        help="only the preflight: ask the cluster whether the job would start (Slurm, files, environment, "
+        "space), print each check and Slurm's start estimate; submit nothing (exit 2 if one fails)",
+    )
+    check.add_argument("--no-check", action="store_true", help="skip the preflight every submit runs (one round trip)")
     p.add_argument(
         "--after",
         action="append",
@@ -287,6 +295,9 @@ def _check_submit_flags(args: argparse.Namespace, scheduler: str) -> None:
     api.check_dependencies(args.after, scheduler)
     if args.json and not args.dry_run:
         raise InputError("--json", "without --dry-run", "--json prints the request of a --dry-run: add --dry-run")
+    if args.check and (args.dry_run or args.sweep or args.wait):
+        other = "--dry-run" if args.dry_run else "--sweep" if args.sweep else "--wait"
+        raise InputError("--check", other, "--check submits nothing: use one of them at a time")
     if args.sweep and args.wait:
         raise InputError("--wait", "--sweep", "a sweep is several jobs: follow them with `meshrun status ID --watch`")
 
@@ -375,11 +386,17 @@ def _submit(args: argparse.Namespace, profile: Any, plan: Any) -> int:
             offline = shlex.join(["meshrun", "render", str(args.spec), "-c", args.cluster, "--offline"])
             raise ClusterError(f"{exc}; or see the script without asking the cluster: {offline}") from None
         clusters.adopt(profile, transport, profile_path_of(args.cluster))
-        prepared = api.prepare(plan, args.spec.parent, transport, after=args.after)
+        prepared = api.prepare(plan, args.spec.parent, transport, after=args.after, read_only=args.check)
         _warn(prepared.warnings)
         if args.dry_run:
             print_request(prepared, args.json)
             return 0
+        if not args.no_check:
+            checked = api.preflight(prepared, transport)
+            if args.check:
+                return _print_preflight(prepared, checked)
+            if checked.failures:
+                raise PreflightFailed(checked)
         snap = prepared.snapshot
         bar = ProgressBar(f"uploading code ({len(snap.files)} files)" if snap else "")
         registry = Registry()
@@ -397,6 +414,29 @@ def _submit(args: argparse.Namespace, profile: Any, plan: Any) -> int:
         return finish_wait(records[0], clusters, registry, total_steps=None if spec.command else spec.trainer.steps)
     finally:
         clusters.close()
+
+
+def _print_preflight(prepared: Any, checked: Any) -> int:
+    """`submit --check`: each check, then where the code stands; exit 2 when one failed."""
+    for line in checked.describe():
+        print(line)
+    snap, found = prepared.snapshot, prepared.found
+    if snap is not None:
+        there = "already on the cluster" if found is not None and found.present else "uploaded by the submit"
+        print(f"ok    code        snapshot {snap.digest} ({len(snap.files)} files): {there}")
+    verdict = "would start" if not checked.failures else f"would fail: {len(checked.failures)} check(s) above"
+    print(f"# meshrun submit --check: nothing was queued; the job {verdict}", file=sys.stderr)
+    return EXIT_INPUT if checked.failures else 0
+
+
+class PreflightFailed(MeshrunError):
+    """A submit whose preflight failed: nothing was queued. Each failed check is one line."""
+
+    exit_code = EXIT_INPUT
+
+    def __init__(self, checked: Any) -> None:
+        lines = checked.failure_lines()
+        super().__init__("\nmeshrun: error: ".join([*lines, "nothing was queued (`--no-check` skips these checks)"]))
 
 
 def _print_submitted(plan: Any, records: Sequence[Any]) -> None:

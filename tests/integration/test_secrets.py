@@ -220,7 +220,12 @@ def test_a_rank_refuses_a_file_others_can_read_where_submit_could_not_see_it(tes
     readable.chmod(0o644)
     profile = sshbed.profile(tmp_path)
     spec = _spec(sshbed.project(tmp_path, {}), "secret-rank-check", {"TOKEN": {"file": str(readable)}}, {})
-    out = sshbed.meshrun(tmp_path, "submit", str(spec), "-c", str(profile), "--wait")  # a laptop: not checked here
+    # A laptop cannot see the cluster's file: the preflight asks the cluster, and refuses before anything queues.
+    checked = sshbed.meshrun(tmp_path, "submit", str(spec), "-c", str(profile))
+    assert checked.returncode == 2 and "submitted" not in checked.stdout, checked
+    assert f"preflight: files: secrets.TOKEN: {readable} is readable by others on the cluster" in checked.stderr
+    # Past the preflight (`--no-check`), the ranks check it themselves when they start.
+    out = sshbed.meshrun(tmp_path, "submit", str(spec), "-c", str(profile), "--wait", "--no-check")
     job_id, run_dir = submitted(out)
     assert out.returncode == 2, out.stdout + out.stderr  # the ranks' bad input: exit 2, not requeued
     reason = (run_dir / "rank-error.txt").read_text()

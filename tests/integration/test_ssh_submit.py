@@ -244,7 +244,7 @@ def test_a_resubmit_while_jobs_run_never_removes_or_replaces_their_code(testbed:
 
     second, round_trips = _counted_submit(tmp_path, spec, "-c", profile)
     assert "code: unchanged" in second.stderr and "uploading" not in second.stderr and "warning" not in second.stderr
-    assert round_trips == 2 and _code_dir(second) == code_dir  # home + snapshot check; run dir + sbatch
+    assert round_trips == 3 and _code_dir(second) == code_dir  # home + snapshot check; preflight; run dir + sbatch
     job2, run2 = submitted(second)
     _reading(run2)
 

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import pytest
 
 from launcher import gate
-from launcher.contract import suspects
+from launcher.contract import modelshape, suspects
 from launcher.contract.exitcodes import EXIT_NO_PROGRESS, EXIT_UNHEALTHY
 from launcher.contract.modelshape import param_count
 from launcher.contract.presets import PRESETS
@@ -124,7 +124,7 @@ def test_gpus_skip_on_a_cpu_job_fail_without_nvml_and_fail_when_injected(monkeyp
 
 def test_space_needs_two_checkpoints_of_the_model_or_the_given_figure(tmp_path: Path) -> None:
     spec = read_run_spec(Path(_run(tmp_path)))
-    assert health.needed_bytes(spec) == health.MIN_FREE_BYTES  # a tiny model: the floor
+    assert health.needed_bytes(spec) == modelshape.MIN_FREE_BYTES  # a tiny model: the floor
     assert spec.job.train is not None
     big = Model(**PRESETS["llama3-8b"])  # as the planner resolved it
     big_spec = replace(spec, job=replace(spec.job, train=replace(spec.job.train, model=big)))

@@ -1,0 +1,240 @@
+"""Preflight: what would end the job in its first second, checked on the cluster before it queues.
+
+A user's worst hour is the one spent in a queue for a job that dies at once: a data path that exists on the
+laptop but not on the cluster, a `setup:` line that breaks the interpreter, a partition that does not exist.
+Every submit (and `meshrun submit --check`, which submits nothing) asks the cluster, in ONE round trip of
+batched commands, where the ranks will run:
+
+- `slurm`: `sbatch --test-only` with the rendered script and its flags: Slurm says whether it can ever run
+  the request (partition, account, QOS, node count, time, constraint) and when it would start;
+- `files`: the files the ranks read (data, validation and blend files, `init_from`) exist and are readable,
+  and each `file:` secret is its user's alone (existence and mode only: never its content);
+- `environment`: the profile's `setup:` lines, then its interpreter: torch is there (and which version),
+  and which meshrun, against the one that rendered the job;
+- `space`: the checkpoint root has room for two checkpoints of the model (or `resilience.min_free_gb`).
+
+Each failure is one line naming what, where and the fix. `--no-check` skips it (docs/guides/preflight.md).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass
+from typing import Optional
+
+from launcher import __version__
+from launcher.contract.modelshape import checkpoint_space_needed
+from submit.planning.plan import Plan
+from submit.schedulers.base import Request
+from submit.transport.base import Result, Transport, batch
+
+# The rendered script goes to a private temporary file on the login node (mktemp: 0600), which
+# `sbatch --test-only` reads and which is removed at once: nothing is queued, nothing else written.
+TEST_ONLY = (
+    'f=$(mktemp) || exit 1; printf "%s" "$1" > "$f"; shift; '
+    'sbatch --test-only "$@" "$f" 2>&1; s=$?; rm -f -- "$f"; exit $s'
+)
+# Each argument pair is KEY PATH, `~/` meaning the cluster user's home. A file that is missing or unreadable
+# prints `missing KEY PATH`; a secret (its key starts with `secrets.`) also `open KEY PATH` when others may
+# read it, `notmine KEY PATH` when another user owns it.
+FILES = r"""
+while [ "$#" -ge 2 ]; do
+  k=$1 p=$2; shift 2
+  case $p in "~/"*) p="$HOME/${p#"~/"}";; esac
+  if [ ! -r "$p" ] || [ -d "$p" ]; then echo "missing $k $p"; continue; fi
+  case $k in secrets.*)
+    [ -O "$p" ] || { echo "notmine $k $p"; continue; }
+    [ -z "$(find "$p" -maxdepth 0 -perm /077 2>/dev/null)" ] || echo "open $k $p";;
+  esac
+done
+echo done
+"""
+# The free space (KiB) of the file system that holds the folder (or its nearest existing parent).
+SPACE = r"""
+p=$1; case $p in "~/"*) p="$HOME/${p#"~/"}";; esac
+while [ ! -e "$p" ] && [ "$p" != / ]; do p=$(dirname -- "$p"); done
+df -Pk -- "$p" | awk 'NR == 2 {print $4}'
+"""
+# Which torch and meshrun the interpreter sees, without importing torch (seconds on a login node).
+VERSIONS = (
+    "import importlib.metadata as m, importlib.util as u\n"
+    "def v(name):\n"
+    "    try:\n"
+    "        return m.version(name)\n"
+    "    except m.PackageNotFoundError:\n"
+    "        return '-'\n"
+    "print('torch', v('torch') if u.find_spec('torch') else '-')\n"
+    "print('meshrun', v('meshrun'))\n"
+)
+START = re.compile(r"to start at (\S+) using .* on nodes (\S+) in partition (\S+)")
+
+
+@dataclass(frozen=True)
+class Check:
+    what: str
+    """slurm, files, environment, space."""
+    ok: bool
+    line: str
+    """What was found; for a failure, what, where and the fix."""
+
+
+@dataclass(frozen=True)
+class Preflight:
+    checks: tuple[Check, ...]
+    start: Optional[str] = None
+    """Slurm's estimate of when the job would start (`sbatch --test-only`), as it prints it."""
+
+    @property
+    def failures(self) -> tuple[Check, ...]:
+        return tuple(c for c in self.checks if not c.ok)
+
+    def describe(self) -> list[str]:
+        """One line per check, as `submit --check` prints them."""
+        return [f"{'ok  ' if c.ok else 'FAIL'}  {c.what:<11} {c.line}" for c in self.checks]
+
+    def failure_lines(self) -> list[str]:
+        return [f"preflight: {c.what}: {c.line}" for c in self.failures]
+
+
+def files_to_check(plan: Plan) -> list[tuple[str, str]]:
+    """(key, path as the ranks see it) of every file the ranks read at start."""
+    job = plan.spec
+    found: list[tuple[str, str]] = []
+    if job.command is None and job.train is not None:
+        found.append(("data.path", job.data.path))
+        if job.data.val_path:
+            found.append(("data.val_path", job.data.val_path))
+        found += [(f"data.blend[{i}].path", source.path) for i, source in enumerate(job.data.blend)]
+        if job.train.init_from:
+            found.append(("train.init_from", job.train.init_from))
+    found += [(f"secrets.{name}", source.file) for name, source in job.secrets.items() if source.file]
+    return found
+
+
+def commands(plan: Plan, request: Request, local: bool) -> list[tuple[str, list[str]]]:
+    """(check, argv) for one batched round trip; the scheduler's and the interpreter's only where the
+    ranks run elsewhere than this process (`local`: the embedded cluster, whose interpreter is this one)."""
+    found: list[tuple[str, list[str]]] = []
+    if request.scheduler == "slurm":
+        flags = [f"--job-name={plan.spec.name}", f"--chdir={plan.run_dir}"]
+        found.append(("slurm", ["sh", "-c", TEST_ONLY, "sh", request.script, *flags]))
+    pairs = [word for pair in files_to_check(plan) for word in pair]
+    found.append(("files", ["sh", "-c", FILES, "sh", *pairs]))
+    if not local:
+        # Each setup line as the batch script runs it (verbatim, its failure not fatal), marked when it fails.
+        setup = "".join(f"{{ {line}\n}} || echo 'setup-failed {i}' >&2\n" for i, line in enumerate(plan.cluster.setup))
+        script = f"{setup}{shlex.join([plan.cluster.python, '-c', VERSIONS])}\n"
+        found.append(("environment", ["bash", "-c", script]))
+    found.append(("space", ["sh", "-c", SPACE, "sh", plan.run_spec.run.checkpoint_dir]))
+    return found
+
+
+def run(plan: Plan, request: Request, transport: Transport, local: bool) -> Preflight:
+    """Every check in one round trip (launcher.contract.modelshape sizes the checkpoints)."""
+    planned = commands(plan, request, local)
+    results = batch(transport, [argv for _, argv in planned], timeout=120)
+    checks: list[Check] = []
+    start: Optional[str] = None
+    for (what, _), result in zip(planned, results):
+        if what == "slurm":
+            check, start = _slurm(result)
+        elif what == "files":
+            check = _files(result)
+        elif what == "environment":
+            check = _environment(plan, result)
+        else:
+            check = _space(plan, result)
+        checks.append(check)
+    return Preflight(tuple(checks), start)
+
+
+def _last_line(result: Result) -> str:
+    lines = [line.strip() for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    return lines[-1] if lines else f"exit {result.returncode}"
+
+
+def _slurm(result: Result) -> tuple[Check, Optional[str]]:
+    found = START.search(result.stdout + result.stderr)
+    if result.returncode == 0 and found:
+        start, nodes, partition = found.groups()
+        return Check("slurm", True, f"Slurm can run it: on {nodes} in {partition}, estimated start {start}"), start
+    reason = _last_line(result).removeprefix("sbatch: error: ").removeprefix("allocation failure: ")
+    fix = "check resources (nodes, partition, time, account) against `sinfo` and the profile's partitions"
+    return Check("slurm", False, f"Slurm refuses the request: {reason}; {fix}"), None
+
+
+def _files(result: Result) -> Check:
+    if result.returncode != 0 or not result.stdout.rstrip().endswith("done"):
+        return Check("files", False, f"the file check did not run: {_last_line(result)}")
+    problems = []
+    for line in result.stdout.splitlines():
+        word, _, rest = line.partition(" ")
+        key, _, path = rest.partition(" ")
+        if word == "missing":
+            problems.append(
+                f"{key}: {path} is not on the cluster (or not readable there); copy it there, or fix the path"
+            )
+        elif word == "open":
+            problems.append(f"{key}: {path} is readable by others on the cluster; chmod 600 it")
+        elif word == "notmine":
+            problems.append(f"{key}: {path} belongs to another user on the cluster; use a file of your own")
+    if problems:
+        return Check("files", False, "; ".join(problems))
+    return Check("files", True, "every file the ranks read is there")
+
+
+def _failed_setup(plan: Plan, result: Result) -> str:
+    """The setup lines that failed on the login node, as `setup[i] (LINE) failed`; '' when none did."""
+    failed = [
+        int(w) for line in result.stderr.splitlines() for w in line.split()[1:2] if line.startswith("setup-failed ")
+    ]
+    return "; ".join(f"setup[{i}] ({plan.cluster.setup[i]}) failed" for i in failed if i < len(plan.cluster.setup))
+
+
+def _environment(plan: Plan, result: Result) -> Check:
+    versions = dict(line.split(" ", 1) for line in result.stdout.splitlines() if line.count(" ") == 1)
+    failed = _failed_setup(plan, result)
+    if result.returncode != 0 or "torch" not in versions:
+        said = [line for line in result.stderr.splitlines() if line.strip() and not line.startswith("setup-failed ")]
+        return Check(
+            "environment",
+            False,
+            f"`{plan.cluster.python}` after the profile's setup lines failed on the login node"
+            f"{': ' + failed if failed else ''} ({said[-1] if said else _last_line(result)}); "
+            "fix `setup:` or `python:` in the cluster profile",
+        )
+    torch, meshrun = versions["torch"], versions.get("meshrun", "-")
+    if torch == "-" and plan.spec.command is None:
+        return Check(
+            "environment",
+            False,
+            f"`{plan.cluster.python}` (after the profile's setup lines{': ' + failed if failed else ''}) cannot "
+            "import torch; install torch there, or fix `setup:` / `python:` in the cluster profile",
+        )
+    if meshrun not in ("-", __version__):
+        return Check(
+            "environment",
+            False,
+            f"the cluster's meshrun is {meshrun}, this one is {__version__}; install the same meshrun on both",
+        )
+    there = "meshrun from the code snapshot" if meshrun == "-" else f"meshrun {meshrun}"
+    note = f" (on the login node {failed}: a compute node may differ)" if failed else ""
+    return Check("environment", True, f"torch {torch}, {there}{note}")
+
+
+def _space(plan: Plan, result: Result) -> Check:
+    root = plan.run_spec.run.checkpoint_dir
+    need = checkpoint_space_needed(plan.spec)
+    try:
+        free = int(result.stdout.split()[-1]) * 1024
+    except (ValueError, IndexError):
+        return Check("space", True, f"free space at {root} not measured ({_last_line(result)})")
+    if free < need:
+        return Check(
+            "space",
+            False,
+            f"{root}: {free / 1e9:.1f} GB free, {need / 1e9:.1f} GB needed for two checkpoints; "
+            "free space there, point paths.checkpoint_root elsewhere, or set resilience.min_free_gb",
+        )
+    return Check("space", True, f"{free / 1e9:.1f} GB free at the checkpoint root ({need / 1e9:.1f} GB needed)")

@@ -1,0 +1,87 @@
+"""Preflight on the real Slurm testbed, from a laptop over SSH (issue 25, part 1): a job that would die in its
+first second is refused before it queues, in one line per problem, exit 2, in one SSH connection, and Slurm
+never sees a job (sacct lists none of its name). A job that would start is told when."""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+from pathlib import Path
+
+import yaml
+
+from tests.helpers import sshbed
+from tests.helpers.cli import TWO_NODES
+
+
+def _profile(tmp_path: Path, **changes: object) -> Path:
+    """The SSH profile, with `changes` to its top-level keys (setup, partitions...)."""
+    path = sshbed.profile(tmp_path)
+    data = yaml.safe_load(path.read_text())
+    data.update(changes)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _sacct_names(name: str) -> list[str]:
+    out = subprocess.run(
+        ["sacct", "-X", "-n", "-P", "-o", "JobName", "--name", name, "-S", "now-1hour"], capture_output=True, text=True
+    )
+    return [line for line in out.stdout.split() if line]
+
+
+def _refused(tmp_path: Path, profile: Path, *sets: str) -> str:
+    """`meshrun submit` of the two-node example with `sets`: refused by the preflight; its stderr."""
+    name = f"pf-{uuid.uuid4().hex[:8]}"
+    args = [TWO_NODES[0], "-c", str(profile), *TWO_NODES[3:], "--set", f"name={name}", *sets]
+    before = sshbed.logins()
+    out = sshbed.meshrun(tmp_path, "submit", *args)
+    assert out.returncode == 2 and out.stdout == "", out
+    lines = out.stderr.splitlines()
+    assert lines[-1] == "meshrun: error: nothing was queued (`--no-check` skips these checks)", out.stderr
+    assert all(line.startswith("meshrun: error: preflight: ") for line in lines[:-1]) and len(lines) >= 2, lines
+    assert sshbed.logins() - before == 1  # the whole submit, the preflight included, in one connection
+    assert _sacct_names(name) == []  # Slurm never saw it
+    return out.stderr
+
+
+def test_preflight_refuses_what_would_die_at_once_and_queues_nothing(
+    testbed: dict, tmp_path: Path, default_corpus: Path
+) -> None:
+    profile = _profile(tmp_path)
+    # A data file this laptop has, the cluster (its home) not.
+    here = tmp_path / "only-here.u16"
+    here.write_bytes(b"\0" * 1024)
+    said = _refused(tmp_path, profile, "--set", "data.path=~/meshrun-preflight-nowhere/tokens.u16")
+    assert (
+        "preflight: files: data.path: " in said
+        and "/meshrun-preflight-nowhere/tokens.u16 is not on the cluster" in said
+    )
+    # A setup line that breaks the interpreter: the venv's activation replaced by one that does not exist.
+    broken = _profile(tmp_path, setup=["source /nonexistent/venv/bin/activate"], python="/nonexistent/bin/python")
+    said = _refused(tmp_path, broken)
+    assert "preflight: environment: `/nonexistent/bin/python` after the profile's setup lines failed" in said, said
+    assert "setup[0] (source /nonexistent/venv/bin/activate) failed" in said, said
+    # A partition the profile names and Slurm does not have; a node count above what Slurm's partition has.
+    shape = {"gpus_per_node": 2, "cpus_per_node": 4, "memory_gb": 2, "max_time": "1-00:00:00"}
+    ghost = _profile(tmp_path, partitions=[{"name": "ghost", "max_nodes": 2, "default": True, **shape}])
+    said = _refused(tmp_path, ghost)
+    assert "preflight: slurm: Slurm refuses the request: Invalid partition name specified" in said, said
+    wider = _profile(tmp_path, partitions=[{"name": "debug", "max_nodes": 3, "default": True, **shape}])
+    said = _refused(tmp_path, wider, "--set", "resources.nodes=3", "--set", "parallel.dp=3")
+    assert "preflight: slurm: Slurm refuses the request: Requested node configuration is not available" in said
+
+
+def test_check_alone_says_when_the_job_would_start_and_submits_nothing(
+    testbed: dict, tmp_path: Path, default_corpus: Path
+) -> None:
+    name = f"pf-{uuid.uuid4().hex[:8]}"
+    profile = _profile(tmp_path)
+    args = [TWO_NODES[0], "-c", str(profile), *TWO_NODES[3:], "--set", f"name={name}", "--check"]
+    out = sshbed.meshrun(tmp_path, "submit", *args)
+    assert out.returncode == 0, out
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("ok    slurm       Slurm can run it: on n[1-2] in debug, estimated start 20"), lines
+    assert [line.split()[1] for line in lines] == ["slurm", "files", "environment", "space", "code"], lines
+    assert lines[-1].startswith("ok    code        snapshot "), lines  # on the cluster already, or to upload
+    assert out.stderr.endswith("nothing was queued; the job would start\n") and _sacct_names(name) == []

@@ -1,0 +1,135 @@
+"""The preflight's checks (submit/schedulers/preflight.py), run for real through this machine's shell (the files,
+the space, the interpreter after setup lines), and its reading of Slurm's recorded `sbatch --test-only` answers.
+The same checks against the real Slurm testbed: tests/integration/test_preflight.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher import __version__
+from submit.config.cluster import load_profile
+from submit.planning.plan import Plan, plan_file
+from submit.schedulers import preflight
+from submit.schedulers.base import Request
+from submit.transport.base import LocalTransport, Result
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _plan(tmp_path: Path, *overrides: str, profile: str = "local") -> Plan:
+    corpus = tmp_path / "tokens.u16"
+    corpus.write_bytes(b"\0" * 4096)
+    sets = [f"data.path={corpus}", *overrides]
+    return plan_file(REPO / "examples" / "tiny.yaml", load_profile(profile), sets, home=str(tmp_path))
+
+
+def _request(scheduler: str = "local") -> Request:
+    return Request(scheduler=scheduler, run_dir="/x", script_path="/x/run.sh", script="#!/bin/sh\n", argv=("true",))
+
+
+def _run(plan: Plan, local: bool = True) -> preflight.Preflight:
+    return preflight.run(plan, _request(), LocalTransport(), local)
+
+
+def test_a_job_whose_files_are_there_passes(tmp_path: Path) -> None:
+    checked = _run(_plan(tmp_path))
+    assert [c.what for c in checked.checks] == ["files", "space"] and not checked.failures, checked
+
+
+def test_a_missing_data_file_and_init_weights_are_named_with_the_key(tmp_path: Path) -> None:
+    plan = _plan(tmp_path, "train.init_from=~/no/weights.safetensors", "data.val_path=/no/val.u16")
+    (check,) = _run(plan).failures
+    assert check.what == "files"
+    home = os.path.expanduser("~")  # `~/` is the cluster user's home, expanded there (here: this user's)
+    assert f"train.init_from: {home}/no/weights.safetensors is not on the cluster" in check.line
+    assert "data.val_path: /no/val.u16 is not on the cluster" in check.line and "data.path" not in check.line
+
+
+def test_a_secret_file_others_can_read_is_refused_and_its_content_never_read(tmp_path: Path) -> None:
+    secret = tmp_path / "token"
+    secret.write_text("hunter2\n")
+    secret.chmod(0o644)
+    plan = _plan(tmp_path)
+    job = dataclasses.replace(plan.spec, secrets={"HF_TOKEN": {"file": str(secret)}})
+    checked = _run(dataclasses.replace(plan, spec=job))
+    (check,) = checked.failures
+    assert check.line == f"secrets.HF_TOKEN: {secret} is readable by others on the cluster; chmod 600 it"
+    assert "hunter2" not in repr(checked)
+    secret.chmod(0o600)
+    assert not _run(dataclasses.replace(plan, spec=job)).failures
+
+
+def test_paths_with_shell_words_are_data_not_code(tmp_path: Path, canary: Path) -> None:
+    hostile = f"/tmp/$(touch {canary})`touch {canary}`; touch {canary}"
+    (check,) = _run(_plan(tmp_path, f"data.val_path={hostile}")).failures
+    assert hostile in check.line and not canary.exists()
+
+
+def test_too_little_space_names_the_root_the_need_and_the_fixes(tmp_path: Path) -> None:
+    plan = _plan(tmp_path, "resilience.min_free_gb=1000000")
+    (check,) = _run(plan).failures
+    assert check.what == "space" and "GB needed for two checkpoints" in check.line and "min_free_gb" in check.line
+    assert check.line.startswith(plan.run_spec.run.checkpoint_dir + ": ")
+
+
+def test_the_environment_runs_the_setup_lines_then_the_interpreter(tmp_path: Path) -> None:
+    plan = _plan(tmp_path)
+    cluster = dataclasses.replace(plan.cluster, python=sys.executable, setup=("false", "export X=1"))
+    checked = _run(dataclasses.replace(plan, cluster=cluster), local=False)
+    env = next(c for c in checked.checks if c.what == "environment")
+    assert env.ok and env.line.startswith("torch ") and "setup[0] (false) failed" in env.line, env
+    broken = dataclasses.replace(cluster, python="/nonexistent/python3")
+    env = next(
+        c for c in _run(dataclasses.replace(plan, cluster=broken), local=False).checks if c.what == "environment"
+    )
+    assert not env.ok and "`/nonexistent/python3` after the profile's setup lines" in env.line, env
+    assert "fix `setup:` or `python:` in the cluster profile" in env.line
+
+
+def _env_answer(plan: Plan, stdout: str, code: int = 0) -> preflight.Check:
+    return preflight._environment(plan, Result(("bash",), code, stdout, ""))
+
+
+def test_an_interpreter_without_torch_or_with_another_meshrun_fails(tmp_path: Path) -> None:
+    plan = _plan(tmp_path)
+    assert "cannot import torch" in _env_answer(plan, "torch -\nmeshrun -\n").line
+    other = _env_answer(plan, "torch 2.5.0\nmeshrun 0.0.1\n")
+    assert not other.ok and f"the cluster's meshrun is 0.0.1, this one is {__version__}" in other.line
+    assert _env_answer(plan, "torch 2.5.0\nmeshrun -\n").line == "torch 2.5.0, meshrun from the code snapshot"
+    command = dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, command=("python", "x.py"), train=None))
+    assert _env_answer(command, "torch -\nmeshrun -\n").ok  # a command job may not need torch
+
+
+# Recorded from the testbed's Slurm 22.05 (tests/integration/test_preflight.py asks the real one).
+ACCEPTED = "sbatch: Job 2470 to start at 2026-12-03T22:12:28 using 2 processors on nodes n[1-2] in partition debug\n"
+BAD_PARTITION = (
+    "sbatch: error: invalid partition specified: ghost\nallocation failure: Invalid partition name specified\n"
+)
+TOO_MANY = "allocation failure: Requested node configuration is not available\n"
+
+
+@pytest.mark.parametrize(
+    ("code", "said", "ok", "line"),
+    [
+        (0, ACCEPTED, True, "Slurm can run it: on n[1-2] in debug, estimated start 2026-12-03T22:12:28"),
+        (1, BAD_PARTITION, False, "Slurm refuses the request: Invalid partition name specified; check resources"),
+        (1, TOO_MANY, False, "Slurm refuses the request: Requested node configuration is not available; check"),
+        (127, "sh: 1: sbatch: not found\n", False, "Slurm refuses the request: sh: 1: sbatch: not found"),
+    ],
+)
+def test_slurms_answer_is_read(code: int, said: str, ok: bool, line: str) -> None:
+    check, start = preflight._slurm(Result(("sh",), code, said, ""))
+    assert check.ok == ok and check.line.startswith(line), check
+    assert start == ("2026-12-03T22:12:28" if ok else None)
+
+
+def test_slurm_gets_the_rendered_script_on_its_input_and_no_job_is_queued(tmp_path: Path) -> None:
+    plan = _plan(tmp_path, profile="testbed")
+    (argv,) = [argv for what, argv in preflight.commands(plan, _request("slurm"), local=False) if what == "slurm"]
+    assert argv[:3] == ["sh", "-c", preflight.TEST_ONLY] and argv[4] == "#!/bin/sh\n"
+    assert "--test-only" in preflight.TEST_ONLY and f"--chdir={plan.run_dir}" in argv
