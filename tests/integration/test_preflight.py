@@ -68,7 +68,11 @@ def test_preflight_refuses_what_would_die_at_once_and_queues_nothing(
     said = _refused(tmp_path, ghost)
     assert "preflight: slurm: Slurm refuses the request: Invalid partition name specified" in said, said
     wider = _profile(tmp_path, partitions=[{"name": "debug", "max_nodes": 3, "default": True, **shape}])
-    said = _refused(tmp_path, wider, "--set", "resources.nodes=3", "--set", "parallel.dp=3")
+    three = ["--set", "resources.nodes=3", "--set", "parallel.dp=3", "--set", "train.global_batch=12"]
+    said = _refused(tmp_path, wider, *three)
+    assert "preflight: slurm: Slurm refuses the request: Requested node configuration is not available" in said
+    # More memory than Slurm knows the nodes have (the profile says 2 GB; slurm.conf, 2000 MB).
+    said = _refused(tmp_path, profile, "--set", "resources.memory_gb=2")
     assert "preflight: slurm: Slurm refuses the request: Requested node configuration is not available" in said
 
 
