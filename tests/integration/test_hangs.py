@@ -11,6 +11,7 @@ from typing import Any
 
 from launcher.contract.exitcodes import EXIT_NO_PROGRESS
 from launcher.contract.rundir import RunDir, node_name
+from launcher.contract.spec import read_run_spec
 from tests.helpers.cli import (
     FAST_WATCH,
     SLOW_RANK_1,
@@ -117,7 +118,9 @@ def test_testbed_hang_on_the_second_node_is_requeued_resumes_and_finishes(
     # The verdict blamed n2 (issue 24, part 3): the cluster's ledger lists it, a new 1-node job leaves it out
     # (the 2-node partition can spare one node) and says so, until n2 is cleared.
     listed = meshrun(tmp_path, "nodes", "-c", "testbed", check=True).stdout
-    assert "n2" in listed and job_id in listed and "hang verdict: Hang at step" in listed, listed
+    ledger = Path(read_run_spec(run_dir).run.suspects_file)  # what the job wrote, should `nodes` not show it
+    said = ledger.read_text() if ledger.exists() else f"{ledger}: gone"
+    assert "n2" in listed and job_id in listed and "hang verdict: Hang at step" in listed, (listed, said)
     one_node = ["examples/two-node.yaml", "-c", "testbed", "--set", "resources.nodes=1", "--set", "parallel.dp=2"]
     rendered = meshrun(tmp_path, "render", *one_node, check=True)
     assert "#SBATCH --exclude=n2" in rendered.stdout and "leaving out suspect node n2" in rendered.stderr
