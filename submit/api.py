@@ -378,6 +378,92 @@ def preflight(prepared: Prepared, transport: Transport) -> Preflight:
     return checks.run(prepared.plan, prepared.request, transport, local)
 
 
+ANY_CLUSTER = "any"
+"""`-c any`: every cluster profile the user has written (in ~/.config/meshrun/clusters), each of its partitions."""
+
+
+def clusters_asked(cluster: str) -> Optional[list[str]]:
+    """`-c any` or `-c a,b,c`: the profiles a submit chooses among (in the order given); None for one cluster."""
+    if cluster == ANY_CLUSTER:
+        from submit.config.cluster import user_dir
+
+        names = sorted(path.stem for path in user_dir().glob("*.yaml")) if user_dir().is_dir() else []
+        if not names:
+            raise InputError(
+                "-c/--cluster",
+                ANY_CLUSTER,
+                f"you have no cluster profiles yet: write one in {user_dir()}, or name them",
+            )
+        return names
+    if "," not in cluster:
+        return None
+    names = [name.strip() for name in cluster.split(",")]
+    if not all(names) or len(set(names)) != len(names):
+        raise InputError("-c/--cluster", cluster, "give distinct profile names separated by commas, e.g. -c a,b")
+    return names
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One cluster and partition a `-c any` submit asked, and its answer."""
+
+    cluster: str
+    partition: str
+    start: Optional[str]
+    """When it would start (Slurm's estimate, or `now` for a cluster that starts jobs at once); None: it cannot."""
+    why: str
+    """Slurm's estimate, or why the job cannot run there (the first failed check)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.start is not None
+
+
+def candidates(spec_path: Path, names: Sequence[str], overrides: Sequence[str] = ()) -> list[Candidate]:
+    """Plan the job on each profile (on each of its partitions, unless the spec names one), drop where it cannot
+    fit, and ask each cluster the preflight's questions, Slurm's start estimate among them (read-only: nothing
+    is written or queued anywhere)."""
+    found: list[Candidate] = []
+    for name in names:
+        try:
+            profile = load_cluster(name)
+            pinned = plan_job(spec_path, profile, overrides).spec.resources.partition
+        except (InputError, ClusterError) as exc:
+            found.append(Candidate(name, "-", None, str(exc)))
+            continue
+        parts = [pinned] if pinned else [p.name for p in profile.partitions] or [""]
+        transport: Optional[Transport] = None
+        try:
+            for part in parts:
+                sets = [*overrides, f"resources.partition={part}"] if part and not pinned else list(overrides)
+                try:
+                    plan = plan_job(spec_path, profile, sets)
+                    check_job(plan)
+                    transport = transport or connect(profile.ssh, name)
+                    checked = preflight(prepare(plan, spec_path.parent, transport, read_only=True), transport)
+                except (InputError, ClusterError) as exc:
+                    found.append(Candidate(name, part or "-", None, str(exc)))
+                    continue
+                if checked.failures:
+                    first = checked.failures[0]
+                    found.append(Candidate(name, part or "-", None, f"{first.what}: {first.line}"))
+                else:
+                    start = checked.start or "now"
+                    said = "starts jobs at once" if checked.start is None else f"Slurm's estimate: {start}"
+                    found.append(Candidate(name, part or "-", start, said))
+        finally:
+            if transport is not None:
+                transport.close()
+    return found
+
+
+def soonest(found: Sequence[Candidate]) -> Optional[Candidate]:
+    """The candidate that would start first (`now` before any date; ISO dates compare as text; a tie goes to
+    the one asked first)."""
+    ready = [c for c in found if c.ok]
+    return min(ready, key=lambda c: "" if c.start == "now" else str(c.start)) if ready else None
+
+
 def upload(prepared: Prepared, transport: Transport, progress: Optional[Progress] = None) -> Prepared:
     """The code snapshot put on the cluster unless it is there; the result says it is there now."""
     found = prepared.found

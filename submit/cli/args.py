@@ -9,13 +9,15 @@ from pathlib import Path
 DEFAULT_CLUSTER = "local"
 
 
-def cluster_arg(parser: argparse.ArgumentParser) -> None:
-    """-c/--cluster: a profile name or YAML file; $MESHRUN_CLUSTER, else the embedded `local`."""
+def cluster_arg(parser: argparse.ArgumentParser, choose: bool = False) -> None:
+    """-c/--cluster: a profile name or YAML file; $MESHRUN_CLUSTER, else the embedded `local`. `choose` (submit):
+    also `any` or a comma-separated list, of which the cluster that starts the job soonest is taken."""
+    more = "; `any` (every profile you wrote) or a,b,c: the one that starts it soonest" if choose else ""
     parser.add_argument(
         "-c",
         "--cluster",
         default=os.environ.get("MESHRUN_CLUSTER", DEFAULT_CLUSTER),
-        help="cluster profile name or YAML file (default: $MESHRUN_CLUSTER or local)",
+        help=f"cluster profile name or YAML file (default: $MESHRUN_CLUSTER or local){more}",
     )
 
 

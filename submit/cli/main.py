@@ -30,9 +30,9 @@ from submit.errors import ClusterError, HostKeyError, InputError, InternalError,
 from submit.views.tables import table
 
 
-def _spec_args(parser: argparse.ArgumentParser) -> None:
+def _spec_args(parser: argparse.ArgumentParser, choose: bool = False) -> None:
     parser.add_argument("spec", type=spec_path, help="job spec YAML (see examples/)")
-    cluster_arg(parser)
+    cluster_arg(parser, choose)
     overrides_arg(parser, "override a spec key, e.g. --set train.steps=100 (repeatable)")
     parser.add_argument(
         "--sweep",
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     p = verbs.add_parser("submit", help="validate, render and submit a job")
-    _spec_args(p)
+    _spec_args(p, choose=True)
     p.add_argument(
         "--dry-run",
         action="store_true",
@@ -352,6 +352,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from submit import api
     from submit.jobs.doctor import with_exclude
 
+    asked = api.clusters_asked(args.cluster)
+    if asked is not None:
+        return _submit_soonest(args, asked)
     profile = with_exclude(api.load_cluster(args.cluster), args.exclude, api.reaches_other_machines)
     _check_submit_flags(args, profile.scheduler)
     plan = _plan(args, profile)  # every input error surfaces before any connection
@@ -403,6 +406,8 @@ def _submit(args: argparse.Namespace, profile: Any, plan: Any) -> int:
         records, uploaded = api.send(
             prepared, registry, transport, args.spec.parent, profile_path_of(args.cluster), progress=bar
         )
+        for record in records if getattr(args, "chosen", None) else ():
+            registry.set_chosen(record, args.chosen)
         if uploaded:
             bar.done()
         elif snap is not None:
@@ -414,6 +419,38 @@ def _submit(args: argparse.Namespace, profile: Any, plan: Any) -> int:
         return finish_wait(records[0], clusters, registry, total_steps=None if spec.command else spec.trainer.steps)
     finally:
         clusters.close()
+
+
+def _submit_soonest(args: argparse.Namespace, asked: list[str]) -> int:
+    """`submit -c any` / `-c a,b`: ask each cluster (and partition) when the job would start, print the table
+    that decides, and submit to the soonest (with --dry-run or --check: only the table)."""
+    from submit import api
+
+    for flag, given in (("--sweep", args.sweep), ("--exclude", args.exclude), ("--after", args.after)):
+        if given:
+            raise InputError(
+                flag, " ".join(given), f"name one cluster with -c to use {flag} (-c {args.cluster} chooses one)"
+            )
+    if args.no_check:
+        raise InputError(
+            "--no-check", args.cluster, "choosing a cluster asks each the preflight's questions: name one with -c"
+        )
+    found = api.candidates(args.spec, asked, args.overrides)
+    rows = [["CLUSTER", "PARTITION", "STARTS", "WHY"]]
+    rows += [[c.cluster, c.partition, c.start or "never", c.why] for c in found]
+    chosen = api.soonest(found)
+    print(table(rows), end="", file=sys.stderr)
+    if chosen is None:
+        raise InputError("-c/--cluster", args.cluster, "no cluster asked can run the job (the table above says why)")
+    why = f"soonest of {len(found)} asked ({', '.join(f'{c.cluster}/{c.partition}' for c in found)}): {chosen.why}"
+    print(f"# chose {chosen.cluster}, partition {chosen.partition}: {why}", file=sys.stderr)
+    if args.dry_run or args.check:
+        return 0
+    args.cluster = chosen.cluster
+    if chosen.partition != "-":
+        args.overrides = [*args.overrides, f"resources.partition={chosen.partition}"]
+    args.chosen = why
+    return cmd_submit(args)
 
 
 def _print_preflight(prepared: Any, checked: Any) -> int:

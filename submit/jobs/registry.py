@@ -29,6 +29,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     last_state TEXT NOT NULL DEFAULT 'SUBMITTED',
     profile TEXT,
     last_progress TEXT,
+    chosen TEXT,
     PRIMARY KEY (cluster, job_id)
 )
 """
@@ -44,6 +45,7 @@ _COLUMNS = (
     "last_state",
     "profile",
     "last_progress",
+    "chosen",
 )
 
 
@@ -74,6 +76,8 @@ class JobRecord:
     last_progress: Optional[str] = None
     """The progress (JSON) status saw when the job reached its final state: what its row keeps showing once
     a resume in the same run dir has pushed its lines out of the metrics tail status reads."""
+    chosen: Optional[str] = None
+    """Why this cluster and partition (`submit -c any` or `-c a,b`: the soonest start of those asked), for status."""
 
 
 def default_path() -> Path:
@@ -101,6 +105,8 @@ class Registry:
             self._db.execute("ALTER TABLE jobs ADD COLUMN profile TEXT")
         if "last_progress" not in columns:  # ... or before a final job's progress was
             self._db.execute("ALTER TABLE jobs ADD COLUMN last_progress TEXT")
+        if "chosen" not in columns:  # ... or before a cluster could be chosen for the job
+            self._db.execute("ALTER TABLE jobs ADD COLUMN chosen TEXT")
         self._db.commit()
 
     def add(self, record: JobRecord) -> None:
@@ -108,6 +114,13 @@ class Registry:
             self._db.execute(
                 f"INSERT OR REPLACE INTO jobs ({','.join(_COLUMNS)}) VALUES ({','.join('?' * len(_COLUMNS))})",
                 tuple(getattr(record, c) for c in _COLUMNS),
+            )
+
+    def set_chosen(self, record: JobRecord, why: str) -> None:
+        """Record why the job's cluster was chosen (`submit -c any`)."""
+        with self._db:
+            self._db.execute(
+                "UPDATE jobs SET chosen = ? WHERE cluster = ? AND job_id = ?", (why, record.cluster, record.job_id)
             )
 
     def set_state(self, record: JobRecord, state: str, progress: Optional[str] = None) -> None:

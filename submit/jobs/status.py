@@ -74,6 +74,8 @@ class Status:
     run_goodput: Optional[dict[str, Any]] = None
     """The run dir's total over its jobs (a resume in the run dir is a job of its own) when it has more than one:
     {"jobs", "allocated_s", "productive_s", "lost_steps", "effective_pct"}."""
+    chosen: Optional[str] = None
+    """Why the job went to this cluster and partition, when `submit -c any` (or `-c a,b`) chose it."""
 
     def as_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -227,6 +229,11 @@ def warn_to_stderr(message: str) -> None:
     print(f"meshrun: warning: {message}", file=sys.stderr)
 
 
+def with_chosen(record: JobRecord, status: Status) -> Status:
+    """The status with the registry's word on why its cluster was chosen (`submit -c any`), if it has one."""
+    return dataclasses.replace(status, chosen=record.chosen) if record.chosen else status
+
+
 def statuses(
     records: Sequence[JobRecord],
     clusters: TransportSource,
@@ -261,7 +268,7 @@ def statuses(
             found_here = kept
         for status in found_here:
             found[(status.cluster, status.job_id)] = status
-    result = [kept_progress(r, found[(r.cluster, r.job_id)]) for r in records]
+    result = [with_chosen(r, kept_progress(r, found[(r.cluster, r.job_id)])) for r in records]
     if registry is not None:
         for record, status in zip(records, result):
             if status.state != record.last_state and status.state not in (JobState.UNKNOWN, JobState.UNREACHABLE):

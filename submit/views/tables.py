@@ -147,6 +147,7 @@ def detail_lines(status: Any, width: int = 100) -> list[str]:
 
     lines = textwrap.wrap(printable(_reason_line(status)), width, subsequent_indent="  ") if status.reason else []
     lines += [f"engine: {printable(status.engine)}"] if status.engine else []
+    lines += [printable(f"chosen: {status.chosen}")] if status.chosen else []
     if status.verdict is not None:
         lines.append(printable(f"hang: {_hang_head(status.verdict)}".rstrip(": ")))
         paragraph = printable(" ".join(str(status.verdict.get("verdict") or "").split()))

@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from tests.helpers import sshbed
-from tests.helpers.cli import TWO_NODES
+from tests.helpers.cli import TWO_NODES, meshrun, status, submitted
 
 
 def _profile(tmp_path: Path, **changes: object) -> Path:
@@ -89,3 +89,38 @@ def test_check_alone_says_when_the_job_would_start_and_submits_nothing(
     assert [line.split()[1] for line in lines] == ["slurm", "files", "environment", "space", "code"], lines
     assert lines[-1].startswith("ok    code        snapshot "), lines  # on the cluster already, or to upload
     assert out.stderr.endswith("nothing was queued; the job would start\n") and _sacct_names(name) == []
+
+
+def test_any_cluster_goes_where_the_job_starts_first_and_says_why(testbed: dict, tmp_path: Path) -> None:
+    """Two profiles over the same Slurm: one only its `debug` partition (n1, n2), kept busy by a long job; the
+    other only `wide` (n1-n3), where a one-node job starts at once on n3. `-c A,B` asks both, shows both
+    estimates, and submits to `wide`; status says why."""
+    base = yaml.safe_load(Path("cluster_configs/testbed.yaml").read_text())
+    files = []
+    for name, partition in (("busy", "debug"), ("idle", "wide")):
+        data = {**base, "partitions": [{**p, "default": True} for p in base["partitions"] if p["name"] == partition]}
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        files.append(str(path))
+    hold = subprocess.run(
+        ["sbatch", "--parsable", "-p", "debug", "-N", "2", "-t", "10", "--job-name=pf-hold", "--wrap", "sleep 600"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    try:
+        one_node = ["--set", "resources.nodes=1", "--set", "parallel.dp=2", "--set", "train.steps=2"]
+        out = meshrun(tmp_path, "submit", "examples/two-node.yaml", "-c", ",".join(files), *one_node, check=True)
+        table = out.stderr.splitlines()
+        busy = next(line for line in table if line.startswith("busy "))
+        idle = next(line for line in table if line.startswith("idle "))
+        assert "debug" in busy and "Slurm's estimate: 20" in busy and "wide" in idle and "Slurm's estimate" in idle
+        assert busy.split()[2] > idle.split()[2], table  # debug starts only when the holding job ends
+        assert "# chose idle, partition wide: soonest of 2 asked" in out.stderr, out.stderr
+        job_id, _ = submitted(out)
+        row = status(tmp_path, job_id)
+        assert row["cluster"] == "idle" and "soonest of 2 asked (busy/debug, idle/wide)" in row["chosen"], row
+        shown = meshrun(tmp_path, "status", job_id, check=True).stdout
+        assert "chosen: soonest of 2 asked" in shown, shown
+    finally:
+        subprocess.run(["scancel", hold], check=False)

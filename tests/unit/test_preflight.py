@@ -133,3 +133,42 @@ def test_slurm_gets_the_rendered_script_on_its_input_and_no_job_is_queued(tmp_pa
     (argv,) = [argv for what, argv in preflight.commands(plan, _request("slurm"), local=False) if what == "slurm"]
     assert argv[:3] == ["sh", "-c", preflight.TEST_ONLY] and argv[4] == "#!/bin/sh\n"
     assert "--test-only" in preflight.TEST_ONLY and f"--chdir={plan.run_dir}" in argv
+
+
+def test_the_clusters_a_submit_chooses_among(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from submit import api
+    from submit.errors import InputError
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    assert api.clusters_asked("testbed") is None and api.clusters_asked("a, b") == ["a", "b"]
+    with pytest.raises(InputError, match="you have no cluster profiles yet"):
+        api.clusters_asked("any")
+    (tmp_path / "meshrun" / "clusters").mkdir(parents=True)
+    for name in ("zeta", "alpha"):
+        (tmp_path / "meshrun" / "clusters" / f"{name}.yaml").write_text("scheduler: slurm\n")
+    assert api.clusters_asked("any") == ["alpha", "zeta"]  # the user's own, not the shipped examples
+    for bad in ("a,", "a,a"):
+        with pytest.raises(InputError, match="distinct profile names"):
+            api.clusters_asked(bad)
+
+
+def test_the_soonest_start_wins_and_a_tie_goes_to_the_first_asked() -> None:
+    from submit.api import Candidate, soonest
+
+    late = Candidate("a", "debug", "2026-12-03T23:00:00", "")
+    early = Candidate("b", "gpu", "2026-12-03T22:00:00", "")
+    also = Candidate("c", "gpu", "2026-12-03T22:00:00", "")
+    never = Candidate("d", "-", None, "Slurm refuses the request")
+    assert soonest([late, early, also, never]) is early
+    assert soonest([late, Candidate("local", "-", "now", "")]).cluster == "local"
+    assert soonest([never]) is None and not never.ok
+
+
+def test_a_local_cluster_among_the_asked_is_planned_and_checked_like_any(tmp_path: Path) -> None:
+    from submit import api
+
+    found = api.candidates(
+        REPO / "examples" / "tiny.yaml", ["local", "no-such-profile"], [f"data.path={_plan(tmp_path).spec.data.path}"]
+    )
+    assert [(c.cluster, c.ok) for c in found] == [("local", True), ("no-such-profile", False)], found
+    assert found[0].start == "now" and "no such cluster" in found[1].why

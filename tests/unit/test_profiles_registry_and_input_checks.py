@@ -66,6 +66,30 @@ def test_the_registry_is_private(user_home: Path) -> None:
     assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
 
 
+def test_a_registry_from_before_clusters_were_chosen_gains_the_column_and_keeps_its_jobs(user_home: Path) -> None:
+    import sqlite3
+
+    path = user_home / "state" / "meshrun" / "registry.sqlite"
+    path.parent.mkdir(parents=True)
+    with sqlite3.connect(path) as db:  # the table as meshrun wrote it before `chosen`
+        db.execute(
+            "CREATE TABLE jobs (job_id TEXT NOT NULL, cluster TEXT NOT NULL, name TEXT NOT NULL, run_dir TEXT NOT NULL,"
+            " scheduler TEXT NOT NULL, submitted_at REAL NOT NULL, git_sha TEXT, spec_hash TEXT NOT NULL,"
+            " last_state TEXT NOT NULL DEFAULT 'SUBMITTED', profile TEXT, last_progress TEXT,"
+            " PRIMARY KEY (cluster, job_id))"
+        )
+        db.execute(
+            "INSERT INTO jobs (job_id, cluster, name, run_dir, scheduler, submitted_at, spec_hash)"
+            " VALUES ('7', 'c', 'n', '/r', 'slurm', 1.0, 'h')"
+        )
+    db.close()
+    registry = Registry()
+    (old,) = registry.recent()
+    assert old.job_id == "7" and old.chosen is None
+    registry.set_chosen(old, "soonest of 2 asked")
+    assert registry.find("7").chosen == "soonest of 2 asked"
+
+
 @pytest.mark.parametrize("value", ["１２３", "123\n", "12 3", "any:１"])
 def test_after_takes_ascii_job_ids_only(value: str) -> None:
     """Item 21: full-width digits and a trailing newline passed validation, then sbatch failed."""
