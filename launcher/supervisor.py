@@ -178,7 +178,7 @@ class Supervisor:
         self.cancelled = True
 
     def _cancel_requested(self) -> bool:
-        return self.cancelled or bool(read_state(self.state_path).get("cancel_requested"))
+        return self.cancelled or _EARLY_STOP[0] or bool(read_state(self.state_path).get("cancel_requested"))
 
     def _executor(self) -> tuple[Any, int]:
         import math
@@ -475,7 +475,18 @@ def _job_exit_code(codes: Optional[list[int]], final: str) -> int:
     return max(codes) if codes and max(codes) else EXIT_FAILED
 
 
+_EARLY_STOP = [False]
+"""A TERM or INT that came before the Supervisor's own handlers were in place (a cancel in the job's first
+moments): remembered, not fatal, so the job still ends CANCELLED through the supervisor."""
+
+
+def _stop_early(_signum: int, _frame: Any) -> None:
+    _EARLY_STOP[0] = True
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop_early)
     argv = sys.argv[1:] if argv is None else argv
     job_id = os.environ.get(JOB_ID_ENV, "")
     if len(argv) != 1 or not job_id:

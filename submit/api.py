@@ -408,11 +408,14 @@ class Candidate:
     """One cluster and partition a `-c any` submit asked, and its answer."""
 
     cluster: str
+    """The profile's name."""
     partition: str
     start: Optional[str]
     """When it would start (Slurm's estimate, or `now` for a cluster that starts jobs at once); None: it cannot."""
     why: str
     """Slurm's estimate, or why the job cannot run there (the first failed check)."""
+    given: str = ""
+    """The profile as `-c` named it (a name or a file): what the submit then goes to."""
 
     @property
     def ok(self) -> bool:
@@ -422,39 +425,56 @@ class Candidate:
 def candidates(spec_path: Path, names: Sequence[str], overrides: Sequence[str] = ()) -> list[Candidate]:
     """Plan the job on each profile (on each of its partitions, unless the spec names one), drop where it cannot
     fit, and ask each cluster the preflight's questions, Slurm's start estimate among them (read-only: nothing
-    is written or queued anywhere)."""
+    is written or queued anywhere). One connection per profile."""
     found: list[Candidate] = []
-    for name in names:
+    for given in names:
         try:
-            profile = load_cluster(name)
+            profile = load_cluster(given)
             pinned = plan_job(spec_path, profile, overrides).spec.resources.partition
         except (InputError, ClusterError) as exc:
-            found.append(Candidate(name, "-", None, str(exc)))
+            found.append(Candidate(given, "-", None, str(exc), given))
             continue
         parts = [pinned] if pinned else [p.name for p in profile.partitions] or [""]
-        transport: Optional[Transport] = None
+        opened: list[Transport] = []
+
+        def transport(
+            profile: ClusterProfile = profile, given: str = given, opened: list[Transport] = opened
+        ) -> Transport:
+            if not opened:
+                opened.append(connect(profile.ssh, given))
+            return opened[0]
+
         try:
             for part in parts:
                 sets = [*overrides, f"resources.partition={part}"] if part and not pinned else list(overrides)
-                try:
-                    plan = plan_job(spec_path, profile, sets)
-                    check_job(plan)
-                    transport = transport or connect(profile.ssh, name)
-                    checked = preflight(prepare(plan, spec_path.parent, transport, read_only=True), transport)
-                except (InputError, ClusterError) as exc:
-                    found.append(Candidate(name, part or "-", None, str(exc)))
-                    continue
-                if checked.failures:
-                    first = checked.failures[0]
-                    found.append(Candidate(name, part or "-", None, f"{first.what}: {first.line}"))
-                else:
-                    start = checked.start or "now"
-                    said = "starts jobs at once" if checked.start is None else f"Slurm's estimate: {start}"
-                    found.append(Candidate(name, part or "-", start, said))
+                found.append(_candidate(spec_path, profile, given, part or "-", sets, transport))
         finally:
-            if transport is not None:
-                transport.close()
+            for each in opened:
+                each.close()
     return found
+
+
+def _candidate(
+    spec_path: Path,
+    profile: ClusterProfile,
+    given: str,
+    part: str,
+    sets: Sequence[str],
+    transport: Callable[[], Transport],
+) -> Candidate:
+    try:
+        plan = plan_job(spec_path, profile, sets)
+        check_job(plan)
+        there = transport()
+        checked = preflight(prepare(plan, spec_path.parent, there, read_only=True), there)
+    except (InputError, ClusterError) as exc:
+        return Candidate(profile.name, part, None, str(exc), given)
+    if checked.failures:
+        first = checked.failures[0]
+        return Candidate(profile.name, part, None, f"{first.what}: {first.line}", given)
+    if checked.start is None:
+        return Candidate(profile.name, part, "now", "starts jobs at once", given)
+    return Candidate(profile.name, part, checked.start, f"Slurm's estimate: {checked.start}", given)
 
 
 def soonest(found: Sequence[Candidate]) -> Optional[Candidate]:

@@ -504,6 +504,10 @@ class Sidecar:
             pass
 
     def close(self) -> None:
+        if self.watchdog is not None:
+            # A verdict another node wrote in this attempt's last second: srun ended this node's ranks and the
+            # batch script this sidecar before a tick saw it, and its alert and suspect nodes were lost.
+            self.watchdog.last_look()
         self.alerting.forward()  # what the other nodes wrote in the last second
         if self.tb is not None:
             self.tb.close()

@@ -421,6 +421,15 @@ class Watchdog:
         if self.on_verdict is not None and verdict is not None:
             self.on_verdict(verdict, self.clock())  # after the kill: an alert never delays the job's end
 
+    def last_look(self) -> None:
+        """The sidecar stops: a verdict of this attempt that no tick saw yet still reaches on_verdict (node 0 raises
+        its alert and records the nodes it blames; on_verdict is once per attempt)."""
+        if self._ended or self.on_verdict is None:
+            return
+        verdict = self._ours(self.run_dir.verdict_json)
+        if verdict is not None:
+            self.on_verdict(verdict, self.clock())
+
     # --- stragglers -------------------------------------------------------------------------------
     def _share_step_times(self, now: float) -> None:
         ranks = {str(rank): track.medians() for rank, track in self.tracks.items() if track.beat}

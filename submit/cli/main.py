@@ -446,7 +446,7 @@ def _submit_soonest(args: argparse.Namespace, asked: list[str]) -> int:
     print(f"# chose {chosen.cluster}, partition {chosen.partition}: {why}", file=sys.stderr)
     if args.dry_run or args.check:
         return 0
-    args.cluster = chosen.cluster
+    args.cluster = chosen.given
     if chosen.partition != "-":
         args.overrides = [*args.overrides, f"resources.partition={chosen.partition}"]
     args.chosen = why

@@ -393,7 +393,13 @@ def _cancel(record: JobRecord) -> None:
     started = state.get("supervisor_started_at")
     leader = procs.Identity(pgid, float(started)) if isinstance(started, (int, float)) else None
     leader = leader or procs.process_identity(pgid) or procs.Identity(pgid, -1.0)
-    procs.signal_group_if_same(leader, signal.SIGTERM, procs.JobScope(JOB_ID_ENV, record.job_id))
+    job = procs.JobScope(JOB_ID_ENV, record.job_id)
+    # A live supervisor stops the job itself: it signals the ranks (again, until those still starting have it)
+    # and lets the sidecar copy their last checkpoint. A TERM to the whole group reached the sidecar and the
+    # ranks in their first second, before they had handlers, and lost that checkpoint. Orphans (the supervisor
+    # is gone): the group, found by its id.
+    if not procs.signal_if_same(leader, signal.SIGTERM, job):
+        procs.signal_group_if_same(leader, signal.SIGTERM, job)
 
 
 def _cancel_submitit_job(record: JobRecord) -> None:

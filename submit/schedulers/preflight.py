@@ -160,6 +160,10 @@ def _slurm(result: Result) -> tuple[Check, Optional[str]]:
         start, nodes, partition = found.groups()
         return Check("slurm", True, f"Slurm can run it: on {nodes} in {partition}, estimated start {start}"), start
     reason = _last_line(result).removeprefix("sbatch: error: ").removeprefix("allocation failure: ")
+    if "Unable to contact slurm controller" in reason:
+        return Check(
+            "slurm", False, f"Slurm's controller did not answer ({reason}); try again, or ask the admins"
+        ), None
     fix = "check resources (nodes, partition, time, account) against `sinfo` and the profile's partitions"
     return Check("slurm", False, f"Slurm refuses the request: {reason}; {fix}"), None
 

@@ -14,7 +14,9 @@ from tests.helpers.cli import TINY, meshrun, status, submitted
 def test_submitted_deepspeed_job_has_its_config_in_the_run_dir_and_status_shows_the_engine(tmp_path: Path) -> None:
     overrides = ("train.engine=deepspeed", "parallel.zero=3", "parallel.offload_optimizer=true")
     sets = [arg for o in overrides for arg in ("--set", o)]
-    out = meshrun(tmp_path, "submit", *TINY, *sets, "--set", "data.path=/nonexistent/tokens.u16", check=True)
+    out = meshrun(
+        tmp_path, "submit", *TINY, *sets, "--set", "data.path=/nonexistent/tokens.u16", "--no-check", check=True
+    )
     job_id, run_dir = submitted(out)
     try:
         spec = loads_run_spec((run_dir / "spec.json").read_text(), "spec.json").job

@@ -91,7 +91,7 @@ def test_check_alone_says_when_the_job_would_start_and_submits_nothing(
     assert out.stderr.endswith("nothing was queued; the job would start\n") and _sacct_names(name) == []
 
 
-def test_any_cluster_goes_where_the_job_starts_first_and_says_why(testbed: dict, tmp_path: Path) -> None:
+def test_any_cluster_goes_where_the_job_starts_first_and_says_why(testbed: dict, tmp_path: Path, corpus: Path) -> None:
     """Two profiles over the same Slurm: one only its `debug` partition (n1, n2), kept busy by a long job; the
     other only `wide` (n1-n3), where a one-node job starts at once on n3. `-c A,B` asks both, shows both
     estimates, and submits to `wide`; status says why."""
@@ -110,6 +110,7 @@ def test_any_cluster_goes_where_the_job_starts_first_and_says_why(testbed: dict,
     ).stdout.strip()
     try:
         one_node = ["--set", "resources.nodes=1", "--set", "parallel.dp=2", "--set", "train.steps=2"]
+        one_node += ["--set", f"data.path={corpus}"]
         out = meshrun(tmp_path, "submit", "examples/two-node.yaml", "-c", ",".join(files), *one_node, check=True)
         table = out.stderr.splitlines()
         busy = next(line for line in table if line.startswith("busy "))

@@ -30,7 +30,12 @@ def test_a_failed_sbatch_leaves_no_run_dir(testbed: dict, tmp_path: Path) -> Non
     profile.write_text(yaml.safe_dump(data))
     spec = tmp_path / "job.yaml"
     spec.write_text(sshbed.command_spec("no-such-partition", ["true"]))
+    # The preflight refuses it first (Slurm's own words, exit 2), before anything is written ...
     out = meshrun(tmp_path, "submit", str(spec), "-c", str(profile))
+    assert out.returncode == 2 and "Invalid partition name specified" in out.stderr, out.stdout + out.stderr
+    assert not (work / "runs").exists() or list((work / "runs").iterdir()) == []
+    # ... and past it (--no-check), the failed sbatch leaves nothing behind either.
+    out = meshrun(tmp_path, "submit", str(spec), "-c", str(profile), "--no-check")
     assert out.returncode == 1 and "sbatch failed" in out.stderr, out.stdout + out.stderr
     assert list((work / "runs").iterdir()) == []
     assert "Traceback" not in out.stderr

@@ -223,9 +223,8 @@ def test_a_straggler_alert_once_per_streak_from_the_tracker(tmp_path: Path) -> N
     assert sum("ALERT straggler step 12 rank 1: " in line for line in log) == 2
 
 
-def test_a_hang_found_by_two_watchdogs_is_one_alert_from_node_0_with_the_verdicts_first_sentence(
-    tmp_path: Path,
-) -> None:
+def _two_node_dogs(tmp_path: Path) -> tuple[RunDir, Clock, list[wd.Watchdog]]:
+    """Node 0 (n1: ranks 0, 1, rank 1 stalls at step 3) and node 1 (n2: ranks 2, 3), each with its alerting."""
     run, clock = RunDir(str(tmp_path)), Clock()
     nd1, nd2 = run.node_dir("", "n1"), run.node_dir("", "n2")
     kill = Kill({0: (nd1, WAITING), 1: (nd1, STALLED), 2: (nd2, WAITING), 3: (nd2, WAITING)})
@@ -248,12 +247,41 @@ def test_a_hang_found_by_two_watchdogs_is_one_alert_from_node_0_with_the_verdict
             on_verdict=alerting.on_verdict,
         )
         dogs.append(dog)
+    return run, clock, dogs
+
+
+def _beat_until_rank_1_stalls(run: RunDir, clock: Clock, dogs: list[wd.Watchdog]) -> None:
+    nd1, nd2 = run.node_dir("", "n1"), run.node_dir("", "n2")
     for step in range(1, 5):  # rank 1 stops at step 3
         clock.t += 2
         for rank, node_dir in ((0, nd1), (1, nd1), (2, nd2), (3, nd2)):
             beat(node_dir, rank, step if rank != 1 else min(step, 3), clock.t, stack_signal=USR2)
         for dog in dogs:
             dog.tick()
+
+
+def test_a_verdict_node_0_never_ticked_on_is_raised_when_its_sidecar_stops(tmp_path: Path) -> None:
+    """Node 1 found the hang and ended the job; srun ended node 0's ranks and the batch script its sidecar before
+    a tick of node 0 saw the verdict (a full run's hang test: no alert, no suspect in the ledger)."""
+    run, clock, dogs = _two_node_dogs(tmp_path)
+    _beat_until_rank_1_stalls(run, clock, dogs)
+    for _ in range(400):  # only node 1 goes on ticking (it waits for node 0's part, then decides without it)
+        clock.t += 1
+        dogs[1].tick()
+        if dogs[1].ended:
+            break
+    assert Path(run.verdict_json).exists() and not dogs[0].ended and not Path(run.alerts).exists()
+    dogs[0].last_look()  # its sidecar stops
+    dogs[0].last_look()
+    (record,) = alerts.read(run.alerts)
+    assert record["rule"] == "hang" and record["message"].startswith("Hang at step ")
+
+
+def test_a_hang_found_by_two_watchdogs_is_one_alert_from_node_0_with_the_verdicts_first_sentence(
+    tmp_path: Path,
+) -> None:
+    run, clock, dogs = _two_node_dogs(tmp_path)
+    _beat_until_rank_1_stalls(run, clock, dogs)
     for _ in range(40):
         clock.t += 1
         for dog in dogs:
