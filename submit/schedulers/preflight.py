@@ -23,8 +23,8 @@ import shlex
 from dataclasses import dataclass
 from typing import Optional
 
-from launcher import __version__
 from launcher.contract.modelshape import checkpoint_space_needed
+from submit import __version__
 from submit.planning.plan import Plan
 from submit.schedulers.base import Request
 from submit.transport.base import Result, Transport, batch
