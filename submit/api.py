@@ -435,38 +435,37 @@ def candidates(spec_path: Path, names: Sequence[str], overrides: Sequence[str] =
             found.append(Candidate(given, "-", None, str(exc), given))
             continue
         parts = [pinned] if pinned else [p.name for p in profile.partitions] or [""]
-        opened: list[Transport] = []
-
-        def transport(
-            profile: ClusterProfile = profile, given: str = given, opened: list[Transport] = opened
-        ) -> Transport:
-            if not opened:
-                opened.append(connect(profile.ssh, given))
-            return opened[0]
-
-        try:
-            for part in parts:
-                sets = [*overrides, f"resources.partition={part}"] if part and not pinned else list(overrides)
-                found.append(_candidate(spec_path, profile, given, part or "-", sets, transport))
-        finally:
-            for each in opened:
-                each.close()
+        plans: list[tuple[str, Plan]] = []
+        for part in parts:  # every input error before any connection
+            sets = [*overrides, f"resources.partition={part}"] if part and not pinned else list(overrides)
+            try:
+                plan = plan_job(spec_path, profile, sets)
+                check_job(plan)
+                plans.append((part or "-", plan))
+            except (InputError, ClusterError) as exc:
+                found.append(Candidate(profile.name, part or "-", None, str(exc), given))
+        if plans:
+            found += _ask(spec_path, profile, given, plans)
     return found
 
 
+def _ask(spec_path: Path, profile: ClusterProfile, given: str, plans: Sequence[tuple[str, Plan]]) -> list[Candidate]:
+    """Each partition's preflight, over one connection to the profile's cluster."""
+    try:
+        transport = connect(profile.ssh, given)
+    except ClusterError as exc:
+        return [Candidate(profile.name, part, None, str(exc), given) for part, _ in plans]
+    try:
+        return [_candidate(spec_path, profile, given, part, plan, transport) for part, plan in plans]
+    finally:
+        transport.close()
+
+
 def _candidate(
-    spec_path: Path,
-    profile: ClusterProfile,
-    given: str,
-    part: str,
-    sets: Sequence[str],
-    transport: Callable[[], Transport],
+    spec_path: Path, profile: ClusterProfile, given: str, part: str, plan: Plan, transport: Transport
 ) -> Candidate:
     try:
-        plan = plan_job(spec_path, profile, sets)
-        check_job(plan)
-        there = transport()
-        checked = preflight(prepare(plan, spec_path.parent, there, read_only=True), there)
+        checked = preflight(prepare(plan, spec_path.parent, transport, read_only=True), transport)
     except (InputError, ClusterError) as exc:
         return Candidate(profile.name, part, None, str(exc), given)
     if checked.failures:
