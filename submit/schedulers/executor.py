@@ -45,6 +45,9 @@ from submit.jobs.registry import JobRecord, Registry, now
 from submit.planning.plan import fit_partition, parse_time
 from submit.schedulers import backend, check_profile
 
+WORKER_MODULE = "launcher.submitit_worker"
+"""What each task of a Slurm job runs (`python -u -m WORKER_MODULE FOLDER`): submitit's worker, one fix added."""
+
 __all__ = ["MeshrunLocalExecutor", "MeshrunSlurmExecutor", "Resources", "executor", "setup_lines"]
 
 
@@ -300,6 +303,11 @@ class MeshrunSlurmExecutor(_Registering, SlurmExecutor):
         self._origin, self._run_dir = origin, None
         # Until the first submission picks its run dir, submitit's folder is the runs folder.
         super().__init__(origin.runs, max_num_timeout=max_num_timeout, python=python)
+
+    @property
+    def _submitit_command_str(self) -> str:
+        # submitit's worker with a requeue that survives its own SIGTERM (launcher/submitit_worker.py).
+        return " ".join([self.python, "-u -m", WORKER_MODULE, shlex.quote(str(self.folder))])
 
 
 class MeshrunLocalExecutor(_Registering, LocalExecutor):
