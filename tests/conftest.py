@@ -90,7 +90,8 @@ def default_corpus() -> Path:
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """Under pytest-xdist (scripts/test.sh): the testbed's test files on one worker (tests/xdistgroups.py)."""
+    """Under pytest-xdist (scripts/test.sh): each file of testbed tests on one worker, with its own testbed
+    (tests/xdistgroups.py)."""
     from tests.xdistgroups import TestbedScheduling
 
     return TestbedScheduling(config, log)  # type: ignore[arg-type]

@@ -1,12 +1,13 @@
-"""The suite in parallel (pytest-xdist, as scripts/test.sh runs it) with one testbed per machine.
+"""The suite in parallel (pytest-xdist, as scripts/test.sh runs it), each worker with its own testbed.
 
-The Slurm testbed and its sshd are one per machine (fixed ports, one work dir), so every test that
-reaches them runs on one worker, in turn, while the other workers share out the rest. The controller sees
-only test ids, not fixtures, so a test is judged by its file's source: it takes the `testbed` fixture,
-itself or through a fixture of its file, or its body uses the testbed's modules (`tb.`, `sshbed.`).
-tests/integration/conftest.py checks every collected test that takes the fixture against this judgement.
-(xdist's own `xdist_group` marker cannot do this under pytest 9: the suffix xdist writes into a test's
-id no longer reaches the id its scheduler groups by.)
+Every worker starts its own Slurm testbed and sshd the first time one of its tests needs one (its own slot:
+folder, ports, job ids; tests/testbed/testbed.py), so the testbed's tests share out like the rest. They go out
+a file at a time: a file's tests share its module-scoped fixtures (a job submitted once, a profile), which
+would otherwise run again on every worker. The controller sees only test ids, not fixtures, so a test is
+judged by its file's source: it takes the `testbed` fixture, itself or through a fixture of its file, or its
+body uses the testbed's modules (`tb.`, `sshbed.`). tests/conftest.py checks every collected test that takes
+the fixture against this judgement. (xdist's own `xdist_group` marker cannot do this under pytest 9: the
+suffix xdist writes into a test's id no longer reaches the id its scheduler groups by.)
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ def in_testbed_group(nodeid: str) -> bool:
 
 
 class TestbedScheduling(LoadScopeScheduling):
-    """xdist's load-by-scope scheduler where a scope is one test, except that the tests that reach the
-    testbed are one scope: one worker runs them all."""
+    """xdist's load-by-scope scheduler where a scope is one test, except that the tests of one file that reach
+    the testbed are one scope: one worker (and its testbed) runs them all."""
 
     def _split_scope(self, nodeid: str) -> str:
-        return TESTBED_GROUP if in_testbed_group(nodeid) else nodeid
+        return f"{TESTBED_GROUP}:{nodeid.partition('::')[0]}" if in_testbed_group(nodeid) else nodeid

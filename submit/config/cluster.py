@@ -190,14 +190,24 @@ class ClusterProfile:
         )
 
 
+SHARED_DIRS_ENV = "MESHRUN_CLUSTERS"
+"""Folders of profiles a team shares (a login node's /etc/meshrun/clusters, a project's own), ':'-separated."""
+
+
 def user_dir() -> Path:
     return config_dir() / "clusters"
 
 
+def shared_dirs(environ: Mapping[str, str] = os.environ) -> list[Path]:
+    """The folders MESHRUN_CLUSTERS names, in its order (empty entries skipped)."""
+    return [Path(part).expanduser() for part in environ.get(SHARED_DIRS_ENV, "").split(os.pathsep) if part]
+
+
 def profile_files() -> dict[str, Path]:
-    """Profile name -> file; the user's directory overrides the shipped one."""
+    """Profile name -> file: the shipped ones, overridden by MESHRUN_CLUSTERS' folders (a later one wins), and
+    those by the user's own folder."""
     found: dict[str, Path] = {}
-    for folder in (SHIPPED_DIR, user_dir()):
+    for folder in (SHIPPED_DIR, *shared_dirs(), user_dir()):
         if folder.is_dir():
             for path in sorted(folder.glob("*.yaml")):
                 found[path.stem] = path

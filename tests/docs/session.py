@@ -202,7 +202,9 @@ class Session:
         clusters = Path(self.xdg["XDG_CONFIG_HOME"]) / "meshrun" / "clusters"
         clusters.mkdir(parents=True, exist_ok=True)
         if place == "testbed":
-            shutil.copy(REPO / "cluster_configs" / "testbed.yaml", clusters / "mycluster.yaml")
+            from tests.testbed import testbed as tb
+
+            shutil.copy(tb.profile_file(), clusters / "mycluster.yaml")  # this worker's own testbed
         elif place == "ssh":
             from tests.helpers import sshbed
 

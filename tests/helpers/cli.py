@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 # What only the testbed's login node has: a "laptop" that reaches it over SSH must not see them.
-CLUSTER_ONLY = ("SLURM_CONF", "MESHRUN_TESTBED_VENV")
+CLUSTER_ONLY = ("SLURM_CONF", "MESHRUN_TESTBED_VENV", "MESHRUN_CLUSTERS")
 SOAK = os.environ.get("MESHRUN_SOAK") == "1"
 """Soak tests run a few trials in CI and their full count (20+) with MESHRUN_SOAK=1."""
 

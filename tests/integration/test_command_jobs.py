@@ -14,6 +14,7 @@ from pathlib import Path
 from launcher.contract.exitcodes import EXIT_GAVE_UP
 from tests.helpers.cli import meshrun, metrics, status, submitted, wait_for_state, wait_for_step
 from tests.helpers.ranks import free_port
+from tests.testbed import testbed as tb
 
 STEPS = 60
 DDP = ["examples/ddp.yaml", "-c", "testbed", "--set", "resources.nodes=2", "--set", "resources.tasks_per_node=1"]
@@ -65,7 +66,7 @@ def test_a_command_that_crashes_at_once_gives_up_after_two_runs_on_slurm(testbed
     assert [t["MESHRUN_RESTART_COUNT"] for t in told] == ["0", "1"]
     assert told[0]["MESHRUN_STOP_SIGNALS"] == "SIGUSR1,SIGTERM" and told[0]["MESHRUN_EXIT_REQUEUE"] == "75"
     assert told[0]["MESHRUN_RUN_DIR"] == str(run_dir) and told[0]["MESHRUN_CHECKPOINT_DIR"].startswith(
-        "/tmp/meshrun-testbed/checkpoints/"
+        f"{tb.TESTBED_DIR}/checkpoints/"
     )
 
 

@@ -24,6 +24,7 @@ from submit.schedulers.executor import executor
 from tests.helpers import sshbed
 from tests.helpers.cli import TINY, meshrun, submitted
 from tests.integration import submitit_fns
+from tests.testbed import testbed as tb
 
 STEPS = ["--set", "train.steps=6", "--set", "checkpoint.every=2", "--set", "checkpoint.async_save=false"]
 
@@ -121,7 +122,7 @@ def test_a_testbed_job_under_umask_000_leaves_nothing_for_others(testbed: dict, 
     name = f"umask-{secrets.token_hex(4)}"  # this job's folders, told apart from other jobs' on the testbed
     spec = ["examples/tiny.yaml", "-c", "testbed", *TINY[3:], "--set", f"data.path={corpus}", "--set", f"name={name}"]
     scratch = Path("/tmp") / f"meshrun-{getpass.getuser()}"
-    tops = [Path("/tmp/meshrun-testbed/work/runs"), Path("/tmp/meshrun-testbed/checkpoints"), scratch]
+    tops = [tb.TESTBED_DIR / "work" / "runs", tb.TESTBED_DIR / "checkpoints", scratch]
 
     def roots() -> list[Path]:
         return [home, *(p for top in tops if top.is_dir() for p in top.glob(f"{name}*"))]

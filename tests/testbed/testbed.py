@@ -9,9 +9,13 @@ that tests/testbed/install.sh installs.
     python -m tests.testbed.testbed up|down|status|env
     python -m tests.testbed.testbed profile [NAME]   # ~/.config/meshrun/clusters/NAME.yaml, over its sshd
 
-Environment: MESHRUN_TESTBED_DIR (default /tmp/meshrun-testbed) and the ports
-MESHRUN_TESTBED_{SLURMCTLD,SLURMDBD,SLURMD_N1,SLURMD_N2,SLURMD_N3,MARIADB,SSHD}_PORT. With the default ports
-one testbed runs per machine; a second needs its own folder and ports.
+Environment: MESHRUN_TESTBED_SLOT (default 0): testbeds of other slots run beside it, each with its own
+folder (/tmp/meshrun-testbed, then /tmp/meshrun-testbed-N), ports (the defaults + 100 N) and job ids (from
+N x 100000 + 1). Under pytest-xdist each worker has its own: worker gwN's slot is N (processes the tests
+start inherit PYTEST_XDIST_WORKER, so they find the same one). MESHRUN_TESTBED_DIR
+and MESHRUN_TESTBED_{SLURMCTLD,SLURMDBD,SLURMD_N1,SLURMD_N2,SLURMD_N3,MARIADB,SSHD}_PORT override one part.
+The shipped profile `testbed` (cluster_configs/testbed.yaml) names slot 0's folders; `profile_folder()` holds
+the slot's own copy, for MESHRUN_CLUSTERS.
 """
 
 from __future__ import annotations
@@ -33,7 +37,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-TESTBED_DIR = Path(os.environ.get("MESHRUN_TESTBED_DIR", "/tmp/meshrun-testbed")).absolute()
+SLOT_ENV = "MESHRUN_TESTBED_SLOT"
+SLOT = int(os.environ.get(SLOT_ENV) or os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+"""Which of the testbeds that can run side by side on this machine this is (0: the one people start by hand)."""
+SHIPPED_DIR = "/tmp/meshrun-testbed"
+"""Slot 0's folder: the one cluster_configs/testbed.yaml names."""
+TESTBED_DIR = Path(
+    os.environ.get("MESHRUN_TESTBED_DIR") or (f"{SHIPPED_DIR}-{SLOT}" if SLOT else SHIPPED_DIR)
+).absolute()
+FIRST_JOB_ID = SLOT * 100_000 + 1
+"""Job ids of different slots never meet (a job id names a job's processes and files on this one machine)."""
 
 CLUSTER = "testbed"
 NODES = ("n1", "n2", "n3")
@@ -51,7 +64,7 @@ GRACE_TIME_S = 15
 
 
 def _port(name: str, default: int) -> int:
-    return int(os.environ.get(f"MESHRUN_TESTBED_{name}_PORT", default))
+    return int(os.environ.get(f"MESHRUN_TESTBED_{name}_PORT") or default + 100 * SLOT)
 
 
 PORTS: dict[str, int] = {
@@ -129,8 +142,28 @@ class TestbedError(RuntimeError):
 
 
 def client_env() -> dict[str, str]:
-    """Variables a Slurm client command (sbatch, sacct, submitit...) needs to reach the testbed."""
-    return {"SLURM_CONF": str(SLURM_CONF)}
+    """Variables a Slurm client command (sbatch, sacct, submitit...) needs to reach the testbed, and meshrun
+    its profile `testbed` (other slots than 0: the slot's own copy, through MESHRUN_CLUSTERS)."""
+    env = {"SLURM_CONF": str(SLURM_CONF)}
+    if profile_file() != SHIPPED_PROFILE:
+        env["MESHRUN_CLUSTERS"] = str(profile_file().parent)
+    return env
+
+
+SHIPPED_PROFILE = Path(__file__).resolve().parents[2] / "cluster_configs" / f"{CLUSTER}.yaml"
+
+
+def profile_file() -> Path:
+    """The profile `testbed` of this testbed: the shipped file when it names this folder (slot 0), else a copy
+    in TESTBED_DIR/clusters naming this testbed's folders (written the first time it is asked for)."""
+    if TESTBED_DIR == Path(SHIPPED_DIR):
+        return SHIPPED_PROFILE
+    own = TESTBED_DIR / "clusters" / SHIPPED_PROFILE.name
+    text = SHIPPED_PROFILE.read_text().replace(f"{SHIPPED_DIR}/", f"{TESTBED_DIR}/")
+    if not own.is_file() or own.read_text() != text:
+        own.parent.mkdir(parents=True, exist_ok=True)
+        own.write_text(text)
+    return own
 
 
 def ssh_info() -> dict[str, object]:
@@ -736,6 +769,7 @@ SelectTypeParameters=CR_Core
 SlurmdParameters=config_overrides
 ReturnToService=2
 MinJobAge=300
+FirstJobId={FIRST_JOB_ID}
 # After a scancel the ranks save, the sidecar stops and the batch shell decides, all before the SIGKILL
 # that follows KillWait seconds later. Slurm's default is 30; 5 was too short on a loaded 2-core CI machine.
 KillWait=15

@@ -145,3 +145,22 @@ def test_a_profile_whose_scheduler_runs_here_refuses_an_ssh_section(user_home: P
     with pytest.raises(InputError, match="remove `ssh`"):
         api.Clusters().profile(str(mine.resolve()))
     assert api.load_cluster("local").ssh is None
+
+
+def test_meshrun_clusters_folders_override_the_shipped_profiles_and_the_users_own_override_them(
+    user_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    team, lab = user_home / "team", user_home / "lab"
+    mine = user_home / "config" / "meshrun" / "clusters"
+    for folder in (team, lab, mine):
+        folder.mkdir(parents=True)
+    shipped = yaml.safe_load((SHIPPED_DIR / "testbed.yaml").read_text())
+    for folder, name, said in ((team, "testbed", "team"), (team, "gpu", "team"), (lab, "gpu", "lab")):
+        (folder / f"{name}.yaml").write_text(yaml.safe_dump({**shipped, "description": said}))
+    monkeypatch.setenv("MESHRUN_CLUSTERS", f"{team}:{lab}:")
+    assert load_profile("testbed").description == "team"
+    assert load_profile("gpu").description == "lab"  # a later folder wins
+    (mine / "gpu.yaml").write_text(yaml.safe_dump({**shipped, "description": "mine"}))
+    assert load_profile("gpu").description == "mine"
+    monkeypatch.delenv("MESHRUN_CLUSTERS")
+    assert load_profile("testbed").description == shipped["description"]

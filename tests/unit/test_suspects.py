@@ -80,7 +80,8 @@ def test_a_submit_leaves_out_the_suspects_its_partition_can_spare_and_says_which
 
 def test_the_plan_carries_the_ledger_and_a_bad_forget_after_is_refused(tmp_path: Path) -> None:
     plan = _plan(tmp_path, 1)
-    assert plan.run_spec.run.suspects_file == "/tmp/meshrun-testbed/work/.meshrun/suspect-nodes.jsonl"
+    work = plan.cluster.paths.work_dir  # the shipped profile's, or a worker's own testbed's (tests/testbed)
+    assert plan.run_spec.run.suspects_file == f"{work}/.meshrun/suspect-nodes.jsonl"
     with pytest.raises(Exception, match="resilience.forget_after_h"):
         _plan(tmp_path, 1, resilience={"forget_after_h": -1})
 

@@ -57,7 +57,8 @@ def test_each_task_is_validated_and_gets_its_own_run_dir_and_checkpoints() -> No
     assert all(t.run_spec.job.trainer.steps == 7 and t.run_spec.job.trainer.seed == 3 for t in plan.tasks)
     assert [t.run_spec.run.run_dir for t in plan.tasks] == [t.run_dir for t in plan.tasks]
     dirs = {t.run_spec.run.checkpoint_dir for t in plan.tasks}
-    assert len(dirs) == 2 and all(d.startswith("/tmp/meshrun-testbed/checkpoints/r/") for d in dirs)
+    root = load_profile("testbed").paths.checkpoint_root
+    assert len(dirs) == 2 and all(d.startswith(f"{root}/r/") for d in dirs)
     with pytest.raises(InputError, match=r"--sweep parallel.dp=3: parallel"):
         plan_sweep(TINY, load_profile("testbed"), [], ["parallel.dp=2,3"], home="/home/u")
 
