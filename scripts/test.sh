@@ -18,10 +18,10 @@ bash tests/testbed/install.sh
 # The layers and the contract, as import-linter contracts in pyproject.toml (lazy imports count).
 .venv/bin/lint-imports --no-cache
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir "$(mktemp -d)"  # the docs site (mkdocs.yml): a broken link or anchor fails the run; not --quiet, which hides them
-# -n: the suite runs in MESHRUN_TEST_WORKERS pytest-xdist workers (2 by default; 0: one process); every test
-# that reaches the one Slurm testbed runs on one of them (tests/xdistgroups.py), the rest share out. On 2
-# cores, 2 workers keep both cores ~90% busy (one process: ~68%, the testbed's waits idle): 21.7 min against
-# ~34 (measured 2026-12-03, same checkout). 3 workers took longer than one and pushed timing-bound tests
-# past their deadlines.
+# -n: the suite runs in MESHRUN_TEST_WORKERS pytest-xdist workers (3 by default; 0: one process), each with
+# its own Slurm testbed once one of its tests needs it (tests/xdistgroups.py, tests/testbed/testbed.py's slots).
+# On 2 cores (measured 2026-12-04, same checkout): 2 workers sharing one testbed 1,012 s, the cores 73% busy
+# (the testbed's worker waits on Slurm); 3 workers, a testbed each, 914 s, the cores 93% busy: what is left
+# is CPU work, not waiting.
 # --durations: every run ends with its 20 slowest tests (CI time is shared: watch what grows).
-exec .venv/bin/python -m pytest -q -n "${MESHRUN_TEST_WORKERS:-2}" --durations=20 "$@"
+exec .venv/bin/python -m pytest -q -n "${MESHRUN_TEST_WORKERS:-3}" --durations=20 "$@"

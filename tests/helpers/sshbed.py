@@ -1,6 +1,6 @@
 """The testbed reached ONLY over SSH: a cluster profile, a user project, and sshd's own record of logins.
 
-The profile points at the testbed's sshd (127.0.0.1:2222, key only, its known_hosts);
+The profile points at the testbed's sshd (127.0.0.1:2222 in slot 0, key only, its known_hosts);
 its setup line activates this venv by absolute path (an SSH session has no
 MESHRUN_TESTBED_VENV). Nothing in it lets meshrun run Slurm commands locally.
 """

@@ -18,6 +18,7 @@ from tests.helpers.sshbed import meshrun
 from tests.testbed import testbed as tb
 
 PROBE = sshbed.command_spec("probe", ["true"])
+SSHD_PORT = tb.PORTS["sshd"]  # this worker's testbed's
 
 
 def _host_fingerprint() -> str:
@@ -50,12 +51,14 @@ def test_unknown_host_is_refused_until_the_user_trusts_it(testbed: dict, tmp_pat
     known = tmp_path / "ssh" / "known_hosts"
     profile = sshbed.profile(tmp_path, known_hosts=str(known))
     error = _one_line_error(_submit(tmp_path, profile))
-    assert "unknown host [127.0.0.1]:2222" in error and _host_fingerprint() in error and "meshrun trust" in error
+    assert (
+        f"unknown host [127.0.0.1]:{SSHD_PORT}" in error and _host_fingerprint() in error and "meshrun trust" in error
+    )
     refused = meshrun(tmp_path, "trust", str(profile), input="no\n")
     assert refused.returncode == 1 and _host_fingerprint() in refused.stdout and not known.exists()
     trusted = meshrun(tmp_path, "trust", str(profile), input="yes\n", check=True)
-    assert f"recorded [127.0.0.1]:2222 in {known}" in trusted.stdout
-    assert known.read_text().split()[:2] == ["[127.0.0.1]:2222", "ssh-ed25519"]
+    assert f"recorded [127.0.0.1]:{SSHD_PORT} in {known}" in trusted.stdout
+    assert known.read_text().split()[:2] == [f"[127.0.0.1]:{SSHD_PORT}", "ssh-ed25519"]
     assert _submit(tmp_path, profile).returncode == 0
     again = meshrun(tmp_path, "trust", str(profile), check=True)
     assert "already trusted" in again.stdout and known.read_text().count("\n") == 1
@@ -63,7 +66,7 @@ def test_unknown_host_is_refused_until_the_user_trusts_it(testbed: dict, tmp_pat
 
 def test_changed_host_key_is_refused_with_a_mitm_warning(testbed: dict, tmp_path: Path) -> None:
     known = tmp_path / "known_hosts"
-    known.write_text(f"# kept\n[127.0.0.1]:2222 {_other_key(tmp_path)}\n")
+    known.write_text(f"# kept\n[127.0.0.1]:{SSHD_PORT} {_other_key(tmp_path)}\n")
     profile = sshbed.profile(tmp_path, known_hosts=str(known))
     error = _one_line_error(_submit(tmp_path, profile))
     assert "CHANGED" in error and "man-in-the-middle" in error and _host_fingerprint() in error

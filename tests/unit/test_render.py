@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from submit.config.cluster import load_profile, profile_files
+from submit.config.cluster import SHIPPED_DIR, load_profile, profile_files
 from submit.config.folders import own_cache
 from submit.errors import InputError
 from submit.planning.plan import plan_file
@@ -25,8 +25,9 @@ HOME = "/home/user"
 
 
 def _golden_text(cluster: str, example: Path) -> str:
-    """The script, or the one-line error a pair that does not fit must give."""
-    profile = load_profile(cluster)
+    """The script, or the one-line error a pair that does not fit must give, with the shipped profile (not a
+    copy MESHRUN_CLUSTERS may name: a parallel worker's own testbed's)."""
+    profile = load_profile(str(SHIPPED_DIR / f"{cluster}.yaml"))
     scheduler = backend(profile.scheduler)  # as `meshrun submit` plans and renders: with the backend's checks
     run_dir = f"/shared/runs/{example.stem}-golden"
     try:
