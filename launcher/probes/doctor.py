@@ -3,7 +3,7 @@
     python -m launcher.probes.doctor [--storage-mib N] [--data PATH]
 
 Each rank records what it finds in RUN_DIR/doctor/rank-N.json (RunDir.doctor_result): versions, the GPUs
-it sees, a GEMM throughput sniff (GPU only), and on each node's local rank 0 the write throughput of
+it sees, a GEMM throughput sniff (bf16 on a GPU, fp32 on the CPU of a CPU job), and on each node's local rank 0 the write throughput of
 the checkpoint dir and scratch and the read throughput of the data path. It writes that file once
 before any collective (so a node whose network is broken still reports its own checks), then the
 all-reduce bus bandwidth inside its node and across nodes, and writes it again. A check that fails
@@ -110,20 +110,45 @@ def gpus(environ: Mapping[str, str]) -> dict[str, Any]:
 # ------------------------------------------------------------------ compute
 
 
-def gemm_tflops(local_rank: int, broken: bool) -> dict[str, Any]:
-    """bf16 GEMM throughput on this rank's GPU (8192^3, timed with CUDA events); skipped on CPU."""
+CPU_GEMM_N = 512
+"""The CPU GEMM's size: large enough to run at the cores' matmul speed, small enough for 2-core machines."""
+CPU_GEMM_SECONDS = 0.5
+"""About how long the CPU GEMM is timed for."""
+
+
+def gemm_tflops(local_rank: int, broken: bool, cpu: bool = False) -> dict[str, Any]:
+    """bf16 GEMM throughput on this rank's GPU (8192^3, timed with CUDA events), or with `cpu` (a job that asks
+    for no GPU) fp32 GEMM throughput on the CPU threads this rank trains with: what the planner calibrates with."""
     import torch
 
     if broken:
         raise RuntimeError(f"{FAIL_ENV}: this node's accelerator fails (injected fault)")
-    if not torch.cuda.is_available():
-        return {"skipped": "no CUDA GPU on this rank (the GEMM sniff is GPU only)"}
+    if cpu or not torch.cuda.is_available():
+        return cpu_gemm_tflops()
     torch.cuda.set_device(local_rank)
     n, iters = 8192, 30
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     seconds = seconds_per_call(lambda: torch.mm(a, b), iters, cuda=True)
     return {"tflops": round(2 * n**3 / seconds / 1e12, 2), "device": torch.cuda.get_device_name(), "n": n}
+
+
+def cpu_gemm_tflops() -> dict[str, Any]:
+    """fp32 GEMM throughput of this rank on the CPU, with the threads torch gives it (the job's OMP_NUM_THREADS)."""
+    import torch
+
+    n = CPU_GEMM_N
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    once = seconds_per_call(lambda: torch.mm(a, b), 1, cuda=False)
+    iters = max(3, min(200, int(CPU_GEMM_SECONDS / max(once, 1e-6))))
+    seconds = seconds_per_call(lambda: torch.mm(a, b), iters, cuda=False)
+    return {
+        "tflops": round(2 * n**3 / seconds / 1e12, 4),
+        "device": "cpu",
+        "dtype": "float32",
+        "n": n,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def seconds_per_call(fn: Callable[[], object], iters: int, cuda: bool) -> float:
@@ -318,7 +343,8 @@ def run(argv: Sequence[str], environ: Mapping[str, str]) -> int:
     }
     check(result, "versions", versions)
     check(result, "gpus", lambda: gpus(environ))
-    check(result, "compute", lambda: gemm_tflops(env.local_rank, injected(FAIL_ENV, node, environ)))
+    on_cpu = run_spec.job.resources.gpus_per_node == 0
+    check(result, "compute", lambda: gemm_tflops(env.local_rank, injected(FAIL_ENV, node, environ), cpu=on_cpu))
     if env.local_rank == 0:
         slow = injected(SLOW_ENV, node, environ)
         check(result, "storage", lambda: storage(run_spec, node, args.storage_mib, args.data, slow))

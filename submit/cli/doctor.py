@@ -133,12 +133,32 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         clusters.close()
     if args.json:
         print(json.dumps({"job": record.job_id, "state": status.state, "ranks": results}, indent=1))
+        if status.succeeded and all(results):
+            _calibrate(profile, opts, record.job_id, results, sys.stderr)
         return 0 if all(results) else 1
     report = judge(results, opts, profile, installed_version())
     sys.stdout.write(table(report))
     if not status.succeeded:
         print(f"doctor job {record.job_id} {status.state}: `meshrun logs {record.job_id} --rank all` shows why")
+    elif not report.bad_nodes and all(results):
+        _calibrate(profile, opts, record.job_id, results, sys.stdout)
     return 1 if report.bad_nodes or not status.succeeded else 0
+
+
+def _calibrate(profile: Any, opts: Any, job: str, results: list[Any], out: Any) -> None:
+    """Keep a healthy run's figures for `meshrun plan` (submit/jobs/calibration.py), and say so."""
+    from submit.jobs import calibration
+
+    measured = calibration.from_results(results, job, opts.nodes)
+    if measured is None:
+        return
+    path = calibration.save(profile.name, opts.partition.name, measured)
+    what = "CPU" if measured.kind == "cpu" else "GPU"
+    print(
+        f"calibration: {opts.partition.name!r}'s {what} figures recorded in {path}; `meshrun plan -c {profile.name}` "
+        "times jobs with them",
+        file=out,
+    )
 
 
 def cmd_nodes(args: argparse.Namespace) -> int:

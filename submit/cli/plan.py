@@ -58,32 +58,51 @@ def _choice_json(choice: Any, spec: Any) -> Optional[dict[str, Any]]:
     return out
 
 
+def _hardware(spec: Any, cluster: Any, partition: Any, measured: dict[str, Any]) -> Any:
+    """The figures the job's step time is estimated with: its partition's GPUs (measured or datasheet), or the
+    CPU figures doctor measured for a CPU job; None when there are none."""
+    from submit.planning import recommend
+
+    if partition is None:
+        return None
+    if not spec.resources.gpus_per_node:
+        cpu = measured.get(f"{partition.name}:cpu")
+        return recommend.cpu_hardware(spec.resources.tasks_per_node, cpu) if cpu else None
+    return recommend.hardware(cluster, partition, measured.get(partition.name))
+
+
 def build(spec: Any, cluster: Any, partition: Any) -> dict[str, Any]:
-    """The plan's JSON object (docs/guides/plan-and-doctor.md documents every key)."""
+    """The plan's JSON object (docs/guides/plan-and-doctor.md documents every key). Where `meshrun doctor`
+    measured a partition (submit/jobs/calibration.py), its figures time the job instead of the datasheet's."""
     from launcher.contract.modelshape import param_count
+    from submit.jobs import calibration
     from submit.planning import estimate, recommend, steptime
 
     memory = estimate.memory_per_gpu(spec)
-    hw = recommend.hardware(cluster, partition) if partition is not None else None
-    time = steptime.step_time(spec, hw) if hw is not None and spec.resources.gpus_per_node else None
+    measured = calibration.load_all(cluster.name)
+    hw = _hardware(spec, cluster, partition, measured)
+    time = steptime.step_time(spec, hw) if hw is not None else None
     fits = {
         p.name: estimate.fits(memory, recommend.gpu_memory(p)) if p.gpus_per_node else None for p in cluster.partitions
     }
     recommended = None
     if partition is not None and partition.gpus_per_node:
-        found = recommend.best(spec, cluster, partition, spec.resources.nodes)
-        recommended = _choice_json(found or recommend.smallest(spec, cluster, partition), spec)
+        found = recommend.best(spec, cluster, partition, spec.resources.nodes, measured.get(partition.name))
+        recommended = _choice_json(
+            found or recommend.smallest(spec, cluster, partition, measured.get(partition.name)), spec
+        )
     table = []
     for part in cluster.partitions:
         if not part.gpus_per_node:
             continue
-        choice = recommend.smallest(spec, cluster, part)
+        choice = recommend.smallest(spec, cluster, part, measured.get(part.name))
         row = {"partition": part.name, "gpu_type": part.gpu_type, "gpu_memory_gb": recommend.gpu_memory(part)}
         if choice is not None:
             row.update(gpus=choice.spec.world_size, recommended=_choice_json(choice, spec))
         table.append(row)
     t = spec.trainer
     return {
+        "cluster": cluster.name,
         "params": param_count(t.model),
         "memory_per_gpu_bytes": memory.as_json(),
         "stage": memory.stage,
@@ -96,6 +115,7 @@ def build(spec: Any, cluster: Any, partition: Any) -> dict[str, Any]:
         "tokens_per_s": time.tokens_per_s if time else None,
         "mfu": time.mfu if time else None,
         "time": time.as_json() if time else None,
+        "figures": hw.source if hw is not None else None,
         "recommended": recommended,
         "partitions": table,
     }
@@ -147,13 +167,17 @@ def render(out: dict[str, Any], spec: Any) -> str:
         lines.append(
             f"  {verdict} partition {out['partition']!r}: {_gib(out['usable_bytes'])} usable ({HEADROOM:.0%} headroom)"
         )
-    if on_cpu:
-        lines.append("time: not estimated for CPU ranks (the step-time model knows accelerators' peaks only)")
+    if on_cpu and not out["time"]:
+        lines.append(
+            f"time: not estimated for CPU ranks until `meshrun doctor -c {out['cluster']} --gpus-per-node 0` has "
+            "measured this cluster's CPUs"
+        )
     if out["time"]:
         tm = out["time"]
         lines.append(
             f"time: {_speed(out)} (compute {tm['compute_s']:.3g} s, bubble {tm['bubble']:.0%}, tp {tm['tp_comm_s']:.3g}"
             f" s, pp {tm['pp_comm_s']:.3g} s, dp {tm['dp_comm_s']:.3g} s overlapped, optimizer {tm['optimizer_s']:.3g} s)"
+            f"; {out['figures']}"
         )
     rec = out["recommended"]
     if rec is not None:

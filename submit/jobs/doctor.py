@@ -229,6 +229,11 @@ def check_compute(ranks: Sequence[Mapping[str, Any]], best: float, opts: Options
         return Check("compute", "skip", "CPU only")
     low = min(figures)
     device = str(ranks[0]["compute"].get("device", ""))
+    if device == "cpu":  # fp32 on each rank's threads, against the other nodes only; like gloo, it only warns
+        slow = relative("compute", low, best, "TFLOP/s", "the slowest rank's fp32 CPU GEMM")
+        if slow:
+            return replace(slow, verdict="warn")
+        return Check("compute", "pass", f"CPU {low * 1000:.3g} GFLOP/s")
     slow = relative("compute", low, best, "TFLOP/s", "the slowest GPU's bf16 GEMM")
     if slow:
         return slow
@@ -355,7 +360,7 @@ def judge(
 def notes(present: Sequence[Mapping[str, Any]], opts: Options, profile: ClusterProfile) -> list[str]:
     out = []
     if opts.gpus_per_node == 0:
-        out.append("CPU job: skipped GPUs, the GEMM sniff and NCCL; the all-reduce ran over gloo")
+        out.append("CPU job: skipped GPUs and NCCL; the GEMM ran in fp32 on the CPU, the all-reduce over gloo")
     inter = [r["comm"]["inter_node_busbw_gbps"] for r in present if "inter_node_busbw_gbps" in (r.get("comm") or {})]
     expected = expected_bw(profile.interconnect, "inter", opts)
     if inter:

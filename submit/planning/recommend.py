@@ -17,8 +17,9 @@ from launcher.contract.gpus import memory_bandwidth_gbs, memory_gb, peak_tflops
 from launcher.contract.parallel_dims import ParallelDims
 from launcher.contract.spec import JobSpec
 from submit.config.cluster import ClusterProfile, Partition
+from submit.jobs.calibration import Calibration
 from submit.planning.estimate import Memory, fits, memory_per_gpu
-from submit.planning.steptime import Hardware, StepTime, step_time
+from submit.planning.steptime import CPU_MEMORY_GBS, GEMM_EFFICIENCY, Hardware, StepTime, step_time
 
 MAX_MICRO_BATCH = 64
 """The largest micro-batch the search tries."""
@@ -85,14 +86,44 @@ def gpu_memory(part: Partition) -> Optional[float]:
     return memory_gb(part.gpu_type) if part.gpu_type else None
 
 
-def hardware(cluster: ClusterProfile, part: Partition) -> Optional[Hardware]:
-    """The partition's figures for the time model; None when its GPU type is unknown."""
+def hardware(cluster: ClusterProfile, part: Partition, measured: Optional[Calibration] = None) -> Optional[Hardware]:
+    """The partition's figures for the time model: the GPU type's datasheet and the profile's interconnect, with
+    what `meshrun doctor` measured there in their place where given; None when its GPU type is unknown."""
     name = part.gpu_type or ""
     peak, bandwidth = peak_tflops(name), memory_bandwidth_gbs(name)
     if not part.gpus_per_node or peak is None or bandwidth is None:
         return None
     net = cluster.interconnect
-    return Hardware(peak, bandwidth, part.gpus_per_node, net.nvlink_gbytes_s, net.ib_gbytes_s)
+    hw = Hardware(peak, bandwidth, part.gpus_per_node, net.nvlink_gbytes_s, net.ib_gbytes_s)
+    if measured is None or measured.kind != "gpu" or not measured.gemm_tflops:
+        return hw
+    return replace(
+        hw,
+        compute_tflops=measured.gemm_tflops * GEMM_EFFICIENCY,
+        nvlink_gbytes_s=measured.intra_node_busbw_gbps or hw.nvlink_gbytes_s,
+        ib_gbytes_s=measured.inter_node_busbw_gbps or hw.ib_gbytes_s,
+        source=calibrated_on(measured),
+    )
+
+
+def cpu_hardware(ranks_per_node: int, measured: Calibration) -> Hardware:
+    """The figures of CPU ranks, all measured by `meshrun doctor` on a CPU job: fp32 GEMM and gloo all-reduces."""
+    gemm = measured.gemm_tflops or 0.0
+    intra = measured.intra_node_busbw_gbps or 0.0
+    return Hardware(
+        peak_tflops=gemm,
+        memory_gbs=CPU_MEMORY_GBS,
+        gpus_per_node=ranks_per_node,
+        nvlink_gbytes_s=intra,
+        ib_gbytes_s=measured.inter_node_busbw_gbps or intra,
+        compute_tflops=gemm * GEMM_EFFICIENCY,
+        cpu=True,
+        source=calibrated_on(measured),
+    )
+
+
+def calibrated_on(measured: Calibration) -> str:
+    return f"calibrated on {measured.date} (doctor job {measured.job}, {measured.device})"
 
 
 def _divisors(n: int, at_most: int) -> list[int]:
@@ -147,8 +178,10 @@ def _apply(
     return replace(spec, resources=resources, parallel=parallel, train=train)
 
 
-def _choices(spec: JobSpec, cluster: ClusterProfile, part: Partition, nodes: int) -> Iterator[Choice]:
-    hw = hardware(cluster, part)
+def _choices(
+    spec: JobSpec, cluster: ClusterProfile, part: Partition, nodes: int, measured: Optional[Calibration]
+) -> Iterator[Choice]:
+    hw = hardware(cluster, part, measured)
     for candidate in layouts(spec, cluster, part, nodes):
         yield Choice(candidate, memory_per_gpu(candidate), step_time(candidate, hw) if hw else None)
 
@@ -157,10 +190,13 @@ def _rank(choice: Choice) -> tuple[float, int]:
     return (choice.time.tokens_per_s if choice.time else 0.0, -choice.memory.total)
 
 
-def best(spec: JobSpec, cluster: ClusterProfile, part: Partition, nodes: int) -> Optional[Choice]:
-    """The fastest layout that fits `nodes` nodes of `part` (None: none fits, or the GPU size is unknown)."""
+def best(
+    spec: JobSpec, cluster: ClusterProfile, part: Partition, nodes: int, measured: Optional[Calibration] = None
+) -> Optional[Choice]:
+    """The fastest layout that fits `nodes` nodes of `part` (None: none fits, or the GPU size is unknown), timed
+    with what doctor `measured` there when given."""
     size = gpu_memory(part)
-    fitting = [c for c in _choices(spec, cluster, part, nodes) if fits(c.memory, size)]
+    fitting = [c for c in _choices(spec, cluster, part, nodes, measured) if fits(c.memory, size)]
     return max(fitting, key=_rank) if fitting else None
 
 
@@ -176,10 +212,12 @@ def node_counts(part: Partition, start: int = 1) -> list[int]:
     return counts
 
 
-def smallest(spec: JobSpec, cluster: ClusterProfile, part: Partition) -> Optional[Choice]:
+def smallest(
+    spec: JobSpec, cluster: ClusterProfile, part: Partition, measured: Optional[Calibration] = None
+) -> Optional[Choice]:
     """The fewest nodes of `part` on which some layout fits, and the fastest layout there."""
     for nodes in node_counts(part):
-        choice = best(spec, cluster, part, nodes)
+        choice = best(spec, cluster, part, nodes, measured)
         if choice is not None:
             return choice
     return None

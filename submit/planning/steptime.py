@@ -23,6 +23,11 @@ PCIE_GBS = 25.0
 """Host<->GPU bandwidth (GB/s) of one GPU: offloaded gradients go down, updated parameters come back."""
 ADAM_BYTES_PER_PARAM = 28
 """An AdamW step reads the fp32 param, grad and two states and writes the param and states: 28 bytes."""
+GEMM_EFFICIENCY = 0.7
+"""Share of a large GEMM's measured rate (`meshrun doctor`'s) the model's matmuls reach between communications:
+smaller shapes, attention and the element-wise kernels between them (0.5 of an H100's peak / its ~0.7 GEMM)."""
+CPU_MEMORY_GBS = 10.0
+"""Memory bandwidth (GB/s) one CPU rank's optimizer step gets (a few cores' share of a socket's)."""
 
 
 @dataclass(frozen=True)
@@ -56,18 +61,25 @@ class StepTime:
 
 @dataclass(frozen=True)
 class Hardware:
-    """What the time model needs of a partition and its interconnect."""
+    """What the time model needs of a partition and its interconnect: datasheet figures, or measured ones."""
 
     peak_tflops: float
-    """Dense bf16 TFLOP/s of one GPU."""
+    """Dense bf16 TFLOP/s of one GPU (the datasheet's: MFU is against it); on CPU ranks, one rank's measured
+    fp32 GEMM."""
     memory_gbs: float
-    """HBM bandwidth of one GPU, GB/s."""
+    """HBM bandwidth of one GPU, GB/s (on CPU ranks: CPU_MEMORY_GBS)."""
     gpus_per_node: int
-    """GPUs of one node (a group wider than this crosses nodes)."""
+    """GPUs (or CPU ranks) of one node (a group wider than this crosses nodes)."""
     nvlink_gbytes_s: float
     """Bus bandwidth inside a node, GB/s."""
     ib_gbytes_s: float
     """Bus bandwidth across nodes, GB/s per GPU."""
+    compute_tflops: float = 0.0
+    """The rate the model's matmuls reach (in the job's precision on a GPU); 0: peak x COMPUTE_EFFICIENCY."""
+    cpu: bool = False
+    """The ranks compute on CPU cores (fp32 whatever the precision: compute_tflops is already that rate)."""
+    source: str = "datasheet figures"
+    """Where the figures come from, for the plan's reader: "datasheet figures" or "calibrated on DATE (...)"."""
 
 
 def _ring(n: int) -> float:
@@ -118,7 +130,9 @@ def step_time(spec: JobSpec, hw: Hardware) -> StepTime:
     micro = max(t.global_batch // (t.micro_batch * par.dp), 1)
     tokens = t.global_batch * cfg.seq_len
     flops = flops_per_step(spec)
-    rate = hw.peak_tflops * 1e12 * COMPUTE_EFFICIENCY * (1 if mixed(spec) else FP32_FRACTION)
+    rate = (hw.compute_tflops or hw.peak_tflops * COMPUTE_EFFICIENCY) * 1e12
+    if not hw.cpu and not mixed(spec):
+        rate *= FP32_FRACTION
     compute = flops * (4 / 3 if t.activation_checkpointing else 1) / (world * rate)
     w = 2 if mixed(spec) else 4
     activation = cfg.seq_len * t.micro_batch * cfg.d_model * w  # one micro-batch's hidden states

@@ -46,7 +46,7 @@ def test_doctor_on_the_slurm_testbed_has_a_row_per_node_and_fails_the_slow_one(t
     assert table["n1"][-1] in ("PASS", "WARN") and table["n2"][-1] == "FAIL", text
     assert "n2: FAIL storage: slow: ckpt write" in out.stdout, text
     assert "across 2 nodes: all-reduce bus bandwidth" in out.stdout, text  # gloo across the two slurmds
-    assert "skipped GPUs, the GEMM sniff and NCCL" in out.stdout, text
+    assert "CPU job: skipped GPUs and NCCL; the GEMM ran in fp32 on the CPU" in out.stdout, text
     assert out.stdout.rstrip().endswith("add to submit: --exclude n2"), text
     # Every rank (2 per node) measured the intra-node all-reduce, and the run went through the registry.
     run_dir = next(line.split("run dir ", 1)[1] for line in out.stdout.splitlines() if line.startswith("doctor: job"))
@@ -67,11 +67,17 @@ def test_doctor_on_local_fails_a_broken_node_with_its_reason(tmp_path: Path) -> 
     assert f"--exclude {node}" in out.stdout, text
 
 
-def test_doctor_on_local_passes_a_healthy_node(tmp_path: Path) -> None:
+def test_doctor_on_local_passes_a_healthy_node_and_calibrates_the_plan_of_a_cpu_job(tmp_path: Path) -> None:
+    before = json.loads(meshrun(tmp_path, "plan", "examples/tiny.yaml", "-c", "local", "--json", check=True).stdout)
+    assert before["step_time_s"] is None  # a CPU job's time needs this machine's measured CPU
     out = meshrun(tmp_path, "doctor", "-c", "local", "--storage-mib", "2")
     assert out.returncode == 0, out.stdout + out.stderr
     (row,) = rows(out.stdout).values()
-    assert row[-1] == "PASS" and out.stdout.rstrip().endswith("no bad nodes"), out.stdout
+    assert row[-1] == "PASS" and "\nno bad nodes\ncalibration: 'local''s CPU figures recorded in " in out.stdout
+    assert "ok CPU " in " ".join(row) and " GFLOP/s " in " ".join(row), out.stdout  # the fp32 CPU GEMM
+    plan = meshrun(tmp_path, "plan", "examples/tiny.yaml", "-c", "local", check=True).stdout
+    time_line = next(line for line in plan.splitlines() if line.startswith("time: "))
+    assert " s/step, " in time_line and "; calibrated on " in time_line and ", cpu)" in time_line, plan
 
 
 def test_submit_exclude_keeps_the_job_off_that_node_on_the_slurm_testbed(testbed: dict, tmp_path: Path) -> None:

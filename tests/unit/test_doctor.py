@@ -158,7 +158,7 @@ def test_cpu_job_skips_gpu_checks_and_the_bandwidth_comparison() -> None:
     report = judge(results, opts, testbed, "0.1.0")
     assert [(r.node, r.verdict) for r in report.rows] == [("n1", "pass"), ("n2", "pass")]
     text = table(report)
-    assert "CPU job: skipped GPUs, the GEMM sniff and NCCL" in text
+    assert "CPU job: skipped GPUs and NCCL; the GEMM ran in fp32 on the CPU" in text
     assert "bandwidth not compared with the profile's interconnect" in text
 
 

@@ -1,0 +1,121 @@
+"""submit/jobs/calibration.py and the plan it times: what `meshrun doctor` measured is kept per cluster and
+partition, private and dated, and `meshrun plan` uses it (a CPU job gets a step time only from it)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import stat
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+from submit.cli.plan import build, render
+from submit.config.cluster import SHIPPED_DIR, load_profile
+from submit.jobs import calibration
+from submit.planning import steptime
+from submit.planning.plan import REMOTE_HOME, plan_file
+
+REPO = Path(__file__).resolve().parents[2]
+NOW = dt.datetime(2026, 12, 4, 1, 2, 3, tzinfo=dt.timezone.utc)
+
+
+@pytest.fixture(autouse=True)
+def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    return tmp_path / "state"
+
+
+def _rank(rank: int, gemm: Optional[float], device: str = "cpu", **extra: Any) -> dict[str, Any]:
+    res: dict[str, Any] = {
+        "rank": rank,
+        "node": f"n{1 + rank // 2}",
+        "compute": {"tflops": gemm, "device": device} if gemm is not None else {"skipped": "x"},
+        "comm": {"intra_node_busbw_gbps": 0.5 + rank, "inter_node_busbw_gbps": 0.3 - rank / 100},
+    }
+    if rank % 2 == 0:
+        res["storage"] = {"checkpoint": {"path": "/c", "mbps": 100.0 * (rank + 1)}}
+    return {**res, **extra}
+
+
+CPU_RUN = [_rank(r, g) for r, g in enumerate((0.010, 0.012, 0.011, 0.030))]
+
+
+def test_a_doctor_run_becomes_the_median_rank_and_the_slowest_cross_node_link() -> None:
+    found = calibration.from_results(CPU_RUN, "41", nodes=2, now=NOW)
+    assert found == calibration.Calibration(
+        measured_at="2026-12-04T01:02:03Z",
+        job="41",
+        kind="cpu",
+        device="cpu",
+        nodes=2,
+        ranks=4,
+        gemm_tflops=0.0115,
+        intra_node_busbw_gbps=2.0,
+        inter_node_busbw_gbps=0.27,
+        storage_write_mbps=200.0,
+    )
+    assert calibration.from_results([_rank(0, None), None], "42", nodes=1) is None  # nothing measured a GEMM
+    one_node = calibration.from_results([_rank(0, 500.0, "NVIDIA H100")], "43", nodes=1, now=NOW)
+    assert one_node is not None and one_node.kind == "gpu" and one_node.inter_node_busbw_gbps is None
+
+
+def test_each_partition_keeps_its_newest_gpu_and_cpu_figures_apart_in_a_private_file(state: Path) -> None:
+    cpu = calibration.from_results(CPU_RUN, "41", nodes=2, now=NOW)
+    gpu = calibration.from_results([_rank(0, 700.0, "NVIDIA H100")], "44", nodes=1, now=NOW)
+    assert cpu is not None and gpu is not None
+    old = os.umask(0)  # whatever the umask: the file names the cluster's figures and jobs
+    try:
+        path = calibration.save("c1", "gpu", cpu)
+        calibration.save("c1", "gpu", gpu)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert calibration.load("c1", "gpu", "cpu") == cpu and calibration.load("c1", "gpu", "gpu") == gpu
+    newer = calibration.Calibration(**{**gpu.__dict__, "job": "45", "gemm_tflops": 650.0})
+    calibration.save("c1", "gpu", newer)
+    assert calibration.load("c1", "gpu", "gpu") == newer and calibration.load("c1", "gpu", "cpu") == cpu
+    assert calibration.load("c2", "gpu", "gpu") is None
+    path.write_text("{not json")
+    assert calibration.load_all("c1") == {}  # a damaged file is no calibration, never a crash
+
+
+def _plan(cluster: str, spec: str = "tiny.yaml", *overrides: str) -> dict[str, Any]:
+    profile = load_profile(str(SHIPPED_DIR / f"{cluster}.yaml"))
+    plan = plan_file(REPO / "examples" / spec, profile, list(overrides), home=REMOTE_HOME)
+    return build(plan.spec, profile, plan.partition)
+
+
+def test_a_cpu_job_gets_a_step_time_only_from_a_doctor_run_of_its_cluster() -> None:
+    before = _plan("local")
+    assert before["step_time_s"] is None and before["figures"] is None
+    measured = calibration.from_results(CPU_RUN, "41", nodes=1, now=NOW)
+    assert measured is not None
+    calibration.save("local", "local", measured)
+    after = _plan("local")
+    profile = load_profile(str(SHIPPED_DIR / "local.yaml"))
+    spec = plan_file(REPO / "examples" / "tiny.yaml", profile, [], home=REMOTE_HOME).spec
+    rate = 0.0115 * steptime.GEMM_EFFICIENCY * 1e12  # one rank's fp32 matmuls, the job being fp32
+    assert after["time"]["compute_s"] == pytest.approx(after["flops_per_step"] / (2 * rate))
+    assert after["step_time_s"] > after["time"]["compute_s"] and after["figures"].startswith(
+        "calibrated on 2026-12-04 (doctor job 41, cpu)"
+    )
+    text = render(after, spec)
+    assert "; calibrated on 2026-12-04 (doctor job 41, cpu)" in text and "not estimated" not in text
+    assert "doctor -c local --gpus-per-node 0" in render(before, spec)
+
+
+def test_a_gpu_partition_doctor_measured_is_timed_with_its_figures() -> None:
+    datasheet = _plan("h100-ndr", "h100-8node.yaml")
+    assert datasheet["figures"] == "datasheet figures"
+    run = [_rank(r, 600.0, "NVIDIA H100 80GB HBM3") for r in range(4)]
+    measured = calibration.from_results(run, "46", nodes=2, now=NOW)
+    assert measured is not None
+    calibration.save("h100-ndr", "gpu", measured)
+    calibrated = _plan("h100-ndr", "h100-8node.yaml")
+    assert calibrated["figures"] == "calibrated on 2026-12-04 (doctor job 46, NVIDIA H100 80GB HBM3)"
+    # 600 x 0.7 = 420 TFLOP/s for the matmuls against the datasheet's 989 x 0.5 = 494.5
+    ratio = calibrated["time"]["compute_s"] / datasheet["time"]["compute_s"]
+    assert ratio == pytest.approx(494.5 / 420, rel=1e-3)
+    assert calibrated["mfu"] < datasheet["mfu"]  # MFU stays against the datasheet peak
