@@ -40,6 +40,8 @@ SLOW_ENV = "MESHRUN_TEST_DOCTOR_SLOW"
 SLOW_FACTOR = 50
 """MESHRUN_TEST_DOCTOR_SLOW makes each timed storage operation of its node take this many times longer
 (a factor, not a fixed delay: the node is that much slower than its peers however loaded the machine is)."""
+LATENCY_ELEMENTS, LATENCY_ITERS = 8, 30
+"""The all-reduce whose time is all latency: what each of a step's many small collectives costs at least."""
 CHUNK = 4 << 20
 MIB = 1 << 20
 
@@ -277,7 +279,8 @@ def _time_allreduce(tensor: Any, group: Any, iters: int, cuda: bool) -> float:
 
 
 def communication(env: RankEnv, node: str, cuda: bool) -> dict[str, Any]:
-    """All-reduce bus bandwidth inside this node (a group per node) and across all nodes (the world)."""
+    """All-reduce bus bandwidth inside this node (a group per node) and across all nodes (the world), and the
+    latency of a tiny all-reduce inside the node."""
     import torch
     import torch.distributed as dist
 
@@ -294,6 +297,9 @@ def communication(env: RankEnv, node: str, cuda: bool) -> dict[str, Any]:
     if len(members[node]) > 1:
         seconds = _time_allreduce(tensor, groups[node], iters, cuda)
         out["intra_node_busbw_gbps"] = round(busbw(seconds, nbytes, len(members[node])), 3)
+        tiny = torch.ones(LATENCY_ELEMENTS, dtype=dtype, device=tensor.device)
+        seconds = _time_allreduce(tiny, groups[node], LATENCY_ITERS, cuda)
+        out["intra_node_latency_us"] = round(seconds * 1e6, 1)
     if len(members) > 1:
         seconds = _time_allreduce(tensor, None, iters, cuda)
         out["inter_node_busbw_gbps"] = round(busbw(seconds, nbytes, env.world_size), 3)

@@ -47,6 +47,8 @@ class Calibration:
     """All-reduce bus bandwidth across the nodes (the slowest rank's), GB/s; None on one node."""
     storage_write_mbps: Optional[float]
     """Checkpoint-dir write throughput (median over the nodes), MB/s."""
+    allreduce_latency_us: Optional[float] = None
+    """A tiny all-reduce inside a node (median over the ranks), microseconds: what every collective costs."""
 
     @property
     def date(self) -> str:
@@ -96,6 +98,7 @@ def from_results(
         intra_node_busbw_gbps=_median(_figures(results, "comm", "intra_node_busbw_gbps")),
         inter_node_busbw_gbps=min(inter) if inter and nodes > 1 else None,
         storage_write_mbps=_median(writes),
+        allreduce_latency_us=_median(_figures(results, "comm", "intra_node_latency_us")),
     )
 
 
@@ -112,8 +115,11 @@ def load_all(cluster: str) -> dict[str, Calibration]:
     names = {f.name for f in fields(Calibration)}
     out = {}
     for key, value in data.items() if isinstance(data, dict) else ():
-        if isinstance(value, dict) and set(value) == names:
-            out[key] = Calibration(**value)
+        if isinstance(value, dict) and set(value) <= names:  # a field added later has a default
+            try:
+                out[key] = Calibration(**value)
+            except TypeError:  # a required field missing: not a record this version wrote
+                continue
     return out
 
 

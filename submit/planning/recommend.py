@@ -103,6 +103,7 @@ def hardware(cluster: ClusterProfile, part: Partition, measured: Optional[Calibr
         nvlink_gbytes_s=measured.intra_node_busbw_gbps or hw.nvlink_gbytes_s,
         ib_gbytes_s=measured.inter_node_busbw_gbps or hw.ib_gbytes_s,
         source=calibrated_on(measured),
+        latency_s=(measured.allreduce_latency_us or 0.0) / 1e6,
     )
 
 
@@ -119,6 +120,8 @@ def cpu_hardware(ranks_per_node: int, measured: Calibration) -> Hardware:
         compute_tflops=gemm * GEMM_EFFICIENCY,
         cpu=True,
         source=calibrated_on(measured),
+        latency_s=(measured.allreduce_latency_us or 0.0) / 1e6,
+        overlap_dp=False,
     )
 
 

@@ -80,6 +80,10 @@ class Hardware:
     """The ranks compute on CPU cores (fp32 whatever the precision: compute_tflops is already that rate)."""
     source: str = "datasheet figures"
     """Where the figures come from, for the plan's reader: "datasheet figures" or "calibrated on DATE (...)"."""
+    latency_s: float = 0.0
+    """What each collective costs however small (doctor's tiny all-reduce); 0 with datasheet figures."""
+    overlap_dp: bool = True
+    """Data-parallel traffic overlaps with compute (GPU streams); on CPU ranks (gloo) it runs in series."""
 
 
 def _ring(n: int) -> float:
@@ -105,6 +109,21 @@ def _dp_bytes(spec: JobSpec, local: int, micro: int) -> float:
     if par.tp == 1 and par.pp == 1:
         return 2 * f * local * 4  # torch DDP: one fp32 all-reduce, the other micro-batches under no_sync
     return 2 * f * local * 4 * micro  # FSDP2's replicate: every micro-batch
+
+
+def _dp_collectives(spec: JobSpec, micro: int) -> int:
+    """How many data-parallel collectives one rank issues in a step (each pays the latency once)."""
+    par = spec.parallel
+    if par.dp == 1:
+        return 0
+    if dsconfig.uses_deepspeed(spec):
+        return 2 * micro
+    if par.dp_mode == "fsdp":
+        gathers = 2 if par.pp == 1 else 1
+        return (gathers + 1) * (spec.trainer.model.n_layers // par.pp + 1) * micro  # per block, and the root
+    if par.tp == 1 and par.pp == 1:
+        return 1  # torch DDP: one bucketed all-reduce
+    return micro
 
 
 def _optimizer_s(spec: JobSpec, local: int, hw: Hardware) -> float:
@@ -138,17 +157,17 @@ def step_time(spec: JobSpec, hw: Hardware) -> StepTime:
     activation = cfg.seq_len * t.micro_batch * cfg.d_model * w  # one micro-batch's hidden states
     in_node = hw.nvlink_gbytes_s * 1e9
     tp_calls = (6 if t.activation_checkpointing else 4) * (cfg.n_layers // par.pp) * micro
-    tp_comm = tp_calls * 2 * _ring(par.tp) * activation / in_node
+    tp_comm = tp_calls * (2 * _ring(par.tp) * activation / in_node + hw.latency_s) if par.tp > 1 else 0.0
     stage_ranks = par.dp * par.tp  # consecutive ranks: a stage fills whole nodes once this reaches a node
     pp_bw = hw.ib_gbytes_s * 1e9 if stage_ranks >= hw.gpus_per_node else in_node
-    pp_comm = 2 * micro * activation / par.tp / pp_bw if par.pp > 1 else 0.0
+    pp_comm = 2 * micro * (activation / par.tp / pp_bw + hw.latency_s) if par.pp > 1 else 0.0
     bubble = (par.pp - 1) / (micro + par.pp - 1)
     local = max(local_params(cfg, ModelPart.stage(cfg, s, par.pp), par.tp) for s in range(par.pp))
     dp_bw = hw.ib_gbytes_s * 1e9 if stage_ranks > hw.gpus_per_node else in_node
-    dp_comm = _dp_bytes(spec, local, micro) / dp_bw
+    dp_comm = _dp_bytes(spec, local, micro) / dp_bw + _dp_collectives(spec, micro) * hw.latency_s
     optimizer = _optimizer_s(spec, local, hw)
     pipeline = (compute + tp_comm + pp_comm) / (1 - bubble)
-    step = max(pipeline, dp_comm) + optimizer
+    step = (max(pipeline, dp_comm) if hw.overlap_dp else pipeline + dp_comm) + optimizer
     return StepTime(
         flops_per_step=flops,
         compute_s=compute,

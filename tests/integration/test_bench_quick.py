@@ -53,6 +53,13 @@ QUICK: dict[str, tuple[list[str], list[str]]] = {
             rf"copy vs cp -r \+ sync +{NUMBER} MB/s +{NUMBER} MB/s +{NUMBER}",
         ],
     ),
+    "plan_accuracy.py": (
+        ["--quick"],
+        [
+            r"^calibration: 'local''s CPU figures recorded in ",
+            rf"L2-d128-s128 +dp2-ddp +{NUMBER} +{NUMBER} +[+-]{NUMBER}%",
+        ],
+    ),
     "throughput.py": (
         ["--quick"],
         [rf"meshrun loop : +{NUMBER} tokens/s", rf"minimal loop : +{NUMBER} tokens/s", rf"ratio +: {NUMBER}"],

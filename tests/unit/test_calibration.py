@@ -32,7 +32,11 @@ def _rank(rank: int, gemm: Optional[float], device: str = "cpu", **extra: Any) -
         "rank": rank,
         "node": f"n{1 + rank // 2}",
         "compute": {"tflops": gemm, "device": device} if gemm is not None else {"skipped": "x"},
-        "comm": {"intra_node_busbw_gbps": 0.5 + rank, "inter_node_busbw_gbps": 0.3 - rank / 100},
+        "comm": {
+            "intra_node_busbw_gbps": 0.5 + rank,
+            "inter_node_busbw_gbps": 0.3 - rank / 100,
+            "intra_node_latency_us": 1000.0 * (rank + 1),
+        },
     }
     if rank % 2 == 0:
         res["storage"] = {"checkpoint": {"path": "/c", "mbps": 100.0 * (rank + 1)}}
@@ -55,6 +59,7 @@ def test_a_doctor_run_becomes_the_median_rank_and_the_slowest_cross_node_link() 
         intra_node_busbw_gbps=2.0,
         inter_node_busbw_gbps=0.27,
         storage_write_mbps=200.0,
+        allreduce_latency_us=2500.0,
     )
     assert calibration.from_results([_rank(0, None), None], "42", nodes=1) is None  # nothing measured a GEMM
     one_node = calibration.from_results([_rank(0, 500.0, "NVIDIA H100")], "43", nodes=1, now=NOW)
@@ -98,9 +103,11 @@ def test_a_cpu_job_gets_a_step_time_only_from_a_doctor_run_of_its_cluster() -> N
     spec = plan_file(REPO / "examples" / "tiny.yaml", profile, [], home=REMOTE_HOME).spec
     rate = 0.0115 * steptime.GEMM_EFFICIENCY * 1e12  # one rank's fp32 matmuls, the job being fp32
     assert after["time"]["compute_s"] == pytest.approx(after["flops_per_step"] / (2 * rate))
-    assert after["step_time_s"] > after["time"]["compute_s"] and after["figures"].startswith(
-        "calibrated on 2026-12-04 (doctor job 41, cpu)"
-    )
+    # tiny.yaml: fsdp over dp 2, 2 micro-batches: 3 collectives per block (4) and the root, each 2.5 ms at least
+    assert after["time"]["dp_comm_s"] >= 3 * 5 * 2 * 2.5e-3
+    terms = after["time"]
+    assert after["step_time_s"] == pytest.approx(terms["compute_s"] + terms["dp_comm_s"] + terms["optimizer_s"])
+    assert after["figures"].startswith("calibrated on 2026-12-04 (doctor job 41, cpu)")  # gloo: in series
     text = render(after, spec)
     assert "; calibrated on 2026-12-04 (doctor job 41, cpu)" in text and "not estimated" not in text
     assert "doctor -c local --gpus-per-node 0" in render(before, spec)
