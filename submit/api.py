@@ -416,10 +416,19 @@ class Candidate:
     """Slurm's estimate, or why the job cannot run there (the first failed check)."""
     given: str = ""
     """The profile as `-c` named it (a name or a file): what the submit then goes to."""
+    step_s: Optional[float] = None
+    """The planner's step time there (doctor's calibration first, else datasheet figures); None: unknown."""
+    steps: int = 0
+    """The job's train.steps: with step_s, how long it runs."""
 
     @property
     def ok(self) -> bool:
         return self.start is not None
+
+    @property
+    def run_s(self) -> Optional[float]:
+        """How long the job would train there (steps x step time), when the step time is known."""
+        return self.step_s * self.steps if self.step_s is not None else None
 
 
 def candidates(spec_path: Path, names: Sequence[str], overrides: Sequence[str] = ()) -> list[Candidate]:
@@ -456,9 +465,20 @@ def _ask(spec_path: Path, profile: ClusterProfile, given: str, plans: Sequence[t
     except ClusterError as exc:
         return [Candidate(profile.name, part, None, str(exc), given) for part, _ in plans]
     try:
-        return [_candidate(spec_path, profile, given, part, plan, transport) for part, plan in plans]
+        return [_timed(_candidate(spec_path, profile, given, part, plan, transport), plan) for part, plan in plans]
     finally:
         transport.close()
+
+
+def _timed(candidate: Candidate, plan: Plan) -> Candidate:
+    """The candidate with the planner's step time on its partition (built-in trainer jobs only)."""
+    from submit.planning.recommend import estimated_step
+
+    if plan.spec.command is not None or plan.partition is None:
+        return candidate
+    step = estimated_step(plan.spec, plan.cluster, plan.partition)
+    steps = plan.spec.trainer.steps
+    return dataclasses.replace(candidate, step_s=step.step_s if step else None, steps=steps)
 
 
 def _candidate(

@@ -436,8 +436,8 @@ def _submit_soonest(args: argparse.Namespace, asked: list[str]) -> int:
             "--no-check", args.cluster, "choosing a cluster asks each the preflight's questions: name one with -c"
         )
     found = api.candidates(args.spec, asked, args.overrides)
-    rows = [["CLUSTER", "PARTITION", "STARTS", "WHY"]]
-    rows += [[c.cluster, c.partition, c.start or "never", c.why] for c in found]
+    rows = [["CLUSTER", "PARTITION", "STARTS", "STEP", "FINISH", "WHY"]]
+    rows += [[c.cluster, c.partition, c.start or "never", *_step_and_finish(c), c.why] for c in found]
     chosen = api.soonest(found)
     print(table(rows), end="", file=sys.stderr)
     if chosen is None:
@@ -451,6 +451,27 @@ def _submit_soonest(args: argparse.Namespace, asked: list[str]) -> int:
         args.overrides = [*args.overrides, f"resources.partition={chosen.partition}"]
     args.chosen = why
     return cmd_submit(args)
+
+
+def _step_and_finish(candidate: Any) -> tuple[str, str]:
+    """The STEP and FINISH cells of the `-c any` table: the planner's step time, and the start plus the steps
+    at that pace ("+2h05m" after a start of "now"); "?" where the step time is unknown."""
+    import datetime as dt
+
+    from submit.views.tables import span
+
+    if candidate.step_s is None or candidate.run_s is None:
+        return "?", "?"
+    step = span(candidate.step_s)
+    if candidate.start is None:
+        return step, "-"
+    if candidate.start == "now":
+        return step, f"+{span(candidate.run_s)}"
+    try:
+        start = dt.datetime.fromisoformat(candidate.start)
+    except ValueError:
+        return step, f"start +{span(candidate.run_s)}"
+    return step, (start + dt.timedelta(seconds=candidate.run_s)).isoformat(timespec="minutes")
 
 
 def _print_preflight(prepared: Any, checked: Any) -> int:

@@ -58,19 +58,6 @@ def _choice_json(choice: Any, spec: Any) -> Optional[dict[str, Any]]:
     return out
 
 
-def _hardware(spec: Any, cluster: Any, partition: Any, measured: dict[str, Any]) -> Any:
-    """The figures the job's step time is estimated with: its partition's GPUs (measured or datasheet), or the
-    CPU figures doctor measured for a CPU job; None when there are none."""
-    from submit.planning import recommend
-
-    if partition is None:
-        return None
-    if not spec.resources.gpus_per_node:
-        cpu = measured.get(f"{partition.name}:cpu")
-        return recommend.cpu_hardware(spec.resources.tasks_per_node, cpu) if cpu else None
-    return recommend.hardware(cluster, partition, measured.get(partition.name))
-
-
 def build(spec: Any, cluster: Any, partition: Any) -> dict[str, Any]:
     """The plan's JSON object (docs/guides/plan-and-doctor.md documents every key). Where `meshrun doctor`
     measured a partition (submit/jobs/calibration.py), its figures time the job instead of the datasheet's."""
@@ -80,7 +67,7 @@ def build(spec: Any, cluster: Any, partition: Any) -> dict[str, Any]:
 
     memory = estimate.memory_per_gpu(spec)
     measured = calibration.load_all(cluster.name)
-    hw = _hardware(spec, cluster, partition, measured)
+    hw = recommend.job_hardware(spec, cluster, partition, measured) if partition is not None else None
     time = steptime.step_time(spec, hw) if hw is not None else None
     fits = {
         p.name: estimate.fits(memory, recommend.gpu_memory(p)) if p.gpus_per_node else None for p in cluster.partitions

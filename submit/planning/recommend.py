@@ -17,7 +17,7 @@ from launcher.contract.gpus import memory_bandwidth_gbs, memory_gb, peak_tflops
 from launcher.contract.parallel_dims import ParallelDims
 from launcher.contract.spec import JobSpec
 from submit.config.cluster import ClusterProfile, Partition
-from submit.jobs.calibration import Calibration
+from submit.jobs.calibration import Calibration, load_all
 from submit.planning.estimate import Memory, fits, memory_per_gpu
 from submit.planning.steptime import CPU_MEMORY_GBS, GEMM_EFFICIENCY, Hardware, StepTime, step_time
 
@@ -123,6 +123,24 @@ def cpu_hardware(ranks_per_node: int, measured: Calibration) -> Hardware:
         latency_s=(measured.allreduce_latency_us or 0.0) / 1e6,
         overlap_dp=False,
     )
+
+
+def job_hardware(
+    spec: JobSpec, cluster: ClusterProfile, part: Partition, measured: dict[str, Calibration]
+) -> Optional[Hardware]:
+    """The figures a job's step time is estimated with (`measured`: calibration.load_all of the cluster): its
+    partition's GPUs (doctor's figures, else the datasheet's), or the CPU figures doctor measured for a CPU job;
+    None when there are none."""
+    if not spec.resources.gpus_per_node:
+        cpu = measured.get(f"{part.name}:cpu")
+        return cpu_hardware(spec.resources.tasks_per_node or 1, cpu) if cpu else None
+    return hardware(cluster, part, measured.get(part.name))
+
+
+def estimated_step(spec: JobSpec, cluster: ClusterProfile, part: Partition) -> Optional[StepTime]:
+    """The job's step time on `part` by what is known of it (doctor's calibration first); None: unknown."""
+    hw = job_hardware(spec, cluster, part, load_all(cluster.name))
+    return step_time(spec, hw) if hw is not None else None
 
 
 def calibrated_on(measured: Calibration) -> str:

@@ -117,6 +117,9 @@ def test_any_cluster_goes_where_the_job_starts_first_and_says_why(testbed: dict,
         idle = next(line for line in table if line.startswith("idle "))
         assert "debug" in busy and "Slurm's estimate: 20" in busy and "wide" in idle and "Slurm's estimate" in idle
         assert busy.split()[2] > idle.split()[2], table  # debug starts only when the holding job ends
+        header = next(line for line in table if line.startswith("CLUSTER "))
+        assert header.split()[:6] == ["CLUSTER", "PARTITION", "STARTS", "STEP", "FINISH", "WHY"], table
+        assert busy.split()[3:5] == ["?", "?"], table  # fake GPUs: no peak, no step time (said, not guessed)
         assert "# chose idle, partition wide: soonest of 2 asked" in out.stderr, out.stderr
         job_id, _ = submitted(out)
         row = status(tmp_path, job_id)

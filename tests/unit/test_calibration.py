@@ -126,3 +126,28 @@ def test_a_gpu_partition_doctor_measured_is_timed_with_its_figures() -> None:
     ratio = calibrated["time"]["compute_s"] / datasheet["time"]["compute_s"]
     assert ratio == pytest.approx(494.5 / 420, rel=1e-3)
     assert calibrated["mfu"] < datasheet["mfu"]  # MFU stays against the datasheet peak
+
+
+def test_the_any_cluster_table_shows_the_step_time_and_when_the_job_would_finish() -> None:
+    from submit.api import Candidate
+    from submit.cli.main import _step_and_finish
+
+    assert _step_and_finish(Candidate("a", "p", "now", "starts jobs at once", "a", 2.0, 100)) == ("2.0s", "+3m20s")
+    later = Candidate("b", "gpu", "2026-12-04T10:00:00", "Slurm's estimate", "b", 0.5, 7200)
+    assert _step_and_finish(later) == ("0.5s", "2026-12-04T11:00")
+    assert _step_and_finish(Candidate("c", "gpu", "now", "x", "c")) == ("?", "?")  # step time unknown: said
+
+
+def test_a_cpu_candidate_is_timed_with_its_clusters_calibration() -> None:
+    from submit.api import Candidate, _timed
+
+    profile = load_profile(str(SHIPPED_DIR / "local.yaml"))
+    plan = plan_file(REPO / "examples" / "tiny.yaml", profile, [], home=REMOTE_HOME)
+    asked = Candidate("local", "local", "now", "starts jobs at once", "local")
+    assert _timed(asked, plan).step_s is None  # no doctor run yet
+    measured = calibration.from_results(CPU_RUN, "41", nodes=1, now=NOW)
+    assert measured is not None
+    calibration.save("local", "local", measured)
+    timed = _timed(asked, plan)
+    assert timed.step_s == pytest.approx(build(plan.spec, profile, plan.partition)["step_time_s"])
+    assert timed.steps == plan.spec.trainer.steps and timed.run_s == pytest.approx(timed.step_s * timed.steps)
