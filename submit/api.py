@@ -497,10 +497,15 @@ def _candidate(
 
 
 def soonest(found: Sequence[Candidate]) -> Optional[Candidate]:
-    """The candidate that would start first (`now` before any date; ISO dates compare as text; a tie goes to
-    the one asked first)."""
+    """The candidate that would start first (`now` before any date; ISO dates compare as text); of those that
+    start together, the one the planner says finishes first (a known step time before an unknown one), then
+    the one asked first."""
     ready = [c for c in found if c.ok]
-    return min(ready, key=lambda c: "" if c.start == "now" else str(c.start)) if ready else None
+
+    def order(c: Candidate) -> tuple[str, float]:
+        return ("" if c.start == "now" else str(c.start), c.run_s if c.run_s is not None else float("inf"))
+
+    return min(ready, key=order) if ready else None
 
 
 def upload(prepared: Prepared, transport: Transport, progress: Optional[Progress] = None) -> Prepared:

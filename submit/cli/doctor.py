@@ -155,8 +155,8 @@ def _calibrate(profile: Any, opts: Any, job: str, results: list[Any], out: Any) 
     path = calibration.save(profile.name, opts.partition.name, measured)
     what = "CPU" if measured.kind == "cpu" else "GPU"
     print(
-        f"calibration: {opts.partition.name!r}'s {what} figures recorded in {path}; `meshrun plan -c {profile.name}` "
-        "times jobs with them",
+        f"calibration: the {what} figures of partition {opts.partition.name} recorded in {path}; "
+        f"`meshrun plan -c {profile.name}` times jobs with them",
         file=out,
     )
 

@@ -471,7 +471,7 @@ def _step_and_finish(candidate: Any) -> tuple[str, str]:
         start = dt.datetime.fromisoformat(candidate.start)
     except ValueError:
         return step, f"start +{span(candidate.run_s)}"
-    return step, (start + dt.timedelta(seconds=candidate.run_s)).isoformat(timespec="minutes")
+    return step, (start + dt.timedelta(seconds=candidate.run_s)).isoformat(timespec="seconds")  # as STARTS
 
 
 def _print_preflight(prepared: Any, checked: Any) -> int:

@@ -58,6 +58,14 @@ def _choice_json(choice: Any, spec: Any) -> Optional[dict[str, Any]]:
     return out
 
 
+def _usable(partition: Any) -> Optional[int]:
+    """The partition's GPU memory less the headroom; None where it is unknown (a CPU partition, an unknown GPU)."""
+    from submit.planning import estimate, recommend
+
+    memory = recommend.gpu_memory(partition) if partition is not None and partition.gpus_per_node else None
+    return estimate.usable_bytes(memory) if memory else None
+
+
 def build(spec: Any, cluster: Any, partition: Any) -> dict[str, Any]:
     """The plan's JSON object (docs/guides/plan-and-doctor.md documents every key). Where `meshrun doctor`
     measured a partition (submit/jobs/calibration.py), its figures time the job instead of the datasheet's."""
@@ -94,7 +102,7 @@ def build(spec: Any, cluster: Any, partition: Any) -> dict[str, Any]:
         "memory_per_gpu_bytes": memory.as_json(),
         "stage": memory.stage,
         "partition": partition.name if partition is not None else None,
-        "usable_bytes": estimate.usable_bytes(recommend.gpu_memory(partition) or 0) if partition else None,
+        "usable_bytes": _usable(partition),
         "fits": fits.get(partition.name) if partition is not None else None,
         "fits_by_partition": fits,
         "flops_per_step": time.flops_per_step if time else steptime.flops_per_step(spec),
@@ -163,7 +171,8 @@ def render(out: dict[str, Any], spec: Any) -> str:
         tm = out["time"]
         lines.append(
             f"time: {_speed(out)} (compute {tm['compute_s']:.3g} s, bubble {tm['bubble']:.0%}, tp {tm['tp_comm_s']:.3g}"
-            f" s, pp {tm['pp_comm_s']:.3g} s, dp {tm['dp_comm_s']:.3g} s overlapped, optimizer {tm['optimizer_s']:.3g} s)"
+            f" s, pp {tm['pp_comm_s']:.3g} s, dp {tm['dp_comm_s']:.3g} s "
+            f"{'overlapped' if tm['dp_overlapped'] else 'in series'}, optimizer {tm['optimizer_s']:.3g} s)"
             f"; {out['figures']}"
         )
     rec = out["recommended"]
@@ -181,7 +190,7 @@ def render(out: dict[str, Any], spec: Any) -> str:
                 str(row["gpu_type"] or "-"),
                 f"{row['gpu_memory_gb']:g}" if row["gpu_memory_gb"] else "?",
                 "-" if fits is None else ("yes" if fits else "no"),
-                str(row.get("gpus", "none fit")),
+                str(row.get("gpus", "none fit" if row["gpu_memory_gb"] else "?")),
                 _layout_text(best) if best else "-",
                 f"{best['tokens_per_s']:,.0f}" if best and best.get("tokens_per_s") else "-",
                 f"{best['mfu']:.0%}" if best and best.get("mfu") else "-",

@@ -45,7 +45,9 @@ class StepTime:
     pp_comm_s: float
     """Activations and their grads between pipeline stages, not overlapped."""
     dp_comm_s: float
-    """Data-parallel gradient reduction and FSDP/ZeRO-3 parameter gathers, overlapped with compute."""
+    """Data-parallel gradient reduction and FSDP/ZeRO-3 parameter gathers, overlapped with compute on GPUs."""
+    dp_overlapped: bool
+    """Whether that traffic overlaps with compute (GPU streams) or runs in series with it (gloo on CPU ranks)."""
     optimizer_s: float
     """The optimizer step: memory-bound (28 bytes per local parameter at HBM speed, or CPU Adam + PCIe)."""
     step_s: float
@@ -55,7 +57,7 @@ class StepTime:
     mfu: float
     """Model FLOPs per second over the GPUs' dense bf16 peak."""
 
-    def as_json(self) -> dict[str, float]:
+    def as_json(self) -> dict[str, float | bool]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
@@ -175,6 +177,7 @@ def step_time(spec: JobSpec, hw: Hardware) -> StepTime:
         tp_comm_s=tp_comm,
         pp_comm_s=pp_comm,
         dp_comm_s=dp_comm,
+        dp_overlapped=hw.overlap_dp,
         optimizer_s=optimizer,
         step_s=step,
         tokens_per_s=tokens / step,

@@ -56,7 +56,7 @@ QUICK: dict[str, tuple[list[str], list[str]]] = {
     "plan_accuracy.py": (
         ["--quick"],
         [
-            r"^calibration: 'local''s CPU figures recorded in ",
+            r"^calibration: the CPU figures of partition local recorded in ",
             rf"L2-d128-s128 +dp2-ddp +{NUMBER} +{NUMBER} +[+-]{NUMBER}%",
         ],
     ),

@@ -134,7 +134,7 @@ def test_the_any_cluster_table_shows_the_step_time_and_when_the_job_would_finish
 
     assert _step_and_finish(Candidate("a", "p", "now", "starts jobs at once", "a", 2.0, 100)) == ("2.0s", "+3m20s")
     later = Candidate("b", "gpu", "2026-12-04T10:00:00", "Slurm's estimate", "b", 0.5, 7200)
-    assert _step_and_finish(later) == ("0.5s", "2026-12-04T11:00")
+    assert _step_and_finish(later) == ("0.5s", "2026-12-04T11:00:00")
     assert _step_and_finish(Candidate("c", "gpu", "now", "x", "c")) == ("?", "?")  # step time unknown: said
 
 
@@ -151,3 +151,15 @@ def test_a_cpu_candidate_is_timed_with_its_clusters_calibration() -> None:
     timed = _timed(asked, plan)
     assert timed.step_s == pytest.approx(build(plan.spec, profile, plan.partition)["step_time_s"])
     assert timed.steps == plan.spec.trainer.steps and timed.run_s == pytest.approx(timed.step_s * timed.steps)
+
+
+def test_of_clusters_that_start_together_the_one_that_finishes_first_is_chosen() -> None:
+    from submit.api import Candidate, soonest
+
+    unknown = Candidate("a", "p", "now", "x", "a")
+    slow = Candidate("b", "p", "now", "x", "b", step_s=2.0, steps=10)
+    fast = Candidate("c", "p", "now", "x", "c", step_s=1.0, steps=10)
+    later = Candidate("d", "p", "2026-12-04T10:00:00", "x", "d", step_s=0.1, steps=10)
+    assert soonest([unknown, slow, fast, later]) is fast
+    assert soonest([unknown, later]) is unknown  # starting first still wins
+    assert soonest([unknown, Candidate("e", "p", "now", "x", "e")]) is unknown  # then the order asked
