@@ -213,18 +213,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_clusters(args: argparse.Namespace) -> int:
-    from submit.config.cluster import load_profile_file, profile_files
+    from submit.config.cluster import SHIPPED_DIR, load_profile_file, profile_files, user_dir
 
-    rows = [("NAME", "SCHEDULER", "REACHED", "PARTITIONS", "DESCRIPTION")]
+    def source(path: Path) -> str:  # where the profile `-c NAME` reads comes from (docs/concepts/cluster-profiles.md)
+        folder = path.parent.resolve()
+        if folder == SHIPPED_DIR.resolve():
+            return "shipped"
+        return "yours" if folder == user_dir().resolve() else "MESHRUN_CLUSTERS"
+
+    rows = [("NAME", "SCHEDULER", "REACHED", "FROM", "PARTITIONS", "DESCRIPTION")]
     for name, path in sorted(profile_files().items()):
         try:
             prof = load_profile_file(path)
         except InputError as exc:
-            rows.append((name, "-", "-", "-", f"INVALID: {exc}"))
+            rows.append((name, "-", "-", source(path), "-", f"INVALID: {exc}"))
             continue
         reach = f"ssh {prof.ssh.host}" if prof.ssh else "this machine"
         parts = ",".join(f"{p.name}({p.gpus_per_node}gpu)" for p in prof.partitions)
-        rows.append((name, prof.scheduler, reach, parts, prof.description))
+        rows.append((name, prof.scheduler, reach, source(path), parts, prof.description))
     _table(rows)
     return 0
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -162,5 +164,11 @@ def test_meshrun_clusters_folders_override_the_shipped_profiles_and_the_users_ow
     assert load_profile("gpu").description == "lab"  # a later folder wins
     (mine / "gpu.yaml").write_text(yaml.safe_dump({**shipped, "description": "mine"}))
     assert load_profile("gpu").description == "mine"
+    listed = subprocess.run(
+        [sys.executable, "-m", "submit.cli.main", "clusters"], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    row = {line.split()[0]: line for line in listed[1:]}
+    assert " MESHRUN_CLUSTERS " in row["testbed"] and " yours " in row["gpu"], listed
+    assert " shipped " in row["local"], listed
     monkeypatch.delenv("MESHRUN_CLUSTERS")
     assert load_profile("testbed").description == shipped["description"]
