@@ -66,6 +66,19 @@ def _usable(partition: Any) -> Optional[int]:
     return estimate.usable_bytes(memory) if memory else None
 
 
+def run_cost(spec: Any, cluster: Any, step_s: Optional[float]) -> dict[str, Any]:
+    """The whole run's estimate: its time (train.steps at the step time), the GPU-hours it holds (every GPU
+    allocated, for that time) and, when the profile prices them (cost.gpu_hour), what they cost."""
+    if step_s is None:
+        return {"run_s": None, "gpu_hours": None, "cost": None}
+    run_s = spec.trainer.steps * step_s
+    res = spec.resources
+    hours = res.nodes * res.gpus_per_node * run_s / 3600
+    price = cluster.cost.gpu_hour if res.gpus_per_node else 0.0
+    cost = {"amount": hours * price, "currency": cluster.cost.currency} if price else None
+    return {"run_s": run_s, "gpu_hours": hours, "cost": cost}
+
+
 def build(spec: Any, cluster: Any, partition: Any) -> dict[str, Any]:
     """The plan's JSON object (docs/guides/plan-and-doctor.md documents every key). Where `meshrun doctor`
     measured a partition (submit/jobs/calibration.py), its figures time the job instead of the datasheet's."""
@@ -111,6 +124,7 @@ def build(spec: Any, cluster: Any, partition: Any) -> dict[str, Any]:
         "mfu": time.mfu if time else None,
         "time": time.as_json() if time else None,
         "figures": hw.source if hw is not None else None,
+        **run_cost(spec, cluster, time.step_s if time else None),
         "recommended": recommended,
         "partitions": table,
     }
@@ -175,6 +189,8 @@ def render(out: dict[str, Any], spec: Any) -> str:
             f"{'overlapped' if tm['dp_overlapped'] else 'in series'}, optimizer {tm['optimizer_s']:.3g} s)"
             f"; {out['figures']}"
         )
+    if out["run_s"] is not None:
+        lines.append(_run_line(out, spec))
     rec = out["recommended"]
     if rec is not None:
         lines.append(f"recommended on {out['partition']!r}: {_layout_text(rec)}; {_speed(rec)}")
@@ -197,6 +213,20 @@ def render(out: dict[str, Any], spec: Any) -> str:
             )
         )
     return text + (table(rows) if len(rows) > 1 else "")
+
+
+def _run_line(out: dict[str, Any], spec: Any) -> str:
+    from submit.views.tables import span
+
+    res = spec.resources
+    line = f"run: {spec.trainer.steps} steps in {span(out['run_s'])}"
+    if not res.gpus_per_node:
+        return line + " on CPU ranks (no GPU-hours)"
+    line += f" on {res.nodes * res.gpus_per_node} GPUs: {out['gpu_hours']:.3g} GPU-hours"
+    cost = out["cost"]
+    if cost is None:
+        return line + f" (add cost.gpu_hour to the {out['cluster']} profile to price it)"
+    return line + f", {cost['amount']:,.2f} {cost['currency']} at the profile's cost.gpu_hour"
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ A profile never names a model.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from submit.errors import InputError
 
 SHIPPED_DIR = shipped_profiles_dir()  # package data: a wheel's or a checkout's cluster_configs/
 PROFILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+CURRENCY = re.compile(r"[A-Za-z]{1,12}")
 NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 """A node name for --exclude: needs no quoting (sbatch's #SBATCH parser knows none), so no hostlist ranges."""
 
@@ -131,6 +133,14 @@ class Container:
 
 
 @dataclass(frozen=True)
+class Cost:
+    gpu_hour: float = 0.0
+    """What one allocated GPU-hour costs on this cluster (0: unpriced); `plan` prices a whole run with it."""
+    currency: str = "USD"
+    """The unit of gpu_hour, as printed (USD, EUR, credits, ...)."""
+
+
+@dataclass(frozen=True)
 class ClusterProfile:
     name: str
     """Profile name, as given to -c."""
@@ -154,8 +164,14 @@ class ClusterProfile:
     """Run the ranks inside a container."""
     description: str = ""
     """One line shown by `meshrun clusters`."""
+    cost: Cost = field(default_factory=Cost)
+    """The price of a GPU-hour, for `plan`'s estimate of what a run costs."""
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.cost.gpu_hour) and self.cost.gpu_hour >= 0):
+            raise SchemaError("cost.gpu_hour", self.cost.gpu_hour, "a price per GPU-hour: a number, 0 or more")
+        if not CURRENCY.fullmatch(self.cost.currency):
+            raise SchemaError("cost.currency", self.cost.currency, "a unit of 1-12 letters, e.g. USD or credits")
         if not PROFILE_NAME.fullmatch(self.name):
             raise SchemaError("name", self.name, "use letters, digits, '_' or '-' (at most 64)")
         for key in self.interconnect.nccl:

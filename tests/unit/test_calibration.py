@@ -163,3 +163,56 @@ def test_of_clusters_that_start_together_the_one_that_finishes_first_is_chosen()
     assert soonest([unknown, slow, fast, later]) is fast
     assert soonest([unknown, later]) is unknown  # starting first still wins
     assert soonest([unknown, Candidate("e", "p", "now", "x", "e")]) is unknown  # then the order asked
+
+
+def _priced(tmp_path: Path, cost: Optional[dict[str, Any]]) -> Path:
+    import yaml
+
+    data = yaml.safe_load((SHIPPED_DIR / "h100-ndr.yaml").read_text())
+    if cost is not None:
+        data["cost"] = cost
+    path = tmp_path / "priced.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_plan_prices_the_whole_run_when_the_profile_gives_a_gpu_hour(tmp_path: Path) -> None:
+    profile = load_profile(str(_priced(tmp_path, {"gpu_hour": 2.5, "currency": "EUR"})))
+    plan = plan_file(REPO / "examples" / "h100-8node.yaml", profile, [], home=REMOTE_HOME)
+    out = build(plan.spec, profile, plan.partition)
+    res, steps = plan.spec.resources, plan.spec.trainer.steps
+    assert out["run_s"] == pytest.approx(steps * out["step_time_s"])
+    assert out["gpu_hours"] == pytest.approx(res.nodes * res.gpus_per_node * out["run_s"] / 3600)
+    assert out["cost"] == {"amount": pytest.approx(out["gpu_hours"] * 2.5), "currency": "EUR"}
+    line = next(x for x in render(out, plan.spec).splitlines() if x.startswith("run: "))
+    assert f"run: {steps} steps in " in line and f" on {res.nodes * res.gpus_per_node} GPUs: " in line
+    assert line.endswith(" EUR at the profile's cost.gpu_hour")
+    unpriced = load_profile(str(_priced(tmp_path, None)))
+    bare = build(plan.spec, unpriced, plan.partition)
+    assert bare["cost"] is None and bare["gpu_hours"] == pytest.approx(out["gpu_hours"])
+    assert "add cost.gpu_hour to the priced profile to price it" in render(bare, plan.spec)
+
+
+def test_a_cpu_job_holds_no_gpu_hours_and_an_untimed_plan_no_run_estimate() -> None:
+    untimed = _plan("local")
+    assert untimed["run_s"] is None and untimed["gpu_hours"] is None and untimed["cost"] is None
+    measured = calibration.from_results(CPU_RUN, "41", nodes=1, now=NOW)
+    assert measured is not None
+    calibration.save("local", "local", measured)
+    timed = _plan("local")
+    assert timed["gpu_hours"] == 0 and timed["cost"] is None and timed["run_s"] > 0
+
+
+@pytest.mark.parametrize(
+    ("cost", "message"),
+    [
+        ({"gpu_hour": -1}, r"priced.yaml:2: cost.gpu_hour: -1.0: a price per GPU-hour: a number, 0 or more"),
+        ({"gpu_hour": float("nan")}, r"priced.yaml:2: cost.gpu_hour: nan: expected a finite number"),
+        ({"gpu_hour": 1, "currency": "$ USD"}, r"cost.currency: '\$ USD': a unit of 1-12 letters"),
+    ],
+)
+def test_a_bad_price_is_refused_naming_the_key(tmp_path: Path, cost: dict[str, Any], message: str) -> None:
+    from submit.errors import InputError
+
+    with pytest.raises(InputError, match=message):
+        load_profile(str(_priced(tmp_path, cost)))
