@@ -1,7 +1,8 @@
 """`meshrun tb JOB [JOB...]` (TensorBoard of jobs, forwarded here) and `meshrun tb --stop` (servers left running).
 
 The server runs on the login node and lives as long as this command: Ctrl-C, SIGTERM and SIGHUP (the
-terminal closed) all close the forward and stop the server this command started. A `meshrun tb` that
+terminal closed) all close the forward and stop the server this command started; one that arrives while the
+server starts takes effect once the helper answered (so the server it started is known, and stopped). A `meshrun tb` that
 could not (killed with -9, the machine gone) leaves it running; `--stop` ends it, on the login node,
 only after checking the pid is still that server (tbserve.py `stop`).
 """
@@ -69,7 +70,9 @@ def cmd_tb(args: argparse.Namespace) -> int:
     before = {sig: signal.signal(sig, _raise_interrupt) for sig in TEARDOWN_SIGNALS}
     try:
         transport = clusters.transport_for(record)
-        board = tensorboard.start(transport, clusters.profile_for(record), runs)
+        board, stopped = _start_deferring_stops(tensorboard, transport, clusters.profile_for(record), runs)
+        if stopped:
+            return 0  # the finally below stops the server this command started
         forward = transport.forward(board.port, args.port)
         names = ", ".join(name for name, _ in runs)
         _say(
@@ -124,6 +127,27 @@ def cmd_tb(args: argparse.Namespace) -> int:
         clusters.close()
         for sig, handler in before.items():
             signal.signal(sig, handler)
+
+
+def _start_deferring_stops(tensorboard: Any, transport: Any, profile: Any, runs: Any) -> tuple[Any, bool]:
+    """The helper's start, with Ctrl-C, SIGTERM and SIGHUP held until it answers: one arriving after the helper
+    claimed the server but before its answer was read would leave a server nobody stops (it stops itself only
+    when unclaimed). Returns the server and whether a stop arrived meanwhile (the caller then stops it)."""
+    from submit.errors import ClusterError
+
+    arrived: list[int] = []
+    held = (signal.SIGINT, *TEARDOWN_SIGNALS)
+    before = {sig: signal.signal(sig, lambda signum, frame: arrived.append(signum)) for sig in held}
+    try:
+        board = tensorboard.start(transport, profile, runs)
+    except ClusterError:
+        if arrived:  # the helper itself was interrupted (a terminal's Ctrl-C reaches it too): nothing claimed
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    return board, bool(arrived)
 
 
 def _answers(port: int, timeout_s: float = 10.0) -> bool:

@@ -167,8 +167,9 @@ def test_stop_needs_jobs_or_a_cluster(tmp_path: Path) -> None:
 
 
 def test_ctrl_c_while_tensorboard_loads_leaves_no_server(tmp_path: Path, tb_cleanup: Cleanup) -> None:
-    """Interrupted before it printed the URL, meshrun tb cannot stop a server it never heard of: the
-    server, unclaimed, stops itself."""
+    """Interrupted while the server starts, meshrun tb stops it once the helper has answered (a Ctrl-C just
+    after the helper claimed the server, before its answer was read, left it running for 24 h: 1 run in 4);
+    a server whose start was interrupted before any claim stops itself."""
     _job(tmp_path, "900104", tb_cleanup)
     proc = subprocess.Popen(
         [sys.executable, "-m", "submit.cli.main", "tb", "900104"],

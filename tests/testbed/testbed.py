@@ -11,8 +11,8 @@ that tests/testbed/install.sh installs.
 
 Environment: MESHRUN_TESTBED_SLOT (default 0): testbeds of other slots run beside it, each with its own
 folder (/tmp/meshrun-testbed, then /tmp/meshrun-testbed-N), ports (the defaults + 100 N) and job ids (from
-N x 100000 + 1). Under pytest-xdist each worker has its own: worker gwN's slot is N (processes the tests
-start inherit PYTEST_XDIST_WORKER, so they find the same one). MESHRUN_TESTBED_DIR
+N x 100000 + 1). Under pytest-xdist each worker has its own: worker gwN's slot is N, or MESHRUN_TESTBED_SLOT + N
+when that is set (processes the tests start inherit PYTEST_XDIST_WORKER, so they find the same one). MESHRUN_TESTBED_DIR
 and MESHRUN_TESTBED_{SLURMCTLD,SLURMDBD,SLURMD_N1,SLURMD_N2,SLURMD_N3,MARIADB,SSHD}_PORT override one part.
 The shipped profile `testbed` (cluster_configs/testbed.yaml) names slot 0's folders; `profile_folder()` holds
 the slot's own copy, for MESHRUN_CLUSTERS.
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 SLOT_ENV = "MESHRUN_TESTBED_SLOT"
-SLOT = int(os.environ.get(SLOT_ENV) or os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+SLOT = int(os.environ.get(SLOT_ENV) or 0) + int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
 """Which of the testbeds that can run side by side on this machine this is (0: the one people start by hand)."""
 SHIPPED_DIR = "/tmp/meshrun-testbed"
 """Slot 0's folder: the one cluster_configs/testbed.yaml names."""
