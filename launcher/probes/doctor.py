@@ -125,8 +125,10 @@ def gemm_tflops(local_rank: int, broken: bool, cpu: bool = False) -> dict[str, A
 
     if broken:
         raise RuntimeError(f"{FAIL_ENV}: this node's accelerator fails (injected fault)")
-    if cpu or not torch.cuda.is_available():
+    if cpu:
         return cpu_gemm_tflops()
+    if not torch.cuda.is_available():  # a GPU job on a rank without CUDA: the GPUs check says why
+        return {"skipped": "no CUDA GPU on this rank"}
     torch.cuda.set_device(local_rank)
     n, iters = 8192, 30
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)

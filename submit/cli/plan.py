@@ -66,19 +66,6 @@ def _usable(partition: Any) -> Optional[int]:
     return estimate.usable_bytes(memory) if memory else None
 
 
-def run_cost(spec: Any, cluster: Any, step_s: Optional[float]) -> dict[str, Any]:
-    """The whole run's estimate: its time (train.steps at the step time), the GPU-hours it holds (every GPU
-    allocated, for that time) and, when the profile prices them (cost.gpu_hour), what they cost."""
-    if step_s is None:
-        return {"run_s": None, "gpu_hours": None, "cost": None}
-    run_s = spec.trainer.steps * step_s
-    res = spec.resources
-    hours = res.nodes * res.gpus_per_node * run_s / 3600
-    price = cluster.cost.gpu_hour if res.gpus_per_node else 0.0
-    cost = {"amount": hours * price, "currency": cluster.cost.currency} if price else None
-    return {"run_s": run_s, "gpu_hours": hours, "cost": cost}
-
-
 def build(spec: Any, cluster: Any, partition: Any) -> dict[str, Any]:
     """The plan's JSON object (docs/guides/plan-and-doctor.md documents every key). Where `meshrun doctor`
     measured a partition (submit/jobs/calibration.py), its figures time the job instead of the datasheet's."""
@@ -124,7 +111,7 @@ def build(spec: Any, cluster: Any, partition: Any) -> dict[str, Any]:
         "mfu": time.mfu if time else None,
         "time": time.as_json() if time else None,
         "figures": hw.source if hw is not None else None,
-        **run_cost(spec, cluster, time.step_s if time else None),
+        **steptime.run_estimate(spec, cluster.cost, time.step_s if time else None),
         "recommended": recommended,
         "partitions": table,
     }

@@ -7,11 +7,13 @@ and the profile's interconnect bandwidths.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Optional
 
 from launcher.contract import dsconfig
 from launcher.contract.gpus import FP32_FRACTION
 from launcher.contract.modelshape import ModelPart, flops_per_token
 from launcher.contract.spec import JobSpec
+from submit.config.cluster import Cost
 from submit.planning.estimate import cdiv, local_params, mixed
 
 COMPUTE_EFFICIENCY = 0.5
@@ -183,3 +185,19 @@ def step_time(spec: JobSpec, hw: Hardware) -> StepTime:
         tokens_per_s=tokens / step,
         mfu=flops / (step * world * hw.peak_tflops * 1e12),
     )
+
+
+def run_estimate(spec: JobSpec, cost: Cost, step_s: Optional[float]) -> dict[str, Any]:
+    """The whole run at `step_s`: its time (train.steps steps), the GPU-hours it holds (every allocated GPU, for
+    that time) and, when the profile prices them (cost.gpu_hour), what they cost; all None without a step time."""
+    if step_s is None:
+        return {"run_s": None, "gpu_hours": None, "cost": None}
+    run_s = spec.trainer.steps * step_s
+    res = spec.resources
+    hours = res.nodes * res.gpus_per_node * run_s / 3600
+    price = cost.gpu_hour if res.gpus_per_node else 0.0
+    return {
+        "run_s": run_s,
+        "gpu_hours": hours,
+        "cost": {"amount": hours * price, "currency": cost.currency} if price else None,
+    }

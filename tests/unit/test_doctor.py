@@ -290,3 +290,14 @@ def test_a_failed_health_check_fails_its_node_with_the_evidence() -> None:
     text = table(report)
     assert "gpu2: FAIL health: gpus: GPU-gpu2-3: row remapping failed" in text and "ok 3 checks" in text
     assert text.rstrip().endswith("add to submit: --exclude gpu2")
+
+
+def test_the_gemm_of_a_cpu_job_is_timed_on_the_cpu_and_a_gpu_job_without_cuda_is_never_timed_there() -> None:
+    import torch
+
+    from launcher.probes import doctor as probe
+
+    cpu = probe.gemm_tflops(0, broken=False, cpu=True)
+    assert cpu["device"] == "cpu" and cpu["dtype"] == "float32" and cpu["tflops"] > 0
+    if not torch.cuda.is_available():  # a GPU job's figure is never a CPU's (calibration would file it as one)
+        assert "tflops" not in probe.gemm_tflops(0, broken=False, cpu=False)
