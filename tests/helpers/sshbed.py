@@ -123,12 +123,13 @@ def watch_until_done(home: Path, job: str, timeout: float = 300) -> list[dict[st
 
 def wait_state(home: Path, job: str, states: tuple[str, ...], timeout: float = 120) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
+    pauses = cli.poll_pauses(states)
     while True:
         (row,) = json.loads(meshrun(home, "status", job, "--json", check=True).stdout)
         if row["state"] in states:
             return row
         assert time.monotonic() < deadline, row
-        time.sleep(0.5)
+        time.sleep(next(pauses))
 
 
 def first_line_with(stream: Any, needle: str, timeout: float = 60) -> Optional[str]:

@@ -47,7 +47,7 @@ from launcher.contract import ckptdir
 from launcher.contract.rundir import RunDir
 from submit.views import tbserve
 from tests.helpers import sshbed, tbhelp
-from tests.helpers.cli import REPO, SMALL_MODEL, TINY, TWO_NODES, env_for, meshrun, submitted
+from tests.helpers.cli import FINAL_STATES, REPO, SMALL_MODEL, TINY, TWO_NODES, env_for, meshrun, poll_pauses, submitted
 
 STEPS = 60
 EVERY = 5
@@ -217,11 +217,13 @@ class Journey:
     def running(self, rows: dict[str, dict[str, Any]]) -> list[Job]:
         return [self.jobs[j] for j, row in rows.items() if not row["done"]]
 
-    def wait_until(self, what: str, ready: Callable[[], bool], timeout: float = 120) -> None:
+    def wait_until(self, what: str, ready: Callable[[], bool], timeout: float = 120, final: bool = False) -> None:
+        """Until `ready()`; `final`: what it waits for does not go away (a job's end), so it may poll slowly."""
         deadline = time.monotonic() + timeout
+        pauses = poll_pauses(FINAL_STATES if final else ())
         while not ready():
             self.expect(time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s")
-            time.sleep(0.5)
+            time.sleep(next(pauses))
 
     def ended(self, job: Job) -> bool:
         return bool(self.rows()[job.job_id]["done"])  # meshrun's own word: `watch` and `--wait` stop on it
@@ -332,7 +334,7 @@ class Journey:
         self.wait_a_few_steps(job)
         done = self.verb("cancel", job.job_id)
         self.expect(done.returncode in (0, 1), f"cancel: {done.stderr}")  # 1: it ended meanwhile, said so
-        self.wait_until(f"{job.job_id} ends after its cancel", lambda: self.ended(job))
+        self.wait_until(f"{job.job_id} ends after its cancel", lambda: self.ended(job), final=True)
 
     def resume(self, job: Job) -> None:
         done = self.verb("resume", job.job_id)
@@ -587,7 +589,7 @@ class Journey:
         """The end: the running jobs run out (or are cancelled when they take long), all end."""
         for job in self.running(self.rows()):
             try:
-                self.wait_until(f"{job.job_id} ends", lambda job=job: self.ended(job), timeout=90)
+                self.wait_until(f"{job.job_id} ends", lambda job=job: self.ended(job), timeout=90, final=True)
             except JourneyFailed:
                 self.cancel(job)
 
