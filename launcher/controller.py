@@ -38,8 +38,16 @@ def ends_path(folder: str | Path, controller_pid: int | str) -> Path:
 
 PRELOAD_ENV = "MESHRUN_RANK_PRELOAD"
 """Comma-separated modules the controller imports once and forks the ranks from (unset: one interpreter each)."""
-TRAINER_PRELOAD = ("torch", "torch.distributed", "launcher.entry", "launcher.train.loop", "launcher.checkpoint.manager")
-"""What every built-in trainer rank imports first."""
+TRAINER_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "launcher.entry",
+    "launcher.train.loop",
+    "launcher.checkpoint.manager",
+    "torch._dynamo",
+)
+"""What every built-in trainer rank imports first. torch._dynamo is among them though meshrun never compiles:
+FSDP2's first `fully_shard` (through torch's lazy `_disable_dynamo`) imports it, ~0.4 s of CPU in each rank."""
 
 
 class ForkedTask:
