@@ -42,7 +42,7 @@ from submit.transport import snapshot as snapshots
 from submit.transport.base import Progress, Transport
 
 if TYPE_CHECKING:
-    from launcher.contract.spec import JobSpec
+    from launcher.contract.spec import JobSpec, RunSpec
     from submit.schedulers.preflight import Preflight
 
 # `executor` is served by the module's __getattr__ (submitit is imported only when it is asked for).
@@ -331,6 +331,19 @@ class Prepared:
     """Lines to show once: the code goes to a new copy because the old one changed."""
 
 
+def with_prediction(plan: Plan) -> Plan:
+    """The plan whose run spec carries its step time and memory (RunInfo.prediction), for rank 0 to check the run
+    against (launcher/train/plancheck.py); unchanged where the planner cannot time the job."""
+    from submit.planning.recommend import predicted
+
+    def carrying(spec: RunSpec) -> RunSpec:  # an array's tasks each time their own spec
+        found = predicted(spec.job, plan.cluster, plan.partition)
+        return spec if found is None else dataclasses.replace(spec, run=dataclasses.replace(spec.run, prediction=found))
+
+    tasks = tuple(dataclasses.replace(task, run_spec=carrying(task.run_spec)) for task in plan.tasks)
+    return dataclasses.replace(plan, run_spec=carrying(plan.run_spec), tasks=tasks)
+
+
 def prepare(
     plan: Plan,
     spec_dir: Path,
@@ -364,7 +377,7 @@ def prepare(
         plan, avoided = avoid_suspects(plan, rows)
         warnings += avoided
     in_place = None if ships_code else str(snapshots.project_root(spec_dir, plan.spec.code) or spec_dir.resolve())
-    plan = with_code_dir(plan, snap, in_place, found.name if found else None)
+    plan = with_prediction(with_code_dir(plan, snap, in_place, found.name if found else None))
     return Prepared(plan, dryrun(plan, after), snap, found, warnings)
 
 

@@ -32,6 +32,7 @@ RULES = (
     "hang",
     "checkpoint_lost",
     "node_unhealthy",
+    "plan_drift",
 )
 
 

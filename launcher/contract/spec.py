@@ -361,8 +361,20 @@ class Alerts:
     """Alert when the sidecar names a straggler."""
     hangs: bool = True
     """Alert when the sidecar declares a hang."""
+    plan_drift: float = 0.3
+    """Alert when the measured step time (or a GPU's peak memory) is off the plan's prediction by more than this
+    fraction either way, naming the term that is off (launcher/train/plancheck.py); 0: no alert, the ratio is
+    still measured and shown."""
+    plan_check_steps: int = 50
+    """Steps rank 0 measures (after the attempt's first few, its warm-up) before comparing them with the plan."""
 
     def __post_init__(self) -> None:
+        if not 0 <= self.plan_drift <= 100:
+            raise SchemaError(
+                "alerts.plan_drift", self.plan_drift, "give a fraction such as 0.3 (30%), or 0 to turn it off"
+            )
+        if not 1 <= self.plan_check_steps <= 1_000_000:
+            raise SchemaError("alerts.plan_check_steps", self.plan_check_steps, "give 1 to 1000000 steps (default 50)")
         for key in ("loss_spike_factor", "grad_norm_spike_factor"):
             value = getattr(self, key)
             if value != 0 and not 1 < value <= 1e6:
@@ -479,6 +491,25 @@ class JobSpec:
 
 
 @dataclass(frozen=True)
+class Prediction:
+    """The plan's figures for one optimizer step of this job (submit/planning/steptime.py): rank 0 compares them
+    with what it measures after alerts.plan_check_steps steps (launcher/train/plancheck.py)."""
+
+    step_s: float
+    """The step time."""
+    tokens_per_s: float
+    """global_batch x seq_len / step_s."""
+    compute_s: float
+    """The ranks' own work in a step: the matmuls and the optimizer step."""
+    communication_s: float
+    """What a step waits on besides its own work: collectives not hidden behind compute, the pipeline's bubble."""
+    memory_bytes: Optional[int] = None
+    """Peak memory of one GPU (the plan's fullest pipeline stage); None on CPU ranks (not predicted)."""
+    figures: str = ""
+    """Where the figures came from: "datasheet figures", or "calibrated on DATE (...)" (`meshrun doctor`'s)."""
+
+
+@dataclass(frozen=True)
 class RunInfo:
     """What the planner adds for the ranks: filled on the caller's machine, read on the cluster."""
 
@@ -506,6 +537,9 @@ class RunInfo:
     suspects_file: str = ""
     """The cluster's ledger of suspect nodes (WORK_DIR/.meshrun/suspect-nodes.jsonl: launcher/contract/suspects.py),
     where a hang verdict records the nodes it blames ("" in a spec.json written before there was one)."""
+    prediction: Optional[Prediction] = None
+    """The plan's step time and memory for this job, where the planner knows the hardware (a trainer job on a GPU
+    partition it knows, or a CPU partition `meshrun doctor` calibrated); None: nothing to check the run against."""
 
 
 @dataclass(frozen=True)
@@ -528,6 +562,8 @@ def dumps_run_spec(run_spec: RunSpec) -> str:
     # script, and a cluster whose launcher predates the key still reads it (loading fills the default).
     if not plain["job"]["secrets"]:
         del plain["job"]["secrets"]
+    if plain["run"]["prediction"] is None:  # the same: a job the planner cannot time writes what it wrote before
+        del plain["run"]["prediction"]
     return json.dumps(plain, indent=2, sort_keys=True) + "\n"
 
 

@@ -178,6 +178,11 @@ def gpu_memory(runtime: Runtime) -> dict[str, float]:
     }
 
 
+def peak_memory(runtime: Runtime) -> Optional[int]:
+    """A GPU's peak allocated bytes since the start (the plan check's memory); None on CPU ranks."""
+    return int(torch.cuda.max_memory_allocated(runtime.device)) if runtime.cuda else None
+
+
 def run_loop(
     t: Trainer,
     env: RankEnv,
@@ -202,7 +207,7 @@ def run_loop(
     busy = BusyClock(t.runtime.cuda)
     faults = faults_for(env.rank, env.restart_count)
     sentinel = divergence.Sentinel(t.runtime.device, check_norm=not t.engine.fp16_scaled)
-    watch = _Watch.for_job(t.job, env, run_spec)
+    watch = _Watch.for_job(t.job, env, run_spec, first, t.runtime.cuda, metrics.event)
     try:
         for step in range(first, last + 1):
             metrics.stamp(step, "step", busy.last)
@@ -212,12 +217,14 @@ def run_loop(
             clock.waited += wait + faults.delay_data()
             result = t.train_step(step, micro_batches)
             sentinel.observe(step, result.loss.total, result.grad_norm)
-            busy.stop()
+            clock.busy += busy.stop() or 0.0
             validate = eval_due(cfg, step, last)
             logged = step % cfg.log_every == 0 or step == last or validate
             if logged:
-                record = log_step(t, env, metrics, step, result, clock, checkpoints.shared_step, validate=validate)
-                watch.logged(record)
+                record = log_step(
+                    t, env, metrics, step, result, clock, checkpoints.shared_step, validate, watch.annotations()
+                )
+                watch.logged(record, peak_memory(t.runtime))
             save_due = checkpoints.due(step, last)
             if flag is None and not (logged or save_due):
                 continue
@@ -230,7 +237,10 @@ def run_loop(
             if stopping and checkpoints.enabled:
                 if not logged:  # the step saved is the step shown: status's STEP never trails its CKPT
                     watch.logged(
-                        log_step(t, env, metrics, step, result, clock, checkpoints.shared_step, validate=False)
+                        log_step(
+                            t, env, metrics, step, result, clock, checkpoints.shared_step, False, watch.annotations()
+                        ),
+                        peak_memory(t.runtime),
                     )
                 metrics.stamp(step, "checkpoint")
                 checkpoints.save_now(t, step, watch.val_loss(step))
@@ -254,6 +264,8 @@ def run_loop(
 class _Clock:
     last_step: int
     waited: float = 0.0
+    busy: float = 0.0
+    """The rank's own work since the last record (launcher/train/worktime.py), for the plan check."""
     start: float = field(default_factory=time.perf_counter)
     last_time: float = field(default_factory=time.perf_counter)
 
@@ -267,6 +279,7 @@ def log_step(
     clock: _Clock,
     checkpoint_step: Optional[int] = None,
     validate: Optional[bool] = None,
+    annotations: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """One metrics.jsonl record (and human line) covering the steps since the last one; returns it
     (every rank builds it: its loss and val_loss are global)."""
@@ -284,6 +297,7 @@ def log_step(
         "tokens_per_s": tokens_per_step * done / interval,
         "step_time_s": interval / done,
         "data_wait_s": clock.waited / done,
+        "busy_s": clock.busy / done,
         "elapsed_s": now - clock.start,
         "tflops_per_rank": t.engine.model.flops_per_token() * tokens_per_step * done / interval / env.world_size / 1e12,
         "restart_count": env.restart_count,
@@ -291,6 +305,7 @@ def log_step(
     }
     if checkpoint_step is not None:
         record["checkpoint_step"] = checkpoint_step
+    record.update(annotations or {})
     loss_scale = t.engine.loss_scale()
     if loss_scale is not None:
         record["loss_scale"] = loss_scale
@@ -301,5 +316,5 @@ def log_step(
         record["eval_s"] = time.perf_counter() - began  # after the line's time stamp: goodput books it so
         record["val_ppl"] = perplexity(record["val_loss"])
     metrics.write(record, extra=gpu_memory(t.runtime))
-    clock.last_time, clock.last_step, clock.waited = time.perf_counter(), step, 0.0
+    clock.last_time, clock.last_step, clock.waited, clock.busy = time.perf_counter(), step, 0.0, 0.0
     return record

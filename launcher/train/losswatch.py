@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from launcher.checkpoint.commit import Checkpointer
 from launcher.contract import alerts, ckptdir
@@ -16,6 +16,7 @@ from launcher.contract.spec import JobSpec, RunSpec
 from launcher.env import RankEnv
 from launcher.train import divergence
 from launcher.train.lossrules import LossRules
+from launcher.train.plancheck import PlanCheck, step_message
 
 
 @dataclass
@@ -26,18 +27,47 @@ class Watch:
     keep_best: bool
     last: dict[str, Any] = field(default_factory=dict)
     """The newest logged record (every rank builds the same global numbers)."""
+    plan: Optional[PlanCheck] = None
+    """Rank 0's check of the run against the plan's prediction (None: no prediction, or another rank)."""
+    event: Optional[Callable[[dict[str, Any]], None]] = None
+    """Writes a non-step line to metrics.jsonl (the plan check's)."""
 
     @classmethod
-    def for_job(cls, job: JobSpec, env: RankEnv, run_spec: Optional[RunSpec]) -> Watch:
+    def for_job(
+        cls,
+        job: JobSpec,
+        env: RankEnv,
+        run_spec: Optional[RunSpec],
+        first: int = 1,
+        gpu: bool = False,
+        event: Optional[Callable[[dict[str, Any]], None]] = None,
+    ) -> Watch:
         run_dir = run_spec.run.run_dir if run_spec else None
-        rules = LossRules(job.alerts, rank=0, node=node_name(os.environ)) if env.rank == 0 and run_dir else None
-        return cls(rules, run_dir, job.checkpoint.keep_best)
+        rank0 = env.rank == 0 and bool(run_dir)
+        rules = LossRules(job.alerts, rank=0, node=node_name(os.environ)) if rank0 else None
+        predicted = run_spec.run.prediction if run_spec else None
+        plan = None
+        if rank0 and run_spec is not None and predicted is not None:
+            a = job.alerts
+            plan = PlanCheck(predicted, a.plan_drift, a.plan_check_steps, first, gpu, run_spec.run.cluster)
+        return cls(rules, run_dir, job.checkpoint.keep_best, plan=plan, event=event)
 
-    def logged(self, record: dict[str, Any]) -> None:
+    def annotations(self) -> dict[str, Any]:
+        """What the next records carry beyond the step's numbers: the plan check's ratio once it is known."""
+        return self.plan.annotations() if self.plan is not None else {}
+
+    def logged(self, record: dict[str, Any], peak_memory: Optional[int] = None) -> None:
+        """`peak_memory`: a GPU's peak allocated bytes so far (None on CPU ranks), for the plan check."""
         self.last = record
         if self.rules is None or self.run_dir is None:
             return
         found = self.rules.observe(record)
+        if self.plan is not None and self.plan.result is None:
+            found += self.plan.observe(record, peak_memory)
+            if self.plan.result is not None:
+                if self.event is not None:
+                    self.event(self.plan.result)
+                print(f"[meshrun] plan check: {step_message(self.plan.result)}", flush=True)
         alerts.append(RunDir(self.run_dir).alerts, found)
         for alert in found:
             print(alert.line(), flush=True)

@@ -15,11 +15,11 @@ from typing import Iterator, Optional
 from launcher.contract import dsconfig
 from launcher.contract.gpus import memory_bandwidth_gbs, memory_gb, peak_tflops
 from launcher.contract.parallel_dims import ParallelDims
-from launcher.contract.spec import JobSpec
+from launcher.contract.spec import JobSpec, Prediction
 from submit.config.cluster import ClusterProfile, Partition
 from submit.jobs.calibration import Calibration, load_all
 from submit.planning.estimate import Memory, fits, memory_per_gpu
-from submit.planning.steptime import CPU_MEMORY_GBS, GEMM_EFFICIENCY, Hardware, StepTime, step_time
+from submit.planning.steptime import CPU_MEMORY_GBS, GEMM_EFFICIENCY, Hardware, StepTime, prediction, step_time
 
 MAX_MICRO_BATCH = 64
 """The largest micro-batch the search tries."""
@@ -141,6 +141,17 @@ def estimated_step(spec: JobSpec, cluster: ClusterProfile, part: Partition) -> O
     """The job's step time on `part` by what is known of it (doctor's calibration first); None: unknown."""
     hw = job_hardware(spec, cluster, part, load_all(cluster.name))
     return step_time(spec, hw) if hw is not None else None
+
+
+def predicted(spec: JobSpec, cluster: ClusterProfile, part: Optional[Partition]) -> Optional[Prediction]:
+    """The step time and memory a trainer job carries for rank 0 to check the run against (RunInfo.prediction),
+    by what is known of `part` (doctor's calibration first); None for a command job or where nothing times it."""
+    if spec.train is None or spec.command is not None or part is None:
+        return None
+    hw = job_hardware(spec, cluster, part, load_all(cluster.name))
+    if hw is None:
+        return None
+    return prediction(spec, hw, memory_per_gpu(spec).total if spec.resources.gpus_per_node else None)
 
 
 def calibrated_on(measured: Calibration) -> str:

@@ -12,7 +12,7 @@ from typing import Any, Optional
 from launcher.contract import dsconfig
 from launcher.contract.gpus import FP32_FRACTION
 from launcher.contract.modelshape import ModelPart, flops_per_token
-from launcher.contract.spec import JobSpec
+from launcher.contract.spec import JobSpec, Prediction
 from submit.config.cluster import Cost
 from submit.planning.estimate import cdiv, local_params, mixed
 
@@ -201,3 +201,19 @@ def run_estimate(spec: JobSpec, cost: Cost, step_s: Optional[float]) -> dict[str
         "gpu_hours": hours,
         "cost": {"amount": hours * price, "currency": cost.currency} if price else None,
     }
+
+
+def prediction(spec: JobSpec, hw: Hardware, memory_bytes: Optional[int]) -> Prediction:
+    """What the job carries for rank 0 to check the run against (launcher/train/plancheck.py): the step time, split
+    into the ranks' own work (the matmuls and the optimizer step) and what a step waits on besides it (collectives
+    not hidden behind compute, the pipeline's bubble); `memory_bytes`, a GPU's peak (None on CPU ranks)."""
+    time = step_time(spec, hw)
+    compute = time.compute_s + time.optimizer_s
+    return Prediction(
+        step_s=time.step_s,
+        tokens_per_s=time.tokens_per_s,
+        compute_s=compute,
+        communication_s=max(time.step_s - compute, 0.0),
+        memory_bytes=memory_bytes,
+        figures=hw.source,
+    )

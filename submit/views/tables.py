@@ -148,6 +148,10 @@ def detail_lines(status: Any, width: int = 100) -> list[str]:
     lines = textwrap.wrap(printable(_reason_line(status)), width, subsequent_indent="  ") if status.reason else []
     lines += [f"engine: {printable(status.engine)}"] if status.engine else []
     lines += [printable(f"chosen: {status.chosen}")] if status.chosen else []
+    ratio = status.progress.get("plan_step_ratio")
+    if isinstance(ratio, (int, float)) and not isinstance(ratio, bool):  # launcher/train/plancheck.py's
+        term = status.progress.get("plan_term")
+        lines.append(printable(f"vs plan: step time {ratio:.2f}x the plan's ({term} furthest off)"))
     if status.verdict is not None:
         lines.append(printable(f"hang: {_hang_head(status.verdict)}".rstrip(": ")))
         paragraph = printable(" ".join(str(status.verdict.get("verdict") or "").split()))

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from launcher.contract.rundir import RunDir, node_name
-from tests.helpers.cli import meshrun
+from tests.helpers.cli import TINY, meshrun, status, submitted
 
 
 def rows(stdout: str) -> dict[str, list[str]]:
@@ -67,7 +67,9 @@ def test_doctor_on_local_fails_a_broken_node_with_its_reason(tmp_path: Path) -> 
     assert f"--exclude {node}" in out.stdout, text
 
 
-def test_doctor_on_local_passes_a_healthy_node_and_calibrates_the_plan_of_a_cpu_job(tmp_path: Path) -> None:
+def test_doctor_on_local_passes_a_healthy_node_and_calibrates_the_plan_of_a_cpu_job(
+    tmp_path: Path, corpus: Path
+) -> None:
     before = json.loads(meshrun(tmp_path, "plan", "examples/tiny.yaml", "-c", "local", "--json", check=True).stdout)
     assert before["step_time_s"] is None  # a CPU job's time needs this machine's measured CPU
     out = meshrun(tmp_path, "doctor", "-c", "local", "--storage-mib", "2")
@@ -81,6 +83,48 @@ def test_doctor_on_local_passes_a_healthy_node_and_calibrates_the_plan_of_a_cpu_
     plan = meshrun(tmp_path, "plan", "examples/tiny.yaml", "-c", "local", check=True).stdout
     time_line = next(line for line in plan.splitlines() if line.startswith("time: "))
     assert " s/step, " in time_line and "; calibrated on " in time_line and ", cpu)" in time_line, plan
+    check_the_run_against_its_plan(tmp_path, corpus)
+
+
+def check_the_run_against_its_plan(home: Path, corpus: Path) -> None:
+    """The calibrated job carries its prediction; rank 0 made slow on purpose (0.4 s more CPU a step) reports its
+    ratio to the plan and raises the drift alert naming compute."""
+    out = meshrun(
+        home,
+        "submit",
+        *TINY,
+        "--set",
+        f"data.path={corpus}",
+        "--set",
+        "train.steps=20",
+        "--set",
+        "train.log_every=5",
+        "--set",
+        "alerts.plan_check_steps=10",
+        "--set",
+        "env.MESHRUN_TEST_SLOW=0:0.4",
+        "--wait",
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    job_id, run_dir = submitted(out)
+    predicted = json.loads((run_dir / "spec.json").read_text())["run"]["prediction"]
+    assert predicted["step_s"] > 0 and predicted["figures"].startswith("calibrated on "), predicted
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (check,) = [line for line in lines if line.get("event") == "plan_check"]
+    assert check["step"] == 15 and check["steps"] == 10 and check["term"] == "compute", check
+    assert check["step_time_ratio"] > 1.3 and check["terms"]["compute"]["measured_s"] > 0.4, check
+    steps = [line for line in lines if "event" not in line]
+    # the records after the check carry its ratio (and TensorBoard with them)
+    assert [(line["step"], line.get("plan_step_ratio")) for line in steps][-2:] == [
+        (15, None),
+        (20, check["step_time_ratio"]),
+    ], steps
+    row = status(home, job_id)
+    (alert,) = [a for a in row["alerts"] if a["rule"] == "plan_drift"]
+    assert "compute is off" in alert["message"] and "meshrun doctor -c local" in alert["message"], alert
+    shown = meshrun(home, "status", job_id, check=True).stdout
+    assert f"vs plan: step time {check['step_time_ratio']:.2f}x the plan's (compute furthest off)" in shown, shown
 
 
 def test_submit_exclude_keeps_the_job_off_that_node_on_the_slurm_testbed(testbed: dict, tmp_path: Path) -> None:
