@@ -250,6 +250,10 @@ class RunDir:
         "time", "submitted", "nodes"} and {"event": "end", "job", "restart", "time", "status"}."""
         return self.path(self.INTERNAL, "attempts.jsonl")
 
+    def energy(self, job_id: str, node: str) -> str:
+        """What node's sidecar measured of job_id's energy (launcher/contract/energy.py)."""
+        return self.path(self.INTERNAL, "energy", f"{job_id}.{node}.json")
+
     def goodput(self, job_id: str) -> str:
         """Where job_id's allocated time went, as of its newest attempt's start or end (goodput.account)."""
         return self.path(self.INTERNAL, "goodput", f"{job_id}.json")

@@ -537,6 +537,11 @@ class RunInfo:
     suspects_file: str = ""
     """The cluster's ledger of suspect nodes (WORK_DIR/.meshrun/suspect-nodes.jsonl: launcher/contract/suspects.py),
     where a hang verdict records the nodes it blames ("" in a spec.json written before there was one)."""
+    gpu_hour_price: float = 0.0
+    """What one GPU-hour costs on this cluster (the profile's cost.gpu_hour; 0: not priced), in `currency`: the
+    sidecar's TensorBoard and `meshrun status` show what the job has cost so far."""
+    currency: str = ""
+    """The price's currency (the profile's cost.currency)."""
     prediction: Optional[Prediction] = None
     """The plan's step time and memory for this job, where the planner knows the hardware (a trainer job on a GPU
     partition it knows, or a CPU partition `meshrun doctor` calibrated); None: nothing to check the run against."""
@@ -564,6 +569,8 @@ def dumps_run_spec(run_spec: RunSpec) -> str:
         del plain["job"]["secrets"]
     if plain["run"]["prediction"] is None:  # the same: a job the planner cannot time writes what it wrote before
         del plain["run"]["prediction"]
+    if not plain["run"]["gpu_hour_price"]:  # and one on a cluster without prices
+        del plain["run"]["gpu_hour_price"], plain["run"]["currency"]
     return json.dumps(plain, indent=2, sort_keys=True) + "\n"
 
 

@@ -33,6 +33,7 @@ from launcher.contract.spec import Alerts, Watchdog
 from launcher.sidecar import envrecord
 from launcher.sidecar.alerting import Alerting
 from launcher.sidecar.copier import Copier
+from launcher.sidecar.energy import EnergyMeter, nvml_gpus, rapl_packages
 from launcher.sidecar.host import Host
 from launcher.sidecar.keeper import SINCE_ENV
 from launcher.sidecar.nvml import Gpus, NvmlUnavailable, discover, load_nvml, resolve
@@ -182,6 +183,10 @@ class Settings:
     """The GPU, straggler and hang rules' thresholds (launcher/sidecar/alerting.py)."""
     suspects_file: str = ""
     """The cluster's ledger of suspect nodes, where a hang verdict records the nodes it blames ("": none)."""
+    gpus: int = 0
+    """The job's GPUs on all its nodes (nodes x gpus_per_node), for its GPU-hours."""
+    gpu_hour_price: float = 0.0
+    """What a GPU-hour costs (spec.json's run.gpu_hour_price; 0: not priced)."""
 
     @property
     def ranks(self) -> range:
@@ -212,6 +217,8 @@ def read_settings(run_dir: RunDir, environ: Mapping[str, str], log: LogFn) -> Se
         final_copy_s=job.sidecar.final_copy_s,
         alerts=job.alerts,
         suspects_file=spec.run.suspects_file,
+        gpus=job.resources.nodes * job.resources.gpus_per_node,
+        gpu_hour_price=spec.run.gpu_hour_price,
     )
 
 
@@ -241,6 +248,7 @@ class Sidecar:
         if not self.host.available:
             log("no /proc here: no host metrics")
         self.gpus = self._open_gpus(open_nvml)
+        self.energy = EnergyMeter(nvml_gpus(self.gpus.nvml, self.gpus.targets) if self.gpus else [], rapl_packages())
         self.tb = self._open_tb()
         self.samples = 0
         self.mismatches_logged: set[str] = set()
@@ -357,7 +365,17 @@ class Sidecar:
         if figures is not None:
             parts = {f"goodput/{k}_s": v for k, v in figures["parts_s"].items()}
             pct = figures["effective_pct"]  # None: too soon to say (not a 0 on the chart)
-            self.add_scalars({**({"goodput/effective_pct": pct} if pct is not None else {}), **parts})
+            self.add_scalars(
+                {**({"goodput/effective_pct": pct} if pct is not None else {}), **parts, **self.used(figures)}
+            )
+
+    def used(self, figures: Mapping[str, Any]) -> dict[str, float]:
+        """The job's GPU-hours so far (its GPUs over its allocated time) and, where priced, their cost."""
+        if not self.settings.gpus:
+            return {}
+        hours = self.settings.gpus * float(figures["allocated_s"]) / 3600
+        price = self.settings.gpu_hour_price
+        return {"usage/gpu_hours": hours, **({"usage/cost": hours * price} if price else {})}
 
     def add_scalars(self, scalars: dict[str, float]) -> None:
         """Scalars from the watchdog (straggler ratios) into this node's TensorBoard files."""
@@ -415,6 +433,7 @@ class Sidecar:
             scalars.update(
                 {f"gpu/{label}/{key}": value for key, value in row.items() if key not in ("cuda_index", "local_rank")}
             )
+        scalars.update(self.measure_energy(now))
         if lines:
             text = "".join(json.dumps(line, sort_keys=True) + "\n" for line in lines)
             fd = os.open(self.run_dir.gpu_metrics, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -427,6 +446,18 @@ class Sidecar:
             self.tb.flush()
         self.alerting.on_sample(gpu_rows, now)
         self.samples += 1
+
+    def measure_energy(self, now: float) -> dict[str, float]:
+        """This node's energy of the job so far into RUN_DIR/.meshrun/energy/JOB.NODE.json (launcher/contract/
+        energy.py, null where unmeasured), for `meshrun status`; what was measured, as TensorBoard scalars."""
+        job = job_of(self.environ)
+        if not job:
+            return {}
+        used = self.energy.read()
+        gpus = len(self.gpus.targets) if self.gpus else 0
+        record = {"job": job, "node": self.node, "gpus": gpus, **used, "since": self.started, "time": round(now, 3)}
+        write_json(self.run_dir.energy(job, self.node), record)
+        return {f"energy/{key[:-2]}_kj": value / 1000 for key, value in used.items() if value is not None}
 
     def check_env(self) -> None:
         """Warn (once each) when this run's nodes differ in driver, CUDA, torch, NCCL, meshrun or Python."""
@@ -509,6 +540,10 @@ class Sidecar:
             # batch script this sidecar before a tick saw it, and its alert and suspect nodes were lost.
             self.watchdog.last_look()
         self.alerting.forward()  # what the other nodes wrote in the last second
+        try:
+            self.measure_energy(time.time())  # to the end: the last sample may be an interval old
+        except OSError as exc:
+            self.log(f"the last energy record was not written: {exc}")
         if self.tb is not None:
             self.tb.close()
         if self.gpus is not None:

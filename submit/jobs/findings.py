@@ -17,9 +17,10 @@ import posixpath
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
-from launcher.contract import dsconfig
+from launcher.contract import dsconfig, energy
 from launcher.contract.envcheck import env_mismatches, newest_run, parse_record
 from launcher.contract.rundir import RunDir
+from submit.jobs.usage import usage
 
 CAP_BYTES = 65536
 """Read at most this much of each file: a status of many jobs stays small whatever a sidecar wrote."""
@@ -37,6 +38,7 @@ GPU_METRICS = _HERE.gpu_metrics
 SPEC = RunDir.SPEC
 LAST_CHECKPOINT = _HERE.last_checkpoint
 GOODPUT_DIR = posixpath.dirname(_HERE.goodput("JOB"))
+ENERGY_DIR = posixpath.dirname(_HERE.energy("JOB", "NODE"))
 TAIL_BYTES = 16384
 """Of the appended files (alerts.jsonl, gpu.jsonl) only the newest TAIL_BYTES come back: the newest lines."""
 ALERTS_KEPT = 50
@@ -44,12 +46,12 @@ ALERTS_KEPT = 50
 
 # $1 marker, $2 cap, $3 verdict.json, $4 verdict.txt, $5 stragglers.json, $6 env dir ("": skip),
 # $7 alerts.jsonl, $8 gpu.jsonl ("": skip), $9 the tail cap, $10 spec.json ("": skip), $11 the last checkpoint's
-# record, $12 the goodput dir ("": skip), then the run dirs. The first files are read from their start (head), the appended ones from their
+# record, $12 the goodput dir ("": skip), $13 the energy dir ("": skip), then the run dirs. The first files are read from their start (head), the appended ones from their
 # end (tail): their newest lines.
 FINDINGS_SCRIPT = (
-    "m=$1; cap=$2; v=$3; t=$4; s=$5; e=$6; a=$7; g=$8; tc=$9; sp=${10}; lc=${11}; gp=${12}; shift 12; "
+    "m=$1; cap=$2; v=$3; t=$4; s=$5; e=$6; a=$7; g=$8; tc=$9; sp=${10}; lc=${11}; gp=${12}; en=${13}; shift 13; "
     'for d in "$@"; do printf "\\n%s run\\n" "$m"; '
-    'for f in "$d/$v" "$d/$t" "$d/$s" "$d/$lc" ${e:+"$d/$e"/*.json} ${sp:+"$d/$sp"} ${gp:+"$d/$gp"/*.json}; do [ -f "$f" ] || continue; '
+    'for f in "$d/$v" "$d/$t" "$d/$s" "$d/$lc" ${e:+"$d/$e"/*.json} ${sp:+"$d/$sp"} ${gp:+"$d/$gp"/*.json} ${en:+"$d/$en"/*.json}; do [ -f "$f" ] || continue; '
     'printf "\\n%s file %s\\n" "$m" "${f#"$d"/}"; head -c "$cap" -- "$f"; done; '
     'for f in "$d/$a" ${g:+"$d/$g"}; do [ -f "$f" ] || continue; '
     'printf "\\n%s file %s\\n" "$m" "${f#"$d"/}"; tail -c "$tc" -- "$f"; done; done; exit 0'
@@ -83,6 +85,23 @@ class Findings:
     checkpoint_step: Optional[int] = None
     """This job's newest checkpoint complete on shared storage (RunDir.last_checkpoint), None when it made none
     (or a later job of the run dir made the newest: then its own metrics events say)."""
+    energy: Optional[dict[str, Any]] = None
+    """What the job's nodes measured of its energy (launcher/contract/energy.py's total; one job's detail view and
+    `top`); None when no node recorded any."""
+    spec_gpus: Optional[int] = None
+    """The GPUs spec.json asks for (nodes x gpus_per_node; with spec.json only, as `steps`)."""
+    price: tuple[float, str] = (0.0, "")
+    """spec.json's GPU-hour price and currency (0: not priced)."""
+
+    def usage(self, elapsed_s: Optional[float], allocated_gpus: Optional[int]) -> Optional[dict[str, Any]]:
+        """What the job used (submit/jobs/usage.py), where spec.json or an energy record came back: the GPUs
+        Slurm's accounting names (else the spec's) over the goodput record's allocated time (else `elapsed_s`)."""
+        if self.spec_gpus is None and self.energy is None:
+            return None
+        gpus = allocated_gpus if allocated_gpus is not None else self.spec_gpus
+        allocated = _number((self.goodput or {}).get("allocated_s"))
+        run = _number((self.run_goodput or {}).get("allocated_s"))
+        return usage(gpus, allocated if allocated is not None else elapsed_s, run, self.energy, *self.price)
 
     def progress(self, progress: Mapping[str, Any]) -> dict[str, Any]:
         """The metrics tail's progress with the checkpoint this record names: the tail's checkpoint events
@@ -118,7 +137,8 @@ def findings_argv(run_dirs: Sequence[str], with_env: bool, marker: str, with_gpu
     gpus = GPU_METRICS if with_gpus else ""
     spec = SPEC if with_env or with_gpus else ""
     caps = (str(CAP_BYTES), VERDICT_JSON, VERDICT_TXT, STRAGGLERS, env, ALERTS, gpus, str(TAIL_BYTES), spec)
-    return ["sh", "-c", FINDINGS_SCRIPT, "sh", marker, *caps, LAST_CHECKPOINT, GOODPUT_DIR, *run_dirs]
+    energy = ENERGY_DIR if with_env or with_gpus else ""
+    return ["sh", "-c", FINDINGS_SCRIPT, "sh", marker, *caps, LAST_CHECKPOINT, GOODPUT_DIR, energy, *run_dirs]
 
 
 def split_findings(output: str, jobs: int, marker: str) -> list[dict[str, str]]:
@@ -158,7 +178,7 @@ def read_files(run_dir: str, with_env: bool, with_gpus: bool = False) -> dict[st
     root = RunDir(run_dir)
     tails = {name: _tail(root.path(name)) for name in (ALERTS, *(GPU_METRICS,) * with_gpus)}
     names = [VERDICT_JSON, VERDICT_TXT, STRAGGLERS, LAST_CHECKPOINT, *(SPEC,) * (with_env or with_gpus)]
-    for folder in (*(ENV_DIR,) * with_env, GOODPUT_DIR):
+    for folder in (*(ENV_DIR,) * with_env, GOODPUT_DIR, *(ENERGY_DIR,) * (with_env or with_gpus)):
         try:
             listed = sorted(os.listdir(root.path(folder)))
         except OSError:
@@ -239,7 +259,38 @@ def findings_from(files: Mapping[str, str], submitted_at: float, job_id: Optiona
         checkpoint_step=parse_last_checkpoint(files.get(LAST_CHECKPOINT), job_id),
         goodput=parse_goodput(files.get(posixpath.join(GOODPUT_DIR, f"{job_id}.json")) if job_id else None, job_id),
         run_goodput=run_total(files) if job_id else None,
+        energy=parse_energy(files, job_id),
+        spec_gpus=parse_spec_gpus(files.get(SPEC)),
+        price=parse_price(files.get(SPEC)),
     )
+
+
+def parse_energy(files: Mapping[str, str], job_id: Optional[str]) -> Optional[dict[str, Any]]:
+    """The job's energy over its nodes' records (ENERGY_DIR/JOB.NODE.json); None without one."""
+    if job_id is None:
+        return None
+    prefix = f"{ENERGY_DIR}/{job_id}."
+    records = [energy.parse(text, job_id) for name, text in sorted(files.items()) if name.startswith(prefix)]
+    return energy.total(r for r in records if r is not None)
+
+
+def parse_spec_gpus(text: Optional[str]) -> Optional[int]:
+    """spec.json's nodes x gpus_per_node; None without a spec.json."""
+    resources = _spec_job(text).get("resources")
+    if not isinstance(resources, dict):
+        return None
+    nodes, gpus = resources.get("nodes"), resources.get("gpus_per_node")
+    if isinstance(nodes, bool) or isinstance(gpus, bool) or not isinstance(nodes, int) or not isinstance(gpus, int):
+        return None
+    return nodes * gpus
+
+
+def parse_price(text: Optional[str]) -> tuple[float, str]:
+    """spec.json's run.gpu_hour_price and currency ((0.0, "") when unpriced)."""
+    run = _json_object(text).get("run")
+    price = _number(run.get("gpu_hour_price")) if isinstance(run, dict) else None
+    currency = run.get("currency") if isinstance(run, dict) else None
+    return (price, currency) if price and price > 0 and isinstance(currency, str) else (0.0, "")
 
 
 def run_total(files: Mapping[str, str]) -> Optional[dict[str, Any]]:

@@ -76,6 +76,8 @@ class Status:
     {"jobs", "allocated_s", "productive_s", "lost_steps", "effective_pct"}."""
     chosen: Optional[str] = None
     """Why the job went to this cluster and partition, when `submit -c any` (or `-c a,b`) chose it."""
+    usage: Optional[dict[str, Any]] = None
+    """What the job used so far (submit/jobs/usage.py: GPU-hours, energy, cost; one job's detail view and `top`)."""
 
     def as_json(self) -> dict[str, Any]:
         return dict(self.__dict__)

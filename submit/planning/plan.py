@@ -376,6 +376,8 @@ def make_plan(
         meshrun_version=__version__,
         gpu_type=(part.gpu_type or "") if part else "",
         suspects_file=suspects.ledger_path(expand_home(cluster.paths.work_dir, home).rstrip("/")),
+        gpu_hour_price=cluster.cost.gpu_hour if spec.resources.gpus_per_node else 0.0,
+        currency=cluster.cost.currency if cluster.cost.gpu_hour and spec.resources.gpus_per_node else "",
     )
     return Plan(
         spec=spec,

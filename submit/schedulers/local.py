@@ -368,6 +368,7 @@ def _status(record: JobRecord, transport: Transport, detail: bool = False, live:
         progress=found.progress(parse_metrics_tail(tail, record.job_id)),
         exit_code=state.get("exit_code"),
         losses=parse_losses(tail, record.job_id) if live else [],
+        usage=found.usage(elapsed, None),
         **found.status_fields(),
     )
 

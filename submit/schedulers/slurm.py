@@ -205,6 +205,7 @@ def _status(
         progress=progress,
         exit_code=_exit_code(job.exit_code) if job.done else None,
         losses=parse_losses(text, record.job_id) if live else [],
+        usage=found.usage(slurm_cli.seconds(job.elapsed), job.gpus),
         **found.status_fields(),
     )
 

@@ -17,7 +17,7 @@ from submit.errors import ClusterError, InputError
 from submit.jobs.state import FAILURE, FINAL, SUCCESS, JobState
 
 # Slurm 22.05's sacct has no restart count field: the ranks report SLURM_RESTART_COUNT in metrics.jsonl.
-SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "Timelimit", "NodeList", "UID")
+SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "Timelimit", "NodeList", "UID", "AllocTRES")
 SACCT_READ = 7
 """The fields every row must have; UID (the owner, to tell an owner's cancel from an admin's) may be absent
 from recorded output of older versions."""
@@ -76,6 +76,8 @@ class SlurmJob:
     nodes: Optional[str] = None
     restarts: int = 0
     reason: Optional[str] = None
+    gpus: Optional[int] = None
+    """The GPUs Slurm's accounting says the allocation holds (AllocTRES's gres/gpu; 0: none); None: not known."""
 
     @property
     def done(self) -> bool:
@@ -235,6 +237,7 @@ def parse_sacct(output: str) -> dict[str, SlurmJob]:
             continue
         job_id, _name, state, exit_code, elapsed, limit, nodes = cols[:SACCT_READ]
         owner = cols[SACCT_READ].strip() if len(cols) > SACCT_READ else None
+        tres = cols[SACCT_READ + 1] if len(cols) > SACCT_READ + 1 else None
         if "." in job_id:  # a step row; --allocations should have removed it
             continue
         states[job_id] = SlurmJob(
@@ -245,8 +248,21 @@ def parse_sacct(output: str) -> dict[str, SlurmJob]:
             time_limit=limit or None,
             nodes=nodes or None,
             reason=unknown_state_note(state) or cancel_note(state, owner),
+            gpus=allocated_gpus(tres),
         )
     return states
+
+
+def allocated_gpus(tres: Optional[str]) -> Optional[int]:
+    """GPUs in sacct's AllocTRES ("billing=16,cpu=16,gres/gpu=8,mem=64G,node=1"; a typed "gres/gpu:h100=8" is the
+    same GPUs again); 0 when it lists none, None when there is no AllocTRES (a job not allocated yet)."""
+    if not tres:
+        return None
+    for item in tres.split(","):
+        key, _, value = item.partition("=")
+        if key.strip() == "gres/gpu" and value.strip().isdigit():
+            return int(value)
+    return 0
 
 
 def parse_squeue(output: str) -> dict[str, SlurmJob]:

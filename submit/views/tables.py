@@ -173,6 +173,10 @@ def detail_lines(status: Any, width: int = 100) -> list[str]:
         )
     if status.goodput is not None:
         lines.append(goodput_line(status.goodput))
+    if status.usage is not None:
+        from submit.jobs.usage import usage_line
+
+        lines.append(usage_line(status.usage))
     if status.run_goodput is not None:
         run = status.run_goodput
         lines.append(

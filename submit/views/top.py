@@ -35,6 +35,7 @@ HEAD = (
     "LEFT",
     "RST",
     "GOODPUT",
+    "USED",
     "ALERTS",
 )
 
@@ -88,8 +89,23 @@ def row(status: Status) -> tuple[str, ...]:
         duration(limit_left(status)),
         restarts_cell(status, short=True),
         goodput_cell(status.goodput),
+        used_cell(status.usage),
         alerts_note(status.alerts),
     )
+
+
+def used_cell(used: Optional[dict[str, Any]]) -> str:
+    """What the job used so far (submit/jobs/usage.py), short: its cost where priced, else its GPU-hours, else the
+    energy its nodes measured; '-' for none of them."""
+    used = used or {}
+    cost, hours = used.get("cost"), _number(used.get("gpu_hours"))
+    if cost:
+        return f"{cost['amount']:.2f} {cost['currency']}"
+    if hours and used.get("gpus"):
+        return f"{hours:.2g} GPU-h"
+    energy = used.get("energy") or {}
+    kwh = [v for v in (_number(energy.get("gpu_kwh")), _number(energy.get("cpu_kwh"))) if v is not None]
+    return f"{sum(kwh):.2g} kWh" if kwh else "-"
 
 
 def goodput_cell(figures: Optional[dict[str, Any]]) -> str:

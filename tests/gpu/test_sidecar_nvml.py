@@ -88,3 +88,29 @@ def test_the_sidecar_writes_gpu_lines_by_uuid_and_the_env_record(tmp_path: Path)
     record = json.loads(Path(run_dir.env_record("gpu0")).read_text())
     assert record["driver"] and record["cuda"] and record["gpus"][0]["uuid"] == gpu["uuid"]
     print(json.dumps(record, sort_keys=True))
+
+
+def test_the_gpus_energy_counter_measures_a_burst_of_matmuls() -> None:
+    """What the sidecar records as the job's GPU energy (launcher/sidecar/energy.py): NVML's total-energy counter
+    of each GPU rises while it computes (a GPU without one, pre-Volta, is unmeasured and skips)."""
+    import time
+
+    from launcher.sidecar.energy import EnergyMeter, nvml_gpus
+
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    nvml = _nvml()
+    targets, _ = resolve(("0",), discover(nvml), 1)
+    counters = nvml_gpus(nvml, targets)
+    if not counters:
+        pytest.skip("this GPU has no total-energy counter")
+    meter = EnergyMeter(counters, [])
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    began = time.monotonic()
+    while time.monotonic() - began < 3:
+        a @ a
+    torch.cuda.synchronize()
+    used = meter.read()["gpu_j"]
+    print(f"GPU 0: {used:.0f} J in {time.monotonic() - began:.1f} s of bf16 matmuls")
+    assert used is not None and used > 3 * 30  # above 30 W for 3 s: any datacenter GPU computing

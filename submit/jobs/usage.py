@@ -1,0 +1,47 @@
+"""What a job has used so far: GPU-hours (the GPUs Slurm's accounting says the allocation holds, else those the
+spec asked for, times the allocated time), the energy its nodes measured (launcher/contract/energy.py: never a
+guess) and, where the profile prices GPU-hours (cost.gpu_hour, carried in spec.json), what they cost. `meshrun
+status JOB`, its --json and `meshrun top` show it; the sidecar's TensorBoard plots the same GPU-hours and cost."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+
+def usage(
+    gpus: Optional[int],
+    allocated_s: Optional[float],
+    run_allocated_s: Optional[float],
+    energy: Optional[Mapping[str, Any]],
+    price: float,
+    currency: str,
+) -> dict[str, Any]:
+    """{"gpus", "gpu_hours", "run_gpu_hours" (the run dir's jobs together; None with one job), "energy" ({"nodes",
+    "gpu_kwh", "cpu_kwh"}, None where a node did not measure; None: no node recorded any), "cost"}."""
+    hours = gpus * allocated_s / 3600 if gpus is not None and allocated_s is not None else None
+    run_hours = gpus * run_allocated_s / 3600 if gpus is not None and run_allocated_s is not None else None
+    return {
+        "gpus": gpus,
+        "gpu_hours": hours,
+        "run_gpu_hours": run_hours,
+        "energy": dict(energy) if energy is not None else None,
+        "cost": {"amount": hours * price, "currency": currency} if price and hours is not None else None,
+    }
+
+
+def _kwh(value: Optional[float]) -> str:
+    return f"{value:.3g} kWh" if value is not None else "unmeasured"
+
+
+def usage_line(used: Mapping[str, Any]) -> str:
+    """'used: 3.2 GPU-hours (8 GPUs; the run dir's jobs 5.1), energy GPU 1.24 kWh, CPU unmeasured; cost 8.00 USD'."""
+    hours = used.get("gpu_hours")
+    head = f"used: {hours:.3g} GPU-hours ({used.get('gpus')} GPUs" if hours is not None else "used: GPU-hours unknown ("
+    head += f"; the run dir's jobs {used['run_gpu_hours']:.3g})" if used.get("run_gpu_hours") is not None else ")"
+    energy = used.get("energy")
+    if energy is None:
+        head += ", energy unmeasured"
+    else:
+        head += f", energy GPU {_kwh(energy.get('gpu_kwh'))}, CPU {_kwh(energy.get('cpu_kwh'))}"
+    cost = used.get("cost")
+    return head + (f"; cost {cost['amount']:.2f} {cost['currency']}" if cost else "")
