@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -31,6 +33,8 @@ from launcher.contract.gpus import peak_tflops  # noqa: E402
 from launcher.contract.modelshape import flops_per_token, param_count  # noqa: E402
 from launcher.contract.spec import Data, JobSpec, Model, Parallel, Resources, Train  # noqa: E402
 from launcher.env import rank_env  # noqa: E402
+from launcher.sidecar.energy import EnergyMeter, nvml_gpus, rapl_packages  # noqa: E402
+from launcher.sidecar.nvml import NvmlUnavailable, discover, load_nvml, resolve  # noqa: E402
 from launcher.train.loop import run_loop  # noqa: E402
 from launcher.train.metrics import METRICS_FILE, MetricsLog  # noqa: E402
 
@@ -62,6 +66,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--ac", action="store_true", help="activation checkpointing per block")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    p.add_argument(
+        "--gpu-hour", type=float, default=2.5, help="price of a GPU-hour for the cost line (default 2.50, USD)"
+    )
     args = p.parse_args()
     if args.smoke:
         args.layers, args.d_model, args.heads, args.vocab, args.seq = 2, 64, 4, 256, 64
@@ -96,6 +103,33 @@ def make_job(args: argparse.Namespace, data: Path) -> JobSpec:
     )
 
 
+def energy_meter() -> EnergyMeter:
+    """What the sidecar reads (launcher/sidecar/energy.py): the first visible GPU's NVML energy counter, and the
+    CPU packages' RAPL counters where readable."""
+    try:
+        nvml = load_nvml()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        targets, _ = resolve(tuple(visible.split(","))[:1] if visible else None, discover(nvml), 1)
+        gpus = nvml_gpus(nvml, targets[:1])
+    except NvmlUnavailable:
+        gpus = []
+    return EnergyMeter(gpus, rapl_packages())
+
+
+def used_text(used: dict[str, Optional[float]], wall_s: float, steps: int, gpus: int, price: float) -> str:
+    """'energy GPU 5.2 kJ (172 J/step), CPU unmeasured; 0.0083 GPU-hours, 0.02 USD at 2.50/GPU-hour'."""
+    parts = []
+    for key, label in (("gpu_j", "GPU"), ("cpu_j", "CPU")):
+        value = used[key]
+        parts.append(
+            f"{label} {value / 1000:.3g} kJ ({value / steps:.3g} J/step)"
+            if value is not None
+            else f"{label} unmeasured"
+        )
+    hours = gpus * wall_s / 3600
+    return f"energy {', '.join(parts)}; {hours:.3g} GPU-hours, {hours * price:.3g} USD at {price:.2f}/GPU-hour"
+
+
 def main() -> None:
     args = parse_args()
     if not args.smoke and not torch.cuda.is_available():
@@ -118,18 +152,22 @@ def main() -> None:
                     block.compile()
             if t.runtime.cuda:
                 torch.cuda.reset_peak_memory_stats(device)
+            meter, began = energy_meter(), time.monotonic()
             run_loop(
                 t,
                 rank_env({}),
                 MetricsLog(tmp, enabled=True, steps=cfg.steps),
                 CheckpointManager.off(rank_env({}), "a benchmark saves nothing"),
             )
+            if t.runtime.cuda:
+                torch.cuda.synchronize(device)
+            used = used_text(meter.read(), time.monotonic() - began, cfg.steps, int(t.runtime.cuda), args.gpu_hour)
             peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if t.runtime.cuda else 0.0
         rows = [json.loads(line) for line in (Path(tmp) / METRICS_FILE).read_text().splitlines()]
-    report(rows[args.warmup :], cfg, name, peak_mem)
+    report(rows[args.warmup :], cfg, name, peak_mem, used)
 
 
-def report(rows: list[dict], cfg: Train, device_name: str, peak_mem_gib: float) -> None:
+def report(rows: list[dict], cfg: Train, device_name: str, peak_mem_gib: float, used: str) -> None:
     if not rows:
         sys.exit("gpu_train: no steps after warmup; raise --steps")
     step_time = statistics.mean(r["step_time_s"] for r in rows)
@@ -141,7 +179,7 @@ def report(rows: list[dict], cfg: Train, device_name: str, peak_mem_gib: float) 
         f"steps {rows[0]['step']}-{rows[-1]['step']}: {step_time * 1000:.1f} ms/step, {tokens_per_s:,.0f} tokens/s, "
         f"{achieved / 1e12:.1f} TFLOP/s model FLOPs, MFU {mfu}, data_wait "
         f"{statistics.mean(r['data_wait_s'] for r in rows) * 1000:.2f} ms/step, peak memory {peak_mem_gib:.1f} GiB, "
-        f"loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}"
+        f"loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}; {used}"
     )
 
 
