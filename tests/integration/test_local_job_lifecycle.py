@@ -139,6 +139,9 @@ def test_a_killed_supervisor_leaves_no_second_writer(tmp_path: Path) -> None:
     """Item 8: its ranks run on; status says so, resume refuses, cancel stops them."""
     spec = _command_spec(tmp_path, "orphans", 'touch "$MESHRUN_RUN_DIR/up-$RANK"; sleep 300')
     job_id, run_dir = submitted(meshrun(tmp_path, "submit", str(spec), "-c", "local", check=True))
+    # Both programs running, so both ranks wait for them: a rank still starting when the cancel comes has only
+    # submitit's handler, which lets the TERM through ("Bypassing signal"), and no supervisor signals it again.
+    _wait_file(run_dir / "up-0")
     _wait_file(run_dir / "up-1")
     state = yaml.safe_load((run_dir / ".meshrun" / "jobs" / f"{job_id}.json").read_text())
     os.kill(state["supervisor_pid"], signal.SIGKILL)
