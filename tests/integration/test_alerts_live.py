@@ -223,12 +223,13 @@ def check_top(tmp_path: Path, home: Path, job: str, run_dir: Path, laptop: bool 
     term = Terminal(tmp_path, home, ["top", job], laptop=laptop)
     try:
         cells = until(lambda: row_of(term.screen(), job), f"top's row for {job}:\n{term.screen()}", timeout=90)
-        # JOB NAME CLUSTER STATE STEP LOSS HISTORY TOK/S MFU GPU MEM LEFT RST GOODPUT ALERTS (ALERTS: "1 loss_spike")
+        # JOB NAME CLUSTER STATE STEP LOSS HISTORY TOK/S MFU GPU MEM LEFT RST GOODPUT USED ALERTS ("1 loss_spike")
         assert cells[3] == "RUNNING" and cells[4] == "7" and cells[5] == "2.0000", cells
         assert cells[6] == "█▆▇▄▂▃▁", cells  # the losses 3.0 .. 2.0 scaled to 8 bar heights
         assert cells[7] == "12,351" and cells[8] == "41.0%" and cells[9] == "65%" and cells[10] == "60.0/160G", cells
-        assert cells[-2:] == ["1", "loss_spike"] and cells[-4] == "0", cells
-        assert cells[-3] == "-" or cells[-3].endswith("%"), cells  # GOODPUT: none yet, or node 0's sidecar's
+        assert cells[-2:] == ["1", "loss_spike"] and cells[-5] == "0", cells
+        assert cells[-4] == "-" or cells[-4].endswith("%"), cells  # GOODPUT: none yet, or node 0's sidecar's
+        assert cells[-3] == "-", cells  # USED: a CPU job, unpriced, its energy unmeasured
         assert "\x1b" not in term.screen()  # capture-pane shows the drawn screen, not codes
         write_progress(run_dir, [1.5], [(0, 90.0, 40960), (1, 90.0, 20480)])  # the metrics file grows
         cells = until(
