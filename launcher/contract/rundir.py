@@ -34,6 +34,7 @@ usually lives on a cluster, not on the machine that names it.
         requeue.json         the requeue policy's count of failed runs without progress (launcher.requeue)
         attempts.jsonl       each start and end of the job's allocation (the batch shell, the local supervisor)
         goodput/JOB.json     where the job's allocated time went (launcher/contract/goodput.py)
+        energy/JOB.NODE.json what NODE's sidecar measured of the job's energy (launcher/contract/energy.py)
 
 A node's own files live in its NodeDir: on node-local scratch (`paths.scratch` in the cluster
 profile) when there is one, else under RUN_DIR/.meshrun/nodes/NODE/.
