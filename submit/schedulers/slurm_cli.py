@@ -288,7 +288,8 @@ def merge_states(
     job_ids: Iterable[str], sacct: dict[str, SlurmJob], squeue: dict[str, SlurmJob]
 ) -> dict[str, SlurmJob]:
     """Accounting is the record, but it trails squeue by seconds: a live squeue row wins
-    while sacct has not caught up, and a job neither knows is UNKNOWN. A job squeue still lists as
+    while sacct has not caught up (except an end: that waits for accounting's exit code), and a job neither
+    knows is UNKNOWN. A job squeue still lists as
     COMPLETING is not done whatever sacct says: its processes are ending (the sidecars' last checkpoint
     copies), and a resume or a CKPT read now would race them."""
     merged: dict[str, SlurmJob] = {}
@@ -296,6 +297,10 @@ def merge_states(
         acct, live = sacct.get(job_id), squeue.get(job_id)
         ending = live is not None and live.state is JobState.COMPLETING
         if acct and (acct.done or not live) and not ending:
+            merged[job_id] = acct
+        elif acct and live and live.done:
+            # squeue says how it ended, accounting has not recorded it yet, nor its exit code: the job stays as
+            # accounting last had it for those seconds, never shown ended with a stale exit code ("0:0")
             merged[job_id] = acct
         elif live:
             merged[job_id] = (

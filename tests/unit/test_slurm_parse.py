@@ -89,3 +89,16 @@ def test_a_job_squeue_lists_as_completing_is_not_done_whatever_sacct_says() -> N
     merged = slurm.merge_states(["24"], acct, live)["24"]
     assert merged.state == "COMPLETING" and not merged.done and merged.exit_code == "0:9"
     assert slurm.merge_states(["24"], acct, {})["24"].state == "FAILED"  # gone from squeue: sacct's record
+
+
+def test_an_end_squeue_shows_before_accounting_records_it_waits_for_its_exit_code() -> None:
+    """Found in a 4-worker run: squeue said FAILED while sacct still had the job RUNNING with ExitCode 0:0, and
+    status showed it FAILED with exit code 0 (the batch script had exited 79)."""
+    acct = slurm.parse_sacct("24|tiny|RUNNING|0:0|00:00:17|00:30:00|n[1-2]\n")
+    live = slurm.parse_squeue("24|FAILED|0:17|30:00|n[1-2]|NonZeroExitCode\n")
+    merged = slurm.merge_states(["24"], acct, live)["24"]
+    assert merged.state == "RUNNING" and not merged.done  # as accounting has it, until it records the end
+    recorded = slurm.parse_sacct("24|tiny|FAILED|79:0|00:00:18|00:30:00|n[1-2]\n")
+    ended = slurm.merge_states(["24"], recorded, live)["24"]
+    assert ended.state == "FAILED" and ended.exit_code == "79:0"
+    assert slurm.merge_states(["24"], {}, live)["24"].state == "FAILED"  # no accounting at all: squeue's word
