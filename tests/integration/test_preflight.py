@@ -5,6 +5,7 @@ never sees a job (sacct lists none of its name). A job that would start is told 
 from __future__ import annotations
 
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -103,12 +104,32 @@ def test_any_cluster_goes_where_the_job_starts_first_and_says_why(testbed: dict,
         path.write_text(yaml.safe_dump(data, sort_keys=False))
         files.append(str(path))
     hold = subprocess.run(
-        ["sbatch", "--parsable", "-p", "debug", "-N", "2", "-t", "10", "--job-name=pf-hold", "--wrap", "sleep 600"],
+        # --exclusive: whole nodes (one task a node would leave 3 of their 4 CPUs, where the job fits at once)
+        [
+            "sbatch",
+            "--parsable",
+            "-p",
+            "debug",
+            "-N",
+            "2",
+            "--exclusive",
+            "-t",
+            "10",
+            "--job-name=pf-hold",
+            "--wrap",
+            "sleep 600",
+        ],
         capture_output=True,
         text=True,
         check=True,
     ).stdout.strip()
     try:
+        # Busy only once the holding job runs: while it is still pending, debug looks free and both estimates are
+        # "now" (seen on a loaded machine, where slurmctld's scheduling pass came later)
+        deadline = time.monotonic() + 60
+        while _squeue_state(hold) != "RUNNING":
+            assert time.monotonic() < deadline, f"the holding job {hold} never ran: {_squeue_state(hold)}"
+            time.sleep(0.5)
         one_node = ["--set", "resources.nodes=1", "--set", "parallel.dp=2", "--set", "train.steps=2"]
         one_node += ["--set", f"data.path={corpus}"]
         out = meshrun(tmp_path, "submit", "examples/two-node.yaml", "-c", ",".join(files), *one_node, check=True)
@@ -128,3 +149,8 @@ def test_any_cluster_goes_where_the_job_starts_first_and_says_why(testbed: dict,
         assert "chosen: soonest of 2 asked" in shown, shown
     finally:
         subprocess.run(["scancel", hold], check=False)
+
+
+def _squeue_state(job_id: str) -> str:
+    done = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
+    return done.stdout.strip()
