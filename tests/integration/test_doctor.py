@@ -78,7 +78,7 @@ def test_doctor_on_local_passes_a_healthy_node_and_calibrates_the_plan_of_a_cpu_
     assert (
         row[-1] == "PASS"
         and "\nno bad nodes\ncalibration: the CPU figures of partition local recorded in " in out.stdout
-    )
+    ), out.stdout
     assert "ok CPU " in " ".join(row) and " GFLOP/s " in " ".join(row), out.stdout  # the fp32 CPU GEMM
     plan = meshrun(tmp_path, "plan", "examples/tiny.yaml", "-c", "local", check=True).stdout
     time_line = next(line for line in plan.splitlines() if line.startswith("time: "))

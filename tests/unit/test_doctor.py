@@ -292,6 +292,26 @@ def test_a_failed_health_check_fails_its_node_with_the_evidence() -> None:
     assert text.rstrip().endswith("add to submit: --exclude gpu2")
 
 
+def test_a_cpu_node_is_judged_by_its_fastest_rank_against_the_other_nodes() -> None:
+    """Ranks of one node share its cores: one measured while the other ran is slower by scheduling alone (a
+    loaded 2-core machine measured 40% of the other), not a slow node; a whole node at a third of another warns."""
+    testbed = load_profile("testbed")
+    cpu = Options(nodes=2, partition=testbed.partition(None), gpus_per_node=0)
+
+    def results(tflops: list[float]) -> list[dict[str, Any]]:
+        out = [rank(r, f"n{1 + r // 2}", comm={"backend": "gloo", "intra_node_busbw_gbps": 1.0}) for r in range(4)]
+        for res, figure in zip(out, tflops):
+            res.update(gpus={"count": 0, "devices": []}, compute={"device": "cpu", "tflops": figure})
+            if res["rank"] % 2 == 0:
+                res["storage"] = {"checkpoint": {"path": "/tmp/c", "mbps": 500.0}}
+        return out
+
+    inside = judge(results([0.1, 0.04, 0.1, 0.09]), cpu, testbed, "0.1.0").rows
+    assert {r.node: r.verdict for r in inside} == {"n1": "pass", "n2": "pass"}
+    slow_node = judge(results([0.1, 0.1, 0.03, 0.03]), cpu, testbed, "0.1.0").rows
+    assert {r.node: r.verdict for r in slow_node} == {"n1": "pass", "n2": "warn"}
+
+
 def test_the_gemm_of_a_cpu_job_is_timed_on_the_cpu_and_a_gpu_job_without_cuda_is_never_timed_there() -> None:
     import torch
 
