@@ -36,22 +36,27 @@ ds_wheel_key() {
 own_private_dir() {  # $1 made 0700 if new; then it must be ours and writable by no one else
   (umask 077 && mkdir -p "$1") && [ -O "$1" ] && [ -z "$(find "$1" -maxdepth 0 -perm /022)" ]
 }
-install_deepspeed() {
-  local dir tmp
+# The wheel's folder in the cache, made private; empty output: the cache is not privately ours.
+ds_wheel_dir() {
+  local dir
   dir=$wheel_cache/deepspeed-$(ds_wheel_key)
-  if ! own_private_dir "$wheel_cache" || ! own_private_dir "$dir"; then
-    # not privately ours: build straight into the venv, keeping nothing
+  own_private_dir "$wheel_cache" && own_private_dir "$dir" && echo "$dir"
+}
+# Builds the wheel into $1 when it is not there: ~2.5 minutes of compiling on a new machine, run in the
+# background while pip installs meshrun's other packages (it needs only torch and the build tools, installed
+# first): the two overlap instead of following each other.
+build_deepspeed_wheel() {
+  local dir=$1 tmp
+  tmp=$(mktemp -d "$dir/.build.XXXXXX")
+  ticking "building DeepSpeed" env "${ds_ops[@]}" .venv/bin/pip wheel --quiet --disable-pip-version-check \
+    -c constraints/cpu.txt --no-build-isolation --no-cache-dir --no-deps -w "$tmp" deepspeed
+  mv "$tmp"/deepspeed-*.whl "$dir"/ && rm -rf "$tmp"
+}
+install_deepspeed() {  # $1: the wheel's folder (empty: build straight into the venv, keeping nothing)
+  local dir=$1
+  if [ -z "$dir" ]; then
     ticking "building DeepSpeed" env "${ds_ops[@]}" "${pip[@]}" --no-build-isolation --no-cache-dir -e '.[dev,deepspeed]'
     return
-  fi
-  if ! ls "$dir"/deepspeed-*.whl >/dev/null 2>&1; then
-    say "building DeepSpeed and compiling its CPU ops (several minutes on a new machine; once: kept in $dir)"
-    tmp=$(mktemp -d "$dir/.build.XXXXXX")
-    ticking "building DeepSpeed" env "${ds_ops[@]}" .venv/bin/pip wheel --quiet --disable-pip-version-check \
-      -c constraints/cpu.txt --no-build-isolation --no-cache-dir --no-deps -w "$tmp" deepspeed
-    mv "$tmp"/deepspeed-*.whl "$dir"/ && rm -rf "$tmp"
-  else
-    say "installing DeepSpeed with its CPU ops from $dir"
   fi
   "${pip[@]}" --no-build-isolation "$dir"/deepspeed-*.whl
   "${pip[@]}" --no-build-isolation -e '.[dev,deepspeed]'  # its dependencies; DeepSpeed itself is there
@@ -86,12 +91,24 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # constraints/cpu.txt pins the CPU torch wheel; the package itself asks only for a range
   # so that a cluster keeps its CUDA build.
   say "installing meshrun and its packages into .venv (the CPU torch wheel among them: a minute or more)"
+  # DeepSpeed builds against the torch here (its setup imports torch): no build isolation, after torch.
+  # ninja: the op build uses it (without it, a slow serial compile); py-cpuinfo: the ops' SIMD flags; numpy:
+  # torch warns without it.
+  # No pip cache: a cached wheel built without the ops would be reused as is.
+  ticking "installing torch" "${pip[@]}" torch numpy ninja py-cpuinfo
+  ds_dir=$(ds_wheel_dir || true)
+  ds_build=""
+  if [ -n "$ds_dir" ] && ! ls "$ds_dir"/deepspeed-*.whl >/dev/null 2>&1; then
+    say "building DeepSpeed and compiling its CPU ops (several minutes on a new machine; once: kept in $ds_dir)"
+    build_deepspeed_wheel "$ds_dir" & ds_build=$!
+  elif [ -n "$ds_dir" ]; then
+    say "installing DeepSpeed with its CPU ops from $ds_dir"
+  fi
   ticking "installing packages" "${pip[@]}" -e '.[dev]'
-  # DeepSpeed builds against the torch above (its setup imports torch): no build isolation, after
-  # torch. ninja first: the op build uses it (without it, a slow serial compile). No pip cache: a
-  # cached wheel built without the ops would be reused as is.
-  "${pip[@]}" ninja
-  install_deepspeed
+  if [ -n "$ds_build" ]; then
+    wait "$ds_build" || { echo "setup: building DeepSpeed failed (its output is above)" >&2; exit 1; }
+  fi
+  install_deepspeed "$ds_dir"
   if ! ds_ops_installed; then  # a DeepSpeed installed earlier without the ops: rebuild it with them
     ticking "building DeepSpeed's CPU ops" env "${ds_ops[@]}" "${pip[@]}" --no-build-isolation --no-cache-dir --force-reinstall --no-deps deepspeed
     ds_ops_installed || { echo "setup: DeepSpeed's CPU ops did not build (is g++ installed?)" >&2; exit 1; }
