@@ -32,6 +32,7 @@ def env_for(home: Path, laptop: bool = False) -> dict[str, str]:
         HOME=str(home),
         XDG_STATE_HOME=str(home / "state"),
         XDG_CONFIG_HOME=str(home / "config"),
+        XDG_CACHE_HOME=str(home / ".cache"),  # HOME's default, whatever the caller's environment says
         PYTHONUNBUFFERED="1",
     )
     return {k: v for k, v in env.items() if not (laptop and k in CLUSTER_ONLY)}
