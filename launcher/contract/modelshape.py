@@ -47,6 +47,19 @@ def flops_per_token(cfg: ModelConfig) -> int:
     return 6 * matmul + 12 * cfg.n_layers * cfg.d_model * cfg.seq_len
 
 
+def layer_flops_per_token(cfg: ModelConfig) -> int:
+    """Training FLOPs per token of one block: its share of `flops_per_token` (6 x its parameters + attention's 12 d T)."""
+    return 6 * block_param_count(cfg) + 12 * cfg.d_model * cfg.seq_len
+
+
+def layer_elements(cfg: ModelConfig, micro_batch: int, tp: int = 1) -> int:
+    """Values one block's element-wise work passes over per micro-batch (norms, activations, residuals: T b d; the
+    attention scores' softmax: T^2 b heads, the heads split over tp ranks): what the memory-bound part of a block's
+    time on a CPU grows with (the planner's CPU term, calibrated by doctor)."""
+    tokens = cfg.seq_len * micro_batch
+    return tokens * cfg.d_model + tokens * cfg.seq_len * cfg.n_heads // tp
+
+
 @dataclass(frozen=True)
 class ModelPart:
     """Which pieces of the model one rank builds: a pipeline stage, or the whole model."""

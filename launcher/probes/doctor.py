@@ -22,6 +22,7 @@ import datetime
 import os
 import platform
 import socket
+import statistics
 import sys
 import time
 from dataclasses import asdict
@@ -152,7 +153,42 @@ def cpu_gemm_tflops() -> dict[str, Any]:
         "dtype": "float32",
         "n": n,
         "threads": torch.get_num_threads(),
+        "layers": cpu_layer_seconds(),
     }
+
+
+LAYER_SHAPES = ((64, 4, 16, 1), (128, 4, 128, 4))
+"""(d_model, n_heads, seq_len, micro_batch) of the two models whose blocks the CPU probe times: the first so small
+that its time is the framework's own (Python, autograd, dispatch), the second the size of a test job's."""
+LAYER_DEPTHS = (1, 3)
+"""Each shape timed with this many blocks: the difference is the blocks' own time (embedding, head and loss cancel)."""
+
+
+def cpu_layer_seconds() -> list[dict[str, Any]]:
+    """Forward and backward of one of meshrun's own GPT blocks on this rank's CPU threads, per micro-batch, at each of
+    LAYER_SHAPES: what the planner adds to a CPU job's matmuls (submit/jobs/calibration.py fits it)."""
+    import torch
+
+    from launcher.contract.spec import Model
+    from launcher.train.model import GPT, loss_fn
+
+    out = []
+    for d_model, n_heads, seq_len, batch in LAYER_SHAPES:
+        times = []
+        for depth in LAYER_DEPTHS:
+            model = GPT(Model(n_layers=depth, d_model=d_model, n_heads=n_heads, vocab_size=256, seq_len=seq_len))
+            tokens = torch.randint(0, 256, (batch, seq_len), generator=torch.Generator().manual_seed(0))
+
+            def step(model: Any = model, tokens: Any = tokens) -> None:
+                model.zero_grad(set_to_none=True)
+                loss_fn(model(tokens), tokens).backward()
+
+            once = seconds_per_call(step, 1, cuda=False)
+            times.append(seconds_per_call(step, max(3, min(50, int(0.2 / max(once, 1e-6)))), cuda=False))
+        per_layer = max(times[1] - times[0], 0.0) / (LAYER_DEPTHS[1] - LAYER_DEPTHS[0])
+        shape = {"d_model": d_model, "n_heads": n_heads, "seq_len": seq_len, "micro_batch": batch}
+        out.append({**shape, "seconds": round(per_layer, 7)})
+    return out
 
 
 def seconds_per_call(fn: Callable[[], object], iters: int, cuda: bool) -> float:
@@ -263,21 +299,30 @@ def busbw(seconds: float, nbytes: int, ranks: int) -> float:
     return nbytes / seconds * 2 * (ranks - 1) / ranks / 1e9
 
 
+TIMED_BATCHES = 5
+"""Each all-reduce figure is the median of this many timed batches: on CPU ranks that share their cores one batch
+swung 2.5x between doctor runs (a tiny all-reduce 293-725 us on 2 cores), and the planner multiplies these."""
+
+
 def _time_allreduce(tensor: Any, group: Any, iters: int, cuda: bool) -> float:
+    """Seconds per all-reduce of `tensor`: the median over TIMED_BATCHES batches of `iters`, after two warm-ups."""
     import torch
     import torch.distributed as dist
 
     for _ in range(2):
         dist.all_reduce(tensor, group=group)
-    if cuda:
-        torch.cuda.synchronize()
-    dist.barrier(group=group)
-    begin = time.perf_counter()
-    for _ in range(iters):
-        dist.all_reduce(tensor, group=group)
-    if cuda:
-        torch.cuda.synchronize()
-    return (time.perf_counter() - begin) / iters
+    batches = []
+    for _ in range(TIMED_BATCHES):
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier(group=group)
+        begin = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(tensor, group=group)
+        if cuda:
+            torch.cuda.synchronize()
+        batches.append((time.perf_counter() - begin) / iters)
+    return statistics.median(batches)
 
 
 def communication(env: RankEnv, node: str, cuda: bool) -> dict[str, Any]:

@@ -19,7 +19,9 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Sequence
 
+from launcher.contract.modelshape import layer_elements, layer_flops_per_token
 from launcher.contract.rundir import write_json
+from launcher.contract.spec import Model
 from submit.config.folders import state_dir
 
 Kind = Literal["gpu", "cpu"]
@@ -49,6 +51,11 @@ class Calibration:
     """Checkpoint-dir write throughput (median over the nodes), MB/s."""
     allreduce_latency_us: Optional[float] = None
     """A tiny all-reduce inside a node (median over the ranks), microseconds: what every collective costs."""
+    layer_overhead_us: Optional[float] = None
+    """CPU ranks: what one GPT block's forward and backward cost per micro-batch besides its matmuls and its
+    element-wise work (Python, autograd, dispatch), microseconds; fitted by `layer_terms`. None on GPUs."""
+    layer_element_ns: Optional[float] = None
+    """CPU ranks: the block's element-wise work, nanoseconds per value (`modelshape.layer_elements`)."""
 
     @property
     def date(self) -> str:
@@ -72,6 +79,49 @@ def _figures(results: Sequence[Optional[Mapping[str, Any]]], part: str, key: str
     return out
 
 
+def _layer_times(results: Sequence[Optional[Mapping[str, Any]]]) -> dict[tuple[int, int, int, int], float]:
+    """The probe's per-block seconds (launcher/probes/doctor.py cpu_layer_seconds), median over the ranks per shape."""
+    found: dict[tuple[int, int, int, int], list[float]] = {}
+    for res in results:
+        layers = ((res or {}).get("compute") or {}).get("layers")
+        for row in layers if isinstance(layers, list) else ():
+            try:
+                key = (int(row["d_model"]), int(row["n_heads"]), int(row["seq_len"]), int(row["micro_batch"]))
+                found.setdefault(key, []).append(float(row["seconds"]))
+            except (KeyError, TypeError, ValueError):
+                continue
+    return {key: statistics.median(times) for key, times in found.items()}
+
+
+def layer_terms(
+    results: Sequence[Optional[Mapping[str, Any]]], gemm_tflops: float
+) -> tuple[Optional[float], Optional[float]]:
+    """(overhead_us, element_ns) of a CPU rank's GPT block: from the block timed at two shapes, each time less its
+    matmuls at the measured GEMM rate = overhead + element_ns x its values (two equations, two unknowns; neither
+    below 0). (None, None) without two shapes timed."""
+    times = sorted(_layer_times(results).items(), key=lambda item: layer_elements(_model(item[0]), item[0][3]))
+    if len(times) < 2 or gemm_tflops <= 0:
+        return None, None
+    (small, t_small), (large, t_large) = times[0], times[-1]
+
+    def rest(shape: tuple[int, int, int, int], seconds: float) -> tuple[int, float]:
+        cfg = _model(shape)
+        tokens = cfg.seq_len * shape[3]
+        return layer_elements(cfg, shape[3]), seconds - layer_flops_per_token(cfg) * tokens / (gemm_tflops * 1e12)
+
+    (e_small, y_small), (e_large, y_large) = rest(small, t_small), rest(large, t_large)
+    if e_large <= e_small:
+        return None, None
+    element_s = max((y_large - y_small) / (e_large - e_small), 0.0)
+    overhead_s = max(y_small - element_s * e_small, 0.0)
+    return round(overhead_s * 1e6, 3), round(element_s * 1e9, 4)
+
+
+def _model(shape: tuple[int, int, int, int]) -> Model:
+    d_model, n_heads, seq_len, _ = shape
+    return Model(n_layers=1, d_model=d_model, n_heads=n_heads, vocab_size=256, seq_len=seq_len)
+
+
 def from_results(
     results: Sequence[Optional[Mapping[str, Any]]], job: str, nodes: int, now: Optional[_dt.datetime] = None
 ) -> Optional[Calibration]:
@@ -87,6 +137,8 @@ def from_results(
     ]
     inter = _figures(results, "comm", "inter_node_busbw_gbps")
     when = (now or _dt.datetime.now(_dt.timezone.utc)).astimezone(_dt.timezone.utc)
+    gemm_rate = _median(gemm) or 0.0
+    overhead_us, element_ns = layer_terms(results, gemm_rate) if device == "cpu" else (None, None)
     return Calibration(
         measured_at=when.strftime("%Y-%m-%dT%H:%M:%SZ"),
         job=job,
@@ -94,11 +146,13 @@ def from_results(
         device=device,
         nodes=nodes,
         ranks=sum(1 for r in results if r),
-        gemm_tflops=_median(gemm),
+        gemm_tflops=gemm_rate,
         intra_node_busbw_gbps=_median(_figures(results, "comm", "intra_node_busbw_gbps")),
         inter_node_busbw_gbps=min(inter) if inter and nodes > 1 else None,
         storage_write_mbps=_median(writes),
         allreduce_latency_us=_median(_figures(results, "comm", "intra_node_latency_us")),
+        layer_overhead_us=overhead_us,
+        layer_element_ns=element_ns,
     )
 
 

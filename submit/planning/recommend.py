@@ -117,11 +117,14 @@ def cpu_hardware(ranks_per_node: int, measured: Calibration) -> Hardware:
         gpus_per_node=ranks_per_node,
         nvlink_gbytes_s=intra,
         ib_gbytes_s=measured.inter_node_busbw_gbps or intra,
-        compute_tflops=gemm * GEMM_EFFICIENCY,
+        # With doctor's block timings the matmuls run at the GEMM's rate, the rest of a block in its own term.
+        compute_tflops=gemm if measured.layer_element_ns is not None else gemm * GEMM_EFFICIENCY,
         cpu=True,
         source=calibrated_on(measured),
         latency_s=(measured.allreduce_latency_us or 0.0) / 1e6,
         overlap_dp=False,
+        layer_overhead_s=(measured.layer_overhead_us or 0.0) / 1e6,
+        layer_element_s=(measured.layer_element_ns or 0.0) / 1e9,
     )
 
 

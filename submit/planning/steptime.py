@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from launcher.contract import dsconfig
 from launcher.contract.gpus import FP32_FRACTION
-from launcher.contract.modelshape import ModelPart, flops_per_token
+from launcher.contract.modelshape import ModelPart, flops_per_token, layer_elements
 from launcher.contract.spec import JobSpec, Prediction
 from submit.config.cluster import Cost
 from submit.planning.estimate import cdiv, local_params, mixed
@@ -28,6 +28,25 @@ ADAM_BYTES_PER_PARAM = 28
 GEMM_EFFICIENCY = 0.7
 """Share of a large GEMM's measured rate (`meshrun doctor`'s) the model's matmuls reach between communications:
 smaller shapes, attention and the element-wise kernels between them (0.5 of an H100's peak / its ~0.7 GEMM)."""
+
+
+@dataclass(frozen=True)
+class GlooCost:
+    """What one collective inside a training step costs on CPU ranks, against doctor's figures."""
+
+    bytes_factor: float
+    """Its bytes take this many times what doctor's lone all-reduce bandwidth says (the ranks share the cores:
+    a collective also waits for the other ranks' compute)."""
+    blocks_per_call: float
+    """Its fixed cost, in doctor's per-block framework overhead (`layer_overhead_us`): the Python around each call
+    (FSDP2's hooks and copies, DTensor's redistribution), which tracks the CPU's speed as that overhead does."""
+
+
+GLOO_COSTS = {"tp": GlooCost(4.1, 8.0), "dp": GlooCost(4.8, 2.0)}
+"""Tensor-parallel all-reduces, and data-parallel traffic (DDP, FSDP2), on CPU ranks with doctor's block timings.
+Fitted by bench/plan_accuracy.py on 2 cores (2026-12-04, 24 jobs): each job then within 10% on its own. The fixed
+cost is counted in block overheads, not doctor's tiny all-reduce, whose latency swung 293-735 us between doctor runs
+on the same idle machine while the block overhead stayed within 582-615 us."""
 CPU_MEMORY_GBS = 10.0
 """Memory bandwidth (GB/s) one CPU rank's optimizer step gets (a few cores' share of a socket's)."""
 
@@ -52,6 +71,9 @@ class StepTime:
     """Whether that traffic overlaps with compute (GPU streams) or runs in series with it (gloo on CPU ranks)."""
     optimizer_s: float
     """The optimizer step: memory-bound (28 bytes per local parameter at HBM speed, or CPU Adam + PCIe)."""
+    layers_s: float
+    """CPU ranks: the blocks' work besides their matmuls (element-wise passes, softmax, the framework's own
+    per-block cost, more under FSDP and tensor parallelism), in series with them; 0 on GPUs (inside COMPUTE_EFFICIENCY)."""
     step_s: float
     """max(pipeline compute + tp + pp traffic, dp traffic) + the optimizer step."""
     tokens_per_s: float
@@ -88,6 +110,10 @@ class Hardware:
     """What each collective costs however small (doctor's tiny all-reduce); 0 with datasheet figures."""
     overlap_dp: bool = True
     """Data-parallel traffic overlaps with compute (GPU streams); on CPU ranks (gloo) it runs in series."""
+    layer_overhead_s: float = 0.0
+    """CPU ranks: a block's forward and backward per micro-batch besides matmuls and element-wise work (doctor's)."""
+    layer_element_s: float = 0.0
+    """CPU ranks: a block's element-wise work per value (`modelshape.layer_elements`), seconds (doctor's)."""
 
 
 def _ring(n: int) -> float:
@@ -139,6 +165,27 @@ def _optimizer_s(spec: JobSpec, local: int, hw: Hardware) -> float:
     return n * ADAM_BYTES_PER_PARAM / (hw.memory_gbs * 1e9)
 
 
+def _collective_cost(hw: Hardware, which: str) -> tuple[float, float]:
+    """(factor on the bytes' time, seconds per call) of a tensor- ("tp") or data-parallel ("dp") collective: as
+    measured on GPUs; GLOO_COSTS on CPU ranks that doctor timed blocks on."""
+    if not (hw.cpu and hw.layer_overhead_s):
+        return 1.0, hw.latency_s
+    cost = GLOO_COSTS[which]
+    return cost.bytes_factor, cost.blocks_per_call * hw.layer_overhead_s
+
+
+def _cpu_layers_s(spec: JobSpec, hw: Hardware, micro: int) -> float:
+    """One rank's blocks besides their matmuls, a step on CPU ranks: per block and micro-batch doctor's overhead
+    and element-wise work (x 4/3 with activation checkpointing: one more forward)."""
+    if not hw.cpu or not (hw.layer_overhead_s or hw.layer_element_s):
+        return 0.0
+    cfg, par = spec.trainer.model, spec.parallel
+    elements = layer_elements(cfg, spec.trainer.micro_batch, par.tp)
+    per_block = hw.layer_overhead_s + hw.layer_element_s * elements
+    recompute = 4 / 3 if spec.trainer.activation_checkpointing else 1
+    return cdiv(cfg.n_layers, par.pp) * micro * per_block * recompute
+
+
 def flops_per_step(spec: JobSpec) -> int:
     """Model FLOPs of one optimizer step: (6N + 12 L d s) per token x global_batch x seq_len."""
     cfg = spec.trainer.model
@@ -157,20 +204,23 @@ def step_time(spec: JobSpec, hw: Hardware) -> StepTime:
     if not hw.cpu and not mixed(spec):
         rate *= FP32_FRACTION
     compute = flops * (4 / 3 if t.activation_checkpointing else 1) / (world * rate)
+    layers = _cpu_layers_s(spec, hw, micro)
     w = 2 if mixed(spec) else 4
     activation = cfg.seq_len * t.micro_batch * cfg.d_model * w  # one micro-batch's hidden states
     in_node = hw.nvlink_gbytes_s * 1e9
     tp_calls = (6 if t.activation_checkpointing else 4) * (cfg.n_layers // par.pp) * micro
-    tp_comm = tp_calls * (2 * _ring(par.tp) * activation / in_node + hw.latency_s) if par.tp > 1 else 0.0
+    tp_bytes, tp_call = _collective_cost(hw, "tp")
+    tp_comm = tp_calls * (tp_bytes * 2 * _ring(par.tp) * activation / in_node + tp_call) if par.tp > 1 else 0.0
     stage_ranks = par.dp * par.tp  # consecutive ranks: a stage fills whole nodes once this reaches a node
     pp_bw = hw.ib_gbytes_s * 1e9 if stage_ranks >= hw.gpus_per_node else in_node
     pp_comm = 2 * micro * (activation / par.tp / pp_bw + hw.latency_s) if par.pp > 1 else 0.0
     bubble = (par.pp - 1) / (micro + par.pp - 1)
     local = max(local_params(cfg, ModelPart.stage(cfg, s, par.pp), par.tp) for s in range(par.pp))
     dp_bw = hw.ib_gbytes_s * 1e9 if stage_ranks > hw.gpus_per_node else in_node
-    dp_comm = _dp_bytes(spec, local, micro) / dp_bw + _dp_collectives(spec, micro) * hw.latency_s
+    dp_bytes, dp_call = _collective_cost(hw, "dp")
+    dp_comm = dp_bytes * _dp_bytes(spec, local, micro) / dp_bw + _dp_collectives(spec, micro) * dp_call
     optimizer = _optimizer_s(spec, local, hw)
-    pipeline = (compute + tp_comm + pp_comm) / (1 - bubble)
+    pipeline = (compute + layers + tp_comm + pp_comm) / (1 - bubble)
     step = (max(pipeline, dp_comm) if hw.overlap_dp else pipeline + dp_comm) + optimizer
     return StepTime(
         flops_per_step=flops,
@@ -181,6 +231,7 @@ def step_time(spec: JobSpec, hw: Hardware) -> StepTime:
         dp_comm_s=dp_comm,
         dp_overlapped=hw.overlap_dp,
         optimizer_s=optimizer,
+        layers_s=layers,
         step_s=step,
         tokens_per_s=tokens / step,
         mfu=flops / (step * world * hw.peak_tflops * 1e12),
@@ -208,7 +259,7 @@ def prediction(spec: JobSpec, hw: Hardware, memory_bytes: Optional[int]) -> Pred
     into the ranks' own work (the matmuls and the optimizer step) and what a step waits on besides it (collectives
     not hidden behind compute, the pipeline's bubble); `memory_bytes`, a GPU's peak (None on CPU ranks)."""
     time = step_time(spec, hw)
-    compute = time.compute_s + time.optimizer_s
+    compute = time.compute_s + time.layers_s + time.optimizer_s
     return Prediction(
         step_s=time.step_s,
         tokens_per_s=time.tokens_per_s,

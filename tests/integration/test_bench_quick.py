@@ -58,6 +58,7 @@ QUICK: dict[str, tuple[list[str], list[str]]] = {
         [
             r"^calibration: the CPU figures of partition local recorded in ",
             rf"L2-d128-s128 +dp2-ddp +{NUMBER} +{NUMBER} +[+-]{NUMBER}%",
+            rf"^error over 1 jobs \(fitted on\): median \|error\| {NUMBER}%, worst {NUMBER}%",
         ],
     ),
     "throughput.py": (

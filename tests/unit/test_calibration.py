@@ -3,6 +3,7 @@ partition, private and dated, and `meshrun plan` uses it (a CPU job gets a step 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import os
 import stat
@@ -11,6 +12,7 @@ from typing import Any, Optional
 
 import pytest
 
+from launcher.contract.modelshape import layer_elements
 from submit.cli.plan import build, render
 from submit.config.cluster import SHIPPED_DIR, load_profile
 from submit.jobs import calibration
@@ -216,3 +218,61 @@ def test_a_bad_price_is_refused_naming_the_key(tmp_path: Path, cost: dict[str, A
 
     with pytest.raises(InputError, match=message):
         load_profile(str(_priced(tmp_path, cost)))
+
+
+def _block_s(shape: tuple[int, int, int, int], gemm_tflops: float, overhead_s: float, element_s: float) -> float:
+    """What the planner's CPU block model says one block of `shape` costs a micro-batch."""
+    from launcher.contract.modelshape import layer_elements, layer_flops_per_token
+    from launcher.contract.spec import Model
+
+    d_model, n_heads, seq_len, micro = shape
+    cfg = Model(n_layers=1, d_model=d_model, n_heads=n_heads, vocab_size=256, seq_len=seq_len)
+    matmuls = layer_flops_per_token(cfg) * seq_len * micro / (gemm_tflops * 1e12)
+    return matmuls + overhead_s + element_s * layer_elements(cfg, micro)
+
+
+def test_the_cpu_block_terms_are_what_the_two_timed_shapes_solve_to() -> None:
+    """doctor times a block at two shapes; less their matmuls at the measured GEMM rate, the two times give the
+    framework's overhead and the element-wise cost, which time any other shape as the model says."""
+    shapes = [(64, 4, 16, 1), (128, 4, 128, 4)]
+    layers = [
+        {"d_model": d, "n_heads": h, "seq_len": s, "micro_batch": b, "seconds": _block_s((d, h, s, b), 0.2, 4e-4, 9e-9)}
+        for d, h, s, b in shapes
+    ]
+    runs = [_rank(r, 0.2, compute={"tflops": 0.2, "device": "cpu", "layers": layers}) for r in range(2)]
+    found = calibration.from_results(runs, "7", nodes=1, now=NOW)
+    assert found is not None
+    assert found.layer_overhead_us == pytest.approx(400, rel=1e-3)
+    assert found.layer_element_ns == pytest.approx(9, rel=1e-3)
+    hw = steptime.Hardware(0.2, 10, 2, 1, 1, compute_tflops=0.2, cpu=True, layer_overhead_s=4e-4, layer_element_s=9e-9)
+    for layout in ({"parallel.dp": 2, "parallel.dp_mode": "ddp"}, {"parallel.dp": 1, "parallel.tp": 2}):
+        spec = _tiny(layout)
+        cfg, micro = spec.trainer.model, spec.trainer.global_batch // (spec.trainer.micro_batch * spec.parallel.dp)
+        elements = layer_elements(cfg, spec.trainer.micro_batch, spec.parallel.tp)
+        time = steptime.step_time(spec, hw)
+        assert time.layers_s == pytest.approx(cfg.n_layers * micro * (4e-4 + 9e-9 * elements)), layout
+        assert time.step_s > time.compute_s + time.layers_s
+        gpu = steptime.step_time(spec, dataclasses.replace(hw, cpu=False))
+        assert gpu.layers_s == 0  # on GPUs the rest of a block is inside COMPUTE_EFFICIENCY
+        # gloo's collectives inside a step: their bytes at GLOO_COSTS' factor of doctor's bandwidth, and each call
+        # a number of block overheads instead of doctor's (swinging) tiny all-reduce; NCCL's as measured
+        which, comm = ("tp", "tp_comm_s") if spec.parallel.tp > 1 else ("dp", "dp_comm_s")
+        cost = steptime.GLOO_COSTS[which]
+        no_calls = steptime.step_time(spec, dataclasses.replace(hw, layer_overhead_s=1e-12))
+        calls = (getattr(time, comm) - getattr(no_calls, comm)) / (cost.blocks_per_call * 4e-4)
+        assert calls == pytest.approx(round(calls)) and round(calls) >= 1, layout
+        bytes_only = steptime.step_time(spec, dataclasses.replace(hw, cpu=False, latency_s=0.0))
+        assert getattr(no_calls, comm) == pytest.approx(cost.bytes_factor * getattr(bytes_only, comm), rel=1e-6)
+
+
+def test_without_two_timed_shapes_a_cpu_calibration_has_no_block_terms() -> None:
+    one = [{"d_model": 64, "n_heads": 4, "seq_len": 16, "micro_batch": 1, "seconds": 1e-3}]
+    runs = [_rank(0, 0.2, compute={"tflops": 0.2, "device": "cpu", "layers": one})]
+    found = calibration.from_results(runs, "7", nodes=1, now=NOW)
+    assert found is not None and found.layer_overhead_us is None and found.layer_element_ns is None
+    assert calibration.from_results(CPU_RUN, "8", nodes=2, now=NOW).layer_element_ns is None  # type: ignore[union-attr]
+
+
+def _tiny(keys: dict[str, Any]) -> Any:
+    overrides = [f"{key}={value}" for key, value in keys.items()]
+    return plan_file(REPO / "examples" / "tiny.yaml", load_profile("local"), overrides, home=REMOTE_HOME).spec
