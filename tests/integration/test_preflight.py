@@ -116,6 +116,7 @@ def test_any_cluster_goes_where_the_job_starts_first_and_says_why(testbed: dict,
             "-t",
             "10",
             "--job-name=pf-hold",
+            "--output=/dev/null",  # not slurm-JOB.out in the checkout (four of them were committed once)
             "--wrap",
             "sleep 600",
         ],
