@@ -153,6 +153,7 @@ def cpu_gemm_tflops() -> dict[str, Any]:
         "dtype": "float32",
         "n": n,
         "threads": torch.get_num_threads(),
+        "node_cpus": os.cpu_count(),
         "layers": cpu_layer_seconds(),
     }
 

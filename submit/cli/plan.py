@@ -170,10 +170,14 @@ def render(out: dict[str, Any], spec: Any) -> str:
         )
     if out["time"]:
         tm = out["time"]
+        # CPU ranks: the blocks' work besides their matmuls, and (a node with more ranks than CPUs) the CPUs' bound
+        blocks = f", blocks {tm['layers_s']:.3g} s" if tm.get("layers_s") else ""
+        crowded = tm.get("cpu_bound_s") and tm["cpu_bound_s"] >= tm["step_s"]
+        bound = f"; bound by the node's CPUs: {tm['cpu_bound_s']:.3g} s" if crowded else ""
         lines.append(
-            f"time: {_speed(out)} (compute {tm['compute_s']:.3g} s, bubble {tm['bubble']:.0%}, tp {tm['tp_comm_s']:.3g}"
-            f" s, pp {tm['pp_comm_s']:.3g} s, dp {tm['dp_comm_s']:.3g} s "
-            f"{'overlapped' if tm['dp_overlapped'] else 'in series'}, optimizer {tm['optimizer_s']:.3g} s)"
+            f"time: {_speed(out)} (compute {tm['compute_s']:.3g} s{blocks}, bubble {tm['bubble']:.0%}, tp "
+            f"{tm['tp_comm_s']:.3g} s, pp {tm['pp_comm_s']:.3g} s, dp {tm['dp_comm_s']:.3g} s "
+            f"{'overlapped' if tm['dp_overlapped'] else 'in series'}, optimizer {tm['optimizer_s']:.3g} s{bound})"
             f"; {out['figures']}"
         )
     if out["run_s"] is not None:

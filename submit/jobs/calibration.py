@@ -56,6 +56,9 @@ class Calibration:
     element-wise work (Python, autograd, dispatch), microseconds; fitted by `layer_terms`. None on GPUs."""
     layer_element_ns: Optional[float] = None
     """CPU ranks: the block's element-wise work, nanoseconds per value (`modelshape.layer_elements`)."""
+    node_cpus: Optional[int] = None
+    """CPU ranks: the CPUs of a node (the smallest any rank saw): a job with more ranks than that per node is
+    bound by them."""
 
     @property
     def date(self) -> str:
@@ -153,6 +156,7 @@ def from_results(
         allreduce_latency_us=_median(_figures(results, "comm", "intra_node_latency_us")),
         layer_overhead_us=overhead_us,
         layer_element_ns=element_ns,
+        node_cpus=int(min(cpus)) if (cpus := _figures(results, "compute", "node_cpus")) else None,
     )
 
 

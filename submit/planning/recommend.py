@@ -125,6 +125,7 @@ def cpu_hardware(ranks_per_node: int, measured: Calibration) -> Hardware:
         overlap_dp=False,
         layer_overhead_s=(measured.layer_overhead_us or 0.0) / 1e6,
         layer_element_s=(measured.layer_element_ns or 0.0) / 1e9,
+        node_cpus=measured.node_cpus or 0,
     )
 
 

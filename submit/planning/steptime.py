@@ -74,6 +74,12 @@ class StepTime:
     layers_s: float
     """CPU ranks: the blocks' work besides their matmuls (element-wise passes, softmax, the framework's own
     per-block cost, more under FSDP and tensor parallelism), in series with them; 0 on GPUs (inside COMPUTE_EFFICIENCY)."""
+    calls_s: float
+    """CPU ranks: the Python around the step's collectives (GLOO_COSTS' per-call part of tp_comm_s and dp_comm_s):
+    the rank's own CPU work, though it is counted in those terms; 0 on GPUs."""
+    cpu_bound_s: float
+    """CPU ranks: the node's CPUs' share of a step, every rank's own work (compute, blocks, optimizer, calls) over
+    the node's CPUs (doctor's count); a step takes at least this when more ranks than CPUs share a node; 0 on GPUs."""
     step_s: float
     """max(pipeline compute + tp + pp traffic, dp traffic) + the optimizer step."""
     tokens_per_s: float
@@ -114,6 +120,8 @@ class Hardware:
     """CPU ranks: a block's forward and backward per micro-batch besides matmuls and element-wise work (doctor's)."""
     layer_element_s: float = 0.0
     """CPU ranks: a block's element-wise work per value (`modelshape.layer_elements`), seconds (doctor's)."""
+    node_cpus: int = 0
+    """CPU ranks: the CPUs of a node (doctor's count; 0: unknown)."""
 
 
 def _ring(n: int) -> float:
@@ -174,6 +182,15 @@ def _collective_cost(hw: Hardware, which: str) -> tuple[float, float]:
     return cost.bytes_factor, cost.blocks_per_call * hw.layer_overhead_s
 
 
+def _node_cpu_bound_s(spec: JobSpec, hw: Hardware, own_work_s: float) -> float:
+    """What a step takes at least when the node's ranks need more CPU than it has: each rank's own work x its
+    threads x the ranks on the node / the node's CPUs (README's 8-rank example on 2 cores measured 2.8 times the
+    plan that ignored it). 0 on GPUs, or without doctor's count of the node's CPUs."""
+    if not hw.cpu or not hw.node_cpus:
+        return 0.0
+    return own_work_s * spec.resources.cpus_per_task * spec.tasks_per_node / hw.node_cpus
+
+
 def _cpu_layers_s(spec: JobSpec, hw: Hardware, micro: int) -> float:
     """One rank's blocks besides their matmuls, a step on CPU ranks: per block and micro-batch doctor's overhead
     and element-wise work (x 4/3 with activation checkpointing: one more forward)."""
@@ -211,6 +228,7 @@ def step_time(spec: JobSpec, hw: Hardware) -> StepTime:
     tp_calls = (6 if t.activation_checkpointing else 4) * (cfg.n_layers // par.pp) * micro
     tp_bytes, tp_call = _collective_cost(hw, "tp")
     tp_comm = tp_calls * (tp_bytes * 2 * _ring(par.tp) * activation / in_node + tp_call) if par.tp > 1 else 0.0
+    calls = tp_calls * tp_call if par.tp > 1 and hw.cpu else 0.0
     stage_ranks = par.dp * par.tp  # consecutive ranks: a stage fills whole nodes once this reaches a node
     pp_bw = hw.ib_gbytes_s * 1e9 if stage_ranks >= hw.gpus_per_node else in_node
     pp_comm = 2 * micro * (activation / par.tp / pp_bw + hw.latency_s) if par.pp > 1 else 0.0
@@ -219,9 +237,12 @@ def step_time(spec: JobSpec, hw: Hardware) -> StepTime:
     dp_bw = hw.ib_gbytes_s * 1e9 if stage_ranks > hw.gpus_per_node else in_node
     dp_bytes, dp_call = _collective_cost(hw, "dp")
     dp_comm = dp_bytes * _dp_bytes(spec, local, micro) / dp_bw + _dp_collectives(spec, micro) * dp_call
+    calls += _dp_collectives(spec, micro) * dp_call if hw.cpu else 0.0
     optimizer = _optimizer_s(spec, local, hw)
     pipeline = (compute + layers + tp_comm + pp_comm) / (1 - bubble)
     step = (max(pipeline, dp_comm) if hw.overlap_dp else pipeline + dp_comm) + optimizer
+    cpu_bound = _node_cpu_bound_s(spec, hw, compute + layers + optimizer + calls)
+    step = max(step, cpu_bound)
     return StepTime(
         flops_per_step=flops,
         compute_s=compute,
@@ -232,6 +253,8 @@ def step_time(spec: JobSpec, hw: Hardware) -> StepTime:
         dp_overlapped=hw.overlap_dp,
         optimizer_s=optimizer,
         layers_s=layers,
+        calls_s=calls,
+        cpu_bound_s=cpu_bound,
         step_s=step,
         tokens_per_s=tokens / step,
         mfu=flops / (step * world * hw.peak_tflops * 1e12),
@@ -259,7 +282,9 @@ def prediction(spec: JobSpec, hw: Hardware, memory_bytes: Optional[int]) -> Pred
     into the ranks' own work (the matmuls and the optimizer step) and what a step waits on besides it (collectives
     not hidden behind compute, the pipeline's bubble); `memory_bytes`, a GPU's peak (None on CPU ranks)."""
     time = step_time(spec, hw)
-    compute = time.compute_s + time.layers_s + time.optimizer_s
+    # the ranks' own work: what plancheck measures as compute on CPU ranks (their CPU time) includes the Python
+    # around each collective; a wait for a CPU on a crowded node counts with the communication
+    compute = time.compute_s + time.layers_s + time.optimizer_s + time.calls_s
     return Prediction(
         step_s=time.step_s,
         tokens_per_s=time.tokens_per_s,

@@ -265,6 +265,22 @@ def test_the_cpu_block_terms_are_what_the_two_timed_shapes_solve_to() -> None:
         assert getattr(no_calls, comm) == pytest.approx(cost.bytes_factor * getattr(bytes_only, comm), rel=1e-6)
 
 
+def test_a_node_with_more_ranks_than_cpus_is_bound_by_them() -> None:
+    """README's main job runs 8 ranks on 2 cores: each rank's own work (compute, blocks, optimizer, the Python around
+    its collectives) x 8 ranks / 2 CPUs is what a step takes at least (it measured 2.8 times the plan without it)."""
+    hw = steptime.Hardware(0.2, 10, 8, 1, 1, compute_tflops=0.2, cpu=True, layer_overhead_s=6e-4, layer_element_s=1e-8)
+    spec = plan_file(REPO / "examples" / "gpt-3d.yaml", load_profile("local"), [], home=REMOTE_HOME).spec
+    free = steptime.step_time(spec, hw)
+    assert free.cpu_bound_s == 0 and free.calls_s > 0  # no CPU count: no bound
+    crowded = steptime.step_time(spec, dataclasses.replace(hw, node_cpus=2))
+    own = crowded.compute_s + crowded.layers_s + crowded.optimizer_s + crowded.calls_s
+    assert crowded.cpu_bound_s == pytest.approx(own * spec.tasks_per_node / 2) and spec.tasks_per_node == 8
+    assert crowded.step_s == pytest.approx(max(free.step_s, crowded.cpu_bound_s))
+    assert crowded.step_s > free.step_s
+    roomy = steptime.step_time(spec, dataclasses.replace(hw, node_cpus=64))
+    assert roomy.step_s == free.step_s  # enough CPUs: the ranks' critical path, as before
+
+
 def test_without_two_timed_shapes_a_cpu_calibration_has_no_block_terms() -> None:
     one = [{"d_model": 64, "n_heads": 4, "seq_len": 16, "micro_batch": 1, "seconds": 1e-3}]
     runs = [_rank(0, 0.2, compute={"tflops": 0.2, "device": "cpu", "layers": one})]
