@@ -468,7 +468,8 @@ def _step_and_finish(candidate: Any) -> tuple[str, str]:
 
     if candidate.step_s is None or candidate.run_s is None:
         return "?", "?"
-    step = span(candidate.step_s)
+    # a step is often well under a second: three figures (0.0436s), where span's one decimal would say 0.0s
+    step = f"{candidate.step_s:.3g}s" if candidate.step_s < 10 else span(candidate.step_s)
     if candidate.start is None:
         return step, "-"
     if candidate.start == "now":

@@ -134,9 +134,12 @@ def test_the_any_cluster_table_shows_the_step_time_and_when_the_job_would_finish
     from submit.api import Candidate
     from submit.cli.main import _step_and_finish
 
-    assert _step_and_finish(Candidate("a", "p", "now", "starts jobs at once", "a", 2.0, 100)) == ("2.0s", "+3m20s")
+    assert _step_and_finish(Candidate("a", "p", "now", "starts jobs at once", "a", 2.0, 100)) == ("2s", "+3m20s")
     later = Candidate("b", "gpu", "2026-12-04T10:00:00", "Slurm's estimate", "b", 0.5, 7200)
     assert _step_and_finish(later) == ("0.5s", "2026-12-04T11:00:00")
+    quick = Candidate("q", "cpu", "now", "starts jobs at once", "q", 0.0436, 60)
+    assert _step_and_finish(quick) == ("0.0436s", "+2.6s")  # not "0.0s": a step is often well under a second
+    assert _step_and_finish(Candidate("s", "gpu", "now", "x", "s", 75.0, 100))[0] == "1m15s"
     assert _step_and_finish(Candidate("c", "gpu", "now", "x", "c")) == ("?", "?")  # step time unknown: said
 
 
