@@ -487,7 +487,7 @@ def _print_preflight(prepared: Any, checked: Any) -> int:
         print(line)
     snap, found = prepared.snapshot, prepared.found
     if snap is not None:
-        there = "already on the cluster" if found is not None and found.present else "uploaded by the submit"
+        there = "already on the cluster" if found is not None and found.present else "the submit would upload it"
         print(f"ok    code        snapshot {snap.digest} ({len(snap.files)} files): {there}")
     verdict = "would start" if not checked.failures else f"would fail: {len(checked.failures)} check(s) above"
     print(f"# meshrun submit --check: nothing was queued; the job {verdict}", file=sys.stderr)
