@@ -43,6 +43,21 @@ def _show(value: Any) -> str:
     return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
 
 
+class _Outline:
+    """A section shown by its keys alone: under an unknown key its contents are not what is wrong (a typo'd
+    `trian:` printed the whole training section, 458 characters with the valid keys)."""
+
+    def __init__(self, keys: typing.Iterable[Any]) -> None:
+        self.keys = tuple(str(k) for k in keys)
+
+    def __repr__(self) -> str:
+        return "{" + ", ".join(f"{k}: ..." for k in self.keys) + "}"
+
+
+def _outline(value: Any) -> Any:
+    return _Outline(value) if isinstance(value, Mapping) else value
+
+
 def closest(name: str, choices: typing.Iterable[str]) -> str:
     """' (did you mean X?)' for the nearest valid name, or ''. A name that differs from valid ones only in
     its numbers (a size: 'llama-80b') gets the one of nearest size ('llama-70b'), not the nearest spelling
@@ -91,7 +106,9 @@ def load(cls: type[T], data: Any, path: str = "") -> T:
         if key not in fields:
             valid = ", ".join(sorted(fields))
             raise SchemaError(
-                _join(path, str(key)), data[key], f"unknown key{closest(str(key), fields)}; valid keys: {valid}"
+                _join(path, str(key)),
+                _outline(data[key]),
+                f"unknown key{closest(str(key), fields)}; valid keys: {valid}",
             )
     kwargs = {}
     for name, field in fields.items():

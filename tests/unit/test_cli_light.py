@@ -85,6 +85,13 @@ def test_errors_name_what_the_user_gave(tmp_path: Path) -> None:
     assert typo.stderr.startswith("meshrun: error: --set trian.steps=10: 'trian': unknown key (did you mean 'train'?)")
     deep = _run(["submit", "examples/tiny.yaml", "--set", "train.stpes=10", "--dry-run"], tmp_path)
     assert deep.stderr.startswith("meshrun: error: --set train.stpes=10: 'stpes': unknown key (did you mean 'steps'?)")
+    # a typo'd section in the file: named by its keys, not printed whole (it was 458 characters with the valid keys)
+    spec = tmp_path / "typo.yaml"
+    spec.write_text("name: x\ntrian:\n  steps: 5\n  lr: 1.0e-3\n")
+    section = _run(["submit", str(spec), "-c", "local", "--dry-run"], tmp_path)
+    assert section.returncode == 2 and section.stderr.startswith(
+        f"meshrun: error: {spec}:2: trian: {{steps: ..., lr: ...}}: unknown key (did you mean 'train'?); valid keys: "
+    ), section.stderr
 
 
 def test_dry_run_touches_nothing(tmp_path: Path) -> None:

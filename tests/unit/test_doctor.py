@@ -321,6 +321,6 @@ def test_the_gemm_of_a_cpu_job_is_timed_on_the_cpu_and_a_gpu_job_without_cuda_is
     assert cpu["device"] == "cpu" and cpu["dtype"] == "float32" and cpu["tflops"] > 0
     # a GPT block timed at two shapes, the larger slower (the planner's CPU block terms are fitted from them)
     small, large = cpu["layers"]
-    assert small["d_model"] < large["d_model"] and 0 < small["seconds"] < large["seconds"], cpu["layers"]
+    assert small["d_model"] < large["d_model"] and 0 <= small["seconds"] < large["seconds"], cpu["layers"]
     if not torch.cuda.is_available():  # a GPU job's figure is never a CPU's (calibration would file it as one)
         assert "tflops" not in probe.gemm_tflops(0, broken=False, cpu=False)
