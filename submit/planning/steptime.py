@@ -73,7 +73,7 @@ class StepTime:
     """The optimizer step: memory-bound (28 bytes per local parameter at HBM speed, or CPU Adam + PCIe)."""
     layers_s: float
     """CPU ranks: the blocks' work besides their matmuls (element-wise passes, softmax, the framework's own
-    per-block cost, more under FSDP and tensor parallelism), in series with them; 0 on GPUs (inside COMPUTE_EFFICIENCY)."""
+    per-block cost), in series with them; 0 on GPUs (inside COMPUTE_EFFICIENCY)."""
     calls_s: float
     """CPU ranks: the Python around the step's collectives (GLOO_COSTS' per-call part of tp_comm_s and dp_comm_s):
     the rank's own CPU work, though it is counted in those terms; 0 on GPUs."""
@@ -81,7 +81,8 @@ class StepTime:
     """CPU ranks: the node's CPUs' share of a step, every rank's own work (compute, blocks, optimizer, calls) over
     the node's CPUs (doctor's count); a step takes at least this when more ranks than CPUs share a node; 0 on GPUs."""
     step_s: float
-    """max(pipeline compute + tp + pp traffic, dp traffic) + the optimizer step."""
+    """max(pipeline compute (+ blocks) + tp + pp traffic, dp traffic) + the optimizer step (dp in series on CPU
+    ranks); on CPU ranks at least cpu_bound_s."""
     tokens_per_s: float
     """global_batch x seq_len / step_s."""
     mfu: float
@@ -173,10 +174,15 @@ def _optimizer_s(spec: JobSpec, local: int, hw: Hardware) -> float:
     return n * ADAM_BYTES_PER_PARAM / (hw.memory_gbs * 1e9)
 
 
+def _gloo_costs(hw: Hardware) -> bool:
+    """Whether a collective's per-call cost is GLOO_COSTS' Python on the rank (CPU ranks doctor timed blocks on)."""
+    return hw.cpu and hw.layer_overhead_s > 0
+
+
 def _collective_cost(hw: Hardware, which: str) -> tuple[float, float]:
     """(factor on the bytes' time, seconds per call) of a tensor- ("tp") or data-parallel ("dp") collective: as
     measured on GPUs; GLOO_COSTS on CPU ranks that doctor timed blocks on."""
-    if not (hw.cpu and hw.layer_overhead_s):
+    if not _gloo_costs(hw):
         return 1.0, hw.latency_s
     cost = GLOO_COSTS[which]
     return cost.bytes_factor, cost.blocks_per_call * hw.layer_overhead_s
@@ -228,7 +234,6 @@ def step_time(spec: JobSpec, hw: Hardware) -> StepTime:
     tp_calls = (6 if t.activation_checkpointing else 4) * (cfg.n_layers // par.pp) * micro
     tp_bytes, tp_call = _collective_cost(hw, "tp")
     tp_comm = tp_calls * (tp_bytes * 2 * _ring(par.tp) * activation / in_node + tp_call) if par.tp > 1 else 0.0
-    calls = tp_calls * tp_call if par.tp > 1 and hw.cpu else 0.0
     stage_ranks = par.dp * par.tp  # consecutive ranks: a stage fills whole nodes once this reaches a node
     pp_bw = hw.ib_gbytes_s * 1e9 if stage_ranks >= hw.gpus_per_node else in_node
     pp_comm = 2 * micro * (activation / par.tp / pp_bw + hw.latency_s) if par.pp > 1 else 0.0
@@ -236,8 +241,10 @@ def step_time(spec: JobSpec, hw: Hardware) -> StepTime:
     local = max(local_params(cfg, ModelPart.stage(cfg, s, par.pp), par.tp) for s in range(par.pp))
     dp_bw = hw.ib_gbytes_s * 1e9 if stage_ranks > hw.gpus_per_node else in_node
     dp_bytes, dp_call = _collective_cost(hw, "dp")
-    dp_comm = dp_bytes * _dp_bytes(spec, local, micro) / dp_bw + _dp_collectives(spec, micro) * dp_call
-    calls += _dp_collectives(spec, micro) * dp_call if hw.cpu else 0.0
+    dp_calls = _dp_collectives(spec, micro)
+    dp_comm = dp_bytes * _dp_bytes(spec, local, micro) / dp_bw + dp_calls * dp_call
+    # the Python around each call is the rank's own CPU work (a GPU's or doctor's latency is waiting)
+    calls = ((tp_calls * tp_call if par.tp > 1 else 0.0) + dp_calls * dp_call) if _gloo_costs(hw) else 0.0
     optimizer = _optimizer_s(spec, local, hw)
     pipeline = (compute + layers + tp_comm + pp_comm) / (1 - bubble)
     step = (max(pipeline, dp_comm) if hw.overlap_dp else pipeline + dp_comm) + optimizer
