@@ -17,6 +17,7 @@ a `plan_drift` alert naming the term that is off, by what the rank measures of e
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -99,8 +100,20 @@ class PlanCheck:
 
     def _alert(self, step: int, ratio: float, term: str, what: str) -> Alert:
         fix = FIXES[term].format(figures=self.prediction.figures or "its figures", cluster=self.cluster)
+        if term == COMMUNICATION and not self.gpu:
+            fix = f"{cpu_sharing()}; or {fix}"
         bound = 1 + self.drift if ratio > 1 else 1 - self.drift
         return Alert("plan_drift", ratio, bound, f"{what}; {fix}", step=step, rank=0)
+
+
+def cpu_sharing() -> str:
+    """On CPU ranks a step also waits for a CPU: what else runs on the node (another job, more ranks than CPUs)
+    shows as communication, so the alert says how busy the node is (two jobs on 2 cores were told of stragglers)."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return "other work on the node's CPUs (another job, or more ranks than CPUs)"
+    return f"other work on the node's CPUs: {load:.1f} processes runnable on its {os.cpu_count()} over the last minute"
 
 
 def _mean(measured: list[tuple[int, dict[str, Any]]], key: str) -> Optional[float]:

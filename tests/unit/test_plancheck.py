@@ -73,6 +73,19 @@ def test_waiting_besides_its_own_work_names_communication() -> None:
     assert "straggler" in alert.message
 
 
+def test_on_cpu_ranks_waiting_names_how_busy_the_nodes_cpus_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second job on the same cores makes every step wait for a CPU, which plancheck sees as communication: the
+    alert says how many processes the node runs on how many CPUs, before stragglers and the interconnect."""
+    monkeypatch.setattr("os.getloadavg", lambda: (4.2, 3.0, 2.0))
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    (alert,) = feed(PlanCheck(PLAN, drift=0.3, steps=10, first=1, gpu=False), step_time=0.6, busy=0.15)
+    assert "other work on the node's CPUs: 4.2 processes runnable on its 2 over the last minute; or a slower peer" in (
+        alert.message
+    )
+    gpu = PlanCheck(PLAN, drift=0.3, steps=10, first=1, gpu=True)
+    assert all("runnable" not in a.message for a in feed(gpu, step_time=0.6, busy=0.15))
+
+
 def test_a_starved_input_names_data_wait() -> None:
     check = PlanCheck(PLAN, drift=0.3, steps=10, first=1, gpu=False)
     (alert,) = feed(check, step_time=0.6, busy=0.15, wait=0.4)
