@@ -175,7 +175,7 @@ def cpu_layer_seconds() -> list[dict[str, Any]]:
 
     out = []
     for d_model, n_heads, seq_len, batch in LAYER_SHAPES:
-        times = []
+        steps = []
         for depth in LAYER_DEPTHS:
             model = GPT(Model(n_layers=depth, d_model=d_model, n_heads=n_heads, vocab_size=256, seq_len=seq_len))
             tokens = torch.randint(0, 256, (batch, seq_len), generator=torch.Generator().manual_seed(0))
@@ -185,10 +185,12 @@ def cpu_layer_seconds() -> list[dict[str, Any]]:
                 loss_fn(model(tokens), tokens).backward()
 
             once = seconds_per_call(step, 1, cuda=False)
-            iters = max(3, min(20, int(0.07 / max(once, 1e-6))))
-            # the fastest of 3 batches: another process on a shared core only ever adds time (the small block's
-            # 0.2 ms is the difference of two such times, and one loaded batch made it 0 in a test)
-            times.append(min(seconds_per_call(step, iters, cuda=False) for _ in range(3)))
+            steps.append((step, max(3, min(20, int(0.07 / max(once, 1e-6))))))
+        # The fastest of 3 rounds, the depths timed in turn within each round: another process on a shared core
+        # only ever adds time, and the two depths see the same load (the small block's 0.2 ms is the difference of
+        # the two times; timed one depth after the other, a load burst on one made it 0 in a test).
+        rounds = [[seconds_per_call(fn, iters, cuda=False) for fn, iters in steps] for _ in range(3)]
+        times = [min(column) for column in zip(*rounds)]
         per_layer = max(times[1] - times[0], 0.0) / (LAYER_DEPTHS[1] - LAYER_DEPTHS[0])
         shape = {"d_model": d_model, "n_heads": n_heads, "seq_len": seq_len, "micro_batch": batch}
         out.append({**shape, "seconds": round(per_layer, 7)})
