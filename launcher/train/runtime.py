@@ -19,6 +19,10 @@ from launcher.contract.spec import JobSpec
 from launcher.env import RankEnv
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+GPU_PROCESS_GROUP = "cpu:gloo,cuda:nccl"
+"""NCCL for the GPUs' collectives, and gloo beside it for CPU tensors: the asynchronous checkpoint
+(torch.distributed.checkpoint.async_save) coordinates its background write over a CPU backend and refuses a
+NCCL-only group (found on an H200: every GPU job died at its first checkpoint)."""
 INIT_TIMEOUT = datetime.timedelta(minutes=10)
 """How long ranks wait for each other at init and in collectives before failing loudly."""
 
@@ -105,15 +109,21 @@ def pick_runtime(job: JobSpec, env: RankEnv, environ: Mapping[str, str]) -> Runt
     return Runtime(torch.device("cpu"), "gloo", None)
 
 
+def process_group_backend(runtime: Runtime) -> str:
+    """What init_process_group is given: on GPUs NCCL with gloo beside it (GPU_PROCESS_GROUP), on CPU gloo."""
+    return GPU_PROCESS_GROUP if runtime.cuda else runtime.backend
+
+
 def init_distributed(env: RankEnv, runtime: Runtime) -> None:
     """Join the process group from the RankEnv (not os.environ: one place reads the environment)."""
     device_id = runtime.device if runtime.cuda else None
+    backend = process_group_backend(runtime)
     if env.world_size == 1:
         # No rendezvous needed: a private store cannot collide with a busy port.
-        dist.init_process_group(runtime.backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
         return
     dist.init_process_group(
-        runtime.backend,
+        backend,
         init_method=f"tcp://{env.master_addr}:{env.master_port}",
         rank=env.rank,
         world_size=env.world_size,
