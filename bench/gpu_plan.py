@@ -27,7 +27,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 GPU_MODEL = {"n_layers": 18, "d_model": 2048, "n_heads": 16, "vocab_size": 32768, "seq_len": 2048}
 """bench/gpu_train.py's ~1B GPT: the same step, so its ms/step and this job's can be read side by side."""
+OTHER_GPU_JOB = {"n_layers": 8, "d_model": 1024, "n_heads": 8, "seq_len": 1024, "micro_batch": 8, "global_batch": 8}
+"""A second, smaller job planned and run with the same calibration (kernel launches weigh more in its step)."""
+OTHER_CPU_JOB = {"n_layers": 4, "d_model": 128, "n_heads": 4, "seq_len": 128, "micro_batch": 4, "global_batch": 8}
 CPU_MODEL = {"n_layers": 2, "d_model": 128, "n_heads": 4, "vocab_size": 256, "seq_len": 128}
+FIGURES = ("gemm_tflops", "block_efficiency", "layer_overhead_us", "layer_element_ns", "storage_write_mbps")
+"""What doctor measured that the plan's step time follows from."""
 WARMUP_LOGGED = 3
 """Logged steps left out of the measured median (allocator, autotuning, first calls)."""
 
@@ -148,6 +153,9 @@ def main() -> None:
         doctor = run(env, "doctor", *cluster, "--storage-mib", "2" if args.cpu else "256", timeout=600)
         verdict = [line for line in doctor.splitlines() if line.startswith(("no bad nodes", "calibration: "))]
         print(f"ROW\tdoctor\t{'; '.join(verdict)}")
+        figures = json.loads((home / "state" / "meshrun" / "calibration" / "here.json").read_text())
+        shown = ", ".join(f"{k} {v}" for f in figures.values() for k, v in f.items() if k in FIGURES and v is not None)
+        print(f"ROW\tcalibration\t{shown}")
         after = json.loads(run(env, "plan", str(job), *cluster, "--json"))
         print(f"ROW\tplan, calibrated\t{planned(after)}")
         out = run(env, "submit", str(job), *cluster, "--wait", timeout=900)
@@ -166,6 +174,17 @@ def main() -> None:
             if line.strip().startswith(("vs plan:", "used:")):
                 label, _, rest = line.strip().partition(": ")
                 print(f"ROW\tstatus {label}\t{rest}")
+        other = OTHER_CPU_JOB if args.cpu else OTHER_GPU_JOB
+        sets = [f"train.{k}={v}" if "batch" in k else f"train.model.{k}={v}" for k, v in other.items()]
+        sets_args = [item for key in sets for item in ("--set", key)]
+        planned_s = json.loads(run(env, "plan", str(job), *cluster, "--json", *sets_args))["step_time_s"]
+        out = run(env, "submit", str(job), *cluster, "--wait", *sets_args, timeout=900)
+        run_dir = Path(next(line.split(": ", 1)[1] for line in out.splitlines() if line.startswith("run dir: ")))
+        step_s, _ = measured(run_dir)
+        shape = " ".join(f"{k} {v}" for k, v in other.items())
+        print(
+            f"ROW\tsecond job\t{shape}: planned {planned_s:.4g} s/step, measured {step_s:.4g}, plan error {planned_s / step_s - 1:+.0%}"
+        )
 
 
 if __name__ == "__main__":

@@ -135,7 +135,12 @@ def gemm_tflops(local_rank: int, broken: bool, cpu: bool = False) -> dict[str, A
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     seconds = seconds_per_call(lambda: torch.mm(a, b), iters, cuda=True)
-    return {"tflops": round(2 * n**3 / seconds / 1e12, 2), "device": torch.cuda.get_device_name(), "n": n}
+    out = {"tflops": round(2 * n**3 / seconds / 1e12, 2), "device": torch.cuda.get_device_name(), "n": n}
+    try:
+        out["layers"] = layer_seconds(GPU_LAYER_SHAPES, cuda=True)
+    except Exception as exc:  # the planner then keeps its datasheet share of the GEMM; the GEMM's verdict stands
+        out["layers_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    return out
 
 
 def cpu_gemm_tflops() -> dict[str, Any]:
@@ -154,42 +159,48 @@ def cpu_gemm_tflops() -> dict[str, Any]:
         "n": n,
         "threads": torch.get_num_threads(),
         "node_cpus": os.cpu_count(),
-        "layers": cpu_layer_seconds(),
+        "layers": layer_seconds(LAYER_SHAPES, cuda=False),
     }
 
 
 LAYER_SHAPES = ((64, 4, 16, 1), (128, 4, 128, 4))
 """(d_model, n_heads, seq_len, micro_batch) of the two models whose blocks the CPU probe times: the first so small
 that its time is the framework's own (Python, autograd, dispatch), the second the size of a test job's."""
+GPU_LAYER_SHAPES = ((256, 4, 256, 1), (4096, 32, 2048, 1))
+"""The GPU probe's two shapes, in bf16: the first so small that its time is launching kernels (the per-block cost),
+the second a 7B-class block whose matmuls keep the GPU busy (the share of the GEMM's rate blocks reach)."""
 LAYER_DEPTHS = (1, 3)
 """Each shape timed with this many blocks: the difference is the blocks' own time (embedding, head and loss cancel)."""
 
 
-def cpu_layer_seconds() -> list[dict[str, Any]]:
-    """Forward and backward of one of meshrun's own GPT blocks on this rank's CPU threads, per micro-batch, at each of
-    LAYER_SHAPES: what the planner adds to a CPU job's matmuls (submit/jobs/calibration.py fits it)."""
+def layer_seconds(shapes: Sequence[tuple[int, int, int, int]], cuda: bool) -> list[dict[str, Any]]:
+    """Forward and backward of one of meshrun's own GPT blocks per micro-batch at each shape, on this rank's CPU
+    threads (fp32) or its GPU (bf16, as the trainer's mixed precision computes): what the planner adds to a CPU job's
+    matmuls, or the share of the GEMM's rate a GPU job's blocks reach (submit/jobs/calibration.py fits them)."""
     import torch
 
     from launcher.contract.spec import Model
     from launcher.train.model import GPT, loss_fn
 
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     out = []
-    for d_model, n_heads, seq_len, batch in LAYER_SHAPES:
+    for d_model, n_heads, seq_len, batch in shapes:
         steps = []
         for depth in LAYER_DEPTHS:
             model = GPT(Model(n_layers=depth, d_model=d_model, n_heads=n_heads, vocab_size=256, seq_len=seq_len))
-            tokens = torch.randint(0, 256, (batch, seq_len), generator=torch.Generator().manual_seed(0))
+            model = model.to(device=device, dtype=torch.bfloat16 if cuda else torch.float32)
+            tokens = torch.randint(0, 256, (batch, seq_len), generator=torch.Generator().manual_seed(0)).to(device)
 
             def step(model: Any = model, tokens: Any = tokens) -> None:
                 model.zero_grad(set_to_none=True)
                 loss_fn(model(tokens), tokens).backward()
 
-            once = seconds_per_call(step, 1, cuda=False)
+            once = seconds_per_call(step, 1, cuda=cuda)
             steps.append((step, max(3, min(20, int(0.07 / max(once, 1e-6))))))
         # The fastest of 3 rounds, the depths timed in turn within each round: another process on a shared core
         # only ever adds time, and the two depths see the same load (the small block's 0.2 ms is the difference of
         # the two times; timed one depth after the other, a load burst on one made it 0 in a test).
-        rounds = [[seconds_per_call(fn, iters, cuda=False) for fn, iters in steps] for _ in range(3)]
+        rounds = [[seconds_per_call(fn, iters, cuda=cuda) for fn, iters in steps] for _ in range(3)]
         times = [min(column) for column in zip(*rounds)]
         per_layer = max(times[1] - times[0], 0.0) / (LAYER_DEPTHS[1] - LAYER_DEPTHS[0])
         shape = {"d_model": d_model, "n_heads": n_heads, "seq_len": seq_len, "micro_batch": batch}

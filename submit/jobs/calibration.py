@@ -52,13 +52,17 @@ class Calibration:
     allreduce_latency_us: Optional[float] = None
     """A tiny all-reduce inside a node (median over the ranks), microseconds: what every collective costs."""
     layer_overhead_us: Optional[float] = None
-    """CPU ranks: what one GPT block's forward and backward cost per micro-batch besides its matmuls and its
-    element-wise work (Python, autograd, dispatch), microseconds; fitted by `layer_terms`. None on GPUs."""
+    """What one GPT block's forward and backward cost per micro-batch however small: on CPU ranks besides its
+    matmuls and element-wise work (Python, autograd, dispatch; `layer_terms`), on GPUs launching its kernels
+    (`gpu_block_terms`); microseconds."""
     layer_element_ns: Optional[float] = None
     """CPU ranks: the block's element-wise work, nanoseconds per value (`modelshape.layer_elements`)."""
     node_cpus: Optional[int] = None
     """CPU ranks: the CPUs of a node (the smallest any rank saw): a job with more ranks than that per node is
     bound by them."""
+    block_efficiency: Optional[float] = None
+    """GPUs: the share of the GEMM's rate a GPT block's forward and backward reach in bf16 (attention, norms and
+    activations between the matmuls; `gpu_block_terms`); None: not timed (the planner's GEMM_EFFICIENCY)."""
 
     @property
     def date(self) -> str:
@@ -83,7 +87,7 @@ def _figures(results: Sequence[Optional[Mapping[str, Any]]], part: str, key: str
 
 
 def _layer_times(results: Sequence[Optional[Mapping[str, Any]]]) -> dict[tuple[int, int, int, int], float]:
-    """The probe's per-block seconds (launcher/probes/doctor.py cpu_layer_seconds), median over the ranks per shape."""
+    """The probe's per-block seconds (launcher/probes/doctor.py layer_seconds), median over the ranks per shape."""
     found: dict[tuple[int, int, int, int], list[float]] = {}
     for res in results:
         layers = ((res or {}).get("compute") or {}).get("layers")
@@ -120,6 +124,29 @@ def layer_terms(
     return round(overhead_s * 1e6, 3), round(element_s * 1e9, 4)
 
 
+def gpu_block_terms(
+    results: Sequence[Optional[Mapping[str, Any]]], gemm_tflops: float
+) -> tuple[Optional[float], Optional[float]]:
+    """(overhead_us, efficiency) of a GPU's GPT block, from the block timed at two shapes: each time = a fixed cost
+    (launching its kernels) + its FLOPs at `efficiency` x the GEMM's rate (two equations, two unknowns; the share
+    kept within 0.05-1). (None, None) without two shapes of different FLOPs timed."""
+    times = sorted(_layer_times(results).items(), key=lambda item: _block_flops(item[0]))
+    if len(times) < 2 or gemm_tflops <= 0:
+        return None, None
+    (small, t_small), (large, t_large) = times[0], times[-1]
+    at_gemm = [_block_flops(shape) / (gemm_tflops * 1e12) for shape in (small, large)]
+    if at_gemm[1] <= at_gemm[0] or t_large <= t_small:
+        return None, None
+    efficiency = min(max((at_gemm[1] - at_gemm[0]) / (t_large - t_small), 0.05), 1.0)
+    overhead_s = max(t_small - at_gemm[0] / efficiency, 0.0)
+    return round(overhead_s * 1e6, 3), round(efficiency, 4)
+
+
+def _block_flops(shape: tuple[int, int, int, int]) -> int:
+    """Training FLOPs of one block's forward and backward over one micro-batch of `shape`."""
+    return layer_flops_per_token(_model(shape)) * shape[2] * shape[3]
+
+
 def _model(shape: tuple[int, int, int, int]) -> Model:
     d_model, n_heads, seq_len, _ = shape
     return Model(n_layers=1, d_model=d_model, n_heads=n_heads, vocab_size=256, seq_len=seq_len)
@@ -141,7 +168,11 @@ def from_results(
     inter = _figures(results, "comm", "inter_node_busbw_gbps")
     when = (now or _dt.datetime.now(_dt.timezone.utc)).astimezone(_dt.timezone.utc)
     gemm_rate = _median(gemm) or 0.0
-    overhead_us, element_ns = layer_terms(results, gemm_rate) if device == "cpu" else (None, None)
+    element_ns = efficiency = None
+    if device == "cpu":
+        overhead_us, element_ns = layer_terms(results, gemm_rate)
+    else:
+        overhead_us, efficiency = gpu_block_terms(results, gemm_rate)
     return Calibration(
         measured_at=when.strftime("%Y-%m-%dT%H:%M:%SZ"),
         job=job,
@@ -157,6 +188,7 @@ def from_results(
         layer_overhead_us=overhead_us,
         layer_element_ns=element_ns,
         node_cpus=int(min(cpus)) if (cpus := _figures(results, "compute", "node_cpus")) else None,
+        block_efficiency=efficiency,
     )
 
 

@@ -97,9 +97,12 @@ def hardware(cluster: ClusterProfile, part: Partition, measured: Optional[Calibr
     hw = Hardware(peak, bandwidth, part.gpus_per_node, net.nvlink_gbytes_s, net.ib_gbytes_s)
     if measured is None or measured.kind != "gpu" or not measured.gemm_tflops:
         return hw
+    # Doctor's timed blocks give the share of the GEMM a block reaches and a block's fixed cost (kernel launches).
+    share = measured.block_efficiency or GEMM_EFFICIENCY
     return replace(
         hw,
-        compute_tflops=measured.gemm_tflops * GEMM_EFFICIENCY,
+        compute_tflops=measured.gemm_tflops * share,
+        layer_overhead_s=(measured.layer_overhead_us or 0.0) / 1e6 if measured.block_efficiency else 0.0,
         nvlink_gbytes_s=measured.intra_node_busbw_gbps or hw.nvlink_gbytes_s,
         ib_gbytes_s=measured.inter_node_busbw_gbps or hw.ib_gbytes_s,
         source=calibrated_on(measured),

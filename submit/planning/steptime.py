@@ -72,8 +72,9 @@ class StepTime:
     optimizer_s: float
     """The optimizer step: memory-bound (28 bytes per local parameter at HBM speed, or CPU Adam + PCIe)."""
     layers_s: float
-    """CPU ranks: the blocks' work besides their matmuls (element-wise passes, softmax, the framework's own
-    per-block cost), in series with them; 0 on GPUs (inside COMPUTE_EFFICIENCY)."""
+    """The blocks' fixed cost in series with their matmuls, from doctor's block timings: on CPU ranks their work
+    besides the matmuls (element-wise passes, softmax, the framework's own per-block cost), on GPUs launching their
+    kernels; 0 with datasheet figures (inside COMPUTE_EFFICIENCY)."""
     calls_s: float
     """CPU ranks: the Python around the step's collectives (GLOO_COSTS' per-call part of tp_comm_s and dp_comm_s):
     the rank's own CPU work, though it is counted in those terms; 0 on GPUs."""
@@ -118,7 +119,8 @@ class Hardware:
     overlap_dp: bool = True
     """Data-parallel traffic overlaps with compute (GPU streams); on CPU ranks (gloo) it runs in series."""
     layer_overhead_s: float = 0.0
-    """CPU ranks: a block's forward and backward per micro-batch besides matmuls and element-wise work (doctor's)."""
+    """A block's forward and backward per micro-batch besides its matmuls (and on CPU ranks its element-wise work):
+    doctor's; on GPUs the launch of its kernels."""
     layer_element_s: float = 0.0
     """CPU ranks: a block's element-wise work per value (`modelshape.layer_elements`), seconds (doctor's)."""
     node_cpus: int = 0
@@ -197,10 +199,10 @@ def _node_cpu_bound_s(spec: JobSpec, hw: Hardware, own_work_s: float) -> float:
     return own_work_s * spec.resources.cpus_per_task * spec.tasks_per_node / hw.node_cpus
 
 
-def _cpu_layers_s(spec: JobSpec, hw: Hardware, micro: int) -> float:
-    """One rank's blocks besides their matmuls, a step on CPU ranks: per block and micro-batch doctor's overhead
-    and element-wise work (x 4/3 with activation checkpointing: one more forward)."""
-    if not hw.cpu or not (hw.layer_overhead_s or hw.layer_element_s):
+def _layers_s(spec: JobSpec, hw: Hardware, micro: int) -> float:
+    """One rank's blocks besides their matmuls, a step: per block and micro-batch doctor's fixed cost (and on CPU
+    ranks their element-wise work), x 4/3 with activation checkpointing (one more forward)."""
+    if not (hw.layer_overhead_s or hw.layer_element_s):
         return 0.0
     cfg, par = spec.trainer.model, spec.parallel
     elements = layer_elements(cfg, spec.trainer.micro_batch, par.tp)
@@ -227,7 +229,7 @@ def step_time(spec: JobSpec, hw: Hardware) -> StepTime:
     if not hw.cpu and not mixed(spec):
         rate *= FP32_FRACTION
     compute = flops * (4 / 3 if t.activation_checkpointing else 1) / (world * rate)
-    layers = _cpu_layers_s(spec, hw, micro)
+    layers = _layers_s(spec, hw, micro)
     w = 2 if mixed(spec) else 4
     activation = cfg.seq_len * t.micro_batch * cfg.d_model * w  # one micro-batch's hidden states
     in_node = hw.nvlink_gbytes_s * 1e9

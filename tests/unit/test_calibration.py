@@ -255,8 +255,8 @@ def test_the_cpu_block_terms_are_what_the_two_timed_shapes_solve_to() -> None:
         time = steptime.step_time(spec, hw)
         assert time.layers_s == pytest.approx(cfg.n_layers * micro * (4e-4 + 9e-9 * elements)), layout
         assert time.step_s > time.compute_s + time.layers_s
-        gpu = steptime.step_time(spec, dataclasses.replace(hw, cpu=False))
-        assert gpu.layers_s == 0  # on GPUs the rest of a block is inside COMPUTE_EFFICIENCY
+        gpu = steptime.step_time(spec, dataclasses.replace(hw, cpu=False, layer_overhead_s=0, layer_element_s=0))
+        assert gpu.layers_s == 0  # GPUs without doctor's blocks: the rest of a block is inside COMPUTE_EFFICIENCY
         # gloo's collectives inside a step: their bytes at GLOO_COSTS' factor of doctor's bandwidth, and each call
         # a number of block overheads instead of doctor's (swinging) tiny all-reduce; NCCL's as measured
         which, comm = ("tp", "tp_comm_s") if spec.parallel.tp > 1 else ("dp", "dp_comm_s")
@@ -266,6 +266,40 @@ def test_the_cpu_block_terms_are_what_the_two_timed_shapes_solve_to() -> None:
         assert calls == pytest.approx(round(calls)) and round(calls) >= 1, layout
         bytes_only = steptime.step_time(spec, dataclasses.replace(hw, cpu=False, latency_s=0.0))
         assert getattr(no_calls, comm) == pytest.approx(cost.bytes_factor * getattr(bytes_only, comm), rel=1e-6)
+
+
+def test_a_gpus_block_terms_are_its_launch_cost_and_its_share_of_the_gemm() -> None:
+    """On GPUs doctor times a block at a launch-bound and a compute-bound shape (bf16): the two give the block's
+    fixed cost and the share of the GEMM's rate its FLOPs reach, and the calibrated plan times blocks with them
+    (an H200's ~1B GPT ran at 0.186 s a step where 0.7 of the GEMM planned 0.108 s)."""
+    from launcher.probes.doctor import GPU_LAYER_SHAPES
+
+    gemm, share, launch = 780.0, 0.55, 3e-4
+    layers = [
+        {"d_model": d, "n_heads": h, "seq_len": s, "micro_batch": b, "seconds": launch + flops / (gemm * 1e12 * share)}
+        for d, h, s, b in GPU_LAYER_SHAPES
+        for flops in [calibration._block_flops((d, h, s, b))]
+    ]
+    run = [
+        _rank(r, gemm, "NVIDIA H200", compute={"tflops": gemm, "device": "NVIDIA H200", "layers": layers})
+        for r in range(2)
+    ]
+    found = calibration.from_results(run, "9", nodes=1, now=NOW)
+    assert found is not None and found.kind == "gpu" and found.layer_element_ns is None
+    assert found.block_efficiency == pytest.approx(share, rel=1e-3)
+    assert found.layer_overhead_us == pytest.approx(launch * 1e6, rel=1e-2)
+    calibration.save("h100-ndr", "gpu", found)
+    calibrated = _plan("h100-ndr", "h100-8node.yaml")
+    calibration.calibration_file("h100-ndr").unlink()
+    datasheet = _plan("h100-ndr", "h100-8node.yaml")
+    spec = plan_file(REPO / "examples" / "h100-8node.yaml", load_profile("h100-ndr"), [], home=REMOTE_HOME).spec
+    par, t = spec.parallel, spec.trainer
+    micro = t.global_batch // (t.micro_batch * par.dp)
+    blocks = -(-t.model.n_layers // par.pp) * micro * launch * (4 / 3 if t.activation_checkpointing else 1)
+    assert calibrated["time"]["layers_s"] == pytest.approx(blocks, rel=1e-2) and datasheet["time"]["layers_s"] == 0
+    # the matmuls at the measured share of the GEMM: 780 x 0.55 against the datasheet's 989 x 0.5
+    ratio = calibrated["time"]["compute_s"] / datasheet["time"]["compute_s"]
+    assert ratio == pytest.approx(989 * 0.5 / (gemm * share), rel=1e-3)
 
 
 def test_a_node_with_more_ranks_than_cpus_is_bound_by_them() -> None:
