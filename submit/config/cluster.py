@@ -86,7 +86,8 @@ class Interconnect:
     ib_hcas: tuple[str, ...] = ()
     """InfiniBand HCAs used for GPU traffic, e.g. mlx5_0 ... mlx5_7."""
     nccl: Mapping[str, str] = field(default_factory=dict)
-    """NCCL/network environment preset exported before the ranks start (NCCL_IB_HCA, ...)."""
+    """NCCL/network environment preset exported before the ranks start (NCCL_IB_HCA, ...; GLOO_SOCKET_IFNAME too:
+    GPU ranks run gloo beside NCCL for CPU tensors, the asynchronous checkpoint's coordination among them)."""
     nvlink_gbytes_s: float = 150.0
     """Bus bandwidth of one GPU inside its NVLink domain, GB/s (nccl-tests' busbw of a large all-reduce; the
     planner's tensor-parallel and in-node data-parallel traffic). Default: a conservative NVLink figure."""

@@ -93,6 +93,15 @@ QUICK: dict[str, tuple[list[str], list[str]]] = {
             rf"steps [0-9]+-[0-9]+: {NUMBER} ms/step, {NUMBER} tokens/s, .*MFU.*; energy GPU unmeasured, CPU .*; 0 GPU-hours"
         ],
     ),
+    "gpu_plan.py": (
+        ["--quick"],
+        [  # the journey through the CLI: datasheet plan (no CPU time without doctor), doctor, calibrated plan, run
+            r"^ROW\tplan, datasheet\tno step time",
+            r"^ROW\tplan, calibrated\t[0-9.e-]+ s/step, .*; calibrated on ",
+            rf"^ROW\trun 8 steps\tmeasured {NUMBER} s/step .*plan error: calibrated [+-]{NUMBER}%$",
+            r"^ROW\tstatus used\t.*energy GPU unmeasured",
+        ],
+    ),
     "gpu_ops.py": (
         ["all", "--quick"],
         [
