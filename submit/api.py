@@ -357,7 +357,7 @@ def prepare(
     ships_code = backend(plan.cluster.scheduler).ships_code
     snap = snapshots.collect(spec_dir, plan.spec.code) if ships_code else None
     found: Optional[snapshots.Found] = None
-    warnings: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = tuple(snapshots.left_out_warning(snap)) if snap is not None else ()
     if transport is not None and after:
         check_after(plan.cluster, after, transport)  # before anything is written or sent
     probed: Optional[snapshots.Probed] = None
@@ -369,7 +369,7 @@ def prepare(
         if not is_local(plan.cluster):
             plan = with_home(plan, home)
         if found is not None and not found.present:
-            warnings = tuple(snapshots.changed_warning(plan.work_dir, found))
+            warnings += tuple(snapshots.changed_warning(plan.work_dir, found))
     if transport is not None and reaches_other_machines(plan.cluster.scheduler):
         # The cluster's suspect nodes (a hang verdict blamed them) are left out, as far as the partition can spare.
         lines = probed.suspect_lines if probed is not None else None

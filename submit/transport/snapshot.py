@@ -54,6 +54,10 @@ ALWAYS_EXCLUDED = (
     "known_hosts.old",
     "*.meshrun-tmp",
 )
+LEFT_OUT = ("*.safetensors", "*.pt", "*.pth", "*.ckpt", "*.distcp", "*.u16", "*.u32", "*.npy")
+"""Model weights, checkpoints and token files are not code: left out of the snapshot (and said so), unless
+code.include names them. A job reads them by path (`init_from`, `data.path`); one exported into the checkout
+(`meshrun export -o model.safetensors`) would otherwise ride along with every later submit."""
 MAX_BYTES = 512 * 1024 * 1024
 MAX_FILES = 100_000
 
@@ -72,6 +76,8 @@ class Snapshot:
     """`sha256  path` per file, in `files` order: sealed into the snapshot folder, checked before reuse."""
     listing: str = ""
     """`path<TAB>mode` per file, sorted by bytes as `LC_ALL=C sort` does: the folder must hold exactly these."""
+    left_out: tuple[str, ...] = ()
+    """Files of the project LEFT_OUT kept out (weights, checkpoints, token files), for the submit's warning."""
 
     @property
     def manifest_sha(self) -> str:
@@ -201,6 +207,25 @@ def candidates(root: Path, code: Code) -> list[str]:
     )
 
 
+def split_left_out(rels: list[str], code: Code) -> tuple[list[str], tuple[str, ...]]:
+    """(what ships, what LEFT_OUT keeps back): weights and token files stay unless code.include names them."""
+    held = tuple(rel for rel in rels if matches(rel, LEFT_OUT) and not matches(rel, code.include))
+    return [rel for rel in rels if rel not in set(held)], held
+
+
+def left_out_warning(snapshot: Snapshot) -> list[str]:
+    """One line naming the files LEFT_OUT kept out of the snapshot, and how to ship them after all."""
+    if not snapshot.left_out:
+        return []
+    shown = ", ".join(snapshot.left_out[:3]) + (
+        f" and {len(snapshot.left_out) - 3} more" if len(snapshot.left_out) > 3 else ""
+    )
+    return [
+        f"not shipped with the code: {shown} (weights, checkpoints and token files are read by path: init_from, "
+        f"data.path); to ship one, name it in code.include"
+    ]
+
+
 def collect(spec_dir: Path, code: Code) -> Optional[Snapshot]:
     """The snapshot of the job's project, or None when there is nothing to ship."""
     if not code.sync:
@@ -208,7 +233,7 @@ def collect(spec_dir: Path, code: Code) -> Optional[Snapshot]:
     root = project_root(spec_dir, code)
     if root is None:
         return None
-    rels = candidates(root, code)
+    rels, left_out = split_left_out(candidates(root, code), code)
     if len(rels) > MAX_FILES:
         raise InputError(
             "code", str(root), f"{len(rels)} files would ship; add code.exclude globs or set code.sync: false"
@@ -239,6 +264,7 @@ def collect(spec_dir: Path, code: Code) -> Optional[Snapshot]:
         size=size,
         manifest="".join(manifest),
         listing=listing,
+        left_out=left_out,
     )
 
 

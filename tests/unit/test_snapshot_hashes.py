@@ -104,3 +104,21 @@ def test_the_work_tree_is_the_one_git_names(tmp_path: Path) -> None:
     (linked / ".git").write_text("gitdir: /elsewhere\n")  # a linked worktree's or a submodule's .git file
     assert work_tree(linked / "sub") == linked
     assert snapshot.project_root(repo / "a", Code()) == repo
+
+
+def test_weights_and_token_files_stay_behind_unless_code_include_names_them(project: Path) -> None:
+    """`meshrun export -o model.safetensors` in a checkout: the weights do not ride along with every later
+    submit (the digest is the code's alone), and the warning names them and the way to ship one."""
+    before = collect(project, Code(root=str(project)))
+    (project / "model.safetensors").write_bytes(b"w" * 1000)
+    (project / "data").mkdir()
+    (project / "data" / "corpus.u16").write_bytes(b"t" * 1000)
+    found = collect(project, Code(root=str(project)))
+    assert before is not None and found is not None
+    assert [rel for rel, _ in found.files] == ["pkg/mod.py", "train.py"] and found.digest == before.digest
+    assert found.left_out == ("data/corpus.u16", "model.safetensors")
+    (line,) = snapshot.left_out_warning(found)
+    assert line.startswith("not shipped with the code: data/corpus.u16, model.safetensors (") and "code.include" in line
+    shipped = collect(project, Code(root=str(project), include=("*.py", "model.safetensors")))
+    assert shipped is not None and sorted(dict(shipped.files)) == ["model.safetensors", "pkg/mod.py", "train.py"]
+    assert shipped.left_out == ()
