@@ -8,8 +8,11 @@ bytes (vocab 256), uint16 unless the name ends in `.u32`.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import json
+import shlex
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -19,6 +22,13 @@ from launcher.contract.spec import Data, JobSpec
 
 BYTES_VOCAB = 256
 """The vocabulary of a token file without a record: one token per byte."""
+
+
+SAMPLE_BYTES = 1 << 20
+"""How much of each token file is read at submit and rank start to tell it is one (ids within its vocabulary)."""
+TEXT_MIN_BYTES = 4096
+"""Below this a file is not called text for having no NUL byte (a few ids can lack one; 2048 ids of a real
+tokenizer's file lack one with odds of about 1 in 10^7)."""
 
 
 def record_path(path: str | Path) -> Path:
@@ -138,6 +148,82 @@ def visible_here(path: Path) -> bool:
     return len(path.parts) > 1 and Path(*path.parts[:2]).exists()
 
 
+def token_width(path: str | Path, record: Optional[TokenRecord]) -> int:
+    """Bytes per token: the record's dtype, else uint32 for a name ending in `.u32`, else uint16."""
+    dtype = record.dtype if record else ("uint32" if str(path).endswith(".u32") else "uint16")
+    return 4 if dtype == "uint32" else 2
+
+
+def largest_id(data: bytes, width: int) -> int:
+    """The largest token id in `data` (little-endian, as numpy writes them on every machine meshrun runs on)."""
+    ids = array.array("I" if width == 4 else "H")
+    if ids.itemsize != width:  # a platform whose C int is not 4 bytes: fall back to reading them one by one
+        return max((int.from_bytes(data[i : i + width], "little") for i in range(0, len(data), width)), default=0)
+    ids.frombytes(data[: len(data) - len(data) % width])
+    if sys.byteorder != "little":
+        ids.byteswap()
+    return max(ids, default=0)
+
+
+MAGIC = {b"PAR1": "a Parquet file", b"\x1f\x8b": "gzip-compressed", b"PK\x03\x04": "a zip archive"}
+
+
+def file_kind(sample: bytes) -> str:
+    """What the first bytes of a data file say it is when that is not token ids ('' when it may be): text (valid
+    UTF-8 without a NUL byte: token ids below 256 in uint16 have a NUL in every other byte, larger ones are not
+    valid UTF-8 for a MiB), or a known container."""
+    for magic, kind in MAGIC.items():
+        if sample.startswith(magic):
+            return kind
+    if len(sample) < TEXT_MIN_BYTES or b"\0" in sample:
+        return ""
+    try:
+        sample.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.start < len(sample) - 3:  # a character cut by the sample's end is still text
+            return ""
+    return "text"
+
+
+def check_token_sample(key: str, path: str, here: Path, record: Optional[TokenRecord], vocab: int) -> None:
+    """The file is one of token ids: a whole number of them, and in its first SAMPLE_BYTES every id within its
+    own vocabulary (its record's, else the bytes' 256) and the model's `vocab`: a text or JSONL file given as data
+    is refused at submit, before it queues (the ranks check every id again: launcher.data.dataset)."""
+    width = token_width(here, record)
+    fix = f"build a token file from it with `meshrun data {shlex.quote(path)} --out OUT.u16`, or fix the path"
+    with open(here, "rb") as f:
+        sample = f.read(SAMPLE_BYTES)
+    kind = file_kind(sample)
+    if kind:
+        raise SchemaError(key, path, f"is {kind}, not token ids; {fix}")
+    size = here.stat().st_size
+    if size % width:
+        dtype = "uint32" if width == 4 else "uint16"
+        raise SchemaError(
+            key, path, f"{size} bytes is not a whole number of {dtype} token ids: not a token file; {fix}"
+        )
+    top = largest_id(sample, width)
+    if record and top >= record.vocab_size:
+        raise SchemaError(
+            key, path, f"holds token id {top}, beyond the {record.vocab_size} ids its record says: rebuild it; {fix}"
+        )
+    if not record and not vocab and top >= BYTES_VOCAB:
+        raise SchemaError(
+            key,
+            path,
+            f"holds token id {top}, but a file without a record is read as bytes (ids below {BYTES_VOCAB}): give "
+            f"train.model.vocab_size (its tokenizer's), or {fix}",
+        )
+    if vocab and top >= vocab:
+        raise SchemaError(
+            key,
+            path,
+            f"token id {top} (in its first MiB) is not below train.model.vocab_size={vocab}; raise "
+            f"train.model.vocab_size to at least {top + 1} (0 takes the tokenizer's), or rebuild the data "
+            f"with a tokenizer of at most {vocab} ids",
+        )
+
+
 def check_data_files(job: JobSpec, home: Optional[str] = None) -> None:
     """Every data file the spec names exists, where this machine sees its filesystem (the local cluster,
     a login node, the ranks themselves). Raises SchemaError naming the key, the path and the fix."""
@@ -149,6 +235,8 @@ def check_data_files(job: JobSpec, home: Optional[str] = None) -> None:
         if visible_here(here) and not here.is_file():
             raise SchemaError(key, path, "no token file there; build it with `meshrun data` or fix the path")
         record = read_record(here) if here.is_file() else None
+        if here.is_file():
+            check_token_sample(key, path, here, record, job.train.model.vocab_size if job.train else 0)
         if (
             key == "data.path"
             and not job.data.val_path

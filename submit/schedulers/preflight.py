@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from launcher.contract.modelshape import checkpoint_space_needed
+from launcher.contract.tokens import BYTES_VOCAB, SAMPLE_BYTES, TEXT_MIN_BYTES
 from submit import __version__
 from submit.planning.plan import Plan
 from submit.schedulers.base import Request
@@ -37,12 +38,22 @@ TEST_ONLY = (
 )
 # Each argument pair is KEY PATH, `~/` meaning the cluster user's home. A file that is missing or unreadable
 # prints `missing KEY PATH`; a secret (its key starts with `secrets.`) also `open KEY PATH` when others may
-# read it, `notmine KEY PATH` when another user owns it.
+# read it, `notmine KEY PATH` when another user owns it; a data file `tokens KEY BYTES NON_NUL MAX_ID RECORD PATH`:
+# its size, the bytes of its first MiB that are not NUL (token ids have NULs; text has none), the largest id
+# there, and whether a record (PATH.json) is beside it (the same test as launcher.contract.tokens, in sh: the
+# file is on the cluster only).
 FILES = r"""
 while [ "$#" -ge 2 ]; do
   k=$1 p=$2; shift 2
   case $p in "~/"*) p="$HOME/${p#"~/"}";; esac
   if [ ! -r "$p" ] || [ -d "$p" ]; then echo "missing $k $p"; continue; fi
+  case $k in data.*)
+    t=-tu2; case $p in *.u32) t=-tu4;; esac
+    s=$(wc -c < "$p"); n=$(head -c 1048576 "$p" | tr -d '\000' | wc -c)
+    m=$(head -c 1048576 "$p" | od -An -v $t | awk '{for (i = 1; i <= NF; i++) if ($i + 0 > m) m = $i + 0} END {print m + 0}')
+    r=0; [ -r "$p.json" ] && r=1
+    echo "tokens $k $s $n $m $r $p";;
+  esac
   case $k in secrets.*)
     [ -O "$p" ] || { echo "notmine $k $p"; continue; }
     [ -z "$(find "$p" -maxdepth 0 -perm /077 2>/dev/null)" ] || echo "open $k $p";;
@@ -140,7 +151,7 @@ def run(plan: Plan, request: Request, transport: Transport, local: bool) -> Pref
         if what == "slurm":
             check, start = _slurm(result)
         elif what == "files":
-            check = _files(result)
+            check = _files(result, plan.spec.train.model.vocab_size if plan.spec.train else 0)
         elif what == "environment":
             check = _environment(plan, result)
         else:
@@ -168,7 +179,30 @@ def _slurm(result: Result) -> tuple[Check, Optional[str]]:
     return Check("slurm", False, f"Slurm refuses the request: {reason}; {fix}"), None
 
 
-def _files(result: Result) -> Check:
+def _token_problem(fields: str, vocab: int) -> list[str]:
+    """What a data file's `tokens` line says is wrong with it as token ids ([] when nothing)."""
+    key, size, non_nul, top, record, path = (fields.split(" ", 5) + [""] * 6)[:6]
+    try:
+        nbytes, kept, largest = int(size), int(non_nul), int(top)
+    except ValueError:
+        return []
+    width = 4 if path.endswith(".u32") else 2
+    fix = "build a token file from it with `meshrun data FILE --out OUT.u16`, or fix the path"
+    if nbytes >= TEXT_MIN_BYTES and kept == min(nbytes, SAMPLE_BYTES):
+        return [f"{key}: {path} has no NUL byte in its first MiB: text, not token ids; {fix}"]
+    if nbytes % width:
+        return [f"{key}: {path} ({nbytes} bytes) is not a whole number of {8 * width}-bit token ids; {fix}"]
+    if record == "0" and not vocab and largest >= BYTES_VOCAB:
+        return [
+            f"{key}: {path} holds token id {largest}, but a file without a record is read as bytes (ids below "
+            f"{BYTES_VOCAB}): give train.model.vocab_size (its tokenizer's), or {fix}"
+        ]
+    if vocab and largest >= vocab:
+        return [f"{key}: {path} holds token id {largest}, not below train.model.vocab_size={vocab}; raise it"]
+    return []
+
+
+def _files(result: Result, vocab: int = 0) -> Check:
     if result.returncode != 0 or not result.stdout.rstrip().endswith("done"):
         return Check("files", False, f"the file check did not run: {_last_line(result)}")
     problems = []
@@ -183,6 +217,8 @@ def _files(result: Result) -> Check:
             problems.append(f"{key}: {path} is readable by others on the cluster; chmod 600 it")
         elif word == "notmine":
             problems.append(f"{key}: {path} belongs to another user on the cluster; use a file of your own")
+        elif word == "tokens":
+            problems += _token_problem(rest, vocab)
     if problems:
         return Check("files", False, "; ".join(problems))
     return Check("files", True, "every file the ranks read is there")

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, models
 
 from launcher.contract import tokens
 from launcher.contract.schema import SchemaError
-from launcher.contract.spec import BlendSource, Data, JobSpec
+from launcher.contract.spec import BlendSource, Data, JobSpec, Model, Train
 from launcher.data import corpus
 from launcher.data.dataset import (
     BLEND_PERIOD,
@@ -269,6 +269,48 @@ def test_blend_weights_and_tokenizers_are_checked_before_submission(tmp_path: Pa
     token_file(tmp_path / "b.u16", [2] * 2000, vocab=512)
     with pytest.raises(SchemaError, match=r"data\.blend\[1\]\.path: .*another tokenizer than data\.blend\[0\]"):
         tokens.check_data_files(JobSpec(name="x", data=mixed))
+
+
+def _job(path: Path, vocab: int) -> JobSpec:
+    return JobSpec(name="x", data=Data(path=str(path), val_fraction=0.0), train=Train(model=Model(vocab_size=vocab)))
+
+
+@pytest.mark.parametrize(
+    ("content", "vocab", "message"),
+    [
+        (
+            '{"text": "a document"}\n' * 300,
+            256,
+            r"data\.path: .*corpus\.u16'?: is text, not token ids; build a token file",
+        ),
+        (b"PAR1" + bytes(range(1, 200)), 256, r"is a Parquet file, not token ids; .*meshrun data .*--out OUT\.u16"),
+        (bytes([0, 1, 0]), 256, r"3 bytes is not a whole number of uint16 token ids: not a token file"),
+        ([5, 1000, 7], 0, r"holds token id 1000, but a file without a record is read as bytes .*give train\.model"),
+        ([5, 300, 7], 256, r"token id 300 \(in its first MiB\) is not below train\.model\.vocab_size=256; raise"),
+    ],
+)
+def test_a_file_that_is_not_token_ids_is_refused_at_submit(
+    tmp_path: Path, content: object, vocab: int, message: str
+) -> None:
+    """Preflight on the machine that sees the data (the local cluster, a login node; the ranks check again):
+    text, a container, a torn file or ids beyond the vocabulary, each one line naming the key, the path and the fix."""
+    path = tmp_path / "corpus.u16"
+    if isinstance(content, list):
+        token_file(path, content)
+    else:
+        path.write_bytes(content.encode() if isinstance(content, str) else content)  # type: ignore[attr-defined]
+    with pytest.raises(SchemaError, match=message):
+        tokens.check_data_files(_job(path, vocab))
+
+
+def test_token_files_of_a_users_own_or_a_recorded_vocabulary_pass(tmp_path: Path) -> None:
+    own = token_file(tmp_path / "own.u16", [5, 1000, 7])  # no record: ids up to the model's vocab_size
+    tokens.check_data_files(_job(own, 2000))
+    recorded = token_file(tmp_path / "bpe.u16", [5, 500, 7], vocab=512)
+    tokens.check_data_files(_job(recorded, 0))
+    token_file(tmp_path / "torn.u16", [5, 600, 7], vocab=512)
+    with pytest.raises(SchemaError, match=r"holds token id 600, beyond the 512 ids its record says"):
+        tokens.check_data_files(_job(tmp_path / "torn.u16", 0))
 
 
 # ------------------------------------------------------------------ nothing cut, nothing dropped silently

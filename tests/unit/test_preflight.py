@@ -50,6 +50,29 @@ def test_a_missing_data_file_and_init_weights_are_named_with_the_key(tmp_path: P
     assert "data.val_path: /no/val.u16 is not on the cluster" in check.line and "data.path" not in check.line
 
 
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        (
+            b'{"text": "a document"}\n' * 300,
+            "has no NUL byte in its first MiB: text, not token ids; build a token file",
+        ),
+        (b"\0" * 4095, "(4095 bytes) is not a whole number of 16-bit token ids"),
+        (
+            b"".join(i.to_bytes(2, "little") for i in (5, 300, 7, 0)),
+            "holds token id 300, not below train.model.vocab_size=256; raise it",
+        ),
+    ],
+)
+def test_a_data_file_on_the_cluster_that_is_not_token_ids_is_refused(tmp_path: Path, content: bytes, said: str) -> None:
+    """The data file as the cluster sees it (sh, od and awk on the login node: the laptop may not see it)."""
+    plan = _plan(tmp_path)
+    Path(plan.spec.data.path).write_bytes(content)
+    (check,) = _run(plan).failures
+    assert check.what == "files" and check.line.startswith(f"data.path: {plan.spec.data.path} "), check.line
+    assert said in check.line, check.line
+
+
 def test_a_secret_file_others_can_read_is_refused_and_its_content_never_read(tmp_path: Path) -> None:
     secret = tmp_path / "token"
     secret.write_text("hunter2\n")
