@@ -164,10 +164,13 @@ def offload(offload_optimizer: bool, offload_params: bool) -> str:
     return " and ".join(name for name, on in (("optimizer", offload_optimizer), ("parameter", offload_params)) if on)
 
 
-def summary(engine: str, zero: Optional[int], offload_optimizer: bool, offload_params: bool, dp_mode: str) -> str:
-    """The engine in one phrase: 'deepspeed ZeRO-2, optimizer offload' or 'native (fsdp)'."""
+def summary(
+    engine: str, zero: Optional[int], offload_optimizer: bool, offload_params: bool, dp_mode: str, dp: int = 1
+) -> str:
+    """The engine in one phrase: 'deepspeed ZeRO-2, optimizer offload', 'native (fsdp)', or 'native' where there is
+    no data parallelism (dp 1: dp_mode does nothing)."""
     if engine != "deepspeed":
-        return f"{engine} ({dp_mode})"
+        return f"{engine} ({dp_mode})" if dp > 1 else engine
     moved = offload(offload_optimizer, offload_params)
     return f"deepspeed ZeRO-{DEFAULT_ZERO if zero is None else zero}" + (f", {moved} offload" if moved else "")
 
@@ -175,7 +178,7 @@ def summary(engine: str, zero: Optional[int], offload_optimizer: bool, offload_p
 def job_summary(job: JobSpec) -> str:
     """`summary` of a validated spec."""
     par = job.parallel
-    return summary(job.trainer.engine, par.zero, par.offload_optimizer, par.offload_params, par.dp_mode)
+    return summary(job.trainer.engine, par.zero, par.offload_optimizer, par.offload_params, par.dp_mode, par.dp)
 
 
 def plain_summary(job: Mapping[str, Any]) -> Optional[str]:
@@ -184,13 +187,20 @@ def plain_summary(job: Mapping[str, Any]) -> Optional[str]:
     train, par = job.get("train"), job.get("parallel")
     if job.get("command") or not isinstance(train, Mapping) or not isinstance(par, Mapping):
         return None
-    engine, zero, dp_mode = train.get("engine", "native"), par.get("zero"), par.get("dp_mode", "fsdp")
+    engine, zero, dp_mode, dp = (
+        train.get("engine", "native"),
+        par.get("zero"),
+        par.get("dp_mode", "fsdp"),
+        par.get("dp", 1),
+    )
     flags = (par.get("offload_optimizer", False), par.get("offload_params", False))
     if not isinstance(engine, str) or not isinstance(dp_mode, str) or not all(isinstance(f, bool) for f in flags):
         return None
+    if not isinstance(dp, int) or isinstance(dp, bool):
+        return None
     if zero is not None and (not isinstance(zero, int) or isinstance(zero, bool)):
         return None
-    return summary(engine, zero, flags[0], flags[1], dp_mode)
+    return summary(engine, zero, flags[0], flags[1], dp_mode, dp)
 
 
 def dumps(job: JobSpec) -> str:

@@ -341,7 +341,14 @@ def test_status_detail_shows_the_engine_from_spec_json(tmp_path: Path) -> None:
     assert found.engine == "deepspeed ZeRO-2, optimizer offload" and found.steps == 60
     assert "engine: deepspeed ZeRO-2, optimizer offload" in detail_lines(_status(**found.status_fields()))
     assert findings.SPEC not in findings.read_files(str(tmp_path), with_env=False)  # the list view: not read
-    assert findings.parse_engine(json.dumps({"job": {"train": {}, "parallel": {"dp_mode": "ddp"}}})) == "native (ddp)"
+    assert (
+        findings.parse_engine(json.dumps({"job": {"train": {}, "parallel": {"dp": 2, "dp_mode": "ddp"}}}))
+        == "native (ddp)"
+    )
+    # tensor parallelism alone: no data parallelism, so no dp_mode to name
+    assert (
+        findings.parse_engine(json.dumps({"job": {"train": {}, "parallel": {"tp": 2, "dp_mode": "fsdp"}}})) == "native"
+    )
     assert findings.parse_engine(json.dumps({"job": {"command": ["x"], "train": None}})) is None
     assert findings.parse_engine("{cut") is None
     garbled = {"job": {"train": {"engine": "deepspeed"}, "parallel": {"zero": "2"}}}
