@@ -212,13 +212,19 @@ def check_gpus(ranks: Sequence[Mapping[str, Any]], opts: Options) -> Check:
     return Check("gpus", "pass", text)
 
 
+def shown(value: float) -> str:
+    """A figure as the table prints it: whole from 100 up, else 3 significant figures (1383 and 1435.6 MB/s in
+    one row read as different precisions)."""
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
 def relative(name: str, value: float, best: float, unit: str, what: str) -> Optional[Check]:
     """A figure against the fastest node's: fail below SLOW_FAIL of it, warn below SLOW_WARN."""
     if best <= 0 or value >= SLOW_WARN * best:
         return None
     verdict: Verdict = "fail" if value < SLOW_FAIL * best else "warn"
-    why = f"slow: {what} {value:g} {unit} is {value / best:.0%} of the fastest node's ({best:g} {unit})"
-    return Check(name, verdict, f"{value:g} {unit}", why)
+    why = f"slow: {what} {shown(value)} {unit} is {value / best:.0%} of the fastest node's ({shown(best)} {unit})"
+    return Check(name, verdict, f"{shown(value)} {unit}", why)
 
 
 def check_compute(ranks: Sequence[Mapping[str, Any]], best: float, opts: Options) -> Check:
@@ -242,9 +248,11 @@ def check_compute(ranks: Sequence[Mapping[str, Any]], best: float, opts: Options
     if slow:
         return slow
     peak = peak_tflops(opts.partition.gpu_type or "") or peak_tflops(device)
-    text = f"{low:g} TFLOP/s" + (f" ({low / peak:.0%})" if peak else "")
+    text = f"{shown(low)} TFLOP/s" + (f" ({low / peak:.0%})" if peak else "")
     if peak and low < PEAK_WARN * peak:
-        return Check("compute", "warn", text, f"bf16 GEMM {low:g} TFLOP/s is {low / peak:.0%} of the {peak:g} peak")
+        return Check(
+            "compute", "warn", text, f"bf16 GEMM {shown(low)} TFLOP/s is {low / peak:.0%} of the {shown(peak)} peak"
+        )
     return Check("compute", "pass", text)
 
 
@@ -264,7 +272,7 @@ def check_storage(ranks: Sequence[Mapping[str, Any]], best: Mapping[str, float])
             continue
         if "error" in part:
             return Check("storage", "fail", f"{label} error", f"{label} {part['path']}: {part['error']}")
-        cells.append(f"{label} {part['mbps']:g} MB/s")  # each cell its unit: they are read one by one
+        cells.append(f"{label} {shown(part['mbps'])} MB/s")  # each cell its unit: they are read one by one
         found = relative("storage", part["mbps"], best.get(key, 0), "MB/s", f"{label} of {part['path']}")
         if found and RANK_ORDER[found.verdict] > RANK_ORDER[worst.verdict]:
             worst = found
@@ -295,9 +303,11 @@ def check_comm(ranks: Sequence[Mapping[str, Any]], best: float, expected: Option
         return Check("comm", "warn", slow.text, slow.why)
     if slow:
         return slow
-    text = f"{figure:g} GB/s {comm.get('backend')}"
+    text = f"{shown(figure)} GB/s {comm.get('backend')}"
     if expected and figure < SLOW_WARN * expected:
-        why = f"intra-node bus bandwidth {figure:g} GB/s, the profile's interconnect should give ~{expected:g}"
+        why = (
+            f"intra-node bus bandwidth {shown(figure)} GB/s, the profile's interconnect should give ~{shown(expected)}"
+        )
         return Check("comm", "warn", text, why)
     return Check("comm", "pass", text)
 
@@ -368,9 +378,9 @@ def notes(present: Sequence[Mapping[str, Any]], opts: Options, profile: ClusterP
     inter = [r["comm"]["inter_node_busbw_gbps"] for r in present if "inter_node_busbw_gbps" in (r.get("comm") or {})]
     expected = expected_bw(profile.interconnect, "inter", opts)
     if inter:
-        line = f"across {opts.nodes} nodes: all-reduce bus bandwidth {min(inter):g} GB/s"
+        line = f"across {opts.nodes} nodes: all-reduce bus bandwidth {shown(min(inter))} GB/s"
         if expected:
-            line += f" (the profile's interconnect should give ~{expected:g} GB/s)"
+            line += f" (the profile's interconnect should give ~{shown(expected)} GB/s)"
             if min(inter) < SLOW_WARN * expected:
                 line = "WARN " + line
         out.append(line)
