@@ -49,8 +49,15 @@ build_deepspeed_wheel() {
   local dir=$1 tmp
   tmp=$(mktemp -d "$dir/.build.XXXXXX")
   ticking "building DeepSpeed" env "${ds_ops[@]}" .venv/bin/pip wheel --quiet --disable-pip-version-check \
-    -c constraints/cpu.txt --no-build-isolation --no-cache-dir --no-deps -w "$tmp" deepspeed
+    -c constraints/cpu.txt --no-build-isolation --no-cache-dir --no-deps -w "$tmp" deepspeed || { rm -rf "$tmp"; return 1; }
   mv "$tmp"/deepspeed-*.whl "$dir"/ && rm -rf "$tmp"
+}
+# The background build, stopped (its pip and ticker first, then itself) when setup ends before waiting for it.
+stop_deepspeed_build() {
+  [ -n "${ds_build:-}" ] && kill -0 "$ds_build" 2>/dev/null || return 0
+  pkill -TERM -P "$ds_build" 2>/dev/null || true
+  kill "$ds_build" 2>/dev/null || true
+  echo "setup: stopped the DeepSpeed build in the background" >&2
 }
 install_deepspeed() {  # $1: the wheel's folder (empty: build straight into the venv, keeping nothing)
   local dir=$1
@@ -98,6 +105,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   ticking "installing torch" "${pip[@]}" torch numpy ninja py-cpuinfo
   ds_dir=$(ds_wheel_dir || true)
   ds_build=""
+  trap stop_deepspeed_build EXIT  # a failing step below must not leave the build compiling on its own
   if [ -n "$ds_dir" ] && ! ls "$ds_dir"/deepspeed-*.whl >/dev/null 2>&1; then
     say "building DeepSpeed and compiling its CPU ops (several minutes on a new machine; once: kept in $ds_dir)"
     build_deepspeed_wheel "$ds_dir" & ds_build=$!
