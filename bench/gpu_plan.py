@@ -18,13 +18,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from meshrun_cli import isolated_env, meshrun
 
 GPU_MODEL = {"n_layers": 18, "d_model": 2048, "n_heads": 16, "vocab_size": 32768, "seq_len": 2048}
 """bench/gpu_train.py's ~1B GPT: the same step, so its ms/step and this job's can be read side by side."""
@@ -39,20 +38,8 @@ WARMUP_LOGGED = 3
 
 
 def run(env: dict[str, str], *args: str, timeout: float = 900) -> str:
-    """meshrun ARGS from this checkout; a failure ends the bench with its output."""
-    done = subprocess.run(
-        [sys.executable, "-m", "submit.cli.main", *args],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    print(f"$ meshrun {' '.join(args)}  (exit {done.returncode})\n{done.stdout}{done.stderr}", flush=True)
-    if done.returncode != 0:
-        last = (done.stdout + done.stderr).strip().splitlines()[-1:] or ["(no output)"]
-        raise SystemExit(f"meshrun {args[0]} failed (exit {done.returncode}): {last[0]}")  # bench/gpu.sh's FAILED row
-    return done.stdout
+    """meshrun ARGS, each command and its output in the bench's log (bench/gpu.sh keeps it)."""
+    return meshrun(env, *args, timeout=timeout, echo=True)
 
 
 def this_machine(cpu: bool) -> dict[str, Any]:
@@ -143,13 +130,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="meshrun-gpu-plan-") as folder:
         home = args.home or Path(folder)
         home.mkdir(parents=True, exist_ok=True)
-        env = dict(
-            os.environ,
-            HOME=str(home),
-            XDG_STATE_HOME=str(home / "state"),
-            XDG_CONFIG_HOME=str(home / "config"),
-            XDG_CACHE_HOME=str(home / "cache"),
-        )
+        env = isolated_env(home)
         profile, job = write_inputs(home, args.cpu, args.steps, args.gpu_hour)
         cluster = ["-c", str(profile)]
         before = json.loads(run(env, "plan", str(job), *cluster, "--json"))

@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Optional
 
-REPO = Path(__file__).resolve().parents[1]
+from meshrun_cli import REPO, isolated_env, meshrun
+
 TINY = REPO / "examples" / "tiny.yaml"
 
 MODELS = {  # name: the train.model keys the bench sets (vocab 256, 4 heads: tiny.yaml's)
@@ -46,20 +44,6 @@ FIGURES = ("gemm_tflops", "intra_node_busbw_gbps", "allreduce_latency_us", "laye
 """What doctor measured that the step times follow from, printed with them."""
 WARMUP_LOGGED = 2
 """Logged steps left out of the measured median (the first steps pay for allocations and first calls)."""
-
-
-def meshrun(env: dict[str, str], *args: str, timeout: float = 600) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "submit.cli.main", *args],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    if done.returncode != 0:
-        raise SystemExit(f"meshrun {' '.join(args)} failed ({done.returncode}): {done.stdout}{done.stderr}")
-    return done.stdout
 
 
 def sets(model: dict[str, int], layout: dict[str, object], steps: int, data: Path) -> list[str]:
@@ -103,13 +87,7 @@ def main() -> None:
         grid, args.steps = [("L2-d128-s128", "dp2-ddp")], 5
     with tempfile.TemporaryDirectory(prefix="meshrun-plan-accuracy-") as folder:
         home = args.home or Path(folder)
-        env = dict(
-            os.environ,
-            HOME=str(home),
-            XDG_STATE_HOME=str(home / "state"),
-            XDG_CONFIG_HOME=str(home / "config"),
-            XDG_CACHE_HOME=str(home / "cache"),
-        )
+        env = isolated_env(home)
         data = corpus(home)
         calibrated = meshrun(env, "doctor", "-c", "local", "--gpus-per-node", "0", "--storage-mib", "2")
         print(next(line for line in calibrated.splitlines() if line.startswith("calibration: ")))

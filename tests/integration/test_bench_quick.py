@@ -136,7 +136,7 @@ ON_TESTBED = {
         ],
     ),
 }
-HELPERS = {"trainer_setup.py"}  # imported by the training benches; not a bench itself
+HELPERS = {"trainer_setup.py", "meshrun_cli.py"}  # imported by the benches; not benches themselves
 
 
 def run_bench(name: str, args: list[str], tmp_path: Path) -> str:
