@@ -319,8 +319,11 @@ def test_the_gemm_of_a_cpu_job_is_timed_on_the_cpu_and_a_gpu_job_without_cuda_is
 
     cpu = probe.gemm_tflops(0, broken=False, cpu=True)
     assert cpu["device"] == "cpu" and cpu["dtype"] == "float32" and cpu["tflops"] > 0
-    # a GPT block timed at two shapes, the larger slower (the planner's CPU block terms are fitted from them)
-    small, large = cpu["layers"]
-    assert small["d_model"] < large["d_model"] and 0 <= small["seconds"] < large["seconds"], cpu["layers"]
+    # a GPT block timed at the two shapes the planner's CPU block terms are fitted from (which is faster is a
+    # measurement: under a load burst the small one has measured slower; the fit and bench/plan_accuracy.py judge)
+    assert [tuple(row[k] for k in ("d_model", "n_heads", "seq_len", "micro_batch")) for row in cpu["layers"]] == list(
+        probe.LAYER_SHAPES
+    )
+    assert all(row["seconds"] >= 0 for row in cpu["layers"]), cpu["layers"]
     if not torch.cuda.is_available():  # a GPU job's figure is never a CPU's (calibration would file it as one)
         assert "tflops" not in probe.gemm_tflops(0, broken=False, cpu=False)
