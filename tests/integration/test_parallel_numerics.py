@@ -41,6 +41,7 @@ from launcher.contract.spec import Checkpoint, Model, Parallel, Train
 from launcher.export import run as export
 from launcher.train.model import GPT
 from tests.helpers.ranks import finish, free_port, make_run, metrics, rank_environ, start, tiny_train
+from tests.helpers.shared import computed_once
 
 STEPS = 10
 RESUME_AT = 5
@@ -119,17 +120,20 @@ def run_single(root: Path, name: str, corpus: Path, train: Train) -> subprocess.
 def singles(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Iterator[dict[str, list[dict]]]:
     """One-process runs, started together: the reference (micro 8), 4 x micro 2, micro 8 with checkpointing,
     and each other model's reference."""
-    root = tmp_path_factory.mktemp("singles")
     trains = {
         "reference": numerics_train(8),
         "accumulation": numerics_train(2),
         "checkpointing": numerics_train(8, activation_checkpointing=True),
         **{name: numerics_train(8, name) for name in MODELS if name != "mha"},
     }
-    procs = {name: run_single(root, name, corpus, train) for name, train in trains.items()}
-    for proc in procs.values():
-        finish([proc])
-    yield {name: metrics(root / name) for name in trains}
+
+    def run_all(root: Path) -> dict[str, list[dict]]:
+        procs = {name: run_single(root, name, corpus, train) for name, train in trains.items()}
+        for proc in procs.values():
+            finish([proc])
+        return {name: metrics(root / name) for name in trains}
+
+    yield computed_once(tmp_path_factory, "numerics-singles", run_all)  # once for all the session's workers
 
 
 def relative(a: float, b: float) -> float:
@@ -246,8 +250,13 @@ SEQUENTIAL_WARNING = re.compile(r"sequential all_reduce|_NormPartial|flatten mes
 
 
 @pytest.fixture(scope="module")
-def norm_runs() -> dict[str, list[tuple[dict, str]]]:
-    """Both worlds' ranks run gradnorm_rank.py at once; per layout, each rank's result and its whole output."""
+def norm_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[dict, str]]]:
+    """Both worlds' ranks run gradnorm_rank.py at once; per layout, each rank's result and its whole output
+    (once for all the session's workers)."""
+    return computed_once(tmp_path_factory, "numerics-norm-runs", lambda _: _norm_runs())
+
+
+def _norm_runs() -> dict[str, list[tuple[dict, str]]]:
     procs = {}
     for world, layouts in NORM_WORLDS.items():
         port = free_port()

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.cli import SOAK
+from tests.helpers.shared import computed_once
 from tests.journeys.harness import LOCAL, Journey, reference_losses
 
 CI_SEEDS = (1, 2, 3)
@@ -23,7 +24,10 @@ STEPS_PER_JOURNEY = (5, 10) if SOAK else (4, 6)
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> dict[int, float]:
     """Every step's loss in one uninterrupted run of the journeys' job: what any job must log for that step."""
-    return reference_losses(LOCAL, tmp_path_factory.mktemp("reference"), corpus)
+    losses = computed_once(
+        tmp_path_factory, "local-journey-reference", lambda root: reference_losses(LOCAL, root, corpus)
+    )
+    return {int(step): loss for step, loss in losses.items()}  # once for all the session's workers
 
 
 @pytest.mark.parametrize("seed", SEEDS, ids=lambda seed: f"seed{seed}")
