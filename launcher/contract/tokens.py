@@ -11,7 +11,6 @@ from __future__ import annotations
 import array
 import dataclasses
 import json
-import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,8 @@ from typing import Any, Optional
 from launcher.contract.schema import SchemaError
 from launcher.contract.spec import Data, JobSpec
 
+TOKEN_WIDTHS = {"uint16": 2, "uint32": 4}
+"""The dtypes a token file may hold, and their bytes."""
 BYTES_VOCAB = 256
 """The vocabulary of a token file without a record: one token per byte."""
 
@@ -27,8 +28,15 @@ BYTES_VOCAB = 256
 SAMPLE_BYTES = 1 << 20
 """How much of each token file is read at submit and rank start to tell it is one (ids within its vocabulary)."""
 TEXT_MIN_BYTES = 4096
-"""Below this a file is not called text for having no NUL byte (a few ids can lack one; 2048 ids of a real
-tokenizer's file lack one with odds of about 1 in 10^7)."""
+"""From this size a file without a NUL byte that is valid UTF-8 is text (2048 ids of a real tokenizer's file lack a
+NUL with odds of about 1 in 10^7)."""
+ASCII_TEXT_MIN_BYTES = 64
+"""From this size a file of printable ASCII and whitespace only is text, however short (32 ids of a real tokenizer's
+file are all such bytes with odds below 1 in 10^4; a file of byte ids always has NULs)."""
+ASCII_TEXT = frozenset(b"\t\n\r" + bytes(range(0x20, 0x7F)))
+TEXT_FIX = "name it .txt, .md or .jsonl and make token ids of it with `meshrun data FILE --out OUT.u16`"
+"""How a text file given as data becomes token ids (`meshrun data` knows a file's format by its suffix)."""
+DATA_FIX = "build a token file from your texts with `meshrun data TEXTS --out OUT.u16`, or fix the path"
 
 
 def record_path(path: str | Path) -> Path:
@@ -148,10 +156,28 @@ def visible_here(path: Path) -> bool:
     return len(path.parts) > 1 and Path(*path.parts[:2]).exists()
 
 
+def token_dtype(path: str | Path, record: Optional[TokenRecord]) -> str:
+    """A token file's dtype: its record's (meshrun data), else uint32 for a name ending in `.u32`, else uint16."""
+    if record is not None:
+        if record.dtype not in TOKEN_WIDTHS:
+            raise SchemaError(f"{path}.json dtype", record.dtype, f"expected one of {', '.join(TOKEN_WIDTHS)}")
+        return record.dtype
+    return "uint32" if str(path).endswith(".u32") else "uint16"
+
+
 def token_width(path: str | Path, record: Optional[TokenRecord]) -> int:
-    """Bytes per token: the record's dtype, else uint32 for a name ending in `.u32`, else uint16."""
-    dtype = record.dtype if record else ("uint32" if str(path).endswith(".u32") else "uint16")
-    return 4 if dtype == "uint32" else 2
+    """Bytes per token (`token_dtype`)."""
+    return TOKEN_WIDTHS[token_dtype(path, record)]
+
+
+def torn_file(key: str, path: str, size: int, dtype: str) -> SchemaError:
+    return SchemaError(
+        key, path, f"{size} bytes is not a whole number of {dtype} tokens (cut short, or not a token file): {DATA_FIX}"
+    )
+
+
+def empty_file(key: str, path: str) -> SchemaError:
+    return SchemaError(key, path, "the token file is empty; rebuild it (`meshrun data`) or name another file")
 
 
 def largest_id(data: bytes, width: int) -> int:
@@ -169,13 +195,17 @@ MAGIC = {b"PAR1": "a Parquet file", b"\x1f\x8b": "gzip-compressed", b"PK\x03\x04
 
 
 def file_kind(sample: bytes) -> str:
-    """What the first bytes of a data file say it is when that is not token ids ('' when it may be): text (valid
-    UTF-8 without a NUL byte: token ids below 256 in uint16 have a NUL in every other byte, larger ones are not
-    valid UTF-8 for a MiB), or a known container."""
+    """What the first bytes of a data file say it is when that is not token ids ('' when it may be): text (no NUL
+    byte, and printable ASCII only, or valid UTF-8 over TEXT_MIN_BYTES: token ids below 256 in uint16 have a NUL in
+    every other byte, larger ones are neither for long), or a known container."""
     for magic, kind in MAGIC.items():
         if sample.startswith(magic):
             return kind
-    if len(sample) < TEXT_MIN_BYTES or b"\0" in sample:
+    if b"\0" in sample:
+        return ""
+    if len(sample) >= ASCII_TEXT_MIN_BYTES and ASCII_TEXT.issuperset(sample):
+        return "text"
+    if len(sample) < TEXT_MIN_BYTES:
         return ""
     try:
         sample.decode("utf-8")
@@ -186,33 +216,33 @@ def file_kind(sample: bytes) -> str:
 
 
 def check_token_sample(key: str, path: str, here: Path, record: Optional[TokenRecord], vocab: int) -> None:
-    """The file is one of token ids: a whole number of them, and in its first SAMPLE_BYTES every id within its
-    own vocabulary (its record's, else the bytes' 256) and the model's `vocab`: a text or JSONL file given as data
-    is refused at submit, before it queues (the ranks check every id again: launcher.data.dataset)."""
-    width = token_width(here, record)
-    fix = f"build a token file from it with `meshrun data {shlex.quote(path)} --out OUT.u16`, or fix the path"
+    """The file is one of token ids: not text or a container, a whole number of ids, and in its first SAMPLE_BYTES
+    every id within its own vocabulary (its record's, else the bytes' 256) and the model's `vocab`: such a file
+    given as data is refused at submit, before it queues (the ranks check every id again: launcher.data.dataset)."""
     with open(here, "rb") as f:
         sample = f.read(SAMPLE_BYTES)
     kind = file_kind(sample)
+    if kind == "text":
+        raise SchemaError(key, path, f"is text, not token ids; {TEXT_FIX}")
     if kind:
-        raise SchemaError(key, path, f"is {kind}, not token ids; {fix}")
-    size = here.stat().st_size
+        raise SchemaError(key, path, f"is {kind}, not token ids: unpack it, then {DATA_FIX}")
+    dtype, size = token_dtype(here, record), here.stat().st_size
+    width = TOKEN_WIDTHS[dtype]
+    if size == 0:
+        raise empty_file(key, path)
     if size % width:
-        dtype = "uint32" if width == 4 else "uint16"
-        raise SchemaError(
-            key, path, f"{size} bytes is not a whole number of {dtype} token ids: not a token file; {fix}"
-        )
+        raise torn_file(key, path, size, dtype)
     top = largest_id(sample, width)
     if record and top >= record.vocab_size:
         raise SchemaError(
-            key, path, f"holds token id {top}, beyond the {record.vocab_size} ids its record says: rebuild it; {fix}"
+            key, path, f"holds token id {top}, beyond the {record.vocab_size} ids its record says: {DATA_FIX}"
         )
     if not record and not vocab and top >= BYTES_VOCAB:
         raise SchemaError(
             key,
             path,
             f"holds token id {top}, but a file without a record is read as bytes (ids below {BYTES_VOCAB}): give "
-            f"train.model.vocab_size (its tokenizer's), or {fix}",
+            f"train.model.vocab_size (its tokenizer's), or {DATA_FIX}",
         )
     if vocab and top >= vocab:
         raise SchemaError(
@@ -222,6 +252,46 @@ def check_token_sample(key: str, path: str, here: Path, record: Optional[TokenRe
             f"train.model.vocab_size to at least {top + 1} (0 takes the tokenizer's), or rebuild the data "
             f"with a tokenizer of at most {vocab} ids",
         )
+
+
+def split_counts(n_tokens: int, fraction: float) -> tuple[int, int]:
+    """(training tokens, held-out tail tokens) of a token file whose tail `fraction` validates."""
+    n_val = int(n_tokens * fraction)
+    return n_tokens - n_val, n_val
+
+
+def too_few_windows(key: str, path: str, tokens: int, have: int, window: int, global_batch: int) -> SchemaError:
+    """The error of a training split smaller than one global batch (every step would repeat the same sequences)."""
+    return SchemaError(
+        key,
+        path,
+        f"{tokens} tokens give {have} training sequences of seq_len+1={window} tokens (after holding out "
+        f"data.val_fraction for validation), fewer than one global batch of {global_batch}; use a bigger token "
+        "file, or a smaller train.global_batch or train.model.seq_len",
+    )
+
+
+def check_enough_windows(job: JobSpec, home: Optional[str] = None) -> None:
+    """The training files hold one global batch of sequences at least, counted from their sizes as the ranks count
+    them (launcher.data.dataset), where this machine sees them all."""
+    if job.train is None:
+        return
+    data, window = job.data, job.train.model.seq_len + 1
+    main = local_path(data.path, home)
+    main_record = read_record(main) if main.is_file() else None
+    separate = bool(data.val_path) or bool(main_record and main_record.val_path)
+    tokens = windows = 0
+    for path in training_files(data):
+        here = local_path(path, home)
+        if not here.is_file():
+            return
+        count = here.stat().st_size // token_width(here, read_record(here))
+        tokens += count
+        train = count if separate or here != main else split_counts(count, data.val_fraction)[0]
+        windows += train // window
+    if windows < job.train.global_batch:
+        key = "data.blend[0].path" if data.blend else "data.path"
+        raise too_few_windows(key, training_files(data)[0], tokens, windows, window, job.train.global_batch)
 
 
 def check_data_files(job: JobSpec, home: Optional[str] = None) -> None:
@@ -251,3 +321,4 @@ def check_data_files(job: JobSpec, home: Optional[str] = None) -> None:
                 "copy them along or rebuild the token file with `meshrun data`",
             )
     check_same_tokenizer(job.data, home)
+    check_enough_windows(job, home)

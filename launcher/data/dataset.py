@@ -27,26 +27,23 @@ import torch
 
 from launcher.contract.schema import SchemaError
 from launcher.contract.spec import Data
-from launcher.contract.tokens import read_record
+from launcher.contract.tokens import (
+    TOKEN_WIDTHS,
+    empty_file,
+    read_record,
+    split_counts,
+    token_dtype,
+    too_few_windows,
+    torn_file,
+)
 
 Split = Literal["train", "val"]
 MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
 """One optimizer step's micro batches on one rank: (inputs, targets), each (micro_batch, seq_len)."""
 _DTYPES = {"uint16": torch.uint16, "uint32": torch.uint32}
-_SUFFIX_DTYPES = {".u16": "uint16", ".u32": "uint32", ".bin": "uint16"}
 BLEND_PERIOD = 4096
 """Slots of the blend schedule: each file's share of every 4,096 consecutive samples is its weight's,
 rounded to a slot (and at least one)."""
-
-
-def token_dtype(path: Path) -> str:
-    """A token file's dtype: its record's (meshrun data), else from the suffix (.u32), else uint16."""
-    record = read_record(path)
-    if record is not None:
-        if record.dtype not in _DTYPES:
-            raise SchemaError(f"{path}.json dtype", record.dtype, f"expected one of {', '.join(_DTYPES)}")
-        return record.dtype
-    return _SUFFIX_DTYPES.get(path.suffix, "uint16")
 
 
 def open_tokens(path: str | Path, key: str = "data.path") -> torch.Tensor:
@@ -54,15 +51,13 @@ def open_tokens(path: str | Path, key: str = "data.path") -> torch.Tensor:
     path = Path(path).expanduser()
     if not path.is_file():
         raise SchemaError(key, str(path), "no token file there; build it with `meshrun data` or fix the path")
-    dtype = token_dtype(path)
-    itemsize = 2 if dtype == "uint16" else 4
+    dtype = token_dtype(path, read_record(path))
+    itemsize = TOKEN_WIDTHS[dtype]
     size = path.stat().st_size
     if size % itemsize:
-        raise SchemaError(
-            key, str(path), f"{size} bytes is not a whole number of {dtype} tokens; is it a token file of that dtype?"
-        )
+        raise torn_file(key, str(path), size, dtype)
     if size == 0:
-        raise SchemaError(key, str(path), "the token file is empty; rebuild it (`meshrun data`) or name another file")
+        raise empty_file(key, str(path))
     return torch.from_file(str(path), shared=False, size=size // itemsize, dtype=_DTYPES[dtype])
 
 
@@ -209,8 +204,7 @@ def open_dataset(data: Data, seq_len: int) -> TokenDataset:
 
 def split_tail(span: Span, fraction: float, window: int) -> tuple[Span, Span]:
     """A whole file's head for training and its tail `fraction` for validation (data.path's)."""
-    n_val = int(len(span.tokens) * fraction)
-    head = len(span.tokens) - n_val
+    head, n_val = split_counts(len(span.tokens), fraction)
     return Span(span.key, span.path, span.tokens, 0, head // window), Span(
         "data.path", span.path, span.tokens, head, n_val // window
     )
@@ -287,14 +281,7 @@ def check_train_data(dataset: TokenDataset, global_batch: int) -> None:
     if have < global_batch:
         first = dataset.sources[0]
         tokens = sum(len(s.tokens) for s in dataset.sources)
-        raise SchemaError(
-            first.key,
-            str(first.path),
-            f"{tokens} tokens give {have} training sequences of seq_len+1="
-            f"{dataset.window} tokens (after holding out data.val_fraction for validation), "
-            f"fewer than one global batch of {global_batch}; use a bigger token file, or a "
-            "smaller train.global_batch or train.model.seq_len",
-        )
+        raise too_few_windows(first.key, str(first.path), tokens, have, dataset.window, global_batch)
 
 
 @dataclass(frozen=True)

@@ -32,10 +32,10 @@ GPU_WORK = "compute and communication"
 """On GPUs the two are measured together: the compute stream's time includes the collectives it waits on."""
 
 FIXES = {
-    COMPUTE: "the plan took this rate from {figures}: `meshrun doctor -c {cluster}` measures the hardware again",
+    COMPUTE: "the plan's rates are {figures}; `meshrun doctor -c {cluster}` measures the hardware again",
     COMMUNICATION: "a slower peer (a straggler alert names it) or the interconnect: `meshrun doctor -c {cluster}` "
     "measures its bandwidth and latency",
-    GPU_WORK: "the plan took its rates from {figures}: `meshrun doctor -c {cluster}` measures them again",
+    GPU_WORK: "the plan's rates are {figures}; `meshrun doctor -c {cluster}` measures them again",
     DATA_WAIT: "the input pipeline cannot keep up (see the data_wait alert): faster storage or more workers",
     MEMORY: "the plan's memory model missed something of this layout: `meshrun plan` lists what it counted",
 }

@@ -24,7 +24,14 @@ from dataclasses import dataclass
 from typing import Optional
 
 from launcher.contract.modelshape import checkpoint_space_needed
-from launcher.contract.tokens import BYTES_VOCAB, SAMPLE_BYTES, TEXT_MIN_BYTES
+from launcher.contract.tokens import (
+    ASCII_TEXT_MIN_BYTES,
+    BYTES_VOCAB,
+    DATA_FIX,
+    SAMPLE_BYTES,
+    TEXT_FIX,
+    TEXT_MIN_BYTES,
+)
 from submit import __version__
 from submit.planning.plan import Plan
 from submit.schedulers.base import Request
@@ -38,8 +45,9 @@ TEST_ONLY = (
 )
 # Each argument pair is KEY PATH, `~/` meaning the cluster user's home. A file that is missing or unreadable
 # prints `missing KEY PATH`; a secret (its key starts with `secrets.`) also `open KEY PATH` when others may
-# read it, `notmine KEY PATH` when another user owns it; a data file `tokens KEY BYTES NON_NUL MAX_ID RECORD PATH`:
-# its size, the bytes of its first MiB that are not NUL (token ids have NULs; text has none), the largest id
+# read it, `notmine KEY PATH` when another user owns it; a data file `tokens KEY BYTES NON_NUL NON_ASCII MAX_ID
+# RECORD PATH`: its size, the bytes of its first MiB that are not NUL (token ids have NULs; text has none) and those
+# that are not printable ASCII or whitespace (plain text has none), the largest id
 # there, and whether a record (PATH.json) is beside it (the same test as launcher.contract.tokens, in sh: the
 # file is on the cluster only).
 FILES = r"""
@@ -50,9 +58,10 @@ while [ "$#" -ge 2 ]; do
   case $k in data.*)
     t=-tu2; case $p in *.u32) t=-tu4;; esac
     s=$(wc -c < "$p"); n=$(head -c 1048576 "$p" | tr -d '\000' | wc -c)
+    a=$(head -c 1048576 "$p" | tr -d '\t\n\r\040-\176' | wc -c)
     m=$(head -c 1048576 "$p" | od -An -v $t | awk '{for (i = 1; i <= NF; i++) if ($i + 0 > m) m = $i + 0} END {print m + 0}')
     r=0; [ -r "$p.json" ] && r=1
-    echo "tokens $k $s $n $m $r $p";;
+    echo "tokens $k $s $n $a $m $r $p";;
   esac
   case $k in secrets.*)
     [ -O "$p" ] || { echo "notmine $k $p"; continue; }
@@ -180,22 +189,25 @@ def _slurm(result: Result) -> tuple[Check, Optional[str]]:
 
 
 def _token_problem(fields: str, vocab: int) -> list[str]:
-    """What a data file's `tokens` line says is wrong with it as token ids ([] when nothing)."""
-    key, size, non_nul, top, record, path = (fields.split(" ", 5) + [""] * 6)[:6]
+    """What a data file's `tokens` line says is wrong with it as token ids ([] when nothing): the rules of
+    launcher.contract.tokens, from what sh could count on the cluster."""
+    key, size, non_nul, non_ascii, top, record, path = (fields.split(" ", 6) + [""] * 7)[:7]
     try:
-        nbytes, kept, largest = int(size), int(non_nul), int(top)
+        nbytes, kept, odd, largest = int(size), int(non_nul), int(non_ascii), int(top)
     except ValueError:
         return []
+    sample = min(nbytes, SAMPLE_BYTES)
     width = 4 if path.endswith(".u32") else 2
-    fix = "build a token file from it with `meshrun data FILE --out OUT.u16`, or fix the path"
-    if nbytes >= TEXT_MIN_BYTES and kept == min(nbytes, SAMPLE_BYTES):
-        return [f"{key}: {path} has no NUL byte in its first MiB: text, not token ids; {fix}"]
+    if (sample >= ASCII_TEXT_MIN_BYTES and kept == sample and odd == 0) or (
+        sample >= TEXT_MIN_BYTES and kept == sample
+    ):
+        return [f"{key}: {path} is text (no NUL byte in its first MiB), not token ids; {TEXT_FIX}"]
     if nbytes % width:
-        return [f"{key}: {path} ({nbytes} bytes) is not a whole number of {8 * width}-bit token ids; {fix}"]
+        return [f"{key}: {path} ({nbytes} bytes) is not a whole number of {8 * width}-bit token ids: {DATA_FIX}"]
     if record == "0" and not vocab and largest >= BYTES_VOCAB:
         return [
             f"{key}: {path} holds token id {largest}, but a file without a record is read as bytes (ids below "
-            f"{BYTES_VOCAB}): give train.model.vocab_size (its tokenizer's), or {fix}"
+            f"{BYTES_VOCAB}): give train.model.vocab_size (its tokenizer's), or {DATA_FIX}"
         ]
     if vocab and largest >= vocab:
         return [f"{key}: {path} holds token id {largest}, not below train.model.vocab_size={vocab}; raise it"]
@@ -263,6 +275,16 @@ def _environment(plan: Plan, result: Result) -> Check:
     return Check("environment", True, f"torch {torch}, {there}{note}")
 
 
+def _space_reason(plan: Plan) -> str:
+    """Where the space a job needs comes from, and the fixes that fit it."""
+    if plan.spec.resilience.min_free_gb > 0:
+        return "(resilience.min_free_gb); free space there, point paths.checkpoint_root elsewhere, or lower it"
+    return (
+        "for two checkpoints; free space there, point paths.checkpoint_root elsewhere, or set "
+        "resilience.min_free_gb to what the job needs"
+    )
+
+
 def _space(plan: Plan, result: Result) -> Check:
     root = plan.run_spec.run.checkpoint_dir
     need = checkpoint_space_needed(plan.spec)
@@ -274,7 +296,6 @@ def _space(plan: Plan, result: Result) -> Check:
         return Check(
             "space",
             False,
-            f"{root}: {free / 1e9:.1f} GB free, {need / 1e9:.1f} GB needed for two checkpoints; "
-            "free space there, point paths.checkpoint_root elsewhere, or set resilience.min_free_gb",
+            f"{root}: {free / 1e9:.1f} GB free, {need / 1e9:.1f} GB needed {_space_reason(plan)}",
         )
     return Check("space", True, f"{free / 1e9:.1f} GB free at the checkpoint root ({need / 1e9:.1f} GB needed)")

@@ -54,8 +54,19 @@ ALWAYS_EXCLUDED = (
     "known_hosts.old",
     "*.meshrun-tmp",
 )
-LEFT_OUT = ("*.safetensors", "*.pt", "*.pth", "*.ckpt", "*.distcp", "*.u16", "*.u32", "*.npy")
-"""Model weights, checkpoints and token files are not code: left out of the snapshot (and said so), unless
+LEFT_OUT = (
+    "*.safetensors",
+    "*.pt",
+    "*.pth",
+    "*.ckpt",
+    "*.distcp",
+    "*.u16",
+    "*.u32",
+    "*.u16.json",
+    "*.u32.json",
+    "*.npy",
+)
+"""Model weights, checkpoints and token files (with their records) are not code: left out of the snapshot (and said so), unless
 code.include names them. A job reads them by path (`init_from`, `data.path`); one exported into the checkout
 (`meshrun export -o model.safetensors`) would otherwise ride along with every later submit."""
 MAX_BYTES = 512 * 1024 * 1024

@@ -3,6 +3,7 @@ of what it wrote (the held-out file, blends, ids above the vocab), through the r
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import subprocess
@@ -281,10 +282,19 @@ def _job(path: Path, vocab: int) -> JobSpec:
         (
             '{"text": "a document"}\n' * 300,
             256,
-            r"data\.path: .*corpus\.u16'?: is text, not token ids; build a token file",
+            r"data\.path: .*corpus\.u16'?: is text, not token ids; name it \.txt, \.md or \.jsonl and make token ids",
         ),
-        (b"PAR1" + bytes(range(1, 200)), 256, r"is a Parquet file, not token ids; .*meshrun data .*--out OUT\.u16"),
-        (bytes([0, 1, 0]), 256, r"3 bytes is not a whole number of uint16 token ids: not a token file"),
+        (
+            b"PAR1" + bytes(range(1, 200)),
+            256,
+            r"is a Parquet file, not token ids: unpack it, then build a token file .*meshrun data TEXTS --out OUT\.u16",
+        ),
+        (
+            bytes([0, 1, 0]),
+            256,
+            r"3 bytes is not a whole number of uint16 tokens \(cut short, or not a token file\)",
+        ),
+        ('{"text": "short"}\n' * 4, 0, r"is text, not token ids"),  # 72 bytes of ASCII: text however short
         ([5, 1000, 7], 0, r"holds token id 1000, but a file without a record is read as bytes .*give train\.model"),
         ([5, 300, 7], 256, r"token id 300 \(in its first MiB\) is not below train\.model\.vocab_size=256; raise"),
     ],
@@ -303,12 +313,29 @@ def test_a_file_that_is_not_token_ids_is_refused_at_submit(
         tokens.check_data_files(_job(path, vocab))
 
 
+def test_a_token_file_too_small_for_one_global_batch_is_refused_at_submit(tmp_path: Path) -> None:
+    """Counted from the file's size as the ranks count it: 400 tokens, 5% held out, windows of 33 (seq 32)."""
+    path = token_file(tmp_path / "small.u16", [1] * 400)
+    job = JobSpec(
+        name="x", data=Data(path=str(path)), train=Train(model=Model(seq_len=32), global_batch=16, micro_batch=4)
+    )
+    with pytest.raises(
+        SchemaError,
+        match=r"400 tokens give 11 training sequences of seq_len\+1=33 tokens .*fewer than one global batch of 16",
+    ):
+        tokens.check_data_files(job)
+    enough = dataclasses.replace(job, train=dataclasses.replace(job.train, global_batch=8, micro_batch=4))
+    tokens.check_data_files(enough)
+    dataset = open_dataset(job.data, seq_len=32)
+    assert dataset.num_windows["train"] == 11  # the ranks' own count agrees
+
+
 def test_token_files_of_a_users_own_or_a_recorded_vocabulary_pass(tmp_path: Path) -> None:
-    own = token_file(tmp_path / "own.u16", [5, 1000, 7])  # no record: ids up to the model's vocab_size
+    own = token_file(tmp_path / "own.u16", [5, 1000, 7] * 3000)  # no record: ids up to the model's vocab_size
     tokens.check_data_files(_job(own, 2000))
-    recorded = token_file(tmp_path / "bpe.u16", [5, 500, 7], vocab=512)
+    recorded = token_file(tmp_path / "bpe.u16", [5, 500, 7] * 3000, vocab=512)
     tokens.check_data_files(_job(recorded, 0))
-    token_file(tmp_path / "torn.u16", [5, 600, 7], vocab=512)
+    token_file(tmp_path / "torn.u16", [5, 600, 7] * 3000, vocab=512)
     with pytest.raises(SchemaError, match=r"holds token id 600, beyond the 512 ids its record says"):
         tokens.check_data_files(_job(tmp_path / "torn.u16", 0))
 

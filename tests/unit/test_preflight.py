@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _plan(tmp_path: Path, *overrides: str, profile: str = "local") -> Plan:
     corpus = tmp_path / "tokens.u16"
-    corpus.write_bytes(b"\0" * 4096)
+    corpus.write_bytes(b"\0" * 16384)  # 8192 tokens: 60 sequences of tiny.yaml's 129
     sets = [f"data.path={corpus}", *overrides]
     return plan_file(REPO / "examples" / "tiny.yaml", load_profile(profile), sets, home=str(tmp_path))
 
@@ -55,9 +55,10 @@ def test_a_missing_data_file_and_init_weights_are_named_with_the_key(tmp_path: P
     [
         (
             b'{"text": "a document"}\n' * 300,
-            "has no NUL byte in its first MiB: text, not token ids; build a token file",
+            "is text (no NUL byte in its first MiB), not token ids; name it .txt, .md or .jsonl",
         ),
-        (b"\0" * 4095, "(4095 bytes) is not a whole number of 16-bit token ids"),
+        (b'{"text": "short"}\n' * 4, "is text (no NUL byte in its first MiB), not token ids"),
+        (b"\0" * 4095, "(4095 bytes) is not a whole number of 16-bit token ids: build a token file"),
         (
             b"".join(i.to_bytes(2, "little") for i in (5, 300, 7, 0)),
             "holds token id 300, not below train.model.vocab_size=256; raise it",
@@ -96,8 +97,13 @@ def test_paths_with_shell_words_are_data_not_code(tmp_path: Path, canary: Path) 
 def test_too_little_space_names_the_root_the_need_and_the_fixes(tmp_path: Path) -> None:
     plan = _plan(tmp_path, "resilience.min_free_gb=1000000")
     (check,) = _run(plan).failures
-    assert check.what == "space" and "GB needed for two checkpoints" in check.line and "min_free_gb" in check.line
-    assert check.line.startswith(plan.run_spec.run.checkpoint_dir + ": ")
+    assert check.what == "space" and "1000000.0 GB needed (resilience.min_free_gb); " in check.line, check.line
+    assert check.line.endswith("or lower it") and check.line.startswith(plan.run_spec.run.checkpoint_dir + ": ")
+    # without min_free_gb the need is the model's two checkpoints (the planner's size): a spec that sets nothing
+    defaults = dataclasses.replace(
+        plan, spec=dataclasses.replace(plan.spec, resilience=dataclasses.replace(plan.spec.resilience, min_free_gb=0))
+    )
+    assert "for two checkpoints; " in preflight._space_reason(defaults)
 
 
 def test_the_environment_runs_the_setup_lines_then_the_interpreter(tmp_path: Path) -> None:
