@@ -296,17 +296,19 @@ def check_enough_windows(job: JobSpec, home: Optional[str] = None) -> None:
 
 def check_data_files(job: JobSpec, home: Optional[str] = None) -> None:
     """Every data file the spec names exists, where this machine sees its filesystem (the local cluster,
-    a login node, the ranks themselves). Raises SchemaError naming the key, the path and the fix."""
+    a login node, the ranks themselves), the files share one tokenizer, each holds token ids of the model's
+    vocabulary, and together one global batch at least. Raises SchemaError naming the key, the path and the fix."""
     if job.command is not None:
         return
     check_blend(job.data)
+    found: list[tuple[str, str, Path, Optional[TokenRecord]]] = []
     for key, path in data_keys(job.data):
         here = local_path(path, home)
         if visible_here(here) and not here.is_file():
             raise SchemaError(key, path, "no token file there; build it with `meshrun data` or fix the path")
         record = read_record(here) if here.is_file() else None
         if here.is_file():
-            check_token_sample(key, path, here, record, job.train.model.vocab_size if job.train else 0)
+            found.append((key, path, here, record))
         if (
             key == "data.path"
             and not job.data.val_path
@@ -320,5 +322,7 @@ def check_data_files(job: JobSpec, home: Optional[str] = None) -> None:
                 f"its record names held-out documents {record.val_path} beside it, which are missing; "
                 "copy them along or rebuild the token file with `meshrun data`",
             )
-    check_same_tokenizer(job.data, home)
+    check_same_tokenizer(job.data, home)  # before the ids: ids of another tokenizer are the deeper mistake
+    for key, path, here, record in found:
+        check_token_sample(key, path, here, record, job.train.model.vocab_size if job.train else 0)
     check_enough_windows(job, home)

@@ -100,7 +100,7 @@ class PlanCheck:
 
     def _alert(self, step: int, ratio: float, term: str, what: str) -> Alert:
         fix = FIXES[term].format(figures=self.prediction.figures or "its figures", cluster=self.cluster)
-        if term == COMMUNICATION and not self.gpu:
+        if term == COMPUTE and not self.gpu:
             fix = f"{cpu_sharing()}; or {fix}"
         bound = 1 + self.drift if ratio > 1 else 1 - self.drift
         return Alert("plan_drift", ratio, bound, f"{what}; {fix}", step=step, rank=0)
@@ -108,7 +108,8 @@ class PlanCheck:
 
 def cpu_sharing() -> str:
     """On CPU ranks a step also waits for a CPU: what else runs on the node (another job, more ranks than CPUs)
-    shows as communication, so the alert says how busy the node is (two jobs on 2 cores were told of stragglers)."""
+    shows as compute (a rank's runnable time, launcher/train/worktime.py), so the alert says how busy the node is
+    (two jobs on 2 cores were told of stragglers)."""
     try:
         load = os.getloadavg()[0]
     except OSError:

@@ -44,15 +44,13 @@ def test_a_blend_of_bpe_files_trains_with_the_tokenizers_vocab(tmp_path: Path) -
     assert abs(losses[0] - math.log(400)) < 0.5  # an untrained model over 400 ids, not 256
 
 
-def test_ids_above_the_vocab_are_refused_at_start_and_another_tokenizer_at_submit(tmp_path: Path) -> None:
+def test_ids_above_the_vocab_and_another_tokenizer_are_refused_at_submit(tmp_path: Path) -> None:
+    """Both before anything is queued (the ranks check every id again: tests/unit/test_rank_outputs_and_bad_input)."""
     a, b = build_pair(tmp_path)
-    job_id, _ = submitted(
-        meshrun(tmp_path, "submit", *blend_args(a, b, "--set", "train.model.vocab_size=256"), check=True)
-    )
-    row = wait_for_state(tmp_path, job_id, {"COMPLETED", "FAILED"}, timeout=120)
-    assert row["state"] == "FAILED" and row["exit_code"] == 2, row
-    assert f"data.blend[0].path: '{a}': token id " in row["reason"], row["reason"]
-    assert "raise train.model.vocab_size to at least" in row["reason"]
+    refused = meshrun(tmp_path, "submit", *blend_args(a, b, "--set", "train.model.vocab_size=256"))
+    (line,) = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and f"data.blend[0].path: '{a}': token id " in line, refused.stderr
+    assert "raise train.model.vocab_size to at least" in line and "meshrun top" not in refused.stdout
     bytes_file = tmp_path / "c.u16"
     meshrun(tmp_path, "data", str(STDLIB / "json"), "--out", str(bytes_file), check=True)
     refused = meshrun(tmp_path, "submit", *blend_args(a, bytes_file))

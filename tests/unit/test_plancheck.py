@@ -73,17 +73,37 @@ def test_waiting_besides_its_own_work_names_communication() -> None:
     assert "straggler" in alert.message
 
 
-def test_on_cpu_ranks_waiting_names_how_busy_the_nodes_cpus_are(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A second job on the same cores makes every step wait for a CPU, which plancheck sees as communication: the
-    alert says how many processes the node runs on how many CPUs, before stragglers and the interconnect."""
+def test_on_cpu_ranks_compute_drift_names_how_busy_the_nodes_cpus_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second job on the same cores makes every step wait for a CPU, which the rank's runnable time counts as its
+    own work (launcher/train/worktime.py): the alert says how many processes the node runs on how many CPUs, before
+    doctor's figures."""
     monkeypatch.setattr("os.getloadavg", lambda: (4.2, 3.0, 2.0))
     monkeypatch.setattr("os.cpu_count", lambda: 2)
-    (alert,) = feed(PlanCheck(PLAN, drift=0.3, steps=10, first=1, gpu=False), step_time=0.6, busy=0.15)
-    assert "other work on the node's CPUs: 4.2 processes runnable on its 2 over the last minute; or a slower peer" in (
+    (alert,) = feed(PlanCheck(PLAN, drift=0.3, steps=10, first=1, gpu=False), step_time=0.6, busy=0.55)
+    assert "other work on the node's CPUs: 4.2 processes runnable on its 2 over the last minute; or the plan's" in (
         alert.message
     )
     gpu = PlanCheck(PLAN, drift=0.3, steps=10, first=1, gpu=True)
-    assert all("runnable" not in a.message for a in feed(gpu, step_time=0.6, busy=0.15))
+    assert all("runnable" not in a.message for a in feed(gpu, step_time=0.6, busy=0.55))
+
+
+def test_a_rank_waiting_for_a_cpu_counts_it_as_its_own_work() -> None:
+    """The busy clock of a CPU rank counts the time its thread was runnable: a spin of 0.3 s counts whole however
+    loaded the machine (its CPU time alone would be less under load), and sleep (a gloo wait) not at all."""
+    import time
+
+    from launcher.train.worktime import SCHEDSTAT, BusyClock
+
+    if not SCHEDSTAT.exists():
+        pytest.skip("no /proc/thread-self/schedstat: the clock is the process CPU time here")
+    clock = BusyClock(cuda=False)
+    clock.start()
+    time.sleep(0.2)
+    end = time.monotonic() + 0.3
+    while time.monotonic() < end:
+        pass
+    busy = clock.stop()
+    assert busy is not None and 0.27 < busy < 0.45, busy
 
 
 def test_a_starved_input_names_data_wait() -> None:
