@@ -388,7 +388,10 @@ def preflight(prepared: Prepared, transport: Transport) -> Preflight:
     from submit.schedulers import preflight as checks
 
     local = not reaches_other_machines(prepared.plan.cluster.scheduler)
-    return checks.run(prepared.plan, prepared.request, transport, local)
+    # Where check_job read the data files here (this machine sees them as the ranks will), once is enough.
+    return checks.run(
+        prepared.plan, prepared.request, transport, local, inspect_data=not is_local(prepared.plan.cluster)
+    )
 
 
 ANY_CLUSTER = "any"

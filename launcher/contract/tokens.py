@@ -14,7 +14,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from launcher.contract.schema import SchemaError
 from launcher.contract.spec import Data, JobSpec
@@ -170,14 +170,11 @@ def token_width(path: str | Path, record: Optional[TokenRecord]) -> int:
     return TOKEN_WIDTHS[token_dtype(path, record)]
 
 
-def torn_file(key: str, path: str, size: int, dtype: str) -> SchemaError:
-    return SchemaError(
-        key, path, f"{size} bytes is not a whole number of {dtype} tokens (cut short, or not a token file): {DATA_FIX}"
-    )
+EMPTY = "the token file is empty; rebuild it (`meshrun data`) or name another file"
 
 
-def empty_file(key: str, path: str) -> SchemaError:
-    return SchemaError(key, path, "the token file is empty; rebuild it (`meshrun data`) or name another file")
+def torn(size: int, dtype: str) -> str:
+    return f"{size} bytes is not a whole number of {dtype} tokens (cut short, or not a token file): {DATA_FIX}"
 
 
 def largest_id(data: bytes, width: int) -> int:
@@ -194,64 +191,87 @@ def largest_id(data: bytes, width: int) -> int:
 MAGIC = {b"PAR1": "a Parquet file", b"\x1f\x8b": "gzip-compressed", b"PK\x03\x04": "a zip archive"}
 
 
-def file_kind(sample: bytes) -> str:
-    """What the first bytes of a data file say it is when that is not token ids ('' when it may be): text (no NUL
-    byte, and printable ASCII only, or valid UTF-8 over TEXT_MIN_BYTES: token ids below 256 in uint16 have a NUL in
-    every other byte, larger ones are neither for long), or a known container."""
-    for magic, kind in MAGIC.items():
-        if sample.startswith(magic):
-            return kind
-    if b"\0" in sample:
-        return ""
-    if len(sample) >= ASCII_TEXT_MIN_BYTES and ASCII_TEXT.issuperset(sample):
-        return "text"
-    if len(sample) < TEXT_MIN_BYTES:
-        return ""
-    try:
-        sample.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        if exc.start < len(sample) - 3:  # a character cut by the sample's end is still text
-            return ""
-    return "text"
+@dataclass(frozen=True)
+class Sample:
+    """What a data file's size and first SAMPLE_BYTES say, counted on this machine (`read_sample`) or by sh on the
+    cluster (submit's preflight): `sample_problem` judges both the same way."""
+
+    size: int
+    width: int
+    """Bytes per token id (`token_width`)."""
+    has_nul: bool
+    """A NUL byte among the sampled: token ids below 256 in uint16 have one in every other byte."""
+    ascii_only: bool
+    """The sampled bytes are printable ASCII and whitespace only."""
+    largest: int
+    """The largest token id in the sample."""
+    utf8: bool = True
+    """The sample decodes as UTF-8 (True where not tested: sh on the cluster)."""
+    container: str = ""
+    """What its first bytes say it is when a known container ("a zip archive"), else ''."""
+    has_record: bool = False
+    """A record (PATH.json) is beside it."""
+    record_vocab: Optional[int] = None
+    """The record's vocabulary, where it was read."""
 
 
-def check_token_sample(key: str, path: str, here: Path, record: Optional[TokenRecord], vocab: int) -> None:
-    """The file is one of token ids: not text or a container, a whole number of ids, and in its first SAMPLE_BYTES
-    every id within its own vocabulary (its record's, else the bytes' 256) and the model's `vocab`: such a file
-    given as data is refused at submit, before it queues (the ranks check every id again: launcher.data.dataset)."""
+def read_sample(here: Path, record: Optional[TokenRecord]) -> Sample:
+    """The Sample of the token file at `here` (its first SAMPLE_BYTES read once)."""
     with open(here, "rb") as f:
-        sample = f.read(SAMPLE_BYTES)
-    kind = file_kind(sample)
-    if kind == "text":
-        raise SchemaError(key, path, f"is text, not token ids; {TEXT_FIX}")
-    if kind:
-        raise SchemaError(key, path, f"is {kind}, not token ids: unpack it, then {DATA_FIX}")
-    dtype, size = token_dtype(here, record), here.stat().st_size
-    width = TOKEN_WIDTHS[dtype]
-    if size == 0:
-        raise empty_file(key, path)
-    if size % width:
-        raise torn_file(key, path, size, dtype)
-    top = largest_id(sample, width)
-    if record and top >= record.vocab_size:
-        raise SchemaError(
-            key, path, f"holds token id {top}, beyond the {record.vocab_size} ids its record says: {DATA_FIX}"
-        )
-    if not record and not vocab and top >= BYTES_VOCAB:
-        raise SchemaError(
-            key,
-            path,
+        data = f.read(SAMPLE_BYTES)
+    width = token_width(here, record)
+    try:
+        data.decode("utf-8")
+        utf8 = True
+    except UnicodeDecodeError as exc:
+        utf8 = exc.start >= len(data) - 3  # a character cut by the sample's end is still text
+    return Sample(
+        size=here.stat().st_size,
+        width=width,
+        has_nul=b"\0" in data,
+        ascii_only=ASCII_TEXT.issuperset(data),
+        largest=largest_id(data, width),
+        utf8=utf8,
+        container=next((kind for magic, kind in MAGIC.items() if data.startswith(magic)), ""),
+        has_record=record is not None,
+        record_vocab=record.vocab_size if record else None,
+    )
+
+
+def is_text(sample: Sample) -> bool:
+    """No NUL byte, and printable ASCII from ASCII_TEXT_MIN_BYTES or UTF-8 from TEXT_MIN_BYTES."""
+    sampled = min(sample.size, SAMPLE_BYTES)
+    if sample.has_nul:
+        return False
+    return (sampled >= ASCII_TEXT_MIN_BYTES and sample.ascii_only) or (sampled >= TEXT_MIN_BYTES and sample.utf8)
+
+
+def sample_problem(sample: Sample, vocab: int) -> Optional[str]:
+    """Why the file is not one of token ids of the model's `vocab` (0: the tokenizer's), said after its key and path;
+    None when its sample passes (the ranks check every id again: launcher.data.dataset)."""
+    if sample.container:
+        return f"is {sample.container}, not token ids: unpack it, then {DATA_FIX}"
+    if is_text(sample):
+        return f"is text, not token ids; {TEXT_FIX}"
+    if sample.size == 0:
+        return EMPTY
+    if sample.size % sample.width:
+        return torn(sample.size, "uint32" if sample.width == 4 else "uint16")
+    top = sample.largest
+    if sample.record_vocab is not None and top >= sample.record_vocab:
+        return f"holds token id {top}, beyond the {sample.record_vocab} ids its record says: {DATA_FIX}"
+    if not sample.has_record and not vocab and top >= BYTES_VOCAB:
+        return (
             f"holds token id {top}, but a file without a record is read as bytes (ids below {BYTES_VOCAB}): give "
-            f"train.model.vocab_size (its tokenizer's), or {DATA_FIX}",
+            f"train.model.vocab_size (its tokenizer's), or {DATA_FIX}"
         )
     if vocab and top >= vocab:
-        raise SchemaError(
-            key,
-            path,
+        return (
             f"token id {top} (in its first MiB) is not below train.model.vocab_size={vocab}; raise "
             f"train.model.vocab_size to at least {top + 1} (0 takes the tokenizer's), or rebuild the data "
-            f"with a tokenizer of at most {vocab} ids",
+            f"with a tokenizer of at most {vocab} ids"
         )
+    return None
 
 
 def split_counts(n_tokens: int, fraction: float) -> tuple[int, int]:
@@ -271,21 +291,21 @@ def too_few_windows(key: str, path: str, tokens: int, have: int, window: int, gl
     )
 
 
-def check_enough_windows(job: JobSpec, home: Optional[str] = None) -> None:
+def check_enough_windows(job: JobSpec, records: Mapping[Path, Optional[TokenRecord]], home: Optional[str]) -> None:
     """The training files hold one global batch of sequences at least, counted from their sizes as the ranks count
-    them (launcher.data.dataset), where this machine sees them all."""
+    them (launcher.data.dataset), where this machine sees them all (`records`: each visible file's record)."""
     if job.train is None:
         return
     data, window = job.data, job.train.model.seq_len + 1
     main = local_path(data.path, home)
-    main_record = read_record(main) if main.is_file() else None
+    main_record = records.get(main)
     separate = bool(data.val_path) or bool(main_record and main_record.val_path)
     tokens = windows = 0
     for path in training_files(data):
         here = local_path(path, home)
-        if not here.is_file():
+        if here not in records:
             return
-        count = here.stat().st_size // token_width(here, read_record(here))
+        count = here.stat().st_size // token_width(here, records[here])
         tokens += count
         train = count if separate or here != main else split_counts(count, data.val_fraction)[0]
         windows += train // window
@@ -324,5 +344,7 @@ def check_data_files(job: JobSpec, home: Optional[str] = None) -> None:
             )
     check_same_tokenizer(job.data, home)  # before the ids: ids of another tokenizer are the deeper mistake
     for key, path, here, record in found:
-        check_token_sample(key, path, here, record, job.train.model.vocab_size if job.train else 0)
-    check_enough_windows(job, home)
+        problem = sample_problem(read_sample(here, record), job.train.model.vocab_size if job.train else 0)
+        if problem:
+            raise SchemaError(key, path, problem)
+    check_enough_windows(job, {here: record for _, _, here, record in found}, home)

@@ -28,13 +28,13 @@ import torch
 from launcher.contract.schema import SchemaError
 from launcher.contract.spec import Data
 from launcher.contract.tokens import (
+    EMPTY,
     TOKEN_WIDTHS,
-    empty_file,
     read_record,
     split_counts,
     token_dtype,
     too_few_windows,
-    torn_file,
+    torn,
 )
 
 Split = Literal["train", "val"]
@@ -55,9 +55,9 @@ def open_tokens(path: str | Path, key: str = "data.path") -> torch.Tensor:
     itemsize = TOKEN_WIDTHS[dtype]
     size = path.stat().st_size
     if size % itemsize:
-        raise torn_file(key, str(path), size, dtype)
+        raise SchemaError(key, str(path), torn(size, dtype))
     if size == 0:
-        raise empty_file(key, str(path))
+        raise SchemaError(key, str(path), EMPTY)
     return torch.from_file(str(path), shared=False, size=size // itemsize, dtype=_DTYPES[dtype])
 
 

@@ -24,14 +24,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from launcher.contract.modelshape import checkpoint_space_needed
-from launcher.contract.tokens import (
-    ASCII_TEXT_MIN_BYTES,
-    BYTES_VOCAB,
-    DATA_FIX,
-    SAMPLE_BYTES,
-    TEXT_FIX,
-    TEXT_MIN_BYTES,
-)
+from launcher.contract.tokens import SAMPLE_BYTES, Sample, sample_problem
 from submit import __version__
 from submit.planning.plan import Plan
 from submit.schedulers.base import Request
@@ -43,7 +36,8 @@ TEST_ONLY = (
     'f=$(mktemp) || exit 1; printf "%s" "$1" > "$f"; shift; '
     'sbatch --test-only "$@" "$f" 2>&1; s=$?; rm -f -- "$f"; exit $s'
 )
-# Each argument pair is KEY PATH, `~/` meaning the cluster user's home. A file that is missing or unreadable
+# The first argument says whether to look into the data files (0: the submit judged them already, on this
+# machine, which sees them as the ranks will: the local cluster, a login node). Each argument pair after it is KEY PATH, `~/` meaning the cluster user's home. A file that is missing or unreadable
 # prints `missing KEY PATH`; a secret (its key starts with `secrets.`) also `open KEY PATH` when others may
 # read it, `notmine KEY PATH` when another user owns it; a data file `tokens KEY BYTES NON_NUL NON_ASCII MAX_ID
 # RECORD PATH`: its size, the bytes of its first MiB that are not NUL (token ids have NULs; text has none) and those
@@ -51,11 +45,12 @@ TEST_ONLY = (
 # there, and whether a record (PATH.json) is beside it (the same test as launcher.contract.tokens, in sh: the
 # file is on the cluster only).
 FILES = r"""
+inspect=$1; shift
 while [ "$#" -ge 2 ]; do
   k=$1 p=$2; shift 2
   case $p in "~/"*) p="$HOME/${p#"~/"}";; esac
   if [ ! -r "$p" ] || [ -d "$p" ]; then echo "missing $k $p"; continue; fi
-  case $k in data.*)
+  case $inspect$k in 1data.*)
     t=-tu2; case $p in *.u32) t=-tu4;; esac
     s=$(wc -c < "$p"); n=$(head -c 1048576 "$p" | tr -d '\000' | wc -c)
     a=$(head -c 1048576 "$p" | tr -d '\t\n\r\040-\176' | wc -c)
@@ -132,15 +127,16 @@ def files_to_check(plan: Plan) -> list[tuple[str, str]]:
     return found
 
 
-def commands(plan: Plan, request: Request, local: bool) -> list[tuple[str, list[str]]]:
+def commands(plan: Plan, request: Request, local: bool, inspect_data: bool = True) -> list[tuple[str, list[str]]]:
     """(check, argv) for one batched round trip; the scheduler's and the interpreter's only where the
-    ranks run elsewhere than this process (`local`: the embedded cluster, whose interpreter is this one)."""
+    ranks run elsewhere than this process (`local`: the embedded cluster, whose interpreter is this one); the data
+    files' contents only with `inspect_data` (False: the submit read them here already)."""
     found: list[tuple[str, list[str]]] = []
     if request.scheduler == "slurm":
         flags = [f"--job-name={plan.spec.name}", f"--chdir={plan.run_dir}"]
         found.append(("slurm", ["sh", "-c", TEST_ONLY, "sh", request.script, *flags]))
     pairs = [word for pair in files_to_check(plan) for word in pair]
-    found.append(("files", ["sh", "-c", FILES, "sh", *pairs]))
+    found.append(("files", ["sh", "-c", FILES, "sh", "1" if inspect_data else "0", *pairs]))
     if not local:
         # Each setup line as the batch script runs it (verbatim, its failure not fatal), marked when it fails.
         setup = "".join(f"{{ {line}\n}} || echo 'setup-failed {i}' >&2\n" for i, line in enumerate(plan.cluster.setup))
@@ -150,9 +146,9 @@ def commands(plan: Plan, request: Request, local: bool) -> list[tuple[str, list[
     return found
 
 
-def run(plan: Plan, request: Request, transport: Transport, local: bool) -> Preflight:
+def run(plan: Plan, request: Request, transport: Transport, local: bool, inspect_data: bool = True) -> Preflight:
     """Every check in one round trip (launcher.contract.modelshape sizes the checkpoints)."""
-    planned = commands(plan, request, local)
+    planned = commands(plan, request, local, inspect_data)
     results = batch(transport, [argv for _, argv in planned], timeout=120)
     checks: list[Check] = []
     start: Optional[str] = None
@@ -189,29 +185,24 @@ def _slurm(result: Result) -> tuple[Check, Optional[str]]:
 
 
 def _token_problem(fields: str, vocab: int) -> list[str]:
-    """What a data file's `tokens` line says is wrong with it as token ids ([] when nothing): the rules of
-    launcher.contract.tokens, from what sh could count on the cluster."""
+    """What a data file's `tokens` line says is wrong with it as token ids ([] when nothing), judged as
+    launcher.contract.tokens judges a file this machine sees."""
     key, size, non_nul, non_ascii, top, record, path = (fields.split(" ", 6) + [""] * 7)[:7]
     try:
         nbytes, kept, odd, largest = int(size), int(non_nul), int(non_ascii), int(top)
     except ValueError:
         return []
-    sample = min(nbytes, SAMPLE_BYTES)
-    width = 4 if path.endswith(".u32") else 2
-    if (sample >= ASCII_TEXT_MIN_BYTES and kept == sample and odd == 0) or (
-        sample >= TEXT_MIN_BYTES and kept == sample
-    ):
-        return [f"{key}: {path} is text (no NUL byte in its first MiB), not token ids; {TEXT_FIX}"]
-    if nbytes % width:
-        return [f"{key}: {path} ({nbytes} bytes) is not a whole number of {8 * width}-bit token ids: {DATA_FIX}"]
-    if record == "0" and not vocab and largest >= BYTES_VOCAB:
-        return [
-            f"{key}: {path} holds token id {largest}, but a file without a record is read as bytes (ids below "
-            f"{BYTES_VOCAB}): give train.model.vocab_size (its tokenizer's), or {DATA_FIX}"
-        ]
-    if vocab and largest >= vocab:
-        return [f"{key}: {path} holds token id {largest}, not below train.model.vocab_size={vocab}; raise it"]
-    return []
+    sampled = min(nbytes, SAMPLE_BYTES)
+    sample = Sample(
+        size=nbytes,
+        width=4 if path.endswith(".u32") else 2,
+        has_nul=kept < sampled,
+        ascii_only=odd == 0,
+        largest=largest,
+        has_record=record == "1",
+    )
+    problem = sample_problem(sample, vocab)
+    return [f"{key}: {path} {problem}"] if problem else []
 
 
 def _files(result: Result, vocab: int = 0) -> Check:

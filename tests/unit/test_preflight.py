@@ -55,23 +55,25 @@ def test_a_missing_data_file_and_init_weights_are_named_with_the_key(tmp_path: P
     [
         (
             b'{"text": "a document"}\n' * 300,
-            "is text (no NUL byte in its first MiB), not token ids; name it .txt, .md or .jsonl",
+            "is text, not token ids; name it .txt, .md or .jsonl",
         ),
-        (b'{"text": "short"}\n' * 4, "is text (no NUL byte in its first MiB), not token ids"),
-        (b"\0" * 4095, "(4095 bytes) is not a whole number of 16-bit token ids: build a token file"),
+        (b'{"text": "short"}\n' * 4, "is text, not token ids"),
+        (b"\0" * 4095, "4095 bytes is not a whole number of uint16 tokens (cut short, or not a token file)"),
         (
             b"".join(i.to_bytes(2, "little") for i in (5, 300, 7, 0)),
-            "holds token id 300, not below train.model.vocab_size=256; raise it",
+            "token id 300 (in its first MiB) is not below train.model.vocab_size=256; raise",
         ),
     ],
 )
 def test_a_data_file_on_the_cluster_that_is_not_token_ids_is_refused(tmp_path: Path, content: bytes, said: str) -> None:
-    """The data file as the cluster sees it (sh, od and awk on the login node: the laptop may not see it)."""
+    """The data file as the cluster sees it (sh, od and awk on the login node: the laptop may not see it), judged
+    as the submit judges one it sees (launcher.contract.tokens.sample_problem); not read again where it did."""
     plan = _plan(tmp_path)
     Path(plan.spec.data.path).write_bytes(content)
     (check,) = _run(plan).failures
     assert check.what == "files" and check.line.startswith(f"data.path: {plan.spec.data.path} "), check.line
     assert said in check.line, check.line
+    assert not preflight.run(plan, _request(), LocalTransport(), True, inspect_data=False).failures
 
 
 def test_a_secret_file_others_can_read_is_refused_and_its_content_never_read(tmp_path: Path) -> None:
