@@ -6,12 +6,18 @@ modules that only the ranks import (train, model, data).
 
 from __future__ import annotations
 
-from launcher.contract.version import installed_version
+from typing import Any
 
 __all__ = ["installed_version"]
 
 
-def __getattr__(name: str) -> str:
+def __getattr__(name: str) -> Any:
+    # Lazily: every small rank-side process (sidecar, copier, probes, the batch script's helpers) imports this
+    # package, and most never ask for the version.
+    from launcher.contract.version import installed_version
+
+    if name == "installed_version":
+        return installed_version
     if name == "__version__":
         return installed_version()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -34,16 +34,16 @@ from submit.jobs import status as job_status
 from submit.jobs import suspects as job_suspects
 from submit.jobs.registry import JobRecord, Registry, now
 from submit.jobs.status import METRICS_FILE, Status, last_metrics, warn_to_stderr
-from submit.planning.plan import REMOTE_HOME, Plan, avoid_suspects, expand_home, with_home
 from submit.schedulers import backend, check_profile
 from submit.schedulers.base import Request
 from submit.transport import connect
-from submit.transport import snapshot as snapshots
 from submit.transport.base import Progress, Transport
 
 if TYPE_CHECKING:
     from launcher.contract.spec import JobSpec, RunSpec
+    from submit.planning.plan import Plan
     from submit.schedulers.preflight import Preflight
+    from submit.transport import snapshot as snapshots
 
 # `executor` is served by the module's __getattr__ (submitit is imported only when it is asked for).
 __all__ = [
@@ -108,6 +108,8 @@ def with_code_dir(
     seal it checks; `name`: the copy the probe found, when `code/<digest>` itself changed), or, for
     a backend that runs this machine's files in place, `in_place` (the project's folder), so that a
     command's relative paths (`python3 examples/x.py`) resolve as they do on Slurm."""
+    from submit.transport import snapshot as snapshots
+
     if not backend(plan.cluster.scheduler).ships_code:
         return dataclasses.replace(plan, code_dir=in_place) if in_place else plan
     if snap is None:
@@ -132,6 +134,8 @@ def sync_code(
     present: Optional[bool] = None,
 ) -> bool:
     """Put the plan's code snapshot on the cluster if it is not there yet; True if it was uploaded."""
+    from submit.transport import snapshot as snapshots
+
     if snap is None or plan.code_dir is None:
         return False
     return snapshots.sync(transport, snap, plan.code_dir, progress, present)
@@ -207,6 +211,8 @@ def is_local(profile: ClusterProfile) -> bool:
 def home_for(profile: ClusterProfile) -> str:
     """The home that `~` in the profile's paths means: this machine's, or (over SSH) a placeholder
     that `prepare` resolves once the login node has said its own."""
+    from submit.planning.plan import REMOTE_HOME
+
     return os.path.expanduser("~") if is_local(profile) else REMOTE_HOME
 
 
@@ -231,6 +237,8 @@ def clear_suspects(profile: ClusterProfile, transport: Transport, nodes: Sequenc
 
 def cluster_work_dir(profile: ClusterProfile, transport: Transport) -> str:
     """The profile's work dir on the cluster, `~` as the cluster user's home."""
+    from submit.planning.plan import expand_home
+
     return expand_home(profile.paths.work_dir, transport.home()).rstrip("/")
 
 
@@ -312,6 +320,9 @@ def check_job(plan: Plan, force: bool = False) -> None:
 
 def resolve_home(plan: Plan, transport: Transport) -> Plan:
     """The plan with the cluster's own home for `~` (one command over SSH; nothing to ask locally)."""
+    from submit.planning.plan import with_home
+    from submit.transport import snapshot as snapshots
+
     return plan if is_local(plan.cluster) else with_home(plan, snapshots.remote_home(transport))
 
 
@@ -354,6 +365,9 @@ def prepare(
     """The plan made once, then (with a transport) one round trip asks the cluster for its home and which copy
     of the code snapshot the job runs from, then the request is built, rendered once. Without a transport
     (a dry run on this machine) nothing is asked. `read_only` (render): nothing is written on the cluster."""
+    from submit.planning.plan import avoid_suspects, with_home
+    from submit.transport import snapshot as snapshots
+
     ships_code = backend(plan.cluster.scheduler).ships_code
     snap = snapshots.collect(spec_dir, plan.spec.code) if ships_code else None
     found: Optional[snapshots.Found] = None

@@ -16,6 +16,16 @@ nodes differ. It never fails the job: an error is one line in RUN_DIR/logs/sidec
 
 from __future__ import annotations
 
-from launcher.sidecar.envrecord import env_mismatches
+from typing import Any
 
 __all__ = ["env_mismatches"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazily: the copier (a process per checkpoint copy) and the watchdog import this package too, and the
+    # environment record's package metadata costs each of them ~20 ms of start-up.
+    if name == "env_mismatches":
+        from launcher.sidecar.envrecord import env_mismatches
+
+        return env_mismatches
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import platform
 import socket
 import time
-from importlib import metadata
 from typing import Any, Mapping, Optional
 
 from launcher.contract.envcheck import COMPARED, env_mismatches, read_records
@@ -21,6 +20,8 @@ NCCL_DISTRIBUTIONS = ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11"
 
 def package_version(*names: str) -> Optional[str]:
     """The first installed distribution's version among `names`, None when none is installed."""
+    from importlib import metadata  # ~20 ms of imports: only when a record is built, not for every importer
+
     for name in names:
         try:
             return metadata.version(name)

@@ -16,7 +16,7 @@ from typing import Literal, Mapping, Optional, Sequence
 
 from launcher.contract import schema
 from launcher.contract.schema import SchemaError
-from launcher.contract.spec import ENV_KEY
+from launcher.contract.secrets import ENV_KEY
 from submit.config.folders import config_dir
 from submit.config.resources import shipped_profiles_dir
 from submit.config.yamlfile import YamlDoc

@@ -11,12 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence
 
-import yaml
-
-from launcher.contract import dsconfig
 from launcher.contract import secrets as ls
 from launcher.contract.rundir import RunDir
-from launcher.contract.spec import dumps_run_spec
 from submit.jobs import secrets as job_secrets
 from submit.transport.base import Upload
 
@@ -83,6 +79,10 @@ def run_dir_files(plan: Plan, script_name: str, script: str) -> dict[str, Upload
     """The run dir as submitted: the spec as written, the resolved spec, the script, logs/, the generated
     DeepSpeed config of a deepspeed job (and each sweep task's spec, logs/ and DeepSpeed config: a sweep
     may change the batch or the ZeRO stage). Names come from the run-dir contract."""
+    import yaml  # here, not at the top: `status`, `cancel` and `logs` load this module and never write a spec
+
+    from launcher.contract.spec import dumps_run_spec
+
     files = {
         RunDir.JOB_YAML: Upload(yaml.safe_dump(plan.submitted, sort_keys=False, allow_unicode=True).encode()),
         RunDir.SPEC: Upload(dumps_run_spec(plan.run_spec).encode()),
@@ -100,6 +100,8 @@ def run_dir_files(plan: Plan, script_name: str, script: str) -> dict[str, Upload
 
 def _deepspeed_config(prefix: str, job: JobSpec) -> dict[str, Upload]:
     """{prefix + deepspeed.json: the config} for a deepspeed job, for a person to inspect; else {}."""
+    from launcher.contract import dsconfig
+
     if not dsconfig.uses_deepspeed(job):
         return {}
     return {f"{prefix}{RunDir.DEEPSPEED_CONFIG}": Upload(dsconfig.dumps(job).encode())}
