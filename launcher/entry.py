@@ -179,12 +179,11 @@ def _wait_for_child(argv: Sequence[str], environ: Mapping[str, str]) -> int:
 
     A cancel signals the whole process group, the program included, and the program decides what a
     SIGTERM means; this worker only waits for it. submitit's own handler would print "Bypassing signal
-    SIGTERM" into the rank's log for every signal, a warning about nothing."""
-    previous = signal.signal(signal.SIGTERM, _the_program_decides)
-    try:
-        return _exit_code(subprocess.call(list(argv), env=dict(environ)))
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    SIGTERM" into the rank's log for every signal, a warning about nothing. It is not put back when the
+    program has ended: the worker only returns its code then, and a cancel's second TERM (the controller passes
+    the signal on to its tasks too) would otherwise still reach submitit's handler in that moment."""
+    signal.signal(signal.SIGTERM, _the_program_decides)
+    return _exit_code(subprocess.call(list(argv), env=dict(environ)))
 
 
 def _the_program_decides(_signum: int, _frame: object) -> None:
