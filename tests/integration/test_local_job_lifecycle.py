@@ -226,3 +226,5 @@ def test_ctrl_c_while_waiting_leaves_the_job_running_and_says_so(tmp_path: Path)
     assert f"job {job_id} keeps running" in stderr and f"meshrun cancel {job_id}" in stderr
     assert status(tmp_path, job_id)["state"] == "RUNNING"
     meshrun(tmp_path, "cancel", job_id, check=True)
+    # The cancel took: its supervisor and sidecar end with it, not in the next test's time (or the suite's sweep).
+    assert _wait_state(tmp_path, job_id, ("CANCELLED", "FAILED"))["state"] == "CANCELLED"
