@@ -16,10 +16,7 @@ from typing import Any, Literal, Mapping, Optional
 from launcher.contract.parallel_dims import ParallelDims, Problem
 from launcher.contract.rundir import NodeDir, RunDir, expand_node_path, node_name
 from launcher.contract.schema import SchemaError, load, to_plain
-from launcher.contract.secrets import (
-    ENV_KEY as ENV_KEY,  # re-exported: the name submit/config/cluster.py checks env keys with
-)
-from launcher.contract.secrets import parse_secrets
+from launcher.contract.secrets import ENV_KEY, parse_secrets
 
 SPEC_FILE = RunDir.SPEC
 
