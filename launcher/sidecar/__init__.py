@@ -9,23 +9,9 @@ nodes differ. It never fails the job: an error is one line in RUN_DIR/logs/sidec
 
     nvml.py       GPU discovery, CUDA_VISIBLE_DEVICES -> UUIDs, one sample per GPU, XID events
     host.py       CPU, memory and disk I/O from /proc
-    envrecord.py  the environment record and env_mismatches() (meshrun status can show it)
+    envrecord.py  the environment record; env_mismatches() lives in launcher/contract/envcheck.py (status shows it)
     loop.py       the main loop: periodic tasks (sampling, the env check; hang watch and checkpoint
                   copier plug in as further tasks), stop on SIGTERM or when the parent is gone
 """
 
 from __future__ import annotations
-
-from typing import Any
-
-__all__ = ["env_mismatches"]
-
-
-def __getattr__(name: str) -> Any:
-    # Lazily: the copier (a process per checkpoint copy) and the watchdog import this package too, and the
-    # environment record's package metadata costs each of them ~20 ms of start-up.
-    if name == "env_mismatches":
-        from launcher.sidecar.envrecord import env_mismatches
-
-        return env_mismatches
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

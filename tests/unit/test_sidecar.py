@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 
 from launcher.contract import goodput
+from launcher.contract.envcheck import env_mismatches
 from launcher.contract.rundir import RunDir, node_name
 from launcher.contract.schema import SchemaError, load
 from launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, Sidecar, write_run_spec
-from launcher.sidecar import env_mismatches, loop, nvml
+from launcher.sidecar import loop, nvml
 from launcher.sidecar.host import Host
 from tests.unit import fake_nvml
 from tests.unit.fake_nvml import FakeGpu
