@@ -33,6 +33,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
     if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
         signal.signal(signal.SIGTERM, interrupt)
+    # A run started in the background of a script (`cmd &` without job control) inherits SIGINT ignored, and so
+    # would every process the tests start: the Ctrl-C tests (`submit --wait`, `tb`) would wait out their
+    # timeouts. A handler here is reset to the default in each child at exec, as a terminal's processes have it.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     # Every process the tests start carries this run's mark (tests/hygiene.py): what it leaves is found.
     config.stash[_MARK] = hygiene.mark_session(str(config.rootpath))
 
