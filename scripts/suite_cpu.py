@@ -2,7 +2,7 @@
 CI's 2 cores the suite is CPU-bound (measured 2026-12-04: the cores ~93% busy for the whole run, ~95% of it
 in Python processes), so what a test costs every other test is its CPU, most of it in processes it starts.
 
-    .venv/bin/python scripts/suite_cpu.py [--top N] [PYTEST ARGS...]    # e.g. -n 3 tests/integration
+    .venv/bin/python scripts/suite_cpu.py [--top N] [--log FILE] [PYTEST ARGS...]    # e.g. -n 3 tests/integration
 
 Runs pytest with PYTEST ARGS and two hooks on PYTHONPATH: a sitecustomize that makes every Python process
 (the `meshrun` calls, supervisors, ranks, sidecars, probes, on local and on the Slurm testbed alike) append its
@@ -126,12 +126,14 @@ def report(per_test: Counter[str], unattributed: float, top: int) -> str:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--top", type=int, default=30, help="how many tests and files to list (30)")
+    parser.add_argument("--log", type=Path, help="keep the processes' records (JSON lines) in this file")
     args, pytest_args = parser.parse_known_args(argv)
     with tempfile.TemporaryDirectory(prefix="suite-cpu-") as tmp:
         hooks = Path(tmp)
         (hooks / "sitecustomize.py").write_text(SITECUSTOMIZE)
         (hooks / "suite_cpu_plugin.py").write_text(PLUGIN)
-        log = hooks / "cpu.jsonl"
+        log = args.log.resolve() if args.log else hooks / "cpu.jsonl"
+        log.unlink(missing_ok=True)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(hooks), os.environ.get("PYTHONPATH")])))
         env[LOG_ENV] = str(log)
         command = [str(REPO / ".venv" / "bin" / "python"), "-m", "pytest", "-p", "suite_cpu_plugin", *pytest_args]
