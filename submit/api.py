@@ -13,6 +13,7 @@ its scheduler backend. `executor(...)` is the submitit API on a login node.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import subprocess
 from pathlib import Path
@@ -30,10 +31,7 @@ from submit.config.cluster import (
     profile_path,
 )
 from submit.errors import ClusterError, InputError
-from submit.jobs import status as job_status
 from submit.jobs import suspects as job_suspects
-from submit.jobs.registry import JobRecord, Registry, now
-from submit.jobs.status import METRICS_FILE, Status, last_metrics, warn_to_stderr
 from submit.schedulers import backend, check_profile
 from submit.schedulers.base import Request
 from submit.transport import connect
@@ -41,11 +39,21 @@ from submit.transport.base import Progress, Transport
 
 if TYPE_CHECKING:
     from launcher.contract.spec import JobSpec, RunSpec
+    from submit.jobs import status as job_status
+    from submit.jobs.registry import JobRecord, Registry
+    from submit.jobs.status import METRICS_FILE, Status, last_metrics
     from submit.planning.plan import Plan
     from submit.schedulers.preflight import Preflight
     from submit.transport import snapshot as snapshots
 
-# `executor` is served by the module's __getattr__ (submitit is imported only when it is asked for).
+# Served by the module's __getattr__, imported when first asked for: `executor` (with submitit), and the
+# status module's names (`render` and `submit` read no status: with the Slurm backend's, ~3.5 ms of their start-up).
+_LAZY = {
+    "executor": "submit.schedulers.executor",
+    "METRICS_FILE": "submit.jobs.status",
+    "Status": "submit.jobs.status",
+    "last_metrics": "submit.jobs.status",
+}
 __all__ = [
     "Clusters",
     "Prepared",
@@ -66,14 +74,14 @@ __all__ = [
     "resume",
     "send",
     "trust",
-    "METRICS_FILE",
+    "METRICS_FILE",  # noqa: F822
     "Request",
-    "Status",
+    "Status",  # noqa: F822
     "cancel",
     "dryrun",
     "executor",  # noqa: F822
     "git_sha",
-    "last_metrics",
+    "last_metrics",  # noqa: F822
     "log_path",
     "schedule",
     "statuses",
@@ -84,11 +92,9 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """`from submit.api import executor`: the submitit API, imported (with submitit) only when asked for."""
-    if name == "executor":
-        from submit.schedulers.executor import executor
-
-        return executor
+    """`from submit.api import executor` (the submitit API), `Status`, ...: _LAZY's names, imported when asked for."""
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -150,6 +156,8 @@ def schedule(
     profile_path: Optional[str] = None,
 ) -> list[JobRecord]:
     """Send exactly `request`, then record the job (one record per sweep task)."""
+    from submit.jobs.registry import JobRecord, now
+
     with private_umask_while():  # a library caller's umask is theirs: what this writes and starts is private
         job_id = backend(request.scheduler).schedule(request, transport)
     base = JobRecord(
@@ -662,13 +670,17 @@ def statuses(
     records: Sequence[JobRecord],
     clusters: job_status.TransportSource,
     registry: Optional[Registry] = None,
-    warn: Callable[[str], None] = warn_to_stderr,
+    warn: Optional[Callable[[str], None]] = None,
     detail: bool = False,
     live: bool = False,
 ) -> list[Status]:
     """The status of each record, in order: one round trip per cluster, each asked of the record's scheduler
-    backend (submit/jobs/status.py's statuses; `detail` and `live` as there)."""
-    return job_status.statuses(records, clusters, backend, registry, warn, detail, live)
+    backend (submit/jobs/status.py's statuses; `warn` (default: a warning line on stderr), `detail` and `live`
+    as there)."""
+    from submit.jobs import status as job_status
+
+    to = warn if warn is not None else job_status.warn_to_stderr
+    return job_status.statuses(records, clusters, backend, registry, to, detail, live)
 
 
 def resume(

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import statistics
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Sequence
@@ -74,6 +73,8 @@ def calibration_file(cluster: str) -> Path:
 
 
 def _median(values: Sequence[float]) -> Optional[float]:
+    import statistics  # here: it (with decimal, fractions) cost ~1.5 ms of every `render`, which only loads records
+
     return round(statistics.median(values), 6) if values else None
 
 
@@ -88,6 +89,8 @@ def _figures(results: Sequence[Optional[Mapping[str, Any]]], part: str, key: str
 
 def _layer_times(results: Sequence[Optional[Mapping[str, Any]]]) -> dict[tuple[int, int, int, int], float]:
     """The probe's per-block seconds (launcher/probes/doctor.py layer_seconds), median over the ranks per shape."""
+    import statistics
+
     found: dict[tuple[int, int, int, int], list[float]] = {}
     for res in results:
         layers = ((res or {}).get("compute") or {}).get("layers")

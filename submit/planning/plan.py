@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from launcher.contract import dsconfig, presets, schema, suspects, tokens, weights
+from launcher.contract import dsconfig, presets, schema, suspects, tokens
 from launcher.contract.rundir import RunDir
 from launcher.contract.schema import SchemaError
 from launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, check_ranges
@@ -329,6 +329,8 @@ def check_files(plan: Plan) -> None:
     """The files the ranks will read (data, init weights) exist, where this machine sees their filesystem
     (the local cluster, a login node; not a laptop: over SSH the ranks check when they start). At submit
     time, beside check_fit: planning and rendering a job need no data."""
+    from launcher.contract import weights  # here: only a submit reads init weights' headers (render never does)
+
     home = os.path.expanduser("~")
     tokens.check_data_files(plan.spec, home)
     weights.check_init_from(plan.spec, home)
