@@ -125,6 +125,26 @@ def start(run_dir: Path, world: int) -> list[subprocess.Popen[str]]:
     ]
 
 
+def start_script(script: Path, args: list[str], world: int, port: Optional[int] = None) -> list[subprocess.Popen[str]]:
+    """`world` ranks of a test's own rank script (`python SCRIPT ARGS...` with torchrun's variables), forked like
+    `start`'s ranks (MESHRUN_TEST_NO_FORK=1: each its own interpreter)."""
+    from tests.helpers import zygote
+
+    port = port or free_port()
+    if not os.environ.get(zygote.DISABLED_ENV):
+        return [zygote.spawn([str(script), *args], rank_environ(r, world, port), script=True) for r in range(world)]
+    return [
+        subprocess.Popen(
+            [sys.executable, str(script), *args],
+            env=rank_environ(r, world, port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
+
+
 def finish(procs: list[subprocess.Popen[str]]) -> list[str]:
     """Wait for every rank; assert each exited 0 (showing its output if not)."""
     outputs = []

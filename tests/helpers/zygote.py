@@ -97,12 +97,16 @@ class Zygote:
             raise RuntimeError(f"the rank server did not start: {ready!r}")
         atexit.register(self.close)
 
-    def spawn(self, argv: list[str], env: dict[str, str], cwd: Optional[str] = None) -> ForkedRank:
+    def spawn(
+        self, argv: list[str], env: dict[str, str], cwd: Optional[str] = None, script: bool = False
+    ) -> ForkedRank:
+        """A fork that runs `python -m launcher ARGS...` (argv[0] is the module's file), or with `script`, the
+        Python file argv[0] as `python SCRIPT ARGS...` would."""
         assert self.server.stdin is not None and self.server.stdout is not None
         with self.lock:
             self.count += 1
             output = self.folder / f"rank-{self.count}.out"
-            request = {"argv": argv, "env": env, "cwd": cwd or os.getcwd(), "output": str(output)}
+            request = {"argv": argv, "env": env, "cwd": cwd or os.getcwd(), "output": str(output), "script": script}
             self.server.stdin.write(json.dumps(request) + "\n")
             self.server.stdin.flush()
             answer = json.loads(self.server.stdout.readline())
@@ -122,12 +126,13 @@ class Zygote:
 _ZYGOTE: Optional[Zygote] = None
 
 
-def spawn(argv: list[str], env: dict[str, str]) -> Any:
-    """A rank running `python -m launcher ARGS...` (argv[0] is the module's file), forked from the server."""
+def spawn(argv: list[str], env: dict[str, str], script: bool = False) -> Any:
+    """A rank running `python -m launcher ARGS...` (argv[0] is the module's file), or with `script` the test's
+    own rank script argv[0] (`python SCRIPT ARGS...`), forked from the server."""
     global _ZYGOTE
     if _ZYGOTE is None or _ZYGOTE.server.poll() is not None:
         _ZYGOTE = Zygote()
-    return _ZYGOTE.spawn(argv, env)
+    return _ZYGOTE.spawn(argv, env, script=script)
 
 
 def close() -> None:
@@ -183,7 +188,8 @@ def _serve() -> None:
 
 
 def _run_rank(request: dict[str, Any]) -> None:
-    """In the fork: become `python -m launcher ...` in the test's environment; never returns."""
+    """In the fork: become `python -m launcher ...` (or `python SCRIPT ...`) in the test's environment; never
+    returns."""
     code = 1
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -204,7 +210,11 @@ def _run_rank(request: dict[str, Any]) -> None:
         sys.argv = list(request["argv"])
         import runpy
 
-        runpy.run_module("launcher", run_name="__main__", alter_sys=True)
+        if request.get("script"):
+            sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # as `python SCRIPT` sets it
+            runpy.run_path(sys.argv[0], run_name="__main__")
+        else:
+            runpy.run_module("launcher", run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

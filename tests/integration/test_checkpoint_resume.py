@@ -9,7 +9,6 @@ import json
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,7 +19,15 @@ from launcher.contract.spec import Checkpoint, Parallel
 from launcher.export.consolidate import consolidated_state
 from launcher.preempt import EXIT_REQUEUE
 from tests.helpers.cli import trials
-from tests.helpers.ranks import REPO, finish, free_port, make_run, metrics, rank_environ, start, tiny_train
+from tests.helpers.ranks import (
+    REPO,
+    finish,
+    make_run,
+    metrics,
+    start,
+    start_script,
+    tiny_train,
+)
 
 STEPS = 40
 
@@ -128,23 +135,8 @@ def test_resharding_a_221_checkpoint_to_112_and_one_process(tmp_path: Path, corp
     probes = {}
     for name, world, par in (("pp2", 2, Parallel(dp=1, tp=1, pp=2)), ("one", 1, Parallel())):
         dst = make_run(tmp_path, name, corpus, world, train=train, parallel=par)
-        port = free_port()
-        procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    str(REPO / "tests/integration/reshard_probe.py"),
-                    str(dst),
-                    str(ckptdir.latest(src / "checkpoints")),
-                ],
-                env=rank_environ(r, world, port),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for r in range(world)
-        ]
-        finish(procs)
+        probe = REPO / "tests/integration/reshard_probe.py"
+        finish(start_script(probe, [str(dst), str(ckptdir.latest(src / "checkpoints"))], world))
         probes[name] = {}
         for part in dst.glob("probe-*.pt"):
             probes[name].update(torch.load(part))

@@ -28,7 +28,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -40,7 +39,7 @@ from launcher.contract import ckptdir
 from launcher.contract.spec import Checkpoint, Model, Parallel, Train
 from launcher.export import run as export
 from launcher.train.model import GPT
-from tests.helpers.ranks import finish, free_port, make_run, metrics, rank_environ, start, tiny_train
+from tests.helpers.ranks import finish, make_run, metrics, start, start_script, tiny_train
 from tests.helpers.shared import computed_once
 
 STEPS = 10
@@ -257,19 +256,7 @@ def norm_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[
 
 
 def _norm_runs() -> dict[str, list[tuple[dict, str]]]:
-    procs = {}
-    for world, layouts in NORM_WORLDS.items():
-        port = free_port()
-        procs[world] = [
-            subprocess.Popen(
-                [sys.executable, str(GRADNORM_RANK), *layouts],
-                env=rank_environ(rank, world, port),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for rank in range(world)
-        ]
+    procs = {world: start_script(GRADNORM_RANK, layouts, world) for world, layouts in NORM_WORLDS.items()}
     runs: dict[str, list[tuple[dict, str]]] = {}
     for ranks in procs.values():
         for out in finish(ranks):
