@@ -301,17 +301,34 @@ def submitit_files(run_dir: str) -> str:
 
 
 def _submitit_controller(record: JobRecord) -> Optional[procs.Identity]:
-    """The job's submitit controller (its pid is the job id), while that pid still runs submitit's controller
-    for this job's files and started with the job (a pid from the registry may be another process's by now)."""
+    """The job's submitit controller, while it runs for this job's files and started with the job (a pid from
+    the registry may be another process's by now). The job id is the controller's pid, or, on a profile with
+    setup lines, the pid of the shell submitit runs them in (`sh -c "SETUP && python -m submitit.local._local"`),
+    whose child the controller is: a TERM to that shell would end it and leave the controller and its tasks
+    running."""
     if not record.job_id.isdigit():
         return None
-    pid = int(record.job_id)
-    controller = procs.process_identity(pid)
+    job_pid = int(record.job_id)
+    if not _runs_controller(record, job_pid):
+        return None
+    if _is_controller(procs.command_line(job_pid) or []):
+        return procs.process_identity(job_pid)
+    inner = [pid for pid in procs.children(job_pid) if _runs_controller(record, pid)]
+    return procs.process_identity(inner[0]) if inner else None
+
+
+def _is_controller(argv: Sequence[str]) -> bool:
+    """`python -m submitit.local._local FOLDER` itself, not a shell whose command line names it."""
+    return argv[1:3] == ["-m", "submitit.local._local"]
+
+
+def _runs_controller(record: JobRecord, pid: int) -> bool:
+    """pid runs (or is the setup shell of) submitit's controller for this job's files, and started with the job."""
     command = " ".join(procs.command_line(pid) or [])
     started = procs.started_wall(pid)
     ours = "submitit.local._local" in command and submitit_files(record.run_dir) in command
     fresh = started is not None and started >= record.submitted_at - CLOCK_SLACK_S
-    return controller if controller is not None and ours and fresh and _alive(pid) else None
+    return ours and fresh and _alive(pid)
 
 
 def submitit_state(record: JobRecord) -> dict[str, Any]:
@@ -322,7 +339,7 @@ def submitit_state(record: JobRecord) -> dict[str, Any]:
         return {}
     pattern = os.path.join(submitit_files(record.run_dir), f"{glob.escape(record.job_id)}_*_result.pkl")
     if not glob.glob(pattern):
-        if _submitit_controller(record) is not None:
+        if record.job_id.isdigit() and _runs_controller(record, int(record.job_id)):
             return {"state": "RUNNING"}
         if not glob.glob(pattern):  # it may have written its result and ended since the first look
             return {"state": "FAILED", "message": "its submitit controller ended without a result (killed?)"}
@@ -408,6 +425,8 @@ def _cancel_submitit_job(record: JobRecord) -> None:
     the outcome is recorded in meshrun's own state file, which submitit's LocalExecutor does not write."""
 
     controller = _submitit_controller(record)
+    if controller is None and _runs_controller(record, int(record.job_id)):
+        controller = procs.process_identity(int(record.job_id))  # the setup shell, its controller not started yet
     if controller is not None:
         procs.signal_if_same(controller, signal.SIGTERM)
     merge_state(

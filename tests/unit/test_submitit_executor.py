@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 from submitit.slurm.slurm import _make_sbatch_string
 
@@ -182,14 +183,28 @@ def test_the_api_module_stays_torch_free() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
 
 
-def test_meshrun_cancel_stops_a_local_submitit_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The local profile's API jobs are cancelled like any other job (their controller's pid is the id)."""
+@pytest.mark.parametrize("setup", [False, True], ids=["no-setup", "setup-lines"])
+def test_meshrun_cancel_stops_a_local_submitit_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setup: bool
+) -> None:
+    """The local profile's API jobs are cancelled like any other job (their controller's pid is the id). With
+    setup lines the id is the pid of the shell submitit runs them in: the cancel must reach the controller
+    under it (a TERM to the shell alone said CANCELLED and left the function running)."""
     import time as _time
 
     from submit import api
 
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
-    ex = executor("local", folder=tmp_path / "runs", tasks_per_node=1, time="00:02:00", name="sleepy")
+    profile = "local"
+    if setup:
+        profile = str(tmp_path / "mine.yaml")
+        text = (
+            (Path(__file__).resolve().parents[2] / "cluster_configs" / "local.yaml")
+            .read_text()
+            .replace("name: local", "name: mine", 1)
+        )
+        Path(profile).write_text(text + 'setup:\n  - "export MESHRUN_TEST_SETUP=1"\n')
+    ex = executor(profile, folder=tmp_path / "runs", tasks_per_node=1, time="00:02:00", name="sleepy")
     job = ex.submit(_time.sleep, 120)
     registry = Registry()
     try:
@@ -206,6 +221,10 @@ def test_meshrun_cancel_stops_a_local_submitit_job(tmp_path: Path, monkeypatch: 
         assert _time.monotonic() < deadline, "the submitit job survived the cancel"
         _time.sleep(0.2)
     assert api.statuses([record], api.Clusters())[0].state == "CANCELLED"
+    folder, deadline = str(tmp_path / "runs"), _time.monotonic() + 10
+    while left := [p.pid for p in psutil.process_iter(["cmdline"]) if folder in " ".join(p.info["cmdline"] or [])]:
+        assert _time.monotonic() < deadline, f"still running after the cancel: {left}"  # the controller, its task
+        _time.sleep(0.2)
 
 
 def _records(job_ids: list[str]) -> list:
