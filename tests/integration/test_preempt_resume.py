@@ -15,6 +15,8 @@ from safetensors.torch import load_file
 from tests.helpers.cli import SMALL_MODEL, TWO_NODES, meshrun, metrics, status, submitted, wait_for_state, wait_for_step
 
 STEPS = 150
+RESUMED_STEPS = 40
+"""test_resume_a_stopped_slurm_job_in_its_run_dir's job: its steps wait for their data (asleep) instead."""
 
 
 def _train_args(corpus: Path, steps: int = STEPS) -> list[str]:
@@ -113,8 +115,10 @@ def test_local_cancel_saves_then_resume_finishes_and_export_writes_safetensors(t
 
 
 def test_resume_a_stopped_slurm_job_in_its_run_dir(testbed: dict, tmp_path: Path, corpus: Path) -> None:
-    # No requeue allowed: the signalled job saves, stops, and waits for a person.
-    args = _two_ranks_on_two_nodes(corpus, "--set", "checkpoint.max_restarts=0")
+    # No requeue allowed: the signalled job saves, stops, and waits for a person. 40 steps whose data waits 0.3 s
+    # (asleep: the signal has 11 s to land after step 3, without two ranks burning the cores meanwhile).
+    delayed = ("--set", f"train.steps={RESUMED_STEPS}", "--set", "env.MESHRUN_TEST_DATA_DELAY=0.3")
+    args = _two_ranks_on_two_nodes(corpus, "--set", "checkpoint.max_restarts=0", *delayed)
     job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, check=True))
     wait_for_step(run_dir, 3)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)
@@ -126,7 +130,7 @@ def test_resume_a_stopped_slurm_job_in_its_run_dir(testbed: dict, tmp_path: Path
     new_id = out.stdout.split()[5]
     assert new_id != job_id and new_id.isdigit() and f"job {new_id} COMPLETED" in out.stdout
     rows = _step_rows(run_dir)
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in rows] == list(range(1, RESUMED_STEPS + 1))
     assert "resuming from step" in (run_dir / "logs" / "rank-0.log").read_text()
     # Goodput per job and for the run: the resume is a job of its own in the same run dir.
     shown = " ".join(meshrun(tmp_path, "status", new_id, check=True).stdout.split())
