@@ -301,20 +301,18 @@ def submitit_files(run_dir: str) -> str:
 
 
 def _submitit_controller(record: JobRecord) -> Optional[procs.Identity]:
-    """The job's submitit controller, while it runs for this job's files and started with the job (a pid from
-    the registry may be another process's by now). The job id is the controller's pid, or, on a profile with
-    setup lines, the pid of the shell submitit runs them in (`sh -c "SETUP && python -m submitit.local._local"`),
-    whose child the controller is: a TERM to that shell would end it and leave the controller and its tasks
-    running."""
-    if not record.job_id.isdigit():
+    """The process a cancel signals: the job's submitit controller, while it runs for this job's files and started
+    with the job (a pid from the registry may be another process's by now). The job id is the controller's pid,
+    or, on a profile with setup lines, the pid of the shell submitit runs them in (`sh -c "SETUP && python -m
+    submitit.local._local"`), whose child the controller is: a TERM to that shell would end it and leave the
+    controller and its tasks running. The shell itself only while it has not started the controller yet."""
+    job_pid = int(record.job_id) if record.job_id.isdigit() else 0
+    if not job_pid or not _runs_controller(record, job_pid):
         return None
-    job_pid = int(record.job_id)
-    if not _runs_controller(record, job_pid):
-        return None
-    if _is_controller(procs.command_line(job_pid) or []):
-        return procs.process_identity(job_pid)
-    inner = [pid for pid in procs.children(job_pid) if _runs_controller(record, pid)]
-    return procs.process_identity(inner[0]) if inner else None
+    if not _is_controller(procs.command_line(job_pid) or []):
+        inner = [pid for pid in procs.children(job_pid) if _runs_controller(record, pid)]
+        job_pid = inner[0] if inner else job_pid
+    return procs.process_identity(job_pid)
 
 
 def _is_controller(argv: Sequence[str]) -> bool:
@@ -425,8 +423,6 @@ def _cancel_submitit_job(record: JobRecord) -> None:
     the outcome is recorded in meshrun's own state file, which submitit's LocalExecutor does not write."""
 
     controller = _submitit_controller(record)
-    if controller is None and _runs_controller(record, int(record.job_id)):
-        controller = procs.process_identity(int(record.job_id))  # the setup shell, its controller not started yet
     if controller is not None:
         procs.signal_if_same(controller, signal.SIGTERM)
     merge_state(
