@@ -419,12 +419,15 @@ def _cancel(record: JobRecord) -> None:
 
 
 def _cancel_submitit_job(record: JobRecord) -> None:
-    """A submitit-API job on this machine: its controller (pid = job id) forwards SIGTERM to the tasks;
-    the outcome is recorded in meshrun's own state file, which submitit's LocalExecutor does not write."""
+    """A submitit-API job on this machine: SIGINT to its controller, as submitit's own `job.cancel()` sends it,
+    which stops the tasks (SIGINT, then SIGKILL a second later). A SIGTERM would only be passed on to the tasks,
+    whose submitit handlers pass over it ("Bypassing signal SIGTERM") once the function runs: the job said
+    CANCELLED and ran to its end. The outcome is recorded in meshrun's own state file, which submitit's
+    LocalExecutor does not write."""
 
     controller = _submitit_controller(record)
     if controller is not None:
-        procs.signal_if_same(controller, signal.SIGTERM)
+        procs.signal_if_same(controller, signal.SIGINT)
     merge_state(
         local_state_path(record.run_dir, record.job_id),
         state="CANCELLED",

@@ -215,6 +215,12 @@ def test_meshrun_cancel_stops_a_local_submitit_job(
     while api.statuses([record], api.Clusters())[0].state != "RUNNING":
         assert _time.monotonic() < deadline
         _time.sleep(0.2)
+    # Once the task runs the function it has submitit's handlers, which pass over a SIGTERM ("Bypassing signal
+    # SIGTERM"): a cancel must stop it then too (a TERM to the controller said CANCELLED and the function ran on).
+    while "Loading pickle" not in (job.paths.stdout.read_text() if job.paths.stdout.exists() else ""):
+        assert _time.monotonic() < deadline, "the task never started the function"
+        _time.sleep(0.1)
+    _time.sleep(0.5)
     api.cancel([record], api.Clusters())
     deadline = _time.monotonic() + 30
     while not job.done():
