@@ -13,7 +13,16 @@ python=${PYTHON:-python3}
 stamp=.venv/.meshrun-installed
 # This script is in the hash too: a change in how things are installed reinstalls them.
 want=$(cat pyproject.toml constraints/cpu.txt scripts/setup.sh | sha256sum | cut -c1-16)
-pip=(.venv/bin/pip install --quiet --disable-pip-version-check -c constraints/cpu.txt)
+# --no-compile: pip compiles every module it installs to bytecode one at a time (torch's alone: ~13 s of a
+# 21 s install here); compile_site does it on every core instead, torch's while pip installs the rest.
+# The bytecode matters: CI sets PYTHONDONTWRITEBYTECODE, and without it every Python process the tests start
+# would compile torch again.
+pip=(.venv/bin/pip install --quiet --disable-pip-version-check --no-compile -c constraints/cpu.txt)
+site_packages() { .venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
+# Compiles what is in the venv's site-packages now. Quiet and never fatal, as pip's own compile: some packages
+# ship files that are not meant to compile (templates, Python 2 examples). A file pip replaces while this runs
+# is compiled again by the last pass (and Python checks each .pyc against its source anyway).
+compile_site() { .venv/bin/python -m compileall -q -j 0 "$(site_packages)" >/dev/null 2>&1 || true; }
 
 # The CPU ops DeepSpeed would otherwise JIT-compile on first use, into ~/.cache/torch_extensions, on
 # every new machine and in every CI run: cpu_adam (optimizer offload, ~60-160 s here) and the shared
@@ -102,24 +111,35 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # ninja: the op build uses it (without it, a slow serial compile); py-cpuinfo: the ops' SIMD flags; numpy:
   # torch warns without it.
   # No pip cache: a cached wheel built without the ops would be reused as is.
-  ticking "installing torch" "${pip[@]}" torch numpy ninja py-cpuinfo
+  # setuptools: the editable install of meshrun and DeepSpeed's build use the venv's (no build isolation, which
+  # would set up a build environment of its own for each).
+  ticking "installing torch" "${pip[@]}" torch numpy ninja py-cpuinfo 'setuptools>=68'
+  compile_site & compiling=$!  # torch's bytecode on the core pip leaves idle
   ds_dir=$(ds_wheel_dir || true)
   ds_build=""
-  trap stop_deepspeed_build EXIT  # a failing step below must not leave the build compiling on its own
+  # A failing step below must not leave the build (or the bytecode pass) running on its own.
+  trap 'stop_deepspeed_build; pkill -TERM -P "$compiling" 2>/dev/null || true' EXIT
   if [ -n "$ds_dir" ] && ! ls "$ds_dir"/deepspeed-*.whl >/dev/null 2>&1; then
     say "building DeepSpeed and compiling its CPU ops (several minutes on a new machine; once: kept in $ds_dir)"
     build_deepspeed_wheel "$ds_dir" & ds_build=$!
   elif [ -n "$ds_dir" ]; then
     say "installing DeepSpeed with its CPU ops from $ds_dir"
   fi
-  ticking "installing packages" "${pip[@]}" -e '.[dev]'
-  if [ -n "$ds_build" ]; then
-    wait "$ds_build" || { echo "setup: building DeepSpeed failed (its output is above)" >&2; exit 1; }
+  if [ -n "$ds_dir" ] && [ -z "$ds_build" ]; then  # the wheel is there: one pip run installs it and the rest
+    ticking "installing packages" "${pip[@]}" --no-build-isolation "$ds_dir"/deepspeed-*.whl -e '.[dev,deepspeed]'
+  else
+    ticking "installing packages" "${pip[@]}" --no-build-isolation -e '.[dev]'
+    if [ -n "$ds_build" ]; then
+      wait "$ds_build" || { echo "setup: building DeepSpeed failed (its output is above)" >&2; exit 1; }
+    fi
+    install_deepspeed "$ds_dir"
   fi
-  install_deepspeed "$ds_dir"
+  wait "$compiling" || true
+  compile_site  # the packages installed since (torch's files are done: each is only checked)
   if ! ds_ops_installed; then  # a DeepSpeed installed earlier without the ops: rebuild it with them
     ticking "building DeepSpeed's CPU ops" env "${ds_ops[@]}" "${pip[@]}" --no-build-isolation --no-cache-dir --force-reinstall --no-deps deepspeed
     ds_ops_installed || { echo "setup: DeepSpeed's CPU ops did not build (is g++ installed?)" >&2; exit 1; }
+    compile_site
   fi
   echo "$want" > "$stamp"
   say "done"
