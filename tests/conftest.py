@@ -40,6 +40,19 @@ def pytest_configure(config: pytest.Config) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     # Every process the tests start carries this run's mark (tests/hygiene.py): what it leaves is found.
     config.stash[_MARK] = hygiene.mark_session(str(config.rootpath))
+    if _runs_tests(config):
+        # The tests' own torch work (the unit tests' models and checkpoints, the doctor's GEMM) on one thread, as
+        # every rank they start has (cpus_per_task 1): torch's default, a thread per core, spins in OpenMP's
+        # barriers while the suite's other workers hold the cores (tests/unit on 2 cores, 3 workers: 74 -> 59 s
+        # of CPU). The processes the tests start are not touched: their threads are what the product sets.
+        import torch
+
+        torch.set_num_threads(1)
+
+
+def _runs_tests(config: pytest.Config) -> bool:
+    """Whether this process runs tests: an xdist worker, or a run without workers (not xdist's controller)."""
+    return bool(os.environ.get("PYTEST_XDIST_WORKER")) or not getattr(config.option, "numprocesses", None)
 
 
 _MARK = pytest.StashKey[str]()
