@@ -12,6 +12,7 @@ import json
 import math
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,7 +25,14 @@ from launcher.export import run as export
 from launcher.train.model import GPT
 from tests.helpers.ranks import finish, make_run, metrics, start, tiny_train
 
-transformers = pytest.importorskip("transformers")
+
+def transformers() -> Any:
+    """transformers (a dev requirement), imported by the tests that use it: at the module's top it was imported
+    by every pytest worker's collection (~0.7 s of CPU each)."""
+    import transformers as module
+
+    return module
+
 
 GQA_TIED = Model(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, tie_embeddings=True, seq_len=32, rope_theta=5e5)
 UNTIED = Model(n_layers=2, d_model=64, n_heads=4, seq_len=32)
@@ -56,7 +64,7 @@ def test_hf_export_gives_transformers_the_same_logits(tmp_path: Path, cfg: Model
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 2
     assert ("lm_head.weight" in index["weight_map"]) is not cfg.tie_embeddings
-    hf = transformers.LlamaForCausalLM.from_pretrained(str(out)).eval()
+    hf = transformers().LlamaForCausalLM.from_pretrained(str(out)).eval()
     assert hf.config.num_key_value_heads == cfg.kv_heads and hf.config.tie_word_embeddings == cfg.tie_embeddings
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -94,7 +102,7 @@ def test_hf_export_carries_the_tokenizer_and_refuses_a_foreign_folder(tmp_path: 
         "tokenizer.json",
         "tokenizer_config.json",
     ]
-    fast = transformers.AutoTokenizer.from_pretrained(str(out))
+    fast = transformers().AutoTokenizer.from_pretrained(str(out))
     text = "def export(out):"
     assert fast(text)["input_ids"] == tok.encode(text).ids and fast.eos_token == "<|endoftext|>"
     assert json.loads((out / "config.json").read_text())["eos_token_id"] == 0
