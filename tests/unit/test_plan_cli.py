@@ -118,7 +118,7 @@ def test_plan_of_a_cpu_job_speaks_of_ranks_and_host_memory(capsys: pytest.Captur
     code, out, err = run(capsys, "plan", str(REPO / "examples/tiny.yaml"), "-c", "local")
     assert code == 0, err
     assert "x 2 CPU ranks" in out and "memory per rank (host memory;" in out and "GPU" not in out
-    assert "params           1.8 MiB" in out  # a small job's parts in MiB, not all "0.0 GiB"
+    assert "params           0.3 MiB" in out  # a small job's parts in MiB, not all "0.0 GiB"
     assert "time: not estimated for CPU ranks" in out
 
 
