@@ -30,7 +30,7 @@ compile_site() { .venv/bin/python -m compileall -q -j 0 "$(site_packages)" >/dev
 ds_ops=(DS_BUILD_CPU_ADAM=1 DS_BUILD_SHM_COMM=1 DS_ACCELERATOR=cpu)
 # The DeepSpeed wheel with those ops, built once per (DeepSpeed, torch, Python, compiler, CPU: the ops are
 # compiled with -march=native) and kept in the user's cache: a second checkout on the same machine (CI's
-# clean clone, a git worktree) installs it in seconds instead of compiling for ~2.5 minutes again.
+# clean clone, a git worktree) installs it in seconds instead of compiling for 2.5-5 minutes again.
 # Private (0700, ours): pip installs what is there.
 wheel_cache=${XDG_CACHE_HOME:-$HOME/.cache}/meshrun/wheels
 ds_wheel_key() {
@@ -51,7 +51,7 @@ ds_wheel_dir() {
   dir=$wheel_cache/deepspeed-$(ds_wheel_key)
   own_private_dir "$wheel_cache" && own_private_dir "$dir" && echo "$dir"
 }
-# Builds the wheel into $1 when it is not there: ~2.5 minutes of compiling on a new machine, run in the
+# Builds the wheel into $1 when it is not there: 2.5-5 minutes of compiling on a new machine, run in the
 # background while pip installs meshrun's other packages (it needs only torch and the build tools, installed
 # first): the two overlap instead of following each other.
 build_deepspeed_wheel() {

@@ -67,7 +67,9 @@ class Session:
         }
         env = {**env_for(self.home), **self.xdg}
         env["PATH"] = f"{shim.parent}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-        env["PYTHONPATH"] = str(REPO)  # the worktree's code, for every process the examples start
+        # The worktree's code, for every process the examples start; then what the suite's runner put there
+        # (scripts/suite_cpu.py's hooks: without them the examples' ~90 s of CPU went uncounted).
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
         self.env = env
         self.cwd = self.repo
         self.job: Optional[str] = None
