@@ -122,7 +122,7 @@ def test_zero_trains_a_gqa_model_with_a_tied_head_like_the_native_engine(
 
 # ------------------------------------------------------------------ kill -9, requeue, resume (Slurm testbed)
 
-TESTBED_STEPS = 40
+TESTBED_STEPS = 24  # checkpoints at 10 and 20; the kill lands at 15, past the first
 HELD_AT = 15  # the step the kill test's first attempt stops at
 
 
