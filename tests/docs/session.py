@@ -23,7 +23,7 @@ from typing import Optional
 from tests.docs import console, yamlcheck
 from tests.docs.blocks import REPO, Block
 from tests.docs.interpreter import Interpreter
-from tests.helpers.cli import CLUSTER_ONLY, env_for, meshrun
+from tests.helpers.cli import CLUSTER_ONLY, env_for, meshrun, repo_pythonpath
 
 DEFAULT_TIMEOUT_S = 120
 """A command's (or a block's) limit unless `<!-- example: timeout S -->` says otherwise."""
@@ -67,9 +67,7 @@ class Session:
         }
         env = {**env_for(self.home), **self.xdg}
         env["PATH"] = f"{shim.parent}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-        # The worktree's code, for every process the examples start; then what the suite's runner put there
-        # (scripts/suite_cpu.py's hooks: without them the examples' ~90 s of CPU went uncounted).
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+        env["PYTHONPATH"] = repo_pythonpath()  # the worktree's code, for every process the examples start
         self.env = env
         self.cwd = self.repo
         self.job: Optional[str] = None

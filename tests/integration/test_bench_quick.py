@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.cli import repo_pythonpath
+
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
 NUMBER = r"[0-9][0-9,]*\.?[0-9]*"
@@ -145,7 +147,7 @@ def run_bench(name: str, args: list[str], tmp_path: Path) -> str:
         XDG_STATE_HOME=str(tmp_path / "state"),
         XDG_CONFIG_HOME=str(tmp_path / "config"),
         TMPDIR=str(tmp_path),
-        PYTHONPATH=str(REPO),
+        PYTHONPATH=repo_pythonpath(),
         OMP_NUM_THREADS="1",
     )  # on 2 shared cores, OpenMP threads spinning in barriers cost many-fold
     done = subprocess.run(
