@@ -10,7 +10,9 @@ CPU and the test that started it (PYTEST_CURRENT_TEST, inherited) to a log as it
 measures each test's CPU inside its pytest worker. A process that forks its ranks without exec (the local
 controller, tests/helpers/zygote.py) is charged with its children's CPU too, less those that logged their own.
 A process ended by a signal it does not handle (a kill -9, a cancel's TERM) runs no exit hook and logs nothing:
-the table is a lower bound (the full suite on 2026-12-04: 966 s charged to tests, 70 s to none).
+the table is a lower bound (the full suite on 2026-12-04: 966 s charged to tests, 70 s to none). Nor does it see
+processes started with a PYTHONPATH of their own: the benches' quick runs (tests/integration/test_bench_quick.py,
+~110 s of the machine's CPU by /proc/stat on 2026-12-05) are mostly missing from it.
 Prints the costliest tests and files, and the share of the run's CPU that no test started (the workers'
 collection, the testbeds' daemons are not Python and are not counted).
 """
