@@ -43,7 +43,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if _runs_tests(config):
         # The tests' own torch work (the unit tests' models and checkpoints, the doctor's GEMM) on one thread, as
         # every rank they start has (cpus_per_task 1): torch's default, a thread per core, spins in OpenMP's
-        # barriers while the suite's other workers hold the cores (tests/unit on 2 cores, 3 workers: 74 -> 59 s
+        # barriers while the suite's other workers hold the cores (tests/unit on 2 cores, 3 workers: 74 -> 60 s
         # of CPU). The processes the tests start are not touched: their threads are what the product sets.
         import torch
 

@@ -91,7 +91,7 @@ FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF
 
 def poll_pauses(want: Iterable[str] = (), first: float = 0.5, slowest: float = 2.0) -> Iterator[float]:
     """The pauses between two `meshrun status` polls: `first`, then (when every state waited for is final, so
-    none can be missed) 1.5 times longer each time up to `slowest`. Each poll is a `meshrun` process, ~0.08 s
+    none can be missed) 1.5 times longer each time up to `slowest`. A poll through a `meshrun` process is ~0.1 s
     of CPU, and the suite is CPU-bound on CI's 2 cores: 911 fixed 0.5 s polls took 75 CPU-s of one run."""
     pause = first
     grow = bool(set(want)) and set(want) <= FINAL_STATES
