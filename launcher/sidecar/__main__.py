@@ -93,7 +93,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return EXIT_INPUT
     from launcher.contract.private import private_umask
     from launcher.contract.rundir import node_name
-    from launcher.sidecar.keeper import KEPT_ENV, TOLD_ENV, keep
+    from launcher.sidecar.keeper import KEPT_ENV, TOLD_ENV, deaf_end, keep, unblock_stop_signals
     from launcher.sidecar.loop import Flag, Log, Periodic, Sidecar, run_tasks
 
     private_umask()  # its logs, TensorBoard files and the copier's copies (and its kept child): nobody else's
@@ -106,8 +106,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     failed = False
     stop, ending = Flag(), Flag()  # set by signal handlers: never a lock (loop.Flag)
 
+    deaf_until = deaf_end(os.environ)
+
     def on_ranks_ended(signum: int, _frame: Any) -> None:
-        stop.set()
+        if time.time() >= deaf_until:
+            stop.set()
 
     def on_job_ending(signum: int, _frame: Any) -> None:
         ending.set()
@@ -120,6 +123,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_job_ending)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # meant for the ranks; never this process's death
+    unblock_stop_signals()  # its keeper started it with them blocked: any that came meanwhile arrive now
     told = os.environ.get(TOLD_ENV, "").split(",")  # a restarted sidecar: what its predecessor was told
     if "SIGUSR2" in told:
         stop.set()

@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 KEPT_ENV = "MESHRUN_SIDECAR_KEPT"
 """Set in the sidecar's environment by its keeper (the keeper's pid): the sidecar runs, not another keeper."""
@@ -28,11 +28,15 @@ TOLD_ENV = "MESHRUN_SIDECAR_TOLD"
 SINCE_ENV = "MESHRUN_SIDECAR_SINCE"
 """When the keeper started (its sidecar's attempt start on this node): a restarted sidecar's ranks beat
 before its own start and are this attempt's all the same."""
+DEAF_ENV = "MESHRUN_TEST_SIDECAR_DEAF_S"
+"""Test fault injection, read here (the keeper is stdlib only): see launcher/testing/faults.py."""
 MAX_RESTARTS = 20
 """A sidecar that keeps dying is started again at most this often in one attempt (then the log says so)."""
 BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
 """The wait before each restart (the last value repeats): a sidecar crashing at start does not spin."""
 POLL_S = 0.2
+STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""USR2: the ranks have ended; TERM, INT, HUP: the job is ending."""
 LogFn = Callable[[str], None]
 
 
@@ -58,10 +62,13 @@ class Keeper:
         """Stop signals received so far, in order: each new child is told them at its start (TOLD_ENV)."""
         self.parent = os.getppid()
         self.restarts = 0
+        self.deaf_until = deaf_end(self.env)
 
     def on_signal(self, signum: int, _frame: Any) -> None:
         """USR2 (the ranks ended) and TERM/INT/HUP (the job is ending) go to the sidecar, now and after a restart."""
         sig = signal.SIGUSR2 if signum == signal.SIGUSR2 else signal.SIGTERM
+        if sig == signal.SIGUSR2 and time.time() < self.deaf_until:
+            return
         if sig not in self.told:
             self.told.append(sig)
         self._send(sig)
@@ -75,15 +82,20 @@ class Keeper:
                 pass
 
     def _start(self) -> None:
-        # What it was told before goes in its environment, not as signals: a signal would reach it before
-        # its handlers are set and end it (USR2's default action), restart after restart.
+        # What it was told before goes in its environment, not as signals (it acts on them as it starts).
         known = list(self.told)
         told = ",".join(signal.Signals(sig).name for sig in known)
-        self.child = subprocess.Popen(self.argv, env={**self.env, TOLD_ENV: told}, stdin=subprocess.DEVNULL)
-        # A signal that came while Popen ran found no child to pass it to, and is not in the child's
-        # environment: pass it now. (Measured: the ranks of a short job ended while their sidecar started,
-        # and it ran on until the time limit.) If it ends the child before its handlers are set, run()
-        # starts it again with the signal in its environment.
+        # The child starts with the stop signals blocked (a signal mask survives fork and exec) and unblocks them
+        # once its handlers are set (unblock_stop_signals): one that comes while it starts, from this keeper or
+        # from Slurm (which signals every process of the step), waits for its handler instead of ending it.
+        # (The batch script says USR2 again every second until the sidecars stop.)
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            self.child = subprocess.Popen(self.argv, env={**self.env, TOLD_ENV: told}, stdin=subprocess.DEVNULL)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        # A signal told while Popen ran is not in the child's environment: pass it on now. (Measured: the ranks
+        # of a short job ended while their sidecar started, and it ran on until the time limit.)
         for sig in self.told[len(known) :]:
             self._send(sig)
 
@@ -122,10 +134,26 @@ class Keeper:
             time.sleep(wait_s)
 
 
+def deaf_end(environ: Mapping[str, str]) -> float:
+    """Fault injection (launcher/testing/faults.py, MESHRUN_TEST_SIDECAR_DEAF_S): until when, counted from the
+    keeper's start, the keeper and its sidecar take no notice of a SIGUSR2, as if srun had dropped it."""
+    try:
+        deaf_s = max(0.0, float(environ.get(DEAF_ENV, "") or 0))
+    except ValueError:
+        deaf_s = 0.0
+    return float(environ.get(SINCE_ENV) or time.time()) + deaf_s if deaf_s else 0.0
+
+
+def unblock_stop_signals() -> None:
+    """In the sidecar, once its handlers are set: the stop signals its keeper started it with blocked, and any
+    that came meanwhile, reach them now."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
 def keep(run_dir: str, log: LogFn) -> int:
     """The keeper's main: the sidecar for RUN_DIR as a child, kept alive until it stops cleanly."""
     keeper = Keeper([sys.executable, "-m", "launcher.sidecar", run_dir], log)
-    for sig in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, keeper.on_signal)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # meant for the ranks
     try:

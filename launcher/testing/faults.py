@@ -1,4 +1,5 @@
-"""Fault injection for tests and drills: make one rank hang, or straggle, on purpose. Torch-free.
+"""Fault injection for tests and drills: make one rank hang, or straggle, or a sidecar miss its stop, on purpose.
+Torch-free.
 
 Set through the job's environment (`env:` in the spec, or `--set env.MESHRUN_TEST_HANG=1:5`):
 
@@ -7,8 +8,11 @@ Set through the job's environment (`env:` in the spec, or `--set env.MESHRUN_TES
     MESHRUN_TEST_SLOW=RANK:SECONDS   rank RANK burns SECONDS of CPU in every step (a straggler)
     MESHRUN_TEST_DATA_DELAY=SECONDS  every rank waits SECONDS for its data in every step (a starved
                                      input pipeline: the wait counts as data wait)
+    MESHRUN_TEST_SIDECAR_DEAF_S=S    each node's sidecar (its keeper and itself) takes no notice of a SIGUSR2
+                                     (the ranks have ended) in its first S seconds: as if srun had dropped it
+                                     (read by launcher/sidecar/keeper.py, which is stdlib only)
 
-Both act on the job's first attempt only (Slurm's restart count 0, and not a restart inside the allocation), so a requeued job resumes and
+The rank faults act on the job's first attempt only (Slurm's restart count 0, and not a restart inside the allocation), so a requeued job resumes and
 finishes: what the watchdog's end-to-end tests need. Nothing here runs unless one is set.
 """
 

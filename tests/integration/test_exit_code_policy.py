@@ -12,6 +12,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from launcher.sidecar.keeper import DEAF_ENV
 from submit.schedulers import slurm_cli as slurm
 from tests.helpers.cli import meshrun, submitted, wait_for_state
 from tests.integration.test_real_preemption import command_spec
@@ -31,6 +32,8 @@ class Case:
     """The final record's ExitCode (sacct: CODE:SIGNAL)."""
     decisions: tuple[str, ...]
     """A phrase of each run's decision line in the batch log (the line after "ranks exited with status")."""
+    env: tuple[tuple[str, str], ...] = ()
+    """The job's `env:`."""
 
 
 def _first_run_exits(code: int) -> str:
@@ -41,7 +44,18 @@ REQUEUED = ("REQUEUED", "COMPLETED")
 AGAIN = "requeueing: restart 1"
 DONE = "finished (exit 0): not requeueing"
 CASES = (
-    Case("exit-0", _first_run_exits(0), ("COMPLETED",), "0:0", (DONE,)),
+    # Its sidecar takes no notice of a USR2 (the ranks have ended) in its first 5 s, as when srun drops one that
+    # comes while it is still launching the sidecars' step; the program ends after 3 s (its sidecar is up by
+    # then). The batch script's next USR2 after those 5 s stops it; a single one would have left it to hold
+    # the allocation for sidecar.final_copy_s, here past the time limit.
+    Case(
+        "exit-0",
+        'echo "restart $MESHRUN_RESTART_COUNT"; sleep 3; exit 0',
+        ("COMPLETED",),
+        "0:0",
+        (DONE,),
+        env=((DEAF_ENV, "5"),),
+    ),
     Case("exit-1", _first_run_exits(1), REQUEUED, "0:0", (AGAIN, DONE)),
     # A program's own 2 (argparse's usage error) is a failure like any other (issue 22 item 11); meshrun's
     # bad-input verdict is a 2 that comes with a rank error line (launcher.job's checks write one).
@@ -101,7 +115,7 @@ def _records(job_id: str) -> tuple[str, ...]:
 def test_each_exit_code_is_requeued_or_not_as_the_policy_says(testbed: dict[str, object], tmp_path: Path) -> None:
     jobs = {}
     for case in CASES:
-        spec = command_spec(tmp_path, case.name, case.script)
+        spec = command_spec(tmp_path, case.name, case.script, **({"env": dict(case.env)} if case.env else {}))
         jobs[case.name] = submitted(meshrun(tmp_path, "submit", str(spec), "-c", "testbed", check=True))
     sweep = command_spec(tmp_path, "array-asker", ARRAY_ASKER)
     out = meshrun(tmp_path, "submit", str(sweep), "-c", "testbed", "--sweep", "env.K=a,b", check=True)
@@ -131,6 +145,9 @@ def test_each_exit_code_is_requeued_or_not_as_the_policy_says(testbed: dict[str,
             f"restart {n}" for n in range(restarts + 1)
         ], seen
         assert f"[meshrun] job {job_id} restart {restarts} on" in batch and f"restart {restarts + 1} on" not in batch
+        if dict(case.env).get(DEAF_ENV):  # the sidecar ran, and stopped when told (not at the time limit)
+            sidecar = "".join(log.read_text() for log in (run_dir / "logs").glob("sidecar-*.log"))
+            assert "stopping: stop requested" in sidecar, (sidecar, *seen)
     _check_the_array(tmp_path, tasks, sweep_dir)
 
 

@@ -80,6 +80,7 @@ import os, signal, sys, time
 if "SIGUSR2" in os.environ.get("MESHRUN_SIDECAR_TOLD", ""):
     sys.exit(0)
 signal.signal(signal.SIGUSR2, lambda *_: sys.exit(0))
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR2})  # as the real one: its keeper started it blocked
 with open(sys.argv[1], "a") as f:
     f.write(f"{os.getpid()}\\n")
 while True:
@@ -111,6 +112,63 @@ def test_a_stop_signal_that_comes_while_the_sidecar_is_being_started_still_reach
         thread.join(timeout=20)
         pytest.fail("the sidecar never learnt of the USR2 that came while it was being started")
     assert result == [0]
+
+
+# A stand-in sidecar: the first misses every USR2 (as if srun had dropped them) and is then killed; the next,
+# told USR2 through its environment, takes a second to start before it sets its handler, as the real one does
+# (launcher/sidecar/__main__.py): a USR2 that reached it while it started with USR2's default action ended it.
+SLOW_STARTING_CHILD = """
+import os, signal, sys, time
+told = os.environ.get("MESHRUN_SIDECAR_TOLD", "")
+with open(sys.argv[1], "a") as f:
+    f.write(f"{os.getpid()}|{told}\\n")
+if "SIGUSR2" not in told:
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    while True:
+        time.sleep(0.05)
+time.sleep(1.0)
+signal.signal(signal.SIGUSR2, lambda *_: None)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR2})
+sys.exit(0)
+"""
+
+
+def test_a_usr2_that_reaches_a_starting_sidecar_waits_for_its_handler(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch script says USR2 every second until the sidecars stop (srun may drop one), and Slurm signals
+    every process of the step, the keeper's child too: a sidecar starts with the stop signals blocked until its
+    handlers are set, else each repeat could end the next sidecar as it starts, and it would never finish its
+    last copies."""
+    monkeypatch.setattr(keeper, "BACKOFF_S", (0.0,))
+    pids = tmp_path / "pids"
+    log: list[str] = []
+    kept = keeper.Keeper([sys.executable, "-c", SLOW_STARTING_CHILD, str(pids)], log.append, env=dict(os.environ))
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(kept.run()))
+    thread.start()
+    try:
+        first = _lines(pids, 1)[0]
+        kept.on_signal(signal.SIGUSR2, None)  # missed
+        os.kill(int(first[0]), signal.SIGKILL)
+        second = int(_lines(pids, 2)[1][0])
+        deadline = time.monotonic() + 20
+        while thread.is_alive() and time.monotonic() < deadline:
+            kept.on_signal(signal.SIGUSR2, None)  # the batch script's repeats, passed on by the keeper ...
+            try:
+                os.kill(second, signal.SIGUSR2)  # ... and from Slurm, straight to the sidecar
+            except ProcessLookupError:
+                pass
+            time.sleep(0.1)
+    finally:
+        for row in _lines(pids, 1):
+            try:
+                os.kill(int(row[0]), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        thread.join(timeout=20)
+    assert result == [0]
+    assert len(_lines(pids, 2)) == 2 and not any("SIGUSR2" in line for line in log), log
 
 
 def test_a_sidecar_that_keeps_dying_is_restarted_a_bounded_number_of_times(
