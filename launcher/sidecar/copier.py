@@ -34,7 +34,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from launcher.checkpoint import resume
 from launcher.contract import ckptdir, private
 from launcher.contract.exitcodes import EXIT_FAILED, EXIT_INPUT
 from launcher.sidecar.copyfile import CopyError, copy_file, hash_file, same_bytes
@@ -187,6 +186,9 @@ def commit_ready(shared_root: Path, nodes: int, attempt: str, keep: int, keep_ev
         ckptdir.commit(entry, ckptdir.step_dir(shared_root, step), {**info, "step": step, "copied_at": time.time()})
         committed.append(step)
     if committed:
+        # Imported here: the copy child (one process per staged step) never commits, and starts ~10 ms sooner.
+        from launcher.checkpoint import resume
+
         resume.progress_made(Path(shared_root))  # a newer complete checkpoint: the crash-loop guard resets
         ckptdir.apply_retention(Path(shared_root), keep, keep_every)
     return committed
