@@ -51,17 +51,26 @@ def _lines(path: Path, count: int, timeout: float = 20) -> list[list[str]]:
         time.sleep(0.05)
 
 
-def test_the_keeper_starts_a_killed_sidecar_again_and_tells_it_what_it_was_told(tmp_path: Path) -> None:
-    pids = tmp_path / "pids"
+def _keeper_whose_first_sidecar_misses_usr2_and_dies(
+    child: str, pids: Path
+) -> tuple[keeper.Keeper, list[str], list[int], threading.Thread]:
+    """A keeper of the stand-in sidecar `child` (which records its pid in `pids`), run in a thread: once its first
+    sidecar is up, the ranks end (USR2, which that sidecar ignores: it is "busy") and the sidecar is killed -9."""
     log: list[str] = []
-    kept = keeper.Keeper([sys.executable, "-c", CHILD, str(pids)], log.append, env=dict(os.environ))
+    kept = keeper.Keeper([sys.executable, "-c", child, str(pids)], log.append, env=dict(os.environ))
     result: list[int] = []
     thread = threading.Thread(target=lambda: result.append(kept.run()))
     thread.start()
+    first = _lines(pids, 1)[0]
+    kept.on_signal(signal.SIGUSR2, None)
+    os.kill(int(first[0]), signal.SIGKILL)
+    return kept, log, result, thread
+
+
+def test_the_keeper_starts_a_killed_sidecar_again_and_tells_it_what_it_was_told(tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    kept, log, result, thread = _keeper_whose_first_sidecar_misses_usr2_and_dies(CHILD, pids)
     try:
-        first = _lines(pids, 1)[0]
-        kept.on_signal(signal.SIGUSR2, None)  # the ranks ended; this sidecar ignores it (it is "busy")
-        os.kill(int(first[0]), signal.SIGKILL)  # ... and dies
         thread.join(timeout=20)
         assert not thread.is_alive() and result == [0]
     finally:
@@ -142,15 +151,8 @@ def test_a_usr2_that_reaches_a_starting_sidecar_waits_for_its_handler(
     last copies."""
     monkeypatch.setattr(keeper, "BACKOFF_S", (0.0,))
     pids = tmp_path / "pids"
-    log: list[str] = []
-    kept = keeper.Keeper([sys.executable, "-c", SLOW_STARTING_CHILD, str(pids)], log.append, env=dict(os.environ))
-    result: list[int] = []
-    thread = threading.Thread(target=lambda: result.append(kept.run()))
-    thread.start()
+    kept, log, result, thread = _keeper_whose_first_sidecar_misses_usr2_and_dies(SLOW_STARTING_CHILD, pids)
     try:
-        first = _lines(pids, 1)[0]
-        kept.on_signal(signal.SIGUSR2, None)  # missed
-        os.kill(int(first[0]), signal.SIGKILL)
         second = int(_lines(pids, 2)[1][0])
         deadline = time.monotonic() + 20
         while thread.is_alive() and time.monotonic() < deadline:
