@@ -40,7 +40,7 @@ NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir "$(mktemp -d)" 
 # 3 workers 926 s (pytest 872 s); 4 workers 897-920 s (pytest 819-839 s), but with more timing races between
 # a worker's testbed tests (two of three 4-worker runs failed): 3 stay the default until those are found.
 # 2026-12-05, 3 workers, all of .ci/run on clean clones: 896 and 910 s (pytest 847 and 861 s), 971 s before that day's cuts.
-# Later that day, a slower hour for the machine, in back-to-back pairs: that HEAD 967 and 1,033 s, with the sidecar's
-# lighter start (launcher/train/tbwriter.py) and the testbed's shorter requeue 927 and 1,012 s.
+# Later that day, a slower hour for the machine, in back-to-back pairs against that HEAD: 927 s against 967 with the
+# sidecar's lighter start (launcher/train/tbwriter.py); 1,012 s against 1,033 with the testbed's shorter requeue too.
 # --durations: every run ends with its 20 slowest tests (CI time is shared: watch what grows).
 exec .venv/bin/python -m pytest -q -n "${MESHRUN_TEST_WORKERS:-3}" --durations=20 "$@"
