@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -37,6 +38,7 @@ from typing import Any, Callable, Optional
 from launcher.contract import ckptdir, private
 from launcher.contract.exitcodes import EXIT_FAILED, EXIT_INPUT
 from launcher.sidecar.copyfile import CopyError, copy_file, hash_file, same_bytes
+from launcher.sidecar.keeper import popen_blocking
 
 COPIED = "meshrun-copied.json"
 """On scratch, in a staged step: this node's part is verified on shared storage."""
@@ -279,8 +281,16 @@ class Copier:
         argv = [sys.executable, "-m", "launcher.sidecar.copier", "copy"]
         argv += [str(ckptdir.step_dir(self.staging, step)), str(self.shared), self.node, str(self.node_rank)]
         env = {**os.environ, PARENT_ENV: str(os.getpid())}
-        self.child = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+        # USR2 blocked for good: it means "the ranks have ended" to the sidecar, and the batch script says it every
+        # second until the sidecars stop, to every process of their step (this child too, and what it runs): its
+        # default action would end the copy half way, again and again, through the whole final copy.
+        self.child = popen_blocking(
+            (signal.SIGUSR2,),
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
         )
         self.child_step, self.child_started = step, time.monotonic()
 

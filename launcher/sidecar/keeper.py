@@ -89,11 +89,7 @@ class Keeper:
         # once its handlers are set (unblock_stop_signals): one that comes while it starts, from this keeper or
         # from Slurm (which signals every process of the step), waits for its handler instead of ending it.
         # (The batch script says USR2 again every second until the sidecars stop.)
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        try:
-            self.child = subprocess.Popen(self.argv, env={**self.env, TOLD_ENV: told}, stdin=subprocess.DEVNULL)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        self.child = popen_blocking(STOP_SIGNALS, self.argv, env={**self.env, TOLD_ENV: told}, stdin=subprocess.DEVNULL)
         # A signal told while Popen ran is not in the child's environment: pass it on now. (Measured: the ranks
         # of a short job ended while their sidecar started, and it ran on until the time limit.)
         for sig in self.told[len(known) :]:
@@ -142,6 +138,17 @@ def deaf_end(environ: Mapping[str, str]) -> float:
     except ValueError:
         deaf_s = 0.0
     return float(environ.get(SINCE_ENV) or time.time()) + deaf_s if deaf_s else 0.0
+
+
+def popen_blocking(signals: tuple[int, ...], argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+    """subprocess.Popen(argv, **kwargs) whose process starts with `signals` blocked (a signal mask survives fork
+    and exec; the caller's own mask is restored at once): one sent meanwhile stays pending until the process
+    unblocks it, or for good, instead of ending it before it could set a handler."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        return subprocess.Popen(argv, **kwargs)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def unblock_stop_signals() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -167,6 +168,26 @@ def test_copiers_copy_in_child_processes_commit_and_prune(tmp_path: Path) -> Non
     wait_for(done)
     assert any("step-00000010: this node's part copied to shared storage" in line for line in logs)
     assert "checkpoint step 10 complete on shared storage" in "\n".join(logs)
+
+
+def test_a_copy_child_takes_no_notice_of_the_batch_scripts_usr2(tmp_path: Path) -> None:
+    """The batch script says USR2 every second until the sidecars stop, and Slurm signals every process of the
+    sidecars' step: the copy children too, which a USR2 (its default action) would end half way, every second,
+    through the whole final copy of a large checkpoint. They start with USR2 blocked."""
+    a, _b, shared = two_nodes(tmp_path, 10)
+    node = copier.Copier(str(a), str(shared), "n0", 0, 2, ATTEMPT, 3, 0, [].append)
+    node.tick()
+    assert node.child is not None
+    child = node.child
+    while child.poll() is None:  # from its first instant (Python starting) to its last
+        try:
+            os.kill(child.pid, signal.SIGUSR2)
+        except ProcessLookupError:
+            break
+        time.sleep(0.005)
+    assert child.wait() == 0
+    node.tick()
+    assert node.failures == 0 and (ckptdir.step_dir(a, 10) / copier.COPIED).is_file()
 
 
 def test_a_failed_copy_child_is_logged_and_retried_with_backoff(tmp_path: Path) -> None:
