@@ -157,6 +157,15 @@ def unblock_stop_signals() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
+def block_stop_signals() -> None:
+    """In a keeper or sidecar that is about to exit: from here on a stop signal changes nothing, and as Python
+    shuts down it resets its handlers to the default action, which for USR2 is death. The batch script says USR2
+    every second until the sidecars have stopped (and Slurm passes it to every process of their step): one that
+    landed in that last instant ended a sidecar that had stopped cleanly "killed by SIGUSR2", and its keeper
+    started it again (measured: every time, under a USR2 every 20 ms). Blocked, it is discarded with the process."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+
 def keep(run_dir: str, log: LogFn) -> int:
     """The keeper's main: the sidecar for RUN_DIR as a child, kept alive until it stops cleanly."""
     keeper = Keeper([sys.executable, "-m", "launcher.sidecar", run_dir], log)
@@ -170,3 +179,5 @@ def keep(run_dir: str, log: LogFn) -> int:
         if keeper.child is not None and keeper.child.poll() is None:
             keeper._send(signal.SIGTERM)
         return 0
+    finally:
+        block_stop_signals()

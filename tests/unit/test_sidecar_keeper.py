@@ -138,6 +138,7 @@ if "SIGUSR2" not in told:
 time.sleep(1.0)
 signal.signal(signal.SIGUSR2, lambda *_: None)
 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR2})
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})  # done, as the sidecar does (keeper.block_stop_signals)
 sys.exit(0)
 """
 
@@ -171,6 +172,36 @@ def test_a_usr2_that_reaches_a_starting_sidecar_waits_for_its_handler(
         thread.join(timeout=20)
     assert result == [0]
     assert len(_lines(pids, 2)) == 2 and not any("SIGUSR2" in line for line in log), log
+
+
+def test_a_sidecar_and_its_keeper_told_usr2_again_and_again_to_their_last_instant_exit_cleanly(tmp_path: Path) -> None:
+    """The real keeper and sidecar, every process of their group sent USR2 every 5 ms (the batch script's repeats,
+    passed on by Slurm to each process of the step) from the sidecar's start to the keeper's exit. Python resets
+    its signal handlers to the default action as it shuts down, and USR2's is death: without the stop signals
+    blocked once they are done, a sidecar that had stopped cleanly died "killed by SIGUSR2" in its last instant and
+    its keeper started it again, every run."""
+    job = JobSpec(name="t", resources=Resources(tasks_per_node=1), command=("true",))
+    write_run_spec(RunSpec(job=job, run=RunInfo(cluster="local", scheduler="local", run_dir=str(tmp_path))), tmp_path)
+    env = {**os.environ, "SLURMD_NODENAME": "n1", "CUDA_VISIBLE_DEVICES": ""}
+    sidecar_log = Path(RunDir(str(tmp_path)).sidecar_log("n1"))
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.sidecar", str(tmp_path)], env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (sidecar_log.exists() and "started" in sidecar_log.read_text()):
+            assert time.monotonic() < deadline and proc.poll() is None, "the sidecar did not start"
+            time.sleep(0.01)
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                os.killpg(proc.pid, signal.SIGUSR2)
+            except ProcessLookupError:
+                break
+            time.sleep(0.005)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = sidecar_log.read_text()
+    assert "SIGUSR2" not in log and log.count("started (pid") == 1 and log.rstrip().endswith("stopped"), log
 
 
 def test_a_sidecar_that_keeps_dying_is_restarted_a_bounded_number_of_times(
