@@ -164,6 +164,29 @@ def testbed() -> Iterator[dict[str, object]]:
                 tb.down()
 
 
+WATCHED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+@pytest.fixture(autouse=True)
+def signals_left_as_found() -> Iterator[None]:
+    """A test that leaves the worker's signals blocked, ignored or handled otherwise than it found them passes that
+    on to every process the later tests of its worker start (a mask and an ignored signal survive exec): once, a
+    sidecar main() called in-process left TERM blocked, and two unrelated tests failed minutes later on that worker
+    (a cancel that did not stop a job, a `kill -TERM` a shell never heard). The test that did it fails instead."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+    handlers = {sig: signal.getsignal(sig) for sig in WATCHED_SIGNALS}
+    yield
+    now_mask = signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    changed = [
+        f"{signal.Signals(sig).name} handler" for sig in WATCHED_SIGNALS if signal.getsignal(sig) != handlers[sig]
+    ]
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+    changed += [f"{s.name} {'blocked' if s in now_mask else 'unblocked'}" for s in set(mask) ^ set(now_mask)]
+    if changed:
+        pytest.fail(f"the test left this process's signals changed: {', '.join(sorted(changed))}", pytrace=False)
+
+
 @pytest.fixture(autouse=True)
 def healthy_testbed(request: pytest.FixtureRequest) -> None:
     """Before each test that uses the testbed: it is healthy (its daemons run, one sinfo says both nodes

@@ -93,7 +93,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return EXIT_INPUT
     from launcher.contract.private import private_umask
     from launcher.contract.rundir import node_name
-    from launcher.sidecar.keeper import KEPT_ENV, TOLD_ENV, block_stop_signals, deaf_end, keep, unblock_stop_signals
+    from launcher.sidecar.keeper import KEPT_ENV, TOLD_ENV, deaf_end, keep, unblock_stop_signals
     from launcher.sidecar.loop import Flag, Log, Periodic, Sidecar, run_tasks
 
     private_umask()  # its logs, TensorBoard files and the copier's copies (and its kept child): nobody else's
@@ -152,9 +152,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                 sidecar.close()
         except Exception as exc:
             log(f"closing: {type(exc).__name__}: {exc}")
-        block_stop_signals()  # its work is done: a repeated USR2 as Python shuts down must not end it by that signal
     return 1 if failed and kept else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    from launcher.sidecar.keeper import block_stop_signals
+
+    block_stop_signals()  # the keeper's or the sidecar's work is done: a repeated USR2 as Python shuts down must not end it
+    sys.exit(code)

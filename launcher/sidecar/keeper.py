@@ -158,7 +158,8 @@ def unblock_stop_signals() -> None:
 
 
 def block_stop_signals() -> None:
-    """In a keeper or sidecar that is about to exit: from here on a stop signal changes nothing, and as Python
+    """In a keeper or sidecar process about to exit (never in a process that goes on: the mask is inherited by
+    every process it starts later, and they would not hear a TERM either): from here on a stop signal changes nothing, and as Python
     shuts down it resets its handlers to the default action, which for USR2 is death. The batch script says USR2
     every second until the sidecars have stopped (and Slurm passes it to every process of their step): one that
     landed in that last instant ended a sidecar that had stopped cleanly "killed by SIGUSR2", and its keeper
@@ -179,5 +180,3 @@ def keep(run_dir: str, log: LogFn) -> int:
         if keeper.child is not None and keeper.child.poll() is None:
             keeper._send(signal.SIGTERM)
         return 0
-    finally:
-        block_stop_signals()

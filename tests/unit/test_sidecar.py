@@ -20,7 +20,7 @@ from launcher.contract.envcheck import env_mismatches
 from launcher.contract.rundir import RunDir, node_name
 from launcher.contract.schema import SchemaError, load
 from launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, Sidecar, write_run_spec
-from launcher.sidecar import loop, nvml
+from launcher.sidecar import keeper, loop, nvml
 from launcher.sidecar.host import Host
 from tests.unit import fake_nvml
 from tests.unit.fake_nvml import FakeGpu
@@ -403,7 +403,12 @@ def test_main_never_raises_into_the_job(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr(loop, "Sidecar", broken)
     monkeypatch.setenv("SLURMD_NODENAME", "n1")
     monkeypatch.setenv("MESHRUN_SIDECAR_KEPT", "1")  # the sidecar itself, as its keeper runs it
-    assert main([str(tmp_path)]) == 1  # exit 1 goes to its keeper only, which starts it again
+    handlers = {sig: signal.getsignal(sig) for sig in (*keeper.STOP_SIGNALS, signal.SIGUSR1)}
+    try:  # main() sets the sidecar's handlers, here in the test's own process
+        assert main([str(tmp_path)]) == 1  # exit 1 goes to its keeper only, which starts it again
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     monkeypatch.delenv("MESHRUN_SIDECAR_KEPT")
     assert "stopped by an error: RuntimeError: boom" in Path(RunDir(str(tmp_path)).sidecar_log("n1")).read_text()
     assert main([]) == 2 and main(["-h"]) == 2
