@@ -94,7 +94,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from launcher.contract.private import private_umask
     from launcher.contract.rundir import node_name
     from launcher.sidecar.keeper import KEPT_ENV, TOLD_ENV, deaf_end, keep, unblock_stop_signals
-    from launcher.sidecar.loop import Flag, Log, Periodic, Sidecar, run_tasks
+    from launcher.sidecar.sidelog import Log
 
     private_umask()  # its logs, TensorBoard files and the copier's copies (and its kept child): nobody else's
     run_dir = RunDir(os.path.abspath(argv[0]))
@@ -102,7 +102,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     log = Log(run_dir.sidecar_log(node), node)
     kept = bool(os.environ.get(KEPT_ENV))
     if not kept:
-        return keep(run_dir.root, log)
+        return keep(run_dir.root, log)  # the keeper: none of the sidecar's own modules (sidelog.py says why)
+    from launcher.sidecar.loop import Flag, Periodic, Sidecar, run_tasks
+
     failed = False
     stop, ending = Flag(), Flag()  # set by signal handlers: never a lock (loop.Flag)
 

@@ -10,15 +10,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, TextIO, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 from launcher.contract import goodput, procs
-from launcher.contract.private import make_private_dir
 from launcher.contract.rundir import (
     RunDir,
     attempt_id,
@@ -58,29 +56,6 @@ STAMP_STALE_S = 30.0
 """A stamp this old is a dead sidecar's (node rank 0 stops waiting for its parts at the end)."""
 LogFn = Callable[[str], None]
 """Where one line goes (a Log; a list's append in tests)."""
-
-
-class Log:
-    """One timestamped line per call, appended to the sidecar's log (stderr when that cannot be opened)."""
-
-    def __init__(self, path: str, node: str) -> None:
-        self.node = node
-        self.stream: TextIO
-        try:
-            make_private_dir(os.path.dirname(path))
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-            self.stream = os.fdopen(fd, "a", encoding="utf-8", buffering=1)
-        except OSError as exc:
-            self.stream = sys.stderr
-            self(f"cannot open {path} ({exc}): logging to stderr")
-
-    def __call__(self, message: str) -> None:
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        try:
-            self.stream.write(f"{stamp} [sidecar {self.node}] {message}\n")
-            self.stream.flush()
-        except (OSError, ValueError):
-            pass  # a full disk must not end the sidecar, let alone the job
 
 
 @dataclass

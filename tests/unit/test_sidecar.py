@@ -20,7 +20,7 @@ from launcher.contract.envcheck import env_mismatches
 from launcher.contract.rundir import RunDir, node_name
 from launcher.contract.schema import SchemaError, load
 from launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, Sidecar, write_run_spec
-from launcher.sidecar import keeper, loop, nvml
+from launcher.sidecar import keeper, loop, nvml, sidelog
 from launcher.sidecar.host import Host
 from tests.unit import fake_nvml
 from tests.unit.fake_nvml import FakeGpu
@@ -196,7 +196,7 @@ def test_sidecar_with_nvml_writes_gpu_lines_by_uuid_env_record_and_tensorboard(
         "SLURM_NODEID": "1",
         "SLURM_JOB_ID": "7",
     }
-    log = loop.Log(run_dir.sidecar_log("n2"), "n2")
+    log = sidelog.Log(run_dir.sidecar_log("n2"), "n2")
     sidecar = loop.Sidecar(run_dir, node_name(environ), environ, log)
     sidecar.sample()
     sidecar.close()
