@@ -21,7 +21,6 @@ from __future__ import annotations
 import ast
 from functools import cache
 from pathlib import Path
-from typing import Any, Iterable
 
 from xdist.scheduler import LoadScopeScheduling
 
@@ -111,29 +110,10 @@ def in_shared_fixture_group(nodeid: str) -> bool:
     return name in shared_fixture_tests(path)
 
 
-def is_testbed_scope(scope: str) -> bool:
-    return scope.startswith(f"{TESTBED_GROUP}:")
-
-
-def pick_scope(queue: Iterable[str], others_on_testbed: int, workers: int) -> str:
-    """The scope a worker takes next: the queue's first, unless that is a testbed file and every other worker is
-    on one already; then the first scope that needs no testbed (if any is left).
-
-    A testbed test mostly waits (for Slurm to schedule, signal, requeue): measured in a 3-worker run on 2 cores,
-    the CPUs were 12.9% idle while all three workers ran testbed tests (275 s of the run) and 4-5% otherwise. A
-    worker kept on CPU-bound local tests meanwhile fills those waits."""
-    scopes = iter(queue)
-    first = next(scopes)
-    if workers > 1 and is_testbed_scope(first) and others_on_testbed >= workers - 1:
-        return next((scope for scope in scopes if not is_testbed_scope(scope)), first)
-    return first
-
-
 class TestbedScheduling(LoadScopeScheduling):
     """xdist's load-by-scope scheduler where a scope is one test, except that the tests of one file that reach
     the testbed are one scope (one worker and its testbed runs them all), and so are those that share one of the
-    file's module-scoped fixtures; and never every worker on testbed tests at once while other work is left
-    (`pick_scope`)."""
+    file's module-scoped fixtures."""
 
     def _split_scope(self, nodeid: str) -> str:
         if in_testbed_group(nodeid):
@@ -141,13 +121,3 @@ class TestbedScheduling(LoadScopeScheduling):
         if in_shared_fixture_group(nodeid):
             return f"shared-fixture:{nodeid.partition('::')[0]}"
         return nodeid
-
-    def _assign_work_unit(self, node: Any) -> None:
-        others_on_testbed = sum(
-            any(is_testbed_scope(scope) and not all(done.values()) for scope, done in work.items())
-            for other, work in self.assigned_work.items()
-            if other is not node
-        )
-        scope = pick_scope(self.workqueue, others_on_testbed, len(self.nodes))
-        self.workqueue.move_to_end(scope, last=False)  # xdist's own assignment takes the queue's first
-        super()._assign_work_unit(node)
