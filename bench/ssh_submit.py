@@ -130,7 +130,7 @@ def latency(home: Path, profile: Path, spec: Path, run_dir: str, runs: int) -> N
 
 def status_of_many(home: Path, profile: Path, spec: Path, jobs: int) -> None:
     from submit import api
-    from submit.jobs.registry import Registry
+    from submit.core.registry import Registry
 
     out = _cli("submit", str(spec), "-c", str(profile), "--sweep", "env.I=" + ",".join(map(str, range(jobs))))
     array = out.split()[3]

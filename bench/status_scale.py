@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 
 from submit import api  # noqa: E402
 from submit.config.cluster import load_profile, load_profile_file  # noqa: E402
-from submit.jobs.registry import JobRecord  # noqa: E402
+from submit.core.registry import JobRecord  # noqa: E402
 from submit.transport.base import LocalTransport, Result  # noqa: E402
 from submit.transport.ssh import STATS  # noqa: E402
 from tests.helpers import sshbed  # noqa: E402

@@ -39,20 +39,20 @@ from submit.transport.base import Progress, Transport
 
 if TYPE_CHECKING:
     from launcher.contract.spec import JobSpec, RunSpec
-    from submit.jobs import status as job_status
-    from submit.jobs.registry import JobRecord, Registry
-    from submit.jobs.status import METRICS_FILE, Status, last_metrics
-    from submit.planning.plan import Plan
+    from submit.core import status as job_status
+    from submit.core.plan import Plan
+    from submit.core.registry import JobRecord, Registry
+    from submit.core.status import METRICS_FILE, Status, last_metrics
     from submit.schedulers.preflight import Preflight
     from submit.transport import snapshot as snapshots
 
 # Served by the module's __getattr__, imported when first asked for: `executor` (with submitit), and the
 # status module's names (`render` and `submit` read no status: with the Slurm backend's, ~3.5 ms of their start-up).
 _LAZY = {
-    "executor": "submit.schedulers.executor",
-    "METRICS_FILE": "submit.jobs.status",
-    "Status": "submit.jobs.status",
-    "last_metrics": "submit.jobs.status",
+    "executor": "submit.executor",
+    "METRICS_FILE": "submit.core.status",
+    "Status": "submit.core.status",
+    "last_metrics": "submit.core.status",
 }
 __all__ = [
     "Clusters",
@@ -156,7 +156,7 @@ def schedule(
     profile_path: Optional[str] = None,
 ) -> list[JobRecord]:
     """Send exactly `request`, then record the job (one record per sweep task)."""
-    from submit.jobs.registry import JobRecord, now
+    from submit.core.registry import JobRecord, now
 
     with private_umask_while():  # a library caller's umask is theirs: what this writes and starts is private
         job_id = backend(request.scheduler).schedule(request, transport)
@@ -675,9 +675,9 @@ def statuses(
     live: bool = False,
 ) -> list[Status]:
     """The status of each record, in order: one round trip per cluster, each asked of the record's scheduler
-    backend (submit/jobs/status.py's statuses; `warn` (default: a warning line on stderr), `detail` and `live`
+    backend (submit/core/status.py's statuses; `warn` (default: a warning line on stderr), `detail` and `live`
     as there)."""
-    from submit.jobs import status as job_status
+    from submit.core import status as job_status
 
     to = warn if warn is not None else job_status.warn_to_stderr
     return job_status.statuses(records, clusters, backend, registry, to, detail, live)

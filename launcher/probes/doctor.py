@@ -176,7 +176,7 @@ LAYER_DEPTHS = (1, 3)
 def layer_seconds(shapes: Sequence[tuple[int, int, int, int]], cuda: bool) -> list[dict[str, Any]]:
     """Forward and backward of one of meshrun's own GPT blocks per micro-batch at each shape, on this rank's CPU
     threads (fp32) or its GPU (bf16, as the trainer's mixed precision computes): what the planner adds to a CPU job's
-    matmuls, or the share of the GEMM's rate a GPU job's blocks reach (submit/jobs/calibration.py fits them)."""
+    matmuls, or the share of the GEMM's rate a GPU job's blocks reach (submit/planning/calibration.py fits them)."""
     import torch
 
     from launcher.contract.spec import Model

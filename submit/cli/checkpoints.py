@@ -55,9 +55,9 @@ def add_parsers(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 def cmd_resume(args: argparse.Namespace) -> int:
     from submit import api
     from submit.cli.common import finish_wait
+    from submit.core.registry import Registry
+    from submit.core.runspec import read_run_spec
     from submit.jobs import checkpoints
-    from submit.jobs.registry import Registry
-    from submit.jobs.runspec import read_run_spec
 
     registry = Registry()
     record = registry.find(args.job, args.cluster)
@@ -88,8 +88,8 @@ def shard_size(given: str | None, fmt: str) -> str:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from submit import api
+    from submit.core.registry import Registry
     from submit.jobs import checkpoints
-    from submit.jobs.registry import Registry
 
     max_shard_size = shard_size(args.max_shard_size, args.format)  # before the registry: a flag's mistake first
     record = Registry().find(args.job, args.cluster)

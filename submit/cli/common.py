@@ -21,7 +21,7 @@ def finish_wait(record: Any, clusters: Any, registry: Any, total_steps: Optional
     """--wait: follow the job to its end; the exit code says how it ended (2: the ranks found bad input).
     Ctrl-C stops the waiting, never the job, and says so."""
     from launcher.contract.exitcodes import EXIT_INPUT
-    from submit.jobs.status import Status
+    from submit.core.status import Status
 
     try:
         status: Status = wait_for(record, clusters, registry, total_steps)

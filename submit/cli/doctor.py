@@ -104,8 +104,8 @@ def read_results(transport: Any, run_dir: str, world: int) -> list[Optional[dict
 def cmd_doctor(args: argparse.Namespace) -> int:
     from submit import api, installed_version
     from submit.cli.common import profile_path_of, wait_for
+    from submit.core.registry import Registry
     from submit.jobs.doctor import judge, table
-    from submit.jobs.registry import Registry
 
     profile = api.load_cluster(args.cluster)
     opts = options(args, profile)
@@ -146,8 +146,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _calibrate(profile: Any, opts: Any, job: str, results: list[Any], out: Any) -> None:
-    """Keep a healthy run's figures for `meshrun plan` (submit/jobs/calibration.py), and say so."""
-    from submit.jobs import calibration
+    """Keep a healthy run's figures for `meshrun plan` (submit/planning/calibration.py), and say so."""
+    from submit.planning import calibration
 
     measured = calibration.from_results(results, job, opts.nodes)
     if measured is None:

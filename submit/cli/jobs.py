@@ -28,7 +28,7 @@ def _records(args: argparse.Namespace, registry: Any) -> list[Any]:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from submit import api
-    from submit.jobs.registry import Registry
+    from submit.core.registry import Registry
 
     registry = Registry()
     if not args.jobs:
@@ -70,7 +70,7 @@ def watch(records: Sequence[Any], clusters: Any, registry: Any, as_json: bool) -
     """Refresh until every job is done: one round trip per cluster each time, backing off
     (2 s, growing to 30 s) while nothing changes; a terminal is redrawn, a pipe gets changes only."""
 
-    from submit.jobs.state import JobState
+    from submit.core.state import JobState
     from submit.views.watch import refresh, watch_end
 
     tty, interval, last = sys.stdout.isatty(), WATCH_FIRST_S, None
@@ -108,7 +108,7 @@ def _one_job(registry: Any, job: str, cluster: Any) -> Any:
 
 def cmd_logs(args: argparse.Namespace) -> int:
     from submit import api
-    from submit.jobs.registry import Registry
+    from submit.core.registry import Registry
     from submit.views import logs
 
     record = _one_job(Registry(), args.job, args.cluster)
@@ -156,7 +156,7 @@ def _print_diagnosis(transport: Any, record: Any) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     from submit import api
-    from submit.jobs.registry import Registry
+    from submit.core.registry import Registry
 
     registry = Registry()
     records = registry.find_all(args.job, args.cluster)

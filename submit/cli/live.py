@@ -37,8 +37,8 @@ def _followed(args: argparse.Namespace, registry: Any) -> list[Any]:
 def cmd_watch(args: argparse.Namespace) -> int:
     from submit import api
     from submit.config import userconfig
+    from submit.core.registry import Registry
     from submit.errors import InputError
-    from submit.jobs.registry import Registry
     from submit.views import watch
 
     if not args.interval > 0:
@@ -58,7 +58,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 def cmd_top(args: argparse.Namespace) -> int:
     from submit import api
-    from submit.jobs.registry import Registry
+    from submit.core.registry import Registry
     from submit.views import top
 
     registry = Registry()

@@ -380,7 +380,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def _submit(args: argparse.Namespace, profile: Any, plan: Any) -> int:
     from submit import api
-    from submit.jobs.registry import Registry
+    from submit.core.registry import Registry
     from submit.views.progress import ProgressBar
 
     clusters = api.Clusters()

@@ -68,10 +68,9 @@ def _usable(partition: Any) -> Optional[int]:
 
 def build(spec: Any, cluster: Any, partition: Any) -> dict[str, Any]:
     """The plan's JSON object (docs/guides/plan-and-doctor.md documents every key). Where `meshrun doctor`
-    measured a partition (submit/jobs/calibration.py), its figures time the job instead of the datasheet's."""
+    measured a partition (submit/planning/calibration.py), its figures time the job instead of the datasheet's."""
     from launcher.contract.modelshape import param_count
-    from submit.jobs import calibration
-    from submit.planning import estimate, recommend, steptime
+    from submit.planning import calibration, estimate, recommend, steptime
 
     memory = estimate.memory_per_gpu(spec)
     measured = calibration.load_all(cluster.name)

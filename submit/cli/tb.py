@@ -58,7 +58,7 @@ def cmd_tb(args: argparse.Namespace) -> int:
     if not args.jobs:
         raise InputError("JOB", "", "give the ids of the jobs to show (or --stop to stop a TensorBoard left running)")
     from submit import api
-    from submit.jobs.registry import Registry
+    from submit.core.registry import Registry
     from submit.views import tensorboard
 
     tensorboard.check_local_port(args.port)  # before anything starts on the cluster
@@ -213,7 +213,7 @@ def _stop_board(clusters: Any, record: Any, board: Any) -> None:
 def _cmd_stop(args: argparse.Namespace) -> int:
     """`meshrun tb --stop JOB...` (servers showing any of the jobs) or `--stop -c CLUSTER` (all of yours there)."""
     from submit import api
-    from submit.jobs.registry import Registry
+    from submit.core.registry import Registry
     from submit.views import tensorboard
 
     clusters = api.Clusters()

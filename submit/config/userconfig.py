@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Optional
 
 from launcher.contract import schema
-from submit.config.folders import config_dir
 from submit.config.yamlfile import YamlDoc
+from submit.folders import config_dir
 
 
 @dataclass(frozen=True)

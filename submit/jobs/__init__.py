@@ -1,2 +1,2 @@
-"""Submitted jobs: their state (meshrun's own type), the local registry, status, resume and export, secrets, the
-sidecars' findings, doctor. Nothing here looks a scheduler up: the API hands status and resume their backend."""
+"""Submitted jobs, after the submit: their checkpoints (list, choose, export, resume's pick), doctor's checks of
+a cluster's nodes, the suspect-node ledger. Nothing here looks a scheduler up: the API hands in what it needs."""

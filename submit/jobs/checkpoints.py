@@ -22,10 +22,10 @@ from typing import Any, Callable, Optional, Sequence
 from launcher.contract import hfnames
 from launcher.contract.rundir import ATTEMPTS_FILE, RunDir
 from launcher.contract.spec import RunSpec
+from submit.core.registry import JobRecord, Registry, now
+from submit.core.runspec import read_run_spec
+from submit.core.state import JobState
 from submit.errors import ClusterError, InputError
-from submit.jobs.registry import JobRecord, Registry, now
-from submit.jobs.runspec import read_run_spec
-from submit.jobs.state import JobState
 from submit.transport.base import Result, Transport
 
 RESUME_SETTABLE = (

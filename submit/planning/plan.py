@@ -7,12 +7,9 @@ submitted, and each error names the key, the value and the fix.
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
-import json
 import os
-import re
 import secrets
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -23,69 +20,14 @@ from launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, check_r
 from submit import __version__
 from submit.config.cluster import ClusterProfile, Partition, check_node_names
 from submit.config.yamlfile import YamlDoc
+from submit.core import secrets as job_secrets
+from submit.core.plan import Plan, parse_time
 from submit.errors import InputError
-from submit.jobs import secrets as job_secrets
 from submit.textwidth import slug
-
-_TIME = re.compile(r"(?:(?P<d>[0-9]+)-)?(?P<rest>[0-9]+(?::[0-9]+){0,2})")
 
 SchedulerCheck = Callable[[JobSpec, ClusterProfile], None]
 """A scheduler's own plan-time checks of a spec on a profile (its backend's `check`; InputError), handed in by
 the caller: planning never looks a scheduler up (submit/api.py does, and hands its backend's in)."""
-
-
-@dataclass(frozen=True)
-class Plan:
-    """A job ready to render and submit."""
-
-    spec: JobSpec
-    """The validated spec."""
-    submitted: dict[str, Any]
-    """The spec as the user wrote it, overrides applied (saved as job.yaml)."""
-    cluster: ClusterProfile
-    """Where it runs."""
-    partition: Optional[Partition]
-    """The partition (None on the local cluster)."""
-    run_dir: str
-    """The run dir on the cluster."""
-    time_seconds: int
-    """The time limit in seconds."""
-    run_spec: RunSpec
-    """What the ranks read (spec.json)."""
-    work_dir: str = ""
-    """The cluster's work dir with `~` resolved: run dirs and code snapshots live under it."""
-    code_dir: Optional[str] = None
-    """The project's code snapshot on the cluster, once synced: the ranks' PYTHONPATH and cwd."""
-    code_seal: Optional[tuple[str, str]] = None
-    """The snapshot's (manifest sha256, listing sha256): the batch script checks its folder's sealed files
-    against the first (files a job wrote beside them do not stop it), the probe the whole folder against both."""
-    tasks: tuple[Task, ...] = ()
-    """A sweep's array tasks, each with its own run dir and spec (empty for a single job)."""
-
-    @property
-    def spec_hash(self) -> str:
-        text = json.dumps(schema.to_plain(self.spec), sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-@dataclass(frozen=True)
-class Task:
-    """One task of a sweep (a Slurm job array): its overrides, run dir and spec."""
-
-    index: int
-    """SLURM_ARRAY_TASK_ID."""
-    overrides: tuple[tuple[str, str], ...]
-    """The swept keys and this task's values."""
-    run_dir: str
-    """<run dir>/tasks/<index>: the task's own spec.json, logs, metrics."""
-    run_spec: RunSpec
-    """What the task's ranks read."""
-    spec_hash: str
-    """Hash of the task's validated spec."""
-
-    @property
-    def label(self) -> str:
-        return " ".join(f"{k}={v}" for k, v in self.overrides)
 
 
 def load_job(path: Path, overrides: Sequence[str] = ()) -> tuple[JobSpec, dict[str, Any]]:
@@ -149,35 +91,6 @@ def expand_preset(data: dict[str, Any], overrides: Sequence[str] = ()) -> dict[s
         explicit = dict(model)
     expanded = {**presets.preset(name), **explicit, "preset": name}
     return {**data, "train": {**train, "model": expanded}}
-
-
-def parse_time(text: str, key: str = "resources.time") -> int:
-    """Slurm's time syntax (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S) -> seconds."""
-    match = _TIME.fullmatch(text.strip())
-    if not match:
-        raise InputError(key, text, "use Slurm's time syntax: MINUTES, HH:MM:SS or D-HH:MM:SS")
-    days = int(match["d"] or 0)
-    parts = [int(p) for p in match["rest"].split(":")]
-    if match["d"] is not None:
-        h, m, s = (parts + [0, 0])[:3]
-    elif len(parts) == 1:
-        h, m, s = 0, parts[0], 0
-    elif len(parts) == 2:
-        h, m, s = 0, parts[0], parts[1]
-    else:
-        h, m, s = parts
-    total = ((days * 24 + h) * 60 + m) * 60 + s
-    if total <= 0:
-        raise InputError(key, text, "the time limit must be positive")
-    return total
-
-
-def format_time(seconds: int) -> str:
-    """Seconds -> D-HH:MM:SS (what sbatch --time accepts)."""
-    minutes, s = divmod(seconds, 60)
-    hours, m = divmod(minutes, 60)
-    days, h = divmod(hours, 24)
-    return f"{days}-{h:02d}:{m:02d}:{s:02d}" if days else f"{h:02d}:{m:02d}:{s:02d}"
 
 
 def check_tasks(spec: JobSpec) -> None:

@@ -17,7 +17,7 @@ from launcher.contract.gpus import memory_bandwidth_gbs, memory_gb, peak_tflops
 from launcher.contract.parallel_dims import ParallelDims
 from launcher.contract.spec import JobSpec, Prediction
 from submit.config.cluster import ClusterProfile, Partition
-from submit.jobs.calibration import Calibration, load_all
+from submit.planning.calibration import Calibration, load_all
 from submit.planning.estimate import Memory, fits, memory_per_gpu
 from submit.planning.steptime import CPU_MEMORY_GBS, GEMM_EFFICIENCY, Hardware, StepTime, prediction, step_time
 

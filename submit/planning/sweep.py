@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from submit.config.cluster import ClusterProfile
+from submit.core.plan import Plan, Task
 from submit.errors import InputError
-from submit.planning.plan import Plan, SchedulerCheck, Task, plan_file
+from submit.planning.plan import SchedulerCheck, plan_file
 
 # One array is one shape: keys that change the sbatch script itself cannot be swept.
 _FIXED = ("name", "resources", "code")

@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence
 
 from launcher.contract import secrets as ls
 from launcher.contract.rundir import RunDir
-from submit.jobs import secrets as job_secrets
+from submit.core import secrets as job_secrets
 from submit.transport.base import Upload
 
 if TYPE_CHECKING:
     from launcher.contract.spec import JobSpec
     from submit.config.cluster import ClusterProfile
-    from submit.jobs.registry import JobRecord
-    from submit.jobs.status import Status
-    from submit.planning.plan import Plan
+    from submit.core.plan import Plan
+    from submit.core.registry import JobRecord
+    from submit.core.status import Status
     from submit.transport.base import Transport
 
 
@@ -49,7 +49,7 @@ class Request:
     """The private folder the job's `env:` secrets are sent into before the start ("" when it has none)."""
     secrets: Mapping[str, str] = field(default_factory=dict)
     """{file in secrets_dir: the variable of this environment its value is read from when sent}: names only,
-    never a value (`secret_files`; submit/jobs/secrets.py sends the values)."""
+    never a value (`secret_files`; submit/core/secrets.py sends the values)."""
 
     def as_json(self) -> dict[str, Any]:
         files = [

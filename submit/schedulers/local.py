@@ -28,14 +28,14 @@ from launcher.contract.private import make_private_dir
 from launcher.contract.rundir import JOB_ID_ENV, RunDir, local_state_path, merge_state, read_state
 from launcher.contract.spec import JobSpec
 from submit.config.cluster import ClusterProfile
+from submit.core import findings
+from submit.core import secrets as job_secrets
+from submit.core.plan import Plan
+from submit.core.registry import JobRecord, now
+from submit.core.runspec import read_run_spec
+from submit.core.state import FINAL, SUCCESS, JobState
+from submit.core.status import Status, metrics_tail, parse_losses, parse_metrics_tail
 from submit.errors import ClusterError, InputError
-from submit.jobs import findings
-from submit.jobs import secrets as job_secrets
-from submit.jobs.registry import JobRecord, now
-from submit.jobs.runspec import read_run_spec
-from submit.jobs.state import FINAL, SUCCESS, JobState
-from submit.jobs.status import Status, metrics_tail, parse_losses, parse_metrics_tail
-from submit.planning.plan import Plan
 from submit.schedulers.base import Request, run_dir_files, secret_files, start_argv
 from submit.transport.base import Transport
 

@@ -26,7 +26,7 @@ from typing import Optional
 from launcher.contract.modelshape import checkpoint_space_needed
 from launcher.contract.tokens import SAMPLE_BYTES, Sample, sample_problem
 from submit import __version__
-from submit.planning.plan import Plan
+from submit.core.plan import Plan
 from submit.schedulers.base import Request
 from submit.transport.base import Result, Transport, batch
 

@@ -25,10 +25,10 @@ from launcher.contract.rundir import RunDir
 from launcher.contract.spec import dumps_run_spec
 from submit import __version__
 from submit.config.cluster import check_node_names
-from submit.config.folders import own_cache
 from submit.config.resources import template_source
+from submit.core.plan import Plan, format_time
 from submit.errors import InputError, InternalError
-from submit.planning.plan import Plan, format_time
+from submit.folders import own_cache
 from submit.transport import seal
 
 if TYPE_CHECKING:

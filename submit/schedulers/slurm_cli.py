@@ -3,7 +3,7 @@
 Only stable formats are parsed: `sbatch --parsable`, `sacct --parsable2` with a
 fixed field list, and `squeue` with a fixed `-o` format. Nothing here runs a
 command; the transport does. Slurm's state names are read here and nowhere else: STATES
-maps each to meshrun's JobState (submit/jobs/state.py).
+maps each to meshrun's JobState (submit/core/state.py).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Iterable, Mapping, Optional, Sequence
 
+from submit.core.state import FAILURE, FINAL, SUCCESS, JobState
 from submit.errors import ClusterError, InputError
-from submit.jobs.state import FAILURE, FINAL, SUCCESS, JobState
 
 # Slurm 22.05's sacct has no restart count field: the ranks report SLURM_RESTART_COUNT in metrics.jsonl.
 SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "Timelimit", "NodeList", "UID", "AllocTRES")

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Optional
+
 from submit.transport.base import LocalTransport, Transport
 
+if TYPE_CHECKING:
+    from submit.transport.sshconfig import Ssh
 
-def connect(ssh: object | None, cluster: str = "CLUSTER") -> Transport:
+
+def connect(ssh: Optional[Ssh], cluster: str = "CLUSTER") -> Transport:
     """The transport for a cluster profile's `ssh` section (None: this machine); `cluster` names it in errors."""
     if ssh is None:
         return LocalTransport()
     from submit.transport.ssh import SshTransport  # paramiko is imported only when a cluster needs it
 
-    return SshTransport(ssh, cluster)  # type: ignore[arg-type]
+    return SshTransport(ssh, cluster)

@@ -36,8 +36,8 @@ from typing import Any, Callable, Optional
 
 from launcher.contract.private import write_private
 from launcher.contract.spec import Code
-from submit.config.folders import own_cache
 from submit.errors import ClusterError, InputError
+from submit.folders import own_cache
 from submit.transport.base import Progress, Transport, Upload
 from submit.transport.seal import MANIFEST, VERIFY_FUNCTION, WHY_FUNCTION
 

@@ -19,7 +19,6 @@ from typing import Iterator, Mapping, Optional, Sequence
 
 import paramiko
 
-from submit.config.cluster import Ssh
 from submit.errors import ClusterError, ConnectionLost
 from submit.transport import hostkeys
 from submit.transport.base import (
@@ -33,7 +32,7 @@ from submit.transport.base import (
     tar_bytes,
 )
 from submit.transport.portforward import PortForward
-from submit.transport.sshconfig import Target, resolve
+from submit.transport.sshconfig import Ssh, Target, resolve
 
 KEEPALIVE_S = 15
 _CHUNK = 32768

@@ -13,14 +13,33 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
-from submit.config.cluster import Ssh
 from submit.errors import InputError
 
 DEFAULT_PORT = 22
 MAX_JUMPS = 8
 _JUMP = re.compile(r"^(?:ssh://)?(?:(?P<user>[^@/:]+)@)?(?P<host>\[[^\]]+\]|[^:/@]+)(?::(?P<port>\d+))?/?$")
+
+
+class Ssh(Protocol):
+    """What a transport reads of a cluster profile's `ssh:` section (`submit.config.cluster.Ssh` is one, and
+    documents each field): handed in by the API, so that transport and config, siblings, never import each other."""
+
+    @property
+    def host(self) -> str: ...
+    @property
+    def user(self) -> Optional[str]: ...
+    @property
+    def port(self) -> Optional[int]: ...
+    @property
+    def identity_file(self) -> Optional[str]: ...
+    @property
+    def proxy_jump(self) -> Optional[str]: ...
+    @property
+    def known_hosts(self) -> str: ...
+    @property
+    def timeout_s(self) -> float: ...
 
 
 @dataclass(frozen=True)

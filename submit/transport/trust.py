@@ -17,11 +17,10 @@ from typing import Callable, Optional, Sequence, Union
 
 import paramiko
 
-from submit.config.cluster import Ssh
 from submit.errors import ClusterError
 from submit.transport import hostkeys
 from submit.transport.ssh import _connect_error, hop_channel, open_chain
-from submit.transport.sshconfig import Target, resolve
+from submit.transport.sshconfig import Ssh, Target, resolve
 
 Ask = Callable[[str], str]
 Say = Callable[[str], None]

@@ -26,8 +26,8 @@ from typing import Any, BinaryIO, Optional, Sequence, TextIO
 
 from launcher.contract.rundir import RunDir
 from submit import api
+from submit.core.registry import JobRecord
 from submit.errors import ClusterError, ConnectionLost, InputError
-from submit.jobs.registry import JobRecord
 from submit.transport.base import Stream, Transport, new_marker
 
 RECONNECT_ATTEMPTS = 8

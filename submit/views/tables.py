@@ -174,7 +174,7 @@ def detail_lines(status: Any, width: int = 100) -> list[str]:
     if status.goodput is not None:
         lines.append(goodput_line(status.goodput))
     if status.usage is not None:
-        from submit.jobs.usage import usage_line
+        from submit.core.usage import usage_line
 
         lines.append(usage_line(status.usage))
     if status.run_goodput is not None:

@@ -117,7 +117,7 @@ def _recorded(state: Path) -> Optional[dict[str, Any]]:
 
 def new_token() -> str:
     """256 random bits, URL- and cookie-safe. (Not the `secrets` module: run from a checkout, this script's
-    folder comes first on sys.path, and submit/jobs/secrets.py is meshrun's own.)"""
+    folder comes first on sys.path, and submit/core/secrets.py is meshrun's own.)"""
     return base64.urlsafe_b64encode(os.urandom(32)).decode().rstrip("=")
 
 

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any, Optional, Sequence, TextIO
 
-from submit.jobs.status import Status
+from submit.core.status import Status
 
 BARS = "▁▂▃▄▅▆▇█"
 SPARK = 20
@@ -95,7 +95,7 @@ def row(status: Status) -> tuple[str, ...]:
 
 
 def used_cell(used: Optional[dict[str, Any]]) -> str:
-    """What the job used so far (submit/jobs/usage.py), short: its cost where priced, else its GPU-hours, else the
+    """What the job used so far (submit/core/usage.py), short: its cost where priced, else its GPU-hours, else the
     energy its nodes measured; '-' for none of them."""
     used = used or {}
     cost, hours = used.get("cost"), _number(used.get("gpu_hours"))

@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TextIO
 
 from launcher.contract.private import make_private_dir
-from submit.config.folders import state_dir
+from submit.core.registry import JobRecord
+from submit.core.state import FINAL, JobState
+from submit.core.status import Status
 from submit.errors import InputError
-from submit.jobs.registry import JobRecord
-from submit.jobs.state import FINAL, JobState
-from submit.jobs.status import Status
+from submit.folders import state_dir
 
 KEEP = 50_000
 """The notified set keeps this many newest keys (a few MB at most)."""
@@ -218,7 +218,7 @@ def handle_digests(
     out: TextIO,
 ) -> int:
     """One digest per failure, requeue (per restart) and hang of each job, claimed like alerts: never twice."""
-    from submit.jobs.status import warn_to_stderr
+    from submit.core.status import warn_to_stderr
 
     pending = []
     for status in found:
@@ -242,7 +242,7 @@ def handle_digests(
 
 def handle(found: Sequence[Status], seen: Seen, argv: Optional[Sequence[str]], out: TextIO) -> int:
     """Print and notify every alert not claimed before; how many were new."""
-    from submit.jobs.status import warn_to_stderr
+    from submit.core.status import warn_to_stderr
     from submit.views.tables import alert_line
 
     pending = [(s, a, alert_key(s, a)) for s in found for a in s.alerts]

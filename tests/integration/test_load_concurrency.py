@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 from typing import IO, Any
 
-from submit.jobs.registry import JobRecord, Registry
+from submit.core.registry import JobRecord, Registry
 from tests.helpers import sshbed
 from tests.helpers.cli import REPO, env_for, meshrun, submitted, trials
 
@@ -103,7 +103,7 @@ def test_ten_submits_at_once_on_slurm_record_each_job_once(testbed: dict[str, ob
 # Adds records (and updates each once, as `status` does) in a loop, printing each id once committed.
 WRITER = """
 import sys, time
-from submit.jobs.registry import JobRecord, Registry
+from submit.core.registry import JobRecord, Registry
 registry, trial = Registry(), sys.argv[1]
 for i in range(1_000_000):
     record = JobRecord(f"w{trial}-{i}", "local", "writer", f"/nonexistent/w{trial}-{i}", "local", time.time(),

@@ -14,7 +14,7 @@ import pytest
 from submit import api
 from submit.cli import main as cli
 from submit.config.cluster import load_profile
-from submit.jobs.registry import Registry
+from submit.core.registry import Registry
 from submit.planning import plan as planning
 from submit.schedulers import render as rendering
 from tests.helpers import sshbed

@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Sequence
 import pytest
 
 from launcher.contract.rundir import RunDir, node_name
-from submit.schedulers.executor import executor
+from submit.executor import executor
 from tests.helpers import sshbed
 from tests.helpers.cli import TINY, meshrun, submitted
 from tests.integration import submitit_fns

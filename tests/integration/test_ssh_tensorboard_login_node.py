@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from submit.jobs.registry import JobRecord, Registry
+from submit.core.registry import JobRecord, Registry
 from tests.helpers import sshbed, tbhelp
 from tests.helpers.cli import REPO, env_for
 from tests.helpers.tbhelp import Cleanup

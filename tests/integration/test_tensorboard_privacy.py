@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from submit.jobs.registry import JobRecord, Registry
+from submit.core.registry import JobRecord, Registry
 from submit.views import tbserve
 from tests.helpers import sshbed, tbhelp
 from tests.helpers.cli import REPO, env_for, meshrun

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.contract.rundir import RunDir, node_name
-from submit.jobs.registry import JobRecord, Registry
+from submit.core.registry import JobRecord, Registry
 from tests.helpers import sshbed, tbhelp
 from tests.helpers.cli import TINY as CLI_TINY
 from tests.helpers.cli import meshrun, metrics, status, submitted

@@ -1,4 +1,4 @@
-"""What a job used (submit/jobs/usage.py), end to end: on the real Slurm testbed the GPUs come from Slurm's
+"""What a job used (submit/core/usage.py), end to end: on the real Slurm testbed the GPUs come from Slurm's
 accounting (sacct's AllocTRES), the cost from the profile's cost.gpu_hour, and the energy says "unmeasured" where
 the nodes have no counter (the testbed's GPUs are device files NVML does not know; this machine has no RAPL)."""
 

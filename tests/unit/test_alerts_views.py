@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from submit.jobs.status import Status
+from submit.core.status import Status
 from submit.transport.base import new_marker
 from submit.views.tables import progress_line
 
@@ -49,7 +49,7 @@ def _alert(rule: str, step: int, when: float = 0.0, **kw: Any) -> dict[str, Any]
 def test_the_remote_command_brings_each_jobs_newest_alerts_and_gpu_lines_capped(tmp_path: Path) -> None:
     from launcher.contract import alerts
     from launcher.contract.alerts import Alert
-    from submit.jobs import findings
+    from submit.core import findings
     from submit.transport.base import LocalTransport
 
     busy, quiet = tmp_path / "busy", tmp_path / "quiet"
@@ -77,7 +77,7 @@ def test_the_remote_command_brings_each_jobs_newest_alerts_and_gpu_lines_capped(
 
 
 def test_an_earlier_jobs_alerts_in_the_same_run_dir_are_not_this_jobs() -> None:
-    from submit.jobs import findings
+    from submit.core import findings
 
     text = json.dumps(_alert("hang", 1, when=1000.0)) + "\n" + json.dumps(_alert("loss_spike", 7)) + "\n{garbled"
     found = findings.findings_from({findings.ALERTS: text}, submitted_at=time.time() - 10)
@@ -109,7 +109,7 @@ def test_json_carries_the_alert_records() -> None:
 def test_wait_prints_each_new_alert_once(monkeypatch: pytest.MonkeyPatch) -> None:
     from submit import api
     from submit.cli import common as cli
-    from submit.jobs.registry import JobRecord
+    from submit.core.registry import JobRecord
 
     first, second = _alert("loss_spike", 2), _alert("nonfinite_loss", 3)
     seq = iter(
@@ -135,7 +135,7 @@ def test_wait_prints_each_new_alert_once(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_top_cells_step_of_steps_time_left_and_a_non_finite_loss_in_the_sparkline() -> None:
-    from submit.jobs import findings
+    from submit.core import findings
     from submit.views import top
 
     assert top.sparkline([3.0, None, 2.0]) == "█!▁" and top.sparkline([None]) == "!" and top.sparkline([]) == ""

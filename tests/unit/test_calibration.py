@@ -1,4 +1,4 @@
-"""submit/jobs/calibration.py and the plan it times: what `meshrun doctor` measured is kept per cluster and
+"""submit/planning/calibration.py and the plan it times: what `meshrun doctor` measured is kept per cluster and
 partition, private and dated, and `meshrun plan` uses it (a CPU job gets a step time only from it)."""
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import pytest
 from launcher.contract.modelshape import layer_elements
 from submit.cli.plan import build, render
 from submit.config.cluster import SHIPPED_DIR, load_profile
-from submit.jobs import calibration
-from submit.planning import steptime
+from submit.planning import calibration, steptime
 from submit.planning.plan import REMOTE_HOME, plan_file
 
 REPO = Path(__file__).resolve().parents[2]

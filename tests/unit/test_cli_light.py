@@ -33,7 +33,7 @@ def test_help_and_render_work_without_torch(tmp_path: Path) -> None:
 def test_submit_side_modules_never_import_torch() -> None:
     code = (
         "import sys; import submit.cli.main, submit.api, submit.schedulers.render, submit.planning.plan, submit.schedulers.local, submit.schedulers.slurm, "
-        "submit.jobs.registry, submit.schedulers.slurm_cli, submit.transport.base, launcher.contract.spec, launcher.entry; "
+        "submit.core.registry, submit.schedulers.slurm_cli, submit.transport.base, launcher.contract.spec, launcher.entry; "
         "bad = [m for m in ('torch', 'numpy', 'paramiko') if m in sys.modules]; "
         "assert not bad, bad"
     )

@@ -15,7 +15,7 @@ from launcher.contract.rundir import RunDir
 from launcher.contract.schema import SchemaError, load
 from launcher.contract.spec import JobSpec
 from submit.config.cluster import load_profile
-from submit.jobs import findings
+from submit.core import findings
 from submit.planning.plan import describe, plan_file
 from submit.planning.sweep import plan_sweep
 from submit.schedulers.base import run_dir_files

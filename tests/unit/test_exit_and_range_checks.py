@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from submit.cli.main import main
-from submit.jobs.registry import Registry
+from submit.core.registry import Registry
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "examples" / "tiny.yaml")

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from launcher.contract.envcheck import newest_run
-from submit.jobs import findings
-from submit.jobs.registry import JobRecord
+from submit.core import findings
+from submit.core.registry import JobRecord
 from submit.schedulers.local import BACKEND as LOCAL
 from submit.schedulers.slurm import BACKEND as SLURM
 from submit.transport.base import LocalTransport, Result, new_marker

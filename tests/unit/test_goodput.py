@@ -198,7 +198,7 @@ def test_an_attempt_whose_end_was_never_recorded_ends_at_the_next_start() -> Non
 def test_the_run_dirs_total_sums_every_jobs_whole_record_and_only_when_there_are_several() -> None:
     import json as _json
 
-    from submit.jobs.findings import GOODPUT_DIR, run_total
+    from submit.core.findings import GOODPUT_DIR, run_total
 
     def record(job: str, allocated: float, productive: float, lost: int) -> str:
         parts = {"productive": productive, "setup": allocated - productive}

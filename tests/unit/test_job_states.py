@@ -1,4 +1,4 @@
-"""meshrun's own job state type (submit/jobs/state.py) and the backends' tables onto it: every Slurm state name
+"""meshrun's own job state type (submit/core/state.py) and the backends' tables onto it: every Slurm state name
 squeue and sacct print, every word of a local job's state file; a name no table knows is UNKNOWN, never final;
 and the type prints, serializes and is stored as the very word people read before it existed."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from submit.jobs.state import FAILURE, FINAL, SUCCESS, JobState
+from submit.core.state import FAILURE, FINAL, SUCCESS, JobState
 from submit.schedulers import local, slurm_cli
 
 # What the Slurm module called final before the state type existed (its SUCCESS | FAILURE sets).
@@ -121,7 +121,7 @@ def test_a_state_prints_serializes_and_is_stored_as_its_word() -> None:
 
 @pytest.mark.parametrize("word", ["RUNNING", "NODE_FAIL", "UNREACHABLE"])
 def test_the_views_show_a_state_exactly_as_they_showed_its_word(word: str) -> None:
-    from submit.jobs.status import Status
+    from submit.core.status import Status
     from submit.views import top
     from submit.views.tables import detail_lines, progress_line, status_table
 
@@ -158,8 +158,8 @@ def test_a_dependency_that_cannot_do_what_was_meant_is_named(kind: str, state: J
 def test_each_job_in_a_run_dir_reads_its_own_progress_checkpoint_and_alerts() -> None:
     """A resume appends to its parent's metrics.jsonl and alerts.jsonl under its own id: the parent keeps
     the step and checkpoint it ended with, the child does not show the parent's alert (issue 22 item 9)."""
-    from submit.jobs.findings import ALERTS, findings_from
-    from submit.jobs.status import parse_losses, parse_metrics_tail
+    from submit.core.findings import ALERTS, findings_from
+    from submit.core.status import parse_losses, parse_metrics_tail
 
     lines = [
         {"step": 19, "loss": 2.0, "job": "local-a"},
@@ -200,8 +200,8 @@ def test_a_final_job_keeps_the_progress_it_ended_with(tmp_path: Path) -> None:
     a running job, or one with lines of its own, never takes it; a resume's record starts without it."""
     import dataclasses
 
-    from submit.jobs.registry import JobRecord, Registry
-    from submit.jobs.status import Status, kept_progress
+    from submit.core.registry import JobRecord, Registry
+    from submit.core.status import Status, kept_progress
 
     registry = Registry(tmp_path / "r.sqlite")
     record = JobRecord("local-a", "local", "j", "/r", "local", 1.0, None, "h")

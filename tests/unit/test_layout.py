@@ -118,9 +118,9 @@ def test_the_import_contracts_forbid_submit_every_launcher_module_but_the_contra
     assert forbidden == on_disk, f"forbid these to submit in pyproject.toml: {sorted(on_disk - forbidden)}"
 
 
-LOOKS_UP_A_BACKEND = {"submit.api", "submit.schedulers.executor"}
+LOOKS_UP_A_BACKEND = {"submit.api", "submit.executor"}
 """The modules that may ask `submit.schedulers.backend` for a scheduler: the API (the one road) and the submitit
-executor, which lives in the backends' own package. Planning, rendering, jobs, config and views are handed the
+executor beside it (submit/executor.py). Planning, rendering, jobs, config and views are handed the
 backend, or the one thing they need of it, by their caller."""
 
 

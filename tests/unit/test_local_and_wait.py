@@ -12,8 +12,8 @@ import pytest
 
 from launcher.contract.rundir import local_state_path, merge_state
 from submit.api import Status, poll_interval
+from submit.core.registry import JobRecord, Registry
 from submit.errors import ClusterError
-from submit.jobs.registry import JobRecord, Registry
 from submit.schedulers import local
 from submit.views.tables import progress_line
 
@@ -45,7 +45,7 @@ def test_progress_line_shows_state_step_loss_and_time_left() -> None:
 
 def test_wait_shows_the_newest_validation_loss_and_its_step() -> None:
     """A new user's trial: --wait never showed val_loss (only the newest step line, rarely an eval step's)."""
-    from submit.jobs.status import parse_metrics_tail
+    from submit.core.status import parse_metrics_tail
 
     lines = [
         {"step": 30, "loss": 3.5, "val_loss": 3.25, "job": "j"},

@@ -8,8 +8,9 @@ import pytest
 
 from launcher.contract.parallel_dims import ParallelDims
 from submit.config.cluster import load_profile
+from submit.core.plan import format_time, parse_time
 from submit.errors import InputError
-from submit.planning.plan import describe, format_time, load_job, parse_time, plan_file
+from submit.planning.plan import describe, load_job, plan_file
 from submit.schedulers import backend
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,7 +13,8 @@ import pytest
 
 from launcher import __version__
 from submit.config.cluster import load_profile
-from submit.planning.plan import Plan, plan_file
+from submit.core.plan import Plan
+from submit.planning.plan import plan_file
 from submit.schedulers import preflight
 from submit.schedulers.base import Request
 from submit.transport.base import LocalTransport, Result

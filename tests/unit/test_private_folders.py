@@ -115,7 +115,7 @@ def test_every_entry_point_sets_the_private_umask() -> None:
         "launcher/supervisor.py": "private_umask()",
         "launcher/sidecar/__main__.py": "private_umask()",
         "launcher/data/corpus.py": "private_umask()",
-        "submit/schedulers/executor.py": "private_umask_while()",
+        "submit/executor.py": "private_umask_while()",
         "submit/transport/ssh.py": "umask 077; ",
         "templates/slurm.sbatch.j2": "\numask 077\n",
         "templates/local.sh.j2": "\numask 077\n",

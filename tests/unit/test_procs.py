@@ -165,7 +165,7 @@ def test_the_watchdog_kills_its_own_hung_rank(tmp_path: Path) -> None:
 
 
 def local_record(run_dir: Path, job_id: str) -> Any:
-    from submit.jobs.registry import JobRecord
+    from submit.core.registry import JobRecord
 
     return JobRecord(job_id, "local", "t", str(run_dir), "local", time.time(), None, "h")
 

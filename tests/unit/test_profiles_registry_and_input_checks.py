@@ -18,9 +18,9 @@ import yaml
 from submit import api
 from submit.cli.common import profile_path_of
 from submit.config.cluster import SHIPPED_DIR, load_profile
+from submit.core.registry import JobRecord, Registry
 from submit.errors import InputError
 from submit.jobs.checkpoints import check_output, with_overrides
-from submit.jobs.registry import JobRecord, Registry
 from submit.planning.plan import plan_file
 from submit.schedulers.slurm_cli import dependency
 
@@ -130,7 +130,7 @@ def test_validators_refuse_a_trailing_newline_and_non_ascii_digits() -> None:
     """Siblings of item 21: a `$`-anchored regex accepts "X\\n", and `\\d` accepts full-width digits."""
     from launcher.contract import schema
     from launcher.contract.spec import JobSpec
-    from submit.planning.plan import parse_time
+    from submit.core.plan import parse_time
 
     with pytest.raises(schema.SchemaError, match="env"):
         schema.load(JobSpec, {"name": "x", "env": {"A\n": "1"}})

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from submit.config.cluster import SHIPPED_DIR, load_profile, profile_files
-from submit.config.folders import own_cache
 from submit.errors import InputError
+from submit.folders import own_cache
 from submit.planning.plan import plan_file
 from submit.schedulers import backend
 from submit.schedulers.render import compiled_templates, render, sbatch_label

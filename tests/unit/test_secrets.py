@@ -19,8 +19,8 @@ from launcher.contract import secrets as ls
 from launcher.contract.schema import SchemaError, load
 from launcher.contract.spec import JobSpec, RunInfo, RunSpec, dumps_run_spec, loads_run_spec, write_run_spec
 from submit.config.cluster import load_profile
+from submit.core import secrets as job_secrets
 from submit.errors import InputError
-from submit.jobs import secrets as job_secrets
 from submit.planning.plan import describe, plan_file
 from submit.schedulers import backend
 from submit.transport.base import LocalTransport, Result, Upload

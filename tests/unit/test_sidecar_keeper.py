@@ -23,7 +23,7 @@ from launcher.contract.alerts import read as read_alerts
 from launcher.contract.rundir import RunDir
 from launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, write_run_spec
 from launcher.sidecar import keeper
-from submit.jobs.status import parse_metrics_tail
+from submit.core.status import parse_metrics_tail
 
 # A stand-in sidecar: records its pid; the first one ignores USR2 (so only a restart can end the keeper);
 # a later one exits 0 at once when its keeper says it was told USR2 before it started.

@@ -119,7 +119,7 @@ def test_a_stop_signal_or_a_segfault_blames_no_node(tmp_path: Path) -> None:
 def test_a_ranks_banner_and_the_status_table_name_the_restart_inside_the_allocation() -> None:
     from launcher.entry import rank_banner
     from launcher.env import RankEnv
-    from submit.jobs.findings import Findings
+    from submit.core.findings import Findings
 
     env = RankEnv(0, 0, 1, 1, 0, 1, "n1", 29500, "41", 0, ("n1",), "slurm")
     first = rank_banner(env, {"SLURMD_NODENAME": "n1"})

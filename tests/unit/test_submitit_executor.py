@@ -1,4 +1,4 @@
-"""submit.schedulers.executor without a cluster: what a profile puts into submitit's sbatch script, the resource
+"""submit.executor without a cluster: what a profile puts into submitit's sbatch script, the resource
 checks (one line naming key, value and fix), the run-dir layout, and a real LocalExecutor job."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import pytest
 from submitit.slurm.slurm import _make_sbatch_string
 
 from submit.config.cluster import load_profile, profile_path
+from submit.core.registry import Registry
 from submit.errors import InputError
-from submit.jobs.registry import Registry
-from submit.schedulers.executor import (
+from submit.executor import (
     MeshrunLocalExecutor,
     MeshrunSlurmExecutor,
     Resources,
@@ -177,7 +177,7 @@ def test_local_profile_runs_a_submitit_job_and_records_it(tmp_path: Path, monkey
 
 def test_the_api_module_stays_torch_free() -> None:
     code = (
-        "import sys, submit.schedulers.executor; bad = [m for m in ('torch', 'numpy', 'paramiko') if m in sys.modules]; "
+        "import sys, submit.executor; bad = [m for m in ('torch', 'numpy', 'paramiko') if m in sys.modules]; "
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from launcher import submitit_worker
-from submit.schedulers import executor
+from submit import executor
 
 # A stand-in for `scontrol requeue` on a loaded node: the TERM reaches it before it exits.
 TERMED_BEFORE_EXIT = ["sh", "-c", "kill -TERM $$; exit 0"]

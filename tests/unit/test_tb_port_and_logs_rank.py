@@ -12,8 +12,8 @@ from typing import Iterator
 import pytest
 
 from launcher.contract.rundir import RunDir
+from submit.core.registry import JobRecord
 from submit.errors import ClusterError, InputError
-from submit.jobs.registry import JobRecord
 from submit.transport.base import LocalTransport
 from submit.transport.portforward import PortForward
 from submit.views import logs
@@ -105,8 +105,8 @@ def test_logs_f_survives_a_connection_dropped_while_it_asks_for_the_jobs_size(tm
     ("the connection was lost") instead of reconnecting as it does once following. Without -f it says so."""
     import io
 
+    from submit.core.registry import JobRecord
     from submit.errors import ConnectionLost
-    from submit.jobs.registry import JobRecord
     from submit.transport.base import LocalTransport
     from submit.views import logs
 

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from submit import api
+from submit.core.registry import JobRecord, Registry
+from submit.core.state import JobState
+from submit.core.status import parse_metrics_tail
 from submit.errors import HostKeyChanged, InputError, JobNotFound
-from submit.jobs.registry import JobRecord, Registry
-from submit.jobs.state import JobState
-from submit.jobs.status import parse_metrics_tail
 from submit.schedulers import slurm_cli as slurm
 from submit.schedulers.slurm import query_argvs, states_from
 from submit.transport.base import LocalTransport, Result, Upload, batch, tar_bytes
@@ -139,7 +139,7 @@ def test_a_changed_host_key_reaches_the_person_not_only_json(tmp_path: Path) -> 
 def test_watch_returns_when_only_unreachable_jobs_are_left(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     """Issue 15, item 30: --watch never returned while a cluster was unreachable."""
     from submit.cli import jobs as cli_jobs
-    from submit.jobs.status import Status
+    from submit.core.status import Status
 
     lost = Status("7", "bad", "n", JobState.UNREACHABLE, "/r", 0.0, done=False, succeeded=False, reason="no route")
     done = Status("8", "ok", "n", JobState.COMPLETED, "/r", 0.0, done=True, succeeded=True)
@@ -223,7 +223,7 @@ def test_new_caller_side_modules_stay_light() -> None:
     import sys
 
     code = (
-        "import sys; import submit.cli.main, submit.cli.jobs, submit.transport.snapshot, submit.planning.sweep, submit.jobs.status, "
+        "import sys; import submit.cli.main, submit.cli.jobs, submit.transport.snapshot, submit.planning.sweep, submit.core.status, "
         "submit.views.logs, submit.views.tensorboard, submit.transport.sshconfig, submit.views.progress, submit.transport.portforward; "
         "bad = [m for m in ('torch', 'numpy', 'paramiko', 'tensorboard') if m in sys.modules]; "
         "assert not bad, bad"
@@ -232,7 +232,7 @@ def test_new_caller_side_modules_stay_light() -> None:
 
 
 def test_metrics_tail_takes_the_step_line_and_the_newest_checkpoint() -> None:
-    from submit.jobs.status import parse_metrics_tail
+    from submit.core.status import parse_metrics_tail
 
     tail = (
         '{"step": 9, "loss": 2.5, "checkpoint_step": 5}\n'
@@ -248,7 +248,7 @@ def test_metrics_tail_takes_the_step_line_and_the_newest_checkpoint() -> None:
 def test_a_finished_jobs_tail_keeps_its_last_step_behind_the_sidecars_copy_events() -> None:
     """After the last step the sidecars append checkpoint events (staged, then copied, per save): the tail
     status reads (METRICS_TAIL_BYTES, as `tail -c` cuts it) still holds the step line and its restart."""
-    from submit.jobs.status import METRICS_TAIL_BYTES, parse_metrics_tail
+    from submit.core.status import METRICS_TAIL_BYTES, parse_metrics_tail
 
     steps = [json.dumps({"step": s, "loss": 1.0, "restart_count": 1}) for s in range(1, 31)]
     events = [
@@ -263,8 +263,8 @@ def test_a_finished_jobs_tail_keeps_its_last_step_behind_the_sidecars_copy_event
 
 
 def test_status_asks_the_scheduler_it_is_handed(tmp_path: Path) -> None:
-    """jobs/status looks no backend up: each record's scheduler is asked through the lookup its caller gives."""
-    from submit.jobs.status import Status, statuses
+    """core/status looks no backend up: each record's scheduler is asked through the lookup its caller gives."""
+    from submit.core.status import Status, statuses
 
     asked: list[tuple[str, list[str]]] = []
 

@@ -10,8 +10,8 @@ import pytest
 
 from launcher.contract import energy
 from launcher.sidecar.energy import EnergyMeter, nvml_gpus, rapl_packages
-from submit.jobs.findings import ENERGY_DIR, SPEC, findings_from
-from submit.jobs.usage import usage, usage_line
+from submit.core.findings import ENERGY_DIR, SPEC, findings_from
+from submit.core.usage import usage, usage_line
 from submit.schedulers.slurm_cli import allocated_gpus, parse_sacct
 from submit.views.top import used_cell
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from submit.core.state import JobState
+from submit.core.status import Status
 from submit.errors import InputError
-from submit.jobs.state import JobState
-from submit.jobs.status import Status
 from submit.views import watch
 
 

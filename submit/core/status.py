@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 from launcher.contract.rundir import RunDir
+from submit.core.registry import JobRecord, Registry
+from submit.core.state import FINAL, SUCCESS, JobState
 from submit.errors import ConnectionLost, MeshrunError
-from submit.jobs.registry import JobRecord, Registry
-from submit.jobs.state import FINAL, SUCCESS, JobState
 from submit.transport.base import Transport
 
 METRICS_FILE = RunDir.METRICS
@@ -31,7 +31,7 @@ class Status:
     cluster: str
     name: str
     state: JobState
-    """meshrun's word for it, whatever the scheduler's (submit/jobs/state.py)."""
+    """meshrun's word for it, whatever the scheduler's (submit/core/state.py)."""
     run_dir: str
     submitted_at: float
     done: bool
@@ -77,7 +77,7 @@ class Status:
     chosen: Optional[str] = None
     """Why the job went to this cluster and partition, when `submit -c any` (or `-c a,b`) chose it."""
     usage: Optional[dict[str, Any]] = None
-    """What the job used so far (submit/jobs/usage.py: GPU-hours, energy, cost; one job's detail view and `top`)."""
+    """What the job used so far (submit/core/usage.py: GPU-hours, energy, cost; one job's detail view and `top`)."""
 
     def as_json(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from launcher.contract.rundir import RunDir
 from launcher.contract.spec import RunSpec, SpecFileError, loads_run_spec
+from submit.core.registry import JobRecord
 from submit.errors import ClusterError, InputError
-from submit.jobs.registry import JobRecord
 from submit.transport.base import Transport
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from launcher.contract.private import make_private_dir
-from submit.config.folders import state_dir
+from submit.core.state import JobState
 from submit.errors import InputError, JobNotFound
-from submit.jobs.state import JobState
+from submit.folders import state_dir
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -68,7 +68,7 @@ class JobRecord:
     spec_hash: str
     """Hash of the validated spec."""
     last_state: str = JobState.SUBMITTED.value
-    """The last state meshrun saw: a JobState's word (submit/jobs/state.py), kept as the registry file holds it
+    """The last state meshrun saw: a JobState's word (submit/core/state.py), kept as the registry file holds it
     (a row an older meshrun wrote may hold a word the type no longer has)."""
     profile: Optional[str] = None
     """The profile file's absolute path when it was given as a file (-c my.yaml); None for a named one.

@@ -21,7 +21,7 @@ from typing import Any, Literal, Mapping, Optional, Sequence
 from launcher.contract.modelshape import layer_elements, layer_flops_per_token
 from launcher.contract.rundir import write_json
 from launcher.contract.spec import Model
-from submit.config.folders import state_dir
+from submit.folders import state_dir
 
 Kind = Literal["gpu", "cpu"]
 

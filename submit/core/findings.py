@@ -20,7 +20,7 @@ from typing import Any, Mapping, Optional, Sequence
 from launcher.contract import dsconfig, energy
 from launcher.contract.envcheck import env_mismatches, newest_run, parse_record
 from launcher.contract.rundir import RunDir
-from submit.jobs.usage import usage
+from submit.core.usage import usage
 
 CAP_BYTES = 65536
 """Read at most this much of each file: a status of many jobs stays small whatever a sidecar wrote."""
@@ -94,7 +94,7 @@ class Findings:
     """spec.json's GPU-hour price and currency (0: not priced)."""
 
     def usage(self, elapsed_s: Optional[float], allocated_gpus: Optional[int]) -> Optional[dict[str, Any]]:
-        """What the job used (submit/jobs/usage.py), where spec.json or an energy record came back: the GPUs
+        """What the job used (submit/core/usage.py), where spec.json or an energy record came back: the GPUs
         Slurm's accounting names (else the spec's) over the goodput record's allocated time (else `elapsed_s`)."""
         if self.spec_gpus is None and self.energy is None:
             return None

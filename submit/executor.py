@@ -40,9 +40,10 @@ from launcher.contract.private import make_private_dir, private_umask_while
 from launcher.contract.rundir import RunDir
 from launcher.contract.spec import Resources
 from submit.config.cluster import ClusterProfile, Partition, load_profile_file, profile_path
+from submit.core.plan import parse_time
+from submit.core.registry import JobRecord, Registry, now
 from submit.errors import InputError
-from submit.jobs.registry import JobRecord, Registry, now
-from submit.planning.plan import fit_partition, parse_time
+from submit.planning.plan import fit_partition
 from submit.schedulers import backend, check_profile
 
 WORKER_MODULE = "launcher.submitit_worker"
