@@ -118,6 +118,33 @@ def test_the_import_contracts_forbid_submit_every_launcher_module_but_the_contra
     assert forbidden == on_disk, f"forbid these to submit in pyproject.toml: {sorted(on_disk - forbidden)}"
 
 
+DESIGN_LAYERS = [
+    {"submit.cli"},
+    {"submit.api"},
+    {"submit.planning", "submit.schedulers", "submit.jobs"},
+    {"submit.transport", "submit.config"},
+    {"launcher.contract"},
+]
+"""The layers as the design notes write them (cli -> api -> planning / schedulers / jobs -> transport / config ->
+launcher.contract), each group's members independent of one another."""
+
+
+def _layer_groups(layers: list[str]) -> list[set[str]]:
+    return [{member.strip() for member in layer.split("|")} for layer in layers]
+
+
+def test_the_layers_contract_keeps_the_designs_layers_and_their_independent_siblings() -> None:
+    """pyproject's one layers contract may add layers of its own between the design's, never merge, split or order
+    the design's groups: a sibling group written as ordered layers (as it once was, schedulers over planning over
+    jobs) would let one sibling import another, and lint-imports would still say KEPT."""
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (contract,) = [c for c in config["contracts"] if c["type"] == "layers"]
+    designed = set().union(*DESIGN_LAYERS)
+    groups = _layer_groups(contract["layers"])
+    kept = [group for group in groups if group & designed]
+    assert kept == DESIGN_LAYERS, f"the design's layers, in order, each group one layer: {kept}"
+
+
 LOOKS_UP_A_BACKEND = {"submit.api", "submit.executor"}
 """The modules that may ask `submit.schedulers.backend` for a scheduler: the API (the one road) and the submitit
 executor beside it (submit/executor.py). Planning, rendering, jobs, config and views are handed the
