@@ -342,8 +342,9 @@ class Prepared:
     """The plan with the cluster's home and the folder its ranks run from."""
     request: Request
     """What the backend sends: script, start argv, run-dir files, each rendered once."""
-    snapshot: Optional[snapshots.Snapshot]
-    """The project's code, for a cluster that runs jobs from a snapshot; None where it runs files in place."""
+    code: Optional[snapshots.Snapshot]
+    """The project's code (its snapshot), for a cluster that runs jobs from a sealed copy; None where it runs files
+    in place."""
     found: Optional[snapshots.Found]
     """What the cluster said of that snapshot (None before any connection)."""
     warnings: tuple[str, ...] = ()
@@ -549,7 +550,7 @@ def soonest(found: Sequence[Candidate]) -> Optional[Candidate]:
 def upload(prepared: Prepared, transport: Transport, progress: Optional[Progress] = None) -> Prepared:
     """The code snapshot put on the cluster unless it is there; the result says it is there now."""
     found = prepared.found
-    if not sync_code(prepared.plan, transport, prepared.snapshot, progress, found.present if found else None):
+    if not sync_code(prepared.plan, transport, prepared.code, progress, found.present if found else None):
         return prepared
     present = dataclasses.replace(found, present=True) if found is not None else None
     return dataclasses.replace(prepared, found=present)

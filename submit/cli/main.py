@@ -27,6 +27,7 @@ from submit.cli import tb as cli_tb
 from submit.cli.args import cluster_arg, overrides_arg, positive_int, spec_path
 from submit.cli.common import finish_wait, profile_path_of
 from submit.errors import ClusterError, HostKeyError, InputError, InternalError, MeshrunError
+from submit.views import code as code_view
 from submit.views.tables import table
 
 
@@ -82,12 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--offline",
         action="store_true",
-        help="connect to nothing: the cluster's home stays ~ and the code snapshot's folder is not looked up",
+        help="connect to nothing: the cluster's home stays ~ and the folder of the job's code is not looked up",
     )
     p.add_argument(
         "--upload",
         action="store_true",
-        help="also put the job's code snapshot on the cluster (the script runs from it): then sbatch it by hand",
+        help="also put the job's code on the cluster (the sealed copy the script runs from): then sbatch it by hand",
     )
 
     p = verbs.add_parser("submit", help="validate, render and submit a job")
@@ -244,7 +245,7 @@ def _plan(args: argparse.Namespace, profile: Any) -> Any:
 
 def cmd_render(args: argparse.Namespace) -> int:
     """The script a submit would write, byte for byte (over SSH the login node is asked for its home);
-    nothing is written on the cluster unless --upload asks for the code snapshot the script runs from."""
+    nothing is written on the cluster unless --upload asks for the sealed copy of the code the script runs from."""
     from submit import api
 
     profile = api.load_cluster(args.cluster)
@@ -268,31 +269,21 @@ def cmd_render(args: argparse.Namespace) -> int:
         if args.upload:
             uploaded = api.upload(prepared, transport)
             if uploaded is not prepared:
-                print(f"code: uploaded the code snapshot {prepared.plan.code_dir}", file=sys.stderr)
+                print(code_view.uploaded(prepared.plan.code_dir), file=sys.stderr)
             prepared = uploaded
     finally:
         transport.close()
     _write_script(args.output, prepared.request.script)
     if prepared.found is not None and prepared.plan.code_dir is not None:
-        print(_code_needed(prepared.plan.code_dir, prepared.found.present, args), file=sys.stderr)
+        output = ["-o", str(args.output)] if args.output else []
+        again = ["meshrun", "render", str(args.spec), "-c", args.cluster, *output]
+        print(code_view.needed(prepared.plan.code_dir, prepared.found.present, again), file=sys.stderr)
     return 0
 
 
 def _warn(lines: Sequence[str]) -> None:
     for line in lines:  # once: when the code goes to a new copy
         print(f"meshrun: warning: {line}", file=sys.stderr)
-
-
-def _code_needed(code_dir: str, present: bool, args: argparse.Namespace) -> str:
-    """What a hand-submitted script needs on the cluster first: its code snapshot (uploaded by --upload)."""
-    if present:
-        return f"code: the script runs from the code snapshot {code_dir}, which is on the cluster (sealed)"
-    output = ["-o", str(args.output)] if args.output else []
-    again = shlex.join(["meshrun", "render", str(args.spec), "-c", args.cluster, *output, "--upload"])
-    return (
-        f"code: the script runs from the code snapshot {code_dir}, which is not on the cluster: `{again}` "
-        f"(or a `meshrun submit`) uploads it; the script refuses to start without it"
-    )
 
 
 def _check_submit_flags(args: argparse.Namespace, scheduler: str) -> None:
@@ -312,10 +303,8 @@ def print_request(prepared: Any, as_json: bool) -> None:
     """`submit --dry-run`: the request exactly as it would be sent."""
     from submit.planning.plan import describe
 
-    plan, snap, request = prepared.plan, prepared.snapshot, prepared.request
-    code = (
-        {"root": str(snap.root), "files": len(snap.files), "bytes": snap.size, "digest": snap.digest} if snap else None
-    )
+    plan, request = prepared.plan, prepared.request
+    code = code_view.summary(prepared.code)
     if as_json:
         print(json.dumps({"dry_run": True, **describe(plan), "code": code, "request": request.as_json()}, indent=2))
         return
@@ -390,7 +379,7 @@ def _submit(args: argparse.Namespace, profile: Any, plan: Any) -> int:
         except ClusterError as exc:
             if not args.dry_run or isinstance(exc, HostKeyError):
                 raise
-            # A dry run asks the login node for its home and the code snapshot; an example profile's host
+            # A dry run asks the login node for its home and where the job's code lies; an example profile's host
             # need not exist: render shows the script without asking.
             offline = shlex.join(["meshrun", "render", str(args.spec), "-c", args.cluster, "--offline"])
             raise ClusterError(f"{exc}; or see the script without asking the cluster: {offline}") from None
@@ -406,8 +395,8 @@ def _submit(args: argparse.Namespace, profile: Any, plan: Any) -> int:
                 return _print_preflight(prepared, checked)
             if checked.failures:
                 raise PreflightFailed(checked)
-        snap = prepared.snapshot
-        bar = ProgressBar(f"uploading code ({len(snap.files)} files)" if snap else "")
+        code = prepared.code
+        bar = ProgressBar(f"uploading code ({len(code.files)} files)" if code else "")
         registry = Registry()
         records, uploaded = api.send(
             prepared, registry, transport, args.spec.parent, profile_path_of(args.cluster), progress=bar
@@ -416,8 +405,8 @@ def _submit(args: argparse.Namespace, profile: Any, plan: Any) -> int:
             registry.set_chosen(record, args.chosen)
         if uploaded:
             bar.done()
-        elif snap is not None:
-            print(f"code: unchanged, snapshot {snap.digest} already on {profile.name}", file=sys.stderr)
+        elif code is not None:
+            print(code_view.unchanged(code, profile.name), file=sys.stderr)
         _print_submitted(prepared.plan, records)
         if not args.wait:
             return 0
@@ -485,10 +474,8 @@ def _print_preflight(prepared: Any, checked: Any) -> int:
     """`submit --check`: each check, then where the code stands; exit 2 when one failed."""
     for line in checked.describe():
         print(line)
-    snap, found = prepared.snapshot, prepared.found
-    if snap is not None:
-        there = "already on the cluster" if found is not None and found.present else "the submit would upload it"
-        print(f"ok    code        snapshot {snap.digest} ({len(snap.files)} files): {there}")
+    if prepared.code is not None:
+        print(code_view.checked(prepared.code, prepared.found))
     verdict = "would start" if not checked.failures else f"would fail: {len(checked.failures)} check(s) above"
     print(f"# meshrun submit --check: nothing was queued; the job {verdict}", file=sys.stderr)
     return EXIT_INPUT if checked.failures else 0

@@ -159,3 +159,20 @@ def test_backends_are_handed_in_not_looked_up() -> None:
     graph = grimp.build_graph("submit")  # type-only imports included: they name the lookup too
     importers = set(graph.find_modules_that_directly_import("submit.schedulers"))
     assert importers <= LOOKS_UP_A_BACKEND, f"hand these their backend: {sorted(importers - LOOKS_UP_A_BACKEND)}"
+
+
+CLI_MUST_NOT_NAME = re.compile(r"from submit\.transport|from submit\.schedulers|snapshot")
+"""The house issue's check, as it wrote it (`grep -rn "from submit.transport\\|from submit.schedulers\\|snapshot"
+submit/cli/`): the CLI parses, calls the API and prints; the code's copy on the cluster is the API's business and
+what is said of it is a view's (submit/views/code.py)."""
+
+
+def test_the_cli_names_no_transport_backend_or_code_snapshot() -> None:
+    found = [
+        f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+        for path in _sources("submit/cli")
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if CLI_MUST_NOT_NAME.search(line)
+    ]
+    assert not found, "\n".join(found)
+    assert CLI_MUST_NOT_NAME.search("from submit.transport import snapshot")  # the pattern itself still bites
