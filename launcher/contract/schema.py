@@ -92,6 +92,34 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
+def homes(cls: type, name: str, path: str = "") -> list[str]:
+    """Where a key called `name` lives below dataclass `cls`, as full dotted keys (`path` is cls's own), shallowest
+    first: a section written one level too high (`model:` beside `train:`) is told where it belongs."""
+    here, deeper = [], []
+    hints = get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        key, tp = _join(path, field.name), _strip_optional(hints[field.name])
+        if field.name == name:
+            here.append(key)
+        if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+            deeper += homes(tp, name, key)
+    return here + deeper
+
+
+def unknown_key(cls: type, key: str, path: str, valid: typing.Iterable[str], leaf: Optional[str] = None) -> str:
+    """The reason for an unknown `key` inside `cls` (at `path`): where a key of that name lives below it, else the
+    nearest spelling, else (a key path with a level too many or a misspelt one) where its `leaf` lives; then the
+    valid keys."""
+    names = sorted(valid)
+    found = homes(cls, key, path)
+    if found:
+        return f"unknown key; {key} is {' or '.join(found[:2])}; valid keys: {', '.join(names)}"
+    spelling = closest(key, names)
+    found = homes(cls, leaf, path) if leaf is not None and not spelling else []
+    hint = f"; {leaf} is {' or '.join(found[:2])}" if found else ""
+    return f"unknown key{spelling}{hint}; valid keys: {', '.join(names)}"
+
+
 def load(cls: type[T], data: Any, path: str = "") -> T:
     """Build dataclass `cls` from `data`, strictly: unknown keys and wrong types are errors."""
     if data is None:
@@ -104,12 +132,7 @@ def load(cls: type[T], data: Any, path: str = "") -> T:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for key in data:
         if key not in fields:
-            valid = ", ".join(sorted(fields))
-            raise SchemaError(
-                _join(path, str(key)),
-                _outline(data[key]),
-                f"unknown key{closest(str(key), fields)}; valid keys: {valid}",
-            )
+            raise SchemaError(_join(path, str(key)), _outline(data[key]), unknown_key(cls, str(key), path, fields))
     kwargs = {}
     for name, field in fields.items():
         key = _join(path, name)
@@ -205,14 +228,11 @@ def field_type(cls: type, dotted: str) -> Any:
     for depth, part in enumerate(parts):
         parent, walked = walked, _join(walked, part)
         tp = _strip_optional(tp)
-        if dataclasses.is_dataclass(tp):
+        if dataclasses.is_dataclass(tp) and isinstance(tp, type):
             names = {f.name for f in dataclasses.fields(tp)}
             if part not in names:
-                leaf = parts[-1]  # train.optim.lr: the key the user meant lives one level up, as train.lr
-                hint = f"; {leaf} is {_join(parent, leaf)}" if depth < len(parts) - 1 and leaf in names else ""
-                raise SchemaError(
-                    walked, None, f"unknown key{closest(part, names)}{hint}; valid keys: {', '.join(sorted(names))}"
-                )
+                leaf = parts[-1] if depth < len(parts) - 1 else None  # train.optim.lr: lr is train.lr
+                raise SchemaError(walked, None, unknown_key(tp, part, parent, names, leaf))
             tp = get_type_hints(tp)[part]
         elif get_origin(tp) in (dict, collections.abc.Mapping):
             tp = get_args(tp)[1]

@@ -336,12 +336,23 @@ def test_the_scheduler_checks_are_handed_in_and_api_hands_in_the_backends() -> N
         ("name=", "--set name: '': give the job a name"),
         ("train.steps=-1", "--set train.steps: -1: must be at least 1"),
         ("train.optim.lr=0.1", "--set train.optim.lr=0.1: 'optim': unknown key; lr is train.lr; valid keys:"),
+        # a key written a level too high is told where it lives, not the nearest spelling ('model' -> 'code')
+        ("model.d_model=64", "--set model.d_model=64: 'model': unknown key; model is train.model; valid keys:"),
+        ("lr=0.1", "--set lr=0.1: 'lr': unknown key; lr is train.lr; valid keys:"),
+        ("train.stesp=3", "--set train.stesp=3: 'stesp': unknown key (did you mean 'steps'?); valid keys:"),
     ],
 )
 def test_an_error_in_an_override_names_the_override_not_a_line_of_the_file(override: str, message: str) -> None:
     with pytest.raises(InputError) as info:
         load_job(TINY, [override])
     assert str(info.value).startswith(message), str(info.value)
+
+
+def test_a_section_written_a_level_too_high_in_the_file_is_told_where_it_lives(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text("name: x\nmodel:\n  d_model: 64\n")
+    with pytest.raises(InputError, match=rf"^{path}:2: model: .*: unknown key; model is train.model; valid keys: "):
+        load_job(path)
 
 
 def test_an_error_in_the_file_still_names_its_line(tmp_path: Path) -> None:
