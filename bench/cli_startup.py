@@ -67,10 +67,54 @@ def main() -> None:
             subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=REPO)
         base = median_ms(cases["python -c pass"], args.runs, env)
         print(f"{'case':<18} {'median ms':>10} {'x python':>9}  torch imported")
+        timed = {}
         for name, argv in cases.items():
-            ms = base if name == "python -c pass" else median_ms(argv, args.runs, env)
+            ms = timed[name] = base if name == "python -c pass" else median_ms(argv, args.runs, env)
             torch = "-" if name == "python -c pass" else ("YES" if imports_torch(argv, env) else "no")
             print(f"{name:<18} {ms:>10.1f} {ms / base:>9.2f}  {torch}")
+        print_floor(cases["meshrun render"], base, timed["meshrun render"], args.runs, env)
+
+
+DATACLASS_CLOCK = """
+import dataclasses, runpy, sys, time
+made, spent, process = [0], [0.0], dataclasses._process_class
+def timed(*args, **kwargs):
+    start = time.perf_counter()
+    try:
+        return process(*args, **kwargs)
+    finally:
+        made[0] += 1
+        spent[0] += time.perf_counter() - start
+dataclasses._process_class = timed
+sys.argv = ["meshrun", *sys.argv[1:]]
+try:
+    runpy.run_module("submit.cli.main", run_name="__main__")
+except SystemExit:
+    pass
+print(f"{made[0]} {spent[0] * 1000:.2f}", file=sys.stderr)
+"""
+"""Render with every dataclass's creation timed (stdlib's _process_class wrapped: a bench's probe, not product code)."""
+
+
+def print_floor(render: list[str], base: float, render_ms: float, runs: int, env: dict[str, str]) -> None:
+    """What render pays before any of meshrun's own logic: the interpreter, the libraries it needs (PyYAML for
+    specs and job.yaml, Jinja2 for templates/, each with the stdlib it imports) and creating the frozen
+    dataclasses DESIGN.md's conventions ask for (Python 3.11 compiles each generated method on its own)."""
+    yaml_ms = median_ms([sys.executable, "-c", "import yaml"], runs, env)
+    jinja_ms = median_ms([sys.executable, "-c", "import yaml, jinja2"], runs, env) - yaml_ms
+    clocked, count = [], "?"
+    for _ in range(runs):
+        done = subprocess.run(
+            [sys.executable, "-c", DATACLASS_CLOCK, *render[3:]], capture_output=True, text=True, env=env, cwd=REPO
+        )
+        count, ms = done.stderr.split()[-2:]
+        clocked.append(float(ms))
+    dataclass_ms = statistics.median(clocked)
+    floor = yaml_ms + jinja_ms + dataclass_ms
+    print(
+        f"render's floor: python + PyYAML {yaml_ms:.1f} ms, Jinja2 {jinja_ms:.1f}, creating {count} dataclasses "
+        f"{dataclass_ms:.1f}: {floor:.1f} ms ({floor / base:.2f}x python); the rest of render {render_ms - floor:.1f} ms"
+    )
 
 
 if __name__ == "__main__":
