@@ -39,7 +39,7 @@ QUICK: dict[str, tuple[list[str], list[str]]] = {
         [
             rf"meshrun --help +{NUMBER} +{NUMBER} +no$",
             rf"meshrun render +{NUMBER} +{NUMBER} +no$",
-            rf"creating [1-9][0-9]* dataclasses {NUMBER}: {NUMBER} ms",  # the probe ran render and counted them
+            rf"creating [1-9][0-9]* dataclasses {NUMBER} = {NUMBER} ms",  # the probe ran render and counted them
         ],
     ),
     "checkpoint.py": (
