@@ -4,10 +4,13 @@ it there. The lines live here, beside the other views, so that `submit/cli/` onl
 from __future__ import annotations
 
 import shlex
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
+
+if TYPE_CHECKING:
+    from submit.transport.snapshot import Found, Snapshot
 
 
-def summary(code: Any) -> Optional[dict[str, object]]:
+def summary(code: Optional[Snapshot]) -> Optional[dict[str, object]]:
     """The code a dry run would ship, as `submit --dry-run --json` prints it (None where none ships)."""
     if code is None:
         return None
@@ -29,11 +32,11 @@ def uploaded(code_dir: Optional[str]) -> str:
     return f"code: uploaded the code snapshot {code_dir}"
 
 
-def unchanged(code: Any, cluster: str) -> str:
+def unchanged(code: Snapshot, cluster: str) -> str:
     return f"code: unchanged, snapshot {code.digest} already on {cluster}"
 
 
-def checked(code: Any, found: Any) -> str:
+def checked(code: Snapshot, found: Optional[Found]) -> str:
     """`submit --check`'s line for the code: its digest and whether the submit would upload it."""
     there = "already on the cluster" if found is not None and found.present else "the submit would upload it"
     return f"ok    code        snapshot {code.digest} ({len(code.files)} files): {there}"
