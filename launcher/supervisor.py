@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from launcher.contract import goodput, procs
+from launcher.contract import ckptdir, goodput, procs
 from launcher.contract import lost as lost_checkpoints
 from launcher.contract.exitcodes import (
     EXIT_DIVERGED,
@@ -31,6 +31,7 @@ from launcher.contract.exitcodes import (
     EXIT_NO_PROGRESS,
     EXIT_REQUEUE,
     NOT_REQUEUED,
+    diverged_fix,
 )
 from launcher.contract.private import make_private_dir, private_umask
 from launcher.contract.rundir import JOB_ID_ENV, RunDir, local_state_path, merge_state, node_name, read_state
@@ -314,11 +315,7 @@ class Supervisor:
             message = f"no progress (exit {EXIT_NO_PROGRESS}): {_first_sentence(self.run_dir.verdict)}"
         elif agreed == EXIT_DIVERGED:
             final = "FAILED"  # never requeued: it would diverge again (alerts.jsonl has the step)
-            message = (
-                f"diverged (exit {EXIT_DIVERGED}): the loss went NaN/inf; lower train.lr or check the data, "
-                "then `meshrun resume JOB --set train.lr=...` continues from the last finite checkpoint "
-                "(or --set checkpoint.resume_step=N: an earlier one)"
-            )
+            message = f"diverged (exit {EXIT_DIVERGED}): the loss went NaN/inf; {diverged_fix(newest_checkpoint(self.run_dir.root))}"
         else:
             final = "FAILED"
             message = first_death(job, rank_error) or rank_error or (f"rank exit codes {codes}" if codes else message)
@@ -390,6 +387,15 @@ def first_death(job: Any, rank_error: str) -> str:
         return ""
     lead = f"rank {first['rank']} {rankends.how(first['code'])}"
     return f"{lead}, first; then {rank_error}" if rank_error else lead
+
+
+def newest_checkpoint(run_dir: str) -> Optional[int]:
+    """The newest complete checkpoint's step of the run (None: none, or the run's spec unreadable)."""
+    try:
+        steps = ckptdir.complete_steps(Path(lost_checkpoints.checkpoint_dir_of(run_dir)))
+    except Exception:
+        return None
+    return steps[-1] if steps else None
 
 
 def earlier_runs(run_dir: str, job_id: str) -> int:

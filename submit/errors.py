@@ -28,6 +28,15 @@ class InputError(SchemaError, MeshrunError):
     exit_code = EXIT_INPUT
 
 
+class FlagConflict(InputError):
+    """Two flags that do not go together. The other flag is not a value, so it is not quoted as one:
+    `--json without --dry-run: --json prints the request of a --dry-run: add --dry-run`."""
+
+    def __init__(self, flag: str, other: str, fix: str) -> None:
+        super().__init__(flag, other, fix)
+        self.args = (f"{flag} {other}: {fix}",)
+
+
 class InternalError(MeshrunError):
     """A bug in meshrun itself (never reported as bad input): exit 1, with a request to report it."""
 

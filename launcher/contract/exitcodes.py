@@ -7,6 +7,8 @@ else (templates, the local supervisor, the CLI) imports them from here.
 
 from __future__ import annotations
 
+from typing import Optional
+
 EXIT_FINISHED = 0
 """Training reached its last step."""
 EXIT_FAILED = 1
@@ -39,3 +41,17 @@ EXIT_NAMES = {
 
 NOT_REQUEUED = (EXIT_FINISHED, EXIT_INPUT, EXIT_GAVE_UP, EXIT_DIVERGED)
 """Codes the batch script never requeues: done, bad input, crash loop, divergence."""
+
+
+def diverged_fix(newest: Optional[int]) -> str:
+    """What to do after EXIT_DIVERGED, naming where `meshrun resume` starts: the newest checkpoint (finite: every
+    save comes after its step's check), or step 0 when none was saved."""
+    if newest is None:
+        return (
+            "lower train.lr or check the data, then `meshrun resume JOB --set train.lr=...` starts it again from "
+            "step 0 (no checkpoint was saved)"
+        )
+    return (
+        f"lower train.lr or check the data, then `meshrun resume JOB --set train.lr=...` continues from the newest "
+        f"checkpoint, step {newest} (--set checkpoint.resume_step=N for an earlier one, from before the loss climbed)"
+    )

@@ -436,7 +436,11 @@ class JobSpec:
                 raise SchemaError(f"env.{key}", key, "environment variable names match [A-Za-z_][A-Za-z0-9_]*")
         object.__setattr__(self, "secrets", parse_secrets(self.secrets, self.env))  # typed, checked here
         if self.train is not None and self.command is not None:
-            raise SchemaError("command", list(self.command), "give either `train` or `command`, not both")
+            raise SchemaError(
+                "command",
+                list(self.command),
+                "give either `train` or `command`, not both: drop the spec's `train:` section (or `--set train=null`)",
+            )
         if self.command is not None and not self.command:
             raise SchemaError("command", [], "give the program and its arguments, e.g. [python, train.py]")
         from launcher.contract import dsconfig  # here, not at the top: dsconfig reads JobSpec

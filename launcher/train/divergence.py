@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from launcher.contract import alerts
-from launcher.contract.exitcodes import EXIT_DIVERGED
+from launcher.contract.exitcodes import EXIT_DIVERGED, diverged_fix
 from launcher.contract.rundir import RunDir
 
 _NEVER = 1 << 62
@@ -63,14 +63,11 @@ def report(
 ) -> None:
     """Rank 0: the nonfinite_loss alert in alerts.jsonl and the log, with the usual fixes; `saved`: the
     newest step saved (finite: every save comes after its step's check)."""
-    last = f"the newest checkpoint is step {saved}" if saved else "no checkpoint was saved yet"
     values = {"loss": loss, "grad norm": grad_norm}
     seen = ", ".join(f"{name} {value}" for name, value in values.items() if value is not None)
     message = (
         f"the {non_finite(values)} went non-finite at step {step}{f' ({seen})' if seen else ''}: stopped at once with exit "
-        f"{EXIT_DIVERGED}, nothing non-finite saved ({last}). Lower train.lr, check the data, then "
-        "`meshrun resume JOB --set train.lr=...` resumes from the last finite checkpoint (add "
-        "--set checkpoint.resume_step=N for an earlier one, from before the loss climbed)"
+        f"{EXIT_DIVERGED}, nothing non-finite saved; {diverged_fix(saved or None)}"
     )
     alert = alerts.Alert("nonfinite_loss", None, None, message, step=step, rank=0, node=node, time=time.time())
     alerts.append(RunDir(run_dir).alerts, [alert])

@@ -26,7 +26,7 @@ from submit.cli import plan as cli_plan
 from submit.cli import tb as cli_tb
 from submit.cli.args import cluster_arg, overrides_arg, positive_int, spec_path
 from submit.cli.common import finish_wait, profile_path_of
-from submit.errors import ClusterError, HostKeyError, InputError, InternalError, MeshrunError
+from submit.errors import ClusterError, FlagConflict, HostKeyError, InputError, InternalError, MeshrunError
 from submit.views import code as code_view
 from submit.views.tables import table
 
@@ -252,7 +252,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     plan = _plan(args, profile)  # every input error before any connection
     if args.offline:
         if args.upload:
-            raise InputError("--offline", "with --upload", "an upload connects to the cluster: drop one of them")
+            raise FlagConflict("--offline", "with --upload", "an upload connects to the cluster: drop one of them")
         print("# render --offline: the cluster was not asked (its home stays ~)", file=sys.stderr)
         _write_script(args.output, api.prepare(plan, args.spec.parent).request.script)
         return 0
@@ -291,12 +291,14 @@ def _check_submit_flags(args: argparse.Namespace, scheduler: str) -> None:
 
     api.check_dependencies(args.after, scheduler)
     if args.json and not args.dry_run:
-        raise InputError("--json", "without --dry-run", "--json prints the request of a --dry-run: add --dry-run")
+        raise FlagConflict("--json", "without --dry-run", "--json prints the request of a --dry-run: add --dry-run")
     if args.check and (args.dry_run or args.sweep or args.wait):
         other = "--dry-run" if args.dry_run else "--sweep" if args.sweep else "--wait"
-        raise InputError("--check", other, "--check submits nothing: use one of them at a time")
+        raise FlagConflict("--check", f"with {other}", "--check submits nothing: use one of them at a time")
     if args.sweep and args.wait:
-        raise InputError("--wait", "--sweep", "a sweep is several jobs: follow them with `meshrun status ID --watch`")
+        raise FlagConflict(
+            "--wait", "with --sweep", "a sweep is several jobs: follow them with `meshrun status ID --watch`"
+        )
 
 
 def print_request(prepared: Any, as_json: bool) -> None:

@@ -212,6 +212,8 @@ def goodput_line(figures: Mapping[str, Any]) -> str:
     pct = figures.get("effective_pct")
     head = "goodput so far" if figures.get("running") else "goodput"
     if pct is None:  # the record of a start that has not run a second yet (a running job refreshes it each minute)
+        if not figures.get("running"):
+            return f"{head}: not measured (the job ended before its first second of work was recorded)"
         return f"{head}: not measured yet (a running job's record is refreshed each minute)"
     rest = [
         f"{word} {span(parts[key])}" + (f" ({figures.get('lost_steps')} steps)" if key == "lost" else "")

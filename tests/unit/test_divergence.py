@@ -28,5 +28,13 @@ def test_the_alert_names_what_was_not_finite(
     divergence.report(str(tmp_path), 7, 5, loss, grad_norm, "n1")
     (line,) = Path(RunDir(str(tmp_path)).alerts).read_text().splitlines()
     message = json.loads(line)["message"]
-    assert message.startswith(f"{named} at step 7") and "the newest checkpoint is step 5" in message, message
+    assert message.startswith(f"{named} at step 7") and "continues from the newest checkpoint, step 5" in message
     assert "ALERT nonfinite_loss step 7" in capsys.readouterr().out
+
+
+def test_with_no_checkpoint_saved_the_alert_says_resume_starts_from_step_0(tmp_path: Path) -> None:
+    """A new user's trial: a job diverged at step 2 before any save, and the alert and the status reason said
+    resume "continues from the last finite checkpoint" (there was none)."""
+    divergence.report(str(tmp_path), 2, None, math.nan, None, "n1")
+    message = json.loads(Path(RunDir(str(tmp_path)).alerts).read_text())["message"]
+    assert "starts it again from step 0 (no checkpoint was saved)" in message and "newest" not in message, message

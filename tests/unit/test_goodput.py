@@ -227,6 +227,9 @@ def test_a_start_too_new_to_measure_says_so_and_restarts_inside_the_allocation_c
     assert fresh["effective_pct"] is None  # 0.4 s allocated: no percentage to give yet
     shown = goodput_line({**fresh, "running": True})
     assert shown == "goodput so far: not measured yet (a running job's record is refreshed each minute)"
+    # an ended job is not told it is running (a command that failed in its first second)
+    ended = goodput_line({**fresh, "running": False})
+    assert ended == "goodput: not measured (the job ended before its first second of work was recorded)"
     assert restarts_cell(SimpleNamespace(restarts=1, restarts_in_job=2)) == "1+2 in job"
     assert restarts_cell(SimpleNamespace(restarts=1, restarts_in_job=2), short=True) == "1+2"
     assert restarts_cell(SimpleNamespace(restarts=3, restarts_in_job=0)) == "3"

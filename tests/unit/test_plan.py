@@ -348,6 +348,14 @@ def test_an_error_in_an_override_names_the_override_not_a_line_of_the_file(overr
     assert str(info.value).startswith(message), str(info.value)
 
 
+def test_a_command_over_a_training_spec_is_told_how_to_drop_the_training() -> None:
+    """A new user's trial: `--set 'command=[...]'` on examples/tiny.yaml said "not both" and no way out."""
+    with pytest.raises(InputError, match=r"not both: drop the spec's `train:` section \(or `--set train=null`\)"):
+        load_job(TINY, ['command=[python3, -c, "print(1, 2)"]'])
+    spec, _ = load_job(TINY, ['command=[python3, -c, "print(1, 2)"]', "train=null"])
+    assert spec.command == ("python3", "-c", "print(1, 2)") and spec.train is None
+
+
 def test_a_section_written_a_level_too_high_in_the_file_is_told_where_it_lives(tmp_path: Path) -> None:
     path = tmp_path / "job.yaml"
     path.write_text("name: x\nmodel:\n  d_model: 64\n")
