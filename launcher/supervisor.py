@@ -315,7 +315,8 @@ class Supervisor:
             message = f"no progress (exit {EXIT_NO_PROGRESS}): {_first_sentence(self.run_dir.verdict)}"
         elif agreed == EXIT_DIVERGED:
             final = "FAILED"  # never requeued: it would diverge again (alerts.jsonl has the step)
-            message = f"diverged (exit {EXIT_DIVERGED}): the loss went NaN/inf; {diverged_fix(newest_checkpoint(self.run_dir.root))}"
+            fix = diverged_fix(newest_checkpoint(self.run_dir.root))  # where resume starts, named
+            message = f"diverged (exit {EXIT_DIVERGED}): the loss went NaN/inf; {fix}"
         else:
             final = "FAILED"
             message = first_death(job, rank_error) or rank_error or (f"rank exit codes {codes}" if codes else message)
