@@ -176,3 +176,16 @@ def test_the_cli_names_no_transport_backend_or_code_snapshot() -> None:
     ]
     assert not found, "\n".join(found)
     assert CLI_MUST_NOT_NAME.search("from submit.transport import snapshot")  # the pattern itself still bites
+
+
+def _in(package: str, module: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_nothing_imports_the_cli_but_the_cli() -> None:
+    """The CLI is the top of both layers contracts, but the views sit only in the second, which leaves the CLI out:
+    this keeps them (and anything else outside a contract) from importing it."""
+    graph = grimp.build_graph("submit")
+    cli = [module for module in graph.modules if _in("submit.cli", module)]
+    importers = set().union(*(graph.find_modules_that_directly_import(module) for module in cli))
+    assert not {module for module in importers if not _in("submit.cli", module)}
