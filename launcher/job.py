@@ -11,10 +11,13 @@
             ...torch.save(state, folder / "state.pt"); barrier...
             job.mark_complete(folder)            # one rank, after every rank wrote: now it counts
             job.exit_for_requeue()               # exit 75: the batch script requeues, you resume above
+    job.finished(steps)                          # the work is done: an exit 0 now is a finish, not a stop
 
 Under meshrun the stop signals (MESHRUN_STOP_SIGNALS: SIGUSR1 ahead of the time limit or on preemption,
 SIGTERM on scancel) are caught from the moment this module is imported, so one that arrives early is
 not lost; elsewhere from the first should_stop(). The handler only sets a flag (launcher.preempt).
+A program that exits 0 after a stop signal without calling finished() (or reporting the spec's
+`command_steps`) stopped, it did not finish: meshrun requeues it (launcher/contract/finish.py).
 Checkpoints follow the built-in trainer's rule (launcher.checkpoint.commit): a folder counts only once its
 marker is written last and it is renamed into place; latest_checkpoint() never returns anything else.
 """
@@ -31,7 +34,7 @@ from pathlib import Path
 from typing import Any, NoReturn, Optional
 
 from launcher import report as _report
-from launcher.contract import ckptdir, private
+from launcher.contract import ckptdir, finish, private
 from launcher.contract.exitcodes import EXIT_REQUEUE
 from launcher.contract.rundir import note_checkpoint, record_exit
 from launcher.preempt import DEFAULT_SIGNALS, StopFlag
@@ -84,6 +87,16 @@ def exit_for_requeue() -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     sys.exit(EXIT_REQUEUE)
+
+
+def finished(step: Optional[int] = None) -> None:
+    """Say the work is done (call it once the last step is trained, before exiting 0): an exit 0 after a stop
+    signal (a preemption, the time limit) is then a finish. Without it such an exit is a stop, which meshrun
+    requeues: frameworks leave their loop on SIGTERM and exit 0 with work left. Rank 0 records it; every rank
+    may call it."""
+    run_dir = os.environ.get(RUN_DIR_ENV, "")
+    if run_dir and _report.rank_from_env() == 0:
+        finish.declare(run_dir, step)
 
 
 def report(step: int, **scalars: Any) -> None:

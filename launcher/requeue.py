@@ -13,6 +13,9 @@ WHY the sentence for its log. The rules:
   node, and ends the job when it could not (too few nodes would be left).
 - 75 (saved for requeue), 76 (no progress) and failures (a crash, a lost node: often transient) are
   requeued, as is anything after the batch shell passed on a stop signal (a program that died of it).
+- A `command:` job's 0 after the batch shell passed on a stop (`--stop-requested=preemption|time-limit`) is a
+  finish only when the program said so (launcher/contract/finish.py); otherwise it is a stop, requeued as a 75:
+  frameworks leave their loop on SIGTERM and exit 0 with work left.
 - A `command:` job has one more rule, the built-in trainer's crash-loop guard (launcher/checkpoint/resume.py) said
   in its own terms: a failed run that reported no step beyond the highest one reported before it started
   (launcher.report's progress mark) counts one; MAX_ATTEMPTS such runs in a row end the job with 77
@@ -24,18 +27,19 @@ The local supervisor never requeues (`meshrun resume` does), but applies the sam
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
 from launcher import rankends
 from launcher.checkpoint.resume import MAX_ATTEMPTS
+from launcher.contract import finish, suspects
 from launcher.contract import lost as lost_checkpoints
-from launcher.contract import suspects
 from launcher.contract.exitcodes import (
     EXIT_FAILED,
     EXIT_FINISHED,
@@ -48,11 +52,14 @@ from launcher.contract.exitcodes import (
     NOT_REQUEUED,
 )
 from launcher.contract.private import append_line
-from launcher.contract.rundir import RunDir, attempt_id, in_job_restart, job_of, read_state, write_json
+from launcher.contract.rundir import RunDir, attempt_id, in_job_restart, job_field, job_of, read_state, write_json
 from launcher.contract.secrets import remove_dir, secrets_dir_for
 from launcher.gate import Runner, excluding, run_slurm, verdict_of
 from launcher.hostlist import expand_hostlist
-from launcher.report import reported_step
+from launcher.report import open_metrics, reported_step
+
+if TYPE_CHECKING:
+    from launcher.contract.spec import RunSpec
 
 
 @dataclass(frozen=True)
@@ -236,43 +243,78 @@ def record_reason(run_dir: str, why: str) -> None:
         path.chmod(0o600)
 
 
-def is_command_job(run_dir: str) -> bool:
-    from launcher.contract.spec import read_run_spec  # torch-free
-
-    return read_run_spec(Path(run_dir)).job.command is not None
-
-
 USAGE = (
-    "usage: python -m launcher.requeue RUN_DIR STATUS RESTARTS MAX_RESTARTS [--stop-requested] [--terminated] "
+    "usage: python -m launcher.requeue RUN_DIR STATUS RESTARTS MAX_RESTARTS [--stop-requested[=KIND]] [--terminated] "
     "[--spares=N]"
 )
+
+
+def stop_kind_of(args: list[str]) -> Optional[str]:
+    """`--stop-requested=KIND` (preemption, time-limit) or a bare `--stop-requested`: the stop the batch shell
+    passed on to the ranks; None when it passed on none."""
+    for arg in args:
+        if arg == "--stop-requested":
+            return ""
+        if arg.startswith("--stop-requested="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def unfinished_stop(run_dir: str, spec: RunSpec, status: int, stop_kind: Optional[str]) -> Optional[str]:
+    """A `command:` job's exit 0 after a stop that is no finish (launcher/contract/finish.py): the sentence that
+    says so, recorded for `meshrun status` (an event line in metrics.jsonl), else None."""
+    if status != EXIT_FINISHED or stop_kind is None or spec.job.command is None:
+        return None
+    reported = reported_step(run_dir)
+    why = finish.unfinished_exit(run_dir, stop_kind, reported, spec.job.command_steps)
+    if why is not None:
+        record_stop(run_dir, finish.stopped(stop_kind, reported))
+    return why
+
+
+def record_stop(run_dir: str, said: str, environ: Mapping[str, str] = os.environ) -> None:
+    """{"event": "stopped", "why"}: status shows the newest stop as the job's reason while nothing came after it."""
+    line = {"event": "stopped", "why": said, "restart_count": int(environ.get("SLURM_RESTART_COUNT") or 0)}
+    try:
+        with open_metrics(run_dir) as metrics:
+            metrics.write(json.dumps({**line, "time": time.time(), **job_field(environ)}) + "\n")
+    except OSError as exc:
+        print(f"[meshrun] cannot record the stop in {RunDir(run_dir).metrics}: {exc}", file=sys.stderr)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     spares_given = [a.split("=", 1)[1] for a in args if a.startswith("--spares=")]
-    flags = {a for a in args if a.startswith("--") and not a.startswith("--spares=")}
+    stop_kind = stop_kind_of(args)
+    flags = {a for a in args if a.startswith("--") and not a.startswith(("--spares=", "--stop-requested"))}
     words = [a for a in args if not a.startswith("--")]
     if (
         len(words) != 4
         or not all(w.isdigit() for w in [*words[1:], *spares_given])
-        or flags - {"--stop-requested", "--terminated"}
+        or flags - {"--terminated"}
+        or stop_kind not in (None, "", *finish.STOP_KINDS)
     ):
         print(USAGE, file=sys.stderr)
         return 2
     run_dir, (status, restarts, max_restarts) = words[0], map(int, words[1:])
+    from launcher.contract.spec import read_run_spec  # torch-free
+
+    spec = read_run_spec(Path(run_dir))
     lost = lost_checkpoints.check(run_dir)  # a checkpoint_lost alert, whatever the status
     if lost is not None and status == 0:
         # The ranks finished, but their last checkpoints never reached shared storage: not a success.
         # A failure is requeued (from the newest complete checkpoint: the lost steps are trained again).
         status = EXIT_FAILED
         record_reason(run_dir, lost)
-    stop_requested, terminated = "--stop-requested" in flags, "--terminated" in flags
+    stop_requested, terminated = stop_kind is not None, "--terminated" in flags
     if status not in (EXIT_FINISHED, EXIT_REQUEUE, EXIT_UNHEALTHY) and not stop_requested and not terminated:
         record_first_death(run_dir, restarts)  # a stop's or a cancel's signals are no news
-    command_job = is_command_job(run_dir)
+    command_job = spec.job.command is not None
     note = ""
-    if command_job:
+    unfinished = None if terminated else unfinished_stop(run_dir, spec, status, stop_kind)
+    if unfinished is not None:
+        status, note = EXIT_REQUEUE, unfinished  # a stop like the built-in trainer's saved one: requeued as it is
+    elif command_job:
         status, note = programs_own(run_dir, status)
     decision = decide(
         run_dir,
@@ -295,6 +337,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 0
     if not decision.requeue:  # the job's final state: its env: secrets go (`meshrun resume` sends them again)
         remove_dir(secrets_dir_for(run_dir))
+        if unfinished is not None:  # never a success: status says what stopped it and where
+            record_reason(run_dir, f"{unfinished.split(':', 1)[0]}: {decision.why}")
     if note:
         decision = Decision(decision.requeue, decision.code, f"{note}: {decision.why}")
     print(decision.line(), flush=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from launcher.contract import ckptdir, goodput, procs
+from launcher.contract import ckptdir, finish, goodput, procs
 from launcher.contract import lost as lost_checkpoints
 from launcher.contract.exitcodes import (
     EXIT_DIVERGED,
@@ -37,6 +37,7 @@ from launcher.contract.private import make_private_dir, private_umask
 from launcher.contract.rundir import JOB_ID_ENV, RunDir, local_state_path, merge_state, node_name, read_state
 from launcher.contract.secrets import remove_dir, secrets_dir_for
 from launcher.job import RESTART_COUNT_ENV
+from launcher.report import reported_step
 from launcher.requeue import crash_loop, programs_own
 
 STOP_GRACE_S = 60
@@ -301,11 +302,19 @@ class Supervisor:
         codes, message = self._codes(job)
         agreed = _read_code(self.run_dir.exit_code)
         rank_error = _first_line(self.run_dir.rank_error)
-        if stopped in ("CANCELLED", "TIMEOUT"):
+        if stopped == "TIMEOUT" and self._finished_at_its_stop(codes):
+            final, message = "COMPLETED", ""  # it said it finished: its last step came with the time limit
+        elif stopped in ("CANCELLED", "TIMEOUT"):
             final = stopped
             # The ranks were stopped on purpose: how they ended (killed while starting up) is no news.
             saved = agreed == EXIT_REQUEUE or (codes and all(c == EXIT_REQUEUE for c in codes))
             message = "checkpoint saved: `meshrun resume` continues it" if saved else ""
+            if not saved and codes and not any(codes) and self.spec.job.command is not None:
+                # A framework that left its loop on the stop and exited 0: work is left, and status says where.
+                kind = finish.TIME_LIMIT if stopped == "TIMEOUT" else finish.CANCEL
+                message = (
+                    f"{finish.stopped(kind, reported_step(str(self.run_dir.root)))}: `meshrun resume` continues it"
+                )
         elif codes is not None and all(c == EXIT_REQUEUE for c in codes):
             final, message = "PREEMPTED", "checkpoint saved: `meshrun resume` continues it"
         elif codes is not None and not any(codes) and stopped is None:
@@ -335,6 +344,14 @@ class Supervisor:
             if (gave_up := crash_loop(self.run_dir.root, failed=not clean)) is not None and not clean:
                 code, message = EXIT_GAVE_UP, f"gave up ({gave_up}); this run: {message}"
         return self._record(final, started, codes, message, code)
+
+    def _finished_at_its_stop(self, codes: Optional[list[int]]) -> bool:
+        """A `command:` job whose ranks all exited 0 after the time limit's stop and that said it finished
+        (launcher.job.finished, or its command_steps reported): a finish, not a stop (launcher/contract/finish.py)."""
+        if self.spec.job.command is None or not codes or any(codes):
+            return False
+        root = str(self.run_dir.root)
+        return finish.declared(root) or finish.reached(reported_step(root), self.spec.job.command_steps)
 
     def _record(
         self, final: str, started: float, codes: Optional[list[int]], message: str, exit_code: Optional[int] = None

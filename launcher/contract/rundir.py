@@ -239,6 +239,12 @@ class RunDir:
         return self.path(self.INTERNAL, "reported-step.json")
 
     @property
+    def finished(self) -> str:
+        """{"attempt", "step", "time"}: a `command:` job's program said it finished in that start
+        (launcher.job.finished): its exit 0 after a stop signal is a finish, not a stop (launcher/contract/finish.py)."""
+        return self.path(self.INTERNAL, "finished.json")
+
+    @property
     def last_checkpoint(self) -> str:
         """{"step", "job", "time"}: the newest checkpoint made complete on shared storage, written by what made
         it so (rank 0's commit, the sidecar's copier for a staged save, launcher.job's mark_complete): status's

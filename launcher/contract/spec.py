@@ -402,6 +402,11 @@ class JobSpec:
     """The built-in GPT trainer's settings (exclusive with `command`)."""
     command: Optional[tuple[str, ...]] = None
     """Your own program as an argv list, run on every rank with torchrun-compatible variables."""
+    command_steps: Optional[int] = None
+    """A `command:` job's last step, when it has one: once the program has reported it (launcher.report), an exit 0
+    is a finish even after a stop signal. Without it, or a call of launcher.job.finished(), an exit 0 after a
+    preemption or the time limit's warning is a stop and the job is requeued (frameworks leave their loop on
+    SIGTERM and exit 0 with work left)."""
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     """Checkpoint cadence and retention."""
     data: Data = field(default_factory=Data)
@@ -443,6 +448,16 @@ class JobSpec:
             )
         if self.command is not None and not self.command:
             raise SchemaError("command", [], "give the program and its arguments, e.g. [python, train.py]")
+        if self.command_steps is not None and self.command is None:
+            raise SchemaError(
+                "command_steps",
+                self.command_steps,
+                "it is a `command:` job's last step; the built-in trainer's is train.steps",
+            )
+        if self.command_steps is not None and not 1 <= self.command_steps <= 10**12:
+            raise SchemaError(
+                "command_steps", self.command_steps, "give the step your program reports last (1 or more)"
+            )
         from launcher.contract import dsconfig  # here, not at the top: dsconfig reads JobSpec
 
         dsconfig.check(self)

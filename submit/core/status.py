@@ -109,9 +109,10 @@ def of_job(row: Mapping[str, Any], job_id: Optional[str]) -> bool:
 def parse_metrics_tail(text: str, job_id: Optional[str] = None) -> dict[str, Any]:
     """The newest step line of a metrics.jsonl tail (a line being written is skipped), with the
     newest `checkpoint_step` from any line (checkpoint events are lines of their own) and the newest
-    `val_loss` with its `val_step` (evaluations are every eval_every steps); `job_id`: that job's lines only."""
+    `val_loss` with its `val_step` (evaluations are every eval_every steps), and `stopped`: the newest stop that was
+    no finish when no step line came after it ("stopped by preemption at step 40"); `job_id`: that job's lines only."""
     found: dict[str, Any] = {}
-    checkpoint, validated = None, None
+    checkpoint, validated, stopped = None, None, None
     for line in reversed(text.splitlines()):
         try:
             row = json.loads(line)
@@ -122,6 +123,8 @@ def parse_metrics_tail(text: str, job_id: Optional[str] = None) -> dict[str, Any
         # A save staged on node-local scratch is not a checkpoint yet: the sidecar's "copied" event is.
         if checkpoint is None and row.get("checkpoint_step") is not None and not row.get("staged"):
             checkpoint = row["checkpoint_step"]
+        if not found and stopped is None and row.get("event") == "stopped" and isinstance(row.get("why"), str):
+            stopped = row["why"]  # a stop that was no finish (launcher.requeue), with no step line after it
         if not found and "event" not in row:
             found = row
         if validated is None and "val_loss" in row and "event" not in row:
@@ -132,6 +135,8 @@ def parse_metrics_tail(text: str, job_id: Optional[str] = None) -> dict[str, Any
         found = {**found, "checkpoint_step": checkpoint}
     if validated is not None and found:
         found = {**found, **validated}
+    if stopped is not None:
+        found = {**found, "stopped": stopped}
     return found
 
 

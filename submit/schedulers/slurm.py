@@ -197,6 +197,9 @@ def _status(
     rank_error = error.stdout.strip().splitlines()[0] if error.returncode == 0 and error.stdout.strip() else None
     # A failed job says why in the ranks' own words (bad input, a crash), as on the local cluster.
     reason = rank_error if job.done and not job.succeeded and rank_error else job.reason
+    if progress.get("stopped") and not job.done and job.state is not JobState.RUNNING:
+        # Requeued after a stop that was no finish (a framework's exit 0 on the preemption's SIGTERM): say so.
+        reason = f"{progress['stopped']}; requeued" + (f" ({reason})" if reason and reason != "None" else "")
     if job.state is JobState.CANCELLED and progress.get("checkpoint_step") is not None:
         saved = f"checkpoint at step {progress['checkpoint_step']}: `meshrun resume {record.job_id}` continues it"
         reason = f"{reason}; {saved}" if reason else saved

@@ -15,8 +15,10 @@ Slurm's answers in turn, the last one for good.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -42,7 +44,13 @@ for word in "$@"; do
     launcher.sidecar) exit 0 ;;
   esac
 done
-exit 75
+# RANKS_WAIT: the ranks run until the test says go, writing down each SIGUSR1 the batch shell passes on.
+if [ -n "${RANKS_WAIT:-}" ]; then
+  trap 'echo USR1 >> "$ANSWERS.usr1"' USR1
+  touch "$ANSWERS.ranks"
+  for i in $(seq 100); do [ -e "$ANSWERS.go" ] && break; sleep 0.1; done
+fi
+exit "${RANKS_EXIT:-75}"
 """
 
 SQUEUE = """#!/bin/bash
@@ -75,7 +83,8 @@ def _script(run_dir: Path) -> str:
     return render(plan, scheduler)
 
 
-def _run(tmp_path: Path, answers: list[str]) -> tuple[subprocess.CompletedProcess[str], Path, Path]:
+def _start(tmp_path: Path, answers: list[str], **extra_env: str) -> tuple[subprocess.Popen[str], Path, Path]:
+    """The batch script under bash, started: (the shell, the job's secrets folder, scontrol's record)."""
     run_dir = tmp_path / "runs" / "job"
     (run_dir / "logs").mkdir(parents=True)
     secrets = Path(secrets_dir_for(str(run_dir)))
@@ -97,9 +106,16 @@ def _run(tmp_path: Path, answers: list[str]) -> tuple[subprocess.CompletedProces
         "PYTHONPATH": str(REPO),
         "SLURM_JOB_ID": "4242",
         "SLURM_JOB_NODELIST": "n1",
+        **extra_env,
     }
-    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
-    return done, secrets, tmp_path / "answers.scontrol"
+    shell = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return shell, secrets, tmp_path / "answers.scontrol"
+
+
+def _run(tmp_path: Path, answers: list[str], **extra_env: str) -> tuple[subprocess.CompletedProcess[str], Path, Path]:
+    shell, secrets, scontrol = _start(tmp_path, answers, **extra_env)
+    out, err = shell.communicate(timeout=60)
+    return subprocess.CompletedProcess(shell.args, shell.returncode, out, err), secrets, scontrol
 
 
 def test_a_preemption_whose_requeue_slurm_counts_late_keeps_the_secrets_and_is_not_requeued_twice(
@@ -132,3 +148,37 @@ def test_a_preempted_job_slurm_ends_without_a_requeue_ends_as_cancelled(tmp_path
     assert "SIGTERM (scancel, or Slurm ended the job): not requeueing (status 75)" in said, said
     assert not secrets.exists()
     assert not scontrol.exists()
+
+
+def test_a_preempted_framework_that_exits_0_is_requeued_not_finished(tmp_path: Path) -> None:
+    """Issue 44: Lightning leaves its loop on the preemption's SIGTERM and exits 0 within the grace time; the
+    job was taken for finished and ended COMPLETED with its work lost."""
+    done, secrets, scontrol = _run(tmp_path, [f"{PREEMPTED_AT} 0 RUNNING"], RANKS_EXIT="0")
+    said = done.stdout + done.stderr
+    assert "preempted by Slurm at " in said and "ranks exited with status 0" in said, said
+    assert "stopped by preemption (no step reported): the program exited 0 after the stop signal" in said, said
+    assert "requeueing: restart 1 of at most" in said and "finished (exit 0)" not in said, said
+    assert scontrol.read_text() == "scontrol requeue 4242\n"  # requeued once, by meshrun
+    assert secrets.exists()  # the requeued run needs them
+
+
+def test_the_ranks_hear_the_stop_once_per_start(tmp_path: Path) -> None:
+    """Issue 44: after the time limit's SIGUSR1, Lightning saved a checkpoint and asked for a requeue; the TERM
+    of that requeue reached the batch shell, which passed the stop on again: a second save and requeue."""
+    shell, _secrets, scontrol = _start(tmp_path, ["N/A 1 PENDING"], RANKS_WAIT="1", RANKS_EXIT="0")
+    answers = tmp_path / "answers"
+    deadline = time.monotonic() + 30
+    while not Path(f"{answers}.ranks").exists():
+        assert time.monotonic() < deadline and shell.poll() is None, "the ranks never started"
+        time.sleep(0.05)
+    shell.send_signal(signal.SIGUSR1)  # the time limit's warning
+    time.sleep(0.5)
+    shell.send_signal(signal.SIGTERM)  # the requeue the program asked for ends the shell
+    time.sleep(0.5)
+    Path(f"{answers}.go").touch()
+    out, err = shell.communicate(timeout=60)
+    said = out + err
+    assert Path(f"{answers}.usr1").read_text() == "USR1\n", said  # once, not twice
+    assert "SIGUSR1: passing it to the ranks" in said and "SIGTERM: the ranks were told to stop already" in said
+    assert "requeued after the time limit's warning (by the program's own `scontrol requeue`" in said, said
+    assert not scontrol.exists(), scontrol.read_text()  # the program's requeue, not a second one

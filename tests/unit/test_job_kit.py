@@ -254,3 +254,108 @@ def test_on_slurm_the_first_rank_a_signal_ended_leads_the_reason(tmp_path: Path)
     assert not error.exists()
     record_first_death(str(tmp_path), 0, {})  # not under Slurm: nothing to read
     assert not error.exists()
+
+
+def _command_spec(run_dir: Path, **job: object) -> None:
+    (run_dir / "spec.json").write_text(
+        json.dumps(
+            {
+                "job": {"name": "x", "resources": {"nodes": 1, "tasks_per_node": 1}, "command": ["true"], **job},
+                "run": {"cluster": "testbed", "scheduler": "slurm", "run_dir": str(run_dir)},
+            }
+        )
+    )
+
+
+def test_an_exit_0_after_a_stop_is_a_stop_unless_the_program_said_it_finished(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 44: Lightning leaves its loop on the preemption's SIGTERM and exits 0; the job ended COMPLETED
+    with 2 of 2,000 epochs done. Now it is requeued as a stop, and status says where it stopped."""
+    from launcher import job
+    from launcher.contract import finish
+    from submit.core.status import parse_metrics_tail
+
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    monkeypatch.setenv("MESHRUN_RUN_DIR", str(tmp_path))
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    _command_spec(tmp_path)
+    assert main([str(tmp_path), "0", "0", "20", "--stop-requested=preemption"]) == 0
+    said = capsys.readouterr().out
+    assert said.startswith(f"requeue {EXIT_REQUEUE} stopped by preemption (no step reported): the program exited 0"), (
+        said
+    )
+    assert said.rstrip().endswith("requeueing: restart 1 of at most 20"), said
+    assert parse_metrics_tail((tmp_path / "metrics.jsonl").read_text(), "4242")["stopped"] == (
+        "stopped by preemption (no step reported)"
+    )
+    mark = ProgressMark(str(tmp_path))  # a program that reports its steps: status names the step
+    mark.note(40)
+    mark.flush()
+    assert main([str(tmp_path), "0", "1", "20", "--stop-requested=time-limit"]) == 0
+    assert "stopped at the time limit at step 40: " in capsys.readouterr().out
+    # A step line after the stop: status shows progress again, not the old stop.
+    with open(tmp_path / "metrics.jsonl", "a") as metrics:
+        metrics.write(json.dumps({"step": 41, "loss": 1.0, "job": "4242"}) + "\n")
+    assert "stopped" not in parse_metrics_tail((tmp_path / "metrics.jsonl").read_text(), "4242")
+    # The restart limit: the job ends, never as a success, and its reason says it stopped.
+    assert main([str(tmp_path), "0", "20", "20", "--stop-requested=preemption"]) == 0
+    said = capsys.readouterr().out
+    assert said.startswith(f"stop {EXIT_REQUEUE} stopped by preemption at step 40: "), said
+    assert "restart limit (20) reached" in (tmp_path / RunDir.RANK_ERROR).read_text()
+    # finished() in an earlier start counts for nothing; in this one it makes the 0 a finish.
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    job.finished(40)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    assert not finish.declared(str(tmp_path))
+    assert main([str(tmp_path), "0", "2", "20", "--stop-requested=preemption"]) == 0
+    assert capsys.readouterr().out.startswith(f"requeue {EXIT_REQUEUE} stopped by preemption at step 40")
+    job.finished(40)
+    assert main([str(tmp_path), "0", "2", "20", "--stop-requested=preemption"]) == 0
+    assert capsys.readouterr().out == "stop 0 finished (exit 0): not requeueing\n"
+    # Without a stop passed on, an exit 0 is what it always was.
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "3")
+    assert main([str(tmp_path), "0", "3", "20"]) == 0
+    assert capsys.readouterr().out == "stop 0 finished (exit 0): not requeueing\n"
+    assert main([str(tmp_path), "0", "3", "20", "--stop-requested=sometime"]) == 2  # an unknown stop: usage
+
+
+def test_the_declared_last_step_and_the_built_in_trainer_make_an_exit_0_a_finish(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SLURM_JOB_ID", "4243")
+    _command_spec(tmp_path, command_steps=50)
+    mark = ProgressMark(str(tmp_path))
+    mark.note(49)
+    mark.flush()
+    assert main([str(tmp_path), "0", "0", "20", "--stop-requested=preemption"]) == 0
+    assert capsys.readouterr().out.startswith(f"requeue {EXIT_REQUEUE} stopped by preemption at step 49")
+    mark.note(50)
+    mark.flush()
+    assert main([str(tmp_path), "0", "1", "20", "--stop-requested=preemption"]) == 0
+    assert capsys.readouterr().out == "stop 0 finished (exit 0): not requeueing\n"
+    trainer = tmp_path / "trainer"  # the built-in trainer's 0 is its agreed finish (train.steps trained)
+    trainer.mkdir()
+    (trainer / "spec.json").write_text(
+        json.dumps(
+            {
+                "job": {"name": "x", "resources": {"nodes": 1, "tasks_per_node": 1}},
+                "run": {"cluster": "testbed", "scheduler": "slurm", "run_dir": str(trainer)},
+            }
+        )
+    )
+    assert main([str(trainer), "0", "0", "20", "--stop-requested=preemption"]) == 0
+    assert capsys.readouterr().out == "stop 0 finished (exit 0): not requeueing\n"
+
+
+def test_command_steps_belongs_to_command_jobs() -> None:
+    from launcher.contract.schema import SchemaError
+    from launcher.contract.spec import JobSpec
+
+    with pytest.raises(SchemaError, match="command_steps.*train.steps"):
+        JobSpec(name="x", command_steps=5)
+    with pytest.raises(SchemaError, match="command_steps"):
+        JobSpec(name="x", command=("true",), command_steps=0)
+    assert JobSpec(name="x", command=("true",), command_steps=5).command_steps == 5
