@@ -39,8 +39,21 @@ pasted blob shortened."""
 def _show(value: Any) -> str:
     # Escaped even where an odd __repr__ lets control characters through: an error line must
     # never carry a terminal escape sequence from a value the user (or a sweep) gave.
-    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in repr(value))
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in _as_yaml(value))
     return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
+
+
+def _as_yaml(value: Any) -> str:
+    """A value in the words of the YAML the user wrote (`true`, `null`), not Python's (`True`, `None`)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(map(_as_yaml, value)) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_as_yaml(k)}: {_as_yaml(v)}" for k, v in value.items()) + "}"
+    return repr(value)
 
 
 class _Outline:
@@ -178,7 +191,8 @@ def convert(tp: Any, value: Any, key: str) -> Any:
     if origin in (tuple, list):
         (item,) = get_args(tp)[:1]
         if not isinstance(value, (list, tuple)):
-            raise SchemaError(key, value, "expected a list")
+            one = value if isinstance(value, str) else _as_yaml(value)
+            raise SchemaError(key, value, f"expected a list: write [{one}] for one item (`--set` reads {one} so)")
         return tuple(convert(item, v, f"{key}[{i}]") for i, v in enumerate(value))
     if origin in (dict, collections.abc.Mapping):
         ktype, vtype = get_args(tp)

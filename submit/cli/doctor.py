@@ -41,7 +41,11 @@ def add_parsers(verbs: Any) -> None:
         help="the cluster's suspect nodes (a hang verdict blamed them; new submits leave them out); --clear trusts one again",
     )
     cluster_arg(p)
-    p.add_argument("--clear", action="append", default=[], metavar="NODE", help="trust this node again (repeatable)")
+    # nargs="?": a bare --clear gets meshrun's own error (which node; --clear-all), not argparse's usage line.
+    p.add_argument(
+        "--clear", action="append", nargs="?", default=[], metavar="NODE", help="trust this node again (repeatable)"
+    )
+    p.add_argument("--clear-all", action="store_true", help="trust every suspect node of the cluster again")
     p.add_argument("--json", action="store_true", help="the suspects as JSON")
 
 
@@ -169,6 +173,12 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     from submit import api
     from submit.views.tables import table
 
+    if None in args.clear:
+        raise InputError(
+            "--clear",
+            "",
+            f"name the node to trust again (`meshrun nodes -c {args.cluster}` lists them), or --clear-all",
+        )
     profile = api.load_cluster(args.cluster)
     if not api.reaches_other_machines(profile.scheduler):
         raise InputError(
@@ -176,6 +186,8 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         )
     transport = api.connect(profile.ssh, args.cluster)
     try:
+        if args.clear_all:
+            args.clear = [*args.clear, *api.suspect_nodes(profile, transport)]  # none: the listing says so
         if args.clear:
             cleared = api.clear_suspects(profile, transport, args.clear)
             if cleared:

@@ -183,7 +183,19 @@ def parse_sbatch(output: str) -> str:
 
 def sacct_argv(job_ids: Sequence[str]) -> list[str]:
     ids = ",".join(check_job_id(j) for j in job_ids)
-    return ["sacct", "--allocations", "--parsable2", "--noheader", "--jobs", ids, "--format", ",".join(SACCT_FIELDS)]
+    # --duplicates: a requeued job's earlier runs too (REQUEUED, PREEMPTED rows, oldest first): its restart count,
+    # which a program that reports no step (a framework's own loop) gives status no other way.
+    return [
+        "sacct",
+        "--allocations",
+        "--duplicates",
+        "--parsable2",
+        "--noheader",
+        "--jobs",
+        ids,
+        "--format",
+        ",".join(SACCT_FIELDS),
+    ]
 
 
 def squeue_argv(job_ids: Sequence[str]) -> list[str]:
@@ -229,8 +241,10 @@ def cancel_note(text: str, owner: Optional[str] = None) -> Optional[str]:
 
 
 def parse_sacct(output: str) -> dict[str, SlurmJob]:
-    """One SlurmJob per job id from `sacct --allocations --parsable2` with SACCT_FIELDS."""
+    """One SlurmJob per job id from `sacct --allocations --duplicates --parsable2` with SACCT_FIELDS: the newest
+    run's row, with the earlier runs' rows (a requeue's) counted as its restarts."""
     states: dict[str, SlurmJob] = {}
+    runs: dict[str, int] = {}
     for line in output.splitlines():
         cols = line.split("|")
         if len(cols) < SACCT_READ:
@@ -240,6 +254,7 @@ def parse_sacct(output: str) -> dict[str, SlurmJob]:
         tres = cols[SACCT_READ + 1] if len(cols) > SACCT_READ + 1 else None
         if "." in job_id:  # a step row; --allocations should have removed it
             continue
+        runs[job_id] = runs.get(job_id, 0) + 1
         states[job_id] = SlurmJob(
             job_id=job_id,
             state=state_of(state),
@@ -249,6 +264,7 @@ def parse_sacct(output: str) -> dict[str, SlurmJob]:
             nodes=nodes or None,
             reason=unknown_state_note(state) or cancel_note(state, owner),
             gpus=allocated_gpus(tres),
+            restarts=runs[job_id] - 1,
         )
     return states
 

@@ -126,7 +126,10 @@ def test_testbed_hang_on_the_second_node_is_requeued_resumes_and_finishes(
     assert "#SBATCH --exclude=n2" in rendered.stdout and "leaving out suspect node n2" in rendered.stderr
     two_nodes = meshrun(tmp_path, "render", *TWO_NODES, check=True)
     assert "--exclude" not in two_nodes.stdout and "n2 kept in: the job needs 2" in two_nodes.stderr
-    cleared = meshrun(tmp_path, "nodes", "-c", "testbed", "--clear", "n2", "--clear", "n1", check=True).stdout
+    bare = meshrun(tmp_path, "nodes", "-c", "testbed", "--clear")  # issue 44: argparse's usage error before
+    assert bare.returncode == 2 and "--clear: '': name the node to trust again" in bare.stderr, bare.stderr
+    assert "or --clear-all" in bare.stderr, bare.stderr
+    cleared = meshrun(tmp_path, "nodes", "-c", "testbed", "--clear", "n1", "--clear-all", check=True).stdout
     assert "cleared n2: new submits to testbed may use it again" in cleared, cleared
     assert "n1 is not a suspect on testbed: nothing to clear" in cleared, cleared  # nothing claimed for n1
     assert "no suspect nodes on testbed" in meshrun(tmp_path, "nodes", "-c", "testbed", check=True).stdout

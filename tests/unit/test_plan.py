@@ -380,3 +380,19 @@ def test_a_preset_off_by_its_size_gets_the_nearest_size_not_the_nearest_spelling
     from launcher.contract.schema import closest
 
     assert closest(given, PRESETS) == f" (did you mean {meant!r}?)"
+
+
+def test_type_errors_speak_yaml_and_a_scalar_list_says_how_to_write_it(tmp_path: Path) -> None:
+    """Issue 44 item 4: errors printed Python's True/None for what the user wrote as true/null, and
+    `restart_on: failure` (refused in a file, read as [failure] by --set) said only "expected a list"."""
+    spec = tmp_path / "job.yaml"
+    spec.write_text("name: x\nresources: {nodes: true}\n")
+    with pytest.raises(InputError) as bad:
+        load_job(spec)
+    assert "resources.nodes: true:" in str(bad.value) and "True" not in str(bad.value)
+    spec.write_text("name: x\nresilience: {restart_on: failure}\n")
+    with pytest.raises(InputError, match=r"resilience.restart_on: 'failure': expected a list: write \[failure\]"):
+        load_job(spec)
+    spec.write_text("name: x\n")
+    job, _ = load_job(spec, ["resilience.restart_on=failure"])
+    assert job.resilience.restart_on == ("failure",)

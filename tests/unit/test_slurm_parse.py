@@ -36,6 +36,23 @@ def test_parse_sacct() -> None:
     assert slurm.seconds(states["11"].elapsed) == 21 and slurm.seconds(states["11"].time_limit) == 1200
 
 
+# sacct --allocations --duplicates ... -j 4: a Lightning job preempted once on the testbed (issue 44), then 9 never requeued
+SACCT_REQUEUED = """\
+4|lightning-script|REQUEUED|0:0|00:00:13|00:10:00|n[1-2]
+9|tiny|COMPLETED|0:0|00:00:21|00:20:00|n1
+4|lightning-script|COMPLETED|0:0|00:01:06|00:10:00|n[1-2]
+"""
+
+
+def test_a_requeued_jobs_earlier_runs_are_its_restarts() -> None:
+    """A program that reports no step (Lightning's own loop) showed RESTARTS 0 after a requeue: the count came
+    only from the trainer's metrics lines. Accounting's rows of the earlier runs count now."""
+    states = slurm.parse_sacct(SACCT_REQUEUED)
+    assert (states["4"].state, states["4"].restarts, states["4"].elapsed) == ("COMPLETED", 1, "00:01:06")
+    assert states["9"].restarts == 0
+    assert "--duplicates" in slurm.sacct_argv(["4"])
+
+
 @pytest.mark.parametrize("text, code", [("0:0", 0), ("2:0", 2), ("0:15", None), ("75:0", 75), ("", None)])
 def test_a_job_ended_by_a_signal_has_no_exit_code_of_its_own(text: str, code: object) -> None:
     from submit.schedulers.slurm import _exit_code
