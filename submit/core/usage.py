@@ -33,15 +33,23 @@ def _kwh(value: Optional[float]) -> str:
     return f"{value:.3g} kWh" if value is not None else "unmeasured"
 
 
+def _energy(energy: Mapping[str, Any]) -> str:
+    return f", energy GPU {_kwh(energy.get('gpu_kwh'))}, CPU {_kwh(energy.get('cpu_kwh'))}"
+
+
 def usage_line(used: Mapping[str, Any]) -> str:
     """'used: 3.2 GPU-hours (8 GPUs; the run dir's jobs 5.1), energy GPU 1.24 kWh, CPU unmeasured; cost 8.00 USD'."""
     hours = used.get("gpu_hours")
-    head = f"used: {hours:.3g} GPU-hours ({used.get('gpus')} GPUs" if hours is not None else "used: GPU-hours unknown ("
-    head += f"; the run dir's jobs {used['run_gpu_hours']:.3g})" if used.get("run_gpu_hours") is not None else ")"
-    energy = used.get("energy")
-    if energy is None:
-        head += ", energy unmeasured"
+    if used.get("gpus") == 0:  # a CPU job: its GPU-hours are no figure worth a line (a trial read "0 GPUs; ... 0")
+        head = "used: no GPUs"
+        return head + (", energy unmeasured" if used.get("energy") is None else _energy(used["energy"]))
+    if hours is None:
+        head = "used: GPU-hours unknown"
     else:
-        head += f", energy GPU {_kwh(energy.get('gpu_kwh'))}, CPU {_kwh(energy.get('cpu_kwh'))}"
+        run = used.get("run_gpu_hours")
+        head = f"used: {hours:.3g} GPU-hours ({used.get('gpus')} GPUs"
+        head += f"; the run dir's jobs {run:.3g})" if run is not None else ")"
+    energy = used.get("energy")
+    head += ", energy unmeasured" if energy is None else _energy(energy)
     cost = used.get("cost")
     return head + (f"; cost {cost['amount']:.2f} {cost['currency']}" if cost else "")
