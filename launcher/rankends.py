@@ -64,3 +64,27 @@ def first_srun_death(batch_log: str, attempt_line: str) -> Optional[tuple[int, s
         if match and (code := srun_code(match.group("what"))) is not None:
             return int(match.group("task")), match.group("node"), code
     return None
+
+
+_SRUN_COMPLAINT = re.compile(r"^srun: (?:unrecognized option|invalid option|option requires|fatal: |error: )")
+_SRUN_ARGV = re.compile(r"^srun: (?:unrecognized option|invalid option|option requires)")
+"""srun refusing its own command line: the same script fails the same way at every start."""
+
+
+def launch_failure(batch_log: str, attempt_line: str) -> Optional[str]:
+    """srun's own complaint in this attempt when none of its tasks ended (the ranks never started): the first
+    `srun: unrecognized option ...`, `srun: fatal: ...` or `srun: error: ...` line that is no task's end; None
+    when a task ended (the ranks ran: their own errors say why) or srun said nothing."""
+    start = batch_log.rfind(attempt_line)
+    if start < 0:
+        return None
+    lines = batch_log[start:].splitlines()
+    if any(_SRUN_TASK_END.match(line) for line in lines):
+        return None
+    return next((line.strip() for line in lines if _SRUN_COMPLAINT.match(line)), None)
+
+
+def refused_argv(complaint: str) -> bool:
+    """Whether srun refused its own options (a profile's srun flags it does not know, e.g. Pyxis's
+    --container-image where Pyxis is not installed): no requeue can help."""
+    return bool(_SRUN_ARGV.match(complaint))

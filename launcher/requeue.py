@@ -163,6 +163,31 @@ def record_first_death(run_dir: str, restarts: int, environ: Mapping[str, str] =
     path.chmod(0o600)
 
 
+def record_launch_failure(run_dir: str, restarts: int, environ: Mapping[str, str] = os.environ) -> bool:
+    """When srun never started the ranks (its own complaint in this attempt's part of the batch log, no task's
+    end), that complaint is the job's reason (status, logs); True when srun refused its own options, which
+    fails the same way at every start (a requeue cannot help)."""
+    log = batch_log_of(run_dir, environ)
+    job = environ.get("SLURM_JOB_ID")
+    complaint = rankends.launch_failure(log, attempt_line(job, restarts, in_job_restart(environ))) if job else None
+    if complaint is None:
+        return False
+    record_reason(run_dir, f"the ranks never started: {complaint}")
+    return rankends.refused_argv(complaint)
+
+
+def batch_log_of(run_dir: str, environ: Mapping[str, str]) -> str:
+    """The job's batch log (an array task's own), or "" when there is none to read."""
+    job = environ.get("SLURM_JOB_ID")
+    array, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    if not job:
+        return ""
+    try:
+        return Path(RunDir(run_dir).batch_log(f"{array}_{task}" if array and task else job)).read_text(errors="replace")
+    except OSError:
+        return ""
+
+
 def attempt_line(job: str, restarts: int, in_job: int) -> str:
     """The start of the batch log's line that opens this attempt (the batch script echoes it)."""
     return f"[meshrun] job {job} restart {restarts} " + (f"in-job {in_job} on " if in_job else "on ")
@@ -171,12 +196,8 @@ def attempt_line(job: str, restarts: int, in_job: int) -> str:
 def first_death(run_dir: str, restarts: int, environ: Mapping[str, str]) -> Optional[tuple[int, str, int]]:
     """(rank, node, code) of the first task srun reported ending badly in this attempt's part of the batch log."""
     job = environ.get("SLURM_JOB_ID")
-    if not job:
-        return None
-    array, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
-    try:
-        log = Path(RunDir(run_dir).batch_log(f"{array}_{task}" if array and task else job)).read_text(errors="replace")
-    except OSError:
+    log = batch_log_of(run_dir, environ)
+    if not job or not log:
         return None
     return rankends.first_srun_death(log, attempt_line(job, restarts, in_job_restart(environ)))
 
@@ -309,6 +330,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     stop_requested, terminated = stop_kind is not None, "--terminated" in flags
     if status not in (EXIT_FINISHED, EXIT_REQUEUE, EXIT_UNHEALTHY) and not stop_requested and not terminated:
         record_first_death(run_dir, restarts)  # a stop's or a cancel's signals are no news
+        if record_launch_failure(run_dir, restarts):
+            status = EXIT_INPUT  # srun refused its own options: every start would (the reason says which)
     command_job = spec.job.command is not None
     note = ""
     unfinished = None if terminated else unfinished_stop(run_dir, spec, status, stop_kind)

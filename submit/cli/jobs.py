@@ -132,6 +132,15 @@ def cmd_logs(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
                 return 1
+            reason = _ranks_reason(transport, record.run_dir) if not args.batch else ""
+            if reason:
+                # Its ranks wrote nothing and never will: say why (what the job recorded), not "no log yet".
+                print(
+                    f"meshrun: job {record.job_id} has no rank log: {reason} (`meshrun logs {record.job_id} --batch`"
+                    " shows the job's own log)",
+                    file=sys.stderr,
+                )
+                return 1
             print(
                 f"meshrun: no log yet at {sources[0].path}"
                 + ("" if args.batch else " (try --batch for the job's own log)"),
@@ -140,6 +149,19 @@ def cmd_logs(args: argparse.Namespace) -> int:
     finally:
         clusters.close()
     return 0
+
+
+def _ranks_reason(transport: Any, run_dir: str) -> str:
+    """The first line of the job's recorded reason (RUN_DIR/rank-error.txt: a rank's, or the batch script's when
+    the ranks never started), "" when there is none."""
+    from launcher.contract.rundir import RunDir
+    from submit.textwidth import printable
+
+    path = RunDir(run_dir).rank_error
+    if not transport.exists(path):
+        return ""
+    lines = transport.read_bytes(path, limit=2000).decode(errors="replace").strip().splitlines()
+    return printable(lines[0]) if lines else ""
 
 
 def _print_diagnosis(transport: Any, record: Any) -> int:

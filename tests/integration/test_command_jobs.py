@@ -150,3 +150,29 @@ def test_should_stop_agrees_across_ranks_when_one_rank_is_signalled(tmp_path: Pa
     outs = [p.communicate(timeout=120)[0].split() for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
     assert outs == [["0", "False", "True"], ["1", "False", "True"]]
+
+
+def test_a_job_whose_ranks_never_start_says_why_in_status_and_logs_and_is_not_requeued(
+    testbed: dict, tmp_path: Path
+) -> None:
+    """Issue 44's trial: a profile's Pyxis container on a cluster without Pyxis queued, then failed in 0 s with
+    `srun: unrecognized option '--container-image=...'` 8 times; status said FAILED with no reason, `logs` said
+    "no log yet" (exit 0), and the batch log advised a `meshrun resume` that would fail the same way."""
+    import yaml
+
+    profile = yaml.safe_load(tb.profile_file().read_text())  # this worker's testbed
+    profile["container"] = {"runtime": "pyxis", "image": "nvcr.io#nvidia/pytorch:24.01-py3"}
+    clusters = tmp_path / "config" / "meshrun" / "clusters"
+    clusters.mkdir(parents=True)
+    (clusters / "nopyxis.yaml").write_text(yaml.safe_dump(profile))
+    args = ["examples/command.yaml", "-c", "nopyxis", *ONE_RANK]
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, check=True))
+    row = wait_for_state(tmp_path, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
+    batch = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    assert row["state"] == "FAILED" and row["restarts"] == 0 and row["exit_code"] == 2, (row, batch)
+    assert row["reason"] == (
+        "the ranks never started: srun: unrecognized option '--container-image=nvcr.io#nvidia/pytorch:24.01-py3'"
+    ), (row, batch)
+    assert "bad input (exit 2): not requeueing" in batch and "meshrun resume" not in batch, batch
+    logs = meshrun(tmp_path, "logs", job_id)
+    assert logs.returncode == 1 and "has no rank log: the ranks never started: srun: unrecognized option" in logs.stderr

@@ -1,64 +1,158 @@
 """The frameworks users bring, installed for real, on the Slurm testbed (issue 44).
 
-A plain PyTorch Lightning script (examples/lightning_train.py, no meshrun imports: two lines of Lightning's own
-that the docs give) is preempted for real (a job in the testbed's high partition takes its nodes). Lightning
-leaves its loop on Slurm's SIGTERM, its own OnExceptionCheckpoint saves, and it exits 0: meshrun takes that for
-a stop, not a finish, and requeues the job once. The next start resumes from Lightning's own checkpoint and ends
-with the loss of an uninterrupted run of the same script.
+Three plain scripts with no meshrun imports (examples/lightning_train.py, hf_trainer_train.py,
+accelerate_train.py), each written as the docs tell that framework's user, train on two nodes of the testbed. One
+job in the high partition that needs every CPU preempts all three for real, each within Slurm's grace time:
+
+- Lightning leaves its loop on Slurm's SIGTERM, its own OnExceptionCheckpoint saves, and it exits 0;
+- the Hugging Face Trainer has no SIGTERM handler: its ranks die of the signal;
+- the Accelerate loop catches SIGTERM, saves with accelerator.save_state() and exits 0.
+
+meshrun takes each ending for the stop it is (an exit 0 after a stop is no finish unless the program said so),
+requeues each job once, and the next start resumes from the framework's own checkpoint and ends with the final
+loss and step of an uninterrupted run of the same script (on `local`, two ranks).
+
+Lightning's other habit, its own requeue on the time limit's SIGUSR1, is the second test: meshrun passes the
+signal on once, Lightning saves hpc_ckpt_N.ckpt and runs `scontrol requeue` itself, meshrun stands back (one
+requeue, not two), and the next start resumes from that checkpoint.
 """
 
 from __future__ import annotations
 
 import math
 import re
+import subprocess
 from pathlib import Path
+from typing import NamedTuple
+
+import pytest
 
 from tests.helpers.cli import meshrun, submitted, wait_for_state
-from tests.integration.test_real_preemption import _batch_log, _preempt_with_a_high_job, _rank_log, _sacct_rows, until
+from tests.integration.test_real_preemption import _batch_log, _rank_log, _sacct_rows, until
 from tests.testbed import testbed as tb
 
-EPOCHS = 300
-"""One step an epoch (64 samples a rank); 0.2 s a step: a minute of training, long enough for slurmctld to get
-round to the preemption on a loaded machine."""
-FINAL = re.compile(r"final loss ([0-9.]+) after epoch (\d+) step (\d+)")
+
+class Framework(NamedTuple):
+    spec: str
+    script: str
+    length: tuple[str, str]
+    """The script's flag and value for a run of about 300 steps of 0.2 s: a minute, long enough for slurmctld
+    to get round to the preemption on a loaded machine."""
+    training: str
+    """What rank 0's log says once the run is under way."""
+    resumed: str
+    """What rank 0's log says when the next start loaded the framework's own checkpoint."""
 
 
-def _lightning(*extra: str) -> list[str]:
-    command = f"command=python3,examples/lightning_train.py,--epochs,{EPOCHS},--sleep,0.2"
-    return ["examples/lightning.yaml", "-c", "testbed", "--set", "resources.nodes=2", "--set", command, *extra]
+LIGHTNING = Framework(
+    "lightning", "lightning_train", ("--epochs", "300"), "epoch 10 done", "Restored all states from the checkpoint"
+)
+FRAMEWORKS = {
+    "lightning": LIGHTNING,
+    "hf-trainer": Framework("hf-trainer", "hf_trainer_train", ("--epochs", "75"), "step 10 done", "resuming from "),
+    "accelerate": Framework("accelerate", "accelerate_train", ("--epochs", "75"), "step 10 saved", "resumed at step"),
+}
+FINAL = re.compile(r"final loss ([0-9.]+) after (?:epoch \d+ )?step (\d+)")
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}
 
 
-def _final(run_dir: Path) -> tuple[float, int, int]:
+def _args(framework: Framework, cluster: str, *extra: str) -> list[str]:
+    flag, value = framework.length
+    command = f"command=python3,examples/{framework.script}.py,{flag},{value},--sleep,0.2"
+    return [f"examples/{framework.spec}.yaml", "-c", cluster, "--set", command, *extra]
+
+
+def _final(run_dir: Path) -> tuple[float, int]:
     found = FINAL.findall(_rank_log(run_dir))
     assert found, _rank_log(run_dir)[-3000:]
-    loss, epoch, step = found[-1]
-    return float(loss), int(epoch), int(step)
+    loss, step = found[-1]
+    return float(loss), int(step)
 
 
-def test_a_preempted_lightning_job_is_requeued_once_and_resumes_from_its_own_checkpoint(
-    testbed: dict[str, object], tmp_path: Path
-) -> None:
-    ref_id, ref_dir = submitted(
-        meshrun(tmp_path, "submit", *_lightning("--set", f"resources.partition={tb.HIGH_PARTITION}"), check=True)
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[float, int]]:
+    """Each script's uninterrupted run: two ranks on `local` (the same world size as two nodes of one rank)."""
+    home = tmp_path_factory.mktemp("references")
+    jobs = {
+        name: submitted(meshrun(home, "submit", *_args(f, "local", "--set", "resources.tasks_per_node=2"), check=True))
+        for name, f in FRAMEWORKS.items()
+    }
+    for name, (job_id, run_dir) in jobs.items():
+        row = wait_for_state(home, job_id, ENDED, timeout=600)
+        assert row["state"] == "COMPLETED", (name, row, _rank_log(run_dir)[-3000:])
+    return {name: _final(run_dir) for name, (_job, run_dir) in jobs.items()}
+
+
+def _preempt_everything(tmp_path: Path) -> str:
+    """A high-partition job that needs every CPU of both nodes: Slurm preempts every job in the default partition."""
+    out = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            f"--partition={tb.HIGH_PARTITION}",
+            "--nodes=2",
+            "--ntasks-per-node=1",
+            f"--cpus-per-task={tb.CPUS_PER_NODE}",
+            f"--output={tmp_path}/preemptor-%j.out",
+            "--wrap=sleep 5",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
-    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *_lightning(), check=True))
-    until(lambda: "epoch 10 done" in _rank_log(run_dir), "the Lightning job never trained", timeout=180)
-    high_id = _preempt_with_a_high_job(tmp_path)
-    row = wait_for_state(tmp_path, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=420)
+    return out.stdout.strip()
+
+
+def test_lightning_hf_trainer_and_accelerate_preempted_for_real_requeue_once_and_resume_from_their_own_checkpoints(
+    testbed: dict[str, object], tmp_path: Path, references: dict[str, tuple[float, int]]
+) -> None:
+    two_nodes = ("--set", "resources.nodes=2")
+    jobs = {
+        name: submitted(meshrun(tmp_path, "submit", *_args(f, "testbed", *two_nodes), check=True))
+        for name, f in FRAMEWORKS.items()
+    }
+    for name, (_job, run_dir) in jobs.items():
+        wanted = FRAMEWORKS[name].training
+        until(lambda: wanted in _rank_log(run_dir), f"{name}: never trained", timeout=240)  # noqa: B023
+    high_id = _preempt_everything(tmp_path)
+    for name, (job_id, run_dir) in jobs.items():
+        row = wait_for_state(tmp_path, job_id, ENDED, timeout=480)
+        batch, rank0 = _batch_log(run_dir, job_id), _rank_log(run_dir)
+        assert row["state"] == "COMPLETED" and row["restarts"] == 1, (name, row, batch, rank0[-3000:])
+        assert "preempted by Slurm at " in batch and "requeueing: restart 1 of at most" in batch, (name, batch)
+        assert _sacct_rows(job_id) == ["REQUEUED", "COMPLETED"], (name, _sacct_rows(job_id))
+        assert FRAMEWORKS[name].resumed in rank0, (name, rank0[-3000:])  # from its own checkpoint, not afresh
+        loss, step = _final(run_dir)
+        ref_loss, ref_step = references[name]
+        assert step == ref_step and math.isclose(loss, ref_loss, rel_tol=1e-5), (name, loss, step, references[name])
+    until(lambda: _sacct_rows(high_id) == ["COMPLETED"], "the preempting job did not run")
+    # Lightning and the Accelerate loop exited 0 on the stop: meshrun's rule made it a stop. The Trainer's ranks
+    # died of Slurm's SIGTERM: a program that died of the stop signal is requeued too.
+    for name in ("lightning", "accelerate"):
+        batch = _batch_log(jobs[name][1], jobs[name][0])
+        assert "ranks exited with status 0" in batch and "finished (exit 0): not requeueing" in batch, batch
+        assert "stopped by preemption (no step reported): the program exited 0 after the stop signal" in batch, batch
+    assert "Received SIGTERM" in _rank_log(jobs["lightning"][1])
+    assert "stopped on SIGTERM after step" in _rank_log(jobs["accelerate"][1])
+
+
+def test_lightning_requeues_itself_on_the_time_limits_warning_and_meshrun_stands_back(
+    testbed: dict[str, object], tmp_path: Path, references: dict[str, tuple[float, int]]
+) -> None:
+    job_id, run_dir = submitted(
+        meshrun(tmp_path, "submit", *_args(LIGHTNING, "testbed", "--set", "resources.nodes=2"), check=True)
+    )
+    until(lambda: LIGHTNING.training in _rank_log(run_dir), "the Lightning job never trained", timeout=240)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)  # the time limit's warning
+    row = wait_for_state(tmp_path, job_id, ENDED, timeout=480)
     batch, rank0 = _batch_log(run_dir, job_id), _rank_log(run_dir)
     assert row["state"] == "COMPLETED" and row["restarts"] == 1, (row, batch, rank0[-3000:])
-    # Lightning heard Slurm's SIGTERM, stopped, saved with its own callback and exited 0: a stop, requeued once.
-    assert "Received SIGTERM" in rank0, rank0[-3000:]
-    assert "preempted by Slurm at " in batch and "ranks exited with status 0" in batch, batch
-    assert "stopped by preemption (no step reported): the program exited 0 after the stop signal" in batch, batch
-    assert "requeueing: restart 1 of at most" in batch and "finished (exit 0): not requeueing" in batch, batch
+    # Lightning saved and asked Slurm for the requeue itself; meshrun passed the signal on once and stood back.
+    assert "Handling auto-requeue signal" in rank0 and "hpc_ckpt_1.ckpt" in rank0, rank0[-3000:]
+    assert "SIGUSR1: passing it to the ranks" in batch, batch
+    assert "requeueing: restart" not in batch.split(" restart 1 ")[0], batch  # not a second requeue of meshrun's
     assert _sacct_rows(job_id) == ["REQUEUED", "COMPLETED"], _sacct_rows(job_id)
-    # The next start loaded Lightning's own checkpoint, not a fresh model.
-    assert "Restored all states from the checkpoint at " in rank0 and "on_exception.ckpt" in rank0, rank0[-3000:]
-    wait_for_state(tmp_path, ref_id, {"COMPLETED"}, timeout=420)
-    until(lambda: _sacct_rows(high_id) == ["COMPLETED"], "the preempting job did not run")
-    loss, epoch, step = _final(run_dir)
-    ref_loss, ref_epoch, ref_step = _final(ref_dir)
-    assert (epoch, step) == (ref_epoch, ref_step) == (EPOCHS, EPOCHS), (epoch, step, ref_epoch, ref_step)
-    # Every stop ends an epoch (one batch a rank), so the resume is Lightning-exact up to float summation order.
-    assert math.isclose(loss, ref_loss, rel_tol=1e-5), (loss, ref_loss)
+    assert not list(run_dir.glob("hpc_ckpt_2.ckpt")), "Lightning saved twice: it heard the stop twice"
+    loss, step = _final(run_dir)
+    ref_loss, ref_step = references["lightning"]
+    assert step == ref_step and math.isclose(loss, ref_loss, rel_tol=1e-5), (loss, step, references["lightning"])

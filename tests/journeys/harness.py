@@ -6,7 +6,9 @@ code, or from one of two project folders, changed since its last submit), cancel
 process of a running job (local: a rank, the rank controller, the sidecar, the supervisor; Slurm: a rank,
 a node's sidecar or its copier child, the batch shell), a `logs -f` client killed, a `meshrun tb` client
 killed (then `tb --stop`), a preemption by a high-partition job (Slurm), a second Unix user trying to read a
-job's files and its TensorBoard, and the read verbs (status, logs, top, export).
+job's files and its TensorBoard, the read verbs (status, logs, top, export), and a framework's job beside the
+others (a plain Lightning script, examples/lightning_train.py: it reports no step, and stops on SIGTERM with an
+exit 0 of its own).
 Every job trains the same tiny model
 with the same seed, so every loss any job logs for step N must equal, bit for bit, the loss an
 uninterrupted run logged for step N (`reference`): a resume that is not exact shows up wherever it lands.
@@ -16,7 +18,8 @@ After every step `check` holds the journey to the invariants:
 - a job seen ended keeps its state, step and checkpoint (each id its own; a resume beside it changes nothing);
 - a checkpoint marked complete is complete (marker and DCP metadata), and the checkpoint a job reports
   is on disk, or a later job of its run dir went past it;
-- no job reports success with lost steps: a COMPLETED job has no checkpoint_lost alert and exit code 0;
+- no job reports success with lost steps: a COMPLETED job has no checkpoint_lost alert and exit code 0, and
+  a framework's job that reports nothing was COMPLETED only once its program trained every epoch (its last line);
 - nothing meshrun writes is readable by another user, under umask 000 as under 022 (mode bits after every
   step; a real second user's reads and HTTP requests in the steps that are about it);
 - the code snapshot a running job runs from (Slurm) is there, unchanged, until it ends;
@@ -32,6 +35,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import signal
 import stat
 import subprocess
@@ -120,6 +124,29 @@ def spec_args(site: Site, corpus: Path, spec_file: Optional[Path] = None) -> lis
     ]
 
 
+FRAMEWORK_EPOCHS = 100
+"""The framework job's length: one step an epoch of 0.2 s, about 20 s of training beside the journey's jobs."""
+FRAMEWORK_DONE = re.compile(r"^epoch (\d+) done$", re.M)
+FRAMEWORK_FINAL = re.compile(r"^final loss [0-9.]+ after epoch (\d+) step \d+$", re.M)
+
+
+def framework_args(site: Site) -> list[str]:
+    """The journey's framework job: examples/lightning_train.py on the site's cluster (two nodes of one rank on
+    Slurm, two ranks on `local`), no meshrun imports, nothing reported to meshrun."""
+    cluster = site.spec[site.spec.index("-c") + 1]
+    shape = "resources.nodes=2" if site.ships_code else "resources.tasks_per_node=2"
+    command = f"command=python3,examples/lightning_train.py,--epochs,{FRAMEWORK_EPOCHS},--sleep,0.2"
+    return ["examples/lightning.yaml", "-c", cluster, "--set", shape, "--set", command]
+
+
+def framework_epochs(run_dir: Path, final: bool = False) -> int:
+    """The newest epoch rank 0 of a framework job said it finished (`final`: its last line's, 0 without one)."""
+    path = run_dir / "logs" / "rank-0.log"
+    text = path.read_text(errors="replace") if path.exists() else ""
+    found = (FRAMEWORK_FINAL if final else FRAMEWORK_DONE).findall(text)
+    return int(found[-1]) if found else 0
+
+
 def checkpoint_root(run_dir: Path) -> Path:
     """Where the job's checkpoints are (spec.json's run.checkpoint_dir: a cluster's root, or in the run dir)."""
     try:
@@ -154,6 +181,8 @@ class Job:
     row: dict[str, Any] = field(default_factory=dict)
     code: Optional[dict[str, int]] = None
     """The files (path -> size) of the folder it runs from, when first seen running."""
+    framework: bool = False
+    """A framework's script (framework_args): no metrics; its rank-0 log says how far it got."""
 
 
 class JourneyFailed(AssertionError):
@@ -236,7 +265,7 @@ class Journey:
         ended = [self.jobs[j] for j, row in rows.items() if row["done"]]
         choices: list[Callable[[], None]] = [self.read_verbs, self.pause]
         if len(running) < MAX_RUNNING:
-            choices += [self.submit] * 2 + [self.submit_project]
+            choices += [self.submit] * 2 + [self.submit_project, self.submit_framework]
         if self.jobs:
             choices += [self.tensorboard, self.peer_reads]
         if running:
@@ -261,6 +290,15 @@ class Journey:
         job_id, run_dir = submitted(done)
         self.jobs[job_id] = Job(job_id, run_dir)
         self.log[-1] += f" {job_id}"
+
+    def submit_framework(self) -> None:
+        """A Lightning script's job beside the others: meshrun must tell its exit 0 on a stop (a preemption's
+        SIGTERM, a cancel's) from a finish, though it reports no step."""
+        done = self.verb("submit", *framework_args(self.site))
+        self.expect(done.returncode == 0, f"submit of the framework job failed: {done.stderr}")
+        job_id, run_dir = submitted(done)
+        self.jobs[job_id] = Job(job_id, run_dir, framework=True)
+        self.log[-1] = f"meshrun submit FRAMEWORK -> 0 {job_id}"
 
     def submit_project(self) -> None:
         """A submit from one of two project folders (the spec's copy in it, `code.root: .`), the second time
@@ -345,7 +383,7 @@ class Journey:
             return
         child = done.stdout.split(" as job ")[1].split()[0]
         self.log[-1] += f" {child}"
-        self.jobs[child] = Job(child, job.run_dir, parent=job.job_id)
+        self.jobs[child] = Job(child, job.run_dir, parent=job.job_id, framework=job.framework)
 
     def kill(self, job: Job) -> None:
         self.wait_a_few_steps(job)
@@ -451,6 +489,14 @@ class Journey:
 
     def wait_a_few_steps(self, job: Job) -> None:
         """Until the job logged a step at random (or ended): the kill or cancel lands mid-training."""
+        if job.framework:  # rank 0 says every 10th epoch (the first start's or a later one's)
+            epoch = 10 * self.rng.randint(1, FRAMEWORK_EPOCHS // 20)
+            self.wait_until(
+                f"{job.job_id} reaches epoch {epoch}",
+                lambda: framework_epochs(job.run_dir) >= epoch or self.ended(job),
+                timeout=180,
+            )
+            return
         want = self.rng.randint(1, STEPS // 2)
         self.wait_until(
             f"{job.job_id} reaches step {want}",
@@ -490,7 +536,11 @@ class Journey:
         if row["state"] == "COMPLETED":
             self.expect("checkpoint_lost" not in rules, f"{job.job_id} COMPLETED with lost steps: {row['alerts']}")
             self.expect(row["exit_code"] in (0, None), f"{job.job_id} COMPLETED with exit {row['exit_code']}")
-            self.expect(row["progress"].get("step") == STEPS, f"{job.job_id} COMPLETED at step {row['progress']}")
+            if job.framework:  # it reports nothing: its own last line says whether it trained every epoch
+                trained = framework_epochs(job.run_dir, final=True)
+                self.expect(trained == FRAMEWORK_EPOCHS, f"{job.job_id} COMPLETED after {trained} epochs")
+            else:
+                self.expect(row["progress"].get("step") == STEPS, f"{job.job_id} COMPLETED at step {row['progress']}")
         reported = row["progress"].get("checkpoint_step")
         if reported is None:
             return

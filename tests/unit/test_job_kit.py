@@ -359,3 +359,41 @@ def test_command_steps_belongs_to_command_jobs() -> None:
     with pytest.raises(SchemaError, match="command_steps"):
         JobSpec(name="x", command=("true",), command_steps=0)
     assert JobSpec(name="x", command=("true",), command_steps=5).command_steps == 5
+
+
+# A profile's Pyxis flags on a cluster without Pyxis (issue 44's trial): srun refuses its own command line; no rank
+# ever starts. Status said FAILED with no reason, and the job was requeued 8 times, failing the same way.
+REFUSED_LOG = """\
+[meshrun] job 700 restart 0 on n[1-2] at 2026-12-07T10:00:00Z
+srun: unrecognized option '--container-image=nvcr.io#nvidia/pytorch:24.01-py3'
+Try "srun --help" for more information
+[meshrun] ranks exited with status 1 at 2026-12-07T10:00:01Z
+"""
+
+
+def test_a_job_whose_ranks_never_started_says_why_and_is_not_requeued_to_fail_again(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from launcher import rankends
+
+    monkeypatch.setenv("SLURM_JOB_ID", "700")
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    monkeypatch.delenv("MESHRUN_RESTART_IN_JOB", raising=False)
+    _command_spec(tmp_path)
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "slurm-700.out").write_text(REFUSED_LOG)
+    assert main([str(tmp_path), "1", "0", "20"]) == 0
+    assert capsys.readouterr().out == "stop 2 bad input (exit 2): not requeueing\n"
+    reason = (tmp_path / RunDir.RANK_ERROR).read_text()
+    assert (
+        reason
+        == "the ranks never started: srun: unrecognized option '--container-image=nvcr.io#nvidia/pytorch:24.01-py3'\n"
+    )
+    # srun's other complaints name the cause too, but may pass (a step that could not be created): requeued.
+    line = "[meshrun] job 700 restart 0 on "
+    other = f"{line}n1\nsrun: error: Unable to create step for job 700: Socket timed out\n"
+    assert rankends.launch_failure(other, line) == "srun: error: Unable to create step for job 700: Socket timed out"
+    assert not rankends.refused_argv(rankends.launch_failure(other, line) or "")
+    # Once a task ended, the ranks ran: their own errors say why, not srun's chatter.
+    ran = f"{line}n1\nsrun: error: n1: task 0: Exited with exit code 1\nsrun: error: Timed out waiting for step\n"
+    assert rankends.launch_failure(ran, line) is None
