@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Mapping, MutableMapping, Optional
 
+from launcher.contract.rundir import IN_JOB_ENV
 from launcher.hostlist import expand_hostlist
 
 __all__ = ["RankEnv", "rank_env", "torchrun_vars", "setdefault_env", "master_port", "expand_hostlist"]
@@ -103,17 +104,26 @@ def setdefault_env(updates: Mapping[str, str], environ: MutableMapping[str, str]
     return added
 
 
-def master_port(job_id: str) -> int:
-    """A port in [PORT_LOW, PORT_HIGH] that is the same for every rank of `job_id`.
+START_STRIDE = 7919
+"""How far apart (modulo the window) the ports of one job's successive starts are: a prime, so every start of a
+job gets its own port, and a start's port lands far from the ports of the jobs with ids near its own."""
+
+
+def master_port(job_id: str, start: int = 0) -> int:
+    """A port in [PORT_LOW, PORT_HIGH] that is the same for every rank of one start of `job_id`.
 
     Numeric ids (Slurm's, a LocalExecutor pid) map by modulo, so jobs with nearby ids, the
     ones likely to share a node at the same time, never get the same port; other ids hash.
+    Each start (`start`: a requeue, a restart inside the allocation) moves it by START_STRIDE: a port still
+    held by a dying earlier start of the same job (its TCPStore, in TIME_WAIT) cannot stall the next one's
+    rendezvous (a new user's trial lost 42 s to that after a requeue).
     """
     span = PORT_HIGH - PORT_LOW  # one port fewer than the window: 29500 is skipped below
     if job_id.isascii() and job_id.isdigit():
         slot = int(job_id) % span
     else:  # sha256, not hash(): str hashes are salted per process, and all ranks must agree
         slot = int.from_bytes(hashlib.sha256(job_id.encode()).digest()[:8], "big") % span
+    slot = (slot + start * START_STRIDE) % span
     port = PORT_LOW + slot
     return port + 1 if port >= _TORCHRUN_DEFAULT_PORT else port
 
@@ -325,8 +335,19 @@ def _master_addr(env: Mapping[str, str], default: str) -> str:
     return addr
 
 
+def start_index(env: Mapping[str, str]) -> int:
+    """Which start of its job this is, the same on every rank: Slurm's requeues and the restarts inside the
+    allocation (spare nodes) together."""
+    try:
+        requeues = int(env.get("SLURM_RESTART_COUNT") or 0)
+        in_job = int(env.get(IN_JOB_ENV) or 0)
+    except ValueError:
+        return 0
+    return requeues * 1009 + in_job
+
+
 def _master_port(env: Mapping[str, str], job_id: str) -> int:
-    port = _int(env, "MASTER_PORT", default=master_port(job_id))
+    port = _int(env, "MASTER_PORT", default=master_port(job_id, start_index(env)))
     if not 1 <= port <= 65535:
         raise ValueError(f"MASTER_PORT={env['MASTER_PORT']!r} is not a TCP port (1-65535)")
     return port

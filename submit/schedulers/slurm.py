@@ -180,6 +180,12 @@ def _exit_code(text: Optional[str]) -> Optional[int]:
     return int(head)
 
 
+def _whole_life(job: slurm_cli.SlurmJob) -> Optional[int]:
+    """ELAPSED: every run of the job (a requeued job's earlier ones too), not only the newest."""
+    now = slurm_cli.seconds(job.elapsed)
+    return now + job.earlier_s if now is not None else (job.earlier_s or None)
+
+
 def _status(
     record: JobRecord,
     job: slurm_cli.SlurmJob,
@@ -212,14 +218,14 @@ def _status(
         submitted_at=record.submitted_at,
         done=job.done,
         succeeded=job.succeeded,
-        elapsed_s=slurm_cli.seconds(job.elapsed),
+        elapsed_s=_whole_life(job),
         time_limit_s=slurm_cli.seconds(job.time_limit),
         restarts=max(job.restarts, int(progress.get("restart_count") or 0)),
         reason=reason,
         progress=progress,
         exit_code=_exit_code(job.exit_code) if job.done else None,
         losses=parse_losses(text, record.job_id) if live else [],
-        usage=found.usage(slurm_cli.seconds(job.elapsed), job.gpus),
+        usage=found.usage(_whole_life(job), job.gpus),  # every run held its GPUs
         **found.status_fields(),
     )
 

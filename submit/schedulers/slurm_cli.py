@@ -75,6 +75,8 @@ class SlurmJob:
     time_limit: Optional[str] = None
     nodes: Optional[str] = None
     restarts: int = 0
+    earlier_s: int = 0
+    """The seconds the job's earlier runs (before its requeues) ran: with `elapsed`, the job's whole life."""
     reason: Optional[str] = None
     gpus: Optional[int] = None
     """The GPUs Slurm's accounting says the allocation holds (AllocTRES's gres/gpu; 0: none); None: not known."""
@@ -245,6 +247,7 @@ def parse_sacct(output: str) -> dict[str, SlurmJob]:
     run's row, with the earlier runs' rows (a requeue's) counted as its restarts."""
     states: dict[str, SlurmJob] = {}
     runs: dict[str, int] = {}
+    earlier: dict[str, int] = {}
     for line in output.splitlines():
         cols = line.split("|")
         if len(cols) < SACCT_READ:
@@ -254,6 +257,8 @@ def parse_sacct(output: str) -> dict[str, SlurmJob]:
         tres = cols[SACCT_READ + 1] if len(cols) > SACCT_READ + 1 else None
         if "." in job_id:  # a step row; --allocations should have removed it
             continue
+        if job_id in states:  # a later run of a requeued job: the earlier one's time counts in its life
+            earlier[job_id] = earlier.get(job_id, 0) + (seconds(states[job_id].elapsed) or 0)
         runs[job_id] = runs.get(job_id, 0) + 1
         states[job_id] = SlurmJob(
             job_id=job_id,
@@ -265,6 +270,7 @@ def parse_sacct(output: str) -> dict[str, SlurmJob]:
             reason=unknown_state_note(state) or cancel_note(state, owner),
             gpus=allocated_gpus(tres),
             restarts=runs[job_id] - 1,
+            earlier_s=earlier.get(job_id, 0),
         )
     return states
 

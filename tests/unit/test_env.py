@@ -98,7 +98,9 @@ def _rank(source: str, **facts: object) -> RankEnv:
     """What a rank of SOURCE knows: facts given, the rest those of rank 0 of a one-process world."""
     single = dict(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1)
     fields = {**single, "master_addr": "127.0.0.1", "job_id": "", "restart_count": 0, "hosts": ("127.0.0.1",)}
-    return RankEnv(**{**fields, "master_port": master_port(str(facts.get("job_id", ""))), **facts, "source": source})
+    start = int(str(facts.get("restart_count", 0))) * 1009  # each start its own port (start_index)
+    port = master_port(str(facts.get("job_id", "")), start)
+    return RankEnv(**{**fields, "master_port": port, **facts, "source": source})
 
 
 @pytest.mark.parametrize(
@@ -146,7 +148,7 @@ def _rank(source: str, **facts: object) -> RankEnv:
     ids=["slurm", "local", "torchrun", "single"],
 )
 def test_each_source_gives_the_whole_rank(env: dict[str, str], expected: RankEnv) -> None:
-    # Recorded environments of each source, read field by field (job id 4242's port: master_port("4242")).
+    # Recorded environments of each source, read field by field (job id 4242's port: master_port("4242", start)).
     assert rank_env(env) == expected
 
 
@@ -368,7 +370,7 @@ def test_torchrun_vars() -> None:
         "ROLE_WORLD_SIZE": "8",
         "NODE_RANK": "1",
         "MASTER_ADDR": "gpu07",
-        "MASTER_PORT": str(master_port("4242")),
+        "MASTER_PORT": str(master_port("4242", 2 * 1009)),  # the recorded rank's restart 2
     }
 
 
@@ -395,6 +397,18 @@ def test_master_port_range() -> None:
     assert min(ports) >= PORT_LOW and max(ports) <= PORT_HIGH
     assert PORT_HIGH < 32768  # Linux's default ephemeral range starts there
     assert 29500 not in ports  # torchrun's default
+
+
+def test_each_start_of_a_job_rendezvous_on_a_port_of_its_own() -> None:
+    """Issue 44's trial: a requeued start stalled 42 s in rendezvous on the port its dying predecessor held."""
+    from launcher.env import start_index
+
+    starts = [{"SLURM_RESTART_COUNT": str(r), "MESHRUN_RESTART_IN_JOB": str(i)} for r in range(20) for i in range(5)]
+    assert len({start_index(env) for env in starts}) == len(starts)
+    assert len({master_port("4242", start_index(env)) for env in starts}) == len(starts)
+    assert start_index({}) == 0 and master_port("4242", 0) == master_port("4242")
+    env = with_(SLURM_STEP, SLURM_RESTART_COUNT="3")
+    assert rank_env(env).master_port == master_port("4242", 3 * 1009) != rank_env(SLURM_STEP).master_port
 
 
 def test_master_port_differs_between_jobs() -> None:

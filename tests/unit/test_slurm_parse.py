@@ -49,8 +49,12 @@ def test_a_requeued_jobs_earlier_runs_are_its_restarts() -> None:
     only from the trainer's metrics lines. Accounting's rows of the earlier runs count now."""
     states = slurm.parse_sacct(SACCT_REQUEUED)
     assert (states["4"].state, states["4"].restarts, states["4"].elapsed) == ("COMPLETED", 1, "00:01:06")
+    assert states["4"].earlier_s == 13 and states["9"].earlier_s == 0  # ELAPSED: the job's whole life, 79 s
     assert states["9"].restarts == 0
     assert "--duplicates" in slurm.sacct_argv(["4"])
+    from submit.schedulers.slurm import _whole_life
+
+    assert _whole_life(states["4"]) == 79 and _whole_life(states["9"]) == 21  # status's ELAPSED and GPU-hours
 
 
 @pytest.mark.parametrize("text, code", [("0:0", 0), ("2:0", 2), ("0:15", None), ("75:0", 75), ("", None)])
