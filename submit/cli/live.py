@@ -65,7 +65,7 @@ def cmd_top(args: argparse.Namespace) -> int:
     records = _followed(args, registry)
     clusters = api.Clusters()
     try:
-        return top.run(records, clusters, registry, once=args.once)
+        return top.run(records, clusters, registry, once=args.once, named=bool(args.jobs))
     except KeyboardInterrupt:
         return 0
     finally:

@@ -123,8 +123,16 @@ def screen(found: Sequence[Status], width: int) -> list[str]:
     return [line[:width] for line in table([HEAD, *(row(s) for s in found)]).splitlines()]
 
 
-def run(records: Sequence[Any], clusters: Any, registry: Any, out: Optional[TextIO] = None, once: bool = False) -> int:
-    """Redraw every REFRESH_S until Ctrl-C; not a terminal (or `once`): one refresh as plain lines."""
+def run(
+    records: Sequence[Any],
+    clusters: Any,
+    registry: Any,
+    out: Optional[TextIO] = None,
+    once: bool = False,
+    named: bool = False,
+) -> int:
+    """Redraw every REFRESH_S until Ctrl-C; not a terminal (or `once`): one refresh as plain lines, of the jobs
+    still running (`named`: the jobs the user named, ended or not)."""
     from submit import api
     from submit.errors import ConnectionLost
 
@@ -138,6 +146,8 @@ def run(records: Sequence[Any], clusters: Any, registry: Any, out: Optional[Text
             time.sleep(REFRESH_S)
             continue
         width = shutil.get_terminal_size((200, 50)).columns if tty else 10_000
+        if not tty and not named:  # "every running job": one the registry thought running may have ended since
+            found = [status for status in found if not status.done]
         lines = screen(found, width)
         if not tty:
             out.write("".join(f"{line}\n" for line in lines))

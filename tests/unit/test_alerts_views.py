@@ -171,3 +171,19 @@ def test_status_of_one_job_says_why_it_ended_with_its_exit_codes_meaning() -> No
     waiting = _status(state="PENDING", reason="Resources")
     assert detail_lines(waiting) == ["reason: Resources"]
     assert detail_lines(_status(state="COMPLETED", done=True, succeeded=True)) == []
+
+
+def test_top_once_lists_the_running_jobs_and_the_named_ones_ended_or_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 44: `top --once` listed COMPLETED jobs (the registry still thought them running) while README says
+    'every running job'."""
+    from submit import api
+    from submit.views import top
+
+    found = [_status(job_id="run1"), _status(job_id="done1", state="COMPLETED", done=True, succeeded=True)]
+    monkeypatch.setattr(api, "statuses", lambda *_a, **_k: found)
+    out = io.StringIO()
+    assert top.run([], None, None, out=out, once=True) == 0
+    assert "run1" in out.getvalue() and "done1" not in out.getvalue()
+    named = io.StringIO()
+    assert top.run([], None, None, out=named, once=True, named=True) == 0
+    assert "run1" in named.getvalue() and "done1" in named.getvalue()
