@@ -292,8 +292,8 @@ def _check_submit_flags(args: argparse.Namespace, scheduler: str) -> None:
     api.check_dependencies(args.after, scheduler)
     if args.json and not args.dry_run:
         raise FlagConflict("--json", "without --dry-run", "--json prints the request of a --dry-run: add --dry-run")
-    if args.check and (args.dry_run or args.sweep or args.wait):
-        other = "--dry-run" if args.dry_run else "--sweep" if args.sweep else "--wait"
+    if args.check and (args.dry_run or args.wait):  # a sweep may be checked first: its array's test-only
+        other = "--dry-run" if args.dry_run else "--wait"
         raise FlagConflict("--check", f"with {other}", "--check submits nothing: use one of them at a time")
     if args.sweep and args.wait:
         raise FlagConflict(

@@ -36,6 +36,10 @@ TEST_ONLY = (
     'f=$(mktemp) || exit 1; printf "%s" "$1" > "$f"; shift; '
     'sbatch --test-only "$@" "$f" 2>&1; s=$?; rm -f -- "$f"; exit $s'
 )
+# A sweep's refusal names the cluster's MaxArraySize (Slurm says only "Invalid job array specification").
+TEST_ARRAY = TEST_ONLY.replace(
+    "exit $s", "[ $s = 0 ] || scontrol show config 2>/dev/null | grep -i '^MaxArraySize'; exit $s"
+)
 # The first argument says whether to look into the data files (0: the submit judged them already, on this
 # machine, which sees them as the ranks will: the local cluster, a login node). Each argument pair after it is KEY PATH, `~/` meaning the cluster user's home. A file that is missing or unreadable
 # prints `missing KEY PATH`; a secret (its key starts with `secrets.`) also `open KEY PATH` when others may
@@ -134,7 +138,7 @@ def commands(plan: Plan, request: Request, local: bool, inspect_data: bool = Tru
     found: list[tuple[str, list[str]]] = []
     if request.scheduler == "slurm":
         flags = [f"--job-name={plan.spec.name}", f"--chdir={plan.run_dir}"]
-        found.append(("slurm", ["sh", "-c", TEST_ONLY, "sh", request.script, *flags]))
+        found.append(("slurm", ["sh", "-c", TEST_ARRAY if plan.tasks else TEST_ONLY, "sh", request.script, *flags]))
     pairs = [word for pair in files_to_check(plan) for word in pair]
     found.append(("files", ["sh", "-c", FILES, "sh", "1" if inspect_data else "0", *pairs]))
     if not local:
@@ -154,7 +158,7 @@ def run(plan: Plan, request: Request, transport: Transport, local: bool, inspect
     start: Optional[str] = None
     for (what, _), result in zip(planned, results):
         if what == "slurm":
-            check, start = _slurm(result)
+            check, start = _slurm(result, len(plan.tasks))
         elif what == "files":
             check = _files(result, plan.spec.train.model.vocab_size if plan.spec.train else 0)
         elif what == "environment":
@@ -170,11 +174,25 @@ def _last_line(result: Result) -> str:
     return lines[-1] if lines else f"exit {result.returncode}"
 
 
-def _slurm(result: Result) -> tuple[Check, Optional[str]]:
+MAX_ARRAY = re.compile(r"^MaxArraySize\s*=\s*(\d+)", re.M | re.I)
+
+
+def _slurm(result: Result, tasks: int = 0) -> tuple[Check, Optional[str]]:
     found = START.search(result.stdout + result.stderr)
     if result.returncode == 0 and found:
         start, nodes, partition = found.groups()
         return Check("slurm", True, f"Slurm can run it: on {nodes} in {partition}, estimated start {start}"), start
+    limit = MAX_ARRAY.search(result.stdout)
+    if tasks and limit and tasks > int(limit.group(1)):
+        most = int(limit.group(1))  # array indexes run 0..MaxArraySize-1
+        return Check(
+            "slurm",
+            False,
+            f"Slurm refuses the sweep: its {tasks} tasks are more than the cluster's MaxArraySize={limit.group(1)} "
+            f"allows (at most {most} tasks, indexes 0-{most - 1}); split the sweep, or ask the admins to raise it",
+        ), None
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if not MAX_ARRAY.match(line)]
+    result = Result(result.argv, result.returncode, "\n".join(lines), "")
     reason = _last_line(result).removeprefix("sbatch: error: ").removeprefix("allocation failure: ")
     if "Unable to contact slurm controller" in reason:
         return Check(

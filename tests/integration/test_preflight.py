@@ -90,6 +90,10 @@ def test_check_alone_says_when_the_job_would_start_and_submits_nothing(
     assert [line.split()[1] for line in lines] == ["slurm", "files", "environment", "space", "code"], lines
     assert lines[-1].startswith("ok    code        snapshot "), lines  # on the cluster already, or to upload
     assert out.stderr.endswith("nothing was queued; the job would start\n") and _sacct_names(name) == []
+    # A sweep is checked first too (issue 44: `--sweep ... --check` was refused): its array's test-only.
+    out = sshbed.meshrun(tmp_path, "submit", *args, "--sweep", "train.lr=1e-3,3e-4")
+    assert out.returncode == 0 and out.stdout.startswith("ok    slurm       Slurm can run it"), out
+    assert _sacct_names(name) == []
 
 
 def test_any_cluster_goes_where_the_job_starts_first_and_says_why(testbed: dict, tmp_path: Path, corpus: Path) -> None:

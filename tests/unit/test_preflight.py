@@ -160,6 +160,19 @@ def test_slurms_answer_is_read(code: int, said: str, ok: bool, line: str) -> Non
     assert start == ("2026-12-03T22:12:28" if ok else None)
 
 
+def test_a_sweep_over_max_array_size_names_the_limit_and_the_count() -> None:
+    """Issue 44: 1,002 tasks where MaxArraySize is 1,001 got Slurm's 'Invalid job array specification' and a
+    hint to check nodes, partition and time. The sweep's test asks for the limit when Slurm refuses."""
+    said = "sbatch: error: Batch job submission failed: Invalid job array specification\nMaxArraySize = 1001\n"
+    check, _ = preflight._slurm(Result(("sh",), 1, said, ""), tasks=1002)
+    assert not check.ok and "its 1002 tasks are more than the cluster's MaxArraySize=1001" in check.line, check
+    assert "at most 1001 tasks, indexes 0-1000" in check.line and "split the sweep" in check.line
+    check, _ = preflight._slurm(Result(("sh",), 1, said, ""), tasks=10)  # refused for another reason
+    assert check.line.startswith("Slurm refuses the request: Batch job submission failed: Invalid job array"), check
+    assert "MaxArraySize" not in check.line
+    assert "scontrol show config" in preflight.TEST_ARRAY and "exit $s" in preflight.TEST_ARRAY
+
+
 def test_slurm_gets_the_rendered_script_on_its_input_and_no_job_is_queued(tmp_path: Path) -> None:
     plan = _plan(tmp_path, profile="testbed")
     (argv,) = [argv for what, argv in preflight.commands(plan, _request("slurm"), local=False) if what == "slurm"]
