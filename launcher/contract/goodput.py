@@ -19,7 +19,9 @@ Each attempt's allocated time (end - start) splits, by its own timestamps, into 
   end         the last logged step to the allocation's end (the last save, the sidecar's final copies,
               teardown and the requeue decision).
 Outside any allocation (no GPU held, so not in the percentage): `queue`, submit to the first start, and
-`requeue`, an attempt's end to the next one's start. Effective training time = productive / allocated.
+`requeue`, an attempt's end to the next one's start. Effective training time = productive / allocated; of the
+wall time (what the user waited: the first start to the last end, the requeue gaps included) it is
+productive / wall (`wall_effective_pct`).
 """
 
 from __future__ import annotations
@@ -123,8 +125,12 @@ def account(attempts: list[Attempt], metrics: list[Mapping[str, Any]], now: Opti
     requeue = sum(
         max(0.0, later.start - earlier.end) for earlier, later in zip(attempts, attempts[1:]) if earlier.end is not None
     )
+    # What the user waited: the first start to the last end (now while it runs), the requeue gaps included.
+    wall = ((attempts[-1].end if attempts[-1].end is not None else now) - first.start) if first else 0.0
     return {
         "allocated_s": round(allocated, 3),
+        "wall_s": round(wall, 3),
+        "wall_effective_pct": round(100.0 * totals["productive"] / wall, 2) if wall >= 1.0 else None,
         "parts_s": {k: round(v, 3) for k, v in totals.items()},
         "queue_s": round(queue, 3),
         "requeue_s": round(requeue, 3),

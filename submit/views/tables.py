@@ -205,6 +205,15 @@ def span(seconds: float) -> str:
     return f"{minutes // 60}h{minutes % 60:02d}m"
 
 
+def _of_the_wall(figures: Mapping[str, Any]) -> str:
+    """'; 68% of the 7m58s since the first start': the share of what the user waited, where requeue gaps make it
+    differ from the allocated share ('' otherwise, and in records older than the figure)."""
+    pct, wall = figures.get("wall_effective_pct"), figures.get("wall_s")
+    if pct is None or not wall or not figures.get("requeue_s"):
+        return ""
+    return f"; {pct:.0f}% of the {span(float(wall))} since the first start"
+
+
 def goodput_line(figures: Mapping[str, Any]) -> str:
     """'goodput: 81% effective (productive 9m45s of 12m03s allocated; setup 40.2s, lost 1m02s (37 steps), ...);
     queued 3.1s, requeue 45.0s': launcher/contract/goodput.py's record, in one line."""
@@ -241,6 +250,7 @@ def goodput_line(figures: Mapping[str, Any]) -> str:
         + (f" in {starts} starts" if starts > 1 else "")
         + (f"; {', '.join(rest)}" if rest else "")
         + ")"
+        + _of_the_wall(figures)
         + (f"; {', '.join(waits)}" if waits else "")
     )
 
