@@ -70,8 +70,10 @@ def main() -> None:
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
-    if any(Path(project, "checkpoints").glob("checkpoint_*")):
+    saved = sorted(int(p.name.split("_")[1]) for p in Path(project, "checkpoints").glob("checkpoint_*"))
+    if saved:
         accelerator.load_state()  # the newest: every save completes before the next step (see below)
+        accelerator.project_configuration.iteration = saved[-1] + 1  # the next save's number (load_state keeps 0)
         accelerator.print(f"resumed at step {progress.step}")
     total = args.epochs * len(loader)
     while progress.step < total:

@@ -356,7 +356,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     _check_submit_flags(args, profile.scheduler)
     plan = _plan(args, profile)  # every input error surfaces before any connection
     api.check_job(plan, force=args.force)  # missing files seen from here; a job that cannot fit its GPUs
-    if args.dry_run and api.is_local(profile):
+    if args.dry_run and api.is_local(profile) and not api.reaches_other_machines(profile.scheduler):
         if args.after:  # a login node's Slurm is asked here too (nothing is written by asking)
             transport = api.connect(profile.ssh, args.cluster)
             try:
@@ -386,7 +386,9 @@ def _submit(args: argparse.Namespace, profile: Any, plan: Any) -> int:
             offline = shlex.join(["meshrun", "render", str(args.spec), "-c", args.cluster, "--offline"])
             raise ClusterError(f"{exc}; or see the script without asking the cluster: {offline}") from None
         clusters.adopt(profile, transport, profile_path_of(args.cluster))
-        prepared = api.prepare(plan, args.spec.parent, transport, after=args.after, read_only=args.check)
+        # A dry run (on a login node too: it reads the suspect-node ledger as render does) writes nothing.
+        read_only = args.check or args.dry_run
+        prepared = api.prepare(plan, args.spec.parent, transport, after=args.after, read_only=read_only)
         _warn(prepared.warnings)
         if args.dry_run:
             print_request(prepared, args.json)
