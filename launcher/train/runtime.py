@@ -124,9 +124,51 @@ def init_distributed(env: RankEnv, runtime: Runtime) -> None:
         return
     dist.init_process_group(
         backend,
-        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        store=rendezvous_store(env),
         rank=env.rank,
         world_size=env.world_size,
         device_id=device_id,
         timeout=INIT_TIMEOUT,
     )
+
+
+def rendezvous_store(env: RankEnv) -> dist.TCPStore:
+    """The job's rendezvous store. Rank 0 serves it on the address the other ranks reach it at (MASTER_ADDR), not
+    on every interface of its node as torch's own TCPStore does (its protocol has no authentication: any user of
+    the node could connect); where that address cannot be bound here, torch's own listener serves, as before."""
+    if env.rank != 0:
+        return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=INIT_TIMEOUT)
+    listener = _listener(env.master_addr, env.master_port)
+    return dist.TCPStore(
+        env.master_addr,
+        env.master_port,
+        env.world_size,
+        is_master=True,
+        timeout=INIT_TIMEOUT,
+        **({"master_listen_fd": listener} if listener is not None else {}),
+    )
+
+
+def _listener(addr: str, port: int) -> Optional[int]:
+    """A listening socket on `addr`:`port` alone, its descriptor handed over to the store (None: not bindable
+    here, said once in the rank's log)."""
+    import socket
+
+    try:
+        family, kind, proto, _, where = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(where)
+            sock.listen(socket.SOMAXCONN)
+        except OSError:
+            sock.close()
+            raise
+    except OSError as exc:
+        print(
+            f"[meshrun] rendezvous: cannot listen on {addr}:{port} alone ({exc}); torch's store listens on every "
+            "interface of this node",
+            flush=True,
+        )
+        return None
+    return sock.detach()  # the store owns it now

@@ -124,7 +124,9 @@ def test_testbed_hang_on_the_second_node_is_requeued_resumes_and_finishes(
     one_node = ["examples/two-node.yaml", "-c", "testbed", "--set", "resources.nodes=1", "--set", "parallel.dp=2"]
     rendered = meshrun(tmp_path, "render", *one_node, check=True)
     assert "#SBATCH --exclude=n2" in rendered.stdout and "leaving out suspect node n2" in rendered.stderr
-    dry = meshrun(tmp_path, "submit", *one_node, "--set", f"data.path={corpus}", "--dry-run", check=True)  # issue 44 item 4: the dry run reads it too
+    dry = meshrun(
+        tmp_path, "submit", *one_node, "--set", f"data.path={corpus}", "--dry-run", check=True
+    )  # issue 44 item 4: the dry run reads it too
     assert "#SBATCH --exclude=n2" in dry.stdout and "leaving out suspect node n2" in dry.stderr, dry
     two_nodes = meshrun(tmp_path, "render", *TWO_NODES, check=True)
     assert "--exclude" not in two_nodes.stdout and "n2 kept in: the job needs 2" in two_nodes.stderr
