@@ -56,9 +56,9 @@ FINAL = re.compile(r"final loss ([0-9.]+) after (?:epoch \d+ )?step (\d+)")
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}
 
 
-def _args(framework: Framework, cluster: str, *extra: str) -> list[str]:
+def _args(framework: Framework, cluster: str, *extra: str, sleep: float = 0.2) -> list[str]:
     flag, value = framework.length
-    command = f"command=python3,examples/{framework.script}.py,{flag},{value},--sleep,0.2"
+    command = f"command=python3,examples/{framework.script}.py,{flag},{value},--sleep,{sleep}"
     return [f"examples/{framework.spec}.yaml", "-c", cluster, "--set", command, *extra]
 
 
@@ -74,7 +74,10 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[floa
     """Each script's uninterrupted run: two ranks on `local` (the same world size as two nodes of one rank)."""
     home = tmp_path_factory.mktemp("references")
     jobs = {
-        name: submitted(meshrun(home, "submit", *_args(f, "local", "--set", "resources.tasks_per_node=2"), check=True))
+        # No pause between steps: the numbers do not depend on it (nothing preempts these).
+        name: submitted(
+            meshrun(home, "submit", *_args(f, "local", "--set", "resources.tasks_per_node=2", sleep=0), check=True)
+        )
         for name, f in FRAMEWORKS.items()
     }
     for name, (job_id, run_dir) in jobs.items():
@@ -139,9 +142,9 @@ def test_lightning_hf_trainer_and_accelerate_preempted_for_real_requeue_once_and
 def test_lightning_requeues_itself_on_the_time_limits_warning_and_meshrun_stands_back(
     testbed: dict[str, object], tmp_path: Path, references: dict[str, tuple[float, int]]
 ) -> None:
-    job_id, run_dir = submitted(
-        meshrun(tmp_path, "submit", *_args(LIGHTNING, "testbed", "--set", "resources.nodes=2"), check=True)
-    )
+    # Shorter steps than the preemption's: the signal is sent at once, not after slurmctld gets round to it.
+    two_nodes = _args(LIGHTNING, "testbed", "--set", "resources.nodes=2", sleep=0.05)
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *two_nodes, check=True))
     until(lambda: LIGHTNING.training in _rank_log(run_dir), "the Lightning job never trained", timeout=240)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)  # the time limit's warning
     row = wait_for_state(tmp_path, job_id, ENDED, timeout=480)
