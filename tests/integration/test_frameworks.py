@@ -28,7 +28,7 @@ from typing import NamedTuple
 import pytest
 
 from tests.helpers.cli import meshrun, submitted, wait_for_state
-from tests.integration.test_real_preemption import _batch_log, _rank_log, _sacct_rows, until
+from tests.integration.test_real_preemption import _batch_log, _preempt_with_a_high_job, _rank_log, _sacct_rows, until
 from tests.testbed import testbed as tb
 
 
@@ -86,26 +86,6 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[floa
     return {name: _final(run_dir) for name, (_job, run_dir) in jobs.items()}
 
 
-def _preempt_everything(tmp_path: Path) -> str:
-    """A high-partition job that needs every CPU of both nodes: Slurm preempts every job in the default partition."""
-    out = subprocess.run(
-        [
-            "sbatch",
-            "--parsable",
-            f"--partition={tb.HIGH_PARTITION}",
-            "--nodes=2",
-            "--ntasks-per-node=1",
-            f"--cpus-per-task={tb.CPUS_PER_NODE}",
-            f"--output={tmp_path}/preemptor-%j.out",
-            "--wrap=sleep 5",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return out.stdout.strip()
-
-
 def test_lightning_hf_trainer_and_accelerate_preempted_for_real_requeue_once_and_resume_from_their_own_checkpoints(
     testbed: dict[str, object], tmp_path: Path, references: dict[str, tuple[float, int]]
 ) -> None:
@@ -117,7 +97,7 @@ def test_lightning_hf_trainer_and_accelerate_preempted_for_real_requeue_once_and
     for name, (_job, run_dir) in jobs.items():
         wanted = FRAMEWORKS[name].training
         until(lambda: wanted in _rank_log(run_dir), f"{name}: never trained", timeout=240)  # noqa: B023
-    high_id = _preempt_everything(tmp_path)
+    high_id = _preempt_with_a_high_job(tmp_path, cpus=tb.CPUS_PER_NODE)  # every job in the default partition goes
     for name, (job_id, run_dir) in jobs.items():
         row = wait_for_state(tmp_path, job_id, ENDED, timeout=480)
         batch, rank0 = _batch_log(run_dir, job_id), _rank_log(run_dir)

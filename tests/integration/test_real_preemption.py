@@ -61,9 +61,9 @@ def _sacct_rows(job_id: str) -> list[str]:
     return [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
 
 
-def _preempt_with_a_high_job(tmp_path: Path) -> str:
-    """A high-partition job that fits only once the low job's CPUs are free: on each node it asks all
-    CPUs but one (the reference, in the high partition too, holds that one and is never preempted)."""
+def _preempt_with_a_high_job(tmp_path: Path, cpus: int = tb.CPUS_PER_NODE - 1) -> str:
+    """A high-partition job that fits only once the low jobs' CPUs are free: on each node it asks `cpus`, by default
+    all CPUs but one (the reference, in the high partition too, holds that one and is never preempted)."""
     out = subprocess.run(
         [
             "sbatch",
@@ -71,7 +71,7 @@ def _preempt_with_a_high_job(tmp_path: Path) -> str:
             f"--partition={tb.HIGH_PARTITION}",
             "--nodes=2",
             "--ntasks-per-node=1",
-            f"--cpus-per-task={tb.CPUS_PER_NODE - 1}",
+            f"--cpus-per-task={cpus}",
             f"--output={tmp_path}/preemptor-%j.out",
             "--wrap=sleep 5",
         ],
