@@ -343,7 +343,7 @@ def start_index(env: Mapping[str, str]) -> int:
         in_job = int(env.get(IN_JOB_ENV) or 0)
     except ValueError:
         return 0
-    return requeues * 1009 + in_job
+    return requeues * 1009 + in_job  # 1009: more restarts than any allocation makes inside itself
 
 
 def _master_port(env: Mapping[str, str], job_id: str) -> int:

@@ -282,15 +282,17 @@ def stop_kind_of(args: list[str]) -> Optional[str]:
 
 
 def unfinished_stop(run_dir: str, spec: RunSpec, status: int, stop_kind: Optional[str]) -> Optional[str]:
-    """A `command:` job's exit 0 after a stop that is no finish (launcher/contract/finish.py): the sentence that
-    says so, recorded for `meshrun status` (an event line in metrics.jsonl), else None."""
+    """A `command:` job's exit 0 after a stop that is no finish (launcher/contract/finish.py): what stopped it and
+    where ("stopped by preemption at step 40"), recorded for `meshrun status` (an event line in metrics.jsonl);
+    None when it was a finish, or no such exit."""
     if status != EXIT_FINISHED or stop_kind is None or spec.job.command is None:
         return None
     reported = reported_step(run_dir)
-    why = finish.unfinished_exit(run_dir, stop_kind, reported, spec.job.command_steps)
-    if why is not None:
-        record_stop(run_dir, finish.stopped(stop_kind, reported))
-    return why
+    if finish.said_finished(run_dir, reported, spec.job.command_steps):
+        return None
+    said = finish.stopped(stop_kind, reported)
+    record_stop(run_dir, said)
+    return said
 
 
 def record_stop(run_dir: str, said: str, environ: Mapping[str, str] = os.environ) -> None:
@@ -335,8 +337,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     command_job = spec.job.command is not None
     note = ""
     unfinished = None if terminated else unfinished_stop(run_dir, spec, status, stop_kind)
-    if unfinished is not None:
-        status, note = EXIT_REQUEUE, unfinished  # a stop like the built-in trainer's saved one: requeued as it is
+    if unfinished is not None:  # a stop like the built-in trainer's saved one: requeued as it is
+        status, note = EXIT_REQUEUE, f"{unfinished}: {finish.WHY_A_STOP}"
     elif command_job:
         status, note = programs_own(run_dir, status)
     decision = decide(
@@ -361,7 +363,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not decision.requeue:  # the job's final state: its env: secrets go (`meshrun resume` sends them again)
         remove_dir(secrets_dir_for(run_dir))
         if unfinished is not None:  # never a success: status says what stopped it and where
-            record_reason(run_dir, f"{unfinished.split(':', 1)[0]}: {decision.why}")
+            record_reason(run_dir, f"{unfinished}: {decision.why}")
     if note:
         decision = Decision(decision.requeue, decision.code, f"{note}: {decision.why}")
     print(decision.line(), flush=True)

@@ -351,7 +351,7 @@ class Supervisor:
         if self.spec.job.command is None or not codes or any(codes):
             return False
         root = str(self.run_dir.root)
-        return finish.declared(root) or finish.reached(reported_step(root), self.spec.job.command_steps)
+        return finish.said_finished(root, reported_step(root), self.spec.job.command_steps)
 
     def _record(
         self, final: str, started: float, codes: Optional[list[int]], message: str, exit_code: Optional[int] = None

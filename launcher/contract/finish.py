@@ -52,18 +52,16 @@ def stopped(kind: str, step: Optional[int]) -> str:
     return f"stopped {said} at step {step}" if step is not None else f"stopped {said} (no step reported)"
 
 
-def unfinished_exit(
-    run_dir: str,
-    kind: str,
-    reported: Optional[int],
-    last_step: Optional[int],
-    environ: Mapping[str, str] = os.environ,
-) -> Optional[str]:
-    """The sentence for a `command:` job's exit 0 after a stop of `kind` that is no finish, or None when the
-    program said it finished (launcher.job.finished in this start, or its declared last step reported)."""
-    if declared(run_dir, environ) or reached(reported, last_step):
-        return None
-    return (
-        f"{stopped(kind, reported)}: the program exited 0 after the stop signal without saying it finished "
-        "(launcher.job.finished(), or command_steps reported), so it is a stop, not a finish"
-    )
+def said_finished(
+    run_dir: str, reported: Optional[int], last_step: Optional[int], environ: Mapping[str, str] = os.environ
+) -> bool:
+    """Whether a `command:` job's program said it finished: launcher.job.finished in this start, or its declared
+    last step reported. The one test the batch host's policy and the local supervisor apply."""
+    return declared(run_dir, environ) or reached(reported, last_step)
+
+
+WHY_A_STOP = (
+    "the program exited 0 after the stop signal without saying it finished (launcher.job.finished(), or "
+    "command_steps reported), so it is a stop, not a finish"
+)
+"""What the batch log adds to `stopped(...)` when a `command:` job's exit 0 is taken for a stop."""
