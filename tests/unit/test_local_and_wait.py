@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import subprocess
@@ -135,3 +136,52 @@ def test_wait_prints_plain_lines_only_on_change(monkeypatch) -> None:
         "[RUNNING] step 2/2",
         "[COMPLETED] step 2/2",
     ]
+
+
+def test_wait_polls_by_the_time_since_the_wait_began_across_a_requeue(monkeypatch) -> None:
+    """Issue 44: `--wait` polled every 2 s again after each requeue. The interval grows with the time since the
+    wait began, whatever the job's attempts: the statuses here report the current attempt's elapsed time (reset
+    to 0 by a requeue at 400 s), and an interval taken from it would fall back to 2 s."""
+    from submit import api
+    from submit.cli import common as cli
+
+    clock = [1000.0]
+    sleeps: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        clock[0] += seconds
+
+    def statuses(records, clusters, registry=None):
+        waited = clock[0] - 1000.0
+        if waited >= 700:
+            return [_status(state="COMPLETED", done=True, succeeded=True, elapsed_s=300, restarts=1)]
+        requeued = waited >= 400
+        attempt = waited - 400 if requeued else waited  # what the newest attempt alone has run
+        state = "PENDING" if 400 <= waited < 410 else "RUNNING"
+        return [_status(state=state, elapsed_s=int(attempt), restarts=int(requeued))]
+
+    monkeypatch.setattr(api, "statuses", statuses)
+    monkeypatch.setattr(cli.time, "sleep", sleep)
+    monkeypatch.setattr(cli.time, "monotonic", lambda: clock[0])
+    cli.wait_for(
+        JobRecord("1", "c", "n", "/r", "slurm", 0.0, None, "h"), None, None, total_steps=None, out=io.StringIO()
+    )
+    assert sleeps[0] == 2.0
+    after_requeue = [s for s, at in zip(sleeps, itertools.accumulate(sleeps)) if at > 400]
+    assert after_requeue and set(after_requeue) == {10.0}, sleeps  # not 2 s again after the requeue
+    assert len(sleeps) < 15 + 54 + 45  # 2 s for 30 s, 5 s to 300 s, then 10 s: about 60 queries, not 130
+
+
+def test_wait_line_shows_the_jobs_whole_life() -> None:
+    """ELAPSED in `--wait`'s lines: the job's every run (13 s before its requeue, 66 s since), not the newest's."""
+    from submit.schedulers import slurm_cli
+    from submit.schedulers.slurm import _status
+    from submit.transport.base import Result
+
+    record = JobRecord("4", "c", "n", "/r", "slurm", 0.0, None, "h")
+    job = slurm_cli.SlurmJob("4", slurm_cli.JobState.RUNNING, elapsed="00:01:06", restarts=1, earlier_s=13)
+    empty = Result(("true",), 0, "", "")
+    status = _status(record, job, empty, empty)
+    assert status.elapsed_s == 79
+    assert "elapsed 0:01:19" in progress_line(status, None)
