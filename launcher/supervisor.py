@@ -357,6 +357,10 @@ class Supervisor:
         self, final: str, started: float, codes: Optional[list[int]], message: str, exit_code: Optional[int] = None
     ) -> int:
         remove_dir(secrets_dir_for(str(self.run_dir.root)))  # a final state: the env: secrets go (resume resends)
+        # The goodput record first: it holds the step and checkpoint the ended job shows from now on (a status
+        # that sees the final state finds them written).
+        goodput.record_end(str(self.run_dir.root), self.job_id, 0, exit_code)
+        goodput.write(str(self.run_dir.root), self.job_id)
         merge_state(
             self.state_path,
             state=final,
@@ -366,8 +370,6 @@ class Supervisor:
             exit_code=exit_code,
             elapsed_s=round(time.time() - started, 3),
         )
-        goodput.record_end(str(self.run_dir.root), self.job_id, 0, exit_code)
-        goodput.write(str(self.run_dir.root), self.job_id)
         print(f"[meshrun] local job {self.job_id} {final} {message}".rstrip(), flush=True)
         return 0 if final == "COMPLETED" else 1
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Optional
 
 from launcher.contract.private import append_line
-from launcher.contract.rundir import RunDir, write_json
+from launcher.contract.rundir import RunDir, read_state, write_json
 
 PARTS = ("setup", "productive", "lost", "ckpt_stall", "eval", "end")
 """The parts of an allocation, in the order of a job's life; they add up to `allocated`."""
@@ -271,6 +271,29 @@ def write(run_dir: str, job: str, now: Optional[float] = None) -> Optional[dict[
     attempts = attempts_of(read_jsonl(rd.attempts), job)
     if not attempts:
         return None
-    figures = account(attempts, list(read_jsonl(rd.metrics)), now)
-    write_json(rd.goodput(job), {"job": job, **figures})
+    metrics = list(read_jsonl(rd.metrics))
+    figures = account(attempts, metrics, now)
+    write_json(rd.goodput(job), {"job": job, **figures, "progress": progress_of(metrics, job, rd)})
     return figures
+
+
+def progress_of(metrics: Iterable[Mapping[str, Any]], job: str, rd: RunDir) -> dict[str, int]:
+    """The job's newest step and highest checkpoint complete on shared storage, from the whole metrics file (and
+    RunDir.last_checkpoint while it names the job), as of this record. An ended job's `status` shows these: the
+    metrics tail it reads for a running job fills with a later job's lines (a resume in the same run dir), and
+    a job's CKPT read from it went back (issue 44's seed 7015: 45, then 30)."""
+    step: Optional[int] = None
+    checkpoint: Optional[int] = None
+    for row in metrics:
+        if row.get("job") not in (None, job):
+            continue
+        saved = row.get("checkpoint_step")
+        if isinstance(saved, int) and not isinstance(saved, bool) and not row.get("staged"):
+            checkpoint = saved if checkpoint is None else max(checkpoint, saved)
+        if "event" not in row and isinstance(row.get("step"), int) and not isinstance(row.get("step"), bool):
+            step = row["step"]
+    noted = read_state(rd.last_checkpoint)
+    if noted.get("job") == job and isinstance(noted.get("step"), int):
+        checkpoint = max(checkpoint or 0, noted["step"])
+    found = {"step": step, "checkpoint_step": checkpoint}
+    return {k: v for k, v in found.items() if v is not None}

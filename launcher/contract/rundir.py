@@ -334,10 +334,18 @@ def job_field(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def note_checkpoint(run_dir: str, step: int, environ: Mapping[str, str] = os.environ) -> None:
-    """Record `step` as the run's newest checkpoint complete on shared storage (RunDir.last_checkpoint)."""
+    """Record `step` as the run's newest checkpoint complete on shared storage (RunDir.last_checkpoint).
+
+    Within one job the record only rises: a copy that commits an older step after a newer one (a copier
+    killed and restarted on its backlog) must not make the job's CKPT go back. A later job of the run dir
+    (a resume, perhaps from an older step on purpose) writes its own."""
     import time
 
-    write_json(RunDir(run_dir).last_checkpoint, {"step": step, "time": time.time(), **job_field(environ)})
+    path, job = RunDir(run_dir).last_checkpoint, job_field(environ)
+    known = read_state(path)
+    if job and known.get("job") == job["job"] and isinstance(known.get("step"), int) and known["step"] > step:
+        return
+    write_json(path, {"step": step, "time": time.time(), **job})
 
 
 def attempt_id(environ: Mapping[str, str]) -> str:

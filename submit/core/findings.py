@@ -104,11 +104,22 @@ class Findings:
         return usage(gpus, allocated if allocated is not None else elapsed_s, run, self.energy, *self.price)
 
     def progress(self, progress: Mapping[str, Any]) -> dict[str, Any]:
-        """The metrics tail's progress with the checkpoint this record names: the tail's checkpoint events
-        can be further back than it reaches (a long checkpoint interval), or absent (a command job's)."""
-        if self.checkpoint_step is None:
-            return dict(progress)
-        return {**progress, "checkpoint_step": self.checkpoint_step}
+        """The metrics tail's progress, raised to what the job's records say: the checkpoint RunDir.last_checkpoint
+        names (the tail's checkpoint events can be further back than it reaches: a long checkpoint interval, or
+        absent: a command job's), and the step and checkpoint of its goodput record (written at its end from the
+        whole metrics file: once a resume in the same run dir has filled the tail, an ended job's own lines are
+        gone from it, and what it showed must not change). Each only ever raises a figure."""
+        merged = dict(progress)
+        recorded = (self.goodput or {}).get("progress")
+        for key, value in (
+            *((recorded or {}).items() if isinstance(recorded, dict) else ()),
+            ("checkpoint_step", self.checkpoint_step),
+        ):
+            if key not in ("step", "checkpoint_step") or not isinstance(value, int) or isinstance(value, bool):
+                continue
+            known = merged.get(key)
+            merged[key] = value if not isinstance(known, int) else max(known, value)
+        return merged
 
     def status_fields(self) -> dict[str, Any]:
         """The Status fields these fill, for every backend's status builder alike."""

@@ -108,7 +108,7 @@ def of_job(row: Mapping[str, Any], job_id: Optional[str]) -> bool:
 
 def parse_metrics_tail(text: str, job_id: Optional[str] = None) -> dict[str, Any]:
     """The newest step line of a metrics.jsonl tail (a line being written is skipped), with the
-    newest `checkpoint_step` from any line (checkpoint events are lines of their own) and the newest
+    highest `checkpoint_step` of any line (checkpoint events are lines of their own) and the newest
     `val_loss` with its `val_step` (evaluations are every eval_every steps), and `stopped`: the newest stop that was
     no finish when no step line came after it ("stopped by preemption at step 40"); `job_id`: that job's lines only."""
     found: dict[str, Any] = {}
@@ -120,17 +120,17 @@ def parse_metrics_tail(text: str, job_id: Optional[str] = None) -> dict[str, Any
             continue
         if not isinstance(row, dict) or not of_job(row, job_id):
             continue
-        # A save staged on node-local scratch is not a checkpoint yet: the sidecar's "copied" event is.
-        if checkpoint is None and row.get("checkpoint_step") is not None and not row.get("staged"):
-            checkpoint = row["checkpoint_step"]
+        # A save staged on node-local scratch is not a checkpoint yet: the sidecar's "copied" event is. The
+        # highest, not the newest line: a copier's backlog can commit an older step after a newer one.
+        step = row.get("checkpoint_step")
+        if isinstance(step, int) and not isinstance(step, bool) and not row.get("staged"):
+            checkpoint = step if checkpoint is None else max(checkpoint, step)
         if not found and stopped is None and row.get("event") == "stopped" and isinstance(row.get("why"), str):
             stopped = row["why"]  # a stop that was no finish (launcher.requeue), with no step line after it
         if not found and "event" not in row:
             found = row
         if validated is None and "val_loss" in row and "event" not in row:
             validated = {"val_loss": row["val_loss"], "val_step": row.get("step")}
-        if found and checkpoint is not None and validated is not None:
-            break
     if checkpoint is not None:
         found = {**found, "checkpoint_step": checkpoint}
     if validated is not None and found:

@@ -299,3 +299,48 @@ def test_ckpt_is_the_newest_checkpoint_on_shared_storage_however_far_back_its_me
     )
     assert findings.parse_last_checkpoint('{"step": true}', None) is None
     assert findings.parse_last_checkpoint("garbled", None) is None
+
+
+def _metrics_line(run_dir: Path, row: dict[str, Any]) -> None:
+    with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
+        handle.write(json.dumps(row) + "\n")
+
+
+def test_an_ended_job_keeps_its_step_and_checkpoint_after_a_resume_fills_the_metrics_tail(tmp_path: Path) -> None:
+    """Issue 44's seed 7015: an ended job showed CKPT 45, then 30, once a resume of it in the same run dir had
+    run. Its status read the metrics tail, which the resume's lines fill, and RunDir.last_checkpoint, which the
+    resume's copies rewrite; a copier's backlog committing an older step last made the newest line say 30.
+    What an ended job shows comes from its own record, written at its end, and never goes back."""
+    from launcher.contract import goodput
+    from launcher.contract.rundir import local_state_path, merge_state, note_checkpoint
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    parent, child = {"MESHRUN_JOB_ID": "local-b"}, {"MESHRUN_JOB_ID": "local-d"}
+    goodput.record_start(str(run_dir), "local-b", 0, NOW - 100, "n1")
+    for step in range(31, 56):
+        _metrics_line(run_dir, {"step": step, "loss": 1.0, "time": NOW - 100 + step, "job": "local-b"})
+        if step == 45:
+            note_checkpoint(str(run_dir), 45, parent)
+            _metrics_line(run_dir, {"event": "checkpoint", "checkpoint_step": 45, "copied": True, "job": "local-b"})
+    # The copier's backlog: step 30 committed after 45 (its copy had been killed and was started again).
+    note_checkpoint(str(run_dir), 30, parent)
+    _metrics_line(run_dir, {"event": "checkpoint", "checkpoint_step": 30, "copied": True, "job": "local-b"})
+    goodput.record_end(str(run_dir), "local-b", 0, 1)
+    goodput.write(str(run_dir), "local-b")
+    merge_state(local_state_path(str(run_dir), "local-b"), state="FAILED", started=NOW - 100, ended=NOW - 40)
+    record = JobRecord("local-b", "local", "n", str(run_dir), "local", NOW - 100, None, "h", "FAILED")
+
+    def shown() -> tuple[Any, Any]:
+        (found,) = LOCAL.statuses([record], LocalTransport())
+        progress = found.progress
+        return progress.get("step"), progress.get("checkpoint_step")
+
+    assert shown() == (55, 45)
+    # The resume: its own steps and checkpoints, more than the metrics tail holds.
+    for step in range(46, 400):
+        _metrics_line(run_dir, {"step": step, "loss": 0.5, "time": NOW + step, "job": "local-d", "pad": "x" * 40})
+        if step % 15 == 0:
+            note_checkpoint(str(run_dir), step, child)
+            _metrics_line(run_dir, {"event": "checkpoint", "checkpoint_step": step, "copied": True, "job": "local-d"})
+    assert shown() == (55, 45)
