@@ -9,7 +9,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 from launcher.contract.private import make_private_dir
 from submit.core.state import JobState
@@ -30,6 +30,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     profile TEXT,
     last_progress TEXT,
     chosen TEXT,
+    last_elapsed_s INTEGER,
+    last_seen_at REAL,
     PRIMARY KEY (cluster, job_id)
 )
 """
@@ -46,6 +48,8 @@ _COLUMNS = (
     "profile",
     "last_progress",
     "chosen",
+    "last_elapsed_s",
+    "last_seen_at",
 )
 
 
@@ -78,6 +82,11 @@ class JobRecord:
     a resume in the same run dir has pushed its lines out of the metrics tail status reads."""
     chosen: Optional[str] = None
     """Why this cluster and partition (`submit -c any` or `-c a,b`: the soonest start of those asked), for status."""
+    last_elapsed_s: Optional[int] = None
+    """The job's ELAPSED (its whole life) at the last status that reached its cluster: what status shows, with
+    its age, while the cluster cannot be reached."""
+    last_seen_at: Optional[float] = None
+    """Unix time of that status."""
 
 
 def default_path() -> Path:
@@ -107,6 +116,9 @@ class Registry:
             self._db.execute("ALTER TABLE jobs ADD COLUMN last_progress TEXT")
         if "chosen" not in columns:  # ... or before a cluster could be chosen for the job
             self._db.execute("ALTER TABLE jobs ADD COLUMN chosen TEXT")
+        if "last_elapsed_s" not in columns:  # ... or before the last elapsed time seen was
+            self._db.execute("ALTER TABLE jobs ADD COLUMN last_elapsed_s INTEGER")
+            self._db.execute("ALTER TABLE jobs ADD COLUMN last_seen_at REAL")
         self._db.commit()
 
     def add(self, record: JobRecord) -> None:
@@ -129,6 +141,16 @@ class Registry:
             self._db.execute(
                 "UPDATE jobs SET last_state=?, last_progress=COALESCE(?, last_progress) WHERE cluster=? AND job_id=?",
                 (state, progress, record.cluster, record.job_id),
+            )
+
+    def set_seen(self, seen: Sequence[tuple[JobRecord, int]], at: float) -> None:
+        """The ELAPSED each job had when status reached its cluster at `at` (one transaction for them all)."""
+        if not seen:
+            return
+        with self._db:
+            self._db.executemany(
+                "UPDATE jobs SET last_elapsed_s=?, last_seen_at=? WHERE cluster=? AND job_id=?",
+                [(elapsed, at, record.cluster, record.job_id) for record, elapsed in seen],
             )
 
     def _rows(self, where: str = "", args: tuple[Any, ...] = ()) -> Iterator[JobRecord]:

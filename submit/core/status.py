@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import sys
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
@@ -37,6 +38,9 @@ class Status:
     done: bool
     succeeded: bool
     elapsed_s: Optional[int] = None
+    elapsed_as_of: Optional[float] = None
+    """Unix time `elapsed_s` was seen when the cluster cannot be reached now (the registry's last value); None when
+    it is today's."""
     time_limit_s: Optional[int] = None
     restarts: int = 0
     """Slurm's requeues of the job (its restart count)."""
@@ -198,6 +202,8 @@ def _unreachable(record: JobRecord, why: str) -> Status:
         done=False,
         succeeded=False,
         reason=why,
+        elapsed_s=record.last_elapsed_s,  # the last known value, shown with its age, not '-'
+        elapsed_as_of=record.last_seen_at if record.last_elapsed_s is not None else None,
     )
 
 
@@ -216,6 +222,7 @@ def _kept_or_unreachable(record: JobRecord, why: str) -> Status:
         submitted_at=record.submitted_at,
         done=True,
         succeeded=known in SUCCESS,
+        elapsed_s=record.last_elapsed_s,  # seen with its final state: it will not change either
     )
 
 
@@ -281,7 +288,20 @@ def statuses(
             if status.state != record.last_state and status.state not in (JobState.UNKNOWN, JobState.UNREACHABLE):
                 final = status.done and bool(status.progress)
                 registry.set_state(record, status.state.value, json.dumps(status.progress) if final else None)
+        registry.set_seen(seen_elapsed(records, result), time.time())
     return result
+
+
+def seen_elapsed(records: Sequence[JobRecord], result: Sequence[Status]) -> list[tuple[JobRecord, int]]:
+    """The ELAPSED values this refresh read from the clusters themselves (not a kept or unreachable one)."""
+    return [
+        (record, status.elapsed_s)
+        for record, status in zip(records, result)
+        if status.elapsed_s is not None
+        and status.elapsed_as_of is None
+        and status.state is not JobState.UNREACHABLE
+        and not (status.done and status.elapsed_s == record.last_elapsed_s)
+    ]
 
 
 def kept_progress(record: Any, status: Status) -> Status:

@@ -49,6 +49,26 @@ def table(rows: Sequence[Sequence[str]]) -> str:
     return "".join("  ".join(ljust(c, w) for c, w in zip(row, widths)).rstrip() + "\n" for row in cells)
 
 
+def elapsed_cell(status: Any, now: Optional[float] = None) -> str:
+    """ELAPSED: H:MM:SS, '-' when unknown; for a job whose cluster cannot be reached now, the value the last
+    status that reached it saw, with its age: '0:03:20 (as of 5m ago)'."""
+    if status.elapsed_s is None:
+        return "-"
+    as_of = getattr(status, "elapsed_as_of", None)
+    if as_of is None:
+        return clock(status.elapsed_s)
+    age = int(max((time.time() if now is None else now) - as_of, 0.0))
+    return f"{clock(status.elapsed_s)} (as of {age_text(age)} ago)"
+
+
+def age_text(seconds: int) -> str:
+    """How long ago, coarse: 40s, 5m, 3h, 2d."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
 def status_table(found: Sequence[Any]) -> str:
     notes = [finding_note(s) for s in found]
     noted = any(notes)  # the NOTE column only when a job has something to say: the table stays narrow
@@ -81,7 +101,7 @@ def status_table(found: Sequence[Any]) -> str:
                 f"{loss:.4f}" if isinstance(loss, (int, float)) else "nan" if "loss" in s.progress else "-",
                 restarts_cell(s),
                 str(s.progress.get("checkpoint_step", "-")),
-                clock(s.elapsed_s) if s.elapsed_s is not None else "-",
+                elapsed_cell(s),
                 *alerted * (alerts_note(s.alerts),),
                 *noted * (note or "-",),
                 s.run_dir,
@@ -276,7 +296,7 @@ def progress_line(status: Any, total_steps: Optional[int]) -> str:
         at = status.progress.get("val_step")
         parts.append(f"val_loss {loss_text(status.progress['val_loss'])}" + (f" (step {at})" if at is not None else ""))
     if status.elapsed_s is not None:
-        parts.append(f"elapsed {clock(status.elapsed_s)}")
+        parts.append(f"elapsed {elapsed_cell(status)}")
     if (eta := finish_in(status, total_steps)) is not None:
         parts.append(f"eta {duration(eta)}")
     if (left := limit_left(status)) is not None:
