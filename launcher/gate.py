@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from launcher.contract import alerts, suspects
+from launcher.contract.nodelist import compress
 from launcher.contract.private import append_line
 from launcher.contract.rundir import RunDir, job_of, read_state, write_json
 from launcher.contract.spec import read_run_spec
@@ -93,12 +94,12 @@ def exclusion(
     if left < nodes_needed:
         nodes = " ".join(f"--clear {node}" for node in sorted(failing))
         why = (
-            f"health check failed on {named}; excluding {', '.join(wanted)} would leave the partition "
+            f"health check failed on {named}; excluding {compress(wanted)} would leave the partition "
             f"{left} of the {nodes_needed} nodes the job needs: not requeueing (`meshrun nodes -c {cluster} {nodes}` "
             f"once repaired, then `meshrun resume {job}`)"
         )
         return Verdict("stop", dict(failing), tuple(excluded), why)
-    why = f"health check failed on {named}: requeueing with {', '.join(wanted)} excluded"
+    why = f"health check failed on {named}: requeueing with {compress(wanted)} excluded"
     return Verdict("requeue", dict(failing), wanted, why)
 
 
@@ -149,7 +150,7 @@ def judge(run_dir: str, environ: Mapping[str, str], run: Runner = run_slurm, now
         named = ", ".join(f"{node} ({why})" for node, why in sorted(failing.items()))
         run_on = [node for node in nodes if node not in failing][:needed]  # as the batch script picks them
         why = (
-            f"health check failed on {named}: the ranks start on {','.join(run_on)} instead (spare nodes in its place)"
+            f"health check failed on {named}: the ranks start on {compress(run_on)} instead (spare nodes in its place)"
         )
         return Verdict("start", dict(failing), tuple(sorted(failing)), why)
     return excluding(failing, job, len(allocated), run, spec.run.cluster if spec else "CLUSTER")

@@ -12,6 +12,8 @@ import json
 import os
 from typing import Any, Iterable, Mapping, Optional
 
+from launcher.contract.nodelist import compress
+
 COMPARED = ("driver", "cuda", "torch", "nccl", "meshrun", "python")
 """Versions that must agree between the nodes of one run (a mismatch is a warning)."""
 
@@ -67,8 +69,6 @@ def env_mismatches(records: Iterable[Mapping[str, Any]]) -> list[str]:
                 continue  # not known there (no NVML, no NCCL wheel): nothing to compare
             nodes_by_value.setdefault(str(value), []).append(str(record.get("node", "?")))
         if len(nodes_by_value) > 1:
-            parts = "; ".join(
-                f"{value} on {', '.join(sorted(nodes))}" for value, nodes in sorted(nodes_by_value.items())
-            )
+            parts = "; ".join(f"{value} on {compress(nodes)}" for value, nodes in sorted(nodes_by_value.items()))
             lines.append(f"{key} differs between nodes: {parts}")
     return lines

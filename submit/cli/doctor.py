@@ -170,6 +170,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     import time
 
     from launcher.contract import suspects
+    from launcher.contract.nodelist import compress
     from submit import api
     from submit.views.tables import table
 
@@ -192,7 +193,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
             cleared = api.clear_suspects(profile, transport, args.clear)
             if cleared:
                 them = "it" if len(cleared) == 1 else "them"
-                print(f"cleared {', '.join(cleared)}: new submits to {args.cluster} may use {them} again")
+                print(f"cleared {compress(cleared)}: new submits to {args.cluster} may use {them} again")
             for node in (n for n in dict.fromkeys(args.clear) if n not in cleared):
                 print(f"{node} is not a suspect on {args.cluster}: nothing to clear")
         found = api.suspect_nodes(profile, transport)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Literal, Mapping, Optional, Sequence
 
 from launcher.contract.gpus import peak_tflops
+from launcher.contract.nodelist import compress
 from submit.config.cluster import ClusterProfile, Interconnect, Partition, check_node_names
 from submit.errors import InputError
 
@@ -410,7 +411,7 @@ def table(report: Report) -> str:
         out += [f"{row.node}: {c.verdict.upper()} {c.name}: {c.why}" for c in row.checks if c.why]
     out += list(report.notes)
     if report.bad_nodes:
-        out.append(f"bad nodes: {', '.join(report.bad_nodes)}")
+        out.append(f"bad nodes: {compress(report.bad_nodes)}")
         out.append(f"add to submit: --exclude {','.join(report.bad_nodes)}")
     else:
         out.append("no bad nodes")

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from launcher.contract import dsconfig, presets, schema, suspects, tokens
+from launcher.contract.nodelist import compress
 from launcher.contract.rundir import RunDir
 from launcher.contract.schema import SchemaError
 from launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, check_ranges
@@ -430,7 +431,7 @@ def avoid_suspects(
     ]
     if kept:
         lines.append(
-            f"suspect node(s) {', '.join(kept)} kept in: the job needs {spec.resources.nodes} of partition "
+            f"suspect node(s) {compress(kept)} kept in: the job needs {spec.resources.nodes} of partition "
             f"{plan.partition.name if plan.partition else '?'}'s {total} nodes; {where}"
         )
     if not left_out:

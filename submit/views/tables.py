@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping, Optional, Sequence
 
+from launcher.contract.nodelist import normalized
+
 DETAIL_ALERTS = 10
 """`status JOB` lists this many of the newest alerts."""
 
@@ -257,9 +259,9 @@ def goodput_line(figures: Mapping[str, Any]) -> str:
     attempts = list(figures.get("attempts") or ())
     starts = len(attempts)
     moves = [
-        f"{before.get('nodes')} -> {after.get('nodes')}"
+        f"{normalized(str(before.get('nodes')))} -> {normalized(str(after.get('nodes')))}"
         for before, after in zip(attempts, attempts[1:])
-        if after.get("in_job") and before.get("nodes") != after.get("nodes")
+        if after.get("in_job") and normalized(str(before.get("nodes"))) != normalized(str(after.get("nodes")))
     ]
     in_job = sum(1 for a in attempts if a.get("in_job"))
     if in_job:  # restarts inside an allocation (spare nodes) apart from Slurm's requeues

@@ -196,7 +196,7 @@ def test_exclusion_merges_with_what_is_excluded_and_never_leaves_too_few_nodes()
     assert gate.exclusion({}, [], ["n1", "n2"], 2).action == "start"
     v = gate.exclusion({"n2": "gpus: x"}, ["n9"], ["n1", "n2", "n3", "n9"], 2)
     assert (v.action, v.excluded) == ("requeue", ("n2", "n9"))
-    assert v.why == "health check failed on n2 (gpus: x): requeueing with n2, n9 excluded"
+    assert v.why == "health check failed on n2 (gpus: x): requeueing with n[2,9] excluded"
     stop = gate.exclusion({"n2": "gpus: x"}, [], ["n1", "n2"], 2)
     assert stop.action == "stop" and stop.excluded == ()
     assert "would leave the partition 1 of the 2 nodes the job needs: not requeueing" in stop.why

@@ -311,8 +311,8 @@ def test_env_mismatches_names_each_differing_version_and_its_nodes() -> None:
         {**same, "node": "n3", "torch": "2.5.1"},
     ]
     assert env_mismatches(records) == [
-        "driver differs between nodes: 535.104 on n2; 550.54 on n1, n3",
-        "torch differs between nodes: 2.5.1 on n3; 2.6.0 on n1, n2",
+        "driver differs between nodes: 535.104 on n2; 550.54 on n[1,3]",
+        "torch differs between nodes: 2.5.1 on n3; 2.6.0 on n[1-2]",
     ]
     assert env_mismatches([{**same, "node": "n1"}, {**same, "node": "n2", "driver": None}]) == []
 
