@@ -32,10 +32,11 @@ from submit.config.cluster import (
 )
 from submit.errors import ClusterError, InputError
 from submit.jobs import suspects as job_suspects
+from submit.planning.soonest import Candidate, Choice, choose, soonest, wait_seconds
 from submit.schedulers import backend, check_profile
 from submit.schedulers.base import Request
 from submit.transport import connect
-from submit.transport.base import Progress, Transport
+from submit.transport.base import Progress, Transport, batch
 
 if TYPE_CHECKING:
     from launcher.contract.spec import JobSpec, RunSpec
@@ -55,6 +56,10 @@ _LAZY = {
     "last_metrics": "submit.core.status",
 }
 __all__ = [
+    "Candidate",
+    "Choice",
+    "choose",
+    "soonest",
     "Clusters",
     "Prepared",
     "check_after",
@@ -370,15 +375,20 @@ def prepare(
     transport: Optional[Transport] = None,
     after: Sequence[str] = (),
     read_only: bool = False,
+    memo: Optional[dict[tuple[str, ...], Any]] = None,
 ) -> Prepared:
     """The plan made once, then (with a transport) one round trip asks the cluster for its home and which copy
     of the code snapshot the job runs from, then the request is built, rendered once. Without a transport
-    (a dry run on this machine) nothing is asked. `read_only` (render): nothing is written on the cluster."""
+    (a dry run on this machine) nothing is asked. `read_only` (render): nothing is written on the cluster.
+    `memo`: the code snapshot and the probe's answer kept for the next job prepared over the same connection
+    (`-c any` prepares one per partition)."""
     from submit.planning.plan import avoid_suspects, with_home
     from submit.transport import snapshot as snapshots
 
     ships_code = backend(plan.cluster.scheduler).ships_code
-    snap = snapshots.collect(spec_dir, plan.spec.code) if ships_code else None
+    memo = memo if memo is not None else {}
+    code_key = ("snapshot", str(spec_dir), repr(plan.spec.code))
+    snap = _kept(memo, code_key, lambda: snapshots.collect(spec_dir, plan.spec.code)) if ships_code else None
     found: Optional[snapshots.Found] = None
     warnings: tuple[str, ...] = tuple(snapshots.left_out_warning(snap)) if snap is not None else ()
     if transport is not None and after:
@@ -387,7 +397,13 @@ def prepare(
     if transport is not None and (not is_local(plan.cluster) or snap is not None):
         # The suspect-node ledger comes in the same round trip as the home and the code snapshot's copy.
         ledger = LEDGER if reaches_other_machines(plan.cluster.scheduler) else ""
-        probed = snapshots.probe_all(transport, plan.work_dir, snap, read_only=read_only, ledger=ledger)
+        probe_key = ("probe", plan.work_dir, snap.digest if snap else "", str(read_only), ledger)
+        asking = transport
+        probed = _kept(
+            memo,
+            probe_key,
+            lambda: snapshots.probe_all(asking, plan.work_dir, snap, read_only=read_only, ledger=ledger),
+        )
         home, found = probed.home, probed.found
         if not is_local(plan.cluster):
             plan = with_home(plan, home)
@@ -402,6 +418,13 @@ def prepare(
     in_place = None if ships_code else str(snapshots.project_root(spec_dir, plan.spec.code) or spec_dir.resolve())
     plan = with_prediction(with_code_dir(plan, snap, in_place, found.name if found else None))
     return Prepared(plan, dryrun(plan, after), snap, found, warnings)
+
+
+def _kept(memo: dict[tuple[str, ...], Any], key: tuple[str, ...], make: Callable[[], Any]) -> Any:
+    """memo[key], made once."""
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
 
 
 def preflight(prepared: Prepared, transport: Transport) -> Preflight:
@@ -442,71 +465,158 @@ def clusters_asked(cluster: str) -> Optional[list[str]]:
     return names
 
 
+ASK_WORKERS = 8
+"""Login nodes asked at once by `-c any` (each its own connection): enough for every cluster a user writes
+profiles for, few enough not to open dozens of SSH connections together."""
+
+
 @dataclasses.dataclass(frozen=True)
-class Candidate:
-    """One cluster and partition a `-c any` submit asked, and its answer."""
+class _Asked:
+    """One partition's question to a login node: the profile (as `-c` named it) and the job planned there."""
 
-    cluster: str
-    """The profile's name."""
-    partition: str
-    start: Optional[str]
-    """When it would start (Slurm's estimate, or `now` for a cluster that starts jobs at once); None: it cannot."""
-    why: str
-    """Slurm's estimate, or why the job cannot run there (the first failed check)."""
-    given: str = ""
-    """The profile as `-c` named it (a name or a file): what the submit then goes to."""
-    step_s: Optional[float] = None
-    """The planner's step time there (doctor's calibration first, else datasheet figures); None: unknown."""
-    steps: int = 0
-    """The job's train.steps: with step_s, how long it runs."""
+    given: str
+    profile: ClusterProfile
+    part: str
+    plan: Plan
 
-    @property
-    def ok(self) -> bool:
-        return self.start is not None
-
-    @property
-    def run_s(self) -> Optional[float]:
-        """How long the job would train there (steps x step time), when the step time is known."""
-        return self.step_s * self.steps if self.step_s is not None else None
+    def failed(self, why: str) -> Candidate:
+        return Candidate(self.profile.name, self.part, None, why, self.given)
 
 
 def candidates(spec_path: Path, names: Sequence[str], overrides: Sequence[str] = ()) -> list[Candidate]:
     """Plan the job on each profile (on each of its partitions, unless the spec names one), drop where it cannot
-    fit, and ask each cluster the preflight's questions, Slurm's start estimate among them (read-only: nothing
-    is written or queued anywhere). One connection per profile."""
-    found: list[Candidate] = []
+    fit, and ask each login node the preflight's questions, Slurm's start estimate among them (read-only: nothing
+    is written or queued anywhere), in the order written. Profiles that reach the same login node share ONE
+    connection and ONE round trip for all their partitions' checks; different login nodes are asked in parallel."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    slots: list[Optional[Candidate]] = []
+    nodes: dict[tuple[str, ...], list[tuple[int, _Asked]]] = {}
     for given in names:
+        for item in _planned(spec_path, given, overrides):  # every input error before any connection
+            if isinstance(item, _Asked):
+                nodes.setdefault(login_node(item.profile), []).append((len(slots), item))
+                slots.append(None)
+            else:
+                slots.append(item)
+    if nodes:
+        with ThreadPoolExecutor(max_workers=min(ASK_WORKERS, len(nodes))) as pool:
+            for answers in pool.map(lambda asked: _ask_node(spec_path, asked), nodes.values()):
+                for index, candidate in answers:
+                    slots[index] = candidate
+    return [c for c in slots if c is not None]
+
+
+def _planned(spec_path: Path, given: str, overrides: Sequence[str]) -> list[Union[Candidate, _Asked]]:
+    """The profile's partitions to ask (a refusal, as a Candidate that cannot run the job, where it cannot)."""
+    try:
+        profile = load_cluster(given)
+        pinned = plan_job(spec_path, profile, overrides).spec.resources.partition
+    except (InputError, ClusterError) as exc:
+        return [Candidate(given, "-", None, str(exc), given)]
+    parts = [pinned] if pinned else [p.name for p in profile.partitions] or [""]
+    found: list[Union[Candidate, _Asked]] = []
+    for part in parts:
+        sets = [*overrides, f"resources.partition={part}"] if part and not pinned else list(overrides)
         try:
-            profile = load_cluster(given)
-            pinned = plan_job(spec_path, profile, overrides).spec.resources.partition
+            plan = plan_job(spec_path, profile, sets)
+            check_job(plan)
+            found.append(_Asked(given, profile, part or "-", plan))
         except (InputError, ClusterError) as exc:
-            found.append(Candidate(given, "-", None, str(exc), given))
-            continue
-        parts = [pinned] if pinned else [p.name for p in profile.partitions] or [""]
-        plans: list[tuple[str, Plan]] = []
-        for part in parts:  # every input error before any connection
-            sets = [*overrides, f"resources.partition={part}"] if part and not pinned else list(overrides)
-            try:
-                plan = plan_job(spec_path, profile, sets)
-                check_job(plan)
-                plans.append((part or "-", plan))
-            except (InputError, ClusterError) as exc:
-                found.append(Candidate(profile.name, part or "-", None, str(exc), given))
-        if plans:
-            found += _ask(spec_path, profile, given, plans)
+            found.append(Candidate(profile.name, part or "-", None, str(exc), given))
     return found
 
 
-def _ask(spec_path: Path, profile: ClusterProfile, given: str, plans: Sequence[tuple[str, Plan]]) -> list[Candidate]:
-    """Each partition's preflight, over one connection to the profile's cluster."""
+def login_node(profile: ClusterProfile) -> tuple[str, ...]:
+    """Where a profile's commands run: this machine, or the SSH target (host name, port, user, and the hops to
+    it) its ssh section resolves to. Profiles with the same login node are asked over one connection."""
+    if profile.ssh is None:
+        return ("this machine",)
+    from submit.transport.sshconfig import Target, resolve
+
     try:
-        transport = connect(profile.ssh, given)
+        target: Optional[Target] = resolve(profile.ssh)
+    except (InputError, ClusterError):  # said when it connects; keyed as written meanwhile
+        return ("ssh", profile.ssh.host, str(profile.ssh.port), str(profile.ssh.user), str(profile.ssh.proxy_jump))
+    key: list[str] = ["ssh"]
+    while target is not None:
+        key += [target.hostname, str(target.port), target.user, target.proxy_command or ""]
+        target = target.jump
+    return tuple(key)
+
+
+def _ask_node(spec_path: Path, asked: Sequence[tuple[int, _Asked]]) -> list[tuple[int, Candidate]]:
+    """Every question for one login node over one connection: a probe per work dir and code snapshot (home,
+    code copy, suspect nodes), then every partition's preflight in ONE round trip."""
+    first = asked[0][1]
+    try:
+        transport = connect(first.profile.ssh, first.given)
     except ClusterError as exc:
-        return [Candidate(profile.name, part, None, str(exc), given) for part, _ in plans]
+        return [(index, item.failed(str(exc))) for index, item in asked]
     try:
-        return [_timed(_candidate(spec_path, profile, given, part, plan, transport), plan) for part, plan in plans]
+        memo: dict[tuple[str, ...], Any] = {}
+        answers: list[tuple[int, Candidate]] = []
+        ready: list[tuple[int, _Asked, Prepared]] = []
+        for index, item in asked:
+            try:
+                ready.append((index, item, prepare(item.plan, spec_path.parent, transport, read_only=True, memo=memo)))
+            except (InputError, ClusterError) as exc:
+                answers.append((index, item.failed(str(exc))))
+        return answers + _preflights(ready, transport)
     finally:
         transport.close()
+
+
+def _preflights(ready: Sequence[tuple[int, _Asked, Prepared]], transport: Transport) -> list[tuple[int, Candidate]]:
+    """Each partition's preflight, all in ONE round trip to the login node. A question two partitions ask alike
+    is asked once: the same command (a profile's interpreter check), or the same request to Slurm (profiles that
+    differ only in what Slurm does not schedule by). Each Slurm estimate comes with the login node's clock, read
+    just before it, and the partition's idle nodes."""
+    from submit.schedulers import preflight as checks
+    from submit.schedulers.slurm import CLOCK_ARGV, free_nodes, free_nodes_argv, scheduled_by
+
+    argvs: list[Sequence[str]] = []
+    seen: dict[tuple[str, ...], int] = {}
+
+    def slot(argv: Sequence[str], key: tuple[str, ...] = ()) -> int:
+        key = key or tuple(argv)
+        if key not in seen:
+            seen[key] = len(argvs)
+            argvs.append(argv)
+        return seen[key]
+
+    shares = []
+    for _, item, prepared in ready:
+        planned = _preflight_commands(prepared)
+        question = ("slurm", *scheduled_by(prepared.request.script))
+        clock: Optional[int] = None
+        picked = []
+        for what, argv in planned:
+            if what == "slurm":  # the clock, then at once Slurm's estimate
+                clock = slot(CLOCK_ARGV, ("clock", *question))
+            picked.append(slot(argv, question if what == "slurm" else ()))
+        sinfo = slot(free_nodes_argv(item.part)) if clock is not None and item.part != "-" else None
+        shares.append((planned, clock, picked, sinfo))
+    try:
+        results = batch(transport, argvs, timeout=120) if argvs else []
+    except ClusterError as exc:
+        return [(index, item.failed(str(exc))) for index, item, _ in ready]
+    answers = []
+    for (index, item, prepared), (planned, clock, picked, sinfo) in zip(ready, shares):
+        checked = checks.judge(prepared.plan, planned, [results[k] for k in picked])
+        now = results[clock].stdout.strip() if clock is not None else ""
+        free = free_nodes(results[sinfo]) if sinfo is not None else None
+        answers.append((index, _timed(_candidate(item, checked, now, free), item.plan)))
+    return answers
+
+
+def _preflight_commands(prepared: Prepared) -> list[tuple[str, list[str]]]:
+    """The preflight's (check, argv) for a prepared job, as `preflight` asks them."""
+    from submit.schedulers import preflight as checks
+
+    plan = prepared.plan
+    local = not reaches_other_machines(plan.cluster.scheduler)
+    return checks.commands(plan, prepared.request, local, inspect_data=not is_local(plan.cluster))
 
 
 def _timed(candidate: Candidate, plan: Plan) -> Candidate:
@@ -520,31 +630,18 @@ def _timed(candidate: Candidate, plan: Plan) -> Candidate:
     return dataclasses.replace(candidate, step_s=step.step_s if step else None, steps=steps)
 
 
-def _candidate(
-    spec_path: Path, profile: ClusterProfile, given: str, part: str, plan: Plan, transport: Transport
-) -> Candidate:
-    try:
-        checked = preflight(prepare(plan, spec_path.parent, transport, read_only=True), transport)
-    except (InputError, ClusterError) as exc:
-        return Candidate(profile.name, part, None, str(exc), given)
+def _candidate(item: _Asked, checked: Preflight, now: str, free: Optional[int]) -> Candidate:
+    """The partition's answer: the first failed check, or when it would start (the wait read against `now`, the
+    login node's clock as it answered), with the job's time limit and the partition's idle nodes."""
     if checked.failures:
         first = checked.failures[0]
-        return Candidate(profile.name, part, None, f"{first.what}: {first.line}", given)
-    if checked.start is None:
-        return Candidate(profile.name, part, "now", "starts jobs at once", given)
-    return Candidate(profile.name, part, checked.start, f"Slurm's estimate: {checked.start}", given)
-
-
-def soonest(found: Sequence[Candidate]) -> Optional[Candidate]:
-    """The candidate that would start first (`now` before any date; ISO dates compare as text); of those that
-    start together, the one the planner says finishes first (a known step time before an unknown one), then
-    the one asked first."""
-    ready = [c for c in found if c.ok]
-
-    def order(c: Candidate) -> tuple[str, float]:
-        return ("" if c.start == "now" else str(c.start), c.run_s if c.run_s is not None else float("inf"))
-
-    return min(ready, key=order) if ready else None
+        return item.failed(f"{first.what}: {first.line}")
+    start, why = (
+        (checked.start, f"Slurm's estimate: {checked.start}") if checked.start else ("now", "starts jobs at once")
+    )
+    wait = wait_seconds(start, now) if checked.start else 0.0
+    limit = item.plan.time_seconds
+    return Candidate(item.profile.name, item.part, start, why, item.given, wait_s=wait, limit_s=limit, free_nodes=free)
 
 
 def upload(prepared: Prepared, transport: Transport, progress: Optional[Progress] = None) -> Prepared:

@@ -435,13 +435,16 @@ def _submit_soonest(args: argparse.Namespace, asked: list[str]) -> int:
             "--no-check", args.cluster, "choosing a cluster asks each the preflight's questions: name one with -c"
         )
     found = api.candidates(args.spec, asked, args.overrides)
-    rows = [["CLUSTER", "PARTITION", "STARTS", "STEP", "FINISH", "WHY"]]
-    rows += [[c.cluster, c.partition, c.start or "never", *_step_and_finish(c), c.why] for c in found]
-    chosen = api.soonest(found)
+    rows = [["CLUSTER", "PARTITION", "STARTS", "STEP", "FINISH", "FREE", "WHY"]]
+    rows += [[c.cluster, c.partition, c.start or "never", *_step_and_finish(c), _free(c), c.why] for c in found]
+    choice = api.choose(found)
     print(table(rows), end="", file=sys.stderr)
-    if chosen is None:
+    if choice is None:
         raise InputError("-c/--cluster", args.cluster, "no cluster asked can run the job (the table above says why)")
-    why = f"soonest of {len(found)} asked ({', '.join(f'{c.cluster}/{c.partition}' for c in found)}): {chosen.why}"
+    chosen = choice.candidate
+    names = ", ".join(f"{c.cluster}/{c.partition}" for c in found)
+    # The rule that decided comes first: a tie on start is broken on finish, free nodes, then the order written.
+    why = f"soonest of {len(found)} asked ({names}): {choice.rule}; {chosen.why}"
     print(f"# chose {chosen.cluster}, partition {chosen.partition}: {why}", file=sys.stderr)
     if args.dry_run or args.check:
         return 0
@@ -450,6 +453,13 @@ def _submit_soonest(args: argparse.Namespace, asked: list[str]) -> int:
         args.overrides = [*args.overrides, f"resources.partition={chosen.partition}"]
     args.chosen = why
     return cmd_submit(args)
+
+
+def _free(candidate: Any) -> str:
+    """The FREE cell: the partition's idle nodes when asked ("?": not known, "-": not asked)."""
+    if candidate.free_nodes is not None:
+        return str(candidate.free_nodes)
+    return "?" if candidate.ok else "-"
 
 
 def _step_and_finish(candidate: Any) -> tuple[str, str]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 import shlex
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from launcher.contract.modelshape import checkpoint_space_needed
 from launcher.contract.tokens import SAMPLE_BYTES, Sample, sample_problem
@@ -153,7 +153,12 @@ def commands(plan: Plan, request: Request, local: bool, inspect_data: bool = Tru
 def run(plan: Plan, request: Request, transport: Transport, local: bool, inspect_data: bool = True) -> Preflight:
     """Every check in one round trip (launcher.contract.modelshape sizes the checkpoints)."""
     planned = commands(plan, request, local, inspect_data)
-    results = batch(transport, [argv for _, argv in planned], timeout=120)
+    return judge(plan, planned, batch(transport, [argv for _, argv in planned], timeout=120))
+
+
+def judge(plan: Plan, planned: Sequence[tuple[str, list[str]]], results: Sequence[Result]) -> Preflight:
+    """The checks' verdicts from their commands' results (`submit -c any` runs several plans' commands in one
+    round trip, and judges each plan's share here)."""
     checks: list[Check] = []
     start: Optional[str] = None
     for (what, _), result in zip(planned, results):

@@ -146,6 +146,40 @@ class SlurmBackend:
         return 2.0 if elapsed_s < 30 else 5.0 if elapsed_s < 300 else 10.0
 
 
+CLOCK_ARGV = ("date", "+%Y-%m-%dT%H:%M:%S")
+"""The login node's clock, as `sbatch --test-only` prints its estimate (local time, no zone): `-c any` reads each
+estimate against it, asked just before, so that "starts now" is a wait of 0 wherever and whenever it was asked."""
+
+
+UNSCHEDULED = ("--job-name=", "--output=", "--error=", "--open-mode=", "--signal=", "--requeue")
+"""#SBATCH options that name or log the job, or say what happens at its end: Slurm's start estimate is the same
+without them."""
+
+
+def scheduled_by(script: str) -> tuple[str, ...]:
+    """The script's #SBATCH options that Slurm schedules by (nodes, time, partition, account, ...): two scripts
+    with the same ones get the same `sbatch --test-only` answer on one cluster, so `-c any` asks it once."""
+    options = (line.split(None, 1)[1].strip() for line in script.splitlines() if line.startswith("#SBATCH "))
+    return tuple(sorted(o for o in options if not o.startswith(UNSCHEDULED)))
+
+
+def free_nodes_argv(partition: str) -> list[str]:
+    """sinfo's node counts by state in the partition (a fixed format: `COUNT STATE` a line)."""
+    return ["sinfo", "--noheader", f"--partition={partition}", "--format=%D %t"]
+
+
+def free_nodes(result: Result) -> Optional[int]:
+    """The partition's idle nodes from free_nodes_argv's answer (`idle` only: not `idle*`, which does not
+    respond, nor drained or mixed nodes); None when sinfo did not answer."""
+    if result.returncode != 0:
+        return None
+    rows = [line.split() for line in result.stdout.splitlines() if line.strip()]
+    try:
+        return sum(int(row[0]) for row in rows if len(row) == 2 and row[1] == "idle")
+    except ValueError:
+        return None
+
+
 def query_argvs(records: Sequence[JobRecord], live: bool = False) -> list[list[str]]:
     """squeue, sacct, one metrics tail per job (`live`: the loss history's lines), then each job's first
     rank error (if any): what the single round trip runs."""

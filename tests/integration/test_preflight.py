@@ -144,9 +144,13 @@ def test_any_cluster_goes_where_the_job_starts_first_and_says_why(testbed: dict,
         assert "debug" in busy and "Slurm's estimate: 20" in busy and "wide" in idle and "Slurm's estimate" in idle
         assert busy.split()[2] > idle.split()[2], table  # debug starts only when the holding job ends
         header = next(line for line in table if line.startswith("CLUSTER "))
-        assert header.split()[:6] == ["CLUSTER", "PARTITION", "STARTS", "STEP", "FINISH", "WHY"], table
+        assert header.split()[:7] == ["CLUSTER", "PARTITION", "STARTS", "STEP", "FINISH", "FREE", "WHY"], table
         assert busy.split()[3:5] == ["?", "?"], table  # fake GPUs: no peak, no step time (said, not guessed)
-        assert "# chose idle, partition wide: soonest of 2 asked" in out.stderr, out.stderr
+        # sinfo's idle nodes: the holding job has debug's two; wide's third node, n3, is free
+        assert (busy.split()[5], idle.split()[5]) == ("0", "1"), table
+        assert "# chose idle, partition wide: soonest of 2 asked (busy/debug, idle/wide): the soonest start;" in (
+            out.stderr
+        ), out.stderr
         job_id, _ = submitted(out)
         row = status(tmp_path, job_id)
         assert row["cluster"] == "idle" and "soonest of 2 asked (busy/debug, idle/wide)" in row["chosen"], row
