@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Union
 
-from launcher.contract import goodput, procs
+from launcher.contract import goodput, logtimes, procs
 from launcher.contract.rundir import (
     RunDir,
     attempt_id,
@@ -458,8 +458,10 @@ class Sidecar:
             extra.append(Periodic("liveness stamp", WATCH_S, self.stamp_running))
         if self.settings.node_rank == 0 and job_of(self.environ):
             extra.append(Periodic("goodput", GOODPUT_S, self.account, next_at=time.monotonic() + GOODPUT_S))
+        log_times = logtimes.LogTimes(str(self.run_dir.root), self.settings.ranks)  # `logs --rank all`'s order
         return [
             *extra,
+            Periodic("log times", logtimes.SAMPLE_S, lambda: log_times.tick(time.time())),
             Periodic("sample", self.settings.interval_s, self.sample),
             Periodic(
                 "env check",

@@ -5,7 +5,8 @@ per file, all on the command's one connection, and counts the bytes that arrive.
 If the connection drops, it reconnects and restarts every tail at its offset, so
 no byte is lost or repeated. When the job has ended (checked with backoff, one
 round trip each), what is left past each offset is read once more and it stops.
-With several ranks each line is prefixed `[rank N] `; partial lines wait for their end.
+With several ranks each line is prefixed `[rank N] ` and what is already written is printed in the order it was
+written (the sidecar's times, launcher/contract/logtimes.py); partial lines wait for their end.
 Following a log bigger than FOLLOW_TAIL_BYTES starts at its last line that begins within that many
 bytes of its end (as `tail -f` does): a 1 GB log shows its tail at once instead of streaming 1 GB;
 `meshrun logs JOB` without -f still prints all of it.
@@ -15,15 +16,18 @@ bytes of its end (as `tail -f` does): a 1 GB log shows its tail at once instead 
 from __future__ import annotations
 
 import fnmatch
+import heapq
 import json
+import math
 import posixpath
 import queue
 import re
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Optional, Sequence, TextIO
+from typing import Any, BinaryIO, Iterator, Optional, Sequence, TextIO
 
+from launcher.contract import logtimes
 from launcher.contract.rundir import RunDir
 from submit import api
 from submit.core.registry import JobRecord
@@ -45,6 +49,9 @@ class Source:
     label: bytes = b""
     offset: int = 0
     partial: bytes = b""
+    times: Optional[str] = None
+    """Where the sidecar records when this rank's log grew (launcher/contract/logtimes.py): several ranks are
+    merged in time order with it; None for the batch log."""
 
 
 def parse_ranks(text: str, world_size: Optional[int]) -> list[int]:
@@ -114,7 +121,11 @@ def _tail(source: Source, follow: bool) -> list[str]:
 
 
 def print_once(transport: Transport, sources: Sequence[Source], printer: Printer) -> None:
-    """Print each file from its offset to its current end (one stream per file)."""
+    """Print each file from its offset to its current end (one stream per file); several ranks in time order."""
+    if printer.merged and len(sources) > 1:
+        print_in_time_order(transport, sources, printer)
+        printer.finish(sources)
+        return
     for source in sources:
         stream = transport.stream(_tail(source, follow=False))
         try:
@@ -123,6 +134,55 @@ def print_once(transport: Transport, sources: Sequence[Source], printer: Printer
         finally:
             stream.close()
     printer.finish(sources)
+
+
+TIMES_LIMIT = 16 << 20
+"""The most of a rank's times file read: one short line per second of output, months of it."""
+
+
+def print_in_time_order(transport: Transport, sources: Sequence[Source], printer: Printer) -> None:
+    """Several ranks' logs from their offsets to their current ends, each line once, in the order they were
+    written (to the sidecar's second; lines of one second stay in rank order, and lines it has not timed yet
+    come last, rank by rank). One stream per file, all open at once and read as the merge needs them."""
+    samples = [logtimes.parse(_read_times(transport, s)) for s in sources]
+    streams = [transport.stream(_tail(s, follow=False)) for s in sources]
+    try:
+        lines = [_timed_lines(i, s, st, samples[i]) for i, (s, st) in enumerate(zip(sources, streams))]
+        for _, index, line, size in heapq.merge(*lines, key=lambda item: item[:2]):
+            source = sources[index]
+            source.offset += size
+            if line.endswith(b"\n"):
+                printer.out.write(source.label + line)
+            else:
+                source.partial = line  # its end is still to come: `finish`, or the follow, completes it
+        printer.out.flush()
+    finally:
+        for stream in streams:
+            stream.close()
+
+
+def _read_times(transport: Transport, source: Source) -> str:
+    return transport.read_bytes(source.times, 0, TIMES_LIMIT).decode(errors="replace") if source.times else ""
+
+
+def _timed_lines(
+    index: int, source: Source, stream: Stream, samples: logtimes.Samples
+) -> Iterator[tuple[float, int, bytes, int]]:
+    """(when, index, line, bytes) for each line of the stream, in file order (so ascending in time)."""
+    end, buf = source.offset, source.partial
+    counted = len(buf)  # a partial line's bytes are in the offset already
+    source.partial = b""
+    for chunk in stream:
+        data, start = buf + chunk, end - len(buf)
+        end += len(chunk)
+        *whole, buf = data.split(b"\n")
+        for line in whole:
+            start += len(line) + 1
+            when = logtimes.written_at(samples, start)
+            yield (math.inf if when is None else when, index, line + b"\n", len(line) + 1 - counted)
+            counted = 0
+    if buf:
+        yield (math.inf, index, buf, len(buf) - counted)
 
 
 # $1 and $2 the job's start lines (local, Slurm), then the files: each file's byte offset of the first line
@@ -188,6 +248,8 @@ class Follower:
                 transport = self.clusters.transport_for(self.record)
                 if not started:
                     start_near_end(transport, self.sources, self.err)
+                    if self.printer.merged and len(self.sources) > 1:
+                        print_in_time_order(transport, self.sources, self.printer)  # what is there, in time order
                     started = True
                 if self._follow(transport):
                     print_once(transport, self.sources, self.printer)  # what arrived after the last chunk
@@ -282,6 +344,8 @@ def sources_for(
             ranks = select_ranks(transport, record, ranks_text)
             label = len(ranks) > 1
             sources = [Source(api.log_path(record, r), f"[rank {r}] ".encode() if label else b"") for r in ranks]
+            for source, rank in zip(sources, ranks):
+                source.times = logtimes.times_path(record.run_dir, rank)
             start_at_own_run(transport, record.job_id, sources, err)
             return sources
         except ConnectionLost:
