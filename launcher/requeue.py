@@ -34,7 +34,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Optional
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 from launcher import rankends
 from launcher.checkpoint.resume import MAX_ATTEMPTS
@@ -54,7 +54,7 @@ from launcher.contract.exitcodes import (
 from launcher.contract.private import append_line
 from launcher.contract.rundir import RunDir, attempt_id, in_job_restart, job_field, job_of, read_state, write_json
 from launcher.contract.secrets import remove_dir, secrets_dir_for
-from launcher.gate import Runner, excluding, run_slurm, verdict_of
+from launcher.gate import LEFT_OUT_ENV, Runner, job_excluded, partition_nodes, run_slurm, verdict_of
 from launcher.hostlist import expand_hostlist
 from launcher.report import open_metrics, reported_step
 
@@ -266,8 +266,27 @@ def record_reason(run_dir: str, why: str) -> None:
 
 USAGE = (
     "usage: python -m launcher.requeue RUN_DIR STATUS RESTARTS MAX_RESTARTS [--stop-requested[=KIND]] [--terminated] "
-    "[--spares=N]"
+    "[--spares=N] [--unasked-stop]"
 )
+
+STOP_DEATHS = (128 + signal.SIGTERM, 128 + signal.SIGUSR1)
+"""A program without handlers that died of a stop signal (srun's status for it)."""
+
+
+def unasked_restart(status: int) -> Optional[Decision]:
+    """The ranks stopped though nothing of this start asked them to (`--unasked-stop`: the batch shell passed on no
+    stop, and Slurm says the job runs, unpreempted, in its first minutes): a late signal meant for an earlier
+    start's step, whose number this start reuses. They saved (75) or died of the stop signal: started again inside
+    the allocation, from the checkpoint they saved, without a requeue; None for any other end (the usual rules
+    apply). An exit 0 stays a finish: with nothing asked, a program that ends 0 soon after its start finished."""
+    if status not in (EXIT_REQUEUE, *STOP_DEATHS):
+        return None
+    why = (
+        f"the ranks stopped (exit {status}) on a signal nobody of this start sent: Slurm says the job is running, not "
+        "preempted, not ending (a late signal for an earlier start's step of the same number); starting them again "
+        "inside the allocation, not requeueing"
+    )
+    return Decision(True, status, why, restart=True)
 
 
 def stop_kind_of(args: list[str]) -> Optional[str]:
@@ -310,11 +329,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     spares_given = [a.split("=", 1)[1] for a in args if a.startswith("--spares=")]
     stop_kind = stop_kind_of(args)
     flags = {a for a in args if a.startswith("--") and not a.startswith(("--spares=", "--stop-requested"))}
+    unasked = "--unasked-stop" in flags
     words = [a for a in args if not a.startswith("--")]
     if (
         len(words) != 4
         or not all(w.isdigit() for w in [*words[1:], *spares_given])
-        or flags - {"--terminated"}
+        or flags - {"--terminated", "--unasked-stop"}
         or stop_kind not in (None, "", *finish.STOP_KINDS)
     ):
         print(USAGE, file=sys.stderr)
@@ -330,6 +350,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         status = EXIT_FAILED
         record_reason(run_dir, lost)
     stop_requested, terminated = stop_kind is not None, "--terminated" in flags
+    stray = unasked_restart(status) if unasked and not stop_requested and not terminated else None
+    if stray is not None:
+        print(stray.line(), flush=True)
+        return 0
     if status not in (EXIT_FINISHED, EXIT_REQUEUE, EXIT_UNHEALTHY) and not stop_requested and not terminated:
         record_first_death(run_dir, restarts)  # a stop's or a cancel's signals are no news
         if record_launch_failure(run_dir, restarts):
@@ -398,10 +422,15 @@ def requeue_leaves_out(
     blame: bool = True,
 ) -> None:
     """The nodes the requeued job leaves out: those this attempt's end blames (a hang's stalled nodes, the node
-    of the first rank a signal killed: recorded as suspects) and the cluster's other suspects in the ledger
-    (unless resilience.avoid_suspects is off). A second line, `exclude NODES`, which the batch script sets as
-    the job's ExcNodeList right after the requeue (as for the health gate's failures). When the partition
-    cannot spare them all, this attempt's own are tried alone; when not even those, the log says they stay in."""
+    of the first rank a signal killed: recorded as suspects), the nodes this allocation left out earlier (spare
+    nodes took their place: a failure, a hang or a health check blamed them) and the cluster's other suspects in
+    the ledger (unless resilience.avoid_suspects is off). A second line, `exclude NODES`, which the batch script
+    sets as the job's ExcNodeList right after the requeue (as for the health gate's failures).
+
+    A job with spare nodes asks for nodes + spares again; when the partition cannot spare the suspects beside
+    that many, it asks for fewer (down to resources.nodes: a third line, `nodes N`), so the requeue cannot land
+    on a node that just failed. When not even that fits, this job's own nodes are tried alone; when not even
+    those, the log says they stay in."""
     from launcher.contract.spec import read_run_spec  # torch-free
 
     job = job_of(environ)
@@ -411,30 +440,64 @@ def requeue_leaves_out(
     blamed = blamed_for(run_dir, status, restarts, environ) if blame else {}
     for node, evidence in blamed.items():
         record_suspect(run_dir, node, evidence, environ)
+    own = {**left_out_here(environ), **blamed}
     known: dict[str, str] = {}
     if spec.job.resilience.avoid_suspects and spec.run.suspects_file:
         rows = suspects.parse(_lines(spec.run.suspects_file))
         found = suspects.suspects(rows, time.time() if now is None else now, spec.job.resilience.forget_after_h * 3600)
         known = {node: f.evidence for node, f in found.items()}
-    if not blamed and not known:
+    if not own and not known:
         return
-    nodes = len(expand_hostlist(environ.get("SLURM_JOB_NODELIST", ""))) or 1
-    verdict = excluding({**known, **blamed}, job, nodes, run)
-    if verdict.action != "requeue" and known and blamed:
-        verdict = excluding(blamed, job, nodes, run)  # the partition cannot spare every suspect: this end's
-    reasons = {**known, **blamed}
-    if verdict.action == "requeue":
-        left = [f"{node} ({reasons[node]})" for node in verdict.excluded if node in reasons]
-        print(f"[meshrun] the requeued job leaves out {'; '.join(left)}", file=sys.stderr, flush=True)
-        print(f"exclude {','.join(verdict.excluded)}", flush=True)
+    asked = len(expand_hostlist(environ.get("SLURM_JOB_NODELIST", ""))) or 1
+    least = min(spec.job.resources.nodes, asked) if spec.job.resilience.spare_nodes else asked
+    excluded, partition = job_excluded(job, run)
+    members = partition_nodes(partition, run)
+    reasons = {**known, **own}
+    fit: Optional[tuple[tuple[str, ...], int]] = None
+    for wanted in (reasons, own) if known and own else (reasons,):
+        fit = fitting(wanted, excluded, members, asked, least)
+        if fit is not None:
+            break
+    if fit is not None:
+        leaving, nodes = fit
+        left = [f"{node} ({reasons[node]})" for node in leaving if node in reasons]
+        fewer = (
+            f"; it asks for {nodes} nodes instead of {asked} (without spares the partition cannot spare beside them)"
+            if nodes < asked
+            else ""
+        )
+        print(f"[meshrun] the requeued job leaves out {'; '.join(left)}{fewer}", file=sys.stderr, flush=True)
+        print(f"exclude {','.join(leaving)}", flush=True)
+        if nodes < asked:
+            print(f"nodes {nodes}", flush=True)
     else:
-        staying = [node for node in sorted(reasons) if node not in verdict.excluded]
+        staying = [node for node in sorted(reasons) if node not in excluded]
         print(
             f"[meshrun] suspect node(s) {', '.join(staying)} stay in the requeued job: the partition cannot spare "
-            f"them beside the job's {nodes} nodes",
+            f"them beside the job's {least} nodes",
             file=sys.stderr,
             flush=True,
         )
+
+
+def left_out_here(environ: Mapping[str, str]) -> dict[str, str]:
+    """The nodes this allocation's ranks no longer ran on (the batch script's MESHRUN_LEFT_OUT: a failure, a hang or
+    a health check blamed them and a spare took their place): the job's own findings, left out of its requeue
+    whatever resilience.avoid_suspects says, as the nodes this end blames are."""
+    return {node: "left out of this allocation earlier" for node in environ.get(LEFT_OUT_ENV, "").split()}
+
+
+def fitting(
+    wanted: Mapping[str, str], excluded: Sequence[str], members: Sequence[str], asked: int, least: int
+) -> Optional[tuple[tuple[str, ...], int]]:
+    """(the job's excluded nodes with `wanted` added, how many nodes the requeued job asks for): as many as before
+    when the partition can spare `wanted` beside them, fewer (down to `least`: the spare nodes given up) when it
+    can beside those; None when not even that (a partition Slurm did not name is taken to have room)."""
+    leaving = tuple(sorted({*excluded, *wanted}))
+    room = len(set(members) - set(leaving)) if members else asked
+    if room >= least:
+        return leaving, min(room, asked)
+    return None
 
 
 def _lines(path: str) -> list[str]:
