@@ -128,3 +128,39 @@ def test_a_ranks_banner_and_the_status_table_name_the_restart_inside_the_allocat
     attempts = [{"restart": 0, "in_job": 0, "nodes": "n1"}, {"restart": 0, "in_job": 1, "nodes": "n2"}]
     assert Findings(goodput={"attempts": attempts}).status_fields()["restarts_in_job"] == 1
     assert Findings().status_fields()["restarts_in_job"] == 0
+
+
+class _Slurm:
+    """Recorded answers of `scontrol show job` and `sinfo` for job 41 in a partition of four nodes."""
+
+    def __call__(self, argv: list[str] | tuple[str, ...]) -> str | None:
+        if list(argv[:3]) == ["scontrol", "show", "job"]:
+            return "JobId=41 Partition=wide ExcNodeList=(null)\n"
+        if argv[0] == "sinfo":
+            return "n1\nn2\nn3\nn4\n"
+        return None
+
+
+def test_a_requeue_after_the_last_spare_is_lost_leaves_out_every_node_this_allocation_left(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 44: 2 nodes + 1 spare; n2 failed and the spare n3 took its place; then n3's rank was killed, no spare
+    was left, and the job was requeued asking for 3 nodes again, with only n3 excluded: it could land on n2, the
+    node it had just left. Both stay out, and the partition (4 nodes) cannot spare them beside 3: the requeued job
+    asks for 2, its spare given up, rather than land on either."""
+    from launcher.requeue import requeue_leaves_out
+
+    run_dir = _run(tmp_path, spare_nodes=1, avoid_suspects=False)
+    job = RunSpec(
+        JobSpec(name="s", resources=Resources(nodes=2), command=("true",), resilience=Resilience(spare_nodes=1)),
+        RunInfo(cluster="c", scheduler="slurm", run_dir=run_dir),
+    )
+    write_run_spec(job, Path(run_dir))
+    env = {**ENV, "SLURM_JOB_NODELIST": "n[1-3]", "MESHRUN_LEFT_OUT": " n2", "MESHRUN_RESTART_IN_JOB": "1"}
+    killed = "[meshrun] job 41 restart 0 in-job 1 on n1,n3 at x\nsrun: error: n3: task 1: Killed\n"
+    Path(RunDir(run_dir).batch_log("41")).write_text(killed)
+    requeue_leaves_out(run_dir, 137, 0, env, _Slurm())
+    out, err = capsys.readouterr()
+    assert out.splitlines() == ["exclude n2,n3", "nodes 2"], (out, err)
+    assert "leaves out n2 (left out of this allocation earlier); n3 (rank 1 was killed by SIGKILL" in err, err
+    assert "it asks for 2 nodes instead of 3" in err, err
