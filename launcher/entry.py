@@ -181,9 +181,26 @@ def _wait_for_child(argv: Sequence[str], environ: Mapping[str, str]) -> int:
     SIGTERM means; this worker only waits for it. submitit's own handler would print "Bypassing signal
     SIGTERM" into the rank's log for every signal, a warning about nothing. It is not put back when the
     program has ended: the worker only returns its code then, and a cancel's second TERM (the controller passes
-    the signal on to its tasks too) would otherwise still reach submitit's handler in that moment."""
+    the signal on to its tasks too) would otherwise still reach submitit's handler in that moment.
+
+    SIGUSR1 (the local supervisor's time limit, sent to the ranks, not the group) is passed on to the program:
+    its default action ended this worker and left the program running until the kill, which never heard of
+    the limit (a framework that saves on it saved nothing)."""
     signal.signal(signal.SIGTERM, _the_program_decides)
-    return _exit_code(subprocess.call(list(argv), env=dict(environ)))
+    passed_on: list[int] = []  # a USR1 before the program exists: it gets it once it does
+    child: Optional[subprocess.Popen[bytes]] = None
+
+    def pass_on(signum: int, _frame: object) -> None:
+        if child is None:
+            passed_on.append(signum)
+        else:
+            child.send_signal(signum)
+
+    signal.signal(signal.SIGUSR1, pass_on)
+    child = subprocess.Popen(list(argv), env=dict(environ))
+    for signum in passed_on:
+        child.send_signal(signum)
+    return _exit_code(child.wait())
 
 
 def _the_program_decides(_signum: int, _frame: object) -> None:

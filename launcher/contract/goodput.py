@@ -271,7 +271,7 @@ def write(run_dir: str, job: str, now: Optional[float] = None) -> Optional[dict[
     attempts = attempts_of(read_jsonl(rd.attempts), job)
     if not attempts:
         return None
-    metrics = list(read_jsonl(rd.metrics))
+    metrics: list[Mapping[str, Any]] = list(read_jsonl(rd.metrics))
     figures = account(attempts, metrics, now)
     write_json(rd.goodput(job), {"job": job, **figures, "progress": progress_of(metrics, job, rd)})
     return figures

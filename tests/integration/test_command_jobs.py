@@ -176,3 +176,44 @@ def test_a_job_whose_ranks_never_start_says_why_in_status_and_logs_and_is_not_re
     assert "bad input (exit 2): not requeueing" in batch and "meshrun resume" not in batch, batch
     logs = meshrun(tmp_path, "logs", job_id)
     assert logs.returncode == 1 and "has no rank log: the ranks never started: srun: unrecognized option" in logs.stderr
+
+
+# A framework's habit at a stop signal (Lightning's SIGUSR1/SIGTERM handlers): leave the loop and exit 0. With
+# `finished`, the program says it finished first (launcher.job.finished), as one whose last step came with it.
+AT_THE_LIMIT = """
+import signal, sys, time
+stop = []
+signal.signal(signal.SIGUSR1, lambda *_: stop.append(1))
+print("handler set", flush=True)
+while not stop:
+    time.sleep(0.05)
+if sys.argv[1] == "finished":
+    from launcher import job
+    job.finished()
+print("left the loop on the signal", flush=True)
+"""
+
+
+def test_a_local_job_that_exits_0_at_its_time_limit_ends_timeout_unless_it_said_it_finished(tmp_path: Path) -> None:
+    """Issue 44 on `local`: the supervisor's time limit passes SIGUSR1 on; a program that leaves its loop on it
+    and exits 0 has work left (TIMEOUT, and status says where it stopped and that resume continues it); one that
+    said it finished is COMPLETED. Both through the real supervisor and its real time limit (12 s)."""
+    script = tmp_path / "at_the_limit.py"
+    script.write_text(AT_THE_LIMIT)
+    jobs = {}
+    for way in ("silent", "finished"):
+        args = ["examples/command.yaml", "-c", "local", *ONE_RANK, "--set", "resources.time=0:12"]
+        jobs[way] = submitted(
+            meshrun(tmp_path, "submit", *args, "--set", f"command=python3,{script},{way}", check=True)
+        )
+    rows = {
+        way: wait_for_state(tmp_path, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
+        for way, (job_id, _) in jobs.items()
+    }
+    for way, (_, run_dir) in jobs.items():
+        assert "left the loop on the signal" in (run_dir / "logs" / "rank-0.log").read_text(), way
+    assert rows["silent"]["state"] == "TIMEOUT", rows["silent"]
+    assert rows["silent"]["reason"].startswith(
+        "stopped at the time limit (no step reported): `meshrun resume` continues it"
+    ), rows["silent"]
+    assert rows["finished"]["state"] == "COMPLETED" and rows["finished"]["exit_code"] in (0, None), rows["finished"]
