@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 from launcher import rankends
 from launcher.checkpoint.resume import MAX_ATTEMPTS
-from launcher.contract import finish, suspects
+from launcher.contract import finish, nodelist, suspects
 from launcher.contract import lost as lost_checkpoints
 from launcher.contract.exitcodes import (
     EXIT_FAILED,
@@ -473,7 +473,7 @@ def requeue_leaves_out(
     else:
         staying = [node for node in sorted(reasons) if node not in excluded]
         print(
-            f"[meshrun] suspect node(s) {', '.join(staying)} stay in the requeued job: the partition cannot spare "
+            f"[meshrun] suspect node(s) {nodelist.compress(staying)} stay in the requeued job: the partition cannot spare "
             f"them beside the job's {least} nodes",
             file=sys.stderr,
             flush=True,
