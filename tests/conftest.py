@@ -12,6 +12,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 from typing import Iterator
@@ -105,6 +106,22 @@ def default_corpus() -> Path:
     if not path.is_file():
         build_corpus(path, max_bytes=2_000_000)
     return path
+
+
+TIMELINE_ENV = "MESHRUN_TEST_TIMELINE"
+"""A folder: each worker appends `worker<TAB>start<TAB>end<TAB>test id` for every test it runs (setup and teardown
+included), to find what keeps the suite's last worker busy (CI's time is the slowest worker's)."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: object) -> Iterator[None]:
+    folder = os.environ.get(TIMELINE_ENV)
+    started = time.time()
+    yield
+    if folder:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(os.path.join(folder, f"{worker}.tsv"), "a", encoding="utf-8") as handle:
+            handle.write(f"{worker}\t{started:.2f}\t{time.time():.2f}\t{item.nodeid}\n")
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
