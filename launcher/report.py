@@ -33,8 +33,9 @@ from launcher.train.tbwriter import ScalarWriter, scalars_of
 RUN_DIR_ENV = "MESHRUN_RUN_DIR"
 RESTART_COUNT_ENV = "MESHRUN_RESTART_COUNT"
 """A command job's run number (launcher.entry sets it); a requeued run's metrics lines carry it, so status counts it."""
-PHASES = ("setup", "step", "eval", "checkpoint")
-"""What a rank is doing; each may get its own hang timeout."""
+PHASES = ("rendezvous", "setup", "step", "eval", "checkpoint")
+"""What a rank is doing; each may get its own hang timeout ("rendezvous": waiting for the other ranks to join,
+judged across nodes by launcher/sidecar/rendezvous.py; its own timeout is setup's)."""
 
 
 def rank_from_env(environ: Optional[dict[str, str]] = None) -> int:

@@ -312,11 +312,19 @@ class Watchdog:
     """How often each node shares its ranks' step times and stragglers are looked for (named after 3 checks)."""
     diagnosis_wait_s: float = 30.0
     """How long the node that found the hang waits for every node's part of the diagnosis before the verdict."""
+    rendezvous_stall_s: float = 60.0
+    """A rendezvous that some ranks reached this long ago and none has completed is a hang: the sidecars name the
+    nodes whose ranks did not join (the built-in trainer's ranks say when they reach and leave it)."""
+    rendezvous_timeout_s: float = 180.0
+    """Each rank of the built-in trainer waits this long for the rendezvous (rank 0's store, every rank in it), then
+    exits 76 naming the ranks that did not join, also when the hang watch is off."""
 
     def __post_init__(self) -> None:
         for key in (
             "step_floor_s",
             "setup_timeout_s",
+            "rendezvous_stall_s",
+            "rendezvous_timeout_s",
             "eval_timeout_s",
             "checkpoint_timeout_s",
             "diagnosis_wait_s",

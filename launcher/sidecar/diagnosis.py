@@ -114,6 +114,8 @@ class Hang:
     phase: str
     silent_s: float
     timeout_s: float
+    headline: str = ""
+    """The first sentence instead of 'Hang at step N ...' (a stalled rendezvous names who did not join)."""
 
 
 def short_path(path: str) -> str:
@@ -246,7 +248,9 @@ def verdict(
     wheres = {r.rank: where_of(r.stack) for r in ordered}
     step = "?" if hang.step is None else str(hang.step)
     parts = [
-        f"Hang at step {step} (phase {hang.phase}), found by {hang.found_by} after {hang.silent_s:.0f} s "
+        f"{hang.headline[0].upper()}{hang.headline[1:]}, found by {hang.found_by}."
+        if hang.headline
+        else f"Hang at step {step} (phase {hang.phase}), found by {hang.found_by} after {hang.silent_s:.0f} s "
         f"without progress (timeout {hang.timeout_s:.0f} s)."
     ]
     sentences = _sentences(ordered, wheres)

@@ -26,7 +26,7 @@ from launcher.contract.exitcodes import EXIT_NO_PROGRESS
 from launcher.contract.private import make_private_dir
 from launcher.contract.rundir import NodeDir, RunDir, write_json
 from launcher.contract.spec import Watchdog as WatchdogSettings
-from launcher.sidecar import diagnosis
+from launcher.sidecar import diagnosis, rendezvous
 from launcher.sidecar.beats import (
     WARMUP_DURATIONS,
     RankTrack,
@@ -89,6 +89,9 @@ class Watchdog:
         self.dumps: dict[str, int] = {}  # dump file -> size before the signal (or last seen size)
         self.sizes: dict[str, int] = {}
         self._ended = False
+        self.rendezvous = rendezvous.RendezvousTrack()
+        self.rendezvous_done = False  # node 0: a rank was seen past it, no more judging in this attempt
+        self.stall: Optional[rendezvous.Stall] = None
 
     @property
     def ended(self) -> bool:
@@ -108,6 +111,7 @@ class Watchdog:
             self._share_step_times(now)
             if self.node_rank == 0:
                 self._check_stragglers(now)
+                self._judge_rendezvous(now)
         claim = self._ours(self.claim_path)
         if claim is None and self.settings.enabled:
             self._watch(now)
@@ -158,6 +162,7 @@ class Watchdog:
                 continue
             if beat["time"] < self.created - STALE_GRACE_S:
                 continue  # a previous attempt's leftover
+            self.rendezvous.observe(rank, beat)
             if track.observe(beat):
                 seen = min(float(beat["time"]), now)
                 self.progress_at = seen if self.progress_at is None else max(self.progress_at, seen)
@@ -176,7 +181,24 @@ class Watchdog:
         phase = str(newest.get("phase", "setup"))
         return newest.get("step"), phase, phase_timeout(self.settings, phase, durations)
 
+    def _judge_rendezvous(self, now: float) -> None:
+        """Node 0, at each share: a stalled rendezvous (launcher/sidecar/rendezvous.py), from every node's share."""
+        if self.rendezvous_done or self.stall is not None:
+            return
+        shared = rendezvous.views(read_step_times(self.run_dir, self.node), self.attempt)
+        if any(view.left for view in shared):
+            self.rendezvous_done = True
+            return
+        self.stall = rendezvous.judge(shared, self.nodes, len(self.ranks), now, self.settings.rendezvous_stall_s)
+
     def _watch(self, now: float) -> None:
+        if self.stall is not None:
+            # Judged by node 0 before any heartbeat of its own, if need be: its own ranks may be the missing ones.
+            headline = self.stall.headline()
+            self.log(f"{headline}: a hang")
+            self._claim(now, 0, rendezvous.PHASE, self.stall.waited_s, self.stall.stall_s, self.stall.to_json())
+            self.stall = None
+            return
         if self.progress_at is None:
             if not self.said_no_beats and now - self.created >= self.settings.setup_timeout_s:
                 self.said_no_beats = True
@@ -197,11 +219,19 @@ class Watchdog:
             self._claim(now, step, phase, silent, timeout)
 
     # --- the claim --------------------------------------------------------------------------------
-    def _claim(self, now: float, step: Optional[int], phase: str, silent: float, timeout: float) -> None:
+    def _claim(
+        self,
+        now: float,
+        step: Optional[int],
+        phase: str,
+        silent: float,
+        timeout: float,
+        stall: Optional[dict[str, Any]] = None,
+    ) -> None:
         """Create the claim (O_EXCL); replace one of another attempt under a per-attempt lock, so that of
-        two nodes finding the same stale claim exactly one replaces it."""
+        two nodes finding the same stale claim exactly one replaces it. `stall`: a stalled rendezvous's record."""
         make_private_dir(self.run_dir.diagnosis)
-        data = {
+        data: dict[str, Any] = {
             "attempt": self.attempt,
             "node": self.node,
             "time": now,
@@ -209,6 +239,7 @@ class Watchdog:
             "phase": phase,
             "silent_s": round(silent, 3),
             "timeout_s": round(timeout, 3),
+            **({"rendezvous": stall} if stall else {}),
         }
         try:
             fd = os.open(self.claim_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -382,8 +413,12 @@ class Watchdog:
             str(claim.get("phase", "")),
             float(claim.get("silent_s", 0)),
             float(claim.get("timeout_s", 0)),
+            headline=str((claim.get("rendezvous") or {}).get("headline") or ""),
         )
         text, data = diagnosis.verdict(hang, evidence, missing, self.settings.diagnosis_wait_s, self.run_dir.diagnosis)
+        if isinstance(claim.get("rendezvous"), dict):
+            data["rendezvous"] = claim["rendezvous"]
+            data["ranks"] += rendezvous.missing_ranks(claim["rendezvous"])
         write_text(self.run_dir.verdict, text + "\n")
         write_text(self.run_dir.exit_code, f"{EXIT_NO_PROGRESS}\n")
         write_json(self.run_dir.verdict_json, data)  # last: every node ends its ranks once it exists
@@ -433,7 +468,8 @@ class Watchdog:
     # --- stragglers -------------------------------------------------------------------------------
     def _share_step_times(self, now: float) -> None:
         ranks = {str(rank): track.medians() for rank, track in self.tracks.items() if track.beat}
-        data = {"node": self.node, "attempt": self.attempt, "time": now, "ranks": ranks}
+        data = {"node": self.node, "node_rank": self.node_rank, "attempt": self.attempt, "time": now, "ranks": ranks}
+        data["rendezvous"] = self.rendezvous.share()  # also with no rank there yet: it names this node
         write_json(self.run_dir.step_times(self.node), data)
 
     def _check_stragglers(self, now: float) -> None:

@@ -34,7 +34,7 @@ from launcher.train import divergence
 from launcher.train.engines.base import StepResult
 from launcher.train.losswatch import Watch as _Watch
 from launcher.train.metrics import MetricsLog, perplexity
-from launcher.train.runtime import Runtime, check_tasks, init_distributed, pick_runtime
+from launcher.train.runtime import Runtime, check_tasks, join_or_exit, pick_runtime
 from launcher.train.trainer import Trainer, build_trainer, mean_over_ranks
 from launcher.train.worktime import BusyClock
 
@@ -138,9 +138,11 @@ def train(run_spec: RunSpec, env: RankEnv, flag: Optional[StopFlag] = None) -> i
     metrics = MetricsLog(
         run_spec.run.run_dir, enabled=env.rank == 0, steps=job.trainer.steps, peak_tflops=peak, rank=env.rank
     )
-    metrics.stamp(0, "setup")  # before the rendezvous: a hang there is a hang in setup
+    metrics.stamp(0, "rendezvous")  # the sidecars judge a stalled rendezvous from it (launcher/sidecar/rendezvous.py)
     try:
-        init_distributed(env, runtime)
+        failed = join_or_exit(env, runtime, job, run_spec.run.run_dir, on_joined=lambda: metrics.stamp(0, "setup"))
+        if failed is not None:
+            return failed
         trainer = build_trainer(job, env, runtime, dataset)
         checkpoints = CheckpointManager.for_run(run_spec, env, metrics)
         first = checkpoints.resume(trainer)

@@ -8,15 +8,22 @@ ranks hang in a rendezvous or NCCL init that can never complete.
 from __future__ import annotations
 
 import datetime
+import sys
+import time
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from pathlib import Path
+from typing import Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
+from launcher.contract.exitcodes import EXIT_NO_PROGRESS
+from launcher.contract.rundir import record_exit
 from launcher.contract.schema import SchemaError
 from launcher.contract.spec import JobSpec
 from launcher.env import RankEnv
+from launcher.rankfail import record_rank_error
+from launcher.sidecar.rendezvous import rank_span
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 GPU_PROCESS_GROUP = "cpu:gloo,cuda:nccl"
@@ -24,7 +31,14 @@ GPU_PROCESS_GROUP = "cpu:gloo,cuda:nccl"
 (torch.distributed.checkpoint.async_save) coordinates its background write over a CPU backend and refuses a
 NCCL-only group (found on an H200: every GPU job died at its first checkpoint)."""
 INIT_TIMEOUT = datetime.timedelta(minutes=10)
-"""How long ranks wait for each other at init and in collectives before failing loudly."""
+"""How long ranks wait for each other in collectives (and NCCL's init) before failing loudly; the rendezvous
+itself, the store and every rank's arrival, has its own bound (watchdog.rendezvous_timeout_s)."""
+JOINED_KEY = "meshrun/joined/"
+"""Each rank sets JOINED_KEY + its rank in the store once connected: who is missing, when the wait runs out."""
+
+
+class RendezvousTimeout(Exception):
+    """The rendezvous did not complete in time; the message names the ranks and nodes that did not join."""
 
 
 @dataclass(frozen=True)
@@ -114,17 +128,27 @@ def process_group_backend(runtime: Runtime) -> str:
     return GPU_PROCESS_GROUP if runtime.cuda else runtime.backend
 
 
-def init_distributed(env: RankEnv, runtime: Runtime) -> None:
-    """Join the process group from the RankEnv (not os.environ: one place reads the environment)."""
+def init_distributed(
+    env: RankEnv,
+    runtime: Runtime,
+    bound_s: float = INIT_TIMEOUT.total_seconds(),
+    on_joined: Callable[[], None] = lambda: None,
+) -> None:
+    """Join the process group from the RankEnv (not os.environ: one place reads the environment). The rendezvous
+    (rank 0's store, every rank's arrival in it) waits at most `bound_s` and raises RendezvousTimeout naming who did
+    not join; `on_joined` runs once every rank has arrived (the heartbeat leaves phase "rendezvous")."""
     device_id = runtime.device if runtime.cuda else None
     backend = process_group_backend(runtime)
     if env.world_size == 1:
         # No rendezvous needed: a private store cannot collide with a busy port.
+        on_joined()
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
         return
+    store = rendezvous(env, bound_s)
+    on_joined()
     dist.init_process_group(
         backend,
-        store=rendezvous_store(env),
+        store=store,
         rank=env.rank,
         world_size=env.world_size,
         device_id=device_id,
@@ -132,19 +156,79 @@ def init_distributed(env: RankEnv, runtime: Runtime) -> None:
     )
 
 
-def rendezvous_store(env: RankEnv) -> dist.TCPStore:
+def join_or_exit(
+    env: RankEnv, runtime: Runtime, job: JobSpec, run_dir: str, on_joined: Callable[[], None]
+) -> Optional[int]:
+    """init_distributed within watchdog.rendezvous_timeout_s; None once joined, else the exit code after one line
+    in this rank's log and in rank-error.txt (no torch traceback): EXIT_NO_PROGRESS, requeued as a hang is."""
+    try:
+        init_distributed(env, runtime, job.watchdog.rendezvous_timeout_s, on_joined)
+    except RendezvousTimeout as exc:
+        print(f"meshrun launcher: error: {exc}", file=sys.stderr, flush=True)
+        record_rank_error(run_dir, env.rank, str(exc))
+        try:  # any rank: rank 0 may be the one that never came
+            record_exit(Path(run_dir), EXIT_NO_PROGRESS)
+        except OSError:
+            pass
+        return EXIT_NO_PROGRESS
+    return None
+
+
+def rendezvous(env: RankEnv, bound_s: float) -> dist.TCPStore:
+    """Rank 0's store, reached, and every rank arrived in it, within `bound_s` seconds (RendezvousTimeout if not).
+
+    torch's own waits would take INIT_TIMEOUT and end in a traceback that names no one: a requeued start lost 42 s
+    (and could have lost 20 minutes) in a store connect that could not complete."""
+    deadline = time.monotonic() + bound_s
+    try:
+        store = rendezvous_store(env, datetime.timedelta(seconds=bound_s))
+    except dist.DistError as exc:  # DistNetworkError: no store at MASTER_ADDR:MASTER_PORT in time
+        raise RendezvousTimeout(
+            f"rendezvous: rank {env.rank} could not reach rank 0's store at {env.master_addr}:{env.master_port} "
+            f"within {bound_s:g} s (watchdog.rendezvous_timeout_s): {node_ranks(env, [0])} did not join ({exc})"
+        ) from None
+    store.set(f"{JOINED_KEY}{env.rank}", env.hosts[env.node_rank] if env.hosts else str(env.node_rank))
+    keys = [f"{JOINED_KEY}{rank}" for rank in range(env.world_size)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+    except dist.DistError:
+        missing = [rank for rank in range(env.world_size) if not store.check([keys[rank]])]
+        raise RendezvousTimeout(
+            f"rendezvous: {node_ranks(env, missing)} did not join within {bound_s:g} s "
+            f"(watchdog.rendezvous_timeout_s); the other {env.world_size - len(missing)} rank(s) waited"
+        ) from None
+    store.set_timeout(INIT_TIMEOUT)  # from here on the process group's own waits
+    return store
+
+
+def node_ranks(env: RankEnv, ranks: list[int]) -> str:
+    """'node n3 (ranks 4-5)' for each node of `ranks` (Slurm's block distribution, as launcher.env assumes)."""
+    per_node = max(env.local_world_size, 1)
+    by_node: dict[int, list[int]] = {}
+    for rank in sorted(ranks):
+        by_node.setdefault(rank // per_node, []).append(rank)
+    parts = []
+    for index, members in by_node.items():
+        node = env.hosts[index] if index < len(env.hosts) else f"index {index}"
+        parts.append(f"node {node} ({rank_span(members)})")
+    return ", ".join(parts) or "no rank"
+
+
+def rendezvous_store(env: RankEnv, timeout: datetime.timedelta = INIT_TIMEOUT) -> dist.TCPStore:
     """The job's rendezvous store. Rank 0 serves it on the address the other ranks reach it at (MASTER_ADDR), not
     on every interface of its node as torch's own TCPStore does (its protocol has no authentication: any user of
-    the node could connect); where that address cannot be bound here, torch's own listener serves, as before."""
+    the node could connect); where that address cannot be bound here, torch's own listener serves, as before.
+    Rank 0 does not wait in here for the others (rendezvous() does, naming who is missing)."""
     if env.rank != 0:
-        return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=INIT_TIMEOUT)
+        return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
     listener = _listener(env.master_addr, env.master_port)
     return dist.TCPStore(
         env.master_addr,
         env.master_port,
         env.world_size,
         is_master=True,
-        timeout=INIT_TIMEOUT,
+        timeout=timeout,
+        wait_for_workers=False,
         **({"master_listen_fd": listener} if listener is not None else {}),
     )
 
