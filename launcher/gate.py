@@ -7,14 +7,17 @@ asks this module what to do and gets one line on stdout, `ACTION [NODES]`; what 
 batch log):
 - `start [NODES]`: every node passed, or the job has spare nodes enough to leave NODES (the failing ones,
   recorded as suspects) out: the ranks start on the others.
-- `requeue NODES`: nodes failed. Each is recorded in the cluster's ledger of suspect nodes (with the failing
-  check as its evidence: `meshrun nodes`) and the job ends its run with EXIT_UNHEALTHY, which launcher.requeue
-  requeues (it counts as a restart); NODES (the job's excluded nodes with the failing ones added) become the
-  requeued job's ExcNodeList. Slurm changes that only on a pending job: the batch script sets it right after
-  `scontrol requeue`, before the requeued job can be scheduled.
+- `requeue NODES`: nodes failed (and no spare is left to take their place). Each is recorded in the cluster's
+  ledger of suspect nodes (with the failing check as its evidence: `meshrun nodes`) and the job ends its run with
+  EXIT_UNHEALTHY, which launcher.requeue requeues (it counts as a restart); NODES become the requeued job's
+  ExcNodeList: the job's excluded nodes with what a rank failure's requeue leaves out too (launcher.requeue's
+  `leave_out`: the failing nodes, those spare nodes replaced earlier in the allocation, the ledger's suspects).
+  A job with spares asks for fewer nodes (down to resources.nodes) when the partition cannot spare those beside
+  nodes + spares: the verdict's `nodes`, which launcher.requeue passes on as `nodes N`. Slurm changes both only
+  on a pending job: the batch script sets them right after `scontrol requeue`, before it can be scheduled.
 - `stop`: nodes failed, and excluding them would leave the partition too few nodes for the job: the job
   ends with EXIT_UNHEALTHY and the reason in `meshrun status` (clear the node, or ask the admins).
-RUN_DIR/health.json holds the verdict (`launcher.requeue` reads its action).
+RUN_DIR/health.json holds the verdict (`launcher.requeue` reads its action and its `nodes`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 from launcher.contract import alerts, suspects
 from launcher.contract.nodelist import compress
@@ -33,6 +36,9 @@ from launcher.contract.private import append_line
 from launcher.contract.rundir import RunDir, job_of, read_state, write_json
 from launcher.contract.spec import read_run_spec
 from launcher.hostlist import expand_hostlist
+
+if TYPE_CHECKING:
+    from launcher.requeue import Leaving
 
 LEFT_OUT_ENV = "MESHRUN_LEFT_OUT"
 """Set by the batch script of a job with spare nodes: the allocation's nodes its ranks no longer run on
@@ -59,6 +65,8 @@ class Verdict:
     """The job's excluded nodes after this verdict."""
     why: str = ""
     """One sentence for the batch log and `meshrun status`."""
+    nodes: int = 0
+    """How many nodes the requeued job asks for when fewer than the allocation's (its spares given up); 0: as many."""
 
 
 def failures(
@@ -85,22 +93,35 @@ def exclusion(
     cluster: str = "CLUSTER",
     job: str = "JOB",
 ) -> Verdict:
-    """What to do with failing nodes: exclude them and requeue, unless that leaves the partition too few nodes."""
+    """What to do with failing nodes of a job that leaves out nothing else: exclude them and requeue, unless that
+    leaves the partition too few nodes."""
+    from launcher.requeue import fitting  # here: launcher.requeue imports this module
+
     if not failing:
         return Verdict("start", {})
-    wanted = tuple(sorted({*excluded, *failing}))
+    return verdict_for(failing, fitting(failing, excluded, partition_nodes, nodes_needed, nodes_needed), cluster, job)
+
+
+def verdict_for(failing: Mapping[str, str], leaving: Leaving, cluster: str = "CLUSTER", job: str = "JOB") -> Verdict:
+    """The gate's requeue or stop, from what the requeued job would leave out (launcher.requeue.leave_out: the
+    decision a rank failure's requeue makes too)."""
     named = ", ".join(f"{node} ({why})" for node, why in sorted(failing.items()))
-    left = len(set(partition_nodes) - set(wanted)) if partition_nodes else nodes_needed
-    if left < nodes_needed:
+    if not leaving.fits:
         nodes = " ".join(f"--clear {node}" for node in sorted(failing))
         why = (
-            f"health check failed on {named}; excluding {compress(wanted)} would leave the partition "
-            f"{left} of the {nodes_needed} nodes the job needs: not requeueing (`meshrun nodes -c {cluster} {nodes}` "
-            f"once repaired, then `meshrun resume {job}`)"
+            f"health check failed on {named}; excluding {compress(leaving.excluded)} would leave the partition "
+            f"{leaving.room} of the {leaving.least} nodes the job needs: not requeueing (`meshrun nodes -c {cluster} "
+            f"{nodes}` once repaired, then `meshrun resume {job}`)"
         )
-        return Verdict("stop", dict(failing), tuple(excluded), why)
-    why = f"health check failed on {named}: requeueing with {compress(wanted)} excluded"
-    return Verdict("requeue", dict(failing), wanted, why)
+        return Verdict("stop", dict(failing), leaving.before, why)
+    # The nodes it leaves out beside the failing ones: those spares replaced earlier, the ledger's suspects.
+    others = [f"{n}: {leaving.reasons[n]}" for n in leaving.excluded if n in leaving.reasons and n not in failing]
+    also = f" ({'; '.join(others)})" if others else ""
+    why = (
+        f"health check failed on {named}: requeueing with {compress(leaving.excluded)} excluded{also}{leaving.fewer()}"
+    )
+    fewer = leaving.nodes if leaving.nodes < leaving.asked else 0
+    return Verdict("requeue", dict(failing), leaving.excluded, why, fewer)
 
 
 def job_excluded(job: str, run: Runner) -> tuple[list[str], str]:
@@ -153,15 +174,17 @@ def judge(run_dir: str, environ: Mapping[str, str], run: Runner = run_slurm, now
             f"health check failed on {named}: the ranks start on {compress(run_on)} instead (spare nodes in its place)"
         )
         return Verdict("start", dict(failing), tuple(sorted(failing)), why)
-    return excluding(failing, job, len(allocated), run, spec.run.cluster if spec else "CLUSTER")
+    # The requeue leaves out what a rank failure's would (launcher.requeue.leave_out): the failing nodes, the nodes
+    # spares replaced earlier in this allocation and the ledger's suspects, asking for fewer nodes (its spares given
+    # up) when the partition cannot spare them beside nodes + spares.
+    from launcher.requeue import leave_out  # here: launcher.requeue imports this module
 
-
-def excluding(
-    failing: Mapping[str, str], job: str, nodes_needed: int, run: Runner = run_slurm, cluster: str = "CLUSTER"
-) -> Verdict:
-    """`exclusion` for this Slurm job: its excluded nodes and its partition's nodes asked of Slurm."""
-    excluded, partition = job_excluded(job, run)
-    return exclusion(failing, excluded, partition_nodes(partition, run), nodes_needed, cluster, job)
+    blamed = {node: f"health check: {evidence}" for node, evidence in failing.items()}
+    cluster = spec.run.cluster if spec else "CLUSTER"
+    leaving = leave_out(spec, blamed, environ, run, now)
+    if leaving is None:  # never: the failing nodes are there to leave out
+        return exclusion(failing, [], [], len(allocated), cluster, job)
+    return verdict_for(failing, leaving, cluster, job)
 
 
 def read_run_spec_quietly(run_dir: str) -> Any:
@@ -184,6 +207,7 @@ def main(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> int:
         "action": verdict.action,
         "failing": dict(verdict.failing),
         "excluded": list(verdict.excluded),
+        "nodes": verdict.nodes,
         "why": verdict.why,
     }
     write_json(RunDir(run_dir).health_verdict, record, indent=1)

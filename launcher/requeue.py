@@ -10,7 +10,8 @@ WHY the sentence for its log. The rules:
 - 0 (finished), 2 (bad input), 77 (crash loop) and 78 (diverged) end the job; so does a SIGTERM
   (`scancel`, or Slurm ending the job itself) and the restart limit (`checkpoint.max_restarts`).
 - 79 (a node failed its health check before the ranks started) is requeued when launcher.gate excluded the
-  node, and ends the job when it could not (too few nodes would be left).
+  node, and ends the job when it could not (too few nodes would be left). The gate leaves out what a failure's
+  requeue leaves out (`leave_out`, one decision for both) and the policy passes on its smaller node count.
 - 75 (saved for requeue), 76 (no progress) and failures (a crash, a lost node: often transient) are
   requeued, as is anything after the batch shell passed on a stop signal (a program that died of it).
 - A `command:` job's 0 after the batch shell passed on a stop (`--stop-requested=preemption|time-limit`) is a
@@ -32,7 +33,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
@@ -391,7 +392,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     if note:
         decision = Decision(decision.requeue, decision.code, f"{note}: {decision.why}")
     print(decision.line(), flush=True)
-    if decision.requeue and status != EXIT_UNHEALTHY:  # (the health gate named its own nodes already)
+    if decision.requeue and status == EXIT_UNHEALTHY:
+        # The health gate decided what the requeued job leaves out (`leave_out`, as below), and the batch script has
+        # its ExcNodeList already: only a smaller node count is passed on, as below.
+        fewer = verdict_of(run_dir).get("nodes")
+        if isinstance(fewer, int) and fewer > 0:
+            print(f"nodes {fewer}", flush=True)
+    elif decision.requeue:
         # A saved stop (a preemption, the time limit) blames no node: Slurm's own kills at its grace time's end
         # are no finding.
         requeue_leaves_out(run_dir, status, restarts, blame=status != EXIT_REQUEUE and not stop_requested)
@@ -421,63 +428,113 @@ def requeue_leaves_out(
     now: Optional[float] = None,
     blame: bool = True,
 ) -> None:
-    """The nodes the requeued job leaves out: those this attempt's end blames (a hang's stalled nodes, the node
-    of the first rank a signal killed: recorded as suspects), the nodes this allocation left out earlier (spare
-    nodes took their place: a failure, a hang or a health check blamed them) and the cluster's other suspects in
-    the ledger (unless resilience.avoid_suspects is off). A second line, `exclude NODES`, which the batch script
-    sets as the job's ExcNodeList right after the requeue (as for the health gate's failures).
-
-    A job with spare nodes asks for nodes + spares again; when the partition cannot spare the suspects beside
-    that many, it asks for fewer (down to resources.nodes: a third line, `nodes N`), so the requeue cannot land
-    on a node that just failed. When not even that fits, this job's own nodes are tried alone; when not even
-    those, the log says they stay in."""
+    """The nodes the requeued job leaves out (`leave_out`, the decision the health gate's requeue shares): those
+    this attempt's end blames (a hang's stalled nodes, the node of the first rank a signal killed: recorded as
+    suspects), the nodes this allocation left out earlier and the ledger's suspects. A second line, `exclude
+    NODES`, which the batch script sets as the job's ExcNodeList right after the requeue (as for the health gate's
+    failures); a third, `nodes N`, when the requeued job asks for fewer nodes (its spares given up). When not even
+    this end's own nodes can be spared, the log says they stay in."""
     from launcher.contract.spec import read_run_spec  # torch-free
 
-    job = job_of(environ)
-    if not job:
+    if not job_of(environ):
         return
     spec = read_run_spec(Path(run_dir))
     blamed = blamed_for(run_dir, status, restarts, environ) if blame else {}
     for node, evidence in blamed.items():
         record_suspect(run_dir, node, evidence, environ)
+    found = leave_out(spec, blamed, environ, run, now)
+    if found is None:
+        return
+    if found.fits:
+        left = [f"{node} ({found.reasons[node]})" for node in found.excluded if node in found.reasons]
+        print(f"[meshrun] the requeued job leaves out {'; '.join(left)}{found.fewer()}", file=sys.stderr, flush=True)
+        print(f"exclude {','.join(found.excluded)}", flush=True)
+        if found.nodes < found.asked:
+            print(f"nodes {found.nodes}", flush=True)
+    else:
+        staying = [node for node in sorted(found.reasons) if node not in found.before]
+        print(
+            f"[meshrun] suspect node(s) {nodelist.compress(staying)} stay in the requeued job: the partition cannot spare "
+            f"them beside the job's {found.least} nodes",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+@dataclass(frozen=True)
+class Leaving:
+    """What a requeued job leaves out and how many nodes it asks for (`leave_out`)."""
+
+    reasons: Mapping[str, str]
+    """Every node it would leave out (this end's, the allocation's earlier ones, the ledger's), and why."""
+    before: tuple[str, ...]
+    """The job's ExcNodeList before this requeue (Slurm's)."""
+    excluded: tuple[str, ...]
+    """Its ExcNodeList after it: `before` with the nodes it leaves out (the last set tried when none fits)."""
+    room: int
+    """The partition's nodes outside `excluded` (`asked` when Slurm did not name the partition's nodes)."""
+    asked: int
+    """The nodes this allocation has."""
+    least: int
+    """The fewest the requeued job may ask for: resources.nodes for a job with spares (they are given up), else
+    `asked`."""
+
+    @property
+    def fits(self) -> bool:
+        return self.room >= self.least
+
+    @property
+    def nodes(self) -> int:
+        """How many nodes the requeued job asks for."""
+        return min(self.room, self.asked)
+
+    def fewer(self) -> str:
+        """The clause the logs add when the requeued job asks for fewer nodes ('' when it does not)."""
+        if not self.fits or self.nodes >= self.asked:
+            return ""
+        counted = f"{self.nodes} node" + ("s" if self.nodes != 1 else "")
+        return (
+            f"; it asks for {counted} instead of {self.asked}, its spares given up (the partition cannot spare the "
+            f"nodes it leaves out beside {self.asked})"
+        )
+
+
+def leave_out(
+    spec: Optional[RunSpec],
+    blamed: Mapping[str, str],
+    environ: Mapping[str, str],
+    run: Runner = run_slurm,
+    now: Optional[float] = None,
+) -> Optional[Leaving]:
+    """The one decision of what a requeued job leaves out, for a rank failure or hang (requeue_leaves_out) and for a
+    failed health check (launcher.gate.judge): the nodes this end blames (`blamed`), the nodes this allocation left
+    out earlier (spare nodes took their place: a failure, a hang or a health check blamed them) and the cluster's
+    other suspects in the ledger (unless resilience.avoid_suspects is off); None when there are none.
+
+    A job with spare nodes asks for nodes + spares again; when the partition cannot spare the nodes beside that
+    many, it asks for fewer (down to resources.nodes), so the requeue cannot land on a node it just left. When not
+    even that fits, the job's own nodes (this end's and the allocation's earlier ones) are tried without the
+    ledger's, then this end's alone; `fits` is False when not even those fit."""
+    job = job_of(environ) or "?"
     own = {**left_out_here(environ), **blamed}
     known: dict[str, str] = {}
-    if spec.job.resilience.avoid_suspects and spec.run.suspects_file:
+    if spec is not None and spec.job.resilience.avoid_suspects and spec.run.suspects_file:
         rows = suspects.parse(_lines(spec.run.suspects_file))
         found = suspects.suspects(rows, time.time() if now is None else now, spec.job.resilience.forget_after_h * 3600)
         known = {node: f.evidence for node, f in found.items()}
     if not own and not known:
-        return
+        return None
     asked = len(expand_hostlist(environ.get("SLURM_JOB_NODELIST", ""))) or 1
-    least = min(spec.job.resources.nodes, asked) if spec.job.resilience.spare_nodes else asked
+    spares = spec is not None and spec.job.resilience.spare_nodes > 0
+    least = min(spec.job.resources.nodes, asked) if spec is not None and spares else asked
     excluded, partition = job_excluded(job, run)
     members = partition_nodes(partition, run)
-    reasons = {**known, **own}
-    fit: Optional[tuple[tuple[str, ...], int]] = None
-    for wanted in (reasons, own) if known and own else (reasons,):
-        fit = fitting(wanted, excluded, members, asked, least)
-        if fit is not None:
-            break
-    if fit is not None:
-        leaving, nodes = fit
-        left = [f"{node} ({reasons[node]})" for node in leaving if node in reasons]
-        fewer = (
-            f"; it asks for {nodes} nodes instead of {asked} (without spares the partition cannot spare beside them)"
-            if nodes < asked
-            else ""
-        )
-        print(f"[meshrun] the requeued job leaves out {'; '.join(left)}{fewer}", file=sys.stderr, flush=True)
-        print(f"exclude {','.join(leaving)}", flush=True)
-        if nodes < asked:
-            print(f"nodes {nodes}", flush=True)
-    else:
-        staying = [node for node in sorted(reasons) if node not in excluded]
-        print(
-            f"[meshrun] suspect node(s) {nodelist.compress(staying)} stay in the requeued job: the partition cannot spare "
-            f"them beside the job's {least} nodes",
-            file=sys.stderr,
-            flush=True,
-        )
+    tiers: list[Mapping[str, str]] = []
+    for wanted in ({**known, **own}, own, blamed):
+        if wanted and set(wanted) not in [set(t) for t in tiers]:
+            tiers.append(wanted)
+    tried = [fitting(wanted, excluded, members, asked, least) for wanted in tiers]
+    return replace(next((t for t in tried if t.fits), tried[-1]), reasons={**known, **own})
 
 
 def left_out_here(environ: Mapping[str, str]) -> dict[str, str]:
@@ -489,15 +546,13 @@ def left_out_here(environ: Mapping[str, str]) -> dict[str, str]:
 
 def fitting(
     wanted: Mapping[str, str], excluded: Sequence[str], members: Sequence[str], asked: int, least: int
-) -> Optional[tuple[tuple[str, ...], int]]:
-    """(the job's excluded nodes with `wanted` added, how many nodes the requeued job asks for): as many as before
-    when the partition can spare `wanted` beside them, fewer (down to `least`: the spare nodes given up) when it
-    can beside those; None when not even that (a partition Slurm did not name is taken to have room)."""
+) -> Leaving:
+    """The job's excluded nodes with `wanted` added, and the room the partition has beside them (a partition Slurm
+    did not name is taken to have room): the requeued job asks for as many nodes as before when there is room for
+    them, fewer (down to `least`: the spare nodes given up) when there is room for those (`Leaving.fits`)."""
     leaving = tuple(sorted({*excluded, *wanted}))
     room = len(set(members) - set(leaving)) if members else asked
-    if room >= least:
-        return leaving, min(room, asked)
-    return None
+    return Leaving(dict(wanted), tuple(sorted(excluded)), leaving, room, asked, least)
 
 
 def _lines(path: str) -> list[str]:

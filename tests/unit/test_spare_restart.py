@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Sequence
 
 import pytest
 
@@ -131,13 +132,16 @@ def test_a_ranks_banner_and_the_status_table_name_the_restart_inside_the_allocat
 
 
 class _Slurm:
-    """Recorded answers of `scontrol show job` and `sinfo` for job 41 in a partition of four nodes."""
+    """Recorded answers of `scontrol show job` and `sinfo` for job 41 in a partition of four nodes (or those given)."""
 
-    def __call__(self, argv: list[str] | tuple[str, ...]) -> str | None:
+    def __init__(self, partition: tuple[str, ...] = ("n1", "n2", "n3", "n4")) -> None:
+        self.partition = partition
+
+    def __call__(self, argv: Sequence[str]) -> str | None:
         if list(argv[:3]) == ["scontrol", "show", "job"]:
             return "JobId=41 Partition=wide ExcNodeList=(null)\n"
         if argv[0] == "sinfo":
-            return "n1\nn2\nn3\nn4\n"
+            return "".join(f"{node}\n" for node in self.partition)
         return None
 
 
@@ -164,3 +168,63 @@ def test_a_requeue_after_the_last_spare_is_lost_leaves_out_every_node_this_alloc
     assert out.splitlines() == ["exclude n2,n3", "nodes 2"], (out, err)
     assert "leaves out n2 (left out of this allocation earlier); n3 (rank 1 was killed by SIGKILL" in err, err
     assert "it asks for 2 nodes instead of 3" in err, err
+
+
+def _failed_check(run_dir: str, *nodes: str) -> None:
+    """Each node's health check answer: its free space failed."""
+    for node in nodes:
+        path = Path(RunDir(run_dir).health_result(node))
+        path.parent.mkdir(exist_ok=True)
+        check = {"name": "space", "verdict": "fail", "evidence": "/ckpt: 0.1 GB free"}
+        path.write_text(json.dumps({"node": node, "checks": [check]}))
+
+
+@pytest.mark.parametrize(
+    "nodes, spares, left_out, failing, partition, excluded, asked",
+    [
+        # 1 node + 1 spare: n1's rank was killed and the spare n2 took over; then n2 fails its check before the
+        # next run. The partition (3 nodes) cannot spare n1 and n2 beside 2: the requeue asks for 1, on n3.
+        (1, 1, "n1", ("n2",), ("n1", "n2", "n3"), ("n1", "n2"), 1),
+        # 1 node + 2 spares, every node of the allocation fails its first check: beside 3 nodes the partition (4)
+        # has no room for them (the gate used to end the job there); beside 1 it has, n4.
+        (1, 2, "", ("n1", "n2", "n3"), ("n1", "n2", "n3", "n4"), ("n1", "n2", "n3"), 1),
+    ],
+    ids=["after-a-restart", "every-node-failed"],
+)
+def test_a_failed_health_check_with_no_spare_left_requeues_as_a_rank_failure_does(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    nodes: int,
+    spares: int,
+    left_out: str,
+    failing: tuple[str, ...],
+    partition: tuple[str, ...],
+    excluded: tuple[str, ...],
+    asked: int,
+) -> None:
+    """Issue 44: the health gate's requeue left out only the failing nodes and asked for nodes + spares again, so
+    it could land on a node spares had replaced earlier in the allocation (or end a job a smaller request fits).
+    It makes the rank-failure path's decision (launcher.requeue.leave_out): the batch script gets the gate's
+    `requeue NODES` and then the policy's `nodes N` (scontrol update ExcNodeList= NumNodes= NumTasks=)."""
+    from launcher import gate
+
+    run_dir = _run(tmp_path, spare_nodes=spares)
+    _failed_check(run_dir, *failing)
+    allocated = partition[: nodes + spares]
+    env = {**ENV, "SLURM_JOB_NODELIST": ",".join(allocated), "MESHRUN_LEFT_OUT": f" {left_out}"}
+    env["MESHRUN_RESTART_IN_JOB"] = "1" if left_out else "0"
+    # Only the nodes still in the allocation are asked; a node left out earlier has no answer, and needs none.
+    slurm = _Slurm(partition)
+    monkeypatch.setattr(gate.judge, "__defaults__", (slurm, None))
+    assert gate.main([run_dir], env) == 0
+    out, err = capsys.readouterr()
+    assert out == f"requeue {','.join(excluded)}\n", (out, err)
+    assert f"instead of {nodes + spares}, its spares given up" in err, err
+    if left_out:
+        assert f"({left_out}: left out of this allocation earlier)" in err, err
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert main([run_dir, "79", "0", "20", "--spares=0"]) == 0
+    policy = capsys.readouterr().out.splitlines()
+    assert policy[0].startswith("requeue 79 ") and policy[1:] == [f"nodes {asked}"], policy
