@@ -4,19 +4,23 @@ restarts on n1 + n3 inside the same Slurm job (no requeue), resumes from its las
 finishes every step, bit for bit as an uninterrupted run; the node it left is a suspect with srun's evidence,
 and goodput counts both runs of the allocation. A hang on its node (launcher/testing/faults.py) restarts the
 same way, a node failing the health gate is replaced first, and without a spare the job requeues without the
-node."""
+node; once the last spare is lost too, without every node it left, on fewer nodes."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import psutil
 
 from launcher.contract.exitcodes import EXIT_NO_PROGRESS
+from launcher.contract.rundir import RunDir, read_state
+from launcher.hostlist import expand_hostlist
 from tests.helpers.cli import (
     FAST_WATCH,
     SMALL_MODEL,
@@ -168,3 +172,60 @@ def test_without_a_spare_the_job_requeues_without_the_node_and_new_submits_avoid
     assert "#SBATCH --exclude=n2" in rendered.stdout and "leaving out suspect node n2" in rendered.stderr
     forgetting = ["--set", "resilience.forget_after_h=0.0001"]  # 0.36 s
     assert "--exclude" not in meshrun(tmp_path, "render", *WIDE, *forgetting, check=True).stdout
+
+
+def _kill_the_rank(run_dir: Path, saved_after: int, not_on: str = "") -> tuple[str, int]:
+    """kill -9 the 1-rank job's rank once it runs on a node other than `not_on` and a checkpoint newer than step
+    `saved_after` is complete (a save is asynchronous: a step logged is no checkpoint saved); (its node, that step)."""
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        saved = read_state(RunDir(str(run_dir)).last_checkpoint).get("step")
+        ranks = [(p, psutil.Process(p).environ().get("SLURMD_NODENAME", "")) for p in _rank_pids(run_dir)]
+        running = [(p, node) for p, node in ranks if node != not_on]
+        if isinstance(saved, int) and saved > saved_after and running:
+            (pid, node), *_ = running
+            os.kill(pid, signal.SIGKILL)
+            return node, saved
+        time.sleep(0.1)
+    raise AssertionError(f"no rank of {run_dir} off {not_on or 'no node'} with a checkpoint after step {saved_after}")
+
+
+def test_a_requeue_after_the_last_spare_leaves_out_both_nodes_and_asks_for_fewer(
+    testbed: dict, tmp_path: Path, corpus: Path
+) -> None:
+    """Issue 44: 1 node + 1 spare in `wide` (n1-n3). The rank's node is killed: the spare takes over; it is killed
+    too: no spare left, the job requeues. It used to ask for 2 nodes again beside only the last one excluded, and
+    could land on the node it had left first. The batch script's `scontrol update ExcNodeList= NumNodes=
+    NumTasks=` makes the requeued job run on the third node alone, with one task, from its checkpoint."""
+    args = [*TWO_NODES, *SMALL_MODEL, "--set", "resources.nodes=1", "--set", "parallel.dp=1"]
+    args += ["--set", f"resources.partition={tb.WIDE_PARTITION}", "--set", "resilience.spare_nodes=1"]
+    args += ["--set", "resilience.avoid_suspects=false", "--set", f"data.path={corpus}", "--set", "train.steps=40"]
+    args += ["--set", "train.log_every=1", "--set", "checkpoint.every=5"]
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, check=True))
+    first, saved = _kill_the_rank(run_dir, saved_after=0)
+    second, saved = _kill_the_rank(run_dir, saved_after=saved, not_on=first)  # the spare saved one of its own
+    (third,) = {"n1", "n2", "n3"} - {first, second}
+    row = wait_for_state(tmp_path, job_id, ENDED, timeout=300)
+    batch = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    assert row["state"] == "COMPLETED" and row["restarts"] == 1, (row, batch)  # the spare's restart, then a requeue
+    assert f"[meshrun] job {job_id} restart 0 in-job 1 on {second} at " in batch, batch
+    said = f"the requeued job leaves out {min(first, second)} ("
+    assert said in batch and "it asks for 1 node instead of 2, its spares given up" in batch, batch
+    assert f"{first} (left out of this allocation earlier)" in batch, batch
+    assert f"[meshrun] job {job_id} restart 1 on {third} at " in batch, batch  # the requeued start, on n3 alone
+    shown = subprocess.run(
+        ["scontrol", "show", "job", "-o", job_id],
+        env={"SLURM_CONF": str(testbed["slurm_conf"]), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    fields = dict(word.split("=", 1) for word in shown.split() if "=" in word)
+    assert (fields["NodeList"], fields["NumNodes"], fields["NumTasks"]) == (third, "1", "1"), shown
+    assert set(expand_hostlist(fields["ExcNodeList"])) == {first, second}, shown
+    assert "REQUEUED" in _sacct_states(testbed, job_id)
+    steps = [r["step"] for r in metrics(run_dir)]
+    assert steps[-1] == 40 and sorted(set(steps)) == list(range(1, 41)), steps
+    requeued = (run_dir / "logs" / "rank-0.log").read_text().split(f"({third}) job {job_id} restart 1 master")
+    resumed = re.search(r"resuming from step (\d+)", requeued[-1])
+    assert len(requeued) == 2 and resumed and int(resumed[1]) >= saved, requeued[-1]  # the spare's checkpoint
