@@ -10,7 +10,7 @@ batch log):
 - `requeue NODES`: nodes failed (and no spare is left to take their place). Each is recorded in the cluster's
   ledger of suspect nodes (with the failing check as its evidence: `meshrun nodes`) and the job ends its run with
   EXIT_UNHEALTHY, which launcher.requeue requeues (it counts as a restart); NODES become the requeued job's
-  ExcNodeList: the job's excluded nodes with what a rank failure's requeue leaves out too (launcher.requeue's
+  ExcNodeList: the job's excluded nodes with what a rank failure's requeue leaves out too (launcher.leaving's
   `leave_out`: the failing nodes, those spare nodes replaced earlier in the allocation, the ledger's suspects).
   A job with spares asks for fewer nodes (down to resources.nodes) when the partition cannot spare those beside
   nodes + spares: the verdict's `nodes`, which launcher.requeue passes on as `nodes N`. Slurm changes both only
@@ -23,12 +23,11 @@ RUN_DIR/health.json holds the verdict (`launcher.requeue` reads its action and i
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from launcher.contract import alerts, suspects
 from launcher.contract.nodelist import compress
@@ -36,23 +35,7 @@ from launcher.contract.private import append_line
 from launcher.contract.rundir import RunDir, job_of, read_state, write_json
 from launcher.contract.spec import read_run_spec
 from launcher.hostlist import expand_hostlist
-
-if TYPE_CHECKING:
-    from launcher.requeue import Leaving
-
-LEFT_OUT_ENV = "MESHRUN_LEFT_OUT"
-"""Set by the batch script of a job with spare nodes: the allocation's nodes its ranks no longer run on
-(space-separated): they failed earlier in this allocation."""
-Runner = Callable[[Sequence[str]], Optional[str]]
-"""Runs a Slurm query; its stdout, or None when it failed (tests hand in recorded answers)."""
-
-
-def run_slurm(argv: Sequence[str]) -> Optional[str]:
-    try:
-        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout if done.returncode == 0 else None
+from launcher.leaving import LEFT_OUT_ENV, Leaving, Runner, fitting, leave_out, run_slurm
 
 
 @dataclass(frozen=True)
@@ -95,15 +78,13 @@ def exclusion(
 ) -> Verdict:
     """What to do with failing nodes of a job that leaves out nothing else: exclude them and requeue, unless that
     leaves the partition too few nodes."""
-    from launcher.requeue import fitting  # here: launcher.requeue imports this module
-
     if not failing:
         return Verdict("start", {})
     return verdict_for(failing, fitting(failing, excluded, partition_nodes, nodes_needed, nodes_needed), cluster, job)
 
 
 def verdict_for(failing: Mapping[str, str], leaving: Leaving, cluster: str = "CLUSTER", job: str = "JOB") -> Verdict:
-    """The gate's requeue or stop, from what the requeued job would leave out (launcher.requeue.leave_out: the
+    """The gate's requeue or stop, from what the requeued job would leave out (launcher.leaving.leave_out: the
     decision a rank failure's requeue makes too)."""
     named = ", ".join(f"{node} ({why})" for node, why in sorted(failing.items()))
     if not leaving.fits:
@@ -122,19 +103,6 @@ def verdict_for(failing: Mapping[str, str], leaving: Leaving, cluster: str = "CL
     )
     fewer = leaving.nodes if leaving.nodes < leaving.asked else 0
     return Verdict("requeue", dict(failing), leaving.excluded, why, fewer)
-
-
-def job_excluded(job: str, run: Runner) -> tuple[list[str], str]:
-    """The job's excluded nodes and its partition, from `scontrol show job -o`."""
-    out = run(["scontrol", "show", "job", "-o", job]) or ""
-    fields = dict(word.split("=", 1) for word in out.split() if "=" in word)
-    listed = fields.get("ExcNodeList", "(null)")
-    return ([] if listed in ("", "(null)") else expand_hostlist(listed)), fields.get("Partition", "")
-
-
-def partition_nodes(partition: str, run: Runner) -> list[str]:
-    out = run(["sinfo", "-h", "-N", "-p", partition, "-o", "%N"]) if partition else None
-    return sorted({line.strip() for line in (out or "").splitlines() if line.strip()})
 
 
 def read_answers(run_dir: str, nodes: Sequence[str]) -> dict[str, Optional[Mapping[str, Any]]]:
@@ -174,11 +142,9 @@ def judge(run_dir: str, environ: Mapping[str, str], run: Runner = run_slurm, now
             f"health check failed on {named}: the ranks start on {compress(run_on)} instead (spare nodes in its place)"
         )
         return Verdict("start", dict(failing), tuple(sorted(failing)), why)
-    # The requeue leaves out what a rank failure's would (launcher.requeue.leave_out): the failing nodes, the nodes
+    # The requeue leaves out what a rank failure's would (launcher.leaving.leave_out): the failing nodes, the nodes
     # spares replaced earlier in this allocation and the ledger's suspects, asking for fewer nodes (its spares given
     # up) when the partition cannot spare them beside nodes + spares.
-    from launcher.requeue import leave_out  # here: launcher.requeue imports this module
-
     blamed = {node: f"health check: {evidence}" for node, evidence in failing.items()}
     cluster = spec.run.cluster if spec else "CLUSTER"
     leaving = leave_out(spec, blamed, environ, run, now)
