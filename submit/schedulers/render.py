@@ -177,6 +177,9 @@ def context(plan: Plan, python: str) -> dict[str, Any]:
         "spare_nodes": spec.resilience.spare_nodes,
         "max_restarts_in_job": spec.resilience.max_restarts,
         "health_gate": spec.resilience.health_check,
+        # A SIGTERM to the batch shell: the built-in trainer's ranks hear USR1 from it too; a `command:` job's
+        # program only Slurm's own TERM (its USR1 may mean "requeue me": Lightning's does).
+        "term_tells_ranks": spec.command is None,
         "health_command": _sidecar_command(rank_command, "launcher.probes.health"),
         "gate_command": _sidecar_command(rank_command, "launcher.gate"),
         "health_timeout_s": math.ceil(spec.resilience.health_timeout_s),

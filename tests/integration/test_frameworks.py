@@ -139,3 +139,20 @@ def test_lightning_requeues_itself_on_the_time_limits_warning_and_meshrun_stands
     loss, step = _final(run_dir)
     ref_loss, ref_step = references["lightning"]
     assert step == ref_step and math.isclose(loss, ref_loss, rel_tol=1e-5), (loss, step, references["lightning"])
+
+
+def test_a_cancelled_lightning_job_ends_cancelled_not_requeued_by_lightning(
+    testbed: dict[str, object], tmp_path: Path
+) -> None:
+    """A new user's trial: `meshrun cancel` of a Lightning job on Slurm ended in a requeue and, later, COMPLETED: the
+    batch shell passed scancel's TERM on as USR1, which Lightning answers with its own `scontrol requeue`. The program
+    now hears Slurm's TERM alone: it stops, and the job ends CANCELLED with one accounting record."""
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *_args(LIGHTNING, "testbed"), check=True))
+    until(lambda: LIGHTNING.training in _rank_log(run_dir), "the Lightning job never trained", timeout=240)
+    meshrun(tmp_path, "cancel", job_id, check=True)
+    row = wait_for_state(tmp_path, job_id, ENDED, timeout=240)
+    batch, rank0 = _batch_log(run_dir, job_id), _rank_log(run_dir)
+    assert row["state"] == "CANCELLED" and row["restarts"] == 0, (row, batch, rank0[-3000:])
+    assert "SIGTERM: Slurm signals the ranks itself" in batch, batch
+    assert "Handling auto-requeue signal" not in rank0 and "Requeued SLURM job" not in rank0, rank0[-3000:]
+    assert _sacct_rows(job_id) == ["CANCELLED"], _sacct_rows(job_id)

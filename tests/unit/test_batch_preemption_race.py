@@ -179,6 +179,27 @@ def test_the_ranks_hear_the_stop_once_per_start(tmp_path: Path) -> None:
     out, err = shell.communicate(timeout=60)
     said = out + err
     assert Path(f"{answers}.usr1").read_text() == "USR1\n", said  # once, not twice
-    assert "SIGUSR1: passing it to the ranks" in said and "SIGTERM: the ranks were told to stop already" in said
+    assert "SIGUSR1: passing it to the ranks" in said and "SIGTERM: Slurm signals the ranks itself" in said
     assert "requeued after the time limit's warning (by the program's own `scontrol requeue`" in said, said
     assert not scontrol.exists(), scontrol.read_text()  # the program's requeue, not a second one
+
+
+def test_a_cancel_of_a_command_job_passes_no_usr1_on(tmp_path: Path) -> None:
+    """A new user's trial: `meshrun cancel` of a Lightning job on Slurm ended in a requeue and COMPLETED. scancel's
+    TERM reached the batch shell, which passed USR1 on; Lightning takes USR1 for "save and requeue me" and ran
+    `scontrol requeue`. A `command:` job's program hears Slurm's own TERM alone (Slurm signals every step)."""
+    shell, secrets, scontrol = _start(tmp_path, ["N/A 0 CANCELLED"], RANKS_WAIT="1", RANKS_EXIT="0")
+    answers = tmp_path / "answers"
+    deadline = time.monotonic() + 30
+    while not Path(f"{answers}.ranks").exists():
+        assert time.monotonic() < deadline and shell.poll() is None, "the ranks never started"
+        time.sleep(0.05)
+    shell.send_signal(signal.SIGTERM)  # scancel
+    time.sleep(0.5)
+    Path(f"{answers}.go").touch()
+    out, err = shell.communicate(timeout=60)
+    said = out + err
+    assert not Path(f"{answers}.usr1").exists(), said  # nothing that would make Lightning requeue itself
+    assert "SIGTERM: Slurm signals the ranks itself" in said, said
+    assert "not requeueing" in said and not scontrol.exists(), said
+    assert not secrets.exists()  # ended: the secrets go
