@@ -19,6 +19,7 @@ from launcher.contract import private, secrets
 from launcher.contract.exitcodes import EXIT_REQUEUE
 from launcher.contract.private import make_private_below, make_private_dir, private_umask
 from launcher.contract.rundir import NODE_DIR_ENV, NodeDir, RunDir, expand_node_path, in_job_restart, record_exit
+from launcher.contract.schema import SchemaError
 from launcher.contract.spec import RunSpec, read_run_spec
 from launcher.env import RankEnv, rank_env, setdefault_env, torchrun_vars
 from launcher.preempt import StopFlag
@@ -165,13 +166,12 @@ def run_command(argv: Sequence[str], environ: Mapping[str, str], replace_process
             os.execvpe(argv[0], list(argv), dict(environ))
         return _wait_for_child(argv, environ)
     except FileNotFoundError:
-        print(
-            f"meshrun launcher: command: {argv[0]!r} not found on PATH; give an absolute path "
-            "or install it on the cluster",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 127
+        # Bad input, as a bad spec is (rank-error.txt, exit 2: never requeued, status names it): a requeue would
+        # not find it either, and the crash-loop guard's "gave up" hid the cause behind two lost starts.
+        where = os.uname().nodename
+        raise SchemaError(
+            "command", argv[0], f"not found on PATH on {where}: give an absolute path, or install it on the cluster"
+        ) from None
 
 
 def _wait_for_child(argv: Sequence[str], environ: Mapping[str, str]) -> int:
@@ -186,7 +186,6 @@ def _wait_for_child(argv: Sequence[str], environ: Mapping[str, str]) -> int:
     SIGUSR1 (the local supervisor's time limit, sent to the ranks, not the group) is passed on to the program:
     its default action ended this worker and left the program running until the kill, which never heard of
     the limit (a framework that saves on it saved nothing)."""
-    signal.signal(signal.SIGTERM, _the_program_decides)
     passed_on: list[int] = []  # a USR1 before the program exists: it gets it once it does
     child: Optional[subprocess.Popen[bytes]] = None
 
@@ -196,8 +195,13 @@ def _wait_for_child(argv: Sequence[str], environ: Mapping[str, str]) -> int:
         else:
             child.send_signal(signum)
 
-    signal.signal(signal.SIGUSR1, pass_on)
-    child = subprocess.Popen(list(argv), env=dict(environ))
+    before = signal.signal(signal.SIGTERM, _the_program_decides), signal.signal(signal.SIGUSR1, pass_on)
+    try:
+        child = subprocess.Popen(list(argv), env=dict(environ))
+    except OSError:  # no program to wait for: the worker's own handlers again
+        signal.signal(signal.SIGTERM, before[0])
+        signal.signal(signal.SIGUSR1, before[1])
+        raise
     for signum in passed_on:
         child.send_signal(signum)
     return _exit_code(child.wait())

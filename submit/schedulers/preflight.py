@@ -11,15 +11,19 @@ batched commands, where the ranks will run:
   and each `file:` secret is its user's alone (existence and mode only: never its content);
 - `environment`: the profile's `setup:` lines, then its interpreter: torch is there (and which version),
   and which meshrun, against the one that rendered the job;
-- `space`: the checkpoint root has room for two checkpoints of the model (or `resilience.min_free_gb`).
+- `space`: the checkpoint root has room for two checkpoints of the model (or `resilience.min_free_gb`);
+- a `command:` job's program, when it is a name the ranks look up on PATH: there (`environment` on a cluster,
+  after the setup lines; `program` on the local cluster).
 
 Each failure is one line naming what, where and the fix. `--no-check` skips it (docs/guides/preflight.md).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import sys
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -131,6 +135,13 @@ def files_to_check(plan: Plan) -> list[tuple[str, str]]:
     return found
 
 
+def program_on_path(plan: Plan) -> Optional[str]:
+    """A `command:` job's program when the ranks look it up on PATH (a bare name: `python3`, `torchrun`); None for
+    the built-in trainer and for a path (one relative to the code snapshot is not on the cluster before the upload)."""
+    command = plan.spec.command
+    return command[0] if command and "/" not in command[0] else None
+
+
 def commands(plan: Plan, request: Request, local: bool, inspect_data: bool = True) -> list[tuple[str, list[str]]]:
     """(check, argv) for one batched round trip; the scheduler's and the interpreter's only where the
     ranks run elsewhere than this process (`local`: the embedded cluster, whose interpreter is this one); the data
@@ -141,11 +152,19 @@ def commands(plan: Plan, request: Request, local: bool, inspect_data: bool = Tru
         found.append(("slurm", ["sh", "-c", TEST_ARRAY if plan.tasks else TEST_ONLY, "sh", request.script, *flags]))
     pairs = [word for pair in files_to_check(plan) for word in pair]
     found.append(("files", ["sh", "-c", FILES, "sh", "1" if inspect_data else "0", *pairs]))
+    program = program_on_path(plan)
     if not local:
         # Each setup line as the batch script runs it (verbatim, its failure not fatal), marked when it fails.
         setup = "".join(f"{{ {line}\n}} || echo 'setup-failed {i}' >&2\n" for i, line in enumerate(plan.cluster.setup))
         script = f"{setup}{shlex.join([plan.cluster.python, '-c', VERSIONS])}\n"
+        if program:  # after the setup lines, as the ranks look it up (a module may put it on PATH)
+            script += (
+                f"command -v -- {shlex.quote(program)} >/dev/null 2>&1 && echo 'program found' || echo 'program -'\n"
+            )
         found.append(("environment", ["bash", "-c", script]))
+    elif program:  # the local cluster's ranks run with this interpreter's folder first on PATH (local.sh.j2)
+        look = 'PATH="$2${PATH:+:$PATH}"; command -v -- "$1" >/dev/null 2>&1 && echo found || echo -'
+        found.append(("program", ["sh", "-c", look, "sh", program, os.path.dirname(sys.executable)]))
     found.append(("space", ["sh", "-c", SPACE, "sh", plan.run_spec.run.checkpoint_dir]))
     return found
 
@@ -168,6 +187,8 @@ def judge(plan: Plan, planned: Sequence[tuple[str, list[str]]], results: Sequenc
             check = _files(result, plan.spec.train.model.vocab_size if plan.spec.train else 0)
         elif what == "environment":
             check = _environment(plan, result)
+        elif what == "program":
+            check = _program(plan, result.stdout.strip() == "found", "on this machine", "program")
         else:
             check = _space(plan, result)
         checks.append(check)
@@ -284,9 +305,26 @@ def _environment(plan: Plan, result: Result) -> Check:
             False,
             f"the cluster's meshrun is {meshrun}, this one is {__version__}; install the same meshrun on both",
         )
+    if versions.get("program") == "-":
+        where = "on the login node after the profile's setup lines (a compute node may differ)"
+        return _program(plan, False, where, "environment")
     there = "meshrun from the code snapshot" if meshrun == "-" else f"meshrun {meshrun}"
     note = f" (on the login node {failed}: a compute node may differ)" if failed else ""
     return Check("environment", True, f"torch {torch}, {there}{note}")
+
+
+def _program(plan: Plan, found: bool, where: str, what: str) -> Check:
+    """A `command:` job's program, looked up on PATH where the ranks will: a job whose program is not there dies at
+    once, at every start."""
+    name = program_on_path(plan)
+    if found:
+        return Check(what, True, f"`{name}` is on PATH")
+    return Check(
+        what,
+        False,
+        f"command: `{name}` is not on PATH {where}; give an absolute path, install it, or load it in the profile's "
+        "`setup:` lines",
+    )
 
 
 def _space_reason(plan: Plan) -> str:

@@ -397,3 +397,24 @@ def test_a_job_whose_ranks_never_started_says_why_and_is_not_requeued_to_fail_ag
     # Once a task ended, the ranks ran: their own errors say why, not srun's chatter.
     ran = f"{line}n1\nsrun: error: n1: task 0: Exited with exit code 1\nsrun: error: Timed out waiting for step\n"
     assert rankends.launch_failure(ran, line) is None
+
+
+@pytest.mark.parametrize("replace_process", [False, True])
+def test_a_command_not_on_path_is_bad_input_named_in_the_rank_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, replace_process: bool
+) -> None:
+    """A new user's trial: a command that does not exist started twice and ended 'gave up (crash loop ...)'; the
+    cause was only in `meshrun logs`. It is bad input now: exit 2 (never requeued), and the rank error names it."""
+    from launcher import entry
+    from launcher.requeue import programs_own
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    _command_spec(run_dir, command=["no-such-program-xyz", "--flag"])
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK"))})
+    assert entry.run_rank(str(run_dir), replace_process=replace_process) == EXIT_INPUT
+    said = (run_dir / RunDir.RANK_ERROR).read_text()
+    assert said.startswith("rank 0: command: 'no-such-program-xyz': not found on PATH on "), said
+    assert "give an absolute path, or install it on the cluster" in said, said
+    assert (run_dir / RunDir.EXIT_CODE).read_text().strip() == str(EXIT_INPUT)
+    assert programs_own(str(run_dir), EXIT_INPUT) == (EXIT_INPUT, "")  # meshrun's verdict, not the program's own 2

@@ -137,6 +137,30 @@ def test_an_interpreter_without_torch_or_with_another_meshrun_fails(tmp_path: Pa
     assert _env_answer(command, "torch -\nmeshrun -\n").ok  # a command job may not need torch
 
 
+@pytest.mark.parametrize("local", [True, False])
+def test_a_command_not_on_path_fails_the_check_before_it_queues(
+    tmp_path: Path, local: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new user's trial: `command: [no-such-program-xyz]` passed the check, queued, started twice and gave up. The
+    program is looked up on PATH where the ranks will (after the profile's setup lines on a cluster)."""
+    plan = _plan(tmp_path)
+    cluster = dataclasses.replace(plan.cluster, python=sys.executable, setup=("export PATH=/nowhere:$PATH",))
+
+    def checked(*command: str) -> list[preflight.Check]:
+        spec = dataclasses.replace(plan.spec, command=command, train=None)
+        return list(_run(dataclasses.replace(plan, spec=spec, cluster=cluster), local=local).checks)
+
+    failed = [c for c in checked("no-such-program-xyz", "--flag") if not c.ok]
+    assert len(failed) == 1 and failed[0].what == ("program" if local else "environment"), failed
+    assert failed[0].line.startswith("command: `no-such-program-xyz` is not on PATH "), failed
+    assert "give an absolute path, install it, or load it in the profile's `setup:` lines" in failed[0].line
+    assert all(c.ok for c in checked("sh", "-c", "true")), checked("sh", "-c", "true")
+    assert all(c.ok for c in checked("./relative/script.sh")), "a path is uploaded with the code: not judged here"
+    monkeypatch.chdir(tmp_path)  # where an injected `touch` would write
+    named = checked("$(touch pwned)")  # a name is data, never code
+    assert not (tmp_path / "pwned").exists() and not all(c.ok for c in named)
+
+
 # Recorded from the testbed's Slurm 22.05 (tests/integration/test_preflight.py asks the real one).
 ACCEPTED = "sbatch: Job 2470 to start at 2026-12-03T22:12:28 using 2 processors on nodes n[1-2] in partition debug\n"
 BAD_PARTITION = (
