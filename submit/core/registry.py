@@ -32,6 +32,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     chosen TEXT,
     last_elapsed_s INTEGER,
     last_seen_at REAL,
+    last_reason TEXT,
     PRIMARY KEY (cluster, job_id)
 )
 """
@@ -50,6 +51,7 @@ _COLUMNS = (
     "chosen",
     "last_elapsed_s",
     "last_seen_at",
+    "last_reason",
 )
 
 
@@ -87,6 +89,9 @@ class JobRecord:
     its age, while the cluster cannot be reached."""
     last_seen_at: Optional[float] = None
     """Unix time of that status."""
+    last_reason: Optional[str] = None
+    """The reason status saw with the final state: a resume in the same run dir starts by removing the run dir's
+    rank error, which the ended job's reason was read from."""
 
 
 def default_path() -> Path:
@@ -119,6 +124,8 @@ class Registry:
         if "last_elapsed_s" not in columns:  # ... or before the last elapsed time seen was
             self._db.execute("ALTER TABLE jobs ADD COLUMN last_elapsed_s INTEGER")
             self._db.execute("ALTER TABLE jobs ADD COLUMN last_seen_at REAL")
+        if "last_reason" not in columns:  # ... or before a final job's reason was kept
+            self._db.execute("ALTER TABLE jobs ADD COLUMN last_reason TEXT")
         self._db.commit()
 
     def add(self, record: JobRecord) -> None:
@@ -135,12 +142,15 @@ class Registry:
                 "UPDATE jobs SET chosen = ? WHERE cluster = ? AND job_id = ?", (why, record.cluster, record.job_id)
             )
 
-    def set_state(self, record: JobRecord, state: str, progress: Optional[str] = None) -> None:
-        """The state status saw; `progress` (JSON) kept with a final one (None keeps what was there)."""
+    def set_state(
+        self, record: JobRecord, state: str, progress: Optional[str] = None, reason: Optional[str] = None
+    ) -> None:
+        """The state status saw; `progress` (JSON) and `reason` kept with a final one (None keeps what was there)."""
         with self._db:
             self._db.execute(
-                "UPDATE jobs SET last_state=?, last_progress=COALESCE(?, last_progress) WHERE cluster=? AND job_id=?",
-                (state, progress, record.cluster, record.job_id),
+                "UPDATE jobs SET last_state=?, last_progress=COALESCE(?, last_progress), "
+                "last_reason=COALESCE(?, last_reason) WHERE cluster=? AND job_id=?",
+                (state, progress, reason, record.cluster, record.job_id),
             )
 
     def set_seen(self, seen: Sequence[tuple[JobRecord, int]], at: float) -> None:

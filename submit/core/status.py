@@ -282,12 +282,13 @@ def statuses(
             found_here = kept
         for status in found_here:
             found[(status.cluster, status.job_id)] = status
-    result = [with_chosen(r, kept_progress(r, found[(r.cluster, r.job_id)])) for r in records]
+    result = [with_chosen(r, kept_at_end(r, found[(r.cluster, r.job_id)])) for r in records]
     if registry is not None:
         for record, status in zip(records, result):
             if status.state != record.last_state and status.state not in (JobState.UNKNOWN, JobState.UNREACHABLE):
                 final = status.done and bool(status.progress)
-                registry.set_state(record, status.state.value, json.dumps(status.progress) if final else None)
+                reason = status.reason if status.done else None
+                registry.set_state(record, status.state.value, json.dumps(status.progress) if final else None, reason)
         registry.set_seen(seen_elapsed(records, result), time.time())
     return result
 
@@ -304,15 +305,15 @@ def seen_elapsed(records: Sequence[JobRecord], result: Sequence[Status]) -> list
     ]
 
 
-def kept_progress(record: Any, status: Status) -> Status:
-    """A finished job whose step lines have left the metrics tail (a resume wrote on in its run dir) shows the
-    progress status saw when it ended, not none (what is still read, its checkpoint record, is kept over it)."""
-    if not status.done or "step" in status.progress or not record.last_progress:
+def kept_at_end(record: Any, status: Status) -> Status:
+    """A finished job shows what status saw when it ended wherever today's reading has less: a resume in the same
+    run dir pushes its lines out of the metrics tail (its loss went '-') and removes the run dir's rank error (its
+    reason went). What is still read (its goodput record's step and checkpoint) is kept over it."""
+    if not status.done:
         return status
     try:
-        progress = json.loads(record.last_progress)
+        kept = json.loads(record.last_progress or "{}")
     except ValueError:
-        return status
-    return (
-        dataclasses.replace(status, progress={**progress, **status.progress}) if isinstance(progress, dict) else status
-    )
+        kept = {}
+    progress = {**kept, **status.progress} if isinstance(kept, dict) else status.progress
+    return dataclasses.replace(status, progress=progress, reason=status.reason or record.last_reason)

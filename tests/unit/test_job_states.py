@@ -195,39 +195,42 @@ def test_records_name_the_job_that_wrote_them() -> None:
     assert alert.record()["job"] == "77"
 
 
-def test_a_final_job_keeps_the_progress_it_ended_with(tmp_path: Path) -> None:
-    """Once its lines have left the metrics tail (a resume wrote on), the row shows what status saw at the end;
-    a running job, or one with lines of its own, never takes it; a resume's record starts without it."""
+def test_a_final_job_keeps_the_progress_and_reason_it_ended_with(tmp_path: Path) -> None:
+    """Once its lines have left the metrics tail (a resume wrote on), the row shows what status saw at the end
+    wherever today's reading has less: a new user's trial saw an ended job's LOSS go '-' and its reason vanish
+    (the resume's start removes the run dir's rank error). A running job never takes it; what is read wins."""
     import dataclasses
 
     from submit.core.registry import JobRecord, Registry
-    from submit.core.status import Status, kept_progress
+    from submit.core.status import Status, kept_at_end
 
     registry = Registry(tmp_path / "r.sqlite")
     record = JobRecord("local-a", "local", "j", "/r", "local", 1.0, None, "h")
     registry.add(record)
-    registry.set_state(record, "CANCELLED", json.dumps({"step": 19, "checkpoint_step": 19}))
+    said = "stopped by preemption (no step reported): restart limit (0) reached"
+    registry.set_state(record, "FAILED", json.dumps({"step": 19, "checkpoint_step": 19, "loss": 2.5961}), said)
     (stored,) = registry.recent(5)
-    assert stored.last_progress is not None
+    assert stored.last_progress is not None and stored.last_reason == said
     ended = Status(
         job_id="local-a",
         cluster="local",
         name="j",
-        state=JobState.CANCELLED,
+        state=JobState.FAILED,
         run_dir="/r",
         submitted_at=1.0,
         done=True,
         succeeded=False,
     )
-    assert kept_progress(stored, ended).progress == {"step": 19, "checkpoint_step": 19}
-    assert kept_progress(stored, dataclasses.replace(ended, progress={"step": 3})).progress == {"step": 3}
-    # Found by a journey: its checkpoint record still read (a resume had not saved yet) hid the kept step.
-    recorded = kept_progress(stored, dataclasses.replace(ended, progress={"checkpoint_step": 19}))
-    assert recorded.progress == {"step": 19, "checkpoint_step": 19}
+    assert kept_at_end(stored, ended).progress == {"step": 19, "checkpoint_step": 19, "loss": 2.5961}
+    assert kept_at_end(stored, ended).reason == said
+    # Its goodput record still gives the step and checkpoint: the loss comes from what was kept.
+    recorded = kept_at_end(stored, dataclasses.replace(ended, progress={"step": 19, "checkpoint_step": 19}))
+    assert recorded.progress == {"step": 19, "checkpoint_step": 19, "loss": 2.5961}
+    assert kept_at_end(stored, dataclasses.replace(ended, reason="read today")).reason == "read today"
     running = dataclasses.replace(ended, state=JobState.RUNNING, done=False)
-    assert kept_progress(stored, running).progress == {}
-    registry.set_state(stored, "CANCELLED")  # a later state change without progress keeps it
-    assert registry.recent(5)[0].last_progress == stored.last_progress
+    assert kept_at_end(stored, running).progress == {} and kept_at_end(stored, running).reason is None
+    registry.set_state(stored, "FAILED")  # a later state change without progress keeps both
+    assert registry.recent(5)[0].last_progress == stored.last_progress and registry.recent(5)[0].last_reason == said
 
 
 def test_a_dependency_on_a_job_array_stands_for_all_its_tasks() -> None:
