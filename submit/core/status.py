@@ -275,10 +275,9 @@ def statuses(
             alone = len(by_cluster) == 1
             if alone and all(s.state == JobState.UNREACHABLE for s in kept):
                 raise  # nothing to show: the error is the answer
-            # One unreachable cluster must not hide the others' jobs, nor the ends meshrun saw before; a
-            # security problem (a changed host key), or the only cluster asked, must still reach the person.
-            if alone or getattr(exc, "security", False):
-                warn(f"{cluster}: {exc}")
+            # One unreachable cluster must not hide the others' jobs, nor the ends meshrun saw before; and the
+            # person must know its rows are what status saw last (a new user's trial read a stale RESTARTS as today's).
+            warn(f"{cluster}: {exc}" if alone else f"{cluster}: {exc} (its jobs show what status saw last)")
             found_here = kept
         for status in found_here:
             found[(status.cluster, status.job_id)] = status

@@ -310,3 +310,26 @@ def test_the_only_cluster_asked_unreachable_shows_the_ends_it_saw_and_says_why(t
     assert len(warned) == 1 and warned[0].startswith("bad: ")  # the one cluster asked: always said
     with pytest.raises(HostKeyChanged):  # nothing known to show: the error itself is the answer
         api.statuses([running], _Clusters(), warn=warned.append)
+
+
+def test_an_unreachable_cluster_among_several_is_said_once_its_rows_being_what_status_saw_last(tmp_path: Path) -> None:
+    """A new user's trial: with one cluster's Slurm not answering, the list showed its jobs' last RESTARTS as if
+    read today, and said nothing (only a security problem or the one cluster asked was said)."""
+    from submit.errors import ClusterError
+
+    class Down(_Clusters):
+        def transport_for(self, record: JobRecord) -> Any:
+            if record.cluster == "down":
+                raise ClusterError("sacct and squeue failed (exit 1): Unable to contact slurm controller")
+            return super().transport_for(record)
+
+    warned: list[str] = []
+    records = [
+        JobRecord("local-x", "ok", "n", str(tmp_path), "local", 0.0, None, "h"),
+        JobRecord("7", "down", "n", "/r", "slurm", 0.0, None, "h", last_state="COMPLETED"),
+    ]
+    found = api.statuses(records, Down(), warn=warned.append)
+    assert [s.state for s in found] == ["UNKNOWN", "COMPLETED"]
+    assert warned == [
+        "down: sacct and squeue failed (exit 1): Unable to contact slurm controller (its jobs show what status saw last)"
+    ]
