@@ -194,7 +194,7 @@ def detail_lines(status: Any, width: int = 100) -> list[str]:
             f"(meshrun export {status.job_id} --best)"
         )
     if status.goodput is not None:
-        lines.append(goodput_line(status.goodput))
+        lines.append(goodput_line(status.goodput, trainer=status.steps is not None))
     if status.usage is not None:
         from submit.core.usage import usage_line
 
@@ -236,12 +236,21 @@ def _of_the_wall(figures: Mapping[str, Any]) -> str:
     return f"; {pct:.0f}% of the {span(float(wall))} since the first start"
 
 
-def goodput_line(figures: Mapping[str, Any]) -> str:
+def goodput_line(figures: Mapping[str, Any], trainer: bool = True) -> str:
     """'goodput: 81% effective (productive 9m45s of 12m03s allocated; setup 40.2s, lost 1m02s (37 steps), ...);
-    queued 3.1s, requeue 45.0s': launcher/contract/goodput.py's record, in one line."""
+    queued 3.1s, requeue 45.0s': launcher/contract/goodput.py's record, in one line. `trainer` False: a
+    `command:` job, whose program may report no step at all (then only the allocation is measured)."""
     parts = figures.get("parts_s") or {}
     pct = figures.get("effective_pct")
     head = "goodput so far" if figures.get("running") else "goodput"
+    if not figures.get("steps") and not parts.get("productive") and not trainer:
+        # A program that reports no step (a framework's own loop): its whole allocation would read as setup.
+        allocated = figures.get("allocated_s")
+        held = f" ({span(allocated)} allocated in {len(figures.get('attempts') or ())} start(s))" if allocated else ""
+        return (
+            f"{head}: not measured{held}: the program reports no steps "
+            "(launcher.job.report(step) in its loop gives the split: setup, productive, lost)"
+        )
     if pct is None:  # the record of a start that has not run a second yet (a running job refreshes it each minute)
         if not figures.get("running"):
             return f"{head}: not measured (the job ended before its first second of work was recorded)"

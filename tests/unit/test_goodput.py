@@ -93,6 +93,16 @@ def test_a_running_attempt_counts_to_now_and_a_job_that_never_stepped_is_all_set
     attempts = goodput.attempts_of([{"event": "start", "job": "9", "restart": 0, "time": 100.0}], "9")
     g = goodput.account(attempts, [], now=130.0)
     assert g["running"] and g["allocated_s"] == 30.0 and g["parts_s"]["setup"] == 30.0 and g["effective_pct"] == 0
+    from submit.views.tables import goodput_line
+
+    # The built-in trainer that never stepped: all setup, as measured. A command job's program that reports no
+    # step (a new user's trial: Lightning's jobs read '0% effective ... setup 1m39s' while training throughout):
+    # only the allocation is measured, and the line says how to get the split.
+    assert goodput_line(g).startswith("goodput so far: 0% effective (productive 0.0s of 30.0s allocated")
+    assert goodput_line(g, trainer=False) == (
+        "goodput so far: not measured (30.0s allocated in 1 start(s)): the program reports no steps "
+        "(launcher.job.report(step) in its loop gives the split: setup, productive, lost)"
+    )
 
 
 def test_a_resume_under_a_new_job_id_makes_the_parents_unsaved_steps_lost() -> None:
