@@ -491,7 +491,9 @@ def _print_preflight(prepared: Any, checked: Any) -> int:
     if prepared.code is not None:
         print(code_view.checked(prepared.code, prepared.found))
     verdict = "would start" if not checked.failures else f"would fail: {len(checked.failures)} check(s) above"
-    print(f"# meshrun submit --check: nothing was queued; the job {verdict}", file=sys.stderr)
+    tasks = len(prepared.plan.tasks)
+    what = f"the job array ({tasks} tasks)" if tasks else "the job"  # a sweep's checks are its first task's
+    print(f"# meshrun submit --check: nothing was queued; {what} {verdict}", file=sys.stderr)
     return EXIT_INPUT if checked.failures else 0
 
 

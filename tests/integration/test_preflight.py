@@ -93,6 +93,7 @@ def test_check_alone_says_when_the_job_would_start_and_submits_nothing(
     # A sweep is checked first too (issue 44: `--sweep ... --check` was refused): its array's test-only.
     out = sshbed.meshrun(tmp_path, "submit", *args, "--sweep", "train.lr=1e-3,3e-4")
     assert out.returncode == 0 and out.stdout.startswith("ok    slurm       Slurm can run it"), out
+    assert out.stderr.endswith("nothing was queued; the job array (2 tasks) would start\n"), out.stderr
     assert _sacct_names(name) == []
 
 
