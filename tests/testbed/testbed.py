@@ -26,6 +26,7 @@ import fcntl
 import json
 import os
 import pwd
+import shlex
 import shutil
 import signal
 import socket
@@ -1029,8 +1030,9 @@ def main(argv: list[str] | None = None) -> int:
             print(sshbed.profile(clusters, name=args.name))
             return 0
         else:
-            for key, value in client_env().items():
-                print(f"export {key}={value}")
+            # The profile `testbed`'s setup line activates MESHRUN_TESTBED_VENV: this interpreter's venv.
+            for key, value in {**client_env(), "MESHRUN_TESTBED_VENV": sys.prefix}.items():
+                print(f"export {key}={shlex.quote(value)}")
             return 0
     except TestbedError as e:
         print(e, file=sys.stderr)
