@@ -25,6 +25,7 @@ import pytest
 
 from launcher.contract.secrets import secrets_dir_for
 from submit.config.cluster import load_profile
+from submit.core.status import parse_metrics_tail
 from submit.planning.plan import plan_file
 from submit.schedulers import backend
 from submit.schedulers.render import render
@@ -130,6 +131,10 @@ def test_a_preemption_whose_requeue_slurm_counts_late_keeps_the_secrets_and_is_n
     assert secrets.exists() and (secrets / "TOKEN").read_text() == "t0ken"  # the requeued run needs it
     assert not scontrol.exists(), scontrol.read_text()  # Slurm requeues it: not a second time from here
     assert done.returncode == 75, said
+    metrics = (tmp_path / "runs" / "job" / "metrics.jsonl").read_text()
+    assert parse_metrics_tail(metrics, "4242")["stopped"] == (
+        "stopped by preemption past its grace time (Slurm requeued it itself)"
+    )
 
 
 def test_a_preemption_while_squeue_answers_nothing_is_asked_again(tmp_path: Path) -> None:
@@ -182,6 +187,11 @@ def test_the_ranks_hear_the_stop_once_per_start(tmp_path: Path) -> None:
     assert "SIGUSR1: passing it to the ranks" in said and "SIGTERM: Slurm signals the ranks itself" in said
     assert "requeued after the time limit's warning (by the program's own `scontrol requeue`" in said, said
     assert not scontrol.exists(), scontrol.read_text()  # the program's requeue, not a second one
+    # What status says while the job waits (a new user's trial saw only Slurm's 'BeginTime').
+    metrics = (tmp_path / "runs" / "job" / "metrics.jsonl").read_text()
+    assert parse_metrics_tail(metrics, "4242")["stopped"] == (
+        "stopped at the time limit's warning (the program asked Slurm for the requeue itself)"
+    )
 
 
 def test_a_cancel_of_a_command_job_passes_no_usr1_on(tmp_path: Path) -> None:
