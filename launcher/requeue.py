@@ -42,6 +42,7 @@ from launcher.checkpoint.resume import MAX_ATTEMPTS
 from launcher.contract import finish, nodelist, suspects
 from launcher.contract import lost as lost_checkpoints
 from launcher.contract.exitcodes import (
+    EXIT_DIVERGED,
     EXIT_FAILED,
     EXIT_FINISHED,
     EXIT_GAVE_UP,
@@ -270,24 +271,38 @@ USAGE = (
     "[--spares=N] [--unasked-stop]"
 )
 
-STOP_DEATHS = (128 + signal.SIGTERM, 128 + signal.SIGUSR1)
-"""A program without handlers that died of a stop signal (srun's status for it)."""
+STEP_ABORTED = "srun: Job step aborted:"
+"""srun's line when Slurm ends the ranks' step from outside (a step cancel: `scancel JOB.STEP`, or slurmctld's
+retry of one meant for an earlier start); not when srun ends it itself (--kill-on-bad-exit: `_step_signal:
+Terminating`), nor at a rank's own death."""
+NOT_RESTARTED = (EXIT_FINISHED, EXIT_INPUT, EXIT_GAVE_UP, EXIT_DIVERGED)
+"""Ends that no start inside the allocation would change."""
 
 
-def unasked_restart(status: int) -> Optional[Decision]:
-    """The ranks stopped though nothing of this start asked them to (`--unasked-stop`: the batch shell passed on no
-    stop, and Slurm says the job runs, unpreempted, in its first minutes): a late signal meant for an earlier
-    start's step, whose number this start reuses. They saved (75) or died of the stop signal: started again inside
-    the allocation, from the checkpoint they saved, without a requeue; None for any other end (the usual rules
-    apply). An exit 0 stays a finish: with nothing asked, a program that ends 0 soon after its start finished."""
-    if status not in (EXIT_REQUEUE, *STOP_DEATHS):
+def unasked_restart(status: int, attempt_log: str) -> Optional[Decision]:
+    """The ranks' step was cancelled though nothing of this start asked for it (`--unasked-stop`: the batch shell
+    passed on no stop, got no TERM, and Slurm says the job runs, unpreempted, in its first minutes; and srun says
+    the step was aborted from outside, in this start's part of the batch log). Slurm names a step by job id and
+    number, and the numbers start again at 0 at each start: a late cancel meant for an earlier start's step reaches
+    this one's (a trial saw `STEP 700010.2 ON n1 CANCELLED` 4 s into a requeued start, no scancel; the ranks were
+    killed, their node blamed, the job requeued). The ranks start again inside the allocation, from their newest
+    checkpoint, without a requeue, blaming no node; None for any other end (the usual rules apply)."""
+    if status in NOT_RESTARTED or STEP_ABORTED not in attempt_log:
         return None
     why = (
-        f"the ranks stopped (exit {status}) on a signal nobody of this start sent: Slurm says the job is running, not "
-        "preempted, not ending (a late signal for an earlier start's step of the same number); starting them again "
-        "inside the allocation, not requeueing"
+        f"the ranks' step was cancelled (exit {status}) though nobody of this start asked: Slurm says the job is "
+        "running, not preempted, not ending (a late cancel for an earlier start's step of the same number); "
+        "starting them again inside the allocation, not requeueing"
     )
     return Decision(True, status, why, restart=True)
+
+
+def attempt_log(run_dir: str, restarts: int, environ: Mapping[str, str]) -> str:
+    """This attempt's part of the batch log ("" when there is none to read)."""
+    job = environ.get("SLURM_JOB_ID")
+    log = batch_log_of(run_dir, environ)
+    marker = attempt_line(job, restarts, in_job_restart(environ)) if job else ""
+    return log[log.rfind(marker) :] if marker and marker in log else ""
 
 
 def stop_kind_of(args: list[str]) -> Optional[str]:
@@ -351,7 +366,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         status = EXIT_FAILED
         record_reason(run_dir, lost)
     stop_requested, terminated = stop_kind is not None, "--terminated" in flags
-    stray = unasked_restart(status) if unasked and not stop_requested and not terminated else None
+    stray = (
+        unasked_restart(status, attempt_log(run_dir, restarts, os.environ))
+        if unasked and not stop_requested and not terminated
+        else None
+    )
     if stray is not None:
         print(stray.line(), flush=True)
         return 0

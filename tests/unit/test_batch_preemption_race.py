@@ -14,6 +14,7 @@ Slurm's answers in turn, the last one for good.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -73,6 +74,9 @@ echo "scontrol $*" >> "$ANSWERS.scontrol"
 def _script(run_dir: Path) -> str:
     """The testbed profile's script for examples/command.yaml, as `meshrun submit` renders it."""
     profile = load_profile("testbed")
+    # The work dir (and so the ledger of suspect nodes in it) is the test's own: a node these stubs blame must
+    # not land in the real testbed's ledger, where the spare-node tests would avoid it.
+    profile = dataclasses.replace(profile, paths=dataclasses.replace(profile.paths, work_dir=str(run_dir.parent)))
     scheduler = backend(profile.scheduler)
     plan = plan_file(
         REPO / "examples" / "command.yaml",

@@ -1,5 +1,5 @@
-"""A start immune to a stop meant for an earlier one (issue 44): after a requeue, slurmd logged `STEP 700010.2 ON
-n1 CANCELLED` 4 s into the new start with no scancel; the ranks saved, exited 75, and the job was requeued again.
+"""A start immune to a step cancel meant for an earlier one: after a requeue, slurmd logged `STEP 700010.2 ON n1
+CANCELLED` 4 s into the new start with no scancel; the ranks saved, exited 75, and the job was requeued again.
 Slurm names a step by job id and step number, and the numbers start again at 0 at each start, so a signal meant
 for the previous start's step (slurmctld retries one to a node it had lost touch with) reaches this start's.
 
@@ -28,12 +28,21 @@ for word in "$@"; do
     launcher.sidecar) exit 0 ;;
   esac
 done
-# The ranks: the Nth run exits with RANKS_EXITS' Nth code (the last one for good).
+# The ranks: the Nth run ends as RANKS_EXITS' Nth word says (the last one for good): CODE, or CODE:aborted (Slurm
+# cancelled the step from outside: srun's own line, as the testbed's srun says it for `scancel JOB.STEP`), or
+# CODE:killed (a rank killed, srun ends the others: --kill-on-bad-exit).
 echo run >> "$ANSWERS.runs"
 n=$(wc -l < "$ANSWERS.runs")
 set -- $RANKS_EXITS
 [ "$n" -le "$#" ] || n=$#
-exit "${!n}"
+end=${!n}
+case $end in
+  *:aborted) echo "srun: Job step aborted: Waiting up to 17 seconds for job step to finish." >&2
+             echo "srun: error: n1: task 0: Killed" >&2 ;;
+  *:killed) echo "srun: error: n1: task 0: Killed" >&2
+            echo "srun: launch/slurm: _step_signal: Terminating StepId=4242.2" >&2 ;;
+esac
+exit "${end%%:*}"
 """
 
 
@@ -58,34 +67,50 @@ def _run(tmp_path: Path, ranks_exits: str, answers: list[str]) -> tuple[subproce
         "SLURM_JOB_NODELIST": "n1",
         "RANKS_EXITS": ranks_exits,
     }
-    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
-    return done, tmp_path / "answers.scontrol"
+    # The batch log, as Slurm writes it (#SBATCH --output): the shell's and srun's lines, which the policy reads.
+    log = run_dir / "logs" / "slurm-4242.out"
+    with open(log, "a") as out:
+        done = subprocess.run(["bash", str(script)], env=env, stdout=out, stderr=out, text=True, timeout=60)
+    return subprocess.CompletedProcess(done.args, done.returncode, log.read_text(), ""), tmp_path / "answers.scontrol"
 
 
 def _runs(tmp_path: Path) -> int:
     return len((tmp_path / "answers.runs").read_text().splitlines())
 
 
-def test_a_stop_nobody_of_this_start_sent_restarts_the_ranks_in_place_without_a_requeue(tmp_path: Path) -> None:
-    done, scontrol = _run(tmp_path, "75 0", ["N/A 0 RUNNING"])
+def test_a_step_cancel_nobody_of_this_start_sent_restarts_the_ranks_in_place_without_a_requeue(tmp_path: Path) -> None:
+    done, scontrol = _run(tmp_path, "137:aborted 0", ["N/A 0 RUNNING"])
     said = done.stdout + done.stderr
-    assert "on a signal nobody of this start sent" in said and "not requeueing" in said, said
+    assert "the ranks' step was cancelled (exit 137) though nobody of this start asked" in said, said
     assert "[meshrun] job 4242 restart 0 in-job 1 on n1 at " in said, said  # the ranks' second run, same start
     assert _runs(tmp_path) == 2 and done.returncode == 0, said
     assert not scontrol.exists(), scontrol.read_text()  # no `scontrol requeue`: no restart counted
+    assert "leaves out" not in said, said  # no node blamed for a cancel
 
 
-def test_stops_that_keep_coming_are_requeued_after_two_restarts_in_place(tmp_path: Path) -> None:
-    done, scontrol = _run(tmp_path, "75", ["N/A 0 RUNNING"])
+def test_cancels_that_keep_coming_are_requeued_after_two_restarts_in_place(tmp_path: Path) -> None:
+    done, scontrol = _run(tmp_path, "75:aborted", ["N/A 0 RUNNING"])
     said = done.stdout + done.stderr
-    assert said.count("on a signal nobody of this start sent") == 2, said
+    assert said.count("though nobody of this start asked") == 2, said
     assert _runs(tmp_path) == 3 and "requeueing: restart 1 of at most" in said, said
     assert scontrol.read_text() == "scontrol requeue 4242\n"
 
 
+def test_a_rank_killed_or_a_programs_own_75_is_no_unasked_stop(tmp_path: Path) -> None:
+    """The CI run of the first version: a rank's kill -9 (srun then ends the others: exit 143) and a program's own
+    exit 75 were taken for stray cancels and restarted in place; only srun's 'step aborted' says Slurm cancelled."""
+    for ends in ("143:killed 0", "75 0"):
+        case = tmp_path / ends.split()[0].replace(":", "-")
+        case.mkdir()
+        done, scontrol = _run(case, ends, ["N/A 0 RUNNING"])
+        said = done.stdout + done.stderr
+        assert "nobody of this start" not in said and _runs(case) == 1, (ends, said)
+        assert "scontrol requeue 4242\n" in scontrol.read_text(), (ends, said)
+
+
 def test_a_preemption_is_no_unasked_stop(tmp_path: Path) -> None:
     """Slurm's PreemptTime says it asked: requeued as before, not restarted in place."""
-    done, scontrol = _run(tmp_path, "75 0", ["2026-12-03T09:03:05 0 RUNNING"])
+    done, scontrol = _run(tmp_path, "75:aborted 0", ["2026-12-03T09:03:05 0 RUNNING"])
     said = done.stdout + done.stderr
     assert "preempted by Slurm at " in said and "nobody of this start" not in said, said
-    assert _runs(tmp_path) == 1 and scontrol.read_text() == "scontrol requeue 4242\n", said
+    assert _runs(tmp_path) == 1 and scontrol.read_text().startswith("scontrol requeue 4242\n"), said
