@@ -194,9 +194,8 @@ def fill_registry(home: Path, runs: Path, n: int, cluster: str = "testbed", prof
         run_dir = runs / f"job-{i}"
         run_dir.mkdir(parents=True)
         (run_dir / "metrics.jsonl").write_text(json.dumps({"step": i, "loss": 1.0}) + "\n")
-        records.append(
-            (job_id, cluster, "many", str(run_dir), "slurm", 1e9 + i, None, "0" * 64, "RUNNING", profile, None, None)
-        )
+        record = JobRecord(job_id, cluster, "many", str(run_dir), "slurm", 1e9 + i, None, "0" * 64, "RUNNING", profile)
+        records.append(tuple(getattr(record, column) for column in COLUMNS))  # every column the registry has
     Registry(_registry(home)).close()  # the file and its table, as meshrun makes them
     db = sqlite3.connect(_registry(home))
     with db:
