@@ -217,3 +217,23 @@ def test_a_local_job_that_exits_0_at_its_time_limit_ends_timeout_unless_it_said_
         "stopped at the time limit (no step reported): `meshrun resume` continues it"
     ), rows["silent"]
     assert rows["finished"]["state"] == "COMPLETED" and rows["finished"]["exit_code"] in (0, None), rows["finished"]
+
+
+def test_a_step_cancel_nobody_of_this_start_asked_for_restarts_the_ranks_in_place(
+    testbed: dict, tmp_path: Path
+) -> None:
+    """A trial saw `STEP 700010.2 ON n1 CANCELLED` 4 s into a requeued start, no scancel: Slurm names a step by job
+    id and number, and the numbers start again at each start, so a late cancel for an earlier start's step .2 hit
+    this one's ranks (killed, their node blamed, the job requeued again). `scancel JOB.STEP` of the ranks' step does
+    to a start what that late cancel did: the ranks start again inside the allocation, no requeue, no node blamed."""
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *DDP, *ONE_RANK, "--set", _ddp(40)[-1], check=True))
+    wait_for_step(run_dir, 5)
+    steps = subprocess.run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i"], capture_output=True, text=True)
+    ranks_step = max(s for s in steps.stdout.split() if s.split(".")[-1].isdigit())  # after the gate's and sidecar's
+    subprocess.run(["scancel", ranks_step], check=True)
+    row = wait_for_state(tmp_path, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
+    batch = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    assert row["state"] == "COMPLETED" and row["restarts"] == 0, (row, batch)
+    assert "though nobody of this start asked" in batch and "in-job 1 on " in batch, batch
+    assert "leaves out" not in batch and "requeueing: restart" not in batch, batch
+    assert [r["step"] for r in metrics(run_dir)][-1] == 40
