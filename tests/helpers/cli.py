@@ -217,3 +217,15 @@ TWO_NODES = [
     "--set",
     "parallel.dp=2",
 ]
+
+
+def slurm_job_fields(slurm_conf: str, job_id: str) -> dict[str, str]:
+    """`scontrol show job -o JOB` as {field: value} (NodeList, ExcNodeList, NumNodes, ...), from the testbed's Slurm."""
+    shown = subprocess.run(
+        ["scontrol", "show", "job", "-o", job_id],
+        env={"SLURM_CONF": slurm_conf, "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return dict(word.split("=", 1) for word in shown.split() if "=" in word)

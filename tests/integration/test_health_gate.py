@@ -6,25 +6,17 @@ from launcher/probes/health.py's test variable, which the submitting environment
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 from launcher.contract.exitcodes import EXIT_UNHEALTHY
 from launcher.contract.rundir import RunDir
-from tests.helpers.cli import SMALL_MODEL, TWO_NODES, meshrun, metrics, submitted, wait_for_state
+from tests.helpers.cli import SMALL_MODEL, TWO_NODES, meshrun, metrics, slurm_job_fields, submitted, wait_for_state
 
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}
 
 
 def _scontrol_field(testbed: dict, job_id: str, key: str) -> str:
-    out = subprocess.run(
-        ["scontrol", "show", "job", "-o", job_id],
-        env={"SLURM_CONF": str(testbed["slurm_conf"]), "PATH": "/usr/bin:/bin"},
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    return dict(w.split("=", 1) for w in out.split() if "=" in w).get(key, "")
+    return slurm_job_fields(str(testbed["slurm_conf"]), job_id).get(key, "")
 
 
 def test_a_node_failing_its_health_check_is_excluded_and_the_job_requeued_onto_a_healthy_one(

@@ -27,6 +27,7 @@ from tests.helpers.cli import (
     TWO_NODES,
     meshrun,
     metrics,
+    slurm_job_fields,
     submitted,
     wait_for_state,
     wait_for_step,
@@ -213,16 +214,9 @@ def test_a_requeue_after_the_last_spare_leaves_out_both_nodes_and_asks_for_fewer
     assert said in batch and "it asks for 1 node instead of 2, its spares given up" in batch, batch
     assert f"{first} (left out of this allocation earlier)" in batch, batch
     assert f"[meshrun] job {job_id} restart 1 on {third} at " in batch, batch  # the requeued start, on n3 alone
-    shown = subprocess.run(
-        ["scontrol", "show", "job", "-o", job_id],
-        env={"SLURM_CONF": str(testbed["slurm_conf"]), "PATH": "/usr/bin:/bin"},
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    fields = dict(word.split("=", 1) for word in shown.split() if "=" in word)
-    assert (fields["NodeList"], fields["NumNodes"], fields["NumTasks"]) == (third, "1", "1"), shown
-    assert set(expand_hostlist(fields["ExcNodeList"])) == {first, second}, shown
+    fields = slurm_job_fields(str(testbed["slurm_conf"]), job_id)
+    assert (fields["NodeList"], fields["NumNodes"], fields["NumTasks"]) == (third, "1", "1"), fields
+    assert set(expand_hostlist(fields["ExcNodeList"])) == {first, second}, fields
     assert "REQUEUED" in _sacct_states(testbed, job_id)
     steps = [r["step"] for r in metrics(run_dir)]
     assert steps[-1] == 40 and sorted(set(steps)) == list(range(1, 41)), steps

@@ -34,9 +34,9 @@ from submit.schedulers.render import render
 REPO = Path(__file__).resolve().parents[2]
 PREEMPTED_AT = "2026-12-03T09:03:05"
 
-SRUN = """#!/bin/bash
+SRUN_STEPS = """#!/bin/bash
 # The job's steps: the requeue policy runs for real; n1 passes its health check (the real gate reads its
-# answer); the sidecar ends; the ranks "saved" (exit 75).
+# answer); the sidecar ends. What follows this part plays the ranks.
 for word in "$@"; do
   case "$word" in
     launcher.requeue) while [ "$1" != python ] && [ "${1##*/}" != python ]; do shift; done; exec "$@" ;;
@@ -46,6 +46,10 @@ for word in "$@"; do
     launcher.sidecar) exit 0 ;;
   esac
 done
+"""
+SRUN = (
+    SRUN_STEPS
+    + """# The ranks "saved" (exit 75).
 # RANKS_WAIT: the ranks run until the test says go, writing down each SIGUSR1 the batch shell passes on.
 if [ -n "${RANKS_WAIT:-}" ]; then
   trap 'echo USR1 >> "$ANSWERS.usr1"' USR1
@@ -54,6 +58,7 @@ if [ -n "${RANKS_WAIT:-}" ]; then
 fi
 exit "${RANKS_EXIT:-75}"
 """
+)
 
 SQUEUE = """#!/bin/bash
 # The job's submit time (asked once, at the start); then Slurm's answers in turn (one a line, the last for
@@ -88,16 +93,14 @@ def _script(run_dir: Path) -> str:
     return render(plan, scheduler)
 
 
-def _start(tmp_path: Path, answers: list[str], **extra_env: str) -> tuple[subprocess.Popen[str], Path, Path]:
-    """The batch script under bash, started: (the shell, the job's secrets folder, scontrol's record)."""
+def stub_job(tmp_path: Path, srun: str, answers: list[str], **extra_env: str) -> tuple[Path, Path, dict[str, str]]:
+    """The testbed profile's batch script beside stub Slurm commands (`srun` as given): (the script, its run dir,
+    the environment the batch shell runs in)."""
     run_dir = tmp_path / "runs" / "job"
     (run_dir / "logs").mkdir(parents=True)
-    secrets = Path(secrets_dir_for(str(run_dir)))
-    secrets.mkdir(mode=0o700)
-    (secrets / "TOKEN").write_text("t0ken")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text in {"srun": SRUN, "squeue": SQUEUE, "scontrol": SCONTROL}.items():
+    for name, text in {"srun": srun, "squeue": SQUEUE, "scontrol": SCONTROL}.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     (tmp_path / "answers").write_text("".join(line + "\n" for line in answers))
@@ -113,6 +116,15 @@ def _start(tmp_path: Path, answers: list[str], **extra_env: str) -> tuple[subpro
         "SLURM_JOB_NODELIST": "n1",
         **extra_env,
     }
+    return script, run_dir, env
+
+
+def _start(tmp_path: Path, answers: list[str], **extra_env: str) -> tuple[subprocess.Popen[str], Path, Path]:
+    """The batch script under bash, started: (the shell, the job's secrets folder, scontrol's record)."""
+    script, run_dir, env = stub_job(tmp_path, SRUN, answers, **extra_env)
+    secrets = Path(secrets_dir_for(str(run_dir)))
+    secrets.mkdir(mode=0o700)
+    (secrets / "TOKEN").write_text("t0ken")
     shell = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return shell, secrets, tmp_path / "answers.scontrol"
 

@@ -11,24 +11,14 @@ nothing of this start asked for a stop.
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
-from tests.unit.test_batch_preemption_race import SCONTROL, SQUEUE, _script
+from tests.unit.test_batch_preemption_race import SRUN_STEPS, stub_job
 
-SRUN = """#!/bin/bash
-for word in "$@"; do
-  case "$word" in
-    launcher.requeue) while [ "$1" != python ] && [ "${1##*/}" != python ]; do shift; done; exec "$@" ;;
-    launcher.probes.health)
-      mkdir -p "$MESHRUN_RUN_DIR/health" && echo '{"node": "n1", "checks": []}' > "$MESHRUN_RUN_DIR/health/n1.json"
-      exit 0 ;;
-    launcher.sidecar) exit 0 ;;
-  esac
-done
-# The ranks: the Nth run ends as RANKS_EXITS' Nth word says (the last one for good): CODE, or CODE:aborted (Slurm
+SRUN = (
+    SRUN_STEPS
+    + """# The ranks: the Nth run ends as RANKS_EXITS' Nth word says (the last one for good): CODE, or CODE:aborted (Slurm
 # cancelled the step from outside: srun's own line, as the testbed's srun says it for `scancel JOB.STEP`), or
 # CODE:killed (a rank killed, srun ends the others: --kill-on-bad-exit).
 echo run >> "$ANSWERS.runs"
@@ -44,29 +34,11 @@ case $end in
 esac
 exit "${end%%:*}"
 """
+)
 
 
 def _run(tmp_path: Path, ranks_exits: str, answers: list[str]) -> tuple[subprocess.CompletedProcess[str], Path]:
-    run_dir = tmp_path / "runs" / "job"
-    (run_dir / "logs").mkdir(parents=True)
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name, text in {"srun": SRUN, "squeue": SQUEUE, "scontrol": SCONTROL}.items():
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
-    (tmp_path / "answers").write_text("".join(line + "\n" for line in answers))
-    script = tmp_path / "job.sbatch"
-    script.write_text(_script(run_dir))
-    env = {
-        "PATH": f"{bin_dir}:{os.path.dirname(sys.executable)}:/usr/bin:/bin",
-        "HOME": str(tmp_path),
-        "ANSWERS": str(tmp_path / "answers"),
-        "MESHRUN_TESTBED_VENV": sys.prefix,
-        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
-        "SLURM_JOB_ID": "4242",
-        "SLURM_JOB_NODELIST": "n1",
-        "RANKS_EXITS": ranks_exits,
-    }
+    script, run_dir, env = stub_job(tmp_path, SRUN, answers, RANKS_EXITS=ranks_exits)
     # The batch log, as Slurm writes it (#SBATCH --output): the shell's and srun's lines, which the policy reads.
     log = run_dir / "logs" / "slurm-4242.out"
     with open(log, "a") as out:
