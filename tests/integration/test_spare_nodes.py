@@ -96,7 +96,7 @@ def test_a_rank_killed_on_its_node_restarts_on_the_spare_inside_the_same_allocat
     assert [(a["restart"], a["in_job"], a["nodes"]) for a in runs] == [(0, 0, "n1,n2"), (0, 1, "n1,n3")], runs
     assert runs[0]["status"] not in (0, None) and runs[1]["status"] == 0, runs
     shown = " ".join(meshrun(tmp_path, "status", job_id, check=True).stdout.split())
-    assert "1 restart(s) inside the allocation (n1,n2 -> n1,n3)" in shown and " 0+1 in job " in shown, shown
+    assert "1 restart(s) inside the allocation (n[1-2] -> n[1,3])" in shown and " 0+1 in job " in shown, shown
     assert row["restarts_in_job"] == 1, row
     (listed_row,) = [line for line in meshrun(tmp_path, "status", check=True).stdout.splitlines() if job_id in line]
     assert " 0+1 in job " in listed_row, listed_row  # the list of jobs counts it too
