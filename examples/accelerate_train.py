@@ -98,6 +98,10 @@ def main() -> None:
     with torch.no_grad():
         final = nn.functional.mse_loss(accelerator.unwrap_model(model)(x), y).item()
     print(f"final loss {final:.8f} after step {progress.step}", flush=True)
+    if torch.distributed.is_initialized():
+        # Every rank leaves the process group together: one torn down by the interpreter's exit can abort a
+        # rank ("terminate called without an active exception", SIGABRT) after its work is done.
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -96,6 +96,10 @@ def main() -> None:
         model = trainer.model.module if hasattr(trainer.model, "module") else trainer.model
         loss = model(data.x, data.y)["loss"].item()
     print(f"final loss {loss:.8f} after step {trainer.state.global_step}", flush=True)
+    if torch.distributed.is_initialized():
+        # Every rank leaves the process group together: one torn down by the interpreter's exit can abort a
+        # rank ("terminate called without an active exception", SIGABRT) after its work is done.
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

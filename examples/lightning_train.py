@@ -80,6 +80,10 @@ def main() -> None:
     trainer.fit(model, data())  # ckpt_path=None: Lightning resumes from its own checkpoint by itself
     loss = trainer.callback_metrics.get("train_loss")
     print(f"final loss {float(loss):.8f} after epoch {trainer.current_epoch} step {trainer.global_step}", flush=True)
+    if torch.distributed.is_initialized():
+        # Every rank leaves the process group together: one torn down by the interpreter's exit can abort a
+        # rank ("terminate called without an active exception", SIGABRT) after its work is done.
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
