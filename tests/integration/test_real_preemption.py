@@ -156,7 +156,9 @@ def test_a_real_preemption_saves_in_the_grace_time_requeues_once_and_matches_an_
     # The high job preempts at slurmctld's next scheduling pass: on a loaded 2-core machine that took over 60 s once.
     until(lambda: "SIGTERM" in _rank_log(told_dir), "Slurm never signalled the ranks", timeout=150)
     subprocess.run(["scancel", "--batch", "--signal=TERM", told_id], check=True)
-    until(lambda: "SIGTERM: Slurm signals the ranks itself" in _batch_log(told_dir, told_id), "no TERM in the batch shell")
+    until(
+        lambda: "SIGTERM: Slurm signals the ranks itself" in _batch_log(told_dir, told_id), "no TERM in the batch shell"
+    )
     (told_dir / "go").touch()
     row = wait_for_state(tmp_path, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
     assert row["state"] == "COMPLETED" and row["restarts"] == 1, row
