@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -275,19 +276,29 @@ STEP_ABORTED = "srun: Job step aborted:"
 """srun's line when Slurm ends the ranks' step from outside (a step cancel: `scancel JOB.STEP`, or slurmctld's
 retry of one meant for an earlier start); not when srun ends it itself (--kill-on-bad-exit: `_step_signal:
 Terminating`), nor at a rank's own death."""
-NOT_RESTARTED = (EXIT_FINISHED, EXIT_INPUT, EXIT_GAVE_UP, EXIT_DIVERGED)
+STEP_CANCELLED = re.compile(r"\*\*\* STEP \S+ ON \S+ CANCELLED AT \S+ \*\*\*")
+"""slurmstepd's line for the same cancel, which srun passes on to the batch log in its stead now and then (the
+testbed showed either); a whole job's cancel says `JOB ... CANCELLED AT ... DUE TO ...` instead."""
+NOT_RESTARTED = (EXIT_INPUT, EXIT_GAVE_UP, EXIT_DIVERGED)
 """Ends that no start inside the allocation would change."""
 
 
-def unasked_restart(status: int, attempt_log: str) -> Optional[Decision]:
+def step_cancelled(attempt_log: str) -> bool:
+    """Whether this start's part of the batch log says Slurm cancelled the ranks' step from outside."""
+    return STEP_ABORTED in attempt_log or STEP_CANCELLED.search(attempt_log) is not None
+
+
+def unasked_restart(status: int, attempt_log: str, finished: bool) -> Optional[Decision]:
     """The ranks' step was cancelled though nothing of this start asked for it (`--unasked-stop`: the batch shell
-    passed on no stop, got no TERM, and Slurm says the job runs, unpreempted, in its first minutes; and srun says
-    the step was aborted from outside, in this start's part of the batch log). Slurm names a step by job id and
-    number, and the numbers start again at 0 at each start: a late cancel meant for an earlier start's step reaches
-    this one's (a trial saw `STEP 700010.2 ON n1 CANCELLED` 4 s into a requeued start, no scancel; the ranks were
-    killed, their node blamed, the job requeued). The ranks start again inside the allocation, from their newest
-    checkpoint, without a requeue, blaming no node; None for any other end (the usual rules apply)."""
-    if status in NOT_RESTARTED or STEP_ABORTED not in attempt_log:
+    passed on no stop, got no TERM, and Slurm says the job runs, unpreempted, in its first minutes; and Slurm says
+    the step was cancelled, in this start's part of the batch log). Slurm names a step by job id and number, and
+    the numbers start again at 0 at each start: a late cancel meant for an earlier start's step reaches this one's
+    (a trial saw `STEP 700010.2 ON n1 CANCELLED` 4 s into a requeued start, no scancel; the ranks were killed,
+    their node blamed, the job requeued). The ranks start again inside the allocation, from their newest
+    checkpoint, without a requeue, blaming no node; None for any other end (the usual rules apply). srun's own
+    status after such a cancel can be 0 (seen on the testbed, the ranks killed): an exit 0 is a finish only when
+    the program said so (`finished`)."""
+    if status in NOT_RESTARTED or (status == EXIT_FINISHED and finished) or not step_cancelled(attempt_log):
         return None
     why = (
         f"the ranks' step was cancelled (exit {status}) though nobody of this start asked: Slurm says the job is "
@@ -295,6 +306,15 @@ def unasked_restart(status: int, attempt_log: str) -> Optional[Decision]:
         "starting them again inside the allocation, not requeueing"
     )
     return Decision(True, status, why, restart=True)
+
+
+def said_it_finished(run_dir: str, spec: RunSpec) -> bool:
+    """Whether the ranks' work is done: a `command:` job's program said so (launcher/contract/finish.py), or the
+    built-in trainer reported its last step."""
+    reported = reported_step(run_dir)
+    if spec.job.command is not None:
+        return finish.said_finished(run_dir, reported, spec.job.command_steps)
+    return spec.job.train is not None and reported is not None and reported >= spec.job.train.steps
 
 
 def attempt_log(run_dir: str, restarts: int, environ: Mapping[str, str]) -> str:
@@ -367,7 +387,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         record_reason(run_dir, lost)
     stop_requested, terminated = stop_kind is not None, "--terminated" in flags
     stray = (
-        unasked_restart(status, attempt_log(run_dir, restarts, os.environ))
+        unasked_restart(status, attempt_log(run_dir, restarts, os.environ), said_it_finished(run_dir, spec))
         if unasked and not stop_requested and not terminated
         else None
     )

@@ -20,6 +20,7 @@ SRUN = (
     SRUN_STEPS
     + """# The ranks: the Nth run ends as RANKS_EXITS' Nth word says (the last one for good): CODE, or CODE:aborted (Slurm
 # cancelled the step from outside: srun's own line, as the testbed's srun says it for `scancel JOB.STEP`), or
+# CODE:stepd (the same cancel as slurmstepd says it, which srun passes on in its stead now and then), or
 # CODE:killed (a rank killed, srun ends the others: --kill-on-bad-exit).
 echo run >> "$ANSWERS.runs"
 n=$(wc -l < "$ANSWERS.runs")
@@ -29,6 +30,8 @@ end=${!n}
 case $end in
   *:aborted) echo "srun: Job step aborted: Waiting up to 17 seconds for job step to finish." >&2
              echo "srun: error: n1: task 0: Killed" >&2 ;;
+  *:stepd) echo "slurmstepd-n1: error: *** STEP 4242.2 ON n1 CANCELLED AT 2026-12-07T21:42:28 ***" >&2
+           echo "srun: error: n1: task 0: Killed" >&2 ;;
   *:killed) echo "srun: error: n1: task 0: Killed" >&2
             echo "srun: launch/slurm: _step_signal: Terminating StepId=4242.2" >&2 ;;
 esac
@@ -86,3 +89,12 @@ def test_a_preemption_is_no_unasked_stop(tmp_path: Path) -> None:
     said = done.stdout + done.stderr
     assert "preempted by Slurm at " in said and "nobody of this start" not in said, said
     assert _runs(tmp_path) == 1 and scontrol.read_text().startswith("scontrol requeue 4242\n"), said
+
+
+def test_slurmstepds_word_for_the_cancel_counts_too_and_srun_saying_0_is_no_finish(tmp_path: Path) -> None:
+    """The CI run: the testbed's batch log had slurmstepd's `*** STEP J.2 ON n1 CANCELLED AT ... ***` and not srun's
+    'aborted' line, and srun's status was 0 though the rank was killed: the job was taken for finished."""
+    done, scontrol = _run(tmp_path, "0:stepd 0", ["N/A 0 RUNNING"])
+    said = done.stdout + done.stderr
+    assert "the ranks' step was cancelled (exit 0) though nobody of this start asked" in said, said
+    assert _runs(tmp_path) == 2 and not scontrol.exists(), said
