@@ -99,8 +99,9 @@ def main() -> None:
             save(step, net, optimizer)
             print(f"stopping after step {step}: checkpoint saved, exit for requeue", flush=True)
             job.exit_for_requeue()
-    if rank == 0:
+    if rank == 0 and start <= args.steps:  # a start that found every step done trained none
         print(f"final loss {mean.item() / dist.get_world_size():.6f} at step {args.steps}", flush=True)
+    job.finished(args.steps)  # done: an exit 0 after a stop signal is a finish now, not a stop
     dist.destroy_process_group()
 
 

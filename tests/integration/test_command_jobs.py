@@ -226,7 +226,7 @@ def test_a_step_cancel_nobody_of_this_start_asked_for_restarts_the_ranks_in_plac
     id and number, and the numbers start again at each start, so a late cancel for an earlier start's step .2 hit
     this one's ranks (killed, their node blamed, the job requeued again). `scancel JOB.STEP` of the ranks' step does
     to a start what that late cancel did: the ranks start again inside the allocation, no requeue, no node blamed."""
-    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *DDP, *ONE_RANK, "--set", _ddp(40)[-1], check=True))
+    job_id, run_dir = submitted(meshrun(tmp_path, "submit", *DDP, *ONE_RANK, "--set", _ddp(120)[-1], check=True))
     wait_for_step(run_dir, 5)
     steps = subprocess.run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i"], capture_output=True, text=True)
     ranks_step = max(s for s in steps.stdout.split() if s.split(".")[-1].isdigit())  # after the gate's and sidecar's
@@ -236,4 +236,4 @@ def test_a_step_cancel_nobody_of_this_start_asked_for_restarts_the_ranks_in_plac
     assert row["state"] == "COMPLETED" and row["restarts"] == 0, (row, batch)
     assert "though nobody of this start asked" in batch and "in-job 1 on " in batch, batch
     assert "leaves out" not in batch and "requeueing: restart" not in batch, batch
-    assert [r["step"] for r in metrics(run_dir)][-1] == 40
+    assert [r["step"] for r in metrics(run_dir)][-1] == 120
