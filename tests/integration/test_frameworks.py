@@ -135,8 +135,10 @@ def test_lightning_hf_trainer_and_accelerate_preempted_for_real_requeue_once_and
 def test_lightning_requeues_itself_on_the_time_limits_warning_and_meshrun_stands_back(
     testbed: dict[str, object], tmp_path: Path, references: dict[str, tuple[float, int]]
 ) -> None:
-    # Shorter steps than the preemption's: the signal is sent at once, not after slurmctld gets round to it.
-    two_nodes = _args(LIGHTNING, "testbed", "--set", "resources.nodes=2", sleep=0.05)
+    # Steps of 0.2 s, mostly asleep: Lightning's SIGUSR1 handler saves with a barrier, a collective inside a signal
+    # handler, which deadlocks when it lands on one rank inside the gradients' all-reduce (a CI run with 0.05 s
+    # steps hung so for 9 minutes on a loaded machine). Lightning's own race: a user's steps are mostly compute.
+    two_nodes = _args(LIGHTNING, "testbed", "--set", "resources.nodes=2", sleep=0.2)
     job_id, run_dir = submitted(meshrun(tmp_path, "submit", *two_nodes, check=True))
     until(lambda: LIGHTNING.training in _rank_log(run_dir), "the Lightning job never trained", timeout=240)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)  # the time limit's warning
