@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from launcher.checkpoint import commit as ckpt
-from launcher.contract import ckptdir
-from launcher.contract.spec import Model
-from launcher.train.model import GPT
+from meshrun.launcher.checkpoint import commit as ckpt
+from meshrun.launcher.contract import ckptdir
+from meshrun.launcher.contract.spec import Model
+from meshrun.launcher.train.model import GPT
 
 
 def build(params_m: float, layers: int, vocab: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -51,12 +51,12 @@ def main() -> None:
         env["XDG_STATE_HOME"] = state
         cases = {
             "python -c pass": [sys.executable, "-c", "pass"],
-            "meshrun --help": [sys.executable, "-m", "submit.cli.main", "--help"],
+            "meshrun --help": [sys.executable, "-m", "meshrun.submit.cli.main", "--help"],
             # A Slurm profile without `ssh:`: render then touches no network (over SSH it asks for ~).
             "meshrun render": [
                 sys.executable,
                 "-m",
-                "submit.cli.main",
+                "meshrun.submit.cli.main",
                 "render",
                 "examples/two-node.yaml",
                 "-c",
@@ -88,7 +88,7 @@ def timed(*args, **kwargs):
 dataclasses._process_class = timed
 sys.argv = ["meshrun", *sys.argv[1:]]
 try:
-    runpy.run_module("submit.cli.main", run_name="__main__")
+    runpy.run_module("meshrun.submit.cli.main", run_name="__main__")
 except SystemExit:
     pass
 print(f"{made[0]} {spent[0] * 1000:.2f}", file=sys.stderr)
@@ -96,7 +96,7 @@ print(f"{made[0]} {spent[0] * 1000:.2f}", file=sys.stderr)
 """Render with every dataclass's creation timed (stdlib's _process_class wrapped: a bench's probe, not product code)."""
 
 
-RENDER_BUT_JINJA = "import submit.cli.main, submit.api, submit.planning.plan, submit.transport.snapshot, yaml"
+RENDER_BUT_JINJA = "import meshrun.submit.cli.main, meshrun.submit.api, meshrun.submit.planning.plan, meshrun.submit.transport.snapshot, yaml"
 """What render imports, less the renderer: Jinja2's own share is what importing it adds to these."""
 
 

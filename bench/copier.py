@@ -32,9 +32,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from checkpoint import build, state_bytes  # noqa: E402  (bench/checkpoint.py: the same model)
 
-from launcher.checkpoint import commit as ckpt  # noqa: E402
-from launcher.contract import ckptdir  # noqa: E402
-from launcher.sidecar import copier  # noqa: E402
+from meshrun.launcher.checkpoint import commit as ckpt  # noqa: E402
+from meshrun.launcher.contract import ckptdir  # noqa: E402
+from meshrun.launcher.sidecar import copier  # noqa: E402
 
 ROUNDS = 3
 

@@ -6,7 +6,7 @@ Trains one byte-level BPE on the standard library's .py sources (the default cor
 times, on the same documents:
 - baseline: `Tokenizer.encode_batch_fast` over every document at once (tokenizers' Rust threads, the
   texts already in memory, nothing written, the tokenizer fresh from its file): the fastest it encodes here;
-- meshrun: the whole `meshrun data --tokenizer FILE` build (launcher.data.corpus.build): reading the files,
+- meshrun: the whole `meshrun data --tokenizer FILE` build (meshrun.launcher.data.corpus.build): reading the files,
   encoding in batches, end-of-text tokens, the held-out split, writing and hashing the token files;
 - meshrun bytes: the same build with the bytes tokenizer (no baseline: a copy per byte).
 Best of 3 alternating rounds. Prints tokens/s for each and the ratio meshrun / baseline (goal: >= 0.8,
@@ -23,8 +23,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from launcher.data import corpus
-from launcher.data.textsources import Inputs, Reader
+from meshrun.launcher.data import corpus
+from meshrun.launcher.data.textsources import Inputs, Reader
 
 
 def timed_build(out: Path, inputs: Inputs, options: corpus.BuildOptions) -> tuple[float, int]:

@@ -48,7 +48,7 @@ PARTS = ("params", "grads", "optimizer", "master")
 
 
 def job_spec(data: Path, quick: bool, steps: int) -> Any:
-    from launcher.contract.spec import Data, JobSpec, Model, Parallel, Resources, Train
+    from meshrun.launcher.contract.spec import Data, JobSpec, Model, Parallel, Resources, Train
 
     model = (
         Model(n_layers=2, d_model=64, n_heads=4, vocab_size=256, seq_len=64)
@@ -154,15 +154,15 @@ def rank_main(run_dir: Path, steps: int, rounds: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from launcher.checkpoint.manager import CheckpointManager
-    from launcher.contract.modelshape import param_count
-    from launcher.contract.spec import read_run_spec
-    from launcher.data.dataset import TokenDataset
-    from launcher.env import rank_env
-    from launcher.train.loop import run_loop
-    from launcher.train.metrics import MetricsLog
-    from launcher.train.runtime import init_distributed, pick_runtime
-    from launcher.train.trainer import build_trainer
+    from meshrun.launcher.checkpoint.manager import CheckpointManager
+    from meshrun.launcher.contract.modelshape import param_count
+    from meshrun.launcher.contract.spec import read_run_spec
+    from meshrun.launcher.data.dataset import TokenDataset
+    from meshrun.launcher.env import rank_env
+    from meshrun.launcher.train.loop import run_loop
+    from meshrun.launcher.train.metrics import MetricsLog
+    from meshrun.launcher.train.runtime import init_distributed, pick_runtime
+    from meshrun.launcher.train.trainer import build_trainer
 
     base = read_run_spec(run_dir).job
     env = rank_env(os.environ)
@@ -288,7 +288,7 @@ def main() -> None:
         return
     if args.quick:
         args.steps, args.rounds = 2, 1
-    from launcher.contract.spec import RunInfo, RunSpec, write_run_spec
+    from meshrun.launcher.contract.spec import RunInfo, RunSpec, write_run_spec
 
     with tempfile.TemporaryDirectory() as tmp:
         job = job_spec(corpus(Path(tmp), 50_000 if args.quick else 400_000), args.quick, args.steps * (args.rounds + 1))

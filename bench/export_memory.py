@@ -26,16 +26,16 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from launcher.contract import ckptdir, hfnames, schema
-from launcher.contract.spec import Data, JobSpec, Model, Train
+from meshrun.launcher.contract import ckptdir, hfnames, schema
+from meshrun.launcher.contract.spec import Data, JobSpec, Model, Train
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD = r"""
 import json, resource, sys
 from pathlib import Path
 import torch
-from launcher.export import consolidate
-from launcher.export import run as export
+from meshrun.launcher.export import consolidate
+from meshrun.launcher.export import run as export
 
 def rss_kib(field):
     for line in Path("/proc/self/status").read_text().splitlines():

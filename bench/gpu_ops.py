@@ -22,7 +22,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from launcher.probes.doctor import busbw, seconds_per_call  # one timing and one busbw for the doctor and the bench
+from meshrun.launcher.probes.doctor import (  # one timing and one busbw for the doctor and the bench
+    busbw,
+    seconds_per_call,
+)
 
 BENCH = Path(__file__).resolve().parent
 

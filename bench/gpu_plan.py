@@ -48,7 +48,7 @@ def this_machine(cpu: bool) -> dict[str, Any]:
         return {"name": "here", "gpus_per_node": 0, "cpus_per_node": os.cpu_count() or 1, "default": True}
     import torch
 
-    from launcher.contract.gpus import PEAK_BF16_TFLOPS
+    from meshrun.launcher.contract.gpus import PEAK_BF16_TFLOPS
 
     name = torch.cuda.get_device_name(0).lower()
     gpu_type = next((k for k in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True) if k in name), None)
@@ -92,7 +92,7 @@ def write_inputs(home: Path, cpu: bool, steps: int, price: float) -> tuple[Path,
 
 
 def corpus(home: Path) -> Path:
-    from launcher.data.corpus import build_corpus
+    from meshrun.launcher.data.corpus import build_corpus
 
     out = home / "stdlib.u16"
     if not out.exists():

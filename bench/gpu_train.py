@@ -4,7 +4,7 @@
     python bench/gpu_train.py --ac --compile  # activation checkpointing, torch.compile per block
     python bench/gpu_train.py --smoke         # a tiny config on CPU, to check the script itself (= --quick)
 
-The trainer is built as `launcher.train.loop` builds it (same checks, runtime, process
+The trainer is built as `meshrun.launcher.train.loop` builds it (same checks, runtime, process
 group of one, model, executor, optimizer, loop), from a job spec made here; only the
 data is a byte-level stdlib corpus (token ids < 256 are valid for any vocab). MFU is
 model FLOPs (Megatron: 6N + 12*L*d*T per token, N without the embedding) over the
@@ -28,19 +28,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from trainer_setup import corpus, single_rank_trainer  # noqa: E402
 
-from launcher.checkpoint.manager import CheckpointManager  # noqa: E402
-from launcher.contract.gpus import peak_tflops  # noqa: E402
-from launcher.contract.modelshape import flops_per_token, param_count  # noqa: E402
-from launcher.contract.spec import Data, JobSpec, Model, Parallel, Resources, Train  # noqa: E402
-from launcher.env import rank_env  # noqa: E402
-from launcher.sidecar.energy import EnergyMeter, nvml_gpus, rapl_packages  # noqa: E402
-from launcher.sidecar.nvml import NvmlUnavailable, discover, load_nvml, resolve  # noqa: E402
-from launcher.train.loop import run_loop  # noqa: E402
-from launcher.train.metrics import METRICS_FILE, MetricsLog  # noqa: E402
+from meshrun.launcher.checkpoint.manager import CheckpointManager  # noqa: E402
+from meshrun.launcher.contract.gpus import peak_tflops  # noqa: E402
+from meshrun.launcher.contract.modelshape import flops_per_token, param_count  # noqa: E402
+from meshrun.launcher.contract.spec import Data, JobSpec, Model, Parallel, Resources, Train  # noqa: E402
+from meshrun.launcher.env import rank_env  # noqa: E402
+from meshrun.launcher.sidecar.energy import EnergyMeter, nvml_gpus, rapl_packages  # noqa: E402
+from meshrun.launcher.sidecar.nvml import NvmlUnavailable, discover, load_nvml, resolve  # noqa: E402
+from meshrun.launcher.train.loop import run_loop  # noqa: E402
+from meshrun.launcher.train.metrics import METRICS_FILE, MetricsLog  # noqa: E402
 
 
 def peak_flops(device_name: str) -> Optional[float]:
-    """Dense bf16 peak in FLOP/s, from the one table the trainer's MFU uses too (launcher.contract.gpus)."""
+    """Dense bf16 peak in FLOP/s, from the one table the trainer's MFU uses too (meshrun.launcher.contract.gpus)."""
     peak = peak_tflops(device_name)
     return peak * 1e12 if peak else None
 

@@ -3,8 +3,8 @@
     .venv/bin/python bench/hang.py [--floors 2,5,10] [--trials 3] [--quick]
 
 Per trial: a run dir whose spec sets watchdog.step_floor_s (the step timeout is then about the floor:
-the fake ranks' steps take 20 ms), a real `python -m launcher.sidecar` on it, and two rank processes
-that stamp heartbeats through launcher.report.Heartbeat every step, then stop at a known moment (one
+the fake ranks' steps take 20 ms), a real `python -m meshrun.launcher.sidecar` on it, and two rank processes
+that stamp heartbeats through meshrun.launcher.report.Heartbeat every step, then stop at a known moment (one
 in a function of its own, one in a function named all_reduce). Measured from each rank's last
 heartbeat: the declaration (verdict.json's found-at time), the verdict (stacks collected) and the
 ranks' end (SIGKILL). The goal: declared within the timeout plus the sidecar's 1 s tick, i.e. a
@@ -26,12 +26,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from launcher.contract.rundir import RunDir, node_name  # noqa: E402
-from launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, Sidecar, Watchdog, write_run_spec  # noqa: E402
+from meshrun.launcher.contract.rundir import RunDir, node_name  # noqa: E402
+from meshrun.launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, Sidecar, Watchdog, write_run_spec  # noqa: E402
 
 RANK = """
 import sys, time
-from launcher.report import Heartbeat
+from meshrun.launcher.report import Heartbeat
 
 def stuck_in_user_code():
     while True:
@@ -64,7 +64,7 @@ def trial(tmp: Path, floor_s: float) -> dict[str, float]:
     )
     write_run_spec(RunSpec(job=job, run=RunInfo(cluster="bench", scheduler="local", run_dir=run_dir.root)), tmp / "run")
     env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="", MESHRUN_JOB_ID="bench")
-    sidecar = subprocess.Popen([sys.executable, "-m", "launcher.sidecar", run_dir.root], env=env)
+    sidecar = subprocess.Popen([sys.executable, "-m", "meshrun.launcher.sidecar", run_dir.root], env=env)
     ranks = [
         subprocess.Popen([sys.executable, "-c", RANK, str(rank), str(STEPS), run_dir.root], env=env)
         for rank in range(2)

@@ -3,8 +3,8 @@
     .venv/bin/python bench/health.py [--runs N] [--keep] [--quick]
 
 Per run, on both testbed nodes: `srun -N2 true` (the baseline: what any step costs), then the health check as
-the batch script runs it (`srun -N2 python -m launcher.probes.health RUN_DIR NOW`) and the verdict
-(`python -m launcher.gate RUN_DIR`), for a `command:` job and a trainer job (the testbed's nodes have no
+the batch script runs it (`srun -N2 python -m meshrun.launcher.probes.health RUN_DIR NOW`) and the verdict
+(`python -m meshrun.launcher.gate RUN_DIR`), for a `command:` job and a trainer job (the testbed's nodes have no
 usable GPUs: a GPU job's check also asks NVML and imports torch, a few seconds more). Prints the medians, the
 ratio to the bare step, and the slowest node's own time for its checks (from its answer). Goal (issue 24): under 10 s per node. Starts the testbed when it is not
 running and stops it again unless --keep. --quick: 1 run (CI's check that the bench runs).
@@ -25,8 +25,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from launcher.contract.rundir import RunDir  # noqa: E402
-from launcher.contract.spec import JobSpec, Model, Resources, RunInfo, RunSpec, Train, write_run_spec  # noqa: E402
+from meshrun.launcher.contract.rundir import RunDir  # noqa: E402
+from meshrun.launcher.contract.spec import JobSpec, Model, Resources, RunInfo, RunSpec, Train, write_run_spec  # noqa: E402
 from tests.testbed import testbed as tb  # noqa: E402
 
 NODES = ("n1", "n2")
@@ -73,10 +73,10 @@ def main() -> None:
             print(f"{'case':<26} {'median s':>9} {'x bare srun':>12}  per node (its own checks)")
             print(f"{'srun -N2 true':<26} {bare:>9.2f} {1.0:>12.2f}")
             for name, folder in dirs.items():
-                check = srun(sys.executable, "-m", "launcher.probes.health", folder)
+                check = srun(sys.executable, "-m", "meshrun.launcher.probes.health", folder)
                 times = [seconds([*check, f"{time.time():.3f}"], env) for _ in range(args.runs)]
                 gate = statistics.median(
-                    seconds([sys.executable, "-m", "launcher.gate", folder], env) for _ in range(args.runs)
+                    seconds([sys.executable, "-m", "meshrun.launcher.gate", folder], env) for _ in range(args.runs)
                 )
                 own = [json.loads(Path(RunDir(folder).health_result(n)).read_text())["seconds"] for n in NODES]
                 verdict = json.loads(Path(RunDir(folder).health_verdict).read_text())

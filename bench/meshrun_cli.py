@@ -26,7 +26,7 @@ def meshrun(env: dict[str, str], *args: str, timeout: float = 900, echo: bool = 
     """meshrun ARGS from this checkout (its stdout); `echo` prints each command and its output. A failure prints
     the output and ends the bench with its last line (bench/gpu.sh shows that line in its FAILED row)."""
     done = subprocess.run(
-        [sys.executable, "-m", "submit.cli.main", *args],
+        [sys.executable, "-m", "meshrun.submit.cli.main", *args],
         env=env,
         cwd=REPO,
         capture_output=True,

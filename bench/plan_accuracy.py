@@ -69,7 +69,7 @@ def corpus(home: Path) -> Path:
     mine = Path("~/.cache/meshrun/data/stdlib.u16").expanduser()
     if mine.is_file():
         return mine
-    from launcher.data.corpus import build_corpus
+    from meshrun.launcher.data.corpus import build_corpus
 
     out = home / "stdlib.u16"
     build_corpus(out, max_bytes=2_000_000)

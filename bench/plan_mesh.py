@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/plan_mesh.py [--runs N] [--quick]
 
-Each row plans the job (load, validate, the planner's model-state bytes: submit.planning.plan + submit.planning.estimate)
+Each row plans the job (load, validate, the planner's model-state bytes: meshrun.submit.planning.plan + meshrun.submit.planning.estimate)
 and runs the mesh dry run the way `meshrun plan --mesh` does (submit/planning/meshcheck.py: a subprocess of this
 interpreter counting the real model split in a fake world of that many ranks). tp 8 and pp 8 stay fixed;
 dp grows with the world. The baseline is the smallest world, measured in the same run: the ratio column
@@ -25,11 +25,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from launcher.contract.modelshape import StageBytes
-from launcher.contract.schema import to_plain
-from submit.config.cluster import load_profile
-from submit.planning import estimate, meshcheck
-from submit.planning.plan import plan_file
+from meshrun.launcher.contract.modelshape import StageBytes
+from meshrun.launcher.contract.schema import to_plain
+from meshrun.submit.config.cluster import load_profile
+from meshrun.submit.planning import estimate, meshcheck
+from meshrun.submit.planning.plan import plan_file
 
 SEVENTY_B = {"n_layers": 80, "d_model": 8192, "n_heads": 64, "vocab_size": 32000, "seq_len": 4096, "ffn_mult": 3.5}
 SMALL = {"n_layers": 8, "d_model": 512, "n_heads": 8, "vocab_size": 32000, "seq_len": 512}
@@ -55,7 +55,7 @@ def spec_for(nodes: int, model: dict[str, Any]) -> dict[str, Any]:
 
 
 def planned_bytes(spec: Any) -> int:
-    """The planner's largest per-rank model state (submit.planning.estimate)."""
+    """The planner's largest per-rank model state (meshrun.submit.planning.estimate)."""
     return max(s.params + s.grads + s.optimizer for s in estimate.model_state_bytes(spec))
 
 
@@ -88,7 +88,7 @@ def main() -> None:
     runs, model = (1, SMALL) if args.quick else (args.runs, SEVENTY_B)
     node_counts = (8, 1024) if args.quick else (8, 64, 1024)
     # The example profile allows 64 nodes; the bench lifts that limit in this process (as plan_scale.py does).
-    import submit.planning.plan as plan_mod
+    import meshrun.submit.planning.plan as plan_mod
 
     plan_mod.check_resources = lambda spec, cluster: cluster.partition(None)
     name = "70B" if model is SEVENTY_B else "small"

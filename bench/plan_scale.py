@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from launcher.env import expand_hostlist
-from submit.config.cluster import load_profile
-from submit.planning.plan import plan_file
-from submit.schedulers import backend
-from submit.schedulers.render import render
+from meshrun.launcher.env import expand_hostlist
+from meshrun.submit.config.cluster import load_profile
+from meshrun.submit.planning.plan import plan_file
+from meshrun.submit.schedulers import backend
+from meshrun.submit.schedulers.render import render
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = REPO / "examples" / "h100-8node.yaml"
@@ -57,7 +57,7 @@ def main() -> None:
     ]
     one = ["resources.nodes=1", "parallel.dp=2", "parallel.tp=4", "train.global_batch=512", "train.eval_sequences=512"]
     # The example profile allows 64 nodes; the benchmark lifts that limit in a copy.
-    import submit.planning.plan as plan_mod
+    import meshrun.submit.planning.plan as plan_mod
 
     original = plan_mod.check_resources
     plan_mod.check_resources = lambda spec, cluster: cluster.partition(None)

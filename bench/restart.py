@@ -40,7 +40,7 @@ def _rank_pid(run_dir: Path, timeout: float = 30) -> int:
     while time.monotonic() < deadline:
         for proc in psutil.process_iter(["cmdline"]):
             cmd = proc.info["cmdline"] or []
-            if cmd[-3:] == ["-m", "launcher", str(run_dir)] and os.path.basename(cmd[0]).startswith("python"):
+            if cmd[-3:] == ["-m", "meshrun.launcher", str(run_dir)] and os.path.basename(cmd[0]).startswith("python"):
                 return int(proc.pid)
         time.sleep(0.05)
     raise RuntimeError(f"no rank process of {run_dir}")
@@ -91,7 +91,7 @@ def main() -> None:
             import logging  # a small corpus, as the tests' (the logging package's sources)
 
             source = os.path.dirname(logging.__file__)
-            data = [sys.executable, "-m", "submit.cli.main", "data", source, "--out", str(corpus)]
+            data = [sys.executable, "-m", "meshrun.submit.cli.main", "data", source, "--out", str(corpus)]
             subprocess.run(data, check=True, capture_output=True, env={**os.environ, "HOME": tmp}, cwd=REPO)
             spare, requeue = [], []
             for _ in range(args.trials):  # alternating: the machine's load falls on both alike

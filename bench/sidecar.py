@@ -1,4 +1,4 @@
-"""The sidecar's cost to training: step time with `python -m launcher.sidecar` sampling against without it.
+"""The sidecar's cost to training: step time with `python -m meshrun.launcher.sidecar` sampling against without it.
 
     .venv/bin/python bench/sidecar.py [--steps N] [--rounds R] [--interval S] [--quick]
 
@@ -25,10 +25,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trainer_setup import REPO, corpus, single_rank_trainer, timed_steps  # noqa: E402
 
-from launcher.contract.rundir import RunDir  # noqa: E402
-from launcher.contract.spec import Data, JobSpec, Model, Resources, RunInfo, RunSpec, Sidecar, Train, write_run_spec  # noqa: E402
-from launcher.train.metrics import MetricsLog  # noqa: E402
-from launcher.train.trainer import Trainer  # noqa: E402
+from meshrun.launcher.contract.rundir import RunDir  # noqa: E402
+from meshrun.launcher.contract.spec import (  # noqa: E402
+    Data,
+    JobSpec,
+    Model,
+    Resources,
+    RunInfo,
+    RunSpec,
+    Sidecar,
+    Train,
+    write_run_spec,
+)
+from meshrun.launcher.train.metrics import MetricsLog  # noqa: E402
+from meshrun.launcher.train.trainer import Trainer  # noqa: E402
 
 MODEL = Model(n_layers=4, d_model=128, n_heads=4, vocab_size=256, seq_len=128)
 
@@ -79,7 +89,7 @@ def start_sidecar(run_dir: RunDir) -> subprocess.Popen[bytes]:
     """A real sidecar, returned once its first sample is written (its start is not what is measured)."""
     before = lines(run_dir.gpu_metrics)
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([sys.executable, "-m", "launcher.sidecar", run_dir.root], env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "meshrun.launcher.sidecar", run_dir.root], env=env)
     deadline = time.monotonic() + 60
     while lines(run_dir.gpu_metrics) <= before:
         if proc.poll() is not None or time.monotonic() > deadline:

@@ -5,7 +5,7 @@
 Prints, per `meshrun submit`: SSH connections opened (goal 1), remote round trips and bytes
 uploaded, for a first submit and an unchanged resubmit (goal 0 bytes); `status` of N jobs (goal
 one round trip); and the wall time of `meshrun submit` against a bare `ssh host sbatch` of the
-same script (OpenSSH client, same host), as a ratio. Counts come from submit.transport.ssh.STATS in this
+same script (OpenSSH client, same host), as a ratio. Counts come from meshrun.submit.transport.ssh.STATS in this
 process; connections are also counted by sshd itself (its "Accepted publickey" log lines).
 Starts the testbed when it is not running and stops it again unless --keep. --quick
 (CI's check that the bench runs): one latency run and a 4-job status query.
@@ -29,8 +29,8 @@ from typing import Callable
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from submit.cli import main as cli  # noqa: E402
-from submit.transport.ssh import STATS, Counters  # noqa: E402
+from meshrun.submit.cli import main as cli  # noqa: E402
+from meshrun.submit.transport.ssh import STATS, Counters  # noqa: E402
 from tests.helpers import sshbed  # noqa: E402
 from tests.testbed import testbed as tb  # noqa: E402
 
@@ -52,9 +52,9 @@ def _cli(*args: str) -> str:
 
 def _code_tar_bytes(spec: Path) -> int:
     """What uploading the spec's project costs: the gzipped tar meshrun sends."""
-    from launcher.contract.spec import Code
-    from submit.transport.base import Upload, tar_bytes
-    from submit.transport.snapshot import collect
+    from meshrun.launcher.contract.spec import Code
+    from meshrun.submit.transport.base import Upload, tar_bytes
+    from meshrun.submit.transport.snapshot import collect
 
     snap = collect(spec.parent, Code())
     assert snap is not None
@@ -118,7 +118,7 @@ def latency(home: Path, profile: Path, spec: Path, run_dir: str, runs: int) -> N
         f"{run_dir}/job.sbatch",
     ]
     env = {k: v for k, v in os.environ.items() if k != "SLURM_CONF"}
-    meshrun = [sys.executable, "-m", "submit.cli.main", "submit", str(spec), "-c", str(profile)]
+    meshrun = [sys.executable, "-m", "meshrun.submit.cli.main", "submit", str(spec), "-c", str(profile)]
     ssh_s = _median_s(lambda: subprocess.run(bare, check=True, capture_output=True, env=env), runs)
     cli_s = _median_s(lambda: subprocess.run(meshrun, check=True, capture_output=True, env=env, cwd=REPO), runs)
     inproc_s = _median_s(lambda: _cli("submit", str(spec), "-c", str(profile)), runs)
@@ -129,8 +129,8 @@ def latency(home: Path, profile: Path, spec: Path, run_dir: str, runs: int) -> N
 
 
 def status_of_many(home: Path, profile: Path, spec: Path, jobs: int) -> None:
-    from submit import api
-    from submit.core.registry import Registry
+    from meshrun.submit import api
+    from meshrun.submit.core.registry import Registry
 
     out = _cli("submit", str(spec), "-c", str(profile), "--sweep", "env.I=" + ",".join(map(str, range(jobs))))
     array = out.split()[3]

@@ -2,10 +2,10 @@
 
     .venv/bin/python bench/status_scale.py [--runs N] [--sizes 10,100,1000] [--keep] [--quick]
 
-One status refresh (submit.api.statuses, what `meshrun status` runs) over N Slurm records, from the
+One status refresh (meshrun.submit.api.statuses, what `meshrun status` runs) over N Slurm records, from the
 login node (the local transport, its commands counted by a wrapper) and from a laptop over SSH (the
-testbed's sshd; round trips counted by submit.transport.ssh.STATS). Prints the median time of --runs refreshes,
-the round trips (goal: 1 per cluster up to submit.schedulers.slurm.BATCH_JOBS jobs), and the ratio
+testbed's sshd; round trips counted by meshrun.submit.transport.ssh.STATS). Prints the median time of --runs refreshes,
+the round trips (goal: 1 per cluster up to meshrun.submit.schedulers.slurm.BATCH_JOBS jobs), and the ratio
 against 10 jobs measured in the same run. The records are written straight into a list with real run
 dirs (metrics.jsonl each), their ids unknown to slurmctld: squeue and sacct are asked about all N ids.
 Starts the testbed when it is not running and stops it again unless --keep. --quick (CI's check that
@@ -27,11 +27,11 @@ from typing import Any, Optional, Sequence
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from submit import api  # noqa: E402
-from submit.config.cluster import load_profile, load_profile_file  # noqa: E402
-from submit.core.registry import JobRecord  # noqa: E402
-from submit.transport.base import LocalTransport, Result  # noqa: E402
-from submit.transport.ssh import STATS  # noqa: E402
+from meshrun.submit import api  # noqa: E402
+from meshrun.submit.config.cluster import load_profile, load_profile_file  # noqa: E402
+from meshrun.submit.core.registry import JobRecord  # noqa: E402
+from meshrun.submit.transport.base import LocalTransport, Result  # noqa: E402
+from meshrun.submit.transport.ssh import STATS  # noqa: E402
 from tests.helpers import sshbed  # noqa: E402
 from tests.testbed import testbed as tb  # noqa: E402
 

@@ -22,12 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from trainer_setup import corpus, single_rank_trainer, timed_steps  # noqa: E402
 
-from launcher.contract.spec import Data, JobSpec, Model, Resources, Train  # noqa: E402
-from launcher.data.dataset import TrainStream  # noqa: E402
-from launcher.train.metrics import MetricsLog  # noqa: E402
-from launcher.train.model import GPT, loss_fn  # noqa: E402
-from launcher.train.optim import build_optimizer, lr_at  # noqa: E402
-from launcher.train.trainer import Trainer  # noqa: E402
+from meshrun.launcher.contract.spec import Data, JobSpec, Model, Resources, Train  # noqa: E402
+from meshrun.launcher.data.dataset import TrainStream  # noqa: E402
+from meshrun.launcher.train.metrics import MetricsLog  # noqa: E402
+from meshrun.launcher.train.model import GPT, loss_fn  # noqa: E402
+from meshrun.launcher.train.optim import build_optimizer, lr_at  # noqa: E402
+from meshrun.launcher.train.trainer import Trainer  # noqa: E402
 
 MODEL = Model(n_layers=4, d_model=128, n_heads=4, vocab_size=256, seq_len=128)
 

@@ -1,4 +1,4 @@
-"""Shared by the training benches: one in-process rank (world size 1) built exactly as `launcher.train.loop` builds it."""
+"""Shared by the training benches: one in-process rank (world size 1) built exactly as `meshrun.launcher.train.loop` builds it."""
 
 from __future__ import annotations
 
@@ -15,15 +15,15 @@ if str(REPO) not in sys.path:
 
 import torch.distributed as dist  # noqa: E402
 
-from launcher.checkpoint.manager import CheckpointManager  # noqa: E402
-from launcher.contract.spec import JobSpec  # noqa: E402
-from launcher.data.corpus import build_corpus  # noqa: E402
-from launcher.data.dataset import TokenDataset  # noqa: E402
-from launcher.env import rank_env  # noqa: E402
-from launcher.train.loop import check_layout, run_loop  # noqa: E402
-from launcher.train.metrics import MetricsLog  # noqa: E402
-from launcher.train.runtime import check_tasks, init_distributed, pick_runtime  # noqa: E402
-from launcher.train.trainer import Trainer, build_trainer  # noqa: E402
+from meshrun.launcher.checkpoint.manager import CheckpointManager  # noqa: E402
+from meshrun.launcher.contract.spec import JobSpec  # noqa: E402
+from meshrun.launcher.data.corpus import build_corpus  # noqa: E402
+from meshrun.launcher.data.dataset import TokenDataset  # noqa: E402
+from meshrun.launcher.env import rank_env  # noqa: E402
+from meshrun.launcher.train.loop import check_layout, run_loop  # noqa: E402
+from meshrun.launcher.train.metrics import MetricsLog  # noqa: E402
+from meshrun.launcher.train.runtime import check_tasks, init_distributed, pick_runtime  # noqa: E402
+from meshrun.launcher.train.trainer import Trainer, build_trainer  # noqa: E402
 
 
 def corpus(folder: Path, tokens: int) -> Path:

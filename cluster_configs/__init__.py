@@ -1,1 +1,1 @@
-"""Shipped cluster profiles, installed as the data package `submit.cluster_configs` (see submit/config/resources.py)."""
+"""Shipped cluster profiles, installed as the data package `meshrun.cluster_configs` (see submit/config/resources.py)."""

@@ -2,7 +2,7 @@
 
 It trains a small MLP on a fixed synthetic regression task (each step's batch comes from the step number,
 so a resumed run sees exactly the batches an uninterrupted one would), gloo on CPU, NCCL on GPUs. What
-`launcher.job` adds, and nothing else of meshrun:
+`meshrun.launcher.job` adds, and nothing else of meshrun:
 
 - it resumes from job.latest_checkpoint() (the newest *complete* one; an interrupted save is ignored);
 - it saves with torch.save into job.new_checkpoint(step), then job.mark_complete() makes it count;
@@ -14,7 +14,7 @@ so a resumed run sees exactly the batches an uninterrupted one would), gloo on C
 """
 
 # First, before torch's second of imports: from here on a stop signal is caught (a flag), not fatal.
-from launcher import job  # noqa: I001
+from meshrun.launcher import job  # noqa: I001
 
 import argparse
 import os

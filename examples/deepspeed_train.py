@@ -22,7 +22,7 @@ from torch import nn
 def report(step: int, **scalars: float) -> None:
     """meshrun's metrics and heartbeat when run by meshrun; nothing elsewhere (meshrun not installed)."""
     try:
-        from launcher.report import report as meshrun_report
+        from meshrun.launcher.report import report as meshrun_report
     except ImportError:
         return
     meshrun_report(step, **scalars)

@@ -14,7 +14,7 @@ __all__ = ["installed_version"]
 def __getattr__(name: str) -> Any:
     # Lazily: every small rank-side process (sidecar, copier, probes, the batch script's helpers) imports this
     # package, and most never ask for the version.
-    from launcher.contract.version import installed_version
+    from meshrun.launcher.contract.version import installed_version
 
     if name == "installed_version":
         return installed_version

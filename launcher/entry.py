@@ -13,18 +13,25 @@ import sys
 from pathlib import Path
 from typing import Mapping, MutableMapping, Optional, Sequence
 
-from launcher import installed_version
-from launcher import job as kit
-from launcher.contract import private, secrets
-from launcher.contract.exitcodes import EXIT_REQUEUE
-from launcher.contract.private import make_private_below, make_private_dir, private_umask
-from launcher.contract.rundir import NODE_DIR_ENV, NodeDir, RunDir, expand_node_path, in_job_restart, record_exit
-from launcher.contract.schema import SchemaError
-from launcher.contract.spec import RunSpec, read_run_spec
-from launcher.env import RankEnv, rank_env, setdefault_env, torchrun_vars
-from launcher.preempt import StopFlag
-from launcher.rankfail import reports_fatal_errors
-from launcher.report import expose_to_commands
+from meshrun.launcher import installed_version
+from meshrun.launcher import job as kit
+from meshrun.launcher.contract import private, secrets
+from meshrun.launcher.contract.exitcodes import EXIT_REQUEUE
+from meshrun.launcher.contract.private import make_private_below, make_private_dir, private_umask
+from meshrun.launcher.contract.rundir import (
+    NODE_DIR_ENV,
+    NodeDir,
+    RunDir,
+    expand_node_path,
+    in_job_restart,
+    record_exit,
+)
+from meshrun.launcher.contract.schema import SchemaError
+from meshrun.launcher.contract.spec import RunSpec, read_run_spec
+from meshrun.launcher.env import RankEnv, rank_env, setdefault_env, torchrun_vars
+from meshrun.launcher.preempt import StopFlag
+from meshrun.launcher.rankfail import reports_fatal_errors
+from meshrun.launcher.report import expose_to_commands
 
 
 def prepare_env(run_spec: RunSpec, environ: MutableMapping[str, str]) -> None:
@@ -98,7 +105,7 @@ def run_rank(run_dir: str, replace_process: Optional[bool] = None) -> int:
     if command is not None:
         setdefault_env(run_spec.run.nccl_env, os.environ)  # the user's NCCL gets the cluster preset too
         setdefault_env(accelerator_env(run_spec.job.resources.gpus_per_node), os.environ)
-        expose_to_commands(run_spec.run.run_dir, os.environ)  # `from launcher import job` works
+        expose_to_commands(run_spec.run.run_dir, os.environ)  # `from meshrun.launcher import job` works
         os.environ.update(command_env(run_spec, env, os.environ))
         if replace_process is None:
             replace_process = "SUBMITIT_EXECUTOR" not in os.environ
@@ -107,7 +114,7 @@ def run_rank(run_dir: str, replace_process: Optional[bool] = None) -> int:
     # while the rank starts must not kill it (SIGUSR1's default action) but stop it cleanly.
     flag = StopFlag().install()
     try:
-        from launcher.train.loop import train  # lazy: torch is imported only by ranks that train
+        from meshrun.launcher.train.loop import train  # lazy: torch is imported only by ranks that train
 
         code = train(run_spec, env, flag)
     finally:
@@ -118,7 +125,7 @@ def run_rank(run_dir: str, replace_process: Optional[bool] = None) -> int:
 
 
 def command_env(run_spec: RunSpec, env: RankEnv, environ: Mapping[str, str]) -> dict[str, str]:
-    """What a `command:` job's program learns beside the torchrun variables (launcher.job reads them):
+    """What a `command:` job's program learns beside the torchrun variables (meshrun.launcher.job reads them):
     where to write, where its checkpoints go (created 0700), which restart this is, how a stop is asked."""
     checkpoints = run_spec.run.checkpoint_dir or RunDir(run_spec.run.run_dir).default_checkpoints
     private.make_private_dir(Path(checkpoints))

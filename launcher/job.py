@@ -1,6 +1,6 @@
 """The safety net for your own training script (a `command:` job). Torch-free: import it first thing.
 
-    from launcher import job
+    from meshrun.launcher import job
 
     path = job.latest_checkpoint()               # newest *complete* checkpoint, or None: start fresh
     for step in range(start, steps + 1):
@@ -15,10 +15,10 @@
 
 Under meshrun the stop signals (MESHRUN_STOP_SIGNALS: SIGUSR1 ahead of the time limit or on preemption,
 SIGTERM on scancel) are caught from the moment this module is imported, so one that arrives early is
-not lost; elsewhere from the first should_stop(). The handler only sets a flag (launcher.preempt).
+not lost; elsewhere from the first should_stop(). The handler only sets a flag (meshrun.launcher.preempt).
 A program that exits 0 after a stop signal without calling finished() (or reporting the spec's
 `command_steps`) stopped, it did not finish: meshrun requeues it (launcher/contract/finish.py).
-Checkpoints follow the built-in trainer's rule (launcher.checkpoint.commit): a folder counts only once its
+Checkpoints follow the built-in trainer's rule (meshrun.launcher.checkpoint.commit): a folder counts only once its
 marker is written last and it is renamed into place; latest_checkpoint() never returns anything else.
 """
 
@@ -33,11 +33,11 @@ import threading
 from pathlib import Path
 from typing import Any, NoReturn, Optional
 
-from launcher import report as _report
-from launcher.contract import ckptdir, finish, private
-from launcher.contract.exitcodes import EXIT_REQUEUE
-from launcher.contract.rundir import note_checkpoint, record_exit
-from launcher.preempt import DEFAULT_SIGNALS, StopFlag
+from meshrun.launcher import report as _report
+from meshrun.launcher.contract import ckptdir, finish, private
+from meshrun.launcher.contract.exitcodes import EXIT_REQUEUE
+from meshrun.launcher.contract.rundir import note_checkpoint, record_exit
+from meshrun.launcher.preempt import DEFAULT_SIGNALS, StopFlag
 
 RUN_DIR_ENV = _report.RUN_DIR_ENV
 CHECKPOINT_DIR_ENV = "MESHRUN_CHECKPOINT_DIR"
@@ -100,7 +100,7 @@ def finished(step: Optional[int] = None) -> None:
 
 
 def report(step: int, **scalars: Any) -> None:
-    """launcher.report.report: rank 0's numbers to metrics.jsonl and TensorBoard, every rank's heartbeat,
+    """meshrun.launcher.report.report: rank 0's numbers to metrics.jsonl and TensorBoard, every rank's heartbeat,
     and the progress the requeue policy looks for (a step beyond any reported before)."""
     _report.report(step, **scalars)
 

@@ -1,5 +1,5 @@
 """What a requeued job leaves out, and how many nodes it asks for: the one decision for a rank failure's or a
-hang's requeue (launcher.requeue) and a failed health check's (launcher.gate), on the batch host. Torch-free,
+hang's requeue (meshrun.launcher.requeue) and a failed health check's (meshrun.launcher.gate), on the batch host. Torch-free,
 stdlib only.
 
 The nodes left out: those this end blames, those this allocation left earlier (spare nodes took their place) and
@@ -15,12 +15,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
-from launcher.contract import suspects
-from launcher.contract.rundir import job_of
-from launcher.hostlist import expand_hostlist
+from meshrun.launcher.contract import suspects
+from meshrun.launcher.contract.rundir import job_of
+from meshrun.launcher.hostlist import expand_hostlist
 
 if TYPE_CHECKING:
-    from launcher.contract.spec import RunSpec
+    from meshrun.launcher.contract.spec import RunSpec
 
 LEFT_OUT_ENV = "MESHRUN_LEFT_OUT"
 """Set by the batch script of a job with spare nodes: the allocation's nodes its ranks no longer run on
@@ -96,7 +96,7 @@ def leave_out(
     now: Optional[float] = None,
 ) -> Optional[Leaving]:
     """The one decision of what a requeued job leaves out, for a rank failure or hang (requeue_leaves_out) and for a
-    failed health check (launcher.gate.judge): the nodes this end blames (`blamed`), the nodes this allocation left
+    failed health check (meshrun.launcher.gate.judge): the nodes this end blames (`blamed`), the nodes this allocation left
     out earlier (spare nodes took their place: a failure, a hang or a health check blamed them) and the cluster's
     other suspects in the ledger (unless resilience.avoid_suspects is off); None when there are none.
 

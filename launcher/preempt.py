@@ -2,7 +2,7 @@
 
 The handler does nothing but set a flag: no I/O, no collectives, no locks, which is
 what makes signal handlers deadlock (a rank stuck in NCCL while its handler waits
-on a save). Every step the ranks all-reduce the flag (MAX, in launcher.train.divergence.agree, which
+on a save). Every step the ranks all-reduce the flag (MAX, in meshrun.launcher.train.divergence.agree, which
 carries the non-finite-loss check in the same collective), so every rank stops
 after the same step, saves a normal checkpoint, and exits with EXIT_REQUEUE. The
 batch script, not the rank, decides whether to requeue.
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Iterable, Optional
 
-from launcher.contract.exitcodes import (  # noqa: F401  (re-exported)
+from meshrun.launcher.contract.exitcodes import (  # noqa: F401  (re-exported)
     EXIT_FAILED,
     EXIT_FINISHED,
     EXIT_GAVE_UP,

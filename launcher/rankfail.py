@@ -19,10 +19,10 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
-from launcher.contract.ckptdir import CheckpointError
-from launcher.contract.exitcodes import EXIT_INPUT
-from launcher.contract.rundir import RunDir, record_exit
-from launcher.contract.schema import SchemaError
+from meshrun.launcher.contract.ckptdir import CheckpointError
+from meshrun.launcher.contract.exitcodes import EXIT_INPUT
+from meshrun.launcher.contract.rundir import RunDir, record_exit
+from meshrun.launcher.contract.schema import SchemaError
 
 BAD_INPUT: tuple[type[BaseException], ...] = (SchemaError, CheckpointError)
 """What the user fixes, not the cluster: a bad spec, a missing or unusable data file or checkpoint (each
@@ -72,7 +72,7 @@ def record_rank_error(run_dir: str | Path, rank: object, message: str) -> bool:
 
 def _this_rank() -> object:
     """This rank's number from the environment, however far start-up got ('?' if unknown)."""
-    from launcher.env import rank_env
+    from meshrun.launcher.env import rank_env
 
     try:
         return rank_env(os.environ).rank

@@ -1,6 +1,6 @@
 """report(): metrics, TensorBoard and the progress heartbeat from any training script. Torch-free.
 
-    from launcher.report import report
+    from meshrun.launcher.report import report
     report(step, loss=loss, lr=lr)        # every rank may call it; rank 0 records the numbers
 
 Under meshrun ($MESHRUN_RUN_DIR set by the job script) rank 0 appends {"step", ...scalars,
@@ -9,7 +9,7 @@ same scalars to RUN_DIR/tensorboard/; every rank stamps its heartbeat in its nod
 NodeDir (progress/rank-N.json = {"rank", "step", "phase", "time", "pid", ...}: what hang detection
 reads) and arms a stack dump on SIGUSR2 for the sidecar's diagnosis. The built-in trainer stamps the same heartbeat through `Heartbeat`. Outside meshrun
 report() does nothing and says so once. Rank 0 also keeps the highest step reported so far in
-RUN_DIR/.meshrun/reported-step.json (`ProgressMark`): what the requeue policy (launcher.requeue) calls progress.
+RUN_DIR/.meshrun/reported-step.json (`ProgressMark`): what the requeue policy (meshrun.launcher.requeue) calls progress.
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ import threading
 import time
 from typing import Any, MutableMapping, Optional, TextIO
 
-from launcher.contract.private import make_private_dir
-from launcher.contract.procs import own_identity
-from launcher.contract.rundir import NODE_DIR_ENV, NodeDir, RunDir, job_field, node_name, read_state, write_json
-from launcher.train.tbwriter import ScalarWriter, scalars_of
+from meshrun.launcher.contract.private import make_private_dir
+from meshrun.launcher.contract.procs import own_identity
+from meshrun.launcher.contract.rundir import NODE_DIR_ENV, NodeDir, RunDir, job_field, node_name, read_state, write_json
+from meshrun.launcher.train.tbwriter import ScalarWriter, scalars_of
 
 RUN_DIR_ENV = "MESHRUN_RUN_DIR"
 RESTART_COUNT_ENV = "MESHRUN_RESTART_COUNT"
-"""A command job's run number (launcher.entry sets it); a requeued run's metrics lines carry it, so status counts it."""
+"""A command job's run number (meshrun.launcher.entry sets it); a requeued run's metrics lines carry it, so status counts it."""
 PHASES = ("rendezvous", "setup", "step", "eval", "checkpoint")
 """What a rank is doing; each may get its own hang timeout ("rendezvous": waiting for the other ranks to join,
 judged across nodes by launcher/sidecar/rendezvous.py; its own timeout is setup's)."""
@@ -45,19 +45,22 @@ def rank_from_env(environ: Optional[dict[str, str]] = None) -> int:
 
 
 def expose_to_commands(run_dir: str, environ: MutableMapping[str, str]) -> None:
-    """Let a `command:` job's own python import launcher.report, whichever python3 its PATH finds.
+    """Let a `command:` job's own python import meshrun.launcher.report, whichever python3 its PATH finds.
 
-    A folder holding only a link to this `launcher` package joins the END of PYTHONPATH: the
-    user's own entries keep precedence, and no other package of meshrun's environment leaks in.
+    A folder holding only meshrun/launcher, a link to this package, joins the END of PYTHONPATH: the
+    user's own entries keep precedence, no other package of meshrun's environment leaks in, and a python
+    that has meshrun installed still sees all of it (meshrun is a namespace package: the two merge).
     Every rank rewrites the link atomically (a requeued job may run another install).
     """
     lib = RunDir(run_dir).pylib
     make_private_dir(lib)
-    tmp = os.path.join(lib, f".launcher.{os.getpid()}.tmp")
+    portion = os.path.join(lib, "meshrun")
+    make_private_dir(portion)
+    tmp = os.path.join(portion, f".launcher.{os.getpid()}.tmp")
     if os.path.lexists(tmp):
         os.unlink(tmp)
     os.symlink(os.path.dirname(os.path.abspath(__file__)), tmp, target_is_directory=True)
-    os.replace(tmp, os.path.join(lib, "launcher"))
+    os.replace(tmp, os.path.join(portion, "launcher"))
     paths = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if lib not in paths:
         environ["PYTHONPATH"] = os.pathsep.join([*paths, lib])
@@ -89,7 +92,7 @@ class Heartbeat:
         make_private_dir(os.path.dirname(self.path))
         self.stack_signal = self._arm_stack_dump(node.stack(rank))
         # With the pid, what tells this rank from a later process that reuses its pid: the sidecar signals
-        # a pid from this file only while it still names this very process (launcher.contract.procs).
+        # a pid from this file only while it still names this very process (meshrun.launcher.contract.procs).
         self.started_at = own_identity().started_at
 
     def _arm_stack_dump(self, path: str) -> Optional[int]:

@@ -2,14 +2,14 @@
 
 The batch script asks it once its ranks have exited:
 
-    python -m launcher.requeue RUN_DIR STATUS RESTARTS MAX_RESTARTS [--stop-requested] [--terminated]
+    python -m meshrun.launcher.requeue RUN_DIR STATUS RESTARTS MAX_RESTARTS [--stop-requested] [--terminated]
 
 and gets one line, `ACTION CODE WHY`: ACTION is `requeue` or `stop`, CODE the status the job ends with,
 WHY the sentence for its log. The rules:
 
 - 0 (finished), 2 (bad input), 77 (crash loop) and 78 (diverged) end the job; so does a SIGTERM
   (`scancel`, or Slurm ending the job itself) and the restart limit (`checkpoint.max_restarts`).
-- 79 (a node failed its health check before the ranks started) is requeued when launcher.gate excluded the
+- 79 (a node failed its health check before the ranks started) is requeued when meshrun.launcher.gate excluded the
   node, and ends the job when it could not (too few nodes would be left). The gate leaves out what a failure's
   requeue leaves out (`leave_out`, one decision for both) and the policy passes on its smaller node count.
 - 75 (saved for requeue), 76 (no progress) and failures (a crash, a lost node: often transient) are
@@ -19,7 +19,7 @@ WHY the sentence for its log. The rules:
   frameworks leave their loop on SIGTERM and exit 0 with work left.
 - A `command:` job has one more rule, the built-in trainer's crash-loop guard (launcher/checkpoint/resume.py) said
   in its own terms: a failed run that reported no step beyond the highest one reported before it started
-  (launcher.report's progress mark) counts one; MAX_ATTEMPTS such runs in a row end the job with 77
+  (meshrun.launcher.report's progress mark) counts one; MAX_ATTEMPTS such runs in a row end the job with 77
   instead of burning the allocation in a requeue loop. (The trainer's own guard counts its checkpoints.)
 
 The local supervisor never requeues (`meshrun resume` does), but applies the same crash-loop rule through
@@ -38,11 +38,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Optional
 
-from launcher import rankends
-from launcher.checkpoint.resume import MAX_ATTEMPTS
-from launcher.contract import finish, nodelist, suspects
-from launcher.contract import lost as lost_checkpoints
-from launcher.contract.exitcodes import (
+from meshrun.launcher import rankends
+from meshrun.launcher.checkpoint.resume import MAX_ATTEMPTS
+from meshrun.launcher.contract import finish, nodelist, suspects
+from meshrun.launcher.contract import lost as lost_checkpoints
+from meshrun.launcher.contract.exitcodes import (
     EXIT_DIVERGED,
     EXIT_FAILED,
     EXIT_FINISHED,
@@ -54,15 +54,23 @@ from launcher.contract.exitcodes import (
     EXIT_UNHEALTHY,
     NOT_REQUEUED,
 )
-from launcher.contract.private import append_line
-from launcher.contract.rundir import RunDir, attempt_id, in_job_restart, job_field, job_of, read_state, write_json
-from launcher.contract.secrets import remove_dir, secrets_dir_for
-from launcher.gate import verdict_of
-from launcher.leaving import Runner, leave_out, run_slurm
-from launcher.report import open_metrics, reported_step
+from meshrun.launcher.contract.private import append_line
+from meshrun.launcher.contract.rundir import (
+    RunDir,
+    attempt_id,
+    in_job_restart,
+    job_field,
+    job_of,
+    read_state,
+    write_json,
+)
+from meshrun.launcher.contract.secrets import remove_dir, secrets_dir_for
+from meshrun.launcher.gate import verdict_of
+from meshrun.launcher.leaving import Runner, leave_out, run_slurm
+from meshrun.launcher.report import open_metrics, reported_step
 
 if TYPE_CHECKING:
-    from launcher.contract.spec import RunSpec
+    from meshrun.launcher.contract.spec import RunSpec
 
 
 @dataclass(frozen=True)
@@ -107,7 +115,7 @@ def crash_loop(run_dir: str, failed: bool) -> Optional[str]:
 def programs_own(run_dir: str, code: int) -> tuple[int, str]:
     """A command job's exit code as meshrun acts on it, with a note for the log ('' when unchanged).
 
-    2 is meshrun's bad-input verdict only when meshrun's side said so: a rank error line (launcher.job's
+    2 is meshrun's bad-input verdict only when meshrun's side said so: a rank error line (meshrun.launcher.job's
     checks and the trainer's write one). A program's own 2 (argparse's usage error, say) is its failure like
     any other: requeued, and a repeat without progress ends in the crash-loop guard's 77.
     """
@@ -233,7 +241,7 @@ def restart_in_allocation(
 ) -> Optional[tuple[Decision, dict[str, str]]]:
     """A failure or hang the job restarts from inside its allocation, on spare nodes in place of the blamed
     ones (resilience.spare_nodes, .max_restarts, .restart_on); None when it is requeued as before."""
-    from launcher.contract.spec import read_run_spec  # torch-free
+    from meshrun.launcher.contract.spec import read_run_spec  # torch-free
 
     res = read_run_spec(Path(run_dir)).job.resilience
     kind = "hang" if status == EXIT_NO_PROGRESS else "failure"
@@ -268,7 +276,7 @@ def record_reason(run_dir: str, why: str) -> None:
 
 
 USAGE = (
-    "usage: python -m launcher.requeue RUN_DIR STATUS RESTARTS MAX_RESTARTS [--stop-requested[=KIND]] [--terminated] "
+    "usage: python -m meshrun.launcher.requeue RUN_DIR STATUS RESTARTS MAX_RESTARTS [--stop-requested[=KIND]] [--terminated] "
     "[--spares=N] [--unasked-stop]"
 )
 
@@ -376,7 +384,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     run_dir, (status, restarts, max_restarts) = words[0], map(int, words[1:])
-    from launcher.contract.spec import read_run_spec  # torch-free
+    from meshrun.launcher.contract.spec import read_run_spec  # torch-free
 
     spec = read_run_spec(Path(run_dir))
     lost = lost_checkpoints.check(run_dir)  # a checkpoint_lost alert, whatever the status
@@ -447,7 +455,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 def record_suspect(run_dir: str, node: str, evidence: str, environ: Mapping[str, str] = os.environ) -> None:
     """A node a restart inside the allocation leaves behind goes in the cluster's ledger of suspects (a hang's
     nodes are there already: the sidecar put them)."""
-    from launcher.contract.spec import read_run_spec  # torch-free
+    from meshrun.launcher.contract.spec import read_run_spec  # torch-free
 
     ledger = read_run_spec(Path(run_dir)).run.suspects_file
     if not ledger or evidence.startswith("hang verdict"):
@@ -473,7 +481,7 @@ def requeue_leaves_out(
     NODES`, which the batch script sets as the job's ExcNodeList right after the requeue (as for the health gate's
     failures); a third, `nodes N`, when the requeued job asks for fewer nodes (its spares given up). When not even
     this end's own nodes can be spared, the log says they stay in."""
-    from launcher.contract.spec import read_run_spec  # torch-free
+    from meshrun.launcher.contract.spec import read_run_spec  # torch-free
 
     if not job_of(environ):
         return

@@ -1,7 +1,7 @@
 """The `local` cluster's node side: what sbatch + srun are on Slurm. Torch-free.
 
 `meshrun submit -c local` runs the rendered run.sh detached, in a new session, with
-MESHRUN_JOB_ID set; run.sh execs `python -m launcher.supervisor RUN_DIR`. The
+MESHRUN_JOB_ID set; run.sh execs `python -m meshrun.launcher.supervisor RUN_DIR`. The
 supervisor starts the ranks through submitit's LocalExecutor (which gives each rank a
 Slurm-like environment), enforces the time limit, stops every rank when one fails
 (Slurm's --kill-on-bad-exit), and records the job's outcome in its own state file,
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from launcher.contract import ckptdir, finish, goodput, procs
-from launcher.contract import lost as lost_checkpoints
-from launcher.contract.exitcodes import (
+from meshrun.launcher.contract import ckptdir, finish, goodput, procs
+from meshrun.launcher.contract import lost as lost_checkpoints
+from meshrun.launcher.contract.exitcodes import (
     EXIT_DIVERGED,
     EXIT_FAILED,
     EXIT_GAVE_UP,
@@ -33,12 +33,12 @@ from launcher.contract.exitcodes import (
     NOT_REQUEUED,
     diverged_fix,
 )
-from launcher.contract.private import make_private_dir, private_umask
-from launcher.contract.rundir import JOB_ID_ENV, RunDir, local_state_path, merge_state, node_name, read_state
-from launcher.contract.secrets import remove_dir, secrets_dir_for
-from launcher.job import RESTART_COUNT_ENV
-from launcher.report import reported_step
-from launcher.requeue import crash_loop, programs_own
+from meshrun.launcher.contract.private import make_private_dir, private_umask
+from meshrun.launcher.contract.rundir import JOB_ID_ENV, RunDir, local_state_path, merge_state, node_name, read_state
+from meshrun.launcher.contract.secrets import remove_dir, secrets_dir_for
+from meshrun.launcher.job import RESTART_COUNT_ENV
+from meshrun.launcher.report import reported_step
+from meshrun.launcher.requeue import crash_loop, programs_own
 
 STOP_GRACE_S = 60
 """How long ranks may take to save and exit after a cancel or the time limit before they are killed."""
@@ -56,7 +56,7 @@ waves a SIGTERM through until the rank's own handler is in place) must not miss 
 def rank_main(run_dir: str) -> int:
     """One rank, run by submitit's worker: output to logs/rank-N.log for the rank's life only
     (submitit's own closing lines stay in its file, not in the log a person reads)."""
-    from launcher.entry import run_rank  # torch-free at import
+    from meshrun.launcher.entry import run_rank  # torch-free at import
 
     rank = int(os.environ.get("SUBMITIT_LOCAL_GLOBALID", "0"))
     with _output_to(RunDir(run_dir).rank_log(rank)):
@@ -102,7 +102,7 @@ def _group_members() -> list[int]:
 
 def _signal_found(pids: Iterator[int], sig: int, skip: Optional[set[procs.Identity]] = None) -> None:
     """Signal processes a /proc scan found: each identity is taken as it is found and checked at the signal
-    (launcher.contract.procs), so a process that exits meanwhile never passes its signal to a reuse of its pid.
+    (meshrun.launcher.contract.procs), so a process that exits meanwhile never passes its signal to a reuse of its pid.
     Those in `skip` are left alone; each one signalled is added to it."""
     found = [identity for identity in map(procs.process_identity, pids) if identity is not None]
     for identity in found:
@@ -166,7 +166,7 @@ class _Stop:
 
 class Supervisor:
     def __init__(self, run_dir: Path, job_id: str) -> None:
-        from launcher.contract.spec import read_run_spec  # torch-free
+        from meshrun.launcher.contract.spec import read_run_spec  # torch-free
 
         self.run_dir = RunDir(str(run_dir))
         self.job_id = job_id
@@ -185,7 +185,7 @@ class Supervisor:
     def _executor(self) -> tuple[Any, int]:
         import math
 
-        from launcher.controller import PRELOAD_ENV, TRAINER_PRELOAD, RecordingExecutor
+        from meshrun.launcher.controller import PRELOAD_ENV, TRAINER_PRELOAD, RecordingExecutor
 
         job = self.spec.job
         if job.command is None:  # the built-in trainer: its ranks are forked with torch already imported
@@ -267,7 +267,7 @@ class Supervisor:
     def _failed_rank(job: Any) -> Optional[int]:
         """The first rank that ended with an error or a failing exit code (75 is a clean stop), or that its
         controller saw end so (a rank killed by a signal leaves no result file)."""
-        from launcher import controller
+        from meshrun.launcher import controller
 
         returned = _returned(job)
         died = controller.first_death(controller.read_ends(job.paths.folder, job.job_id), CLEAN_CODES, returned)
@@ -338,7 +338,7 @@ class Supervisor:
         if self.spec.job.command is not None:
             code, own = programs_own(str(self.run_dir.root), code)
             message = f"{message} ({own})" if own else message
-            # The batch script's crash-loop rule (launcher.requeue): nothing requeues here, but a second
+            # The batch script's crash-loop rule (meshrun.launcher.requeue): nothing requeues here, but a second
             # failure in a row without progress says so, with the same exit code.
             clean = final != "FAILED" or stopped in ("CANCELLED", "TIMEOUT") or code in NOT_REQUEUED
             if (gave_up := crash_loop(self.run_dir.root, failed=not clean)) is not None and not clean:
@@ -347,7 +347,7 @@ class Supervisor:
 
     def _finished_at_its_stop(self, codes: Optional[list[int]]) -> bool:
         """A `command:` job whose ranks all exited 0 after the time limit's stop and that said it finished
-        (launcher.job.finished, or its command_steps reported): a finish, not a stop (launcher/contract/finish.py)."""
+        (meshrun.launcher.job.finished, or its command_steps reported): a finish, not a stop (launcher/contract/finish.py)."""
         if self.spec.job.command is None or not codes or any(codes):
             return False
         root = str(self.run_dir.root)
@@ -396,7 +396,7 @@ def first_death(job: Any, rank_error: str) -> str:
     """The first rank that ended badly, and how (its controller saw it), before the first rank error when
     another rank wrote it: a rank killed by a signal writes nothing, and its peers' errors ("connection
     closed by peer") would be all there is to read. "" when no end was recorded or that rank said why itself."""
-    from launcher import controller, rankends
+    from meshrun.launcher import controller, rankends
 
     first = controller.first_death(controller.read_ends(job.paths.folder, job.job_id), CLEAN_CODES, _returned(job))
     if first is None or rank_error.startswith(f"rank {first['rank']}:"):
@@ -425,11 +425,13 @@ def earlier_runs(run_dir: str, job_id: str) -> int:
 
 
 def start_sidecar(run_dir: str, gpus_per_node: int) -> Optional[subprocess.Popen[bytes]]:
-    """The job's sidecar (launcher.sidecar: metrics, the env record), in this process group so nothing
+    """The job's sidecar (meshrun.launcher.sidecar: metrics, the env record), in this process group so nothing
     outlives the job; it sees the GPUs submitit gives the ranks. It never fails the job: None if it cannot start."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(gpus_per_node)))
     try:
-        return subprocess.Popen([sys.executable, "-m", "launcher.sidecar", run_dir], env=env, stdin=subprocess.DEVNULL)
+        return subprocess.Popen(
+            [sys.executable, "-m", "meshrun.launcher.sidecar", run_dir], env=env, stdin=subprocess.DEVNULL
+        )
     except OSError as exc:
         print(f"[meshrun] no sidecar: {exc}", flush=True)
         return None
@@ -458,7 +460,7 @@ def stop_sidecar(proc: Optional[subprocess.Popen[bytes]], timeout_s: float = SID
 def _stop_keeperless_sidecar(timeout_s: float) -> None:
     """Its keeper was killed, but the sidecar itself may live on (it carries on alone while the ranks run):
     it too gets its USR2 and its time for the last copies, before the group's SIGKILL ends everything."""
-    sidecars = [pid for pid in _group_members() if b"launcher.sidecar" in _cmdline(pid).split(b"\0")]
+    sidecars = [pid for pid in _group_members() if b"meshrun.launcher.sidecar" in _cmdline(pid).split(b"\0")]
     _signal_found(iter(sidecars), signal.SIGUSR2)  # members of this process group, found just now
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and any(pid in sidecars for pid in _group_members()):
@@ -516,7 +518,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     job_id = os.environ.get(JOB_ID_ENV, "")
     if len(argv) != 1 or not job_id:
-        print(f"usage: {JOB_ID_ENV}=ID python -m launcher.supervisor RUN_DIR", file=sys.stderr)
+        print(f"usage: {JOB_ID_ENV}=ID python -m meshrun.launcher.supervisor RUN_DIR", file=sys.stderr)
         return EXIT_INPUT
     run_dir = Path(argv[0])
     private_umask()  # the ranks (submitit's workers) and the sidecar inherit it: DCP's shards, TensorBoard's files

@@ -12,7 +12,7 @@ __all__ = ["installed_version"]
 
 def __getattr__(name: str) -> Any:
     # Lazily: `status`, `cancel` and `logs` never ask for the version (launcher/__init__.py does the same).
-    from launcher.contract.version import installed_version
+    from meshrun.launcher.contract.version import installed_version
 
     if name == "installed_version":
         return installed_version

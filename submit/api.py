@@ -19,10 +19,10 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
-from launcher.contract.private import private_umask_while
-from launcher.contract.suspects import LEDGER, Finding, suspects
-from launcher.contract.suspects import parse as parse_suspects
-from submit.config.cluster import (
+from meshrun.launcher.contract.private import private_umask_while
+from meshrun.launcher.contract.suspects import LEDGER, Finding, suspects
+from meshrun.launcher.contract.suspects import parse as parse_suspects
+from meshrun.submit.config.cluster import (
     ClusterProfile,
     check_node_names,
     is_profile_path,
@@ -30,30 +30,30 @@ from submit.config.cluster import (
     load_profile_file,
     profile_path,
 )
-from submit.errors import ClusterError, InputError
-from submit.jobs import suspects as job_suspects
-from submit.planning.soonest import Candidate, Choice, choose, soonest, wait_seconds
-from submit.schedulers import backend, check_profile
-from submit.schedulers.base import Request
-from submit.transport import connect
-from submit.transport.base import Progress, Transport, batch
+from meshrun.submit.errors import ClusterError, InputError
+from meshrun.submit.jobs import suspects as job_suspects
+from meshrun.submit.planning.soonest import Candidate, Choice, choose, soonest, wait_seconds
+from meshrun.submit.schedulers import backend, check_profile
+from meshrun.submit.schedulers.base import Request
+from meshrun.submit.transport import connect
+from meshrun.submit.transport.base import Progress, Transport, batch
 
 if TYPE_CHECKING:
-    from launcher.contract.spec import JobSpec, RunSpec
-    from submit.core import status as job_status
-    from submit.core.plan import Plan
-    from submit.core.registry import JobRecord, Registry
-    from submit.core.status import METRICS_FILE, Status, last_metrics
-    from submit.schedulers.preflight import Preflight
-    from submit.transport import snapshot as snapshots
+    from meshrun.launcher.contract.spec import JobSpec, RunSpec
+    from meshrun.submit.core import status as job_status
+    from meshrun.submit.core.plan import Plan
+    from meshrun.submit.core.registry import JobRecord, Registry
+    from meshrun.submit.core.status import METRICS_FILE, Status, last_metrics
+    from meshrun.submit.schedulers.preflight import Preflight
+    from meshrun.submit.transport import snapshot as snapshots
 
 # Served by the module's __getattr__, imported when first asked for: `executor` (with submitit), and the
 # status module's names (`render` and `submit` read no status: with the Slurm backend's, ~3.5 ms of their start-up).
 _LAZY = {
-    "executor": "submit.executor",
-    "METRICS_FILE": "submit.core.status",
-    "Status": "submit.core.status",
-    "last_metrics": "submit.core.status",
+    "executor": "meshrun.submit.executor",
+    "METRICS_FILE": "meshrun.submit.core.status",
+    "Status": "meshrun.submit.core.status",
+    "last_metrics": "meshrun.submit.core.status",
 }
 __all__ = [
     "Candidate",
@@ -97,7 +97,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """`from submit.api import executor` (the submitit API), `Status`, ...: _LAZY's names, imported when asked for."""
+    """`from meshrun.submit.api import executor` (the submitit API), `Status`, ...: _LAZY's names, imported when asked for."""
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -119,7 +119,7 @@ def with_code_dir(
     seal it checks; `name`: the copy the probe found, when `code/<digest>` itself changed), or, for
     a backend that runs this machine's files in place, `in_place` (the project's folder), so that a
     command's relative paths (`python3 examples/x.py`) resolve as they do on Slurm."""
-    from submit.transport import snapshot as snapshots
+    from meshrun.submit.transport import snapshot as snapshots
 
     if not backend(plan.cluster.scheduler).ships_code:
         return dataclasses.replace(plan, code_dir=in_place) if in_place else plan
@@ -145,7 +145,7 @@ def sync_code(
     present: Optional[bool] = None,
 ) -> bool:
     """Put the plan's code snapshot on the cluster if it is not there yet; True if it was uploaded."""
-    from submit.transport import snapshot as snapshots
+    from meshrun.submit.transport import snapshot as snapshots
 
     if snap is None or plan.code_dir is None:
         return False
@@ -161,7 +161,7 @@ def schedule(
     profile_path: Optional[str] = None,
 ) -> list[JobRecord]:
     """Send exactly `request`, then record the job (one record per sweep task)."""
-    from submit.core.registry import JobRecord, now
+    from meshrun.submit.core.registry import JobRecord, now
 
     with private_umask_while():  # a library caller's umask is theirs: what this writes and starts is private
         job_id = backend(request.scheduler).schedule(request, transport)
@@ -199,7 +199,7 @@ def trust(profile: ClusterProfile, cluster: str, fingerprint: Union[None, str, S
     """`meshrun trust CLUSTER`: show the profile's host key and record it, on the user's word only."""
     if profile.ssh is None:  # is_local, said so that the type checker sees it
         raise InputError("CLUSTER", cluster, "this profile has no `ssh:` section: there is no host to trust")
-    from submit.transport.trust import trust as record_host_key  # paramiko, only for this verb
+    from meshrun.submit.transport.trust import trust as record_host_key  # paramiko, only for this verb
 
     record_host_key(profile.ssh, cluster, fingerprint, replace)
 
@@ -224,7 +224,7 @@ def is_local(profile: ClusterProfile) -> bool:
 def home_for(profile: ClusterProfile) -> str:
     """The home that `~` in the profile's paths means: this machine's, or (over SSH) a placeholder
     that `prepare` resolves once the login node has said its own."""
-    from submit.planning.plan import REMOTE_HOME
+    from meshrun.submit.planning.plan import REMOTE_HOME
 
     return os.path.expanduser("~") if is_local(profile) else REMOTE_HOME
 
@@ -250,7 +250,7 @@ def clear_suspects(profile: ClusterProfile, transport: Transport, nodes: Sequenc
 
 def cluster_work_dir(profile: ClusterProfile, transport: Transport) -> str:
     """The profile's work dir on the cluster, `~` as the cluster user's home."""
-    from submit.planning.plan import expand_home
+    from meshrun.submit.planning.plan import expand_home
 
     return expand_home(profile.paths.work_dir, transport.home()).rstrip("/")
 
@@ -272,7 +272,7 @@ def poll_interval(scheduler: str, elapsed: float) -> float:
 
 def check_dependencies(after: Sequence[str], scheduler: str) -> None:
     """`--after JOB`: ids Slurm takes, on a scheduler that has dependencies (InputError otherwise)."""
-    from submit.schedulers.slurm_cli import dependency
+    from meshrun.submit.schedulers.slurm_cli import dependency
 
     if after and not backend(scheduler).supports_dependencies:  # first: a local id is no Slurm id either
         raise InputError("--after", after[0], f"dependencies are Slurm's; the {scheduler} cluster has none")
@@ -293,12 +293,12 @@ def plan_job(
 ) -> Plan:
     """Load, validate and resolve the job (a job array with `sweep`), its scheduler's own checks included:
     every input error surfaces here, before any connection. `home`: the one `~` means (default home_for)."""
-    from submit.planning.plan import plan_file
+    from meshrun.submit.planning.plan import plan_file
 
     scheduler = backend(profile.scheduler)
     home = home or home_for(profile)
     if sweep:
-        from submit.planning.sweep import plan_sweep
+        from meshrun.submit.planning.sweep import plan_sweep
 
         if not scheduler.supports_arrays:
             raise InputError(
@@ -313,7 +313,7 @@ def plan_job(
 
 def plan_spec(spec: JobSpec, submitted: dict[str, Any], profile: ClusterProfile, home: Optional[str] = None) -> Plan:
     """A job given as a spec, not a file (`meshrun doctor`'s preflight), planned as plan_job plans one."""
-    from submit.planning.plan import make_plan
+    from meshrun.submit.planning.plan import make_plan
 
     home = home or home_for(profile)
     return make_plan(spec, submitted, profile, home=home, scheduler_check=backend(profile.scheduler).check)
@@ -323,7 +323,7 @@ def check_job(plan: Plan, force: bool = False) -> None:
     """Before any connection: the files the job reads where this machine sees them as the ranks will (the
     local cluster, a login node; over SSH the ranks check theirs when they start), and, unless `force`, that
     a GPU job fits its partition's memory (InputError)."""
-    from submit.planning.plan import check_files, check_fit
+    from meshrun.submit.planning.plan import check_files, check_fit
 
     if is_local(plan.cluster):
         check_files(plan)
@@ -333,8 +333,8 @@ def check_job(plan: Plan, force: bool = False) -> None:
 
 def resolve_home(plan: Plan, transport: Transport) -> Plan:
     """The plan with the cluster's own home for `~` (one command over SSH; nothing to ask locally)."""
-    from submit.planning.plan import with_home
-    from submit.transport import snapshot as snapshots
+    from meshrun.submit.planning.plan import with_home
+    from meshrun.submit.transport import snapshot as snapshots
 
     return plan if is_local(plan.cluster) else with_home(plan, snapshots.remote_home(transport))
 
@@ -359,7 +359,7 @@ class Prepared:
 def with_prediction(plan: Plan) -> Plan:
     """The plan whose run spec carries its step time and memory (RunInfo.prediction), for rank 0 to check the run
     against (launcher/train/plancheck.py); unchanged where the planner cannot time the job."""
-    from submit.planning.recommend import predicted
+    from meshrun.submit.planning.recommend import predicted
 
     def carrying(spec: RunSpec) -> RunSpec:  # an array's tasks each time their own spec
         found = predicted(spec.job, plan.cluster, plan.partition)
@@ -382,8 +382,8 @@ def prepare(
     (a dry run on this machine) nothing is asked. `read_only` (render): nothing is written on the cluster.
     `memo`: the code snapshot and the probe's answer kept for the next job prepared over the same connection
     (`-c any` prepares one per partition)."""
-    from submit.planning.plan import avoid_suspects, with_home
-    from submit.transport import snapshot as snapshots
+    from meshrun.submit.planning.plan import avoid_suspects, with_home
+    from meshrun.submit.transport import snapshot as snapshots
 
     ships_code = backend(plan.cluster.scheduler).ships_code
     memo = memo if memo is not None else {}
@@ -431,7 +431,7 @@ def preflight(prepared: Prepared, transport: Transport) -> Preflight:
     """What would end the job in its first second, asked of the cluster in one round trip before it queues
     (submit/schedulers/preflight.py): Slurm's verdict and start estimate, the files the ranks read, the
     interpreter after the profile's setup lines, free space for the checkpoints."""
-    from submit.schedulers import preflight as checks
+    from meshrun.submit.schedulers import preflight as checks
 
     local = not reaches_other_machines(prepared.plan.cluster.scheduler)
     # Where check_job read the data files here (this machine sees them as the ranks will), once is enough.
@@ -447,7 +447,7 @@ ANY_CLUSTER = "any"
 def clusters_asked(cluster: str) -> Optional[list[str]]:
     """`-c any` or `-c a,b,c`: the profiles a submit chooses among (in the order given); None for one cluster."""
     if cluster == ANY_CLUSTER:
-        from submit.config.cluster import user_dir
+        from meshrun.submit.config.cluster import user_dir
 
         names = sorted(path.stem for path in user_dir().glob("*.yaml")) if user_dir().is_dir() else []
         if not names:
@@ -532,7 +532,7 @@ def login_node(profile: ClusterProfile) -> tuple[str, ...]:
     it) its ssh section resolves to. Profiles with the same login node are asked over one connection."""
     if profile.ssh is None:
         return ("this machine",)
-    from submit.transport.sshconfig import Target, resolve
+    from meshrun.submit.transport.sshconfig import Target, resolve
 
     try:
         target: Optional[Target] = resolve(profile.ssh)
@@ -572,8 +572,8 @@ def _preflights(ready: Sequence[tuple[int, _Asked, Prepared]], transport: Transp
     is asked once: the same command (a profile's interpreter check), or the same request to Slurm (profiles that
     differ only in what Slurm does not schedule by). Each Slurm estimate comes with the login node's clock, read
     just before it, and the partition's idle nodes."""
-    from submit.schedulers import preflight as checks
-    from submit.schedulers.slurm import CLOCK_ARGV, free_nodes, free_nodes_argv, scheduled_by
+    from meshrun.submit.schedulers import preflight as checks
+    from meshrun.submit.schedulers.slurm import CLOCK_ARGV, free_nodes, free_nodes_argv, scheduled_by
 
     argvs: list[Sequence[str]] = []
     seen: dict[tuple[str, ...], int] = {}
@@ -612,7 +612,7 @@ def _preflights(ready: Sequence[tuple[int, _Asked, Prepared]], transport: Transp
 
 def _preflight_commands(prepared: Prepared) -> list[tuple[str, list[str]]]:
     """The preflight's (check, argv) for a prepared job, as `preflight` asks them."""
-    from submit.schedulers import preflight as checks
+    from meshrun.submit.schedulers import preflight as checks
 
     plan = prepared.plan
     local = not reaches_other_machines(plan.cluster.scheduler)
@@ -621,7 +621,7 @@ def _preflight_commands(prepared: Prepared) -> list[tuple[str, list[str]]]:
 
 def _timed(candidate: Candidate, plan: Plan) -> Candidate:
     """The candidate with the planner's step time on its partition (built-in trainer jobs only)."""
-    from submit.planning.recommend import estimated_step
+    from meshrun.submit.planning.recommend import estimated_step
 
     if plan.spec.command is not None or plan.partition is None:
         return candidate
@@ -775,7 +775,7 @@ def statuses(
     """The status of each record, in order: one round trip per cluster, each asked of the record's scheduler
     backend (submit/core/status.py's statuses; `warn` (default: a warning line on stderr), `detail` and `live`
     as there)."""
-    from submit.core import status as job_status
+    from meshrun.submit.core import status as job_status
 
     to = warn if warn is not None else job_status.warn_to_stderr
     return job_status.statuses(records, clusters, backend, registry, to, detail, live)
@@ -786,7 +786,7 @@ def resume(
 ) -> JobRecord:
     """`meshrun resume`: the ended job (`status`: its status now) started again in its run dir by its own
     scheduler backend (submit/jobs/checkpoints.py's resume); the new job's record."""
-    from submit.jobs.checkpoints import resume as restart_job
+    from meshrun.submit.jobs.checkpoints import resume as restart_job
 
     restart = backend(record.scheduler).restart
     return restart_job(record, transport, registry, status.state, status.done, restart, overrides)

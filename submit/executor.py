@@ -1,6 +1,6 @@
 """The submitit Python API on the login node: a cluster profile turned into a configured submitit executor.
 
-    from submit.api import executor
+    from meshrun.submit.api import executor
     ex = executor("testbed", nodes=2, tasks_per_node=2, time="00:10:00")
     job = ex.submit(fn, 1, 2)
     job.result()
@@ -35,18 +35,18 @@ from submitit.core import core, utils
 from submitit.local.local import LocalExecutor
 from submitit.slurm.slurm import SlurmExecutor
 
-from launcher.contract import schema
-from launcher.contract.private import make_private_dir, private_umask_while
-from launcher.contract.rundir import RunDir
-from launcher.contract.spec import Resources
-from submit.config.cluster import ClusterProfile, Partition, load_profile_file, profile_path
-from submit.core.plan import parse_time
-from submit.core.registry import JobRecord, Registry, now
-from submit.errors import InputError
-from submit.planning.plan import fit_partition
-from submit.schedulers import backend, check_profile
+from meshrun.launcher.contract import schema
+from meshrun.launcher.contract.private import make_private_dir, private_umask_while
+from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.spec import Resources
+from meshrun.submit.config.cluster import ClusterProfile, Partition, load_profile_file, profile_path
+from meshrun.submit.core.plan import parse_time
+from meshrun.submit.core.registry import JobRecord, Registry, now
+from meshrun.submit.errors import InputError
+from meshrun.submit.planning.plan import fit_partition
+from meshrun.submit.schedulers import backend, check_profile
 
-WORKER_MODULE = "launcher.submitit_worker"
+WORKER_MODULE = "meshrun.launcher.submitit_worker"
 """What each task of a Slurm job runs (`python -u -m WORKER_MODULE FOLDER`): submitit's worker, one fix added."""
 
 __all__ = ["MeshrunLocalExecutor", "MeshrunSlurmExecutor", "Resources", "executor", "setup_lines"]

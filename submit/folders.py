@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from launcher.contract.private import make_private_dir
+from meshrun.launcher.contract.private import make_private_dir
 
 
 def _base(variable: str, default: str) -> Path:

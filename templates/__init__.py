@@ -1,1 +1,1 @@
-"""Batch-script templates (Jinja2), installed as the data package `submit.templates` (see submit/config/resources.py)."""
+"""Batch-script templates (Jinja2), installed as the data package `meshrun.templates` (see submit/config/resources.py)."""

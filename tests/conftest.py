@@ -19,7 +19,7 @@ from typing import Iterator
 
 import pytest
 
-from launcher.contract import suspects
+from meshrun.launcher.contract import suspects
 from tests import hygiene, xdistgroups
 from tests.testbed import health
 from tests.testbed import testbed as tb
@@ -100,7 +100,7 @@ def default_corpus() -> Path:
     """The examples' token file (data.path's default, ~/.cache/meshrun/data/stdlib.u16), built as README's
     quick start builds it when this machine has none yet: a submit of an example as shipped (a dry run
     too) refuses a missing token file."""
-    from launcher.data.corpus import build_corpus
+    from meshrun.launcher.data.corpus import build_corpus
 
     path = Path("~/.cache/meshrun/data/stdlib.u16").expanduser()
     if not path.is_file():
@@ -137,7 +137,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """~180k byte tokens from the stdlib's logging package: small, stable, on every machine."""
     import sysconfig
 
-    from launcher.data.corpus import build_corpus
+    from meshrun.launcher.data.corpus import build_corpus
 
     out = tmp_path_factory.mktemp("corpus") / "logging.u16"
     build_corpus(out, roots=[Path(sysconfig.get_paths()["stdlib"]) / "logging"])

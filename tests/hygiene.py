@@ -3,7 +3,7 @@ environment, so that (1) a session refuses to start beside processes an earlier,
 checkout left running (a TensorBoard server, a rank, a supervisor), naming them, and (2) a session stops what
 its own tests left running when it ends, interrupted or not.
 
-The mark is MESHRUN_TEST_SESSION=PID:START (the pytest process, launcher.contract.procs' exact start time) with
+The mark is MESHRUN_TEST_SESSION=PID:START (the pytest process, meshrun.launcher.contract.procs' exact start time) with
 MESHRUN_TEST_CHECKOUT=<repo root>. A process is a stray only when its session is gone: processes of a live
 session (another person's run of the same checkout on this machine) are never named, let alone signalled.
 Processes under a slurmstepd are the testbed's jobs: the testbed clears those itself (tests/testbed/health.py).
@@ -19,7 +19,7 @@ from typing import Optional
 
 import psutil
 
-from launcher.contract import procs
+from meshrun.launcher.contract import procs
 
 SESSION_ENV = "MESHRUN_TEST_SESSION"
 CHECKOUT_ENV = "MESHRUN_TEST_CHECKOUT"

@@ -19,17 +19,17 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-from launcher.checkpoint import commit as ckpt
-from launcher.checkpoint import resume
-from launcher.checkpoint.commit import Checkpointer
-from launcher.contract import ckptdir
-from launcher.contract.rundir import RunDir, attempt_id, note_checkpoint
-from launcher.contract.schema import to_plain
-from launcher.contract.spec import RunSpec
-from launcher.env import RankEnv
-from launcher.train import initweights
-from launcher.train.metrics import MetricsLog
-from launcher.train.trainer import Trainer
+from meshrun.launcher.checkpoint import commit as ckpt
+from meshrun.launcher.checkpoint import resume
+from meshrun.launcher.checkpoint.commit import Checkpointer
+from meshrun.launcher.contract import ckptdir
+from meshrun.launcher.contract.rundir import RunDir, attempt_id, note_checkpoint
+from meshrun.launcher.contract.schema import to_plain
+from meshrun.launcher.contract.spec import RunSpec
+from meshrun.launcher.env import RankEnv
+from meshrun.launcher.train import initweights
+from meshrun.launcher.train.metrics import MetricsLog
+from meshrun.launcher.train.trainer import Trainer
 
 SHARED_LOOKUP_S = 5.0
 """How often rank 0 lists shared storage for the newest complete checkpoint when saves are staged on scratch."""

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from launcher.contract import ckptdir, private
-from launcher.contract.rundir import ATTEMPTS_FILE
+from meshrun.launcher.contract import ckptdir, private
+from meshrun.launcher.contract.rundir import ATTEMPTS_FILE
 
 MAX_ATTEMPTS = 2
 SCRATCH = "scratch"

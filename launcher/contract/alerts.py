@@ -17,8 +17,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
-from launcher.contract.private import make_private_dir
-from launcher.contract.rundir import job_of
+from meshrun.launcher.contract.private import make_private_dir
+from meshrun.launcher.contract.rundir import job_of
 
 RULES = (
     "nonfinite_loss",

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from launcher.contract import private
+from meshrun.launcher.contract import private
 
 MARKER = "meshrun-complete.json"
 VAL_LOSS = "val_loss"

@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
-from launcher.contract import dskeys
-from launcher.contract.schema import SchemaError, closest
+from meshrun.launcher.contract import dskeys
+from meshrun.launcher.contract.schema import SchemaError, closest
 
 if TYPE_CHECKING:
-    from launcher.contract.spec import JobSpec
+    from meshrun.launcher.contract.spec import JobSpec
 
 DEFAULT_ZERO = 2
 """The ZeRO stage when parallel.zero is unset (gradients and optimizer state sharded)."""

@@ -12,7 +12,7 @@ import json
 import os
 from typing import Any, Iterable, Mapping, Optional
 
-from launcher.contract.nodelist import compress
+from meshrun.launcher.contract.nodelist import compress
 
 COMPARED = ("driver", "cuda", "torch", "nccl", "meshrun", "python")
 """Versions that must agree between the nodes of one run (a mismatch is a warning)."""

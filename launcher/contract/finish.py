@@ -6,12 +6,12 @@ limit's warning that exit is not a finished job: taken for one, the job would en
 lost. So once meshrun has passed on a stop, an exit 0 counts as a finish only when the program said so:
 
 - the built-in trainer: its agreed exit code is 0 only when it trained its last step (`train.steps`);
-- a `command:` job: it called `launcher.job.finished()` in this start (rank 0 writes RUN_DIR/.meshrun/
-  finished.json naming the start), or it reported (launcher.report) the step the spec declares as its last
+- a `command:` job: it called `meshrun.launcher.job.finished()` in this start (rank 0 writes RUN_DIR/.meshrun/
+  finished.json naming the start), or it reported (meshrun.launcher.report) the step the spec declares as its last
   (`command_steps`).
 
 Anything else is a stop: requeued as a saved stop (exit 75) under the usual policy, and said as "stopped by
-preemption at step N". The batch script (launcher.requeue) and the local supervisor both ask here.
+preemption at step N". The batch script (meshrun.launcher.requeue) and the local supervisor both ask here.
 """
 
 from __future__ import annotations
@@ -20,19 +20,19 @@ import os
 import time
 from typing import Mapping, Optional
 
-from launcher.contract.rundir import RunDir, attempt_id, read_state, write_json
+from meshrun.launcher.contract.rundir import RunDir, attempt_id, read_state, write_json
 
 PREEMPTION = "preemption"
 TIME_LIMIT = "time-limit"
 CANCEL = "cancel"
 STOP_KINDS = (PREEMPTION, TIME_LIMIT, CANCEL)
-"""What the stop meshrun passed on was: the words the batch script hands launcher.requeue (--stop-requested=KIND)."""
+"""What the stop meshrun passed on was: the words the batch script hands meshrun.launcher.requeue (--stop-requested=KIND)."""
 
 _SAID = {PREEMPTION: "by preemption", TIME_LIMIT: "at the time limit", CANCEL: "by a cancel"}
 
 
 def declare(run_dir: str, step: Optional[int], environ: Mapping[str, str] = os.environ) -> None:
-    """The program finished its work in this start (launcher.job.finished: rank 0 calls it)."""
+    """The program finished its work in this start (meshrun.launcher.job.finished: rank 0 calls it)."""
     write_json(RunDir(run_dir).finished, {"attempt": attempt_id(environ), "step": step, "time": time.time()})
 
 
@@ -55,13 +55,13 @@ def stopped(kind: str, step: Optional[int]) -> str:
 def said_finished(
     run_dir: str, reported: Optional[int], last_step: Optional[int], environ: Mapping[str, str] = os.environ
 ) -> bool:
-    """Whether a `command:` job's program said it finished: launcher.job.finished in this start, or its declared
+    """Whether a `command:` job's program said it finished: meshrun.launcher.job.finished in this start, or its declared
     last step reported. The one test the batch host's policy and the local supervisor apply."""
     return declared(run_dir, environ) or reached(reported, last_step)
 
 
 WHY_A_STOP = (
-    "the program exited 0 after the stop signal without saying it finished (launcher.job.finished(), or "
+    "the program exited 0 after the stop signal without saying it finished (meshrun.launcher.job.finished(), or "
     "command_steps reported), so it is a stop, not a finish"
 )
 """What the batch log adds to `stopped(...)` when a `command:` job's exit 0 is taken for a stop."""

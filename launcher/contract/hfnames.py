@@ -12,11 +12,11 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
-from launcher.contract.modelshape import ffn_hidden, kv_dim
-from launcher.contract.spec import Model
+from meshrun.launcher.contract.modelshape import ffn_hidden, kv_dim
+from meshrun.launcher.contract.spec import Model
 
 RMS_NORM_EPS = 1e-5
-"""launcher.train.model.RMSNorm's eps (config.json's rms_norm_eps)."""
+"""meshrun.launcher.train.model.RMSNorm's eps (config.json's rms_norm_eps)."""
 
 _BLOCK = {
     "attention_norm.weight": "input_layernorm.weight",

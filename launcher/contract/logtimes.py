@@ -13,8 +13,8 @@ import bisect
 import os
 from typing import Optional, Sequence
 
-from launcher.contract.private import append_line
-from launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.private import append_line
+from meshrun.launcher.contract.rundir import RunDir
 
 SAMPLE_S = 1.0
 """How often the sidecar samples: the merged view orders lines to this."""

@@ -25,13 +25,13 @@ usually lives on a cluster, not on the machine that names it.
       health.json            the health gate's verdict on this start: failing nodes, what was done (launcher/gate.py)
       tasks/N/               a sweep task's own run dir (same layout)
       .meshrun/              scheduler internals: local state, submitit's files, the lock
-        pylib/launcher       a link to meshrun's launcher package, on a command job's PYTHONPATH
+        pylib/meshrun/launcher  a link to meshrun's launcher package, on a command job's PYTHONPATH
         nodes/NODE/          a node's own files when the cluster has no node-local scratch (see NodeDir),
                              among them progress/rank-N.json, every rank's heartbeat {"rank", "step", "phase", "time"}
         steptimes/NODE.json  each node's sidecar: its ranks' recent step and busy times (straggler input)
         last-beats/NODE.json each node's ranks' last heartbeats when its sidecar stopped
         reported-step.json   rank 0's highest step given to report(): a command job's progress
-        requeue.json         the requeue policy's count of failed runs without progress (launcher.requeue)
+        requeue.json         the requeue policy's count of failed runs without progress (meshrun.launcher.requeue)
         attempts.jsonl       each start and end of the job's allocation (the batch shell, the local supervisor)
         goodput/JOB.json     where the job's allocated time went (launcher/contract/goodput.py)
         energy/JOB.NODE.json what NODE's sidecar measured of the job's energy (launcher/contract/energy.py)
@@ -51,12 +51,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from launcher.contract.private import make_private_dir
+from meshrun.launcher.contract.private import make_private_dir
 
 JOB_ID_ENV = "MESHRUN_JOB_ID"
 """Set by the local backend for its supervisor: which job id's state file it writes."""
 NODE_DIR_ENV = "MESHRUN_NODE_DIR"
-"""Set for every rank (launcher.entry): this node's NodeDir, where its heartbeat and stack dump go."""
+"""Set for every rank (meshrun.launcher.entry): this node's NodeDir, where its heartbeat and stack dump go."""
 ATTEMPTS_FILE = "resume-attempts.json"
 """The crash-loop guard's counts, beside the checkpoints (in the checkpoint dir, not the run dir)."""
 
@@ -241,13 +241,13 @@ class RunDir:
     @property
     def finished(self) -> str:
         """{"attempt", "step", "time"}: a `command:` job's program said it finished in that start
-        (launcher.job.finished): its exit 0 after a stop signal is a finish, not a stop (launcher/contract/finish.py)."""
+        (meshrun.launcher.job.finished): its exit 0 after a stop signal is a finish, not a stop (launcher/contract/finish.py)."""
         return self.path(self.INTERNAL, "finished.json")
 
     @property
     def last_checkpoint(self) -> str:
         """{"step", "job", "time"}: the newest checkpoint made complete on shared storage, written by what made
-        it so (rank 0's commit, the sidecar's copier for a staged save, launcher.job's mark_complete): status's
+        it so (rank 0's commit, the sidecar's copier for a staged save, meshrun.launcher.job's mark_complete): status's
         CKPT, however many step lines the metrics log has appended since (`note_checkpoint`)."""
         return self.path(self.INTERNAL, "last-checkpoint.json")
 
@@ -267,7 +267,7 @@ class RunDir:
 
     @property
     def requeue_state(self) -> str:
-        """{"failures", "step"}: the requeue policy's memory across a command job's runs (launcher.requeue)."""
+        """{"failures", "step"}: the requeue policy's memory across a command job's runs (meshrun.launcher.requeue)."""
         return self.path(self.INTERNAL, "requeue.json")
 
     @property

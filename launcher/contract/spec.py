@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional
 
-from launcher.contract.parallel_dims import ParallelDims, Problem
-from launcher.contract.rundir import NodeDir, RunDir, expand_node_path, node_name
-from launcher.contract.schema import SchemaError, load, to_plain
-from launcher.contract.secrets import ENV_KEY, parse_secrets
+from meshrun.launcher.contract.parallel_dims import ParallelDims, Problem
+from meshrun.launcher.contract.rundir import NodeDir, RunDir, expand_node_path, node_name
+from meshrun.launcher.contract.schema import SchemaError, load, to_plain
+from meshrun.launcher.contract.secrets import ENV_KEY, parse_secrets
 
 SPEC_FILE = RunDir.SPEC
 
@@ -216,7 +216,7 @@ class Code:
 
 @dataclass(frozen=True)
 class Sidecar:
-    """The per-node sidecar (GPU and host metrics, the environment record): `python -m launcher.sidecar`."""
+    """The per-node sidecar (GPU and host metrics, the environment record): `python -m meshrun.launcher.sidecar`."""
 
     interval_s: float = 5.0
     """Seconds between samples (gpu.jsonl, TensorBoard); 0.1-3600. Shorter costs the ranks more CPU."""
@@ -411,8 +411,8 @@ class JobSpec:
     command: Optional[tuple[str, ...]] = None
     """Your own program as an argv list, run on every rank with torchrun-compatible variables."""
     command_steps: Optional[int] = None
-    """A `command:` job's last step, when it has one: once the program has reported it (launcher.report), an exit 0
-    is a finish even after a stop signal. Without it, or a call of launcher.job.finished(), an exit 0 after a
+    """A `command:` job's last step, when it has one: once the program has reported it (meshrun.launcher.report), an exit 0
+    is a finish even after a stop signal. Without it, or a call of meshrun.launcher.job.finished(), an exit 0 after a
     preemption or the time limit's warning is a stop and the job is requeued (frameworks leave their loop on
     SIGTERM and exit 0 with work left)."""
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
@@ -424,7 +424,7 @@ class JobSpec:
     secrets: Any = field(default_factory=dict)
     """Secret environment variables for every rank, by name: where each value comes from ({file: PATH} or
     {env: NAME}), never the value itself; set at rank start, written nowhere (launcher/contract/secrets.py). Loaded
-    as {NAME: SecretSource} by launcher.contract.secrets.parse_secrets, not by the schema (Any here): its errors would
+    as {NAME: SecretSource} by meshrun.launcher.contract.secrets.parse_secrets, not by the schema (Any here): its errors would
     echo a value written where a source belongs."""
     code: Code = field(default_factory=Code)
     """Which project files are shipped to the cluster with the job."""
@@ -466,7 +466,7 @@ class JobSpec:
             raise SchemaError(
                 "command_steps", self.command_steps, "give the step your program reports last (1 or more)"
             )
-        from launcher.contract import dsconfig  # here, not at the top: dsconfig reads JobSpec
+        from meshrun.launcher.contract import dsconfig  # here, not at the top: dsconfig reads JobSpec
 
         dsconfig.check(self)
 
@@ -554,10 +554,10 @@ class RunInfo:
     ("" in a spec.json written before meshrun recorded it)."""
     scratch_dir: str = ""
     """This run's folder on each node's local scratch (the profile's paths.scratch); "" when the cluster has
-    none. Each node uses SCRATCH_DIR/NODE (launcher.contract.rundir.RunDir.node_dir): checkpoints are staged there."""
+    none. Each node uses SCRATCH_DIR/NODE (meshrun.launcher.contract.rundir.RunDir.node_dir): checkpoints are staged there."""
     gpu_type: str = ""
     """The partition's GPU type from the cluster profile (h100, h200, ...): MFU is measured against its
-    peak (launcher.contract.gpus); "" when the profile names none (then the device's own name is looked up)."""
+    peak (meshrun.launcher.contract.gpus); "" when the profile names none (then the device's own name is looked up)."""
     suspects_file: str = ""
     """The cluster's ledger of suspect nodes (WORK_DIR/.meshrun/suspect-nodes.jsonl: launcher/contract/suspects.py),
     where a hang verdict records the nodes it blames ("" in a spec.json written before there was one)."""

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from launcher.contract.schema import SchemaError
-from launcher.contract.spec import Data, JobSpec
+from meshrun.launcher.contract.schema import SchemaError
+from meshrun.launcher.contract.spec import Data, JobSpec
 
 TOKEN_WIDTHS = {"uint16": 2, "uint32": 4}
 """The dtypes a token file may hold, and their bytes."""
@@ -248,7 +248,7 @@ def is_text(sample: Sample) -> bool:
 
 def sample_problem(sample: Sample, vocab: int) -> Optional[str]:
     """Why the file is not one of token ids of the model's `vocab` (0: the tokenizer's), said after its key and path;
-    None when its sample passes (the ranks check every id again: launcher.data.dataset)."""
+    None when its sample passes (the ranks check every id again: meshrun.launcher.data.dataset)."""
     if sample.container:
         return f"is {sample.container}, not token ids: unpack it, then {DATA_FIX}"
     if is_text(sample):
@@ -293,7 +293,7 @@ def too_few_windows(key: str, path: str, tokens: int, have: int, window: int, gl
 
 def check_enough_windows(job: JobSpec, records: Mapping[Path, Optional[TokenRecord]], home: Optional[str]) -> None:
     """The training files hold one global batch of sequences at least, counted from their sizes as the ranks count
-    them (launcher.data.dataset), where this machine sees them all (`records`: each visible file's record)."""
+    them (meshrun.launcher.data.dataset), where this machine sees them all (`records`: each visible file's record)."""
     if job.train is None:
         return
     data, window = job.data, job.train.model.seq_len + 1

@@ -24,11 +24,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, Optional, Sequence, TextIO
 
-from launcher.contract.private import make_private_dir, private_umask
-from launcher.contract.schema import SchemaError
-from launcher.contract.tokens import record_path
-from launcher.data.textsources import Inputs, Reader, Tally
-from launcher.data.tokenizer import BytesTokenizer, Tokenizer, check_kind, dtype_for, load_tokenizer_file, train_bpe
+from meshrun.launcher.contract.private import make_private_dir, private_umask
+from meshrun.launcher.contract.schema import SchemaError
+from meshrun.launcher.contract.tokens import record_path
+from meshrun.launcher.data.textsources import Inputs, Reader, Tally
+from meshrun.launcher.data.tokenizer import (
+    BytesTokenizer,
+    Tokenizer,
+    check_kind,
+    dtype_for,
+    load_tokenizer_file,
+    train_bpe,
+)
 
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
 """The default corpus's cap (the stdlib's .py, when no input is given): plenty for the reference model,
@@ -350,7 +357,7 @@ def _write_json(path: Path, data: dict) -> None:
 def parse_args(argv: Sequence[str]) -> tuple[Path, Inputs, BuildOptions]:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m launcher.data.corpus", description="what `meshrun data` runs")
+    p = argparse.ArgumentParser(prog="python -m meshrun.launcher.data.corpus", description="what `meshrun data` runs")
     p.add_argument("out", type=Path)
     p.add_argument("inputs", nargs="*", help="files, folders or globs (default: the stdlib's .py sources)")
     p.add_argument("--max-bytes", type=int, default=None, help="whole documents up to this much text")
@@ -370,7 +377,7 @@ def parse_args(argv: Sequence[str]) -> tuple[Path, Inputs, BuildOptions]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`python -m launcher.data.corpus OUT [INPUT...] [--tokenizer ...]`: what `meshrun data` runs (the caller's
+    """`python -m meshrun.launcher.data.corpus OUT [INPUT...] [--tokenizer ...]`: what `meshrun data` runs (the caller's
     side imports nothing of launcher beyond its torch-free contract)."""
     private_umask()  # the token files are the user's own text, encoded
     out, inputs, options = parse_args(list(sys.argv[1:] if argv is None else argv))

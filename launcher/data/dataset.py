@@ -25,9 +25,9 @@ from typing import Any, Iterator, Literal, Optional, Sequence
 
 import torch
 
-from launcher.contract.schema import SchemaError
-from launcher.contract.spec import Data
-from launcher.contract.tokens import (
+from meshrun.launcher.contract.schema import SchemaError
+from meshrun.launcher.contract.spec import Data
+from meshrun.launcher.contract.tokens import (
     EMPTY,
     TOKEN_WIDTHS,
     read_record,

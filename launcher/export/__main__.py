@@ -1,7 +1,7 @@
-"""`python -m launcher.export CHECKPOINT OUT [--format meshrun|hf]` (launcher/export/run.py)."""
+"""`python -m meshrun.launcher.export CHECKPOINT OUT [--format meshrun|hf]` (launcher/export/run.py)."""
 
 import sys
 
-from launcher.export.run import main
+from meshrun.launcher.export.run import main
 
 sys.exit(main())

@@ -1,6 +1,6 @@
 """Consolidate a sharded checkpoint into safetensors, for use outside meshrun.
 
-    python -m launcher.export.consolidate CHECKPOINT OUT [--format meshrun|hf] [--max-shard-size 5GB]
+    python -m meshrun.launcher.export.consolidate CHECKPOINT OUT [--format meshrun|hf] [--max-shard-size 5GB]
 
 CHECKPOINT is a step folder (`ROOT/step-N`) or a checkpoint root, whose newest complete
 step is exported; if retention deletes that step while it loads (a run still saving
@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from launcher.contract import ckptdir, dsconfig, hfnames, schema
-from launcher.contract.spec import JobSpec, Model
-from launcher.export import shardwriter as sw
+from meshrun.launcher.contract import ckptdir, dsconfig, hfnames, schema
+from meshrun.launcher.contract.spec import JobSpec, Model
+from meshrun.launcher.export import shardwriter as sw
 
 FORMATS = ("meshrun", "hf")
 DEFAULT_SHARD = "5GB"

@@ -14,10 +14,10 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional
 
-from launcher.contract import hfnames, tokens
-from launcher.contract.schema import SchemaError
-from launcher.export import shardwriter as sw
-from launcher.export.consolidate import OutputError, Source
+from meshrun.launcher.contract import hfnames, tokens
+from meshrun.launcher.contract.schema import SchemaError
+from meshrun.launcher.export import shardwriter as sw
+from meshrun.launcher.export.consolidate import OutputError, Source
 
 
 def hf_entries(source: Source) -> list[sw.Entry]:

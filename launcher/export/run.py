@@ -1,4 +1,4 @@
-"""`python -m launcher.export CHECKPOINT OUT [--format meshrun|hf]`: what `meshrun export` runs where the
+"""`python -m meshrun.launcher.export CHECKPOINT OUT [--format meshrun|hf]`: what `meshrun export` runs where the
 checkpoint is. The format's writer: consolidate.py (meshrun's names, one safetensors file) or hf.py (a folder
 transformers loads)."""
 
@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from launcher.contract import ckptdir, hfnames
-from launcher.export.consolidate import (
+from meshrun.launcher.contract import ckptdir, hfnames
+from meshrun.launcher.export.consolidate import (
     ATTEMPTS,
     DEFAULT_SHARD,
     FORMATS,
@@ -20,7 +20,7 @@ from launcher.export.consolidate import (
     load_newest,
     write_meshrun,
 )
-from launcher.export.hf import write_hf
+from meshrun.launcher.export.hf import write_hf
 
 
 def export(
@@ -44,7 +44,7 @@ def export(
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m launcher.export", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m meshrun.launcher.export", description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint", type=Path, help="a step folder (ROOT/step-N) or a checkpoint root (its newest)")
     parser.add_argument("out", type=Path, help="the .safetensors file (meshrun) or the folder (hf) to write")
     parser.add_argument("--format", choices=FORMATS, default="meshrun", help="meshrun's names, or Hugging Face Llama")

@@ -1,6 +1,6 @@
 """`meshrun doctor`'s per-rank preflight program, run as the doctor job's `command:` on every rank.
 
-    python -m launcher.probes.doctor [--storage-mib N] [--data PATH]
+    python -m meshrun.launcher.probes.doctor [--storage-mib N] [--data PATH]
 
 Each rank records what it finds in RUN_DIR/doctor/rank-N.json (RunDir.doctor_result): versions, the GPUs
 it sees, a GEMM throughput sniff (bf16 on a GPU, fp32 on the CPU of a CPU job), and on each node's local rank 0 the write throughput of
@@ -29,12 +29,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from launcher import installed_version
-from launcher.contract.private import make_private_dir
-from launcher.contract.rundir import RunDir, expand_node_path, node_name, write_json
-from launcher.contract.spec import RunSpec, read_run_spec
-from launcher.env import RankEnv, rank_env
-from launcher.probes.health import node_checks
+from meshrun.launcher import installed_version
+from meshrun.launcher.contract.private import make_private_dir
+from meshrun.launcher.contract.rundir import RunDir, expand_node_path, node_name, write_json
+from meshrun.launcher.contract.spec import RunSpec, read_run_spec
+from meshrun.launcher.env import RankEnv, rank_env
+from meshrun.launcher.probes.health import node_checks
 
 FAIL_ENV = "MESHRUN_TEST_DOCTOR_FAIL"
 SLOW_ENV = "MESHRUN_TEST_DOCTOR_SLOW"
@@ -76,7 +76,7 @@ def versions() -> dict[str, Any]:
 
 def driver_version() -> Optional[str]:
     """The NVIDIA driver's version through NVML (launcher/sidecar/nvml.py), None without one."""
-    from launcher.sidecar.nvml import NvmlUnavailable, load_nvml
+    from meshrun.launcher.sidecar.nvml import NvmlUnavailable, load_nvml
 
     try:
         nvml = load_nvml()
@@ -179,8 +179,8 @@ def layer_seconds(shapes: Sequence[tuple[int, int, int, int]], cuda: bool) -> li
     matmuls, or the share of the GEMM's rate a GPU job's blocks reach (submit/planning/calibration.py fits them)."""
     import torch
 
-    from launcher.contract.spec import Model
-    from launcher.train.model import GPT, loss_fn
+    from meshrun.launcher.contract.spec import Model
+    from meshrun.launcher.train.model import GPT, loss_fn
 
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     out = []
@@ -444,7 +444,9 @@ def _teardown() -> None:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m launcher.probes.doctor", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m meshrun.launcher.probes.doctor", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--storage-mib", type=int, default=64, help="MiB written (and read) per storage check")
     parser.add_argument("--data", help="the data path to read (absolute, as the ranks see it)")
     return parser.parse_args(argv)

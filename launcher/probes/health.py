@@ -1,6 +1,6 @@
 """A node's health check before the ranks start, on Slurm (issue 24's gate): one task per node.
 
-    python -m launcher.probes.health RUN_DIR REFERENCE_TIME
+    python -m meshrun.launcher.probes.health RUN_DIR REFERENCE_TIME
 
 Each node answers in RUN_DIR/health/NODE.json ({"node", "time", "seconds", "checks": [{"name", "verdict",
 "evidence"}]}; seconds: how long its checks took):
@@ -33,10 +33,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Optional, Sequence
 
-from launcher.contract.modelshape import checkpoint_space_needed
-from launcher.contract.private import make_private_dir
-from launcher.contract.rundir import RunDir, expand_node_path, node_name, write_json
-from launcher.contract.spec import RunSpec, read_run_spec
+from meshrun.launcher.contract.modelshape import checkpoint_space_needed
+from meshrun.launcher.contract.private import make_private_dir
+from meshrun.launcher.contract.rundir import RunDir, expand_node_path, node_name, write_json
+from meshrun.launcher.contract.spec import RunSpec, read_run_spec
 
 Verdict = Literal["pass", "fail", "skip"]
 FAIL_ENV = "MESHRUN_TEST_HEALTH_FAIL"
@@ -103,7 +103,7 @@ def check_gpus(expected: int, visible: Optional[str], broken: bool) -> Check:
         return Check("gpus", "fail", f"{FAIL_ENV}: 1 uncorrectable ECC error since the driver loaded (injected fault)")
     if expected == 0:
         return Check("gpus", "skip", "CPU job")
-    from launcher.sidecar.nvml import NvmlUnavailable, discover, load_nvml, resolve
+    from meshrun.launcher.sidecar.nvml import NvmlUnavailable, discover, load_nvml, resolve
 
     try:
         nvml = load_nvml()
@@ -229,6 +229,6 @@ def run(argv: Sequence[str], environ: Mapping[str, str]) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        print("usage: python -m launcher.probes.health RUN_DIR REFERENCE_TIME", file=sys.stderr)
+        print("usage: python -m meshrun.launcher.probes.health RUN_DIR REFERENCE_TIME", file=sys.stderr)
         sys.exit(2)
     sys.exit(run(sys.argv[1:], os.environ))

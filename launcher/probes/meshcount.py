@@ -1,6 +1,6 @@
 """The mesh dry run: the bytes of model state each rank would hold, counted on the real, sharded model.
 
-    echo '{"name": "x", ...JobSpec...}' | python -m launcher.probes.meshcount      # -> {"stages": [...], ...}
+    echo '{"name": "x", ...JobSpec...}' | python -m meshrun.launcher.probes.meshcount      # -> {"stages": [...], ...}
 
 The real model part (launcher/train/model.py, one pipeline stage) is built on the meta device (shapes and
 dtypes, no storage) and split by the real parallel code (launcher/train/parallel.py: the ("pp", "dp", "tp")
@@ -17,7 +17,7 @@ ranks of a stage and finds them equal). Middle stages build the same blocks unde
 count serves all of them.
 
 Launcher side: never imports submit. submit/planning/meshcheck.py runs this module with the job's interpreter
-and builds launcher.contract.modelshape.StageBytes from the JSON it prints. Bad input: one line, exit 2.
+and builds meshrun.launcher.contract.modelshape.StageBytes from the JSON it prints. Bad input: one line, exit 2.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any, Iterator, TextIO
 
-from launcher.contract.exitcodes import EXIT_FAILED, EXIT_INPUT
-from launcher.contract.modelshape import ModelPart, StageBytes
-from launcher.contract.parallel_dims import ParallelDims
-from launcher.contract.schema import SchemaError, load
-from launcher.contract.spec import JobSpec
+from meshrun.launcher.contract.exitcodes import EXIT_FAILED, EXIT_INPUT
+from meshrun.launcher.contract.modelshape import ModelPart, StageBytes
+from meshrun.launcher.contract.parallel_dims import ParallelDims
+from meshrun.launcher.contract.schema import SchemaError, load
+from meshrun.launcher.contract.spec import JobSpec
 
 FP32 = 4
 ADAM_STATES = 2
@@ -92,7 +92,7 @@ def _meta_part(job: JobSpec, part: ModelPart) -> Any:
     have no values to draw, and a generator cannot live there)."""
     import torch
 
-    from launcher.train.model import GPT
+    from meshrun.launcher.train.model import GPT
 
     class MetaGPT(GPT):
         def init_weights(self, seed: int) -> None:
@@ -110,8 +110,8 @@ def held_by_rank(job: JobSpec, rank: int) -> Held:
     """
     import torch
 
-    from launcher.train.parallel import apply_data_parallel, apply_tensor_parallel, build_mesh
-    from launcher.train.runtime import AMP_DTYPES, Runtime
+    from meshrun.launcher.train.parallel import apply_data_parallel, apply_tensor_parallel, build_mesh
+    from meshrun.launcher.train.runtime import AMP_DTYPES, Runtime
 
     dims = dims_of(job)
     coords = dims.coordinates(rank)
@@ -155,7 +155,7 @@ def deepspeed_bytes(job: JobSpec, held: Held) -> StageBytes:
     the same way. DeepSpeed's partitions are the flat buffer split in dp equal parts (ceil). Offloaded
     state lives in CPU memory: it counts 0 on the rank's device.
     """
-    from launcher.contract.dsconfig import zero_stage
+    from meshrun.launcher.contract.dsconfig import zero_stage
 
     p, dp, zero = held.numel, job.parallel.dp, zero_stage(job)
     part = math.ceil(p / dp)
@@ -206,7 +206,7 @@ def count(job: JobSpec) -> list[StageBytes]:
 def report(job: JobSpec) -> dict[str, Any]:
     """The JSON this module prints: the stages, and what was counted and how long importing and counting took."""
     started = time.perf_counter()
-    import launcher.train.parallel  # noqa: F401  (torch and its distributed packages: timed apart from the count)
+    import meshrun.launcher.train.parallel  # noqa: F401  (torch and its distributed packages: timed apart from the count)
 
     imported = time.perf_counter()
     stages = count(job)

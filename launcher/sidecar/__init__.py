@@ -1,4 +1,4 @@
-"""The per-node sidecar: `python -m launcher.sidecar RUN_DIR`. Torch-free; reads and writes files only.
+"""The per-node sidecar: `python -m meshrun.launcher.sidecar RUN_DIR`. Torch-free; reads and writes files only.
 
 One per node (the batch script starts it with `srun --overlap`, the local supervisor starts one per
 job). It samples GPU telemetry through NVML (keyed by GPU UUID, mapped to the job's

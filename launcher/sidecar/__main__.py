@@ -1,4 +1,4 @@
-"""`python -m launcher.sidecar RUN_DIR`: this node's sidecar, kept alive by its keeper (keeper.py).
+"""`python -m meshrun.launcher.sidecar RUN_DIR`: this node's sidecar, kept alive by its keeper (keeper.py).
 
 Run by the batch script or the local supervisor, it is the keeper, which runs the sidecar itself as its
 child (the same command, with MESHRUN_SIDECAR_KEPT set) and starts it again if it dies. The sidecar runs
@@ -18,13 +18,13 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
-from launcher.contract.exitcodes import EXIT_INPUT
-from launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.exitcodes import EXIT_INPUT
+from meshrun.launcher.contract.rundir import RunDir
 
 if TYPE_CHECKING:
-    from launcher.sidecar.loop import Stop
+    from meshrun.launcher.sidecar.loop import Stop
 
-USAGE = "usage: python -m launcher.sidecar RUN_DIR"
+USAGE = "usage: python -m meshrun.launcher.sidecar RUN_DIR"
 NICE = 10
 """The sidecar yields the CPU to the ranks."""
 
@@ -45,7 +45,7 @@ class EndWait:
         self.seen_alive = False
         """Whether a rank of this attempt was ever seen running: before that, 'no rank alive' means the ranks
         have not started (or an earlier attempt's heartbeats are all there is), not that they have ended."""
-        from launcher.contract.procs import current_job
+        from meshrun.launcher.contract.procs import current_job
 
         self.job = current_job(os.environ)
         """Inside a job its parent (batch shell, local supervisor) sends USR2 once the ranks have ended; a
@@ -80,7 +80,7 @@ class EndWait:
         """Ranks that never wrote a heartbeat (a command job that does not call report(), or ranks cancelled
         while starting) are still the job's processes: gone once none is left but this sidecar's own kin
         (its parent gone too, nobody would send the USR2: it waited END_WAIT_S for nothing)."""
-        from launcher.contract.procs import others_in_job
+        from meshrun.launcher.contract.procs import others_in_job
 
         assert self.job is not None
         return bool(others_in_job(self.job))
@@ -91,10 +91,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if len(argv) != 1 or argv[0].startswith("-"):
         print(USAGE, file=sys.stderr)
         return EXIT_INPUT
-    from launcher.contract.private import private_umask
-    from launcher.contract.rundir import node_name
-    from launcher.sidecar.keeper import KEPT_ENV, TOLD_ENV, deaf_end, keep, unblock_stop_signals
-    from launcher.sidecar.sidelog import Log
+    from meshrun.launcher.contract.private import private_umask
+    from meshrun.launcher.contract.rundir import node_name
+    from meshrun.launcher.sidecar.keeper import KEPT_ENV, TOLD_ENV, deaf_end, keep, unblock_stop_signals
+    from meshrun.launcher.sidecar.sidelog import Log
 
     private_umask()  # its logs, TensorBoard files and the copier's copies (and its kept child): nobody else's
     run_dir = RunDir(os.path.abspath(argv[0]))
@@ -103,7 +103,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     kept = bool(os.environ.get(KEPT_ENV))
     if not kept:
         return keep(run_dir.root, log)  # the keeper: none of the sidecar's own modules (sidelog.py says why)
-    from launcher.sidecar.loop import Flag, Periodic, Sidecar, run_tasks
+    from meshrun.launcher.sidecar.loop import Flag, Periodic, Sidecar, run_tasks
 
     failed = False
     stop, ending = Flag(), Flag()  # set by signal handlers: never a lock (loop.Flag)
@@ -159,7 +159,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    from launcher.sidecar.keeper import block_stop_signals
+    from meshrun.launcher.sidecar.keeper import block_stop_signals
 
     block_stop_signals()  # the keeper's or the sidecar's work is done: a repeated USR2 as Python shuts down must not end it
     sys.exit(code)

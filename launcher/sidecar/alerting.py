@@ -14,12 +14,12 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional
 
-from launcher.contract import alerts, suspects
-from launcher.contract.alerts import Alert
-from launcher.contract.private import append_line
-from launcher.contract.rundir import RunDir, job_of
-from launcher.contract.spec import Alerts as AlertSettings
-from launcher.sidecar.stragglers import RankTime
+from meshrun.launcher.contract import alerts, suspects
+from meshrun.launcher.contract.alerts import Alert
+from meshrun.launcher.contract.private import append_line
+from meshrun.launcher.contract.rundir import RunDir, job_of
+from meshrun.launcher.contract.spec import Alerts as AlertSettings
+from meshrun.launcher.sidecar.stragglers import RankTime
 
 LogFn = Callable[[str], None]
 StepFn = Callable[[], Optional[int]]

@@ -3,7 +3,7 @@
 The trainer stages each node's part of a save on that node's scratch (launcher/checkpoint/commit.py:
 `STAGE/step-N/` with `meshrun-staged.json` written last). Here, on every node:
 
-- copy: a child process (`python -m launcher.sidecar.copier copy ...`) copies the node's part
+- copy: a child process (`python -m meshrun.launcher.sidecar.copier copy ...`) copies the node's part
   into `SHARED/step-N.tmp/` (launcher/sidecar/copyfile.py): per file a streamed copy hashed on
   the way (sha256), fsync, and a check of the destination (its size, and its bytes read back
   against the source; files in parallel); then the node's done file
@@ -35,10 +35,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from launcher.contract import ckptdir, private
-from launcher.contract.exitcodes import EXIT_FAILED, EXIT_INPUT
-from launcher.sidecar.copyfile import CopyError, copy_file, hash_file, same_bytes
-from launcher.sidecar.keeper import popen_blocking
+from meshrun.launcher.contract import ckptdir, private
+from meshrun.launcher.contract.exitcodes import EXIT_FAILED, EXIT_INPUT
+from meshrun.launcher.sidecar.copyfile import CopyError, copy_file, hash_file, same_bytes
+from meshrun.launcher.sidecar.keeper import popen_blocking
 
 COPIED = "meshrun-copied.json"
 """On scratch, in a staged step: this node's part is verified on shared storage."""
@@ -189,7 +189,7 @@ def commit_ready(shared_root: Path, nodes: int, attempt: str, keep: int, keep_ev
         committed.append(step)
     if committed:
         # Imported here: the copy child (one process per staged step) never commits, and starts ~10 ms sooner.
-        from launcher.checkpoint import resume
+        from meshrun.launcher.checkpoint import resume
 
         resume.progress_made(Path(shared_root))  # a newer complete checkpoint: the crash-loop guard resets
         ckptdir.apply_retention(Path(shared_root), keep, keep_every)
@@ -278,7 +278,7 @@ class Copier:
                 self._start(pending[0])
 
     def _start(self, step: int) -> None:
-        argv = [sys.executable, "-m", "launcher.sidecar.copier", "copy"]
+        argv = [sys.executable, "-m", "meshrun.launcher.sidecar.copier", "copy"]
         argv += [str(ckptdir.step_dir(self.staging, step)), str(self.shared), self.node, str(self.node_rank)]
         env = {**os.environ, PARENT_ENV: str(os.getpid())}
         # USR2 blocked for good: it means "the ranks have ended" to the sidecar, and the batch script says it every
@@ -380,8 +380,8 @@ class Copier:
         return left
 
 
-USAGE = """usage: python -m launcher.sidecar.copier copy STAGED_STEP_DIR SHARED_ROOT NODE NODE_RANK
-       python -m launcher.sidecar.copier run STAGING SHARED_ROOT NODE NODE_RANK NODES ATTEMPT KEEP KEEP_EVERY SECONDS"""
+USAGE = """usage: python -m meshrun.launcher.sidecar.copier copy STAGED_STEP_DIR SHARED_ROOT NODE NODE_RANK
+       python -m meshrun.launcher.sidecar.copier run STAGING SHARED_ROOT NODE NODE_RANK NODES ATTEMPT KEEP KEEP_EVERY SECONDS"""
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
-from launcher.contract import private
+from meshrun.launcher.contract import private
 
 CHUNK = 8 << 20
 """Read/write size of the streamed copy (large: few syscalls, the hash keeps up)."""

@@ -11,8 +11,8 @@ import socket
 import time
 from typing import Any, Mapping, Optional
 
-from launcher.contract.envcheck import COMPARED, env_mismatches, read_records
-from launcher.contract.rundir import write_json
+from meshrun.launcher.contract.envcheck import COMPARED, env_mismatches, read_records
+from meshrun.launcher.contract.rundir import write_json
 
 NCCL_DISTRIBUTIONS = ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11")
 """The NCCL wheels torch's CUDA builds depend on; a torch with NCCL linked in has none (then omitted)."""
@@ -38,7 +38,7 @@ def run_id(environ: Mapping[str, str]) -> str:
 
 def build_record(node: str, environ: Mapping[str, str], gpus: Optional[Mapping[str, Any]]) -> dict[str, Any]:
     """This node's record; `gpus` is Gpus.describe() (None without NVML)."""
-    from launcher import installed_version
+    from meshrun.launcher import installed_version
 
     described = dict(gpus or {})
     return {

@@ -1,4 +1,4 @@
-"""The sidecar's keeper: `python -m launcher.sidecar RUN_DIR` runs this, and it runs the sidecar as its child.
+"""The sidecar's keeper: `python -m meshrun.launcher.sidecar RUN_DIR` runs this, and it runs the sidecar as its child.
 
 A sidecar that dies (kill -9, the OOM killer, a bug) while the ranks run would silently stop copying
 checkpoints staged on node-local scratch, watching for hangs and sampling: every later checkpoint would stay
@@ -170,7 +170,7 @@ def block_stop_signals() -> None:
 
 def keep(run_dir: str, log: LogFn) -> int:
     """The keeper's main: the sidecar for RUN_DIR as a child, kept alive until it stops cleanly."""
-    keeper = Keeper([sys.executable, "-m", "launcher.sidecar", run_dir], log)
+    keeper = Keeper([sys.executable, "-m", "meshrun.launcher.sidecar", run_dir], log)
     for sig in STOP_SIGNALS:
         signal.signal(sig, keeper.on_signal)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # meant for the ranks

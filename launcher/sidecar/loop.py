@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Union
 
-from launcher.contract import goodput, logtimes, procs
-from launcher.contract.rundir import (
+from meshrun.launcher.contract import goodput, logtimes, procs
+from meshrun.launcher.contract.rundir import (
     RunDir,
     attempt_id,
     expand_node_path,
@@ -27,18 +27,18 @@ from launcher.contract.rundir import (
     read_state,
     write_json,
 )
-from launcher.contract.spec import Alerts, Watchdog
-from launcher.sidecar import envrecord
-from launcher.sidecar.alerting import Alerting
-from launcher.sidecar.energy import EnergyMeter, nvml_gpus, rapl_packages
-from launcher.sidecar.host import Host
-from launcher.sidecar.keeper import SINCE_ENV
-from launcher.sidecar.nvml import Gpus, NvmlUnavailable, discover, load_nvml, resolve
-from launcher.sidecar.watchdog import Watchdog as HangWatch
-from launcher.train.tbwriter import scalars_of
+from meshrun.launcher.contract.spec import Alerts, Watchdog
+from meshrun.launcher.sidecar import envrecord
+from meshrun.launcher.sidecar.alerting import Alerting
+from meshrun.launcher.sidecar.energy import EnergyMeter, nvml_gpus, rapl_packages
+from meshrun.launcher.sidecar.host import Host
+from meshrun.launcher.sidecar.keeper import SINCE_ENV
+from meshrun.launcher.sidecar.nvml import Gpus, NvmlUnavailable, discover, load_nvml, resolve
+from meshrun.launcher.sidecar.watchdog import Watchdog as HangWatch
+from meshrun.launcher.train.tbwriter import scalars_of
 
 if TYPE_CHECKING:
-    from launcher.sidecar.copier import Copier
+    from meshrun.launcher.sidecar.copier import Copier
 
 DEFAULT_INTERVAL_S = 5.0
 """Sampling interval when spec.json cannot be read (the spec's own default is the same)."""
@@ -90,7 +90,7 @@ def process_alive(pid: Any) -> bool:
 
 def rank_alive(beat: dict[str, Any]) -> bool:
     """Whether the rank that wrote this heartbeat still runs: its pid, while it still names that process
-    (its start time, launcher.contract.procs; a heartbeat without one is judged by its pid alone)."""
+    (its start time, meshrun.launcher.contract.procs; a heartbeat without one is judged by its pid alone)."""
     identity = procs.Identity.from_json(beat)
     return procs.alive(identity) if identity is not None else process_alive(beat.get("pid"))
 
@@ -167,12 +167,12 @@ class Settings:
 
     @property
     def ranks(self) -> range:
-        """The global ranks on this node (Slurm's block distribution, as launcher.env assumes)."""
+        """The global ranks on this node (Slurm's block distribution, as meshrun.launcher.env assumes)."""
         return range(self.node_rank * self.tasks_per_node, (self.node_rank + 1) * self.tasks_per_node)
 
 
 def read_settings(run_dir: RunDir, environ: Mapping[str, str], log: LogFn) -> Settings:
-    from launcher.contract.spec import read_run_spec  # torch-free
+    from meshrun.launcher.contract.spec import read_run_spec  # torch-free
 
     node_rank = int(environ.get("SLURM_NODEID", "0") or 0)
     try:
@@ -266,7 +266,9 @@ class Sidecar:
         s = self.settings
         if not s.scratch_dir:
             return None  # no node-local scratch: the ranks save straight to shared storage
-        from launcher.sidecar.copier import Copier  # only with scratch: ~12 ms of each sidecar's start without it
+        from meshrun.launcher.sidecar.copier import (
+            Copier,  # only with scratch: ~12 ms of each sidecar's start without it
+        )
 
         self.log(f"checkpoints are staged in {self.node_dir.staging} and copied to {s.checkpoint_dir}")
         return Copier(
@@ -381,7 +383,7 @@ class Sidecar:
         return Gpus(nvml, targets, self.log)
 
     def _open_tb(self) -> Any:
-        from launcher.train.tbwriter import ScalarWriter  # the trainer's writer: one way to write event files
+        from meshrun.launcher.train.tbwriter import ScalarWriter  # the trainer's writer: one way to write event files
 
         writer = ScalarWriter(self.run_dir.sidecar_tensorboard(self.node), session_start=False)
         if not writer.enabled:

@@ -4,7 +4,7 @@ NVML numbers GPUs in its own order, which is not CUDA's: a sample is never keyed
 index. The job's GPUs are CUDA_VISIBLE_DEVICES (indexes, `GPU-` UUIDs or unique prefixes of
 them, `MIG-` instance ids) resolved to UUIDs; an index counts the node's GPUs in PCI bus order,
 which is CUDA's order under CUDA_DEVICE_ORDER=PCI_BUS_ID and on nodes of one GPU model. CUDA
-device i of the job is local rank i's GPU (launcher.train.runtime.gpu_index).
+device i of the job is local rank i's GPU (meshrun.launcher.train.runtime.gpu_index).
 """
 
 from __future__ import annotations

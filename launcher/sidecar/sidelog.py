@@ -12,7 +12,7 @@ import sys
 import time
 from typing import TextIO
 
-from launcher.contract.private import make_private_dir
+from meshrun.launcher.contract.private import make_private_dir
 
 
 class Log:

@@ -12,8 +12,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from launcher.contract.rundir import RunDir
-from launcher.sidecar.beats import read_json
+from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.sidecar.beats import read_json
 
 STREAK = 3
 """Consecutive checks over the factor before a rank is named ("persistently")."""

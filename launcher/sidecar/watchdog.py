@@ -21,13 +21,13 @@ import stat
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from launcher.contract import procs
-from launcher.contract.exitcodes import EXIT_NO_PROGRESS
-from launcher.contract.private import make_private_dir
-from launcher.contract.rundir import NodeDir, RunDir, write_json
-from launcher.contract.spec import Watchdog as WatchdogSettings
-from launcher.sidecar import diagnosis, rendezvous
-from launcher.sidecar.beats import (
+from meshrun.launcher.contract import procs
+from meshrun.launcher.contract.exitcodes import EXIT_NO_PROGRESS
+from meshrun.launcher.contract.private import make_private_dir
+from meshrun.launcher.contract.rundir import NodeDir, RunDir, write_json
+from meshrun.launcher.contract.spec import Watchdog as WatchdogSettings
+from meshrun.launcher.sidecar import diagnosis, rendezvous
+from meshrun.launcher.sidecar.beats import (
     WARMUP_DURATIONS,
     RankTrack,
     file_size,
@@ -35,7 +35,7 @@ from launcher.sidecar.beats import (
     read_json,
     write_text,
 )
-from launcher.sidecar.stragglers import RankTime, StragglerTracker, rank_times, read_step_times
+from meshrun.launcher.sidecar.stragglers import RankTime, StragglerTracker, rank_times, read_step_times
 
 STALE_GRACE_S = 5.0
 """Beats older than the watchdog's start minus this are a previous attempt's leftovers."""
@@ -205,7 +205,7 @@ class Watchdog:
                 self.log(
                     f"no heartbeat from ranks {', '.join(map(str, self.ranks))} after "
                     f"{now - self.created:.0f} s: no hang watch (a command job gets one by calling "
-                    "launcher.report.report())"
+                    "meshrun.launcher.report.report())"
                 )
             return
         step, phase, timeout = self.current()
@@ -288,7 +288,7 @@ class Watchdog:
         return procs.alive(identity) and (self.job is None or procs.in_job(pid, self.job))
 
     def _signal(self, beat: dict[str, Any], sig: int) -> bool:
-        """Signal the rank that wrote `beat`, only while its pid still names it (launcher.contract.procs): a pid from
+        """Signal the rank that wrote `beat`, only while its pid still names it (meshrun.launcher.contract.procs): a pid from
         a file may be another process's by now, on a node shared with other jobs and daemons."""
         pid = int(beat["pid"])
         if self.kill is not None:

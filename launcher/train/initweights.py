@@ -23,8 +23,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from launcher.contract import hfnames, weights
-from launcher.contract.tokens import local_path
+from meshrun.launcher.contract import hfnames, weights
+from meshrun.launcher.contract.tokens import local_path
 
 
 def file_names(path: Path) -> dict[str, Path]:

@@ -18,25 +18,25 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from launcher.checkpoint.manager import CheckpointManager
-from launcher.contract import tokens, weights
-from launcher.contract.exitcodes import EXIT_DIVERGED
-from launcher.contract.gpus import mfu_peak
-from launcher.contract.modelshape import param_count
-from launcher.contract.parallel_dims import ParallelDims
-from launcher.contract.schema import SchemaError
-from launcher.contract.spec import JobSpec, RunSpec, Train
-from launcher.data.dataset import Prefetcher, TokenDataset, check_token_ids, check_train_data, open_dataset
-from launcher.env import RankEnv, setdefault_env
-from launcher.preempt import EXIT_FINISHED, EXIT_GAVE_UP, EXIT_REQUEUE, StopFlag
-from launcher.testing.faults import faults_for
-from launcher.train import divergence
-from launcher.train.engines.base import StepResult
-from launcher.train.losswatch import Watch as _Watch
-from launcher.train.metrics import MetricsLog, perplexity
-from launcher.train.runtime import Runtime, check_tasks, join_or_exit, pick_runtime
-from launcher.train.trainer import Trainer, build_trainer, mean_over_ranks
-from launcher.train.worktime import BusyClock
+from meshrun.launcher.checkpoint.manager import CheckpointManager
+from meshrun.launcher.contract import tokens, weights
+from meshrun.launcher.contract.exitcodes import EXIT_DIVERGED
+from meshrun.launcher.contract.gpus import mfu_peak
+from meshrun.launcher.contract.modelshape import param_count
+from meshrun.launcher.contract.parallel_dims import ParallelDims
+from meshrun.launcher.contract.schema import SchemaError
+from meshrun.launcher.contract.spec import JobSpec, RunSpec, Train
+from meshrun.launcher.data.dataset import Prefetcher, TokenDataset, check_token_ids, check_train_data, open_dataset
+from meshrun.launcher.env import RankEnv, setdefault_env
+from meshrun.launcher.preempt import EXIT_FINISHED, EXIT_GAVE_UP, EXIT_REQUEUE, StopFlag
+from meshrun.launcher.testing.faults import faults_for
+from meshrun.launcher.train import divergence
+from meshrun.launcher.train.engines.base import StepResult
+from meshrun.launcher.train.losswatch import Watch as _Watch
+from meshrun.launcher.train.metrics import MetricsLog, perplexity
+from meshrun.launcher.train.runtime import Runtime, check_tasks, join_or_exit, pick_runtime
+from meshrun.launcher.train.trainer import Trainer, build_trainer, mean_over_ranks
+from meshrun.launcher.train.worktime import BusyClock
 
 # ------------------------------------------------------------------ checks before any collective
 
@@ -103,7 +103,7 @@ def announce(t: Trainer, env: RankEnv) -> None:
 
 
 def match_math_threads(environ: Mapping[str, str]) -> None:
-    """torch's math threads = OMP_NUM_THREADS, which launcher.entry sets to the job's cpus_per_task. torch reads
+    """torch's math threads = OMP_NUM_THREADS, which meshrun.launcher.entry sets to the job's cpus_per_task. torch reads
     it when it loads; a rank forked from a process that had loaded it already (launcher/controller.py, a local
     job's ranks) would keep one thread per core of the machine in every rank instead, and co-located ranks would
     spin in each other's OpenMP barriers."""
@@ -118,7 +118,7 @@ def match_math_threads(environ: Mapping[str, str]) -> None:
 def train(run_spec: RunSpec, env: RankEnv, flag: Optional[StopFlag] = None) -> int:
     """Train the reference GPT as the spec says; returns the process exit code (see preempt.py).
 
-    `flag` is the stop flag the caller installed (launcher.entry does, before importing torch).
+    `flag` is the stop flag the caller installed (meshrun.launcher.entry does, before importing torch).
     """
     tokens.check_data_files(run_spec.job)
     weights.check_init_from(run_spec.job)

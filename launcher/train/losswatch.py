@@ -9,14 +9,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from launcher.checkpoint.commit import Checkpointer
-from launcher.contract import alerts, ckptdir
-from launcher.contract.rundir import RunDir, node_name
-from launcher.contract.spec import JobSpec, RunSpec
-from launcher.env import RankEnv
-from launcher.train import divergence
-from launcher.train.lossrules import LossRules
-from launcher.train.plancheck import PlanCheck, step_message
+from meshrun.launcher.checkpoint.commit import Checkpointer
+from meshrun.launcher.contract import alerts, ckptdir
+from meshrun.launcher.contract.rundir import RunDir, node_name
+from meshrun.launcher.contract.spec import JobSpec, RunSpec
+from meshrun.launcher.env import RankEnv
+from meshrun.launcher.train import divergence
+from meshrun.launcher.train.lossrules import LossRules
+from meshrun.launcher.train.plancheck import PlanCheck, step_message
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Rank 0's metrics.jsonl (`meshrun status` and the logs read it), its TensorBoard event files and
-its human log line; every rank's progress heartbeat (launcher.report.Heartbeat)."""
+its human log line; every rank's progress heartbeat (meshrun.launcher.report.Heartbeat)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Optional, TextIO
 
-from launcher.contract import goodput
-from launcher.contract.gpus import mfu
-from launcher.contract.private import make_private_dir
-from launcher.contract.rundir import RunDir, job_field
-from launcher.report import Heartbeat
-from launcher.train.tbwriter import ScalarWriter, scalars_of
+from meshrun.launcher.contract import goodput
+from meshrun.launcher.contract.gpus import mfu
+from meshrun.launcher.contract.private import make_private_dir
+from meshrun.launcher.contract.rundir import RunDir, job_field
+from meshrun.launcher.report import Heartbeat
+from meshrun.launcher.train.tbwriter import ScalarWriter, scalars_of
 
 METRICS_FILE = RunDir.METRICS
 

@@ -26,9 +26,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from launcher.contract.parallel_dims import MESH_DIMS, ParallelDims
-from launcher.train.model import GPT
-from launcher.train.runtime import Runtime
+from meshrun.launcher.contract.parallel_dims import MESH_DIMS, ParallelDims
+from meshrun.launcher.train.model import GPT
+from meshrun.launcher.train.runtime import Runtime
 
 # Under tensor parallelism the head's logits are gathered whole (ColwiseParallel, output Replicate), and the
 # gather hands back a view; FSDP2 warns that an in-place op on the root module's output would skip its

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from launcher.data.dataset import MicroBatches
-from launcher.train.model import loss_fn
-from launcher.train.optim import LossScaler
+from meshrun.launcher.data.dataset import MicroBatches
+from meshrun.launcher.train.model import loss_fn
+from meshrun.launcher.train.optim import LossScaler
 
 
 @dataclass(frozen=True)

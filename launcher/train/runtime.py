@@ -1,7 +1,7 @@
 """Where this rank computes: the checks that must pass before any collective, the device, the process group.
 
 Every check here fails with one line naming the key, the value and the fix (a
-SchemaError: `python -m launcher` prints it and exits 2) instead of letting the
+SchemaError: `python -m meshrun.launcher` prints it and exits 2) instead of letting the
 ranks hang in a rendezvous or NCCL init that can never complete.
 """
 
@@ -17,13 +17,13 @@ from typing import Callable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from launcher.contract.exitcodes import EXIT_NO_PROGRESS
-from launcher.contract.rundir import record_exit
-from launcher.contract.schema import SchemaError
-from launcher.contract.spec import JobSpec
-from launcher.env import RankEnv
-from launcher.rankfail import record_rank_error
-from launcher.sidecar.rendezvous import rank_span
+from meshrun.launcher.contract.exitcodes import EXIT_NO_PROGRESS
+from meshrun.launcher.contract.rundir import record_exit
+from meshrun.launcher.contract.schema import SchemaError
+from meshrun.launcher.contract.spec import JobSpec
+from meshrun.launcher.env import RankEnv
+from meshrun.launcher.rankfail import record_rank_error
+from meshrun.launcher.sidecar.rendezvous import rank_span
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 GPU_PROCESS_GROUP = "cpu:gloo,cuda:nccl"
@@ -202,7 +202,7 @@ def rendezvous(env: RankEnv, bound_s: float) -> dist.TCPStore:
 
 
 def node_ranks(env: RankEnv, ranks: list[int]) -> str:
-    """'node n3 (ranks 4-5)' for each node of `ranks` (Slurm's block distribution, as launcher.env assumes)."""
+    """'node n3 (ranks 4-5)' for each node of `ranks` (Slurm's block distribution, as meshrun.launcher.env assumes)."""
     per_node = max(env.local_world_size, 1)
     by_node: dict[int, list[int]] = {}
     for rank in sorted(ranks):

@@ -14,14 +14,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from launcher.contract.parallel_dims import Coordinates, ParallelDims
-from launcher.contract.spec import JobSpec, Train
-from launcher.data.dataset import Layout, MicroBatches, TokenDataset, TrainStream, val_steps
-from launcher.env import RankEnv
-from launcher.train.engines import build_engine
-from launcher.train.engines.base import Engine, StepResult
-from launcher.train.optim import lr_at
-from launcher.train.runtime import Runtime
+from meshrun.launcher.contract.parallel_dims import Coordinates, ParallelDims
+from meshrun.launcher.contract.spec import JobSpec, Train
+from meshrun.launcher.data.dataset import Layout, MicroBatches, TokenDataset, TrainStream, val_steps
+from meshrun.launcher.env import RankEnv
+from meshrun.launcher.train.engines import build_engine
+from meshrun.launcher.train.engines.base import Engine, StepResult
+from meshrun.launcher.train.optim import lr_at
+from meshrun.launcher.train.runtime import Runtime
 
 
 @dataclass

@@ -7,8 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from submit.cli.args import overrides_arg, positive_int
-from submit.errors import InputError
+from meshrun.submit.cli.args import overrides_arg, positive_int
+from meshrun.submit.errors import InputError
 
 
 def add_parsers(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -53,11 +53,11 @@ def add_parsers(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    from submit import api
-    from submit.cli.common import finish_wait
-    from submit.core.registry import Registry
-    from submit.core.runspec import read_run_spec
-    from submit.jobs import checkpoints
+    from meshrun.submit import api
+    from meshrun.submit.cli.common import finish_wait
+    from meshrun.submit.core.registry import Registry
+    from meshrun.submit.core.runspec import read_run_spec
+    from meshrun.submit.jobs import checkpoints
 
     registry = Registry()
     record = registry.find(args.job, args.cluster)
@@ -87,9 +87,9 @@ def shard_size(given: str | None, fmt: str) -> str:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from submit import api
-    from submit.core.registry import Registry
-    from submit.jobs import checkpoints
+    from meshrun.submit import api
+    from meshrun.submit.core.registry import Registry
+    from meshrun.submit.jobs import checkpoints
 
     max_shard_size = shard_size(args.max_shard_size, args.format)  # before the registry: a flag's mistake first
     record = Registry().find(args.job, args.cluster)

@@ -7,12 +7,12 @@ import sys
 import time
 from typing import Any, Optional, TextIO
 
-from submit.views.tables import alert_line, progress_line
+from meshrun.submit.views.tables import alert_line, progress_line
 
 
 def profile_path_of(cluster: str) -> str:
     """The profile file's absolute path (the registry keeps it, so later verbs reach this very cluster)."""
-    from submit.config.cluster import profile_path
+    from meshrun.submit.config.cluster import profile_path
 
     return str(profile_path(cluster))
 
@@ -20,8 +20,8 @@ def profile_path_of(cluster: str) -> str:
 def finish_wait(record: Any, clusters: Any, registry: Any, total_steps: Optional[int]) -> int:
     """--wait: follow the job to its end; the exit code says how it ended (2: the ranks found bad input).
     Ctrl-C stops the waiting, never the job, and says so."""
-    from launcher.contract.exitcodes import EXIT_INPUT
-    from submit.core.status import Status
+    from meshrun.launcher.contract.exitcodes import EXIT_INPUT
+    from meshrun.submit.core.status import Status
 
     try:
         status: Status = wait_for(record, clusters, registry, total_steps)
@@ -44,8 +44,8 @@ def wait_for(
     record: Any, clusters: Any, registry: Any, total_steps: Optional[int], out: Optional[TextIO] = None
 ) -> Any:
     """Poll until the job ends, showing progress (one rewritten line on a terminal, plain lines piped)."""
-    from submit import api
-    from submit.errors import ConnectionLost
+    from meshrun.submit import api
+    from meshrun.submit.errors import ConnectionLost
 
     out = out if out is not None else sys.stderr
     tty, last, started = out.isatty(), None, time.monotonic()

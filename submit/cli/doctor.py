@@ -8,8 +8,8 @@ import json
 import sys
 from typing import Any, Optional
 
-from submit.cli.args import cluster_arg
-from submit.errors import InputError
+from meshrun.submit.cli.args import cluster_arg
+from meshrun.submit.errors import InputError
 
 FLAG_FOR_KEY = {
     "resources.nodes": "--nodes",
@@ -51,8 +51,8 @@ def add_parsers(verbs: Any) -> None:
 
 def options(args: argparse.Namespace, profile: Any) -> Any:
     """The doctor's options, checked: every input error before any connection."""
-    from submit import api
-    from submit.jobs.doctor import Options
+    from meshrun.submit import api
+    from meshrun.submit.jobs.doctor import Options
 
     try:
         part = profile.partition(args.partition)
@@ -75,10 +75,10 @@ def options(args: argparse.Namespace, profile: Any) -> Any:
 
 
 def doctor_plan(profile: Any, opts: Any, home: str) -> Any:
-    from launcher.contract import schema
-    from launcher.contract.spec import JobSpec
-    from submit import api
-    from submit.jobs.doctor import job_spec
+    from meshrun.launcher.contract import schema
+    from meshrun.launcher.contract.spec import JobSpec
+    from meshrun.submit import api
+    from meshrun.submit.jobs.doctor import job_spec
 
     data = job_spec(profile, opts)
     try:
@@ -92,7 +92,7 @@ def doctor_plan(profile: Any, opts: Any, home: str) -> Any:
 
 def read_results(transport: Any, run_dir: str, world: int) -> list[Optional[dict[str, Any]]]:
     """Every rank's results file (None where a rank wrote none, or half of one)."""
-    from launcher.contract.rundir import RunDir
+    from meshrun.launcher.contract.rundir import RunDir
 
     out: list[Optional[dict[str, Any]]] = []
     for rank in range(world):
@@ -106,10 +106,10 @@ def read_results(transport: Any, run_dir: str, world: int) -> list[Optional[dict
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from submit import api, installed_version
-    from submit.cli.common import profile_path_of, wait_for
-    from submit.core.registry import Registry
-    from submit.jobs.doctor import judge, table
+    from meshrun.submit import api, installed_version
+    from meshrun.submit.cli.common import profile_path_of, wait_for
+    from meshrun.submit.core.registry import Registry
+    from meshrun.submit.jobs.doctor import judge, table
 
     profile = api.load_cluster(args.cluster)
     opts = options(args, profile)
@@ -151,7 +151,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def _calibrate(profile: Any, opts: Any, job: str, results: list[Any], out: Any) -> None:
     """Keep a healthy run's figures for `meshrun plan` (submit/planning/calibration.py), and say so."""
-    from submit.planning import calibration
+    from meshrun.submit.planning import calibration
 
     measured = calibration.from_results(results, job, opts.nodes)
     if measured is None:
@@ -169,10 +169,10 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     """`meshrun nodes -c CLUSTER [--clear NODE]`: the ledger of suspect nodes kept where the jobs run."""
     import time
 
-    from launcher.contract import suspects
-    from launcher.contract.nodelist import compress
-    from submit import api
-    from submit.views.tables import table
+    from meshrun.launcher.contract import suspects
+    from meshrun.launcher.contract.nodelist import compress
+    from meshrun.submit import api
+    from meshrun.submit.views.tables import table
 
     if None in args.clear:
         raise InputError(

@@ -13,8 +13,8 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-from submit.errors import InputError
-from submit.views.tables import detail_lines, status_table
+from meshrun.submit.errors import InputError
+from meshrun.submit.views.tables import detail_lines, status_table
 
 WATCH_FIRST_S, WATCH_MAX_S = 2.0, 30.0
 
@@ -27,8 +27,8 @@ def _records(args: argparse.Namespace, registry: Any) -> list[Any]:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from submit import api
-    from submit.core.registry import Registry
+    from meshrun.submit import api
+    from meshrun.submit.core.registry import Registry
 
     registry = Registry()
     if not args.jobs:
@@ -56,8 +56,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def _best_checkpoint(record: Any, clusters: Any) -> Optional[tuple[int, float]]:
     """The job's best checkpoint (checkpoint.keep_best) for its detail view: two more commands, one job only."""
-    from submit.errors import ClusterError, InputError
-    from submit.jobs.checkpoints import best_checkpoint, checkpoint_dir
+    from meshrun.submit.errors import ClusterError, InputError
+    from meshrun.submit.jobs.checkpoints import best_checkpoint, checkpoint_dir
 
     try:
         transport = clusters.transport_for(record)
@@ -70,8 +70,8 @@ def watch(records: Sequence[Any], clusters: Any, registry: Any, as_json: bool) -
     """Refresh until every job is done: one round trip per cluster each time, backing off
     (2 s, growing to 30 s) while nothing changes; a terminal is redrawn, a pipe gets changes only."""
 
-    from submit.core.state import JobState
-    from submit.views.watch import refresh, watch_end
+    from meshrun.submit.core.state import JobState
+    from meshrun.submit.views.watch import refresh, watch_end
 
     tty, interval, last = sys.stdout.isatty(), WATCH_FIRST_S, None
     while True:
@@ -107,9 +107,9 @@ def _one_job(registry: Any, job: str, cluster: Any) -> Any:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    from submit import api
-    from submit.core.registry import Registry
-    from submit.views import logs
+    from meshrun.submit import api
+    from meshrun.submit.core.registry import Registry
+    from meshrun.submit.views import logs
 
     record = _one_job(Registry(), args.job, args.cluster)
     clusters = api.Clusters()
@@ -154,8 +154,8 @@ def cmd_logs(args: argparse.Namespace) -> int:
 def _ranks_reason(transport: Any, run_dir: str) -> str:
     """The first line of the job's recorded reason (RUN_DIR/rank-error.txt: a rank's, or the batch script's when
     the ranks never started), "" when there is none."""
-    from launcher.contract.rundir import RunDir
-    from submit.textwidth import printable
+    from meshrun.launcher.contract.rundir import RunDir
+    from meshrun.submit.textwidth import printable
 
     path = RunDir(run_dir).rank_error
     if not transport.exists(path):
@@ -165,7 +165,7 @@ def _ranks_reason(transport: Any, run_dir: str) -> str:
 
 
 def _print_diagnosis(transport: Any, record: Any) -> int:
-    from submit.views import logs
+    from meshrun.submit.views import logs
 
     files = logs.fetch_diagnosis(transport, record.run_dir)
     text = logs.format_diagnosis(files, record.job_id, record.run_dir)
@@ -177,8 +177,8 @@ def _print_diagnosis(transport: Any, record: Any) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    from submit import api
-    from submit.core.registry import Registry
+    from meshrun.submit import api
+    from meshrun.submit.core.registry import Registry
 
     registry = Registry()
     records = registry.find_all(args.job, args.cluster)
@@ -197,7 +197,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_trust(args: argparse.Namespace) -> int:
-    from submit import api
+    from meshrun.submit import api
 
     api.trust(api.load_cluster(args.cluster), args.cluster, args.fingerprint, args.replace)
     return 0

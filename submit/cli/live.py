@@ -25,8 +25,8 @@ def add_parsers(verbs: Any) -> None:
 
 
 def _followed(args: argparse.Namespace, registry: Any) -> list[Any]:
-    from submit import api
-    from submit.views.watch import running_records
+    from meshrun.submit import api
+    from meshrun.submit.views.watch import running_records
 
     api.check_cluster_filter(args.cluster, registry)
     if args.jobs:
@@ -35,11 +35,11 @@ def _followed(args: argparse.Namespace, registry: Any) -> list[Any]:
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
-    from submit import api
-    from submit.config import userconfig
-    from submit.core.registry import Registry
-    from submit.errors import InputError
-    from submit.views import watch
+    from meshrun.submit import api
+    from meshrun.submit.config import userconfig
+    from meshrun.submit.core.registry import Registry
+    from meshrun.submit.errors import InputError
+    from meshrun.submit.views import watch
 
     if not args.interval > 0:
         raise InputError("--interval", args.interval, "give a positive number of seconds, e.g. 2")
@@ -57,9 +57,9 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 
 def cmd_top(args: argparse.Namespace) -> int:
-    from submit import api
-    from submit.core.registry import Registry
-    from submit.views import top
+    from meshrun.submit import api
+    from meshrun.submit.core.registry import Registry
+    from meshrun.submit.views import top
 
     registry = Registry()
     records = _followed(args, registry)

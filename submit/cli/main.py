@@ -15,20 +15,20 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
-from launcher.contract.exitcodes import EXIT_INPUT
-from launcher.contract.private import private_umask
-from launcher.contract.schema import SchemaError
-from submit.cli import checkpoints as cli_ckpt
-from submit.cli import doctor as cli_doctor
-from submit.cli import jobs as cli_jobs
-from submit.cli import live as cli_live
-from submit.cli import plan as cli_plan
-from submit.cli import tb as cli_tb
-from submit.cli.args import cluster_arg, overrides_arg, positive_int, spec_path
-from submit.cli.common import finish_wait, profile_path_of
-from submit.errors import ClusterError, FlagConflict, HostKeyError, InputError, InternalError, MeshrunError
-from submit.views import code as code_view
-from submit.views.tables import table
+from meshrun.launcher.contract.exitcodes import EXIT_INPUT
+from meshrun.launcher.contract.private import private_umask
+from meshrun.launcher.contract.schema import SchemaError
+from meshrun.submit.cli import checkpoints as cli_ckpt
+from meshrun.submit.cli import doctor as cli_doctor
+from meshrun.submit.cli import jobs as cli_jobs
+from meshrun.submit.cli import live as cli_live
+from meshrun.submit.cli import plan as cli_plan
+from meshrun.submit.cli import tb as cli_tb
+from meshrun.submit.cli.args import cluster_arg, overrides_arg, positive_int, spec_path
+from meshrun.submit.cli.common import finish_wait, profile_path_of
+from meshrun.submit.errors import ClusterError, FlagConflict, HostKeyError, InputError, InternalError, MeshrunError
+from meshrun.submit.views import code as code_view
+from meshrun.submit.views.tables import table
 
 
 def _spec_args(parser: argparse.ArgumentParser, choose: bool = False) -> None:
@@ -51,7 +51,7 @@ class _Version(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
 
     def __call__(self, parser: argparse.ArgumentParser, *_args: Any, **_kwargs: Any) -> None:
-        from submit import installed_version
+        from meshrun.submit import installed_version
 
         print(f"meshrun {installed_version()}")
         parser.exit()
@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_clusters(args: argparse.Namespace) -> int:
-    from submit.config.cluster import SHIPPED_DIR, load_profile_file, profile_files, user_dir
+    from meshrun.submit.config.cluster import SHIPPED_DIR, load_profile_file, profile_files, user_dir
 
     def source(path: Path) -> str:  # where the profile `-c NAME` reads comes from (docs/concepts/cluster-profiles.md)
         folder = path.parent.resolve()
@@ -238,7 +238,7 @@ def cmd_clusters(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace, profile: Any) -> Any:
     """Load, validate and resolve the job: every input error surfaces here, before any connection."""
-    from submit import api
+    from meshrun.submit import api
 
     return api.plan_job(args.spec, profile, args.overrides, args.sweep)
 
@@ -246,7 +246,7 @@ def _plan(args: argparse.Namespace, profile: Any) -> Any:
 def cmd_render(args: argparse.Namespace) -> int:
     """The script a submit would write, byte for byte (over SSH the login node is asked for its home);
     nothing is written on the cluster unless --upload asks for the sealed copy of the code the script runs from."""
-    from submit import api
+    from meshrun.submit import api
 
     profile = api.load_cluster(args.cluster)
     plan = _plan(args, profile)  # every input error before any connection
@@ -287,7 +287,7 @@ def _warn(lines: Sequence[str]) -> None:
 
 
 def _check_submit_flags(args: argparse.Namespace, scheduler: str) -> None:
-    from submit import api
+    from meshrun.submit import api
 
     api.check_dependencies(args.after, scheduler)
     if args.json and not args.dry_run:
@@ -303,7 +303,7 @@ def _check_submit_flags(args: argparse.Namespace, scheduler: str) -> None:
 
 def print_request(prepared: Any, as_json: bool) -> None:
     """`submit --dry-run`: the request exactly as it would be sent."""
-    from submit.planning.plan import describe
+    from meshrun.submit.planning.plan import describe
 
     plan, request = prepared.plan, prepared.request
     code = code_view.summary(prepared.code)
@@ -336,7 +336,7 @@ def _write_script(output: Optional[Path], script: str) -> None:
 
 def write_output(path: Path, text: str) -> None:
     """-o PATH: the file, or one line naming the flag, the path and what to do (never an errno traceback)."""
-    from submit.jobs.checkpoints import check_output  # export's -o check: a file in a folder that exists
+    from meshrun.submit.jobs.checkpoints import check_output  # export's -o check: a file in a folder that exists
 
     path = check_output(path, example="job.sbatch")
     try:
@@ -346,8 +346,8 @@ def write_output(path: Path, text: str) -> None:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from submit import api
-    from submit.jobs.doctor import with_exclude
+    from meshrun.submit import api
+    from meshrun.submit.jobs.doctor import with_exclude
 
     asked = api.clusters_asked(args.cluster)
     if asked is not None:
@@ -370,9 +370,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace, profile: Any, plan: Any) -> int:
-    from submit import api
-    from submit.core.registry import Registry
-    from submit.views.progress import ProgressBar
+    from meshrun.submit import api
+    from meshrun.submit.core.registry import Registry
+    from meshrun.submit.views.progress import ProgressBar
 
     clusters = api.Clusters()
     try:
@@ -423,7 +423,7 @@ def _submit(args: argparse.Namespace, profile: Any, plan: Any) -> int:
 def _submit_soonest(args: argparse.Namespace, asked: list[str]) -> int:
     """`submit -c any` / `-c a,b`: ask each cluster (and partition) when the job would start, print the table
     that decides, and submit to the soonest (with --dry-run or --check: only the table)."""
-    from submit import api
+    from meshrun.submit import api
 
     for flag, given in (("--sweep", args.sweep), ("--exclude", args.exclude), ("--after", args.after)):
         if given:
@@ -467,7 +467,7 @@ def _step_and_finish(candidate: Any) -> tuple[str, str]:
     at that pace ("+2h05m" after a start of "now"); "?" where the step time is unknown."""
     import datetime as dt
 
-    from submit.views.tables import span
+    from meshrun.submit.views.tables import span
 
     if candidate.step_s is None or candidate.run_s is None:
         return "?", "?"
@@ -520,11 +520,13 @@ def _print_submitted(plan: Any, records: Sequence[Any]) -> None:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    """Runs `python -m launcher.data.corpus`, which checks every option (one line, exit 2) and builds: the
+    """Runs `python -m meshrun.launcher.data.corpus`, which checks every option (one line, exit 2) and builds: the
     caller's side imports only launcher's torch-free contract."""
     import subprocess
 
-    from launcher.contract.spec import DEFAULT_DATA_PATH  # here: the spec module is not every verb's start-up cost
+    from meshrun.launcher.contract.spec import (
+        DEFAULT_DATA_PATH,  # here: the spec module is not every verb's start-up cost
+    )
 
     out = args.out if args.out is not None else Path(DEFAULT_DATA_PATH)
     if out.expanduser().is_dir():  # before anything is written (the build writes OUT.val beside OUT)
@@ -543,7 +545,7 @@ def cmd_data(args: argparse.Namespace) -> int:
     ]
     flags = [f"{flag}={value}" for flag, value in options if value is not None]
     # "--" ends the options: an input named like a flag is still a path.
-    argv = [sys.executable, "-m", "launcher.data.corpus", *flags, "--", str(out.expanduser()), *inputs]
+    argv = [sys.executable, "-m", "meshrun.launcher.data.corpus", *flags, "--", str(out.expanduser()), *inputs]
     return subprocess.run(argv, check=False).returncode
 
 
@@ -576,7 +578,7 @@ VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 def _suggest_a_verb(parser: argparse.ArgumentParser, argv: list[str]) -> None:
     """A mistyped verb gets the nearest one, as a mistyped spec key does (argparse lists them all)."""
-    from launcher.contract.schema import closest
+    from meshrun.launcher.contract.schema import closest
 
     verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     first = next((word for word in argv if not word.startswith("-")), None)

@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from submit.cli.args import cluster_arg, overrides_arg
-from submit.errors import InputError
+from meshrun.submit.cli.args import cluster_arg, overrides_arg
+from meshrun.submit.errors import InputError
 
 
 def add_parsers(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -38,7 +38,7 @@ GIB = 2**30
 
 def _size(n: float) -> str:
     """GiB, or MiB below a tenth of one (a small job's parts all read 0.0 GiB otherwise)."""
-    from submit.planning.estimate import gib
+    from meshrun.submit.planning.estimate import gib
 
     return gib(n) if n >= GIB / 10 or n == 0 else f"{n / 2**20:.1f} MiB"
 
@@ -60,7 +60,7 @@ def _choice_json(choice: Any, spec: Any) -> Optional[dict[str, Any]]:
 
 def _usable(partition: Any) -> Optional[int]:
     """The partition's GPU memory less the headroom; None where it is unknown (a CPU partition, an unknown GPU)."""
-    from submit.planning import estimate, recommend
+    from meshrun.submit.planning import estimate, recommend
 
     memory = recommend.gpu_memory(partition) if partition is not None and partition.gpus_per_node else None
     return estimate.usable_bytes(memory) if memory else None
@@ -69,8 +69,8 @@ def _usable(partition: Any) -> Optional[int]:
 def build(spec: Any, cluster: Any, partition: Any) -> dict[str, Any]:
     """The plan's JSON object (docs/guides/plan-and-doctor.md documents every key). Where `meshrun doctor`
     measured a partition (submit/planning/calibration.py), its figures time the job instead of the datasheet's."""
-    from launcher.contract.modelshape import param_count
-    from submit.planning import calibration, estimate, recommend, steptime
+    from meshrun.launcher.contract.modelshape import param_count
+    from meshrun.submit.planning import calibration, estimate, recommend, steptime
 
     memory = estimate.memory_per_gpu(spec)
     measured = calibration.load_all(cluster.name)
@@ -133,9 +133,9 @@ def _speed(obj: dict[str, Any]) -> str:
 
 def render(out: dict[str, Any], spec: Any) -> str:
     """The plan for a person."""
-    from submit.planning.estimate import CONTEXT_BYTES, FRAGMENTATION, HEADROOM
-    from submit.planning.estimate import gib as _gib
-    from submit.views.tables import table
+    from meshrun.submit.planning.estimate import CONTEXT_BYTES, FRAGMENTATION, HEADROOM
+    from meshrun.submit.planning.estimate import gib as _gib
+    from meshrun.submit.views.tables import table
 
     m, t, p, res = spec.trainer.model, spec.trainer, spec.parallel, spec.resources
     on_cpu = not res.gpus_per_node  # ranks on CPU cores: the estimate is of each rank's host memory
@@ -206,7 +206,7 @@ def render(out: dict[str, Any], spec: Any) -> str:
 
 
 def _run_line(out: dict[str, Any], spec: Any) -> str:
-    from submit.views.tables import span
+    from meshrun.submit.views.tables import span
 
     res = spec.resources
     line = f"run: {spec.trainer.steps} steps in {span(out['run_s'])}"
@@ -220,8 +220,8 @@ def _run_line(out: dict[str, Any], spec: Any) -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from submit import api
-    from submit.planning.plan import REMOTE_HOME
+    from meshrun.submit import api
+    from meshrun.submit.planning.plan import REMOTE_HOME
 
     profile = api.load_cluster(args.cluster)
     plan = api.plan_job(args.spec, profile, args.overrides, home=REMOTE_HOME)  # the same checks as submit
@@ -233,7 +233,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         )
     out = build(plan.spec, profile, plan.partition)
     if args.mesh:
-        from submit.planning import meshcheck
+        from meshrun.submit.planning import meshcheck
 
         out["mesh"] = meshcheck.summary(plan.spec)
     if args.json:

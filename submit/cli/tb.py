@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any, NoReturn, Sequence, TextIO
 
-from submit.errors import InputError
+from meshrun.submit.errors import InputError
 
 TEARDOWN_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 """A kill, or the terminal closing: torn down like Ctrl-C."""
@@ -57,9 +57,9 @@ def cmd_tb(args: argparse.Namespace) -> int:
         return _cmd_stop(args)
     if not args.jobs:
         raise InputError("JOB", "", "give the ids of the jobs to show (or --stop to stop a TensorBoard left running)")
-    from submit import api
-    from submit.core.registry import Registry
-    from submit.views import tensorboard
+    from meshrun.submit import api
+    from meshrun.submit.core.registry import Registry
+    from meshrun.submit.views import tensorboard
 
     tensorboard.check_local_port(args.port)  # before anything starts on the cluster
     records = _tb_records(Registry(), args.jobs, args.cluster)
@@ -133,7 +133,7 @@ def _start_deferring_stops(tensorboard: Any, transport: Any, profile: Any, runs:
     """The helper's start, with Ctrl-C, SIGTERM and SIGHUP held until it answers: one arriving after the helper
     claimed the server but before its answer was read would leave a server nobody stops (it stops itself only
     when unclaimed). Returns the server and whether a stop arrived meanwhile (the caller then stops it)."""
-    from submit.errors import ClusterError
+    from meshrun.submit.errors import ClusterError
 
     arrived: list[int] = []
     held = (signal.SIGINT, *TEARDOWN_SIGNALS)
@@ -182,14 +182,14 @@ def _tb_records(registry: Any, jobs: Sequence[str], cluster: Any) -> list[Any]:
 
 def _place(profile: Any) -> str:
     """Where the server runs, as the user knows it: a `local` cluster's is on this machine."""
-    from submit import api
+    from meshrun.submit import api
 
     return "on the login node" if api.reaches_other_machines(profile.scheduler) else "on this machine"
 
 
 def _stop_board(clusters: Any, record: Any, board: Any) -> None:
-    from submit.errors import MeshrunError
-    from submit.views import tensorboard
+    from meshrun.submit.errors import MeshrunError
+    from meshrun.submit.views import tensorboard
 
     profile = clusters.profile_for(record)
     place = _place(profile)
@@ -212,9 +212,9 @@ def _stop_board(clusters: Any, record: Any, board: Any) -> None:
 
 def _cmd_stop(args: argparse.Namespace) -> int:
     """`meshrun tb --stop JOB...` (servers showing any of the jobs) or `--stop -c CLUSTER` (all of yours there)."""
-    from submit import api
-    from submit.core.registry import Registry
-    from submit.views import tensorboard
+    from meshrun.submit import api
+    from meshrun.submit.core.registry import Registry
+    from meshrun.submit.views import tensorboard
 
     clusters = api.Clusters()
     try:

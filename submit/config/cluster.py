@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Mapping, Optional, Sequence
 
-from launcher.contract import schema
-from launcher.contract.schema import SchemaError
-from launcher.contract.secrets import ENV_KEY
-from submit.config.resources import shipped_profiles_dir
-from submit.config.yamlfile import YamlDoc
-from submit.errors import InputError
-from submit.folders import config_dir
+from meshrun.launcher.contract import schema
+from meshrun.launcher.contract.schema import SchemaError
+from meshrun.launcher.contract.secrets import ENV_KEY
+from meshrun.submit.config.resources import shipped_profiles_dir
+from meshrun.submit.config.yamlfile import YamlDoc
+from meshrun.submit.errors import InputError
+from meshrun.submit.folders import config_dir
 
 SHIPPED_DIR = shipped_profiles_dir()  # package data: a wheel's or a checkout's cluster_configs/
 PROFILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")

@@ -1,7 +1,7 @@
 """What meshrun ships besides code: the batch-script templates and the cluster profiles.
 
 They live at the repo's top level (templates/, cluster_configs/) and install as the
-data-only packages `submit.templates` and `submit.cluster_configs` (pyproject's
+data-only packages `meshrun.templates` and `meshrun.cluster_configs` (pyproject's
 package-dir): found beside the package's __init__.py, from a wheel and from the editable install of a
 checkout alike (through importlib.resources where the package is not a folder on disk).
 """
@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Optional
 if TYPE_CHECKING:
     from importlib.abc import Traversable  # importlib.resources.abc only from Python 3.11
 
-TEMPLATES = "submit.templates"
-PROFILES = "submit.cluster_configs"
+TEMPLATES = "meshrun.templates"
+PROFILES = "meshrun.cluster_configs"
 
 
 class NotInstalledError(RuntimeError):

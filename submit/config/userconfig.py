@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from launcher.contract import schema
-from submit.config.yamlfile import YamlDoc
-from submit.folders import config_dir
+from meshrun.launcher.contract import schema
+from meshrun.submit.config.yamlfile import YamlDoc
+from meshrun.submit.folders import config_dir
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ from typing import Any
 
 import yaml
 
-from launcher.contract import schema
-from submit.errors import InputError
-from submit.textwidth import printable
+from meshrun.launcher.contract import schema
+from meshrun.submit.errors import InputError
+from meshrun.submit.textwidth import printable
 
 # libyaml's parser when present: several times faster than the pure-Python one.
 _BaseLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)

@@ -17,10 +17,10 @@ import posixpath
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
-from launcher.contract import dsconfig, energy
-from launcher.contract.envcheck import env_mismatches, newest_run, parse_record
-from launcher.contract.rundir import RunDir
-from submit.core.usage import usage
+from meshrun.launcher.contract import dsconfig, energy
+from meshrun.launcher.contract.envcheck import env_mismatches, newest_run, parse_record
+from meshrun.launcher.contract.rundir import RunDir
+from meshrun.submit.core.usage import usage
 
 CAP_BYTES = 65536
 """Read at most this much of each file: a status of many jobs stays small whatever a sidecar wrote."""
@@ -385,7 +385,7 @@ def _json_lines(text: Optional[str]) -> list[dict[str, Any]]:
 
 def parse_alerts(text: Optional[str]) -> list[dict[str, Any]]:
     """alerts.jsonl's records (launcher/contract/alerts.py), oldest first; a record naming no known rule is left out."""
-    from launcher.contract.alerts import RULES
+    from meshrun.launcher.contract.alerts import RULES
 
     return [row for row in _json_lines(text) if row.get("rule") in RULES]
 

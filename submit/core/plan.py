@@ -10,10 +10,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from launcher.contract import schema
-from launcher.contract.spec import JobSpec, RunSpec
-from submit.config.cluster import ClusterProfile, Partition
-from submit.errors import InputError
+from meshrun.launcher.contract import schema
+from meshrun.launcher.contract.spec import JobSpec, RunSpec
+from meshrun.submit.config.cluster import ClusterProfile, Partition
+from meshrun.submit.errors import InputError
 
 _TIME = re.compile(r"(?:(?P<d>[0-9]+)-)?(?P<rest>[0-9]+(?::[0-9]+){0,2})")
 

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from launcher.contract.private import make_private_dir
-from submit.core.state import JobState
-from submit.errors import InputError, JobNotFound
-from submit.folders import state_dir
+from meshrun.launcher.contract.private import make_private_dir
+from meshrun.submit.core.state import JobState
+from meshrun.submit.errors import InputError, JobNotFound
+from meshrun.submit.folders import state_dir
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (

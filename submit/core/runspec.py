@@ -3,11 +3,11 @@ a restart's secrets learn the job from."""
 
 from __future__ import annotations
 
-from launcher.contract.rundir import RunDir
-from launcher.contract.spec import RunSpec, SpecFileError, loads_run_spec
-from submit.core.registry import JobRecord
-from submit.errors import ClusterError, InputError
-from submit.transport.base import Transport
+from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.spec import RunSpec, SpecFileError, loads_run_spec
+from meshrun.submit.core.registry import JobRecord
+from meshrun.submit.errors import ClusterError, InputError
+from meshrun.submit.transport.base import Transport
 
 
 def read_run_spec(record: JobRecord, transport: Transport) -> RunSpec:

@@ -17,15 +17,15 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-from launcher.contract import secrets as ls
-from launcher.contract.schema import SchemaError
-from submit.errors import InputError
-from submit.transport.base import Upload
+from meshrun.launcher.contract import secrets as ls
+from meshrun.launcher.contract.schema import SchemaError
+from meshrun.submit.errors import InputError
+from meshrun.submit.transport.base import Upload
 
 if TYPE_CHECKING:
-    from launcher.contract.spec import JobSpec, RunSpec
-    from submit.config.cluster import ClusterProfile
-    from submit.transport.base import Transport
+    from meshrun.launcher.contract.spec import JobSpec, RunSpec
+    from meshrun.submit.config.cluster import ClusterProfile
+    from meshrun.submit.transport.base import Transport
 
 
 def check(spec: JobSpec, cluster: ClusterProfile, visible: bool) -> None:

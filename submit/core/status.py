@@ -17,11 +17,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
-from launcher.contract.rundir import RunDir
-from submit.core.registry import JobRecord, Registry
-from submit.core.state import FINAL, SUCCESS, JobState
-from submit.errors import ConnectionLost, MeshrunError
-from submit.transport.base import Transport
+from meshrun.launcher.contract.rundir import RunDir
+from meshrun.submit.core.registry import JobRecord, Registry
+from meshrun.submit.core.state import FINAL, SUCCESS, JobState
+from meshrun.submit.errors import ConnectionLost, MeshrunError
+from meshrun.submit.transport.base import Transport
 
 METRICS_FILE = RunDir.METRICS
 
@@ -130,7 +130,7 @@ def parse_metrics_tail(text: str, job_id: Optional[str] = None) -> dict[str, Any
         if isinstance(step, int) and not isinstance(step, bool) and not row.get("staged"):
             checkpoint = step if checkpoint is None else max(checkpoint, step)
         if not found and stopped is None and row.get("event") == "stopped" and isinstance(row.get("why"), str):
-            stopped = row["why"]  # a stop that was no finish (launcher.requeue), with no step line after it
+            stopped = row["why"]  # a stop that was no finish (meshrun.launcher.requeue), with no step line after it
         if not found and "event" not in row:
             found = row
         if validated is None and "val_loss" in row and "event" not in row:

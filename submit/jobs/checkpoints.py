@@ -3,7 +3,7 @@
 resume starts the job's own script again in the same run dir (a new Slurm job, or a
 new local supervisor); the ranks find the newest complete checkpoint themselves. It
 also clears the crash-loop guard's count: a person deciding to go on is new evidence.
-export runs `python -m launcher.export` where the checkpoint is (this machine for a
+export runs `python -m meshrun.launcher.export` where the checkpoint is (this machine for a
 local transport; the login node over SSH, then downloads the file, or the folder's files for --format hf).
 """
 
@@ -19,14 +19,14 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from launcher.contract import hfnames
-from launcher.contract.rundir import ATTEMPTS_FILE, RunDir
-from launcher.contract.spec import RunSpec
-from submit.core.registry import JobRecord, Registry, now
-from submit.core.runspec import read_run_spec
-from submit.core.state import JobState
-from submit.errors import ClusterError, InputError
-from submit.transport.base import Result, Transport
+from meshrun.launcher.contract import hfnames
+from meshrun.launcher.contract.rundir import ATTEMPTS_FILE, RunDir
+from meshrun.launcher.contract.spec import RunSpec
+from meshrun.submit.core.registry import JobRecord, Registry, now
+from meshrun.submit.core.runspec import read_run_spec
+from meshrun.submit.core.state import JobState
+from meshrun.submit.errors import ClusterError, InputError
+from meshrun.submit.transport.base import Result, Transport
 
 RESUME_SETTABLE = (
     "train.steps",
@@ -53,8 +53,8 @@ def checkpoint_dir(record: JobRecord, transport: Transport) -> str:
 
 def with_overrides(run_spec: RunSpec, overrides: Sequence[str]) -> RunSpec:
     """The run spec with `resume --set` applied (validated like a submit's); only RESUME_SETTABLE keys."""
-    from launcher.contract import schema
-    from launcher.contract.spec import JobSpec, check_ranges
+    from meshrun.launcher.contract import schema
+    from meshrun.launcher.contract.spec import JobSpec, check_ranges
 
     for item in overrides:
         key = item.partition("=")[0].strip()
@@ -111,7 +111,7 @@ def resume(
     else:
         check_steps_left(changed, root, transport)
     if overrides:
-        from launcher.contract.spec import dumps_run_spec
+        from meshrun.launcher.contract.spec import dumps_run_spec
 
         transport.write_text(RunDir(record.run_dir).spec, dumps_run_spec(changed))
     transport.run(["rm", "-f", "--", f"{root}/{ATTEMPTS_FILE}"]).check("rm")
@@ -172,7 +172,7 @@ def _remote_script(setup: tuple[str, ...], python: str, argv: list[str], code: O
 
 
 MARKER = "meshrun-complete.json"
-"""launcher.checkpoint.commit.MARKER (a unit test keeps them equal: submit imports only launcher's contract)."""
+"""meshrun.launcher.checkpoint.commit.MARKER (a unit test keeps them equal: submit imports only launcher's contract)."""
 _VAL_LOSS = re.compile(r"/step-(\d{8,})/" + re.escape(MARKER) + r':"val_loss": ([-+0-9.eE]+)$')
 
 
@@ -197,7 +197,7 @@ def check_step(step: int, complete: Sequence[int], root: str) -> None:
 
 def last_saved_step(record: JobRecord, transport: Transport) -> Optional[int]:
     """The newest checkpoint step the job's ranks reported saving (on scratch or shared storage), if any."""
-    from launcher.contract.lost import saved_steps
+    from meshrun.launcher.contract.lost import saved_steps
 
     path = RunDir(record.run_dir).metrics
     try:
@@ -266,7 +266,7 @@ def best_checkpoint(transport: Transport, root: str) -> Optional[tuple[int, floa
                 found[int(match.group(1))] = value
     if not found:
         return None
-    step = min(found, key=lambda s: (found[s], -s))  # as launcher.checkpoint.commit.lowest_val_loss
+    step = min(found, key=lambda s: (found[s], -s))  # as meshrun.launcher.checkpoint.commit.lowest_val_loss
     return step, found[step]
 
 
@@ -322,7 +322,7 @@ def export(
     if step is not None and not best:
         check_step(step, complete_steps(transport, root), root)
     ckpt = root if step is None else f"{root}/step-{step:08d}"
-    args = ["-m", "launcher.export", ckpt]
+    args = ["-m", "meshrun.launcher.export", ckpt]
     options = ["--format", fmt, "--max-shard-size", max_shard_size]
     if profile.ssh is None:
         done = transport.run([sys.executable, *args, str(out), *options], timeout=3600)

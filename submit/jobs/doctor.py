@@ -1,6 +1,6 @@
 """`meshrun doctor`: the preflight job's spec, and the pass/warn/fail verdict per node from its results.
 
-The job is an ordinary `command:` job (`python -m launcher.probes.doctor` on every rank: one per GPU, or two per
+The job is an ordinary `command:` job (`python -m meshrun.launcher.probes.doctor` on every rank: one per GPU, or two per
 node on a CPU cluster) that goes through the normal submission path. Each rank writes
 RUN_DIR/doctor/rank-N.json (launcher/probes/doctor.py); `judge` turns those files into one row per node. Pure:
 no cluster is touched here (submit/cli/doctor.py submits, waits and reads).
@@ -12,10 +12,10 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Literal, Mapping, Optional, Sequence
 
-from launcher.contract.gpus import peak_tflops
-from launcher.contract.nodelist import compress
-from submit.config.cluster import ClusterProfile, Interconnect, Partition, check_node_names
-from submit.errors import InputError
+from meshrun.launcher.contract.gpus import peak_tflops
+from meshrun.launcher.contract.nodelist import compress
+from meshrun.submit.config.cluster import ClusterProfile, Interconnect, Partition, check_node_names
+from meshrun.submit.errors import InputError
 
 Verdict = Literal["pass", "warn", "fail", "skip"]
 RANK_ORDER = {"skip": 0, "pass": 1, "warn": 2, "fail": 3}
@@ -51,7 +51,7 @@ class Options:
 def job_spec(profile: ClusterProfile, opts: Options) -> dict[str, Any]:
     """The doctor job as a spec mapping (validated by the normal planner)."""
     tasks = opts.gpus_per_node or 2
-    command = [profile.python, "-m", "launcher.probes.doctor", "--storage-mib", str(opts.storage_mib)]
+    command = [profile.python, "-m", "meshrun.launcher.probes.doctor", "--storage-mib", str(opts.storage_mib)]
     if opts.data:
         command += ["--data", opts.data]
     return {

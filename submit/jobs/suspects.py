@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Sequence
 
-from launcher.contract import suspects
-from submit.config.cluster import check_node_names
-from submit.transport.base import Transport
+from meshrun.launcher.contract import suspects
+from meshrun.submit.config.cluster import check_node_names
+from meshrun.submit.transport.base import Transport
 
 READ_BYTES = 1 << 20
 """The ledger's newest this many bytes are read (a torn first line is skipped)."""

@@ -18,10 +18,10 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Sequence
 
-from launcher.contract.modelshape import layer_elements, layer_flops_per_token
-from launcher.contract.rundir import write_json
-from launcher.contract.spec import Model
-from submit.folders import state_dir
+from meshrun.launcher.contract.modelshape import layer_elements, layer_flops_per_token
+from meshrun.launcher.contract.rundir import write_json
+from meshrun.launcher.contract.spec import Model
+from meshrun.submit.folders import state_dir
 
 Kind = Literal["gpu", "cpu"]
 

@@ -3,7 +3,7 @@
 Torch-free glue: the counting (launcher/probes/meshcount.py: the real model on the meta device, split by the
 real parallel code in a fake world of the job's size) needs torch, which the caller's side never
 imports. So it runs in a subprocess of the job's interpreter, gets the resolved JobSpec as JSON on stdin,
-and answers one JSON line; this module turns that into the planner's StageBytes (submit.planning.estimate), so
+and answers one JSON line; this module turns that into the planner's StageBytes (meshrun.submit.planning.estimate), so
 the two answers compare field by field.
 """
 
@@ -15,19 +15,19 @@ import sys
 import time
 from typing import Any, Sequence
 
-from launcher.contract.exitcodes import EXIT_INPUT
-from launcher.contract.modelshape import StageBytes
-from launcher.contract.schema import to_plain
-from launcher.contract.spec import JobSpec
-from submit.errors import ClusterError, InputError, InternalError
+from meshrun.launcher.contract.exitcodes import EXIT_INPUT
+from meshrun.launcher.contract.modelshape import StageBytes
+from meshrun.launcher.contract.schema import to_plain
+from meshrun.launcher.contract.spec import JobSpec
+from meshrun.submit.errors import ClusterError, InputError, InternalError
 
 TIMEOUT_S = 600.0
 """A 8,192-rank 70B count takes seconds; minutes mean something is wrong."""
 
 
 def argv(python: str) -> list[str]:
-    """The command that counts: the job's interpreter running launcher.probes.meshcount."""
-    return [python, "-m", "launcher.probes.meshcount"]
+    """The command that counts: the job's interpreter running meshrun.launcher.probes.meshcount."""
+    return [python, "-m", "meshrun.launcher.probes.meshcount"]
 
 
 def run(spec: JobSpec, python: str = sys.executable, timeout: float = TIMEOUT_S) -> list[StageBytes]:
@@ -52,14 +52,16 @@ def run(spec: JobSpec, python: str = sys.executable, timeout: float = TIMEOUT_S)
 
 
 def parse(stdout: str) -> list[StageBytes]:
-    """StageBytes from launcher.probes.meshcount's JSON line (the last line of its output)."""
+    """StageBytes from meshrun.launcher.probes.meshcount's JSON line (the last line of its output)."""
     try:
         data = json.loads(stdout.strip().splitlines()[-1])
         return [
             StageBytes(int(s["stage"]), int(s["params"]), int(s["grads"]), int(s["optimizer"])) for s in data["stages"]
         ]
     except (ValueError, IndexError, KeyError, TypeError) as exc:
-        raise InternalError(f"launcher.probes.meshcount printed {stdout[-200:]!r}, not its JSON ({exc})") from None
+        raise InternalError(
+            f"meshrun.launcher.probes.meshcount printed {stdout[-200:]!r}, not its JSON ({exc})"
+        ) from None
 
 
 def _input_error(stdout: str, stderr: str) -> InputError:
@@ -96,7 +98,7 @@ FIELDS = ("params", "grads", "optimizer")
 def summary(spec: JobSpec, python: str = sys.executable) -> dict[str, Any]:
     """`meshrun plan --mesh`'s "mesh" object: per stage the counted bytes beside the planner's, the largest
     relative difference, whether all agree within AGREEMENT, and the dry run's wall time."""
-    from submit.planning.estimate import model_state_bytes
+    from meshrun.submit.planning.estimate import model_state_bytes
 
     started = time.perf_counter()
     counted = run(spec, python)

@@ -13,18 +13,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from launcher.contract import dsconfig, presets, schema, suspects, tokens
-from launcher.contract.nodelist import compress
-from launcher.contract.rundir import RunDir
-from launcher.contract.schema import SchemaError
-from launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, check_ranges
-from submit import __version__
-from submit.config.cluster import ClusterProfile, Partition, check_node_names
-from submit.config.yamlfile import YamlDoc
-from submit.core import secrets as job_secrets
-from submit.core.plan import Plan, parse_time
-from submit.errors import InputError
-from submit.textwidth import slug
+from meshrun.launcher.contract import dsconfig, presets, schema, suspects, tokens
+from meshrun.launcher.contract.nodelist import compress
+from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.schema import SchemaError
+from meshrun.launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, check_ranges
+from meshrun.submit import __version__
+from meshrun.submit.config.cluster import ClusterProfile, Partition, check_node_names
+from meshrun.submit.config.yamlfile import YamlDoc
+from meshrun.submit.core import secrets as job_secrets
+from meshrun.submit.core.plan import Plan, parse_time
+from meshrun.submit.errors import InputError
+from meshrun.submit.textwidth import slug
 
 SchedulerCheck = Callable[[JobSpec, ClusterProfile], None]
 """A scheduler's own plan-time checks of a spec on a profile (its backend's `check`; InputError), handed in by
@@ -196,8 +196,8 @@ def check_fit(plan: Plan) -> None:
     """Refuse a GPU trainer job whose estimated memory per GPU exceeds its partition's (submit; --force skips
     this): one line with the plan's numbers and the nearest layout that fits (submit/planning/recommend.py).
     CPU jobs, command jobs and partitions of unknown GPU memory are never refused."""
-    from submit.planning import estimate, recommend
-    from submit.planning.estimate import gib as _gib
+    from meshrun.submit.planning import estimate, recommend
+    from meshrun.submit.planning.estimate import gib as _gib
 
     part = plan.partition
     specs = [task.run_spec.job for task in plan.tasks] or [plan.spec]
@@ -243,7 +243,7 @@ def check_files(plan: Plan) -> None:
     """The files the ranks will read (data, init weights) exist, where this machine sees their filesystem
     (the local cluster, a login node; not a laptop: over SSH the ranks check when they start). At submit
     time, beside check_fit: planning and rendering a job need no data."""
-    from launcher.contract import weights  # here: only a submit reads init weights' headers (render never does)
+    from meshrun.launcher.contract import weights  # here: only a submit reads init weights' headers (render never does)
 
     home = os.path.expanduser("~")
     tokens.check_data_files(plan.spec, home)
@@ -278,7 +278,7 @@ def make_plan(
     ckpt_root = cluster.paths.checkpoint_root and expand_home(cluster.paths.checkpoint_root, home)
     ckpt_dir = f"{ckpt_root.rstrip('/')}/{Path(run_dir).name}" if ckpt_root else f"{run_dir}/checkpoints"
     # Node-local, and often shared by every user of the node: one private folder per user ($USER, like
-    # `~`, is expanded on the node itself: launcher.contract.rundir.expand_node_path), one per run inside it.
+    # `~`, is expanded on the node itself: meshrun.launcher.contract.rundir.expand_node_path), one per run inside it.
     scratch = cluster.paths.scratch
     scratch_dir = f"{scratch.rstrip('/')}/meshrun-$USER/{Path(run_dir).name}" if scratch else ""
     info = RunInfo(

@@ -12,14 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
-from launcher.contract import dsconfig
-from launcher.contract.gpus import memory_bandwidth_gbs, memory_gb, peak_tflops
-from launcher.contract.parallel_dims import ParallelDims
-from launcher.contract.spec import JobSpec, Prediction
-from submit.config.cluster import ClusterProfile, Partition
-from submit.planning.calibration import Calibration, load_all
-from submit.planning.estimate import Memory, fits, memory_per_gpu
-from submit.planning.steptime import CPU_MEMORY_GBS, GEMM_EFFICIENCY, Hardware, StepTime, prediction, step_time
+from meshrun.launcher.contract import dsconfig
+from meshrun.launcher.contract.gpus import memory_bandwidth_gbs, memory_gb, peak_tflops
+from meshrun.launcher.contract.parallel_dims import ParallelDims
+from meshrun.launcher.contract.spec import JobSpec, Prediction
+from meshrun.submit.config.cluster import ClusterProfile, Partition
+from meshrun.submit.planning.calibration import Calibration, load_all
+from meshrun.submit.planning.estimate import Memory, fits, memory_per_gpu
+from meshrun.submit.planning.steptime import CPU_MEMORY_GBS, GEMM_EFFICIENCY, Hardware, StepTime, prediction, step_time
 
 MAX_MICRO_BATCH = 64
 """The largest micro-batch the search tries."""

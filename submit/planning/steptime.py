@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from launcher.contract import dsconfig
-from launcher.contract.gpus import FP32_FRACTION
-from launcher.contract.modelshape import ModelPart, flops_per_token, layer_elements
-from launcher.contract.spec import JobSpec, Prediction
-from submit.config.cluster import Cost
-from submit.planning.estimate import cdiv, local_params, mixed
+from meshrun.launcher.contract import dsconfig
+from meshrun.launcher.contract.gpus import FP32_FRACTION
+from meshrun.launcher.contract.modelshape import ModelPart, flops_per_token, layer_elements
+from meshrun.launcher.contract.spec import JobSpec, Prediction
+from meshrun.submit.config.cluster import Cost
+from meshrun.submit.planning.estimate import cdiv, local_params, mixed
 
 COMPUTE_EFFICIENCY = 0.5
 """Share of the GPU's dense peak the model's matmuls reach between communications (large-model training on

@@ -13,10 +13,10 @@ import itertools
 from pathlib import Path
 from typing import Optional, Sequence
 
-from submit.config.cluster import ClusterProfile
-from submit.core.plan import Plan, Task
-from submit.errors import InputError
-from submit.planning.plan import SchedulerCheck, plan_file
+from meshrun.submit.config.cluster import ClusterProfile
+from meshrun.submit.core.plan import Plan, Task
+from meshrun.submit.errors import InputError
+from meshrun.submit.planning.plan import SchedulerCheck, plan_file
 
 # One array is one shape: keys that change the sbatch script itself cannot be swept.
 _FIXED = ("name", "resources", "code")

@@ -11,13 +11,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from submit.errors import InputError
+from meshrun.submit.errors import InputError
 
 if TYPE_CHECKING:
-    from submit.config.cluster import ClusterProfile
-    from submit.schedulers.base import Backend
+    from meshrun.submit.config.cluster import ClusterProfile
+    from meshrun.submit.schedulers.base import Backend
 
-_MODULES = {"slurm": "submit.schedulers.slurm", "local": "submit.schedulers.local"}
+_MODULES = {"slurm": "meshrun.submit.schedulers.slurm", "local": "meshrun.submit.schedulers.local"}
 NAMES = tuple(_MODULES)
 _loaded: dict[str, Backend] = {}
 

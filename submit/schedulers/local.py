@@ -2,7 +2,7 @@
 
 schedule writes the run dir and starts the rendered run.sh detached, in a session of
 its own, with MESHRUN_JOB_ID set; run.sh execs the node side, `python -m
-launcher.supervisor` (what sbatch + srun are on Slurm). Each job id has its own state
+meshrun.launcher.supervisor` (what sbatch + srun are on Slurm). Each job id has its own state
 file in the run dir's `.meshrun/jobs/`, so a resumed run never rewrites an earlier id's
 outcome. Two writers in one run dir are impossible: a start (or resume) is refused while
 any process of an earlier job of that run dir lives, even when its supervisor was
@@ -23,21 +23,21 @@ import time
 from types import MappingProxyType
 from typing import Any, Mapping, Optional, Sequence
 
-from launcher.contract import procs
-from launcher.contract.private import make_private_dir
-from launcher.contract.rundir import JOB_ID_ENV, RunDir, local_state_path, merge_state, read_state
-from launcher.contract.spec import JobSpec
-from submit.config.cluster import ClusterProfile
-from submit.core import findings
-from submit.core import secrets as job_secrets
-from submit.core.plan import Plan
-from submit.core.registry import JobRecord, now
-from submit.core.runspec import read_run_spec
-from submit.core.state import FINAL, SUCCESS, JobState
-from submit.core.status import Status, metrics_tail, parse_losses, parse_metrics_tail
-from submit.errors import ClusterError, InputError
-from submit.schedulers.base import Request, run_dir_files, secret_files, start_argv
-from submit.transport.base import Transport
+from meshrun.launcher.contract import procs
+from meshrun.launcher.contract.private import make_private_dir
+from meshrun.launcher.contract.rundir import JOB_ID_ENV, RunDir, local_state_path, merge_state, read_state
+from meshrun.launcher.contract.spec import JobSpec
+from meshrun.submit.config.cluster import ClusterProfile
+from meshrun.submit.core import findings
+from meshrun.submit.core import secrets as job_secrets
+from meshrun.submit.core.plan import Plan
+from meshrun.submit.core.registry import JobRecord, now
+from meshrun.submit.core.runspec import read_run_spec
+from meshrun.submit.core.state import FINAL, SUCCESS, JobState
+from meshrun.submit.core.status import Status, metrics_tail, parse_losses, parse_metrics_tail
+from meshrun.submit.errors import ClusterError, InputError
+from meshrun.submit.schedulers.base import Request, run_dir_files, secret_files, start_argv
+from meshrun.submit.transport.base import Transport
 
 ACTIVE = ("PENDING", "RUNNING")
 """The state file's words while the job's processes may run."""
@@ -86,7 +86,7 @@ class LocalBackend:
             )
 
     def dryrun(self, plan: Plan, after: Sequence[str] = ()) -> Request:
-        from submit.schedulers.render import render
+        from meshrun.submit.schedulers.render import render
 
         if after:
             raise InputError("--after", after[0], "dependencies are Slurm's; the local cluster has none")
@@ -193,7 +193,7 @@ def _start(run_dir: str, argv: Sequence[str]) -> str:
         )
     finally:
         os.close(log)
-    from launcher.contract.procs import process_identity
+    from meshrun.launcher.contract.procs import process_identity
 
     # The start time with the pid: a cancel signals the group only while the pid still names this supervisor.
     identity = process_identity(proc.pid)
@@ -218,7 +218,7 @@ def _supervisor_alive(state: dict[str, Any]) -> bool:
         return False
     if not isinstance(started, (int, float)):
         return True  # a state file from before start times were recorded
-    from launcher.contract.procs import same_process
+    from meshrun.launcher.contract.procs import same_process
 
     return same_process(pid, float(started))
 
@@ -229,7 +229,7 @@ def _group_is_ours(state: dict[str, Any]) -> bool:
     started = state.get("supervisor_started_at")
     if not isinstance(started, (int, float)):
         return True
-    from launcher.contract.procs import process_identity, same_process
+    from meshrun.launcher.contract.procs import process_identity, same_process
 
     pid = int(state["supervisor_pid"])
     return process_identity(pid) is None or same_process(pid, float(started))
@@ -261,7 +261,7 @@ def _record_death(run_dir: str, job_id: str, state: dict[str, Any]) -> dict[str,
     """The end of a job whose supervisor died and whose processes have all ended, written into its state
     file when first seen: ELAPSED stops at its last sign of life, and a later resume writing into the
     run dir does not move it."""
-    from launcher.contract import lost
+    from meshrun.launcher.contract import lost
 
     ended = last_activity(run_dir, float(state.get("started") or state.get("submitted") or 0))
     if state.get("cancel_requested"):
@@ -330,7 +330,7 @@ def _runs_controller(record: JobRecord, pid: int) -> bool:
 
 
 def submitit_state(record: JobRecord) -> dict[str, Any]:
-    """A job of the submitit API (`submit.api.executor` on a local profile): submitit's own files say
+    """A job of the submitit API (`meshrun.submit.api.executor` on a local profile): submitit's own files say
     how it went (its LocalExecutor writes no meshrun state); the job id is its controller's pid. A controller
     gone without a result was killed: FAILED, never UNKNOWN, so `watch` and `status --watch` end."""
     if not record.job_id.isdigit():

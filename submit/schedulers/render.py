@@ -20,19 +20,19 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import jinja2
 
-from launcher.contract import exitcodes
-from launcher.contract.rundir import RunDir
-from launcher.contract.spec import dumps_run_spec
-from submit import __version__
-from submit.config.cluster import check_node_names
-from submit.config.resources import template_source
-from submit.core.plan import Plan, format_time
-from submit.errors import InputError, InternalError
-from submit.folders import own_cache
-from submit.transport import seal
+from meshrun.launcher.contract import exitcodes
+from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.spec import dumps_run_spec
+from meshrun.submit import __version__
+from meshrun.submit.config.cluster import check_node_names
+from meshrun.submit.config.resources import template_source
+from meshrun.submit.core.plan import Plan, format_time
+from meshrun.submit.errors import InputError, InternalError
+from meshrun.submit.folders import own_cache
+from meshrun.submit.transport import seal
 
 if TYPE_CHECKING:
-    from submit.schedulers.base import Backend
+    from meshrun.submit.schedulers.base import Backend
 
 VERSION = __version__
 """The meshrun that renders: the script's header and spec.json record it."""
@@ -100,9 +100,13 @@ def _setup_lines(plan: Plan) -> list[Verbatim]:
     return lines
 
 
+LAUNCHER = "meshrun.launcher"
+"""The module every rank runs (`python -m meshrun.launcher RUN_DIR`)."""
+
+
 def _rank_command(plan: Plan) -> tuple[list[str], list[str]]:
     """(srun flags, the command words before the run dir) for the container runtime, if any."""
-    python = [plan.cluster.python, "-m", "launcher"]
+    python = [plan.cluster.python, "-m", LAUNCHER]
     box = plan.cluster.container
     if box is None:
         return [], python
@@ -120,10 +124,10 @@ SIDECAR_STOP_MARGIN_S = 5
 """Beyond sidecar.final_copy_s, how long the batch script waits for the sidecar to stop by itself."""
 
 
-def _sidecar_command(rank_command: list[str], module: str = "launcher.sidecar") -> list[str]:
+def _sidecar_command(rank_command: list[str], module: str = "meshrun.launcher.sidecar") -> list[str]:
     """A node-side module's command words (the sidecar, the requeue policy): the ranks' own (python, or the
     container's), another module."""
-    if rank_command[-1] != "launcher":
+    if rank_command[-1] != LAUNCHER:
         raise InternalError(f"rank command {rank_command!r} does not end with the launcher module")
     return [*rank_command[:-1], module]
 
@@ -164,7 +168,7 @@ def context(plan: Plan, python: str) -> dict[str, Any]:
             (key, Verbatim(f'"${{{key}+x}}"'), value) for key, value in sorted(cluster.interconnect.nccl.items())
         ],
         "job_env": sorted(spec.env.items()),
-        "sidecar": True,  # one `python -m launcher.sidecar` per node beside the ranks (launcher/sidecar)
+        "sidecar": True,  # one `python -m meshrun.launcher.sidecar` per node beside the ranks (launcher/sidecar)
         "sidecar_command": _sidecar_command(rank_command),
         "sidecar_stop_s": math.ceil(spec.sidecar.final_copy_s) + SIDECAR_STOP_MARGIN_S,
         "python": python,
@@ -172,16 +176,16 @@ def context(plan: Plan, python: str) -> dict[str, Any]:
         "srun_flags": srun_flags,
         "rank_command": rank_command,
         "max_restarts": spec.checkpoint.max_restarts,
-        "requeue_command": _sidecar_command(rank_command, "launcher.requeue"),
-        "attempt_command": _sidecar_command(rank_command, "launcher.attempt"),
+        "requeue_command": _sidecar_command(rank_command, "meshrun.launcher.requeue"),
+        "attempt_command": _sidecar_command(rank_command, "meshrun.launcher.attempt"),
         "spare_nodes": spec.resilience.spare_nodes,
         "max_restarts_in_job": spec.resilience.max_restarts,
         "health_gate": spec.resilience.health_check,
         # A SIGTERM to the batch shell: the built-in trainer's ranks hear USR1 from it too; a `command:` job's
         # program only Slurm's own TERM (its USR1 may mean "requeue me": Lightning's does).
         "term_tells_ranks": spec.command is None,
-        "health_command": _sidecar_command(rank_command, "launcher.probes.health"),
-        "gate_command": _sidecar_command(rank_command, "launcher.gate"),
+        "health_command": _sidecar_command(rank_command, "meshrun.launcher.probes.health"),
+        "gate_command": _sidecar_command(rank_command, "meshrun.launcher.gate"),
         "health_timeout_s": math.ceil(spec.resilience.health_timeout_s),
         "health_dir": _name(RunDir.HEALTH),
         "exit_unhealthy": exitcodes.EXIT_UNHEALTHY,

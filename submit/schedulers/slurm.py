@@ -10,21 +10,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from launcher.contract.rundir import RunDir
-from launcher.contract.spec import JobSpec
-from submit.config.cluster import ClusterProfile
-from submit.core import secrets as job_secrets
-from submit.core.plan import Plan
-from submit.core.state import FINAL, JobState
-from submit.errors import InputError
-from submit.schedulers import slurm_cli
-from submit.schedulers.base import Request, run_dir_files, secret_files, start_argv
-from submit.transport.base import Result, Transport, batch, new_marker
+from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.spec import JobSpec
+from meshrun.submit.config.cluster import ClusterProfile
+from meshrun.submit.core import secrets as job_secrets
+from meshrun.submit.core.plan import Plan
+from meshrun.submit.core.state import FINAL, JobState
+from meshrun.submit.errors import InputError
+from meshrun.submit.schedulers import slurm_cli
+from meshrun.submit.schedulers.base import Request, run_dir_files, secret_files, start_argv
+from meshrun.submit.transport.base import Result, Transport, batch, new_marker
 
 if TYPE_CHECKING:  # the status side's modules are imported where a status is read: `render` never reads one
-    from submit.core import findings
-    from submit.core.registry import JobRecord
-    from submit.core.status import Status
+    from meshrun.submit.core import findings
+    from meshrun.submit.core.registry import JobRecord
+    from meshrun.submit.core.status import Status
 
 BATCH_JOBS = 1000
 
@@ -44,7 +44,7 @@ class SlurmBackend:
         return None
 
     def dryrun(self, plan: Plan, after: Sequence[str] = ()) -> Request:
-        from submit.schedulers.render import render
+        from meshrun.submit.schedulers.render import render
 
         slurm_cli.dependency(after)  # bad --after values fail before anything is sent
         run_dir = RunDir(plan.run_dir)
@@ -80,7 +80,7 @@ class SlurmBackend:
     ) -> list[Status]:
         """ONE remote round trip per BATCH_JOBS jobs (the sidecars' findings and alerts of every job included;
         `live`: each job's loss history and newest GPU samples too)."""
-        from submit.core import findings
+        from meshrun.submit.core import findings
 
         if len(records) > BATCH_JOBS:  # keeps one command line well under sshd's packet limit (256 KiB)
             return [
@@ -133,7 +133,7 @@ class SlurmBackend:
         return run_dir.batch_log(record.job_id) if rank is None else run_dir.rank_log(rank)
 
     def restart(self, record: JobRecord, transport: Transport) -> str:
-        from submit.core.runspec import read_run_spec
+        from meshrun.submit.core.runspec import read_run_spec
 
         argv = slurm_cli.sbatch_argv(RunDir(record.run_dir).script(self.name), record.name, record.run_dir, ())
         run_spec = read_run_spec(record, transport)
@@ -183,7 +183,7 @@ def free_nodes(result: Result) -> Optional[int]:
 def query_argvs(records: Sequence[JobRecord], live: bool = False) -> list[list[str]]:
     """squeue, sacct, one metrics tail per job (`live`: the loss history's lines), then each job's first
     rank error (if any): what the single round trip runs."""
-    from submit.core.status import metrics_tail_bytes
+    from meshrun.submit.core.status import metrics_tail_bytes
 
     ids = [r.job_id for r in records]
     size = str(metrics_tail_bytes(live))
@@ -228,8 +228,8 @@ def _status(
     found: Optional[findings.Findings] = None,
     live: bool = False,
 ) -> Status:
-    from submit.core import findings
-    from submit.core.status import Status, parse_losses, parse_metrics_tail
+    from meshrun.submit.core import findings
+    from meshrun.submit.core.status import Status, parse_losses, parse_metrics_tail
 
     found = found if found is not None else findings.NOTHING
     text = tail.stdout if tail.returncode == 0 else ""

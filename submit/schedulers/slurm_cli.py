@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Iterable, Mapping, Optional, Sequence
 
-from submit.core.state import FAILURE, FINAL, SUCCESS, JobState
-from submit.errors import ClusterError, InputError
+from meshrun.submit.core.state import FAILURE, FINAL, SUCCESS, JobState
+from meshrun.submit.errors import ClusterError, InputError
 
 # Slurm 22.05's sacct has no restart count field: the ranks report SLURM_RESTART_COUNT in metrics.jsonl.
 SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "Timelimit", "NodeList", "UID", "AllocTRES")

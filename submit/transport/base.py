@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Optional, Protocol, Sequence, Union
 
-from launcher.contract.private import DIR_MODE, make_private_dir
-from submit.errors import ClusterError
+from meshrun.launcher.contract.private import DIR_MODE, make_private_dir
+from meshrun.submit.errors import ClusterError
 
 Progress = Callable[[int, int], None]
 """progress(bytes_sent, bytes_total), called while a command's input is sent."""

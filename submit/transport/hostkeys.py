@@ -19,7 +19,7 @@ from typing import Any, Iterator, Optional
 
 import paramiko
 
-from submit.errors import ClusterError, HostKeyChanged, HostKeyRevoked, HostKeyUnknown
+from meshrun.submit.errors import ClusterError, HostKeyChanged, HostKeyRevoked, HostKeyUnknown
 
 REVOKED, CERT_AUTHORITY = "@revoked", "@cert-authority"
 

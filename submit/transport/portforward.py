@@ -12,7 +12,7 @@ import socket
 import threading
 from typing import Any, Callable
 
-from submit.errors import ClusterError
+from meshrun.submit.errors import ClusterError
 
 OpenChannel = Callable[[tuple[str, int]], Any]
 """peer address -> a socket-like channel to the remote port (send, recv, close, fileno)."""

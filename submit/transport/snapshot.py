@@ -34,12 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from launcher.contract.private import write_private
-from launcher.contract.spec import Code
-from submit.errors import ClusterError, InputError
-from submit.folders import own_cache
-from submit.transport.base import Progress, Transport, Upload
-from submit.transport.seal import MANIFEST, VERIFY_FUNCTION, WHY_FUNCTION
+from meshrun.launcher.contract.private import write_private
+from meshrun.launcher.contract.spec import Code
+from meshrun.submit.errors import ClusterError, InputError
+from meshrun.submit.folders import own_cache
+from meshrun.submit.transport.base import Progress, Transport, Upload
+from meshrun.submit.transport.seal import MANIFEST, VERIFY_FUNCTION, WHY_FUNCTION
 
 # Never shipped, whatever code.include says: build litter, the manifest itself, and SSH host key files
 # (meshrun's `trust` writes them; known_hosts reveals every host you reach).

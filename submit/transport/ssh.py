@@ -19,9 +19,9 @@ from typing import Iterator, Mapping, Optional, Sequence
 
 import paramiko
 
-from submit.errors import ClusterError, ConnectionLost
-from submit.transport import hostkeys
-from submit.transport.base import (
+from meshrun.submit.errors import ClusterError, ConnectionLost
+from meshrun.submit.transport import hostkeys
+from meshrun.submit.transport.base import (
     PUT_FAILED,
     PUT_SCRIPT,
     Forward,
@@ -31,8 +31,8 @@ from submit.transport.base import (
     Upload,
     tar_bytes,
 )
-from submit.transport.portforward import PortForward
-from submit.transport.sshconfig import Ssh, Target, resolve
+from meshrun.submit.transport.portforward import PortForward
+from meshrun.submit.transport.sshconfig import Ssh, Target, resolve
 
 KEEPALIVE_S = 15
 _CHUNK = 32768

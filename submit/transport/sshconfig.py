@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Protocol
 
-from submit.errors import InputError
+from meshrun.submit.errors import InputError
 
 DEFAULT_PORT = 22
 MAX_JUMPS = 8
@@ -23,7 +23,7 @@ _JUMP = re.compile(r"^(?:ssh://)?(?:(?P<user>[^@/:]+)@)?(?P<host>\[[^\]]+\]|[^:/
 
 
 class Ssh(Protocol):
-    """What a transport reads of a cluster profile's `ssh:` section (`submit.config.cluster.Ssh` is one, and
+    """What a transport reads of a cluster profile's `ssh:` section (`meshrun.submit.config.cluster.Ssh` is one, and
     documents each field): handed in by the API, so that transport and config, siblings, never import each other."""
 
     @property

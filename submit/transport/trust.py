@@ -17,10 +17,10 @@ from typing import Callable, Optional, Sequence, Union
 
 import paramiko
 
-from submit.errors import ClusterError
-from submit.transport import hostkeys
-from submit.transport.ssh import _connect_error, hop_channel, open_chain
-from submit.transport.sshconfig import Ssh, Target, resolve
+from meshrun.submit.errors import ClusterError
+from meshrun.submit.transport import hostkeys
+from meshrun.submit.transport.ssh import _connect_error, hop_channel, open_chain
+from meshrun.submit.transport.sshconfig import Ssh, Target, resolve
 
 Ask = Callable[[str], str]
 Say = Callable[[str], None]

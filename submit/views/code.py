@@ -7,7 +7,7 @@ import shlex
 from typing import TYPE_CHECKING, Optional, Sequence
 
 if TYPE_CHECKING:
-    from submit.transport.snapshot import Found, Snapshot
+    from meshrun.submit.transport.snapshot import Found, Snapshot
 
 
 def summary(code: Optional[Snapshot]) -> Optional[dict[str, object]]:

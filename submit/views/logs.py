@@ -27,12 +27,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Iterator, Optional, Sequence, TextIO
 
-from launcher.contract import logtimes
-from launcher.contract.rundir import RunDir
-from submit import api
-from submit.core.registry import JobRecord
-from submit.errors import ClusterError, ConnectionLost, InputError
-from submit.transport.base import Stream, Transport, new_marker
+from meshrun.launcher.contract import logtimes
+from meshrun.launcher.contract.rundir import RunDir
+from meshrun.submit import api
+from meshrun.submit.core.registry import JobRecord
+from meshrun.submit.errors import ClusterError, ConnectionLost, InputError
+from meshrun.submit.transport.base import Stream, Transport, new_marker
 
 RECONNECT_ATTEMPTS = 8
 FOLLOW_TAIL_BYTES = 1 << 20

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping, Optional, Sequence
 
-from launcher.contract.nodelist import normalized
+from meshrun.launcher.contract.nodelist import normalized
 
 DETAIL_ALERTS = 10
 """`status JOB` lists this many of the newest alerts."""
@@ -44,7 +44,7 @@ def finish_in(status: Any, total_steps: Optional[int]) -> Optional[float]:
 
 def table(rows: Sequence[Sequence[str]]) -> str:
     """Columns aligned in terminal cells (a wide or emoji name takes two per character), values printable."""
-    from submit.textwidth import display_width, ljust, printable
+    from meshrun.submit.textwidth import display_width, ljust, printable
 
     cells = [[printable(str(c)) for c in row] for row in rows]
     widths = [max(display_width(r[i]) for r in cells) for i in range(len(cells[0]))]
@@ -127,7 +127,7 @@ def alerts_note(alerts: Sequence[dict[str, Any]]) -> str:
 
 def alert_line(alert: dict[str, Any]) -> str:
     """One alert for a person: when, the rule, where, the message."""
-    from submit.textwidth import printable
+    from meshrun.submit.textwidth import printable
 
     where = "".join(f" {key} {alert[key]}" for key in ("step", "rank", "node") if alert.get(key) is not None)
     return printable(f"{_when(alert.get('time'))} {alert.get('rule')}{where}: {alert.get('message', '')}".strip())
@@ -165,7 +165,7 @@ def detail_lines(status: Any, width: int = 100) -> list[str]:
     stragglers, environment mismatches."""
     import textwrap
 
-    from submit.textwidth import printable
+    from meshrun.submit.textwidth import printable
 
     lines = textwrap.wrap(printable(_reason_line(status)), width, subsequent_indent="  ") if status.reason else []
     lines += [f"engine: {printable(status.engine)}"] if status.engine else []
@@ -196,7 +196,7 @@ def detail_lines(status: Any, width: int = 100) -> list[str]:
     if status.goodput is not None:
         lines.append(goodput_line(status.goodput, trainer=status.steps is not None))
     if status.usage is not None:
-        from submit.core.usage import usage_line
+        from meshrun.submit.core.usage import usage_line
 
         lines.append(usage_line(status.usage))
     if status.run_goodput is not None:
@@ -249,7 +249,7 @@ def goodput_line(figures: Mapping[str, Any], trainer: bool = True) -> str:
         held = f" ({span(allocated)} allocated in {len(figures.get('attempts') or ())} start(s))" if allocated else ""
         return (
             f"{head}: not measured{held}: the program reports no steps "
-            "(launcher.job.report(step) in its loop gives the split: setup, productive, lost)"
+            "(meshrun.launcher.job.report(step) in its loop gives the split: setup, productive, lost)"
         )
     if pct is None:  # the record of a start that has not run a second yet (a running job refreshes it each minute)
         if not figures.get("running"):
@@ -288,7 +288,7 @@ def goodput_line(figures: Mapping[str, Any], trainer: bool = True) -> str:
 
 def _reason_line(status: Any) -> str:
     """'reason (exit 2, bad input): ...': the job's own words for its state, with its exit code's meaning."""
-    from launcher.contract.exitcodes import EXIT_NAMES
+    from meshrun.launcher.contract.exitcodes import EXIT_NAMES
 
     code = status.exit_code
     named = f" (exit {code}, {EXIT_NAMES[code]})" if code in EXIT_NAMES and code else ""

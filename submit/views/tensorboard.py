@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from submit import api
-from submit.config.cluster import ClusterProfile
-from submit.errors import ClusterError, InputError
-from submit.transport.base import LocalTransport, Transport
+from meshrun.submit import api
+from meshrun.submit.config.cluster import ClusterProfile
+from meshrun.submit.errors import ClusterError, InputError
+from meshrun.submit.transport.base import LocalTransport, Transport
 
 HELPER = Path(__file__).with_name("tbserve.py")
 _INSTALL = (

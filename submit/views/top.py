@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any, Optional, Sequence, TextIO
 
-from submit.core.status import Status
+from meshrun.submit.core.status import Status
 
 BARS = "▁▂▃▄▅▆▇█"
 SPARK = 20
@@ -67,7 +67,7 @@ def gpu_cells(gpus: Sequence[dict[str, Any]]) -> tuple[str, str]:
 
 
 def row(status: Status) -> tuple[str, ...]:
-    from submit.views.tables import alerts_note, duration, finish_in, limit_left, loss_text, restarts_cell
+    from meshrun.submit.views.tables import alerts_note, duration, finish_in, limit_left, loss_text, restarts_cell
 
     p = status.progress
     step = p.get("step")
@@ -116,7 +116,7 @@ def goodput_cell(figures: Optional[dict[str, Any]]) -> str:
 
 def screen(found: Sequence[Status], width: int) -> list[str]:
     """The table, each line cut to the terminal's width."""
-    from submit.views.tables import table
+    from meshrun.submit.views.tables import table
 
     if not found:
         return ["no running jobs (`meshrun status` lists the recent ones)"]
@@ -133,8 +133,8 @@ def run(
 ) -> int:
     """Redraw every REFRESH_S until Ctrl-C; not a terminal (or `once`): one refresh as plain lines, of the jobs
     still running (`named`: the jobs the user named, ended or not)."""
-    from submit import api
-    from submit.errors import ConnectionLost
+    from meshrun.submit import api
+    from meshrun.submit.errors import ConnectionLost
 
     out = out or sys.stdout
     tty = out.isatty() and not once

@@ -25,12 +25,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TextIO
 
-from launcher.contract.private import make_private_dir
-from submit.core.registry import JobRecord
-from submit.core.state import FINAL, JobState
-from submit.core.status import Status
-from submit.errors import InputError
-from submit.folders import state_dir
+from meshrun.launcher.contract.private import make_private_dir
+from meshrun.submit.core.registry import JobRecord
+from meshrun.submit.core.state import FINAL, JobState
+from meshrun.submit.core.status import Status
+from meshrun.submit.errors import InputError
+from meshrun.submit.folders import state_dir
 
 KEEP = 50_000
 """The notified set keeps this many newest keys (a few MB at most)."""
@@ -151,8 +151,8 @@ def events_of(status: Status, first_restarts: Optional[int]) -> list[str]:
 
 def digest(status: Status, event: str) -> dict[str, Any]:
     """One notification's worth of a failure, requeue or hang: JSON-ready, with `text`, its lines for a person."""
-    from submit.views.tables import goodput_line
-    from submit.views.top import sparkline
+    from meshrun.submit.views.tables import goodput_line
+    from meshrun.submit.views.top import sparkline
 
     verdict = status.verdict or {}
     ranks = [r for r in verdict.get("ranks") or [] if isinstance(r, dict)]
@@ -218,7 +218,7 @@ def handle_digests(
     out: TextIO,
 ) -> int:
     """One digest per failure, requeue (per restart) and hang of each job, claimed like alerts: never twice."""
-    from submit.core.status import warn_to_stderr
+    from meshrun.submit.core.status import warn_to_stderr
 
     pending = []
     for status in found:
@@ -242,8 +242,8 @@ def handle_digests(
 
 def handle(found: Sequence[Status], seen: Seen, argv: Optional[Sequence[str]], out: TextIO) -> int:
     """Print and notify every alert not claimed before; how many were new."""
-    from submit.core.status import warn_to_stderr
-    from submit.views.tables import alert_line
+    from meshrun.submit.core.status import warn_to_stderr
+    from meshrun.submit.views.tables import alert_line
 
     pending = [(s, a, alert_key(s, a)) for s in found for a in s.alerts]
     new = set(seen.claim([key for _, _, key in pending]))
@@ -301,8 +301,8 @@ def report_ends(found: Sequence[Status], ended: set[str], out: TextIO) -> None:
 def refresh(records: Sequence[Any], clusters: Any, registry: Any, live: bool = False) -> Optional[list[Any]]:
     """One status refresh for a loop that follows jobs; None when a connection was lost (closed:
     the next refresh reconnects)."""
-    from submit import api
-    from submit.errors import ConnectionLost
+    from meshrun.submit import api
+    from meshrun.submit.errors import ConnectionLost
 
     try:
         found: list[Any] = api.statuses(records, clusters, registry, live=live)

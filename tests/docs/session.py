@@ -30,7 +30,7 @@ DEFAULT_TIMEOUT_S = 120
 SHIM = """#!{python}
 # The docs runner's `meshrun`: this checkout's CLI (PYTHONPATH), whatever the working directory.
 import sys
-from submit.cli.main import main
+from meshrun.submit.cli.main import main
 sys.exit(main())
 """
 _WRAPPER = 'set -o pipefail; {strict}source "$1"; __rc=$?; pwd >"$2/cwd"; env -0 >"$2/env"; exit $__rc'

@@ -37,16 +37,16 @@ def problem(block: Block, scratch: Path, name: Optional[str] = None) -> Optional
     check = scratch / f"{name or given or FRAGMENT_NAME}.yaml"
     check.parent.mkdir(parents=True, exist_ok=True)
     check.write_text(text)
-    from submit.errors import InputError
+    from meshrun.submit.errors import InputError
 
     try:
         if profile:
-            from submit.config.cluster import load_profile_file
-            from submit.schedulers import check_profile
+            from meshrun.submit.config.cluster import load_profile_file
+            from meshrun.submit.schedulers import check_profile
 
             check_profile(load_profile_file(check))
         else:
-            from submit.planning.plan import load_job
+            from meshrun.submit.planning.plan import load_job
 
             load_job(check)
     except InputError as exc:

@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-from launcher import installed_version
-from launcher.contract.gpus import PEAK_BF16_TFLOPS, peak_tflops
-from launcher.contract.rundir import RunDir
-from launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, write_run_spec
-from submit.config.cluster import Partition, load_profile
-from submit.jobs.doctor import Options, judge, table
+from meshrun.launcher import installed_version
+from meshrun.launcher.contract.gpus import PEAK_BF16_TFLOPS, peak_tflops
+from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, write_run_spec
+from meshrun.submit.config.cluster import Partition, load_profile
+from meshrun.submit.jobs.doctor import Options, judge, table
 
 torch = pytest.importorskip("torch")
 pytestmark = [
@@ -54,7 +54,7 @@ def test_doctor_on_this_machines_gpus_passes_and_reports_its_figures(tmp_path: P
     gpus = torch.cuda.device_count()
     run_dir = _run_dir(tmp_path, gpus)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
-    argv += ["-m", "launcher.probes.doctor", "--storage-mib", "256"]
+    argv += ["-m", "meshrun.launcher.probes.doctor", "--storage-mib", "256"]
     done = subprocess.run(
         argv, env=dict(os.environ, MESHRUN_RUN_DIR=run_dir), capture_output=True, text=True, timeout=400
     )

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from launcher.contract.rundir import RunDir
-from launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, write_run_spec
-from launcher.sidecar import loop
-from launcher.sidecar.nvml import Gpus, NvmlUnavailable, discover, load_nvml, resolve
+from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, write_run_spec
+from meshrun.launcher.sidecar import loop
+from meshrun.launcher.sidecar.nvml import Gpus, NvmlUnavailable, discover, load_nvml, resolve
 
 
 def _nvml() -> Any:
@@ -95,7 +95,7 @@ def test_the_gpus_energy_counter_measures_a_burst_of_matmuls() -> None:
     of each GPU rises while it computes (a GPU without one, pre-Volta, is unmeasured and skips)."""
     import time
 
-    from launcher.sidecar.energy import EnergyMeter, nvml_gpus
+    from meshrun.launcher.sidecar.energy import EnergyMeter, nvml_gpus
 
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():

@@ -1,7 +1,7 @@
 """What the tests share, not tests themselves (pytest collects nothing here):
 
 - cli.py: runs the real `meshrun` command in a private home, as a user would (submit, status, wait for a state).
-- ranks.py: launches real ranks the way torchrun does (`python -m launcher RUN_DIR` per rank, over gloo).
+- ranks.py: launches real ranks the way torchrun does (`python -m meshrun.launcher RUN_DIR` per rank, over gloo).
 - sshbed.py: the Slurm testbed reached only over SSH: a cluster profile, a user project, sshd's record of logins.
 - tbhelp.py: what the TensorBoard tests share: a second real Unix user, a browser that keeps the board's
   cookie, stopping every server a test started.

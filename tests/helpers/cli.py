@@ -58,7 +58,7 @@ def meshrun(
 ) -> subprocess.CompletedProcess:
     """`meshrun ARGS` with HOME and the XDG dirs inside `home` (its own registry and run dirs); `env` adds to it."""
     done = subprocess.run(
-        [sys.executable, "-m", "submit.cli.main", *args],
+        [sys.executable, "-m", "meshrun.submit.cli.main", *args],
         capture_output=True,
         text=True,
         env={**env_for(home, laptop), **(env or {})},
@@ -106,7 +106,7 @@ def status_here(home: Path, job_id: str) -> dict[str, Any]:
     but in this process: a poll that only waits costs no new interpreter. Each `meshrun` process is ~0.1 s of CPU,
     nearly all of it imports, and the suite's waits polled ~600 times a run on CI's 2 cores (CPU-bound).
     The environment and umask main() sets are this process's own again afterwards."""
-    from submit.cli.main import main
+    from meshrun.submit.cli.main import main
 
     environ, out, err = env_for(home), io.StringIO(), io.StringIO()
     saved, mask = dict(os.environ), os.umask(0o077)

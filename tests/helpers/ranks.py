@@ -1,4 +1,4 @@
-"""Launching real ranks the way torchrun does: `python -m launcher RUN_DIR` per rank, over gloo."""
+"""Launching real ranks the way torchrun does: `python -m meshrun.launcher RUN_DIR` per rank, over gloo."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from launcher.contract.spec import (
+from meshrun.launcher.contract.spec import (
     Checkpoint,
     Data,
     JobSpec,
@@ -111,11 +111,11 @@ def start(run_dir: Path, world: int) -> list[subprocess.Popen[str]]:
 
     port = free_port()
     if not os.environ.get(zygote.DISABLED_ENV):
-        argv = [str(Path(sys.modules["launcher"].__file__ or "launcher").parent / "__main__.py"), str(run_dir)]
+        argv = [str(Path(sys.modules["meshrun.launcher"].__file__ or "launcher").parent / "__main__.py"), str(run_dir)]
         return [zygote.spawn(argv, rank_environ(r, world, port)) for r in range(world)]
     return [
         subprocess.Popen(
-            [sys.executable, "-m", "launcher", str(run_dir)],
+            [sys.executable, "-m", "meshrun.launcher", str(run_dir)],
             env=rank_environ(r, world, port),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Optional
 
 import pytest
 
-from submit.views import tbserve
+from meshrun.submit.views import tbserve
 
 OTHER_USER = os.environ.get("MESHRUN_TEST_OTHER_USER", "meshrun-peer")
 """A second real user (created on first use, as `useradd` would for any new colleague)."""
@@ -110,7 +110,7 @@ def meshrun_tb(home: Path, *jobs: str) -> subprocess.Popen[str]:
     """`meshrun tb JOB...` as a user in HOME runs it, its output piped (the URL is its first line)."""
     from tests.helpers.cli import REPO, env_for
 
-    argv = [sys.executable, "-m", "submit.cli.main", "tb", *jobs]
+    argv = [sys.executable, "-m", "meshrun.submit.cli.main", "tb", *jobs]
     return subprocess.Popen(
         argv, cwd=REPO, text=True, env=env_for(home), stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
@@ -152,7 +152,7 @@ class Cleanup:
 
     def runs(self, runs: list[tuple[str, Path]]) -> None:
         """A `meshrun tb` of these (label, run dir) pairs, in the order meshrun lists them."""
-        from submit.views import tbserve
+        from meshrun.submit.views import tbserve
 
         self.keys.append(tbserve.state_dir([(label, Path(path)) for label, path in runs]).name)
 

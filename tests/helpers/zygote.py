@@ -1,9 +1,9 @@
 """Ranks forked from one process that has already imported torch and the launcher.
 
-Each rank the tests start (`python -m launcher RUN_DIR`, tests/helpers/ranks.py) spent about 4 s of CPU
+Each rank the tests start (`python -m meshrun.launcher RUN_DIR`, tests/helpers/ranks.py) spent about 4 s of CPU
 importing torch and the trainer before its first step: for a tiny job on 2 cores, most of its cost, and the
 suite starts hundreds. Here a server process imports them once, and each rank is a fork of it that then runs
-`launcher/__main__.py` exactly as `python -m launcher` would, in the environment, folder and argv the test
+`launcher/__main__.py` exactly as `python -m meshrun.launcher` would, in the environment, folder and argv the test
 gives: a real process with its own pid, signals and exit code (as torch's own DataLoader workers are forked
 after torch is imported). What a rank imports beyond the preloaded modules it imports itself.
 
@@ -27,12 +27,12 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from launcher.controller import TRAINER_PRELOAD as PRELOAD  # what every trainer rank imports first
+from meshrun.launcher.controller import TRAINER_PRELOAD as PRELOAD  # what every trainer rank imports first
 
 REPO = Path(__file__).resolve().parents[2]
 
 DISABLED_ENV = "MESHRUN_TEST_NO_FORK"
-"""Set (to anything) to start every rank with its own `python -m launcher`, as before."""
+"""Set (to anything) to start every rank with its own `python -m meshrun.launcher`, as before."""
 
 
 class ForkedRank:
@@ -40,7 +40,7 @@ class ForkedRank:
 
     def __init__(self, pid: int, output: Path) -> None:
         self.pid, self.output, self.returncode = pid, output, None
-        self.args = ["python", "-m", "launcher"]
+        self.args = ["python", "-m", "meshrun.launcher"]
 
     def poll(self) -> Optional[int]:
         if self.returncode is None:
@@ -100,7 +100,7 @@ class Zygote:
     def spawn(
         self, argv: list[str], env: dict[str, str], cwd: Optional[str] = None, script: bool = False
     ) -> ForkedRank:
-        """A fork that runs `python -m launcher ARGS...` (argv[0] is the module's file), or with `script`, the
+        """A fork that runs `python -m meshrun.launcher ARGS...` (argv[0] is the module's file), or with `script`, the
         Python file argv[0] as `python SCRIPT ARGS...` would."""
         assert self.server.stdin is not None and self.server.stdout is not None
         with self.lock:
@@ -127,7 +127,7 @@ _ZYGOTE: Optional[Zygote] = None
 
 
 def spawn(argv: list[str], env: dict[str, str], script: bool = False) -> Any:
-    """A rank running `python -m launcher ARGS...` (argv[0] is the module's file), or with `script` the test's
+    """A rank running `python -m meshrun.launcher ARGS...` (argv[0] is the module's file), or with `script` the test's
     own rank script argv[0] (`python SCRIPT ARGS...`), forked from the server."""
     global _ZYGOTE
     if _ZYGOTE is None or _ZYGOTE.server.poll() is not None:
@@ -188,7 +188,7 @@ def _serve() -> None:
 
 
 def _run_rank(request: dict[str, Any]) -> None:
-    """In the fork: become `python -m launcher ...` (or `python SCRIPT ...`) in the test's environment; never
+    """In the fork: become `python -m meshrun.launcher ...` (or `python SCRIPT ...`) in the test's environment; never
     returns."""
     code = 1
     try:
@@ -214,7 +214,7 @@ def _run_rank(request: dict[str, Any]) -> None:
             sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # as `python SCRIPT` sets it
             runpy.run_path(sys.argv[0], run_name="__main__")
         else:
-            runpy.run_module("launcher", run_name="__main__", alter_sys=True)
+            runpy.run_module("meshrun.launcher", run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

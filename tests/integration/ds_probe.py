@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from launcher.contract.spec import JobSpec, read_run_spec
-from launcher.data.dataset import TokenDataset
-from launcher.env import rank_env
-from launcher.train.runtime import init_distributed, pick_runtime
-from launcher.train.trainer import build_trainer, mean_over_ranks
+from meshrun.launcher.contract.spec import JobSpec, read_run_spec
+from meshrun.launcher.data.dataset import TokenDataset
+from meshrun.launcher.env import rank_env
+from meshrun.launcher.train.runtime import init_distributed, pick_runtime
+from meshrun.launcher.train.trainer import build_trainer, mean_over_ranks
 
 GQA_TIED = "-gqa-tied"
 """A case suffix: the base model with 2 key/value heads and its head tied to the embedding."""

@@ -19,11 +19,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.profiler import ProfilerActivity, profile
 
-from launcher.contract.parallel_dims import ParallelDims
-from launcher.train.model import GPT, ModelConfig, ModelPart
-from launcher.train.optim import global_grad_norm
-from launcher.train.parallel import apply_data_parallel, apply_tensor_parallel, build_mesh
-from launcher.train.runtime import Runtime
+from meshrun.launcher.contract.parallel_dims import ParallelDims
+from meshrun.launcher.train.model import GPT, ModelConfig, ModelPart
+from meshrun.launcher.train.optim import global_grad_norm
+from meshrun.launcher.train.parallel import apply_data_parallel, apply_tensor_parallel, build_mesh
+from meshrun.launcher.train.runtime import Runtime
 
 CONFIG = ModelConfig(n_layers=4, d_model=64, n_heads=4, vocab_size=256, seq_len=32)
 COLLECTIVES = ("allreduce", "all_reduce", "allgather", "all_gather", "reduce_scatter", "broadcast")

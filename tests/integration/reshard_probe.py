@@ -12,13 +12,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from launcher.checkpoint.commit import Checkpointer
-from launcher.checkpoint.manager import CheckpointManager
-from launcher.contract.spec import read_run_spec
-from launcher.data.dataset import TokenDataset
-from launcher.env import rank_env
-from launcher.train.runtime import init_distributed, pick_runtime
-from launcher.train.trainer import build_trainer
+from meshrun.launcher.checkpoint.commit import Checkpointer
+from meshrun.launcher.checkpoint.manager import CheckpointManager
+from meshrun.launcher.contract.spec import read_run_spec
+from meshrun.launcher.data.dataset import TokenDataset
+from meshrun.launcher.env import rank_env
+from meshrun.launcher.train.runtime import init_distributed, pick_runtime
+from meshrun.launcher.train.trainer import build_trainer
 
 
 def main(run_dir: Path, checkpoint: Path) -> None:

@@ -18,8 +18,8 @@ from typing import Any, Callable, Optional
 import pytest
 import yaml
 
-from launcher.contract import alerts
-from launcher.contract.alerts import Alert
+from meshrun.launcher.contract import alerts
+from meshrun.launcher.contract.alerts import Alert
 from tests.helpers.cli import REPO, env_for, meshrun, submitted
 
 IDLE = 'touch "$MESHRUN_RUN_DIR/up"; while [ ! -e "$MESHRUN_RUN_DIR/stop" ]; do sleep 0.2; done'
@@ -61,7 +61,7 @@ def spike(step: int) -> Alert:
 
 def start_watch(home: Path, job: str, *extra: str, laptop: bool = False) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "submit.cli.main", "watch", job, "--interval", "0.5", *extra],
+        [sys.executable, "-m", "meshrun.submit.cli.main", "watch", job, "--interval", "0.5", *extra],
         env=env_for(home, laptop),
         cwd=REPO,
         stdout=subprocess.PIPE,
@@ -191,7 +191,7 @@ class Terminal:
             "LANG=C.UTF-8",
             sys.executable,
             "-m",
-            "submit.cli.main",
+            "meshrun.submit.cli.main",
             *argv,
         ]
         subprocess.run(

@@ -1,6 +1,6 @@
 """Checkpoints and preemption with real ranks: exact resume, kill -9 during saves, resharding.
 
-CPU, gloo, fp32, a tiny model; every rank is a real `python -m launcher RUN_DIR` process.
+CPU, gloo, fp32, a tiny model; every rank is a real `python -m meshrun.launcher RUN_DIR` process.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from launcher.contract import ckptdir
-from launcher.contract.spec import Checkpoint, Parallel
-from launcher.export.consolidate import consolidated_state
-from launcher.preempt import EXIT_REQUEUE
+from meshrun.launcher.contract import ckptdir
+from meshrun.launcher.contract.spec import Checkpoint, Parallel
+from meshrun.launcher.export.consolidate import consolidated_state
+from meshrun.launcher.preempt import EXIT_REQUEUE
 from tests.helpers.cli import trials
 from tests.helpers.ranks import (
     REPO,

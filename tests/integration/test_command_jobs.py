@@ -1,4 +1,4 @@
-"""`command:` jobs with the safety net (launcher.job, launcher.requeue), through the real CLI: the DDP example
+"""`command:` jobs with the safety net (meshrun.launcher.job, meshrun.launcher.requeue), through the real CLI: the DDP example
 is preempted on the real Slurm testbed, requeued, and ends where an uninterrupted run does; a program that
 crashes at once ends after 2 attempts with exit 77 (gave up), on Slurm and on `local`."""
 
@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launcher.contract.exitcodes import EXIT_GAVE_UP
+from meshrun.launcher.contract.exitcodes import EXIT_GAVE_UP
 from tests.helpers.cli import meshrun, metrics, status, submitted, wait_for_state, wait_for_step
 from tests.helpers.ranks import free_port
 from tests.testbed import testbed as tb
@@ -113,7 +113,7 @@ def test_a_programs_own_exit_2_is_its_failure_not_bad_input_on_local(tmp_path: P
 
 
 def test_a_command_job_saving_through_launcher_job_shows_its_checkpoint(tmp_path: Path) -> None:
-    """Issue 22 item 12: CKPT showed '-' for command jobs that saved through launcher.job."""
+    """Issue 22 item 12: CKPT showed '-' for command jobs that saved through meshrun.launcher.job."""
     script = "command=[python3, examples/ddp_train.py, --steps, '30', --save-every, '10']"
     out = meshrun(tmp_path, "submit", "examples/ddp.yaml", "-c", "local", "--set", script, "--wait", check=True)
     job_id, run_dir = submitted(out)
@@ -126,7 +126,7 @@ def test_a_command_job_saving_through_launcher_job_shows_its_checkpoint(tmp_path
 
 AGREE = """
 import os, signal, sys
-from launcher import job
+from meshrun.launcher import job
 import torch.distributed as dist
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -179,7 +179,7 @@ def test_a_job_whose_ranks_never_start_says_why_in_status_and_logs_and_is_not_re
 
 
 # A framework's habit at a stop signal (Lightning's SIGUSR1/SIGTERM handlers): leave the loop and exit 0. With
-# `finished`, the program says it finished first (launcher.job.finished), as one whose last step came with it.
+# `finished`, the program says it finished first (meshrun.launcher.job.finished), as one whose last step came with it.
 AT_THE_LIMIT = """
 import signal, sys, time
 stop = []
@@ -188,7 +188,7 @@ print("handler set", flush=True)
 while not stop:
     time.sleep(0.05)
 if sys.argv[1] == "finished":
-    from launcher import job
+    from meshrun.launcher import job
     job.finished()
 print("left the loop on the signal", flush=True)
 """

@@ -1,7 +1,7 @@
 """kill -9 the checkpoint copier at random moments: shared storage never holds a marked partial checkpoint.
 
 Two "nodes" (two staging folders, node ranks 0 and 1) each with its part of a staged checkpoint
-of a few MB; both nodes' copiers (`python -m launcher.sidecar.copier run ...`, each in its own
+of a few MB; both nodes' copiers (`python -m meshrun.launcher.sidecar.copier run ...`, each in its own
 session with its copy child, as a node's processes are) start together, one node's is killed
 with SIGKILL after a random delay, then the other's too if it is still running. Throughout, every
 checkpoint that shows up marked on shared storage must hold exactly the sources' files, byte for
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.contract import ckptdir
-from launcher.sidecar import copier
+from meshrun.launcher.contract import ckptdir
+from meshrun.launcher.sidecar import copier
 from tests.helpers.cli import trials
 
 TRIALS = trials(3)
@@ -62,7 +62,7 @@ def stage_nodes(root: Path, rng: random.Random) -> dict[str, str]:
 
 
 def start(root: Path, node_rank: int, seconds: float) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "launcher.sidecar.copier", "run", str(root / f"node{node_rank}")]
+    argv = [sys.executable, "-m", "meshrun.launcher.sidecar.copier", "run", str(root / f"node{node_rank}")]
     argv += [str(root / "shared"), f"n{node_rank}", str(node_rank), "2", ATTEMPT, "3", "0", str(seconds)]
     return subprocess.Popen(argv, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
@@ -157,7 +157,7 @@ NODE_SCRIPT = """
 set -m  # the copier gets its own process group: the kill takes its copy child too, as a node's death does
 node=$SLURM_NODEID
 secs=$([ "$node" = 0 ] && echo "$SECS0" || echo "$SECS1")
-"$PY" -m launcher.sidecar.copier run "$ROOT/node$node" "$ROOT/shared" "$SLURMD_NODENAME" "$node" 2 "$ATTEMPT" 3 0 "$secs" &
+"$PY" -m meshrun.launcher.sidecar.copier run "$ROOT/node$node" "$ROOT/shared" "$SLURMD_NODENAME" "$node" 2 "$ATTEMPT" 3 0 "$secs" &
 pid=$!
 if [ "$node" = "$VICTIM" ]; then
   # Aimed trials wait for the victim's copy to begin (its first file on shared storage), then the delay.

@@ -23,10 +23,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from launcher.contract import ckptdir
-from launcher.contract.spec import Model, read_run_spec
-from launcher.data.dataset import Layout, TokenDataset, val_steps
-from launcher.train.model import GPT, loss_fn
+from meshrun.launcher.contract import ckptdir
+from meshrun.launcher.contract.spec import Model, read_run_spec
+from meshrun.launcher.data.dataset import Layout, TokenDataset, val_steps
+from meshrun.launcher.train.model import GPT, loss_fn
 from tests.helpers.cli import TINY, TWO_NODES, meshrun, metrics, status, submitted, wait_for_state
 from tests.helpers.ranks import TIMEOUT_S, finish, free_port, make_run, rank_environ, tiny_train
 
@@ -140,7 +140,7 @@ def _deepspeed_args(corpus: Path, zero: int, steps: int, every: int) -> list[str
 
 
 def _rank_pids(run_dir: Path) -> list[int]:
-    """The job's rank processes (`python -m launcher RUN_DIR`; not the sidecar, launcher.sidecar)."""
+    """The job's rank processes (`python -m meshrun.launcher RUN_DIR`; not the sidecar, meshrun.launcher.sidecar)."""
     pids = []
     for proc in Path("/proc").iterdir():
         try:
@@ -148,7 +148,11 @@ def _rank_pids(run_dir: Path) -> list[int]:
         except (OSError, ValueError):
             continue
         # srun's own command line ends the same way: a rank is the python process itself.
-        if len(argv) == 4 and Path(argv[0]).name.startswith("python") and argv[1:] == ["-m", "launcher", str(run_dir)]:
+        if (
+            len(argv) == 4
+            and Path(argv[0]).name.startswith("python")
+            and argv[1:] == ["-m", "meshrun.launcher", str(run_dir)]
+        ):
             pids.append(int(proc.name))
     return [pid for pid in pids if _parent(pid) not in pids]  # a rank's forked helpers share its command line
 

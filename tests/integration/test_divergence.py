@@ -9,10 +9,10 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from launcher.contract import alerts, ckptdir
-from launcher.contract.exitcodes import EXIT_DIVERGED
-from launcher.contract.rundir import RunDir
-from launcher.export.consolidate import consolidated_state
+from meshrun.launcher.contract import alerts, ckptdir
+from meshrun.launcher.contract.exitcodes import EXIT_DIVERGED
+from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.export.consolidate import consolidated_state
 from tests.helpers.cli import TINY, meshrun, metrics, submitted, wait_for_state
 
 ENDED = {"FAILED", "COMPLETED", "CANCELLED", "PREEMPTED", "TIMEOUT"}

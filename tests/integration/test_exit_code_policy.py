@@ -12,8 +12,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.sidecar.keeper import DEAF_ENV
-from submit.schedulers import slurm_cli as slurm
+from meshrun.launcher.sidecar.keeper import DEAF_ENV
+from meshrun.submit.schedulers import slurm_cli as slurm
 from tests.helpers.cli import meshrun, submitted, wait_for_state
 from tests.integration.test_real_preemption import command_spec
 
@@ -58,7 +58,7 @@ CASES = (
     ),
     Case("exit-1", _first_run_exits(1), REQUEUED, "0:0", (AGAIN, DONE)),
     # A program's own 2 (argparse's usage error) is a failure like any other (issue 22 item 11); meshrun's
-    # bad-input verdict is a 2 that comes with a rank error line (launcher.job's checks write one).
+    # bad-input verdict is a 2 that comes with a rank error line (meshrun.launcher.job's checks write one).
     Case(
         "exit-2",
         _first_run_exits(2),

@@ -1,10 +1,10 @@
-"""`python -m launcher.export` of a checkpoint saved by the deepspeed engine: DeepSpeed's own save in
+"""`python -m meshrun.launcher.export` of a checkpoint saved by the deepspeed engine: DeepSpeed's own save in
 `step-N/deepspeed/` (ZeRO-0: whole weights in the model states file; ZeRO-2: optimizer shards per rank;
 ZeRO-3: parameter shards too) becomes one safetensors file with the GPT's names, equal to the trained
 module's full parameters.
 
 The checkpoints are made here as the engine makes them: 2 gloo ranks run deepspeed.initialize on
-launcher.train.model.GPT, train 2 steps (so the weights are not the init's), save_checkpoint(step_dir.tmp,
+meshrun.launcher.train.model.GPT, train 2 steps (so the weights are not the init's), save_checkpoint(step_dir.tmp,
 tag="deepspeed"), and rank 0 commits the marker whose job says train.engine: deepspeed. Each rank also
 saves the full parameters it trained (gathered under ZeRO-3) as the reference."""
 
@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from launcher.contract import ckptdir, schema
-from launcher.contract.spec import Checkpoint, Data, JobSpec, Model, Parallel, Resources, Train
+from meshrun.launcher.contract import ckptdir, schema
+from meshrun.launcher.contract.spec import Checkpoint, Data, JobSpec, Model, Parallel, Resources, Train
 from tests.helpers.ranks import REPO, free_port, rank_environ
 
 pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed (bash scripts/setup.sh installs it)")
@@ -54,7 +54,7 @@ def save_like_the_engine(folder: str) -> None:
 
 
 def save_one(deepspeed: Any, root: Path, zero: int) -> None:
-    from launcher.train.model import GPT, loss_fn
+    from meshrun.launcher.train.model import GPT, loss_fn
 
     rank, job = torch.distributed.get_rank(), job_for(zero)
     model = GPT(job.trainer.model, seed=job.trainer.seed)
@@ -111,7 +111,7 @@ def trained(root: Path) -> dict[str, torch.Tensor]:
 
 def export(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "launcher.export", *args],
+        [sys.executable, "-m", "meshrun.launcher.export", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -124,7 +124,7 @@ def test_export_consolidates_deepspeed_zero_shards_into_the_gpt_weights(saved: P
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from launcher.train.model import GPT
+    from meshrun.launcher.train.model import GPT
 
     root = saved / f"zero{zero}"
     weights_of = trained(root)

@@ -18,11 +18,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from launcher.contract import ckptdir, schema, weights
-from launcher.contract.schema import SchemaError
-from launcher.contract.spec import Checkpoint, Data, JobSpec, Model, Parallel, Train
-from launcher.export import run as export
-from launcher.train.model import GPT
+from meshrun.launcher.contract import ckptdir, schema, weights
+from meshrun.launcher.contract.schema import SchemaError
+from meshrun.launcher.contract.spec import Checkpoint, Data, JobSpec, Model, Parallel, Train
+from meshrun.launcher.export import run as export
+from meshrun.launcher.train.model import GPT
 from tests.helpers.ranks import finish, make_run, metrics, start, tiny_train
 
 

@@ -1,4 +1,4 @@
-"""train.grad_clip in the training loop: a real rank (`python -m launcher RUN_DIR`, gloo) against steps
+"""train.grad_clip in the training loop: a real rank (`python -m meshrun.launcher RUN_DIR`, gloo) against steps
 computed by hand.
 
 Every layout test compares the trainer with a reference that shares its step, clipping included,
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from launcher.contract.spec import Data, Train
-from launcher.data.dataset import Layout, TrainStream, open_dataset
-from launcher.train.model import GPT, loss_fn
-from launcher.train.optim import lr_at
+from meshrun.launcher.contract.spec import Data, Train
+from meshrun.launcher.data.dataset import Layout, TrainStream, open_dataset
+from meshrun.launcher.train.model import GPT, loss_fn
+from meshrun.launcher.train.optim import lr_at
 from tests.helpers.ranks import finish, make_run, metrics, start, tiny_train
 
 CLIP = 0.05  # far below the tiny model's norms (about 1-3 here): every step is clipped

@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from launcher.contract.exitcodes import EXIT_NO_PROGRESS
-from launcher.contract.rundir import RunDir, node_name
-from launcher.contract.spec import read_run_spec
+from meshrun.launcher.contract.exitcodes import EXIT_NO_PROGRESS
+from meshrun.launcher.contract.rundir import RunDir, node_name
+from meshrun.launcher.contract.spec import read_run_spec
 from tests.helpers.cli import (
     FAST_WATCH,
     SLOW_RANK_1,
@@ -140,10 +140,10 @@ def test_testbed_hang_on_the_second_node_is_requeued_resumes_and_finishes(
     assert "--exclude" not in meshrun(tmp_path, "render", *one_node, check=True).stdout
 
 
-# A `command:` job that reports progress (launcher.report) gets the same watch: rank 1 stops reporting.
+# A `command:` job that reports progress (meshrun.launcher.report) gets the same watch: rank 1 stops reporting.
 REPORTING_SCRIPT = """
 import os, time
-from launcher.report import report
+from meshrun.launcher.report import report
 
 def wait_for_peer():  # rank 1: stuck in the user's own code
     while True:

@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 from typing import IO, Any
 
-from submit.core.registry import JobRecord, Registry
+from meshrun.submit.core.registry import JobRecord, Registry
 from tests.helpers import sshbed
 from tests.helpers.cli import REPO, env_for, meshrun, submitted, trials
 
@@ -40,7 +40,7 @@ def _project(home: Path, argv: list[str]) -> Path:
 
 def _submit_together(home: Path, spec: Path, cluster: str) -> list[tuple[str, Path]]:
     """CONCURRENT real `meshrun submit` processes, all started before the first one ends."""
-    argv = [sys.executable, "-m", "submit.cli.main", "submit", str(spec), "-c", cluster]
+    argv = [sys.executable, "-m", "meshrun.submit.cli.main", "submit", str(spec), "-c", cluster]
     env = env_for(home)
     procs = [
         subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -103,7 +103,7 @@ def test_ten_submits_at_once_on_slurm_record_each_job_once(testbed: dict[str, ob
 # Adds records (and updates each once, as `status` does) in a loop, printing each id once committed.
 WRITER = """
 import sys, time
-from submit.core.registry import JobRecord, Registry
+from meshrun.submit.core.registry import JobRecord, Registry
 registry, trial = Registry(), sys.argv[1]
 for i in range(1_000_000):
     record = JobRecord(f"w{trial}-{i}", "local", "writer", f"/nonexistent/w{trial}-{i}", "local", time.time(),
@@ -162,8 +162,8 @@ def test_sigkill_during_registry_writes_loses_nothing_recorded(tmp_path: Path) -
 # Runs the real CLI with every Transport call of this process counted (written to $COUNT_FILE at exit).
 COUNTING = """
 import json, os, sys
-from submit import api
-from submit.cli import main as cli
+from meshrun.submit import api
+from meshrun.submit.cli import main as cli
 calls, real = [], api.connect
 METHODS = {"run", "put", "stream", "forward", "write_text", "read_bytes", "makedirs", "exists", "size", "home"}
 class Counting:
@@ -289,7 +289,7 @@ def test_follow_a_1gb_log_reads_its_tail_in_constant_memory(tmp_path: Path) -> N
         time.sleep(0.1)
     try:
         _append(log, GB, b"THE LAST OLD LINE\n")
-        argv = [sys.executable, "-m", "submit.cli.main", "logs", job_id, "-f"]
+        argv = [sys.executable, "-m", "meshrun.submit.cli.main", "logs", job_id, "-f"]
         with open(tmp_path / "followed.err", "wb") as err:
             follower = subprocess.Popen(argv, cwd=REPO, env=env_for(tmp_path), stdout=subprocess.PIPE, stderr=err)
         assert follower.stdout is not None

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from launcher.contract.procs import group_members
+from meshrun.launcher.contract.procs import group_members
 from tests.helpers.cli import REPO, env_for, meshrun, status, submitted
 
 
@@ -206,7 +206,7 @@ def test_ctrl_c_while_waiting_leaves_the_job_running_and_says_so(tmp_path: Path)
     """Item 29."""
     spec = _command_spec(tmp_path, "ctrl-c", 'touch "$MESHRUN_RUN_DIR/up-$RANK"; sleep 300', tasks=1)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "submit.cli.main", "submit", str(spec), "-c", "local", "--wait"],
+        [sys.executable, "-m", "meshrun.submit.cli.main", "submit", str(spec), "-c", "local", "--wait"],
         cwd=REPO,
         env=env_for(tmp_path),
         stdout=subprocess.PIPE,

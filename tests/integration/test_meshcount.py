@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from launcher.contract.modelshape import StageBytes as PlannedBytes
-from launcher.contract.schema import SchemaError, to_plain
-from launcher.contract.spec import JobSpec, Model, Parallel, Resources, Train
-from launcher.probes import meshcount
-from launcher.probes.meshcount import Held, StageBytes
-from submit.errors import InputError
-from submit.planning import estimate, meshcheck
+from meshrun.launcher.contract.modelshape import StageBytes as PlannedBytes
+from meshrun.launcher.contract.schema import SchemaError, to_plain
+from meshrun.launcher.contract.spec import JobSpec, Model, Parallel, Resources, Train
+from meshrun.launcher.probes import meshcount
+from meshrun.launcher.probes.meshcount import Held, StageBytes
+from meshrun.submit.errors import InputError
+from meshrun.submit.planning import estimate, meshcheck
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = Model(n_layers=4, d_model=64, n_heads=4, vocab_size=256, seq_len=32)
@@ -180,7 +180,7 @@ def test_bad_input_is_one_line_and_exit_2() -> None:
     bad = to_plain(job(dp=2))
     bad["parallel"]["dp"] = 3  # 3 ranks asked, 2 started
     done = subprocess.run(
-        [sys.executable, "-m", "launcher.probes.meshcount"],
+        [sys.executable, "-m", "meshrun.launcher.probes.meshcount"],
         input=json.dumps(bad),
         capture_output=True,
         text=True,
@@ -191,7 +191,7 @@ def test_bad_input_is_one_line_and_exit_2() -> None:
         "meshcount: error: parallel: 'dp=3 tp=1 pp=1': dp(3)*tp(1)*pp(1)"
     )
     garbage = subprocess.run(
-        [sys.executable, "-m", "launcher.probes.meshcount"], input="{", capture_output=True, text=True, cwd=REPO
+        [sys.executable, "-m", "meshrun.launcher.probes.meshcount"], input="{", capture_output=True, text=True, cwd=REPO
     )
     assert garbage.returncode == 2 and garbage.stderr.count("\n") == 1, garbage
 

@@ -11,12 +11,12 @@ from typing import Any, Iterator
 
 import pytest
 
-from submit import api
-from submit.cli import main as cli
-from submit.config.cluster import load_profile
-from submit.core.registry import Registry
-from submit.planning import plan as planning
-from submit.schedulers import render as rendering
+from meshrun.submit import api
+from meshrun.submit.cli import main as cli
+from meshrun.submit.config.cluster import load_profile
+from meshrun.submit.core.registry import Registry
+from meshrun.submit.planning import plan as planning
+from meshrun.submit.schedulers import render as rendering
 from tests.helpers import sshbed
 
 

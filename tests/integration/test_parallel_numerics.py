@@ -1,6 +1,6 @@
 """3D-parallel numerics: every (dp, tp, pp) layout trains exactly like one process with the same global batch.
 
-Real ranks: `python -m launcher RUN_DIR` in separate processes with torchrun's variables,
+Real ranks: `python -m meshrun.launcher RUN_DIR` in separate processes with torchrun's variables,
 gloo, fp32 on CPU; a tiny GPT (4 layers, d_model 64, seq 32) for 6 steps with warmup (2),
 cosine decay, clipping and validation at steps 3 and 6. The single-process run of the
 same global batch (8 sequences, micro-batch 8) runs once per module. Every layout also resumes from
@@ -36,10 +36,10 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from launcher.contract import ckptdir
-from launcher.contract.spec import Checkpoint, Model, Parallel, Train
-from launcher.export import run as export
-from launcher.train.model import GPT
+from meshrun.launcher.contract import ckptdir
+from meshrun.launcher.contract.spec import Checkpoint, Model, Parallel, Train
+from meshrun.launcher.export import run as export
+from meshrun.launcher.train.model import GPT
 from tests.helpers.ranks import finish, make_run, metrics, start, start_script, tiny_train
 from tests.helpers.shared import computed_once
 

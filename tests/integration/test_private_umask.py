@@ -19,8 +19,8 @@ from typing import Callable, Iterator, Sequence
 
 import pytest
 
-from launcher.contract.rundir import RunDir, node_name
-from submit.executor import executor
+from meshrun.launcher.contract.rundir import RunDir, node_name
+from meshrun.submit.executor import executor
 from tests.helpers import sshbed
 from tests.helpers.cli import TINY, meshrun, submitted
 from tests.integration import submitit_fns

@@ -1,4 +1,4 @@
-"""What a rank writes and what it refuses, with real `python -m launcher RUN_DIR` ranks (CPU, gloo, a tiny
+"""What a rank writes and what it refuses, with real `python -m meshrun.launcher RUN_DIR` ranks (CPU, gloo, a tiny
 model); the items are issue 15's, their one-process side is tests/unit/test_rank_outputs_and_bad_input.py.
 
 One short run covers the trainer's findings (validation cadence, every commit in metrics.jsonl
@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.contract import ckptdir
-from launcher.contract.rundir import ATTEMPTS_FILE, RunDir
-from launcher.contract.spec import Checkpoint
+from meshrun.launcher.contract import ckptdir
+from meshrun.launcher.contract.rundir import ATTEMPTS_FILE, RunDir
+from meshrun.launcher.contract.spec import Checkpoint
 from tests.helpers.ranks import REPO, TIMEOUT_S, finish, make_run, metrics, start, tiny_train
 from tests.integration.test_train_processes import own_environ  # noqa: F401  (a fixture)
 
@@ -38,7 +38,7 @@ def _with_checkpoint_dir(run_dir: Path, checkpoint_dir: Path) -> None:
 def _export(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run(
-        [sys.executable, "-m", "launcher.export", *args],
+        [sys.executable, "-m", "meshrun.launcher.export", *args],
         cwd=cwd,
         env=env,
         text=True,
@@ -121,7 +121,7 @@ def test_bad_input_is_one_line_exit_2_and_rank_error(
     own_environ: None,  # noqa: F811
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from launcher.__main__ import main
+    from meshrun.launcher.__main__ import main
 
     data = tmp_path / f"{case}.u16"
     if case == "empty":

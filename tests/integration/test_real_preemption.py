@@ -17,9 +17,9 @@ from typing import Any, Callable
 import torch
 import yaml
 
-from launcher.contract import ckptdir
-from launcher.export.consolidate import consolidated_state
-from submit.schedulers import slurm_cli as slurm
+from meshrun.launcher.contract import ckptdir
+from meshrun.launcher.export.consolidate import consolidated_state
+from meshrun.submit.schedulers import slurm_cli as slurm
 from tests.helpers.cli import meshrun, submitted, wait_for_state, wait_for_step
 from tests.integration.test_preempt_resume import _step_rows, _two_ranks_on_two_nodes
 from tests.testbed import testbed as tb

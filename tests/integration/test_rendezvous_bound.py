@@ -1,5 +1,5 @@
 """The built-in trainer's rendezvous is bounded (watchdog.rendezvous_timeout_s): with one rank that never starts,
-real `python -m launcher RUN_DIR` ranks (gloo, this machine as two "nodes") end within the bound with exit 76 and
+real `python -m meshrun.launcher RUN_DIR` ranks (gloo, this machine as two "nodes") end within the bound with exit 76 and
 one line naming the rank and node that did not join, not torch's traceback after 10 minutes (issue 44: a requeued
 start waited in a store connect that could not complete)."""
 
@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from launcher.contract.exitcodes import EXIT_NO_PROGRESS
-from launcher.contract.rundir import RunDir
-from launcher.contract.spec import (
+from meshrun.launcher.contract.exitcodes import EXIT_NO_PROGRESS
+from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.spec import (
     Data,
     JobSpec,
     Parallel,
@@ -52,7 +52,7 @@ def _start(run_dir: Path, rank: int, port: int) -> Any:
 
     env = rank_environ(rank, 2, port)
     env.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank), SLURM_STEP_NODELIST=NODES)
-    argv = [str(Path(sys.modules["launcher"].__file__ or "launcher").parent / "__main__.py"), str(run_dir)]
+    argv = [str(Path(sys.modules["meshrun.launcher"].__file__ or "launcher").parent / "__main__.py"), str(run_dir)]
     return zygote.spawn(argv, env)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from launcher.contract.exitcodes import EXIT_REQUEUE
+from meshrun.launcher.contract.exitcodes import EXIT_REQUEUE
 from tests.helpers.cli import meshrun, submitted, wait_for_state
 from tests.testbed import health
 from tests.testbed import testbed as tb

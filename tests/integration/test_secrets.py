@@ -17,8 +17,8 @@ from typing import Any
 
 import yaml
 
-from launcher.contract.secrets import secrets_dir_for
-from submit.config.cluster import load_profile
+from meshrun.launcher.contract.secrets import secrets_dir_for
+from meshrun.submit.config.cluster import load_profile
 from tests.helpers import sshbed
 from tests.helpers.cli import meshrun, submitted
 

@@ -13,8 +13,8 @@ from typing import Callable
 
 import psutil
 
-from launcher.contract import ckptdir, lost
-from launcher.contract.rundir import RunDir, node_name
+from meshrun.launcher.contract import ckptdir, lost
+from meshrun.launcher.contract.rundir import RunDir, node_name
 from tests.helpers.cli import TINY, TWO_NODES, meshrun, metrics, status, submitted, trials, wait_for_state
 
 SHORT = ["--set", "sidecar.interval_s=0.3", "--set", "resources.tasks_per_node=1"]
@@ -23,7 +23,7 @@ COMMAND = ["--set", "command=python3,-c,import time; time.sleep(4)"]
 
 
 def sidecars_of(run_dir: Path) -> list[int]:
-    """Live processes running `launcher.sidecar RUN_DIR` (this machine hosts every testbed node)."""
+    """Live processes running `meshrun.launcher.sidecar RUN_DIR` (this machine hosts every testbed node)."""
     pids = []
     for entry in os.listdir("/proc"):
         try:
@@ -31,7 +31,7 @@ def sidecars_of(run_dir: Path) -> list[int]:
             state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except (OSError, IndexError):
             continue
-        if b"launcher.sidecar" in argv and str(run_dir).encode() in argv and state not in ("Z", "X"):
+        if b"meshrun.launcher.sidecar" in argv and str(run_dir).encode() in argv and state not in ("Z", "X"):
             pids.append(int(entry))
     return pids
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import psutil
 
-from launcher.contract.exitcodes import EXIT_NO_PROGRESS
-from launcher.contract.rundir import RunDir, read_state
-from launcher.hostlist import expand_hostlist
+from meshrun.launcher.contract.exitcodes import EXIT_NO_PROGRESS
+from meshrun.launcher.contract.rundir import RunDir, read_state
+from meshrun.launcher.hostlist import expand_hostlist
 from tests.helpers.cli import (
     FAST_WATCH,
     SMALL_MODEL,
@@ -39,11 +39,13 @@ STEPS = 40
 
 
 def _rank_pids(run_dir: Path) -> list[int]:
-    """The job's rank processes (`python -m launcher RUN_DIR`, not its sidecar), on this one testbed machine."""
+    """The job's rank processes (`python -m meshrun.launcher RUN_DIR`, not its sidecar), on this one testbed machine."""
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         cmd = proc.info["cmdline"] or []
-        if cmd[-3:] == ["-m", "launcher", str(run_dir)] and os.path.basename(cmd[0]).startswith("python"):  # not srun
+        if cmd[-3:] == ["-m", "meshrun.launcher", str(run_dir)] and os.path.basename(cmd[0]).startswith(
+            "python"
+        ):  # not srun
             found.append(proc.pid)
     return found
 

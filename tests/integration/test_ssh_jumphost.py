@@ -14,7 +14,7 @@ from typing import Iterator
 
 import pytest
 
-from submit.core.registry import Registry
+from meshrun.submit.core.registry import Registry
 from tests.helpers import sshbed
 from tests.helpers.cli import submitted
 from tests.helpers.sshbed import ExtraSshd, meshrun

@@ -26,7 +26,7 @@ def test_follow_resumes_after_the_ssh_session_is_killed(testbed: dict, tmp_path:
     out_path, err_path = tmp_path / "followed.out", tmp_path / "followed.err"
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
         follower = subprocess.Popen(
-            [sys.executable, "-m", "submit.cli.main", "logs", job_id, "-f"],
+            [sys.executable, "-m", "meshrun.submit.cli.main", "logs", job_id, "-f"],
             cwd=REPO,
             env=env_for(tmp_path, laptop=True),
             stdout=out,

@@ -20,8 +20,8 @@ from typing import Optional
 
 import pytest
 
-from submit.core.registry import JobRecord, Registry
-from submit.views import tbserve
+from meshrun.submit.core.registry import JobRecord, Registry
+from meshrun.submit.views import tbserve
 from tests.helpers import sshbed, tbhelp
 from tests.helpers.cli import REPO, env_for
 from tests.helpers.tbhelp import Cleanup
@@ -98,7 +98,7 @@ def test_tensorboard_and_tunnel_listen_on_loopback_only(
     _record(tmp_path, run_dir, over_ssh)
     tb_cleanup.runs([(JOB, run_dir)])
     proc = subprocess.Popen(
-        [sys.executable, "-m", "submit.cli.main", "tb", JOB],
+        [sys.executable, "-m", "meshrun.submit.cli.main", "tb", JOB],
         cwd=REPO,
         text=True,
         env=env_for(tmp_path, laptop=over_ssh),  # the laptop has no Slurm: only the SSH road

@@ -13,11 +13,11 @@ from typing import Callable, Iterator
 
 import pytest
 
-from launcher.contract.spec import Code
-from submit import errors
-from submit.config.cluster import Ssh
-from submit.transport import snapshot, trust
-from submit.transport.ssh import STATS, SshTransport
+from meshrun.launcher.contract.spec import Code
+from meshrun.submit import errors
+from meshrun.submit.config.cluster import Ssh
+from meshrun.submit.transport import snapshot, trust
+from meshrun.submit.transport.ssh import STATS, SshTransport
 from tests.helpers import sshbed
 from tests.helpers.sshbed import meshrun
 from tests.testbed import testbed as tb

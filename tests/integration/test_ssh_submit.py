@@ -94,7 +94,7 @@ def test_logs_follow_all_ranks_merged_with_prefixes(trained: dict[str, Any]) -> 
 def test_tensorboard_through_the_tunnel_serves_the_jobs_loss(trained: dict[str, Any], tb_cleanup: Cleanup) -> None:
     tb_cleanup.runs([(trained["job"], trained["run_dir"])])
     proc = subprocess.Popen(
-        [sys.executable, "-m", "submit.cli.main", "tb", trained["job"]],
+        [sys.executable, "-m", "meshrun.submit.cli.main", "tb", trained["job"]],
         cwd=REPO,
         text=True,
         env=env_for(trained["home"], laptop=True),
@@ -185,8 +185,8 @@ print(f"read pkg/words.txt {reads} times", flush=True)
 """
 # `meshrun submit` in a process of its own that also prints its SSH round trips and bytes sent.
 COUNTED = """import sys
-from submit.cli import main as cli
-from submit.transport.ssh import STATS
+from meshrun.submit.cli import main as cli
+from meshrun.submit.transport.ssh import STATS
 try:
     code = cli.main(sys.argv[1:])
 finally:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from submit.core.registry import JobRecord, Registry
+from meshrun.submit.core.registry import JobRecord, Registry
 from tests.helpers import sshbed, tbhelp
 from tests.helpers.cli import REPO, env_for
 from tests.helpers.tbhelp import Cleanup
@@ -27,7 +27,7 @@ def test_tb_on_the_login_node_prints_the_tunnel_line(testbed: dict, tmp_path: Pa
     )
     tb_cleanup.runs([("900001", run_dir)])
     proc = subprocess.Popen(
-        [sys.executable, "-m", "submit.cli.main", "tb", "900001"],
+        [sys.executable, "-m", "meshrun.submit.cli.main", "tb", "900001"],
         cwd=REPO,
         text=True,
         env=env_for(tmp_path),

@@ -1,6 +1,6 @@
 """The stop flag's agreement with several real ranks: one rank signalled, every rank stops after the same step.
 
-Two gloo ranks (`python -m launcher RUN_DIR`, as torchrun starts them) train; SIGUSR1 goes to rank 1's
+Two gloo ranks (`python -m meshrun.launcher RUN_DIR`, as torchrun starts them) train; SIGUSR1 goes to rank 1's
 pid only, as when a signal reaches some ranks of a job before others. Rank 0, never signalled, must
 learn it from the all-reduce at the step boundary: both save one checkpoint after the same step and
 exit 75, and each rank's own heartbeat says which step it stopped after.
@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from launcher.contract.exitcodes import EXIT_REQUEUE
+from meshrun.launcher.contract.exitcodes import EXIT_REQUEUE
 from tests.helpers.ranks import TIMEOUT_S, make_run, start, tiny_train
 
 STEPS = 400  # far more than it runs: the signal comes at step 3

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from launcher.contract.parallel_dims import ParallelDims
-from submit.config.cluster import load_profile
-from submit.errors import InputError
-from submit.planning.plan import plan_file
-from submit.schedulers.render import render
-from submit.schedulers.slurm import BACKEND as SLURM
+from meshrun.launcher.contract.parallel_dims import ParallelDims
+from meshrun.submit.config.cluster import load_profile
+from meshrun.submit.errors import InputError
+from meshrun.submit.planning.plan import plan_file
+from meshrun.submit.schedulers.render import render
+from meshrun.submit.schedulers.slurm import BACKEND as SLURM
 from tests.helpers.cli import REPO, meshrun, metrics, status, submitted
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))

@@ -1,4 +1,4 @@
-"""The submitit Python API (submit.executor) against the real Slurm testbed: a 2x2 gloo all-reduce,
+"""The submitit Python API (meshrun.submit.executor) against the real Slurm testbed: a 2x2 gloo all-reduce,
 a Checkpointable job requeued after a signal, a job array, and `meshrun status/logs` seeing them."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from submit.core.registry import Registry
-from submit.executor import MeshrunSlurmExecutor, executor
+from meshrun.submit.core.registry import Registry
+from meshrun.submit.executor import MeshrunSlurmExecutor, executor
 from tests.helpers.cli import meshrun, status
 from tests.integration import submitit_fns
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from submit.core.registry import JobRecord, Registry
-from submit.views import tbserve
+from meshrun.submit.core.registry import JobRecord, Registry
+from meshrun.submit.views import tbserve
 from tests.helpers import sshbed, tbhelp
 from tests.helpers.cli import REPO, env_for, meshrun
 from tests.helpers.tbhelp import Cleanup
@@ -172,7 +172,7 @@ def test_ctrl_c_while_tensorboard_loads_leaves_no_server(tmp_path: Path, tb_clea
     a server whose start was interrupted before any claim stops itself."""
     _job(tmp_path, "900104", tb_cleanup)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "submit.cli.main", "tb", "900104"],
+        [sys.executable, "-m", "meshrun.submit.cli.main", "tb", "900104"],
         cwd=REPO,
         env=env_for(tmp_path),
         stdout=subprocess.DEVNULL,

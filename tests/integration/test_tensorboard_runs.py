@@ -17,8 +17,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from launcher.contract.rundir import RunDir, node_name
-from submit.core.registry import JobRecord, Registry
+from meshrun.launcher.contract.rundir import RunDir, node_name
+from meshrun.submit.core.registry import JobRecord, Registry
 from tests.helpers import sshbed, tbhelp
 from tests.helpers.cli import TINY as CLI_TINY
 from tests.helpers.cli import meshrun, metrics, status, submitted

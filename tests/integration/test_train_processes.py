@@ -1,4 +1,4 @@
-"""Real torch.distributed ranks: `python -m launcher RUN_DIR` in separate processes over gloo.
+"""Real torch.distributed ranks: `python -m meshrun.launcher RUN_DIR` in separate processes over gloo.
 
 Each rank gets the variables torchrun would set, as a cluster launcher does. The
 model is tiny (2 layers, d_model 64, seq 64) so the file stays well under a minute
@@ -86,10 +86,10 @@ def own_environ() -> Iterator[None]:
 def test_user_errors_exit_2_with_one_line(
     tmp_path: Path, corpus: Path, capsys: pytest.CaptureFixture[str], own_environ: None
 ) -> None:
-    from launcher.__main__ import main
+    from meshrun.launcher.__main__ import main
 
     assert main(["launcher"]) == 2
-    assert "usage: python -m launcher RUN_DIR" in capsys.readouterr().err
+    assert "usage: python -m meshrun.launcher RUN_DIR" in capsys.readouterr().err
 
     wrong_layout = make_run(tmp_path, "tp", corpus, 1, dp=1, tp=2)
     assert main(["launcher", str(wrong_layout)]) == 2

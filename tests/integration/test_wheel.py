@@ -22,7 +22,7 @@ import tomllib
 from tests.helpers.cli import SMALL_MODEL, env_for, submitted
 
 REPO = Path(__file__).resolve().parents[2]
-SOURCES = ("pyproject.toml", "README.md", "submit", "launcher", "templates", "cluster_configs")
+SOURCES = ("pyproject.toml", "README.md", "meshrun", "submit", "launcher", "templates", "cluster_configs")
 """What the wheel is built from: a copy, so that the build leaves nothing in the repo."""
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 TRAIN = [
@@ -76,7 +76,7 @@ def build_wheel(out: Path) -> Path:
     for name in SOURCES:
         source = REPO / name
         if source.is_dir():
-            shutil.copytree(source, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+            shutil.copytree(source, src / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         else:
             src.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, src / name)
@@ -124,27 +124,35 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
 
 def test_wheel_holds_templates_profiles_and_every_module(installed: Installed) -> None:
     names = set(zipfile.ZipFile(installed.wheel).namelist())
-    templates = {f"submit/templates/{p.name}" for p in (REPO / "templates").glob("*.j2")}
-    profiles = {f"submit/cluster_configs/{p.name}" for p in (REPO / "cluster_configs").glob("*.yaml")}
+    templates = {f"meshrun/templates/{p.name}" for p in (REPO / "templates").glob("*.j2")}
+    profiles = {f"meshrun/cluster_configs/{p.name}" for p in (REPO / "cluster_configs").glob("*.yaml")}
     modules = {
-        p.relative_to(REPO).as_posix()
+        f"meshrun/{p.relative_to(REPO).as_posix()}"
         for top in ("submit", "launcher")
         for p in (REPO / top).rglob("*.py")
         if "__pycache__" not in p.parts
     }
-    assert {"submit/templates/slurm.sbatch.j2", "submit/cluster_configs/local.yaml"} <= templates | profiles
+    assert {"meshrun/templates/slurm.sbatch.j2", "meshrun/cluster_configs/local.yaml"} <= templates | profiles
     missing = sorted((templates | profiles | modules) - names)
     assert not missing, f"not in the wheel: {missing}; list their packages in pyproject's [tool.setuptools]"
+    # One installed name: nothing of meshrun's lands in site-packages beside meshrun/ and its dist-info.
+    tops = {name.split("/")[0] for name in names}
+    assert tops == {"meshrun", f"meshrun-{VERSION}.dist-info"}, tops
 
 
 def test_installed_meshrun_runs_from_anywhere(installed: Installed) -> None:
     where = installed.run(
         "python",
         "-c",
-        "import submit, launcher; print(submit.__file__, launcher.__file__, submit.__version__, launcher.__version__)",
+        "import meshrun.submit as s, meshrun.launcher as l; print(s.__file__, l.__file__, s.__version__, l.__version__)",
     ).stdout.split()
     assert all(path.startswith(str(installed.venv)) for path in where[:2]), where
     assert where[2:] == [VERSION, VERSION]
+    # The names other projects own stay theirs: `submit` and `launcher` are not importable from the install.
+    taken = installed.run(
+        "python", "-c", "import importlib.util as u; print([u.find_spec(n) for n in ('submit', 'launcher')])"
+    ).stdout
+    assert taken.strip() == "[None, None]", taken
 
     listed = installed.run("meshrun", "clusters").stdout
     assert {line.split()[0] for line in listed.splitlines()[1:]} >= {"local", "testbed", "h100-ndr", "h200-ndr"}

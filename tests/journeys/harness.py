@@ -47,9 +47,9 @@ from typing import Any, Callable, Mapping, Optional
 
 import psutil
 
-from launcher.contract import ckptdir
-from launcher.contract.rundir import RunDir
-from submit.views import tbserve
+from meshrun.launcher.contract import ckptdir
+from meshrun.launcher.contract.rundir import RunDir
+from meshrun.submit.views import tbserve
 from tests.helpers import sshbed, tbhelp
 from tests.helpers.cli import FINAL_STATES, REPO, SMALL_MODEL, TINY, TWO_NODES, env_for, meshrun, poll_pauses, submitted
 
@@ -88,19 +88,23 @@ class Site:
 LOCAL = Site(
     "local",
     "MESHRUN_JOB_ID",
-    {"sidecar": "launcher.sidecar", "supervisor": "launcher.supervisor", "controller": "launcher.controller"},
+    {
+        "sidecar": "meshrun.launcher.sidecar",
+        "supervisor": "meshrun.launcher.supervisor",
+        "controller": "meshrun.launcher.controller",
+    },
     tuple(TINY),
 )
-# The testbed's two-node job: the batch shell, each node's sidecar, the ranks (`python -m launcher RUN_DIR`).
+# The testbed's two-node job: the batch shell, each node's sidecar, the ranks (`python -m meshrun.launcher RUN_DIR`).
 TESTBED = Site(
     "testbed",
     "SLURM_JOB_ID",
     # The copier (a sidecar's child copying one staged checkpoint) first: its command line names the sidecar too.
     {
-        "copier": "launcher.sidecar.copier",
-        "sidecar": "launcher.sidecar",
+        "copier": "meshrun.launcher.sidecar.copier",
+        "sidecar": "meshrun.launcher.sidecar",
         "batch": "slurm_script",
-        "rank": "-m launcher /",
+        "rank": "-m meshrun.launcher /",
     },
     (*TWO_NODES, *SMALL_MODEL),
     high_partition="high",
@@ -432,7 +436,7 @@ class Journey:
         """A `logs -f` client killed with -9: nothing of the job may notice."""
         env = env_for(self.home, laptop=self.site.laptop)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "submit.cli.main", "logs", job.job_id, "-f"],
+            [sys.executable, "-m", "meshrun.submit.cli.main", "logs", job.job_id, "-f"],
             cwd=REPO,
             env=env,
             stdout=subprocess.DEVNULL,
@@ -447,7 +451,7 @@ class Journey:
         """kill -9 of the server side of every SSH connection (sshd's per-connection processes) while a
         `logs -f` follows a running job: the follower reconnects (or ends with the job), the next verb works."""
         follower = subprocess.Popen(
-            [sys.executable, "-m", "submit.cli.main", "logs", job.job_id, "-f"],
+            [sys.executable, "-m", "meshrun.submit.cli.main", "logs", job.job_id, "-f"],
             cwd=REPO,
             env=env_for(self.home, laptop=True),
             stdout=subprocess.DEVNULL,

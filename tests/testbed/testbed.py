@@ -1020,7 +1020,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if all(pids.values()) else 1
         elif args.command == "profile":
             # A profile reaching this testbed over SSH, as a laptop would (its host key already trusted).
-            from launcher.contract.private import make_private_dir
+            from meshrun.launcher.contract.private import make_private_dir
             from tests.helpers import sshbed
 
             meshrun_config = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "meshrun"

@@ -1,4 +1,4 @@
-"""A fake `pynvml` for the sidecar's unit tests: the calls launcher.sidecar.nvml makes, over fake GPUs.
+"""A fake `pynvml` for the sidecar's unit tests: the calls meshrun.launcher.sidecar.nvml makes, over fake GPUs.
 
 NVML's index order is deliberately not PCI order here, so a test that keys by NVML index fails.
 """

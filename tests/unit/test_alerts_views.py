@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from submit.core.status import Status
-from submit.transport.base import new_marker
-from submit.views.tables import progress_line
+from meshrun.submit.core.status import Status
+from meshrun.submit.transport.base import new_marker
+from meshrun.submit.views.tables import progress_line
 
 
 def _status(**kw: Any) -> Status:
@@ -39,7 +39,7 @@ def test_progress_line_shows_a_null_loss_as_nan() -> None:
 
 
 def _alert(rule: str, step: int, when: float = 0.0, **kw: Any) -> dict[str, Any]:
-    from launcher.contract.alerts import Alert
+    from meshrun.launcher.contract.alerts import Alert
 
     return Alert(
         rule, 9.0, 3.0, f"{rule} at {step}", step=step, rank=0, node="n1", time=when or time.time(), **kw
@@ -47,10 +47,10 @@ def _alert(rule: str, step: int, when: float = 0.0, **kw: Any) -> dict[str, Any]
 
 
 def test_the_remote_command_brings_each_jobs_newest_alerts_and_gpu_lines_capped(tmp_path: Path) -> None:
-    from launcher.contract import alerts
-    from launcher.contract.alerts import Alert
-    from submit.core import findings
-    from submit.transport.base import LocalTransport
+    from meshrun.launcher.contract import alerts
+    from meshrun.launcher.contract.alerts import Alert
+    from meshrun.submit.core import findings
+    from meshrun.submit.transport.base import LocalTransport
 
     busy, quiet = tmp_path / "busy", tmp_path / "quiet"
     quiet.mkdir()
@@ -77,7 +77,7 @@ def test_the_remote_command_brings_each_jobs_newest_alerts_and_gpu_lines_capped(
 
 
 def test_an_earlier_jobs_alerts_in_the_same_run_dir_are_not_this_jobs() -> None:
-    from submit.core import findings
+    from meshrun.submit.core import findings
 
     text = json.dumps(_alert("hang", 1, when=1000.0)) + "\n" + json.dumps(_alert("loss_spike", 7)) + "\n{garbled"
     found = findings.findings_from({findings.ALERTS: text}, submitted_at=time.time() - 10)
@@ -85,7 +85,7 @@ def test_an_earlier_jobs_alerts_in_the_same_run_dir_are_not_this_jobs() -> None:
 
 
 def test_the_list_gets_an_alerts_column_only_when_a_job_has_alerts() -> None:
-    from submit.views.tables import detail_lines, status_table
+    from meshrun.submit.views.tables import detail_lines, status_table
 
     quiet = _status(progress={"step": 3, "loss": 2.5})
     assert "ALERTS" not in status_table([quiet])
@@ -107,9 +107,9 @@ def test_json_carries_the_alert_records() -> None:
 
 
 def test_wait_prints_each_new_alert_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    from submit import api
-    from submit.cli import common as cli
-    from submit.core.registry import JobRecord
+    from meshrun.submit import api
+    from meshrun.submit.cli import common as cli
+    from meshrun.submit.core.registry import JobRecord
 
     first, second = _alert("loss_spike", 2), _alert("nonfinite_loss", 3)
     seq = iter(
@@ -135,8 +135,8 @@ def test_wait_prints_each_new_alert_once(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_top_cells_step_of_steps_time_left_and_a_non_finite_loss_in_the_sparkline() -> None:
-    from submit.core import findings
-    from submit.views import top
+    from meshrun.submit.core import findings
+    from meshrun.submit.views import top
 
     assert top.sparkline([3.0, None, 2.0]) == "█!▁" and top.sparkline([None]) == "!" and top.sparkline([]) == ""
     spec = json.dumps({"job": {"command": None, "train": {"steps": 100}}})
@@ -162,7 +162,7 @@ def test_top_cells_step_of_steps_time_left_and_a_non_finite_loss_in_the_sparklin
 
 
 def test_status_of_one_job_says_why_it_ended_with_its_exit_codes_meaning() -> None:
-    from submit.views.tables import detail_lines
+    from meshrun.submit.views.tables import detail_lines
 
     failed = _status(state="FAILED", done=True, reason="rank 0: bad token file", exit_code=2)
     assert detail_lines(failed)[0] == "reason (exit 2, bad input): rank 0: bad token file"
@@ -176,8 +176,8 @@ def test_status_of_one_job_says_why_it_ended_with_its_exit_codes_meaning() -> No
 def test_top_once_lists_the_running_jobs_and_the_named_ones_ended_or_not(monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 44: `top --once` listed COMPLETED jobs (the registry still thought them running) while README says
     'every running job'."""
-    from submit import api
-    from submit.views import top
+    from meshrun.submit import api
+    from meshrun.submit.views import top
 
     found = [_status(job_id="run1"), _status(job_id="done1", state="COMPLETED", done=True, succeeded=True)]
     monkeypatch.setattr(api, "statuses", lambda *_a, **_k: found)

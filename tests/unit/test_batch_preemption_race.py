@@ -8,7 +8,7 @@ scancel, ended the job as cancelled and removed its `env:` secrets; Slurm's requ
 failed with exit 2. The shell now asks again (up to 5 s) before it takes a preempted job for a cancelled one.
 
 The stub srun plays ranks that exit 75 (saved, as on the grace time's SIGTERM) and a sidecar that ends at
-once, and runs the requeue policy itself (`python -m launcher.requeue`, the real one); the stub squeue gives
+once, and runs the requeue policy itself (`python -m meshrun.launcher.requeue`, the real one); the stub squeue gives
 Slurm's answers in turn, the last one for good.
 """
 
@@ -24,12 +24,12 @@ from pathlib import Path
 
 import pytest
 
-from launcher.contract.secrets import secrets_dir_for
-from submit.config.cluster import load_profile
-from submit.core.status import parse_metrics_tail
-from submit.planning.plan import plan_file
-from submit.schedulers import backend
-from submit.schedulers.render import render
+from meshrun.launcher.contract.secrets import secrets_dir_for
+from meshrun.submit.config.cluster import load_profile
+from meshrun.submit.core.status import parse_metrics_tail
+from meshrun.submit.planning.plan import plan_file
+from meshrun.submit.schedulers import backend
+from meshrun.submit.schedulers.render import render
 
 REPO = Path(__file__).resolve().parents[2]
 PREEMPTED_AT = "2026-12-03T09:03:05"
@@ -39,11 +39,11 @@ SRUN_STEPS = """#!/bin/bash
 # answer); the sidecar ends. What follows this part plays the ranks.
 for word in "$@"; do
   case "$word" in
-    launcher.requeue) while [ "$1" != python ] && [ "${1##*/}" != python ]; do shift; done; exec "$@" ;;
-    launcher.probes.health)
+    meshrun.launcher.requeue) while [ "$1" != python ] && [ "${1##*/}" != python ]; do shift; done; exec "$@" ;;
+    meshrun.launcher.probes.health)
       mkdir -p "$MESHRUN_RUN_DIR/health" && echo '{"node": "n1", "checks": []}' > "$MESHRUN_RUN_DIR/health/n1.json"
       exit 0 ;;
-    launcher.sidecar) exit 0 ;;
+    meshrun.launcher.sidecar) exit 0 ;;
   esac
 done
 """

@@ -12,11 +12,11 @@ from typing import Any, Optional
 
 import pytest
 
-from launcher.contract.modelshape import layer_elements
-from submit.cli.plan import build, render
-from submit.config.cluster import SHIPPED_DIR, load_profile
-from submit.planning import calibration, steptime
-from submit.planning.plan import REMOTE_HOME, plan_file
+from meshrun.launcher.contract.modelshape import layer_elements
+from meshrun.submit.cli.plan import build, render
+from meshrun.submit.config.cluster import SHIPPED_DIR, load_profile
+from meshrun.submit.planning import calibration, steptime
+from meshrun.submit.planning.plan import REMOTE_HOME, plan_file
 
 REPO = Path(__file__).resolve().parents[2]
 NOW = dt.datetime(2026, 12, 4, 1, 2, 3, tzinfo=dt.timezone.utc)
@@ -130,8 +130,8 @@ def test_a_gpu_partition_doctor_measured_is_timed_with_its_figures() -> None:
 
 
 def test_the_any_cluster_table_shows_the_step_time_and_when_the_job_would_finish() -> None:
-    from submit.api import Candidate
-    from submit.cli.main import _step_and_finish
+    from meshrun.submit.api import Candidate
+    from meshrun.submit.cli.main import _step_and_finish
 
     assert _step_and_finish(Candidate("a", "p", "now", "starts jobs at once", "a", 2.0, 100)) == ("2s", "+3m20s")
     later = Candidate("b", "gpu", "2026-12-04T10:00:00", "Slurm's estimate", "b", 0.5, 7200)
@@ -143,7 +143,7 @@ def test_the_any_cluster_table_shows_the_step_time_and_when_the_job_would_finish
 
 
 def test_a_cpu_candidate_is_timed_with_its_clusters_calibration() -> None:
-    from submit.api import Candidate, _timed
+    from meshrun.submit.api import Candidate, _timed
 
     profile = load_profile(str(SHIPPED_DIR / "local.yaml"))
     plan = plan_file(REPO / "examples" / "tiny.yaml", profile, [], home=REMOTE_HOME)
@@ -158,7 +158,7 @@ def test_a_cpu_candidate_is_timed_with_its_clusters_calibration() -> None:
 
 
 def test_of_clusters_that_start_together_the_one_that_finishes_first_is_chosen() -> None:
-    from submit.api import Candidate, soonest
+    from meshrun.submit.api import Candidate, soonest
 
     unknown = Candidate("a", "p", "now", "x", "a")
     slow = Candidate("b", "p", "now", "x", "b", step_s=2.0, steps=10)
@@ -216,7 +216,7 @@ def test_a_cpu_job_holds_no_gpu_hours_and_an_untimed_plan_no_run_estimate() -> N
     ],
 )
 def test_a_bad_price_is_refused_naming_the_key(tmp_path: Path, cost: dict[str, Any], message: str) -> None:
-    from submit.errors import InputError
+    from meshrun.submit.errors import InputError
 
     with pytest.raises(InputError, match=message):
         load_profile(str(_priced(tmp_path, cost)))
@@ -224,8 +224,8 @@ def test_a_bad_price_is_refused_naming_the_key(tmp_path: Path, cost: dict[str, A
 
 def _block_s(shape: tuple[int, int, int, int], gemm_tflops: float, overhead_s: float, element_s: float) -> float:
     """What the planner's CPU block model says one block of `shape` costs a micro-batch."""
-    from launcher.contract.modelshape import layer_elements, layer_flops_per_token
-    from launcher.contract.spec import Model
+    from meshrun.launcher.contract.modelshape import layer_elements, layer_flops_per_token
+    from meshrun.launcher.contract.spec import Model
 
     d_model, n_heads, seq_len, micro = shape
     cfg = Model(n_layers=1, d_model=d_model, n_heads=n_heads, vocab_size=256, seq_len=seq_len)
@@ -271,7 +271,7 @@ def test_a_gpus_block_terms_are_its_launch_cost_and_its_share_of_the_gemm() -> N
     """On GPUs doctor times a block at a launch-bound and a compute-bound shape (bf16): the two give the block's
     fixed cost and the share of the GEMM's rate its FLOPs reach, and the calibrated plan times blocks with them
     (an H200's ~1B GPT ran at 0.186 s a step where 0.7 of the GEMM planned 0.108 s)."""
-    from launcher.probes.doctor import GPU_LAYER_SHAPES
+    from meshrun.launcher.probes.doctor import GPU_LAYER_SHAPES
 
     gemm, share, launch = 780.0, 0.55, 3e-4
     layers = [

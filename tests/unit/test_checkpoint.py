@@ -12,11 +12,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from launcher.checkpoint import commit as ckpt
-from launcher.contract import ckptdir
-from launcher.preempt import StopFlag
-from launcher.train.divergence import Sentinel
-from launcher.train.divergence import agree as agree_and_check
+from meshrun.launcher.checkpoint import commit as ckpt
+from meshrun.launcher.contract import ckptdir
+from meshrun.launcher.preempt import StopFlag
+from meshrun.launcher.train.divergence import Sentinel
+from meshrun.launcher.train.divergence import agree as agree_and_check
 
 
 def _fake_complete(root: Path, step: int) -> Path:
@@ -141,7 +141,7 @@ def test_optimizer_state_loads_from_flat_keys_and_from_checkpoints_saved_before_
     saved earlier with nested param_groups (`optim.param_groups.0.*`) still loads, into the same state."""
     import torch.distributed.checkpoint as dcp
 
-    from launcher.train.engines.native import OptimizerState, saved_flat
+    from meshrun.launcher.train.engines.native import OptimizerState, saved_flat
 
     def trained() -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(0)

@@ -19,7 +19,12 @@ def _run(args: list[str], tmp_path: Path, block_torch: bool = True) -> subproces
         (fake / "__init__.py").write_text("raise ImportError('torch is not installed on this laptop')\n")
         env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "notorch"), str(REPO)])
     return subprocess.run(
-        [sys.executable, "-m", "submit.cli.main", *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=60
+        [sys.executable, "-m", "meshrun.submit.cli.main", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=60,
     )
 
 
@@ -32,8 +37,8 @@ def test_help_and_render_work_without_torch(tmp_path: Path) -> None:
 
 def test_submit_side_modules_never_import_torch() -> None:
     code = (
-        "import sys; import submit.cli.main, submit.api, submit.schedulers.render, submit.planning.plan, submit.schedulers.local, submit.schedulers.slurm, "
-        "submit.core.registry, submit.schedulers.slurm_cli, submit.transport.base, launcher.contract.spec, launcher.entry; "
+        "import sys; import meshrun.submit.cli.main, meshrun.submit.api, meshrun.submit.schedulers.render, meshrun.submit.planning.plan, meshrun.submit.schedulers.local, meshrun.submit.schedulers.slurm, "
+        "meshrun.submit.core.registry, meshrun.submit.schedulers.slurm_cli, meshrun.submit.transport.base, meshrun.launcher.contract.spec, meshrun.launcher.entry; "
         "bad = [m for m in ('torch', 'numpy', 'paramiko') if m in sys.modules]; "
         "assert not bad, bad"
     )
@@ -71,7 +76,7 @@ def test_errors_name_what_the_user_gave(tmp_path: Path) -> None:
     """The trial's findings: the cluster from $MESHRUN_CLUSTER is named as such (not as -c, never typed), and
     an unknown --set key shows the override and the name that is wrong (not the value it would set)."""
     env_cluster = subprocess.run(
-        [sys.executable, "-m", "submit.cli.main", "submit", "examples/tiny.yaml", "--dry-run"],
+        [sys.executable, "-m", "meshrun.submit.cli.main", "submit", "examples/tiny.yaml", "--dry-run"],
         capture_output=True,
         text=True,
         env=dict(os.environ, MESHRUN_CLUSTER="nosuch", XDG_CONFIG_HOME=str(tmp_path / "config")),

@@ -16,9 +16,9 @@ import textwrap
 import time
 from pathlib import Path
 
-from launcher.checkpoint import commit as ckpt
-from launcher.contract import ckptdir
-from launcher.sidecar import copier
+from meshrun.launcher.checkpoint import commit as ckpt
+from meshrun.launcher.contract import ckptdir
+from meshrun.launcher.sidecar import copier
 
 ATTEMPT = "1234.0"
 
@@ -222,8 +222,10 @@ def test_drain_copies_what_is_left_and_reports_what_it_could_not(tmp_path: Path)
 
 
 def test_the_cli_refuses_bad_arguments_in_one_line() -> None:
-    run = subprocess.run([sys.executable, "-m", "launcher.sidecar.copier", "copy", "x"], capture_output=True, text=True)
-    assert run.returncode == 2 and run.stderr.startswith("usage: python -m launcher.sidecar.copier copy")
+    run = subprocess.run(
+        [sys.executable, "-m", "meshrun.launcher.sidecar.copier", "copy", "x"], capture_output=True, text=True
+    )
+    assert run.returncode == 2 and run.stderr.startswith("usage: python -m meshrun.launcher.sidecar.copier copy")
     assert copier.main(["run", "s", "d", "n", "zero", "2", "a", "3", "0", "5"]) == 2
 
 
@@ -232,7 +234,7 @@ RANK = textwrap.dedent(
     """
     import sys, torch, torch.distributed as dist
     from pathlib import Path
-    from launcher.checkpoint import commit as ckpt
+    from meshrun.launcher.checkpoint import commit as ckpt
     rank, store, scratch, shared = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
     torch.manual_seed(0)

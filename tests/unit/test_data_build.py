@@ -14,11 +14,11 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models
 
-from launcher.contract import tokens
-from launcher.contract.schema import SchemaError
-from launcher.contract.spec import BlendSource, Data, JobSpec, Model, Train
-from launcher.data import corpus
-from launcher.data.dataset import (
+from meshrun.launcher.contract import tokens
+from meshrun.launcher.contract.schema import SchemaError
+from meshrun.launcher.contract.spec import BlendSource, Data, JobSpec, Model, Train
+from meshrun.launcher.data import corpus
+from meshrun.launcher.data.dataset import (
     BLEND_PERIOD,
     Layout,
     TrainStream,
@@ -27,8 +27,8 @@ from launcher.data.dataset import (
     check_token_ids,
     open_dataset,
 )
-from launcher.data.textsources import Inputs, iter_files
-from launcher.data.tokenizer import EOT
+from meshrun.launcher.data.textsources import Inputs, iter_files
+from meshrun.launcher.data.tokenizer import EOT
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -418,8 +418,8 @@ def test_the_default_corpus_keeps_its_cap_in_whole_documents(tmp_path: Path) -> 
 
 def test_data_help_names_the_path_a_spec_reads_by_default(capsys: pytest.CaptureFixture[str]) -> None:
     """`--out`'s help states its default; the one definition is the spec's (checked here, not copied)."""
-    from launcher.contract.spec import DEFAULT_DATA_PATH
-    from submit.cli import main as cli
+    from meshrun.launcher.contract.spec import DEFAULT_DATA_PATH
+    from meshrun.submit.cli import main as cli
 
     with pytest.raises(SystemExit):
         cli.main(["data", "--help"])

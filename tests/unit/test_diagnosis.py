@@ -3,12 +3,12 @@ collective or stalled, where, and the paragraph a person reads."""
 
 from __future__ import annotations
 
-from launcher.sidecar import diagnosis
-from launcher.sidecar.diagnosis import Frame, Hang, RankEvidence
+from meshrun.launcher.sidecar import diagnosis
+from meshrun.launcher.sidecar.diagnosis import Frame, Hang, RankEvidence
 
 SITE = "/opt/venv/lib/python3.11/site-packages"
 STDLIB = "/usr/lib/python3.11"
-# A rank of the built-in trainer (python -m launcher) blocked in a gloo all_reduce, with the data
+# A rank of the built-in trainer (python -m meshrun.launcher) blocked in a gloo all_reduce, with the data
 # prefetcher's thread beside it: recorded from faulthandler(all_threads=True), paths made up.
 IN_ALL_REDUCE = f"""\
 Thread 0x00007f1c2b7fe6c0 (most recent call first):

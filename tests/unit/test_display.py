@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from launcher.contract.spec import JobSpec
-from submit.config.cluster import load_profile
-from submit.errors import InputError
-from submit.planning import sweep
-from submit.planning.plan import run_dir_for
-from submit.textwidth import display_width, ljust, printable, slug
-from submit.views.tables import progress_line, status_table
+from meshrun.launcher.contract.spec import JobSpec
+from meshrun.submit.config.cluster import load_profile
+from meshrun.submit.errors import InputError
+from meshrun.submit.planning import sweep
+from meshrun.submit.planning.plan import run_dir_for
+from meshrun.submit.textwidth import display_width, ljust, printable, slug
+from meshrun.submit.views.tables import progress_line, status_table
 from tests.unit.test_local_and_wait import _status
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,7 +47,12 @@ def test_non_ascii_names_give_readable_run_dirs() -> None:
 def _cli(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state"), XDG_CONFIG_HOME=str(tmp_path / "config"))
     return subprocess.run(
-        [sys.executable, "-m", "submit.cli.main", *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=60
+        [sys.executable, "-m", "meshrun.submit.cli.main", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=60,
     )
 
 
@@ -126,7 +131,7 @@ def test_slug_is_file_name_safe_and_bounded() -> None:
 def test_an_error_shows_a_long_path_whole_and_a_pasted_blob_shortened() -> None:
     """A 2-worker run found error lines cutting paths at 80 characters ('/tmp/.../miss...'): a user with a
     deep project folder saw no file name."""
-    from launcher.contract.schema import SchemaError
+    from meshrun.launcher.contract.schema import SchemaError
 
     path = "/home/someone/projects/" + "deep/" * 30 + "tokens.u16"
     assert f"'{path}'" in str(SchemaError("data.path", path, "no token file there"))

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.contract.rundir import RunDir
-from launcher.train import divergence
+from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.train import divergence
 
 
 @pytest.mark.parametrize(

@@ -42,7 +42,7 @@ def test_the_generated_reference_is_what_the_code_says(page: str) -> None:
 
 
 def test_the_job_spec_reference_names_every_key_with_its_default() -> None:
-    from launcher.contract.spec import Resources
+    from meshrun.launcher.contract.spec import Resources
 
     page = (ROOT / "docs" / "reference" / "job-spec.md").read_text()
     assert '| `resources.time` | string | `"01:00:00"` |' in page

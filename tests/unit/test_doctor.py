@@ -9,13 +9,13 @@ from typing import Any, Optional
 
 import pytest
 
-from launcher.contract import schema
-from launcher.contract.spec import JobSpec
-from submit.cli.main import main
-from submit.config.cluster import load_profile
-from submit.errors import InputError
-from submit.jobs.doctor import Options, job_spec, judge, table
-from submit.planning.plan import make_plan
+from meshrun.launcher.contract import schema
+from meshrun.launcher.contract.spec import JobSpec
+from meshrun.submit.cli.main import main
+from meshrun.submit.config.cluster import load_profile
+from meshrun.submit.errors import InputError
+from meshrun.submit.jobs.doctor import Options, job_spec, judge, table
+from meshrun.submit.planning.plan import make_plan
 
 H200 = load_profile("h200-ndr")
 PART = H200.partition("h200")
@@ -166,7 +166,7 @@ def test_the_doctor_job_plans_through_the_normal_planner() -> None:
     data = job_spec(H200, GPU_OPTS)
     plan = make_plan(schema.load(JobSpec, data), data, H200, home="/home/alice")
     assert plan.spec.world_size == 16 and plan.spec.resources.gpus_per_node == 8
-    assert plan.spec.command == ("python", "-m", "launcher.probes.doctor", "--storage-mib", "64")
+    assert plan.spec.command == ("python", "-m", "meshrun.launcher.probes.doctor", "--storage-mib", "64")
     assert plan.spec.checkpoint.max_restarts == 0  # a failed preflight is never requeued
     testbed = load_profile("testbed")
     data = job_spec(testbed, Options(nodes=2, partition=testbed.partition(None), gpus_per_node=0, data="/d/x.u16"))
@@ -194,11 +194,11 @@ def test_bad_input_is_one_line_naming_the_flag(argv: list[str], flag: str, capsy
 def test_exclude_from_the_profile_and_the_flag_is_rendered_once_each() -> None:
     from dataclasses import replace
 
-    from submit import api
-    from submit.jobs.doctor import with_exclude
-    from submit.planning.plan import plan_file
-    from submit.schedulers.render import render
-    from submit.schedulers.slurm import BACKEND as SLURM
+    from meshrun.submit import api
+    from meshrun.submit.jobs.doctor import with_exclude
+    from meshrun.submit.planning.plan import plan_file
+    from meshrun.submit.schedulers.render import render
+    from meshrun.submit.schedulers.slurm import BACKEND as SLURM
 
     testbed = load_profile("testbed")
     mine = replace(testbed, defaults=replace(testbed.defaults, exclude=("n7",)))
@@ -222,7 +222,7 @@ def example_spec() -> Any:
 def test_busbw_is_nccl_tests_formula_and_slow_storage_is_slower_by_its_factor(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from launcher.probes import doctor
+    from meshrun.launcher.probes import doctor
 
     assert doctor.busbw(1.0, 8_000_000_000, 8) == pytest.approx(8 * 2 * 7 / 8)  # algbw 8 GB/s x 2(n-1)/n
     assert doctor.injected(doctor.SLOW_ENV, "n2", {doctor.SLOW_ENV: "n1, n2"})
@@ -246,9 +246,9 @@ def test_busbw_is_nccl_tests_formula_and_slow_storage_is_slower_by_its_factor(
 
 
 def test_results_are_read_per_rank_and_a_missing_or_torn_file_is_none(tmp_path: Any) -> None:
-    from launcher.contract.rundir import RunDir
-    from submit.cli.doctor import read_results
-    from submit.transport.base import LocalTransport
+    from meshrun.launcher.contract.rundir import RunDir
+    from meshrun.submit.cli.doctor import read_results
+    from meshrun.submit.transport.base import LocalTransport
 
     run = RunDir(str(tmp_path))
     (tmp_path / "doctor").mkdir()
@@ -315,7 +315,7 @@ def test_a_cpu_node_is_judged_by_its_fastest_rank_against_the_other_nodes() -> N
 def test_the_gemm_of_a_cpu_job_is_timed_on_the_cpu_and_a_gpu_job_without_cuda_is_never_timed_there() -> None:
     import torch
 
-    from launcher.probes import doctor as probe
+    from meshrun.launcher.probes import doctor as probe
 
     cpu = probe.gemm_tflops(0, broken=False, cpu=True)
     assert cpu["device"] == "cpu" and cpu["dtype"] == "float32" and cpu["tflops"] > 0

@@ -10,17 +10,17 @@ from typing import Any
 
 import pytest
 
-from launcher.contract import dsconfig, dskeys
-from launcher.contract.rundir import RunDir
-from launcher.contract.schema import SchemaError, load
-from launcher.contract.spec import JobSpec
-from submit.config.cluster import load_profile
-from submit.core import findings
-from submit.planning.plan import describe, plan_file
-from submit.planning.sweep import plan_sweep
-from submit.schedulers.base import run_dir_files
-from submit.transport.base import new_marker
-from submit.views.tables import detail_lines
+from meshrun.launcher.contract import dsconfig, dskeys
+from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.schema import SchemaError, load
+from meshrun.launcher.contract.spec import JobSpec
+from meshrun.submit.config.cluster import load_profile
+from meshrun.submit.core import findings
+from meshrun.submit.planning.plan import describe, plan_file
+from meshrun.submit.planning.sweep import plan_sweep
+from meshrun.submit.schedulers.base import run_dir_files
+from meshrun.submit.transport.base import new_marker
+from meshrun.submit.views.tables import detail_lines
 from tests.unit.test_cli_light import _run
 from tests.unit.test_local_and_wait import _status
 
@@ -357,7 +357,7 @@ def test_status_detail_shows_the_engine_from_spec_json(tmp_path: Path) -> None:
 
 def test_the_slurm_round_trip_brings_spec_json_for_the_detail_view_only(tmp_path: Path) -> None:
     """findings_argv is the one remote command of a Slurm status: run here by a real sh."""
-    from submit.transport.base import LocalTransport
+    from meshrun.submit.transport.base import LocalTransport
 
     run_dir = tmp_path / "it's a $(run)"
     run_dir.mkdir()
@@ -371,8 +371,8 @@ def test_the_slurm_round_trip_brings_spec_json_for_the_detail_view_only(tmp_path
 
 
 def test_the_local_backends_status_json_carries_the_engine(tmp_path: Path) -> None:
-    from submit.schedulers.local import BACKEND as LOCAL
-    from submit.transport.base import LocalTransport
+    from meshrun.submit.schedulers.local import BACKEND as LOCAL
+    from meshrun.submit.transport.base import LocalTransport
     from tests.unit.test_findings_in_status_and_logs import _record
 
     spec = run_dir_files(_plan(DEEPSPEED, "parallel.offload_optimizer=true"), "run.sh", "")[RunDir.SPEC].data

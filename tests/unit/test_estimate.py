@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from launcher.contract.modelshape import flops_per_token, param_count
-from launcher.contract.spec import JobSpec, Model, Parallel, Resources, Train
-from submit.planning import estimate, steptime
-from submit.planning.estimate import megatron_layer_activations, memory_per_gpu, model_state_bytes
-from submit.planning.steptime import Hardware, step_time
+from meshrun.launcher.contract.modelshape import flops_per_token, param_count
+from meshrun.launcher.contract.spec import JobSpec, Model, Parallel, Resources, Train
+from meshrun.submit.planning import estimate, steptime
+from meshrun.submit.planning.estimate import megatron_layer_activations, memory_per_gpu, model_state_bytes
+from meshrun.submit.planning.steptime import Hardware, step_time
 
 LLAMA7B = Model(n_layers=32, d_model=4096, n_heads=32, vocab_size=32000, seq_len=4096, ffn_mult=2.6875)
 H100 = Hardware(peak_tflops=989, memory_gbs=3350, gpus_per_node=8, nvlink_gbytes_s=360, ib_gbytes_s=45)
@@ -175,7 +175,7 @@ def _saved_bytes(cfg: Model, micro: int, mode: str) -> int:
     the CPU: every saved tensor's storage once, less the parameters and autocast's weight copies."""
     import torch
 
-    from launcher.train.model import GPT
+    from meshrun.launcher.train.model import GPT
 
     model = GPT(cfg).train()
     if mode == "16-bit":

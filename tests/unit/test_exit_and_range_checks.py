@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from submit.cli.main import main
-from submit.core.registry import Registry
+from meshrun.submit.cli.main import main
+from meshrun.submit.core.registry import Registry
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "examples" / "tiny.yaml")
@@ -144,7 +144,7 @@ def test_a_flag_that_cannot_be_honoured_is_one_line_exit_2_and_nothing_written(
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
-    from submit import installed_version
+    from meshrun.submit import installed_version
 
     with pytest.raises(SystemExit) as done:
         main(["--version"])
@@ -166,7 +166,7 @@ def test_a_mistyped_verb_gets_the_nearest_one(capsys: pytest.CaptureFixture[str]
 def test_a_reader_that_goes_away_is_not_an_internal_error(tmp_path: Path) -> None:
     """`meshrun logs JOB --rank all | head -1`: the verb's output outlives its reader; exit 0, nothing on stderr."""
     flood = (
-        "import sys; from submit.cli import main as cli\n"
+        "import sys; from meshrun.submit.cli import main as cli\n"
         "cli.VERBS['clusters'] = lambda args: [print('line ' * 20) for _ in range(200_000)] and 0\n"
         "sys.exit(cli.main(['clusters']))\n"
     )
@@ -199,8 +199,8 @@ def test_argument_values_argparse_refuses_by_name(
 
 
 def test_export_of_a_step_that_is_not_complete_names_those_that_are() -> None:
-    from submit.errors import InputError
-    from submit.jobs.checkpoints import check_step
+    from meshrun.submit.errors import InputError
+    from meshrun.submit.jobs.checkpoints import check_step
 
     check_step(4, [2, 4], "/ckpt")
     with pytest.raises(InputError, match=r"--step: 999: .* under /ckpt; complete steps: 2, 4"):
@@ -212,9 +212,9 @@ def test_export_of_a_step_that_is_not_complete_names_those_that_are() -> None:
 @pytest.mark.parametrize("steps, refused", [("100", True), ("60", True), ("101", False)])
 def test_a_completed_job_resumes_only_to_train_further(steps: str, refused: bool) -> None:
     """README: resume of a COMPLETED job refuses train.steps not larger than done (it trained nothing)."""
-    from launcher.contract.spec import JobSpec, RunInfo, RunSpec, Train
-    from submit.errors import InputError
-    from submit.jobs.checkpoints import check_trains_further, with_overrides
+    from meshrun.launcher.contract.spec import JobSpec, RunInfo, RunSpec, Train
+    from meshrun.submit.errors import InputError
+    from meshrun.submit.jobs.checkpoints import check_trains_further, with_overrides
 
     done = RunSpec(JobSpec(name="j", train=Train(steps=100)), RunInfo(cluster="c", scheduler="local", run_dir="/r"))
     again = with_overrides(done, [f"train.steps={steps}"])
@@ -231,11 +231,11 @@ def test_a_stopped_job_whose_newest_checkpoint_is_its_last_step_is_not_resumed(
 ) -> None:
     """Found by a journey: orphaned ranks trained to the end and saved, the job was cancelled, and its resume
     ended COMPLETED having trained nothing."""
-    from launcher.contract import ckptdir
-    from launcher.contract.spec import JobSpec, RunInfo, RunSpec, Train
-    from submit.errors import InputError
-    from submit.jobs.checkpoints import check_steps_left
-    from submit.transport.base import LocalTransport
+    from meshrun.launcher.contract import ckptdir
+    from meshrun.launcher.contract.spec import JobSpec, RunInfo, RunSpec, Train
+    from meshrun.submit.errors import InputError
+    from meshrun.submit.jobs.checkpoints import check_steps_left
+    from meshrun.submit.transport.base import LocalTransport
 
     (ckptdir.step_dir(tmp_path, newest) / ckptdir.MARKER).parent.mkdir(parents=True)
     (ckptdir.step_dir(tmp_path, newest) / ckptdir.MARKER).write_text("{}")

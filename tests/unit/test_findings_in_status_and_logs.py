@@ -12,14 +12,14 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from launcher.contract.envcheck import newest_run
-from submit.core import findings
-from submit.core.registry import JobRecord
-from submit.schedulers.local import BACKEND as LOCAL
-from submit.schedulers.slurm import BACKEND as SLURM
-from submit.transport.base import LocalTransport, Result, new_marker
-from submit.views.logs import fetch_diagnosis, format_diagnosis, heartbeat_lines
-from submit.views.tables import detail_lines, finding_note, status_table
+from meshrun.launcher.contract.envcheck import newest_run
+from meshrun.submit.core import findings
+from meshrun.submit.core.registry import JobRecord
+from meshrun.submit.schedulers.local import BACKEND as LOCAL
+from meshrun.submit.schedulers.slurm import BACKEND as SLURM
+from meshrun.submit.transport.base import LocalTransport, Result, new_marker
+from meshrun.submit.views.logs import fetch_diagnosis, format_diagnosis, heartbeat_lines
+from meshrun.submit.views.tables import detail_lines, finding_note, status_table
 from tests.unit.test_local_and_wait import _status
 
 NOW = time.time()
@@ -281,8 +281,8 @@ def test_ckpt_is_the_newest_checkpoint_on_shared_storage_however_far_back_its_me
     tmp_path: Path,
 ) -> None:
     """Issue 22 item 12: CKPT showed '-' once more step lines than the metrics tail holds followed the last
-    checkpoint event (a long interval, a requeue's new steps), and for command jobs saving through launcher.job."""
-    from launcher.contract.rundir import note_checkpoint
+    checkpoint event (a long interval, a requeue's new steps), and for command jobs saving through meshrun.launcher.job."""
+    from meshrun.launcher.contract.rundir import note_checkpoint
 
     run_dir = tmp_path / "run"
     note_checkpoint(str(run_dir), 40, {"MESHRUN_JOB_ID": "local-a"})
@@ -311,8 +311,8 @@ def test_an_ended_job_keeps_its_step_and_checkpoint_after_a_resume_fills_the_met
     run. Its status read the metrics tail, which the resume's lines fill, and RunDir.last_checkpoint, which the
     resume's copies rewrite; a copier's backlog committing an older step last made the newest line say 30.
     What an ended job shows comes from its own record, written at its end, and never goes back."""
-    from launcher.contract import goodput
-    from launcher.contract.rundir import local_state_path, merge_state, note_checkpoint
+    from meshrun.launcher.contract import goodput
+    from meshrun.launcher.contract.rundir import local_state_path, merge_state, note_checkpoint
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

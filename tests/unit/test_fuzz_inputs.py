@@ -1,7 +1,7 @@
 """Fuzzed input (Hypothesis): whatever a user writes, meshrun answers exit 0 or exit 2 with one line.
 
 Each property generates inputs over the real keys (walked from the spec's and the profile's
-dataclasses) with values of random types, runs the real CLI in this process (`submit.cli.main.main`) and
+dataclasses) with values of random types, runs the real CLI in this process (`meshrun.submit.cli.main.main`) and
 checks: exit 0, and then the script passes `bash -n`; or exit 2 with exactly one line on stderr
 (`meshrun: error: ...`), never a traceback nor an "internal error". Hostlist expressions raise
 ValueError and nothing else (tests/integration/test_hostlist_scontrol.py compares them with scontrol).
@@ -29,10 +29,10 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from launcher.contract.spec import JobSpec
-from launcher.env import expand_hostlist
-from submit.cli.main import main
-from submit.config.cluster import ClusterProfile
+from meshrun.launcher.contract.spec import JobSpec
+from meshrun.launcher.env import expand_hostlist
+from meshrun.submit.cli.main import main
+from meshrun.submit.config.cluster import ClusterProfile
 
 REPO = Path(__file__).resolve().parents[2]
 SOAK = os.environ.get("MESHRUN_SOAK") == "1"

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from launcher import attempt as attempt_cli
-from launcher.contract import goodput
-from launcher.contract.rundir import RunDir
+from meshrun.launcher import attempt as attempt_cli
+from meshrun.launcher.contract import goodput
+from meshrun.launcher.contract.rundir import RunDir
 
 SUBMITTED, START0 = 1000.0, 1010.0
 
@@ -80,7 +80,7 @@ def test_a_killed_attempt_and_its_requeue_add_up_and_the_redone_steps_are_the_lo
     # Issue 44: what the user waited counts the requeue's 20 s too (the trial: 71% said, 68.2% waited).
     assert g["wall_s"] == pytest.approx(end1 - START0)
     assert g["wall_effective_pct"] == pytest.approx(100 * 60.0 / (end1 - START0), abs=0.01)
-    from submit.views.tables import goodput_line
+    from meshrun.submit.views.tables import goodput_line
 
     line = goodput_line(g)
     assert f"; {g['wall_effective_pct']:.0f}% of the " in line and "since the first start" in line, line
@@ -93,7 +93,7 @@ def test_a_running_attempt_counts_to_now_and_a_job_that_never_stepped_is_all_set
     attempts = goodput.attempts_of([{"event": "start", "job": "9", "restart": 0, "time": 100.0}], "9")
     g = goodput.account(attempts, [], now=130.0)
     assert g["running"] and g["allocated_s"] == 30.0 and g["parts_s"]["setup"] == 30.0 and g["effective_pct"] == 0
-    from submit.views.tables import goodput_line
+    from meshrun.submit.views.tables import goodput_line
 
     # The built-in trainer that never stepped: all setup, as measured. A command job's program that reports no
     # step (a new user's trial: Lightning's jobs read '0% effective ... setup 1m39s' while training throughout):
@@ -101,7 +101,7 @@ def test_a_running_attempt_counts_to_now_and_a_job_that_never_stepped_is_all_set
     assert goodput_line(g).startswith("goodput so far: 0% effective (productive 0.0s of 30.0s allocated")
     assert goodput_line(g, trainer=False) == (
         "goodput so far: not measured (30.0s allocated in 1 start(s)): the program reports no steps "
-        "(launcher.job.report(step) in its loop gives the split: setup, productive, lost)"
+        "(meshrun.launcher.job.report(step) in its loop gives the split: setup, productive, lost)"
     )
 
 
@@ -216,7 +216,7 @@ def test_an_attempt_whose_end_was_never_recorded_ends_at_the_next_start() -> Non
 def test_the_run_dirs_total_sums_every_jobs_whole_record_and_only_when_there_are_several() -> None:
     import json as _json
 
-    from submit.core.findings import GOODPUT_DIR, run_total
+    from meshrun.submit.core.findings import GOODPUT_DIR, run_total
 
     def record(job: str, allocated: float, productive: float, lost: int) -> str:
         parts = {"productive": productive, "setup": allocated - productive}
@@ -239,7 +239,7 @@ def test_the_run_dirs_total_sums_every_jobs_whole_record_and_only_when_there_are
 def test_a_start_too_new_to_measure_says_so_and_restarts_inside_the_allocation_count_in_every_view() -> None:
     from types import SimpleNamespace
 
-    from submit.views.tables import goodput_line, restarts_cell
+    from meshrun.submit.views.tables import goodput_line, restarts_cell
 
     fresh = goodput.account([goodput.Attempt(job="7", restart=0, start=100.0, submitted=99.0)], [], now=100.4)
     assert fresh["effective_pct"] is None  # 0.4 s allocated: no percentage to give yet
@@ -267,6 +267,6 @@ def test_a_start_too_new_to_measure_says_so_and_restarts_inside_the_allocation_c
     ],
 )
 def test_a_part_of_a_jobs_time_is_rounded_not_cut(seconds: float, shown: str) -> None:
-    from submit.views.tables import span
+    from meshrun.submit.views.tables import span
 
     assert span(seconds) == shown

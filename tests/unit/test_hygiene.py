@@ -12,7 +12,7 @@ from typing import Iterator
 
 import pytest
 
-from launcher.contract import procs
+from meshrun.launcher.contract import procs
 from tests import hygiene
 
 GONE = "999999999:1.0"  # a session whose pytest no longer runs (no such pid)

@@ -1,4 +1,4 @@
-"""launcher.job (the kit for a command job's own script) and launcher.requeue (the requeue decision)."""
+"""meshrun.launcher.job (the kit for a command job's own script) and meshrun.launcher.requeue (the requeue decision)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from launcher.contract import ckptdir
-from launcher.contract.exitcodes import EXIT_DIVERGED, EXIT_GAVE_UP, EXIT_INPUT, EXIT_NO_PROGRESS, EXIT_REQUEUE
-from launcher.contract.rundir import RunDir
-from launcher.report import ProgressMark, reported_step
-from launcher.requeue import crash_loop, decide, main
+from meshrun.launcher.contract import ckptdir
+from meshrun.launcher.contract.exitcodes import EXIT_DIVERGED, EXIT_GAVE_UP, EXIT_INPUT, EXIT_NO_PROGRESS, EXIT_REQUEUE
+from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.report import ProgressMark, reported_step
+from meshrun.launcher.requeue import crash_loop, decide, main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,7 +37,7 @@ def test_a_stop_signal_before_the_first_should_stop_is_kept_not_fatal(tmp_path: 
     # asks neither kills it (USR1's default action) nor is lost.
     code = """
         import os, signal, sys
-        from launcher import job
+        from meshrun.launcher import job
         os.kill(os.getpid(), signal.SIGUSR1)
         print("stop" if job.should_stop() else "go", "torch" in sys.modules)
     """
@@ -49,7 +49,7 @@ def test_a_stop_signal_before_the_first_should_stop_is_kept_not_fatal(tmp_path: 
 def test_should_stop_outside_meshrun_listens_from_its_first_call(tmp_path: Path) -> None:
     code = """
         import os, signal
-        from launcher import job
+        from meshrun.launcher import job
         first = job.should_stop()
         os.kill(os.getpid(), signal.SIGTERM)
         print(first, job.should_stop())
@@ -69,7 +69,7 @@ def test_should_stop_outside_meshrun_listens_from_its_first_call(tmp_path: Path)
 def test_exit_for_requeue_exits_75_and_rank_0_records_it(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    code = "from launcher import job\njob.exit_for_requeue()\nprint('not reached')"
+    code = "from meshrun.launcher import job\njob.exit_for_requeue()\nprint('not reached')"
     out = _script(code, {"MESHRUN_RUN_DIR": str(run_dir), "RANK": "0"}, tmp_path)
     assert out.returncode == EXIT_REQUEUE and "not reached" not in out.stdout
     assert (run_dir / RunDir.EXIT_CODE).read_text() == f"{EXIT_REQUEUE}\n"
@@ -78,7 +78,7 @@ def test_exit_for_requeue_exits_75_and_rank_0_records_it(tmp_path: Path) -> None
 
 
 def test_latest_checkpoint_is_the_newest_complete_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from launcher import job
+    from meshrun.launcher import job
 
     root = tmp_path / "ckpts"
     monkeypatch.setenv(job.CHECKPOINT_DIR_ENV, str(root))
@@ -216,7 +216,9 @@ def test_a_programs_own_exit_2_is_a_failure_and_only_a_reported_bad_input_is_mes
     assert main([str(tmp_path), "2", "0", "20"]) == 0
     said = capsys.readouterr().out
     assert said.startswith("requeue 1 the program exited with code 2, its own (no bad input was reported): "), said
-    (tmp_path / RunDir.RANK_ERROR).write_text("rank 0: data.path: '/x': no token file there\n")  # launcher.job's
+    (tmp_path / RunDir.RANK_ERROR).write_text(
+        "rank 0: data.path: '/x': no token file there\n"
+    )  # meshrun.launcher.job's
     assert main([str(tmp_path), "2", "1", "20"]) == 0
     assert capsys.readouterr().out == "stop 2 bad input (exit 2): not requeueing\n"
 
@@ -239,7 +241,7 @@ srun: error: n1: task 0: Terminated
 
 def test_on_slurm_the_first_rank_a_signal_ended_leads_the_reason(tmp_path: Path) -> None:
     """Issue 22 item 13 on Slurm: the reason named what the surviving rank said, not the rank killed first."""
-    from launcher.requeue import record_first_death
+    from meshrun.launcher.requeue import record_first_death
 
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "slurm-30.out").write_text(BATCH_LOG)
@@ -272,9 +274,9 @@ def test_an_exit_0_after_a_stop_is_a_stop_unless_the_program_said_it_finished(
 ) -> None:
     """Issue 44: Lightning leaves its loop on the preemption's SIGTERM and exits 0; the job ended COMPLETED
     with 2 of 2,000 epochs done. Now it is requeued as a stop, and status says where it stopped."""
-    from launcher import job
-    from launcher.contract import finish
-    from submit.core.status import parse_metrics_tail
+    from meshrun.launcher import job
+    from meshrun.launcher.contract import finish
+    from meshrun.submit.core.status import parse_metrics_tail
 
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
@@ -351,8 +353,8 @@ def test_the_declared_last_step_and_the_built_in_trainer_make_an_exit_0_a_finish
 
 
 def test_command_steps_belongs_to_command_jobs() -> None:
-    from launcher.contract.schema import SchemaError
-    from launcher.contract.spec import JobSpec
+    from meshrun.launcher.contract.schema import SchemaError
+    from meshrun.launcher.contract.spec import JobSpec
 
     with pytest.raises(SchemaError, match="command_steps.*train.steps"):
         JobSpec(name="x", command_steps=5)
@@ -374,7 +376,7 @@ Try "srun --help" for more information
 def test_a_job_whose_ranks_never_started_says_why_and_is_not_requeued_to_fail_again(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from launcher import rankends
+    from meshrun.launcher import rankends
 
     monkeypatch.setenv("SLURM_JOB_ID", "700")
     monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
@@ -405,8 +407,8 @@ def test_a_command_not_on_path_is_bad_input_named_in_the_rank_error(
 ) -> None:
     """A new user's trial: a command that does not exist started twice and ended 'gave up (crash loop ...)'; the
     cause was only in `meshrun logs`. It is bad input now: exit 2 (never requeued), and the rank error names it."""
-    from launcher import entry
-    from launcher.requeue import programs_own
+    from meshrun.launcher import entry
+    from meshrun.launcher.requeue import programs_own
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from submit.core.state import FAILURE, FINAL, SUCCESS, JobState
-from submit.schedulers import local, slurm_cli
+from meshrun.submit.core.state import FAILURE, FINAL, SUCCESS, JobState
+from meshrun.submit.schedulers import local, slurm_cli
 
 # What the Slurm module called final before the state type existed (its SUCCESS | FAILURE sets).
 ENDED_BEFORE = {
@@ -121,9 +121,9 @@ def test_a_state_prints_serializes_and_is_stored_as_its_word() -> None:
 
 @pytest.mark.parametrize("word", ["RUNNING", "NODE_FAIL", "UNREACHABLE"])
 def test_the_views_show_a_state_exactly_as_they_showed_its_word(word: str) -> None:
-    from submit.core.status import Status
-    from submit.views import top
-    from submit.views.tables import detail_lines, progress_line, status_table
+    from meshrun.submit.core.status import Status
+    from meshrun.submit.views import top
+    from meshrun.submit.views.tables import detail_lines, progress_line, status_table
 
     fields: dict = dict(elapsed_s=5, progress={"step": 3, "loss": 1.0}, reason="r")
     typed = Status("1", "c", "n", JobState(word), "/r", 0.0, False, False, **fields)
@@ -148,7 +148,7 @@ def test_the_views_show_a_state_exactly_as_they_showed_its_word(word: str) -> No
     ],
 )
 def test_a_dependency_that_cannot_do_what_was_meant_is_named(kind: str, state: JobState, problem: str | None) -> None:
-    from submit.schedulers.slurm_cli import SlurmJob, dependency_problem, dependency_target
+    from meshrun.submit.schedulers.slurm_cli import SlurmJob, dependency_problem, dependency_target
 
     assert dependency_target(f"{kind}:42") == (kind, "42") and dependency_target("42") == ("ok", "42")
     said = dependency_problem(kind, SlurmJob(job_id="42", state=state))
@@ -158,8 +158,8 @@ def test_a_dependency_that_cannot_do_what_was_meant_is_named(kind: str, state: J
 def test_each_job_in_a_run_dir_reads_its_own_progress_checkpoint_and_alerts() -> None:
     """A resume appends to its parent's metrics.jsonl and alerts.jsonl under its own id: the parent keeps
     the step and checkpoint it ended with, the child does not show the parent's alert (issue 22 item 9)."""
-    from submit.core.findings import ALERTS, findings_from
-    from submit.core.status import parse_losses, parse_metrics_tail
+    from meshrun.submit.core.findings import ALERTS, findings_from
+    from meshrun.submit.core.status import parse_losses, parse_metrics_tail
 
     lines = [
         {"step": 19, "loss": 2.0, "job": "local-a"},
@@ -185,8 +185,8 @@ def test_each_job_in_a_run_dir_reads_its_own_progress_checkpoint_and_alerts() ->
 
 
 def test_records_name_the_job_that_wrote_them() -> None:
-    from launcher.contract import alerts
-    from launcher.contract.rundir import job_field, job_of
+    from meshrun.launcher.contract import alerts
+    from meshrun.launcher.contract.rundir import job_field, job_of
 
     assert job_of({"SLURM_JOB_ID": "125", "SLURM_ARRAY_JOB_ID": "123", "SLURM_ARRAY_TASK_ID": "4"}) == "123_4"
     assert job_of({"SLURM_JOB_ID": "125"}) == "125" and job_of({"MESHRUN_JOB_ID": "local-ab"}) == "local-ab"
@@ -201,8 +201,8 @@ def test_a_final_job_keeps_the_progress_and_reason_it_ended_with(tmp_path: Path)
     (the resume's start removes the run dir's rank error). A running job never takes it; what is read wins."""
     import dataclasses
 
-    from submit.core.registry import JobRecord, Registry
-    from submit.core.status import Status, kept_at_end
+    from meshrun.submit.core.registry import JobRecord, Registry
+    from meshrun.submit.core.status import Status, kept_at_end
 
     registry = Registry(tmp_path / "r.sqlite")
     record = JobRecord("local-a", "local", "j", "/r", "local", 1.0, None, "h")
@@ -234,7 +234,7 @@ def test_a_final_job_keeps_the_progress_and_reason_it_ended_with(tmp_path: Path)
 
 
 def test_a_dependency_on_a_job_array_stands_for_all_its_tasks() -> None:
-    from submit.schedulers.slurm_cli import SlurmJob, dependency_state
+    from meshrun.submit.schedulers.slurm_cli import SlurmJob, dependency_state
 
     def rows(*states: JobState) -> dict[str, SlurmJob]:
         return {f"7_{n}": SlurmJob(job_id=f"7_{n}", state=state) for n, state in enumerate(states)}

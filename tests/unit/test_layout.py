@@ -15,10 +15,10 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 REPO = Path(__file__).resolve().parents[2]
-CONTRACT = "launcher.contract"
+CONTRACT = "meshrun.launcher.contract"
 """The torch-free contract: all that `submit` may import of `launcher`. The folder is the list (pyproject's
 import-linter contracts hold it)."""
-PACKAGES = ("submit", "launcher")
+PACKAGES = ("meshrun.submit", "meshrun.launcher")
 SCHEDULER_TEST = re.compile(r"""scheduler\s*(==|!=|\bin\b|\bnot in\b)\s*[\(\[\{]?\s*["'](local|slurm)["']""")
 
 
@@ -44,12 +44,18 @@ def test_the_guard_itself_sees_a_scheduler_test() -> None:
     assert not SCHEDULER_TEST.search("backend(cluster.scheduler).ships_code")
 
 
+def _in(package: str, module: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _in_any(packages: tuple[str, ...], module: str) -> bool:
+    return any(_in(package, module) for package in packages)
+
+
 def import_cycles(graph: grimp.ImportGraph, packages: tuple[str, ...] = PACKAGES) -> list[list[str]]:
     """The strongly connected sets of modules (Tarjan) among `packages`' modules: each is a cycle."""
-    modules = sorted(m for m in graph.modules if m.split(".")[0] in packages)
-    edges = {
-        m: sorted(x for x in graph.find_modules_directly_imported_by(m) if x.split(".")[0] in packages) for m in modules
-    }
+    modules = sorted(m for m in graph.modules if _in_any(packages, m))
+    edges = {m: sorted(x for x in graph.find_modules_directly_imported_by(m) if _in_any(packages, x)) for m in modules}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -98,20 +104,21 @@ def test_no_module_imports_itself_through_others() -> None:
 
 def test_the_cycle_finder_finds_a_cycle_through_a_lazy_import() -> None:
     graph = grimp.ImportGraph()
-    for importer, imported in (("submit.a", "submit.b"), ("submit.b", "submit.c"), ("submit.c", "submit.a")):
+    a, b, c, d = (f"meshrun.submit.{name}" for name in "abcd")
+    for importer, imported in ((a, b), (b, c), (c, a)):
         graph.add_import(importer=importer, imported=imported)
-    graph.add_import(importer="submit.c", imported="submit.d")
-    assert import_cycles(graph) == [["submit.a", "submit.b", "submit.c"]]
+    graph.add_import(importer=c, imported=d)
+    assert import_cycles(graph) == [[a, b, c]]
 
 
 def test_the_import_contracts_forbid_submit_every_launcher_module_but_the_contract() -> None:
     """pyproject's import-linter contract lists what of `launcher` submit may not import: every module and
     folder of launcher/ but contract/, so that a new one is forbidden the day it is added."""
     config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
-    contract = next(c for c in config["contracts"] if c["source_modules"] == ["submit"])
-    forbidden = {m for m in contract["forbidden_modules"] if m.startswith("launcher.")}
+    contract = next(c for c in config["contracts"] if c.get("source_modules") == ["meshrun.submit"])
+    forbidden = {m for m in contract["forbidden_modules"] if m.startswith("meshrun.launcher.")}
     on_disk = {
-        f"launcher.{path.stem if path.suffix else path.name}"
+        f"meshrun.launcher.{path.stem if path.suffix else path.name}"
         for path in (REPO / "launcher").iterdir()
         if (path.suffix == ".py" and not path.name.startswith("__")) or (path / "__init__.py").is_file()
     } - {CONTRACT}
@@ -119,14 +126,14 @@ def test_the_import_contracts_forbid_submit_every_launcher_module_but_the_contra
 
 
 DESIGN_LAYERS = [
-    {"submit.cli"},
-    {"submit.api"},
-    {"submit.planning", "submit.schedulers", "submit.jobs"},
-    {"submit.transport", "submit.config"},
-    {"launcher.contract"},
+    {"meshrun.submit.cli"},
+    {"meshrun.submit.api"},
+    {"meshrun.submit.planning", "meshrun.submit.schedulers", "meshrun.submit.jobs"},
+    {"meshrun.submit.transport", "meshrun.submit.config"},
+    {"meshrun.launcher.contract"},
 ]
 """The layers as the design notes write them (cli -> api -> planning / schedulers / jobs -> transport / config ->
-launcher.contract), each group's members independent of one another."""
+meshrun.launcher.contract), each group's members independent of one another."""
 
 
 def _layer_groups(layers: list[str]) -> list[set[str]]:
@@ -149,21 +156,20 @@ def test_the_layers_contract_is_the_designs_and_the_other_keeps_its_layers() -> 
         )
 
 
-LOOKS_UP_A_BACKEND = {"submit.api", "submit.executor"}
-"""The modules that may ask `submit.schedulers.backend` for a scheduler: the API (the one road) and the submitit
+LOOKS_UP_A_BACKEND = {"meshrun.submit.api", "meshrun.submit.executor"}
+"""The modules that may ask `meshrun.submit.schedulers.backend` for a scheduler: the API (the one road) and the submitit
 executor beside it (submit/executor.py). Planning, rendering, jobs, config and views are handed the
 backend, or the one thing they need of it, by their caller."""
 
 
 def test_backends_are_handed_in_not_looked_up() -> None:
-    graph = grimp.build_graph("submit")  # type-only imports included: they name the lookup too
-    importers = set(graph.find_modules_that_directly_import("submit.schedulers"))
+    graph = grimp.build_graph("meshrun.submit")  # type-only imports included: they name the lookup too
+    importers = set(graph.find_modules_that_directly_import("meshrun.submit.schedulers"))
     assert importers <= LOOKS_UP_A_BACKEND, f"hand these their backend: {sorted(importers - LOOKS_UP_A_BACKEND)}"
 
 
-CLI_MUST_NOT_NAME = re.compile(r"from submit\.transport|from submit\.schedulers|snapshot")
-"""The house issue's check, as it wrote it (`grep -rn "from submit.transport\\|from submit.schedulers\\|snapshot"
-submit/cli/`): the CLI parses, calls the API and prints; the code's copy on the cluster is the API's business and
+CLI_MUST_NOT_NAME = re.compile(r"from meshrun\.submit\.transport|from meshrun\.submit\.schedulers|snapshot")
+"""What the CLI never names (`grep -rn "from meshrun.submit.transport\\|from meshrun.submit.schedulers\\|snapshot" submit/cli/`): the CLI parses, calls the API and prints; the code's copy on the cluster is the API's business and
 what is said of it is a view's (submit/views/code.py)."""
 
 
@@ -175,17 +181,39 @@ def test_the_cli_names_no_transport_backend_or_code_snapshot() -> None:
         if CLI_MUST_NOT_NAME.search(line)
     ]
     assert not found, "\n".join(found)
-    assert CLI_MUST_NOT_NAME.search("from submit.transport import snapshot")  # the pattern itself still bites
-
-
-def _in(package: str, module: str) -> bool:
-    return module == package or module.startswith(package + ".")
+    assert CLI_MUST_NOT_NAME.search("from meshrun.submit.transport import snapshot")  # the pattern itself still bites
 
 
 def test_nothing_imports_the_cli_but_the_cli() -> None:
     """The CLI is the top of both layers contracts, but the views sit only in the second, which leaves the CLI out:
     this keeps them (and anything else outside a contract) from importing it."""
-    graph = grimp.build_graph("submit")
-    cli = [module for module in graph.modules if _in("submit.cli", module)]
+    graph = grimp.build_graph("meshrun.submit")
+    cli = [module for module in graph.modules if _in("meshrun.submit.cli", module)]
     importers = set().union(*(graph.find_modules_that_directly_import(module) for module in cli))
-    assert not {module for module in importers if not _in("submit.cli", module)}
+    assert not {module for module in importers if not _in("meshrun.submit.cli", module)}
+
+
+BARE_NAME = re.compile(
+    r"^\s*(from|import)\s+(submit|launcher)(\.|\s|$)|-m\s+(submit|launcher)\b|[\"'](submit|launcher)\.[a-z_]"
+)
+"""An import, a `python -m` or a dotted name of `submit` or `launcher` without `meshrun.` before it: in a checkout
+it would load a second copy of a module under another name, and installed it would find another project's."""
+
+
+def test_every_import_names_meshrun_not_a_bare_submit_or_launcher() -> None:
+    sources = [
+        path
+        for folder in ("submit", "launcher", "templates", "tests", "bench", "scripts", "examples")
+        for path in sorted((REPO / folder).rglob("*"))
+        if path.suffix in (".py", ".j2", ".sh") and "__pycache__" not in path.parts
+    ]
+    found = [
+        f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+        for path in sources
+        if path.name != Path(__file__).name
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if BARE_NAME.search(line)
+    ]
+    assert not found, "name these meshrun.submit / meshrun.launcher:\n" + "\n".join(found)
+    assert BARE_NAME.search("from launcher.job import finished") and BARE_NAME.search("python -m submit.cli")
+    assert not BARE_NAME.search("from meshrun.launcher import job") and not BARE_NAME.search("meshrun submit x.yaml")

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from launcher.contract.rundir import local_state_path, merge_state
-from submit.api import Status, poll_interval
-from submit.core.registry import JobRecord, Registry
-from submit.errors import ClusterError
-from submit.schedulers import local
-from submit.views.tables import progress_line
+from meshrun.launcher.contract.rundir import local_state_path, merge_state
+from meshrun.submit.api import Status, poll_interval
+from meshrun.submit.core.registry import JobRecord, Registry
+from meshrun.submit.errors import ClusterError
+from meshrun.submit.schedulers import local
+from meshrun.submit.views.tables import progress_line
 
 
 def _status(**kw) -> Status:
@@ -46,7 +46,7 @@ def test_progress_line_shows_state_step_loss_and_time_left() -> None:
 
 def test_wait_shows_the_newest_validation_loss_and_its_step() -> None:
     """A new user's trial: --wait never showed val_loss (only the newest step line, rarely an eval step's)."""
-    from submit.core.status import parse_metrics_tail
+    from meshrun.submit.core.status import parse_metrics_tail
 
     lines = [
         {"step": 30, "loss": 3.5, "val_loss": 3.25, "job": "j"},
@@ -114,8 +114,8 @@ def test_registry_finds_by_id_and_refuses_ambiguity(tmp_path: Path) -> None:
 
 
 def test_wait_prints_plain_lines_only_on_change(monkeypatch) -> None:
-    from submit import api
-    from submit.cli import common as cli
+    from meshrun.submit import api
+    from meshrun.submit.cli import common as cli
 
     seq = iter(
         [
@@ -142,8 +142,8 @@ def test_wait_polls_by_the_time_since_the_wait_began_across_a_requeue(monkeypatc
     """Issue 44: `--wait` polled every 2 s again after each requeue. The interval grows with the time since the
     wait began, whatever the job's attempts: the statuses here report the current attempt's elapsed time (reset
     to 0 by a requeue at 400 s), and an interval taken from it would fall back to 2 s."""
-    from submit import api
-    from submit.cli import common as cli
+    from meshrun.submit import api
+    from meshrun.submit.cli import common as cli
 
     clock = [1000.0]
     sleeps: list[float] = []
@@ -175,9 +175,9 @@ def test_wait_polls_by_the_time_since_the_wait_began_across_a_requeue(monkeypatc
 
 def test_wait_line_shows_the_jobs_whole_life() -> None:
     """ELAPSED in `--wait`'s lines: the job's every run (13 s before its requeue, 66 s since), not the newest's."""
-    from submit.schedulers import slurm_cli
-    from submit.schedulers.slurm import _status
-    from submit.transport.base import Result
+    from meshrun.submit.schedulers import slurm_cli
+    from meshrun.submit.schedulers.slurm import _status
+    from meshrun.submit.transport.base import Result
 
     record = JobRecord("4", "c", "n", "/r", "slurm", 0.0, None, "h")
     job = slurm_cli.SlurmJob("4", slurm_cli.JobState.RUNNING, elapsed="00:01:06", restarts=1, earlier_s=13)

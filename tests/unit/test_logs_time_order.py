@@ -6,10 +6,10 @@ import io
 import os
 from pathlib import Path
 
-from launcher.contract import logtimes
-from launcher.contract.rundir import RunDir
-from submit.transport.base import LocalTransport
-from submit.views.logs import Printer, Source, print_in_time_order, print_once
+from meshrun.launcher.contract import logtimes
+from meshrun.launcher.contract.rundir import RunDir
+from meshrun.submit.transport.base import LocalTransport
+from meshrun.submit.views.logs import Printer, Source, print_in_time_order, print_once
 
 
 def _write(run_dir: Path, rank: int, parts: list[tuple[float, str]]) -> None:

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from launcher.contract import ckptdir
-from launcher.contract.schema import SchemaError
-from launcher.contract.spec import Alerts
-from launcher.testing.faults import faults_for
-from launcher.train.lossrules import LossRules
+from meshrun.launcher.contract import ckptdir
+from meshrun.launcher.contract.schema import SchemaError
+from meshrun.launcher.contract.spec import Alerts
+from meshrun.launcher.testing.faults import faults_for
+from meshrun.launcher.train.lossrules import LossRules
 
 
 def _record(step: int, **kw: Any) -> dict[str, Any]:
@@ -94,7 +94,7 @@ def test_data_delay_fault_is_read_and_checked() -> None:
 def test_the_sentinel_keeps_the_first_non_finite_step() -> None:
     import torch
 
-    from launcher.train import divergence
+    from meshrun.launcher.train import divergence
 
     norm = divergence.Sentinel(torch.device("cpu"), check_norm=True)
     fp16 = divergence.Sentinel(torch.device("cpu"), check_norm=False)
@@ -141,8 +141,8 @@ def test_retention_without_recorded_val_losses_is_unchanged(tmp_path: Path) -> N
 
 
 def test_best_checkpoint_over_the_transport_matches_the_launcher(tmp_path: Path) -> None:
-    from submit.jobs import checkpoints
-    from submit.transport.base import LocalTransport
+    from meshrun.submit.jobs import checkpoints
+    from meshrun.submit.transport.base import LocalTransport
 
     assert checkpoints.MARKER == ckptdir.MARKER
     transport = LocalTransport()

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher.contract.modelshape import ffn_hidden, flops_per_token, param_count, part_param_count
-from launcher.contract.parallel_dims import ParallelDims
-from launcher.contract.spec import Model
-from launcher.data.corpus import build_corpus
-from launcher.data.dataset import Layout, Prefetcher, TokenDataset, TrainStream, val_steps
-from launcher.data.textsources import Inputs, iter_files
-from launcher.train.model import GPT, ModelPart, loss_fn
+from meshrun.launcher.contract.modelshape import ffn_hidden, flops_per_token, param_count, part_param_count
+from meshrun.launcher.contract.parallel_dims import ParallelDims
+from meshrun.launcher.contract.spec import Model
+from meshrun.launcher.data.corpus import build_corpus
+from meshrun.launcher.data.dataset import Layout, Prefetcher, TokenDataset, TrainStream, val_steps
+from meshrun.launcher.data.textsources import Inputs, iter_files
+from meshrun.launcher.train.model import GPT, ModelPart, loss_fn
 
 TINY = Model(n_layers=2, d_model=64, n_heads=4, vocab_size=256, seq_len=32, ffn_mult=2.6667)
 

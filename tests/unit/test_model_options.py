@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 import torch
 
-from launcher.contract.modelshape import flops_per_token, param_count, part_param_count
-from launcher.contract.presets import PRESETS
-from launcher.contract.schema import SchemaError
-from launcher.contract.spec import Model
-from launcher.train.model import GPT, ModelPart, rope_tables
+from meshrun.launcher.contract.modelshape import flops_per_token, param_count, part_param_count
+from meshrun.launcher.contract.presets import PRESETS
+from meshrun.launcher.contract.schema import SchemaError
+from meshrun.launcher.contract.spec import Model
+from meshrun.launcher.train.model import GPT, ModelPart, rope_tables
 
 GQA = Model(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, vocab_size=256, seq_len=32)
 TOKENS = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))

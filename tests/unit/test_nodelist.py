@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.contract.nodelist import compress, normalized
-from launcher.hostlist import expand_hostlist
+from meshrun.launcher.contract.nodelist import compress, normalized
+from meshrun.launcher.hostlist import expand_hostlist
 
 
 @pytest.mark.parametrize(
@@ -32,7 +32,7 @@ def test_either_form_reads_the_same() -> None:
 
 def test_status_shows_a_restarts_nodes_in_slurms_form() -> None:
     """The goodput line's moves: one record said `n[1-2]` (SLURM_JOB_NODELIST), the next `n1,n3` (the spare's)."""
-    from submit.views.tables import goodput_line
+    from meshrun.submit.views.tables import goodput_line
 
     figures = {
         "allocated_s": 60.0,

@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launcher.contract.parallel_dims import MESH_DIMS, Coordinates, ParallelDims
-from launcher.contract.schema import SchemaError
-from launcher.contract.spec import JobSpec, Resources, Train
-from launcher.env import RankEnv
-from launcher.train.metrics import MetricsLog, perplexity
-from launcher.train.optim import LossScaler, clip_factor, global_grad_norm, lr_at
-from launcher.train.runtime import check_tasks, gpu_index, visible_gpus
+from meshrun.launcher.contract.parallel_dims import MESH_DIMS, Coordinates, ParallelDims
+from meshrun.launcher.contract.schema import SchemaError
+from meshrun.launcher.contract.spec import JobSpec, Resources, Train
+from meshrun.launcher.env import RankEnv
+from meshrun.launcher.train.metrics import MetricsLog, perplexity
+from meshrun.launcher.train.optim import LossScaler, clip_factor, global_grad_norm, lr_at
+from meshrun.launcher.train.runtime import check_tasks, gpu_index, visible_gpus
 
 
 def _env(rank: int = 0, local: int = 0, world: int = 8, local_world: int = 8, node: int = 0) -> RankEnv:
@@ -65,8 +65,8 @@ def fake_world() -> Iterator[None]:
 
 
 def test_the_device_mesh_agrees_with_the_coordinates(fake_world: None) -> None:
-    from launcher.train.parallel import build_mesh
-    from launcher.train.runtime import Runtime
+    from meshrun.launcher.train.parallel import build_mesh
+    from meshrun.launcher.train.runtime import Runtime
 
     dims = ParallelDims(dp=2, tp=2, pp=2)
     mesh = build_mesh(dims, Runtime(torch.device("cpu"), "gloo", None))

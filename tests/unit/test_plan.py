@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from launcher.contract.parallel_dims import ParallelDims
-from submit.config.cluster import load_profile
-from submit.core.plan import format_time, parse_time
-from submit.errors import InputError
-from submit.planning.plan import describe, load_job, plan_file
-from submit.schedulers import backend
+from meshrun.launcher.contract.parallel_dims import ParallelDims
+from meshrun.submit.config.cluster import load_profile
+from meshrun.submit.core.plan import format_time, parse_time
+from meshrun.submit.errors import InputError
+from meshrun.submit.planning.plan import describe, load_job, plan_file
+from meshrun.submit.schedulers import backend
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "tiny.yaml"
@@ -319,7 +319,7 @@ def test_hostile_name_gives_a_safe_run_dir() -> None:
 
 def test_the_scheduler_checks_are_handed_in_and_api_hands_in_the_backends() -> None:
     """Planning never looks a scheduler up: it runs the check its caller gives (api.plan_job: the backend's)."""
-    from submit import api
+    from meshrun.submit import api
 
     seen: list[tuple[str, str]] = []
     profile = load_profile("local")
@@ -376,8 +376,8 @@ def test_an_error_in_the_file_still_names_its_line(tmp_path: Path) -> None:
 )
 def test_a_preset_off_by_its_size_gets_the_nearest_size_not_the_nearest_spelling(given: str, meant: str) -> None:
     """Issue 22 item 26: 'llama-80b' suggested 'llama3-8b'."""
-    from launcher.contract.presets import PRESETS
-    from launcher.contract.schema import closest
+    from meshrun.launcher.contract.presets import PRESETS
+    from meshrun.launcher.contract.schema import closest
 
     assert closest(given, PRESETS) == f" (did you mean {meant!r}?)"
 

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 import yaml
 
-from launcher.contract.modelshape import param_count
-from launcher.contract.presets import PRESETS
-from launcher.contract.spec import Model
-from submit.cli import main as cli
-from submit.planning.plan import load_job
+from meshrun.launcher.contract.modelshape import param_count
+from meshrun.launcher.contract.presets import PRESETS
+from meshrun.launcher.contract.spec import Model
+from meshrun.submit.cli import main as cli
+from meshrun.submit.planning.plan import load_job
 
 REPO = Path(__file__).resolve().parents[2]
 LLAMA70B = {"n_layers": 80, "d_model": 8192, "n_heads": 64, "vocab_size": 32000, "seq_len": 4096, "ffn_mult": 3.5}
@@ -181,11 +181,11 @@ def test_a_model_that_fits_nowhere_says_so(tmp_path: Path, capsys: pytest.Captur
 
 
 def test_the_python_api_refuses_what_cannot_fit_before_sending_anything(tmp_path: Path) -> None:
-    """submit.api.submit checks the fit as the CLI does (the transport is never used), unless force=True."""
-    from submit import api
-    from submit.config.cluster import load_profile
-    from submit.errors import InputError
-    from submit.planning.plan import plan_file
+    """meshrun.submit.api.submit checks the fit as the CLI does (the transport is never used), unless force=True."""
+    from meshrun.submit import api
+    from meshrun.submit.config.cluster import load_profile
+    from meshrun.submit.errors import InputError
+    from meshrun.submit.planning.plan import plan_file
 
     plan = plan_file(write_spec(tmp_path, LLAMA70B), load_profile("h100-ndr"))
 

@@ -6,8 +6,8 @@ from typing import Any, Optional
 
 import pytest
 
-from launcher.contract.spec import Prediction
-from launcher.train.plancheck import WARMUP_STEPS, PlanCheck
+from meshrun.launcher.contract.spec import Prediction
+from meshrun.launcher.train.plancheck import WARMUP_STEPS, PlanCheck
 
 PLAN = Prediction(
     step_s=0.2, tokens_per_s=1000.0, compute_s=0.15, communication_s=0.05, memory_bytes=None, figures="datasheet"
@@ -92,7 +92,7 @@ def test_a_rank_waiting_for_a_cpu_counts_it_as_its_own_work() -> None:
     loaded the machine (its CPU time alone would be less under load), and sleep (a gloo wait) not at all."""
     import time
 
-    from launcher.train.worktime import SCHEDSTAT, BusyClock
+    from meshrun.launcher.train.worktime import SCHEDSTAT, BusyClock
 
     if not SCHEDSTAT.exists():
         pytest.skip("no /proc/thread-self/schedstat: the clock is the process CPU time here")
@@ -147,11 +147,11 @@ def test_on_gpus_compute_and_communication_are_one_term_and_memory_is_checked() 
 def test_a_job_carries_its_plans_prediction_where_the_planner_can_time_it(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from launcher.contract.spec import loads_run_spec
-    from submit import api
-    from submit.config.cluster import SHIPPED_DIR, load_profile
-    from submit.planning.plan import plan_file
-    from submit.schedulers import backend
+    from meshrun.launcher.contract.spec import loads_run_spec
+    from meshrun.submit import api
+    from meshrun.submit.config.cluster import SHIPPED_DIR, load_profile
+    from meshrun.submit.planning.plan import plan_file
+    from meshrun.submit.schedulers import backend
     from tests.unit.test_render import REPO
 
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))  # no calibration: datasheet figures

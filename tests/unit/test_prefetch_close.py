@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from launcher.data import dataset as dataset_module
-from launcher.data.dataset import Layout, Prefetcher, TokenDataset, TrainStream
+from meshrun.launcher.data import dataset as dataset_module
+from meshrun.launcher.data.dataset import Layout, Prefetcher, TokenDataset, TrainStream
 
 
 def test_close_with_a_full_queue_returns_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from launcher import __version__
-from submit.config.cluster import load_profile
-from submit.core.plan import Plan
-from submit.planning.plan import plan_file
-from submit.schedulers import preflight
-from submit.schedulers.base import Request
-from submit.transport.base import LocalTransport, Result
+from meshrun.launcher import __version__
+from meshrun.submit.config.cluster import load_profile
+from meshrun.submit.core.plan import Plan
+from meshrun.submit.planning.plan import plan_file
+from meshrun.submit.schedulers import preflight
+from meshrun.submit.schedulers.base import Request
+from meshrun.submit.transport.base import LocalTransport, Result
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -68,7 +68,7 @@ def test_a_missing_data_file_and_init_weights_are_named_with_the_key(tmp_path: P
 )
 def test_a_data_file_on_the_cluster_that_is_not_token_ids_is_refused(tmp_path: Path, content: bytes, said: str) -> None:
     """The data file as the cluster sees it (sh, od and awk on the login node: the laptop may not see it), judged
-    as the submit judges one it sees (launcher.contract.tokens.sample_problem); not read again where it did."""
+    as the submit judges one it sees (meshrun.launcher.contract.tokens.sample_problem); not read again where it did."""
     plan = _plan(tmp_path)
     Path(plan.spec.data.path).write_bytes(content)
     (check,) = _run(plan).failures
@@ -205,8 +205,8 @@ def test_slurm_gets_the_rendered_script_on_its_input_and_no_job_is_queued(tmp_pa
 
 
 def test_the_clusters_a_submit_chooses_among(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from submit import api
-    from submit.errors import InputError
+    from meshrun.submit import api
+    from meshrun.submit.errors import InputError
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     assert api.clusters_asked("testbed") is None and api.clusters_asked("a, b") == ["a", "b"]
@@ -222,7 +222,7 @@ def test_the_clusters_a_submit_chooses_among(tmp_path: Path, monkeypatch: pytest
 
 
 def test_the_soonest_start_wins_and_a_tie_goes_to_the_first_asked() -> None:
-    from submit.api import Candidate, soonest
+    from meshrun.submit.api import Candidate, soonest
 
     late = Candidate("a", "debug", "2026-12-03T23:00:00", "")
     early = Candidate("b", "gpu", "2026-12-03T22:00:00", "")
@@ -234,7 +234,7 @@ def test_the_soonest_start_wins_and_a_tie_goes_to_the_first_asked() -> None:
 
 
 def test_a_local_cluster_among_the_asked_is_planned_and_checked_like_any(tmp_path: Path) -> None:
-    from submit import api
+    from meshrun.submit import api
 
     found = api.candidates(
         REPO / "examples" / "tiny.yaml", ["local", "no-such-profile"], [f"data.path={_plan(tmp_path).spec.data.path}"]

@@ -9,10 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launcher.contract import private
-from launcher.contract.spec import Code
-from submit.transport import snapshot
-from submit.transport.base import PUT_SCRIPT, LocalTransport, Upload
+from meshrun.launcher.contract import private
+from meshrun.launcher.contract.spec import Code
+from meshrun.submit.transport import snapshot
+from meshrun.submit.transport.base import PUT_SCRIPT, LocalTransport, Upload
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,7 +55,7 @@ def test_snapshot_on_the_login_node_makes_work_dir_runs_and_code_private(tmp_pat
 
 
 def test_the_private_folder_helper_ignores_the_umask_and_leaves_folders_above_alone(tmp_path: Path) -> None:
-    """launcher.contract.private: the one helper every folder meshrun makes goes through (issue 22 item 8)."""
+    """meshrun.launcher.contract.private: the one helper every folder meshrun makes goes through (issue 22 item 8)."""
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o755)
     os.chmod(shared, 0o755)

@@ -16,10 +16,10 @@ from typing import Any, Iterator
 
 import pytest
 
-from launcher.contract import procs
-from launcher.contract.rundir import RunDir
-from launcher.contract.spec import Watchdog as Settings
-from launcher.sidecar import watchdog as wd
+from meshrun.launcher.contract import procs
+from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.spec import Watchdog as Settings
+from meshrun.launcher.sidecar import watchdog as wd
 
 FAST = Settings(step_factor=2, step_floor_s=1, setup_timeout_s=1, eval_timeout_s=1, checkpoint_timeout_s=1)
 
@@ -142,9 +142,9 @@ def test_the_watchdog_never_signals_a_heartbeat_pid_that_now_names_another_proce
 
 
 def test_the_watchdog_kills_its_own_hung_rank(tmp_path: Path) -> None:
-    """The same path with a heartbeat the rank itself wrote (launcher.report.Heartbeat): it is killed."""
+    """The same path with a heartbeat the rank itself wrote (meshrun.launcher.report.Heartbeat): it is killed."""
     run = RunDir(str(tmp_path / "run"))
-    script = "import sys, time\nfrom launcher.report import Heartbeat\nHeartbeat(sys.argv[1], 0).stamp(1)\n"
+    script = "import sys, time\nfrom meshrun.launcher.report import Heartbeat\nHeartbeat(sys.argv[1], 0).stamp(1)\n"
     script += "print('stamped', flush=True)\ntime.sleep(600)\n"
     env = {**os.environ, "MESHRUN_NODE_DIR": run.node_dir("", "n1").root}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
@@ -165,7 +165,7 @@ def test_the_watchdog_kills_its_own_hung_rank(tmp_path: Path) -> None:
 
 
 def local_record(run_dir: Path, job_id: str) -> Any:
-    from submit.core.registry import JobRecord
+    from meshrun.submit.core.registry import JobRecord
 
     return JobRecord(job_id, "local", "t", str(run_dir), "local", time.time(), None, "h")
 
@@ -174,8 +174,8 @@ def test_a_local_cancel_never_signals_the_group_a_stale_state_file_names(tmp_pat
     """`meshrun cancel` of a local job whose state file's supervisor pid (and process group) is now another
     session leader of this user: with the start time recorded, or without (an older state file) where the
     group does not carry the job's id, nothing is signalled."""
-    from launcher.contract.rundir import local_state_path, merge_state
-    from submit.schedulers import local
+    from meshrun.launcher.contract.rundir import local_state_path, merge_state
+    from meshrun.submit.schedulers import local
 
     victim = subprocess.Popen(["sleep", "600"], start_new_session=True)  # leads its own group, as a supervisor
     try:

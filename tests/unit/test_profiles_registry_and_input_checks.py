@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from submit import api
-from submit.cli.common import profile_path_of
-from submit.config.cluster import SHIPPED_DIR, load_profile
-from submit.core.registry import JobRecord, Registry
-from submit.errors import InputError
-from submit.jobs.checkpoints import check_output, with_overrides
-from submit.planning.plan import plan_file
-from submit.schedulers.slurm_cli import dependency
+from meshrun.submit import api
+from meshrun.submit.cli.common import profile_path_of
+from meshrun.submit.config.cluster import SHIPPED_DIR, load_profile
+from meshrun.submit.core.registry import JobRecord, Registry
+from meshrun.submit.errors import InputError
+from meshrun.submit.jobs.checkpoints import check_output, with_overrides
+from meshrun.submit.planning.plan import plan_file
+from meshrun.submit.schedulers.slurm_cli import dependency
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "tiny.yaml"
@@ -128,9 +128,9 @@ def test_resume_set_changes_only_what_may_change() -> None:
 
 def test_validators_refuse_a_trailing_newline_and_non_ascii_digits() -> None:
     """Siblings of item 21: a `$`-anchored regex accepts "X\\n", and `\\d` accepts full-width digits."""
-    from launcher.contract import schema
-    from launcher.contract.spec import JobSpec
-    from submit.core.plan import parse_time
+    from meshrun.launcher.contract import schema
+    from meshrun.launcher.contract.spec import JobSpec
+    from meshrun.submit.core.plan import parse_time
 
     with pytest.raises(schema.SchemaError, match="env"):
         schema.load(JobSpec, {"name": "x", "env": {"A\n": "1"}})
@@ -165,7 +165,7 @@ def test_meshrun_clusters_folders_override_the_shipped_profiles_and_the_users_ow
     (mine / "gpu.yaml").write_text(yaml.safe_dump({**shipped, "description": "mine"}))
     assert load_profile("gpu").description == "mine"
     listed = subprocess.run(
-        [sys.executable, "-m", "submit.cli.main", "clusters"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "meshrun.submit.cli.main", "clusters"], capture_output=True, text=True, check=True
     ).stdout.splitlines()
     row = {line.split()[0]: line for line in listed[1:]}
     assert " MESHRUN_CLUSTERS " in row["testbed"] and " yours " in row["gpu"], listed

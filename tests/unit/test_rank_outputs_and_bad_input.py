@@ -16,16 +16,32 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from launcher import rankfail
-from launcher.checkpoint import commit as ckpt
-from launcher.checkpoint import resume
-from launcher.checkpoint.manager import marker_job
-from launcher.contract import ckptdir
-from launcher.contract.rundir import RunDir
-from launcher.contract.schema import SchemaError
-from launcher.contract.spec import JobSpec, Model, RunInfo, RunSpec, SpecFileError, Train, dumps_run_spec, read_run_spec
-from launcher.data.dataset import Layout, TokenDataset, TrainStream, check_token_ids, check_train_data, largest_token
-from launcher.train.loop import eval_due
+from meshrun.launcher import rankfail
+from meshrun.launcher.checkpoint import commit as ckpt
+from meshrun.launcher.checkpoint import resume
+from meshrun.launcher.checkpoint.manager import marker_job
+from meshrun.launcher.contract import ckptdir
+from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.schema import SchemaError
+from meshrun.launcher.contract.spec import (
+    JobSpec,
+    Model,
+    RunInfo,
+    RunSpec,
+    SpecFileError,
+    Train,
+    dumps_run_spec,
+    read_run_spec,
+)
+from meshrun.launcher.data.dataset import (
+    Layout,
+    TokenDataset,
+    TrainStream,
+    check_token_ids,
+    check_train_data,
+    largest_token,
+)
+from meshrun.launcher.train.loop import eval_due
 
 
 def _mode(path: Path) -> int:
@@ -84,7 +100,7 @@ def test_the_marker_keeps_no_env_and_export_can_still_rebuild_the_job() -> None:
     job = JobSpec(name="j", train=Train(model=Model(n_layers=2)), env={"WANDB_API_KEY": "s3cret"})
     stored = marker_job(RunSpec(job, RunInfo(cluster="c", scheduler="local", run_dir="/r")))
     assert "env" not in stored and "s3cret" not in json.dumps(stored)
-    from launcher.contract import schema
+    from meshrun.launcher.contract import schema
 
     assert schema.load(JobSpec, stored).trainer.model.n_layers == 2
 
@@ -265,9 +281,9 @@ def test_a_file_that_vanishes_during_the_run_is_a_failure_that_names_it(
 def test_python_m_launcher_does_not_call_a_vanished_file_bad_input(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`python -m launcher` (what srun runs) let FileNotFoundError through as exit 2 as well."""
-    from launcher import __main__ as launcher_main
-    from launcher import entry
+    """`python -m meshrun.launcher` (what srun runs) let FileNotFoundError through as exit 2 as well."""
+    from meshrun.launcher import __main__ as launcher_main
+    from meshrun.launcher import entry
 
     def vanished(run_dir: str) -> int:
         raise FileNotFoundError(2, "No such file or directory", f"{run_dir}/gone.txt")

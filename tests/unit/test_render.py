@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from submit.config.cluster import SHIPPED_DIR, load_profile, profile_files
-from submit.errors import InputError
-from submit.folders import own_cache
-from submit.planning.plan import plan_file
-from submit.schedulers import backend
-from submit.schedulers.render import compiled_templates, render, sbatch_label
-from submit.schedulers.slurm import BACKEND as SLURM
+from meshrun.submit.config.cluster import SHIPPED_DIR, load_profile, profile_files
+from meshrun.submit.errors import InputError
+from meshrun.submit.folders import own_cache
+from meshrun.submit.planning.plan import plan_file
+from meshrun.submit.schedulers import backend
+from meshrun.submit.schedulers.render import compiled_templates, render, sbatch_label
+from meshrun.submit.schedulers.slurm import BACKEND as SLURM
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden"
@@ -150,7 +150,7 @@ def test_render_o_says_the_code_snapshot_must_be_on_the_cluster_first(tmp_path: 
     argv = [
         sys.executable,
         "-m",
-        "submit.cli.main",
+        "meshrun.submit.cli.main",
         "render",
         str(project / "job.yaml"),
         "-c",
@@ -193,7 +193,7 @@ def test_compiled_templates_are_kept_only_in_a_folder_no_one_else_can_write(
 def test_a_script_rendered_from_compiled_templates_is_the_one_compiled_afresh(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from submit.schedulers import render as rendering
+    from meshrun.submit.schedulers import render as rendering
 
     plan = plan_file(REPO / "examples" / "tiny.yaml", load_profile("local"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from launcher.contract import suspects
-from launcher.contract.rundir import RunDir
-from launcher.contract.schema import SchemaError
-from launcher.contract.spec import Watchdog as Settings
-from launcher.sidecar import rendezvous
-from launcher.sidecar.rendezvous import NodeView, RendezvousTrack, judge
+from meshrun.launcher.contract import suspects
+from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.schema import SchemaError
+from meshrun.launcher.contract.spec import Watchdog as Settings
+from meshrun.launcher.sidecar import rendezvous
+from meshrun.launcher.sidecar.rendezvous import NodeView, RendezvousTrack, judge
 from tests.unit.test_watchdog import Clock, Kill, beat, claim, make
 
 SETTINGS = Settings(setup_timeout_s=1200, straggler_check_s=10, diagnosis_wait_s=30, rendezvous_stall_s=60)

@@ -13,8 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from launcher.env import RankEnv
-from launcher.train.runtime import rendezvous_store
+from meshrun.launcher.env import RankEnv
+from meshrun.launcher.train.runtime import rendezvous_store
 
 
 def _env(rank: int, port: int, addr: str = "127.0.0.1") -> RankEnv:
@@ -43,7 +43,7 @@ def _free_port() -> int:
 RANK_1 = """
 import sys
 from tests.unit.test_rendezvous_store import _env
-from launcher.train.runtime import rendezvous_store
+from meshrun.launcher.train.runtime import rendezvous_store
 store = rendezvous_store(_env(1, int(sys.argv[1])))
 store.set("from-1", "hello")
 assert store.get("from-0") == b"there"
@@ -68,7 +68,7 @@ def test_rank_0_listens_on_the_master_address_alone_and_the_ranks_meet_there() -
 
 
 def test_an_address_this_host_cannot_bind_leaves_the_listener_to_torch(capsys: pytest.CaptureFixture[str]) -> None:
-    from launcher.train.runtime import _listener
+    from meshrun.launcher.train.runtime import _listener
 
     assert _listener("192.0.2.1", _free_port()) is None  # TEST-NET-1: never this host's
     assert "cannot listen on 192.0.2.1:" in capsys.readouterr().out

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from launcher.contract.gpus import mfu, peak_tflops
-from launcher.contract.rundir import NodeDir, RunDir, node_name
-from launcher.train import tbwriter
-from launcher.train.tbwriter import ScalarWriter
+from meshrun.launcher.contract.gpus import mfu, peak_tflops
+from meshrun.launcher.contract.rundir import NodeDir, RunDir, node_name
+from meshrun.launcher.train import tbwriter
+from meshrun.launcher.train.tbwriter import ScalarWriter
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,7 +29,7 @@ def _run(code: str, **env: str) -> subprocess.CompletedProcess:
     """report() in a fresh process, as a user's script calls it (atexit flushes the event file)."""
     clean = {k: v for k, v in os.environ.items() if k not in ("MESHRUN_RUN_DIR", "RANK", "SLURM_PROCID")}
     return subprocess.run(
-        [sys.executable, "-c", "from launcher.report import report\n" + code],
+        [sys.executable, "-c", "from meshrun.launcher.report import report\n" + code],
         cwd=REPO,
         env={**clean, "PYTHONPATH": str(REPO), **env},
         capture_output=True,
@@ -57,7 +57,7 @@ def test_report_on_rank_0_writes_metrics_tensorboard_and_heartbeat(tmp_path: Pat
     assert _scalars(run.tensorboard, "loss") == [(1, 4.0), (2, 3.5)]
     assert "bad" not in EventAccumulator(run.tensorboard).Reload().Tags()["scalars"]
     beat = json.loads(Path(_node(run).progress(0)).read_text())
-    # started_at: the pid's start time, so a watchdog never signals a process that reused the pid (launcher.contract.procs).
+    # started_at: the pid's start time, so a watchdog never signals a process that reused the pid (meshrun.launcher.contract.procs).
     assert set(beat) == {"rank", "step", "phase", "time", "pid", "started_at", "stack_signal"}
     assert (beat["rank"], beat["step"], beat["phase"]) == (0, 3, "eval")
     assert os.stat(run.metrics).st_mode & 0o777 == 0o600
@@ -77,7 +77,7 @@ def test_report_outside_meshrun_warns_once_and_writes_nothing(tmp_path: Path) ->
 
 
 def test_report_names_a_value_that_is_not_a_number(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from launcher.report import report
+    from meshrun.launcher.report import report
 
     monkeypatch.setenv("MESHRUN_RUN_DIR", str(tmp_path))
     with pytest.raises(TypeError, match=r"loss='high' is not a number"):
@@ -155,7 +155,7 @@ def _record(step: int, wait: float) -> dict[str, float]:
 
 
 def test_metrics_log_adds_mfu_only_with_a_known_peak_and_tensorboard_gets_the_rest(tmp_path: Path) -> None:
-    from launcher.train.metrics import MetricsLog
+    from meshrun.launcher.train.metrics import MetricsLog
 
     with_peak, without = tmp_path / "gpu", tmp_path / "cpu"
     for run_dir, peak in ((with_peak, peak_tflops("h200")), (without, None)):
@@ -172,7 +172,7 @@ def test_metrics_log_adds_mfu_only_with_a_known_peak_and_tensorboard_gets_the_re
 
 
 def test_mfu_peak_says_why_there_is_none() -> None:
-    from launcher.contract.gpus import mfu_peak
+    from meshrun.launcher.contract.gpus import mfu_peak
 
     assert mfu_peak("h100", cuda=True) == (989.0, "")
     assert mfu_peak("", cuda=True, device_name="NVIDIA H200") == (989.0, "")  # no type in the profile
@@ -182,9 +182,9 @@ def test_mfu_peak_says_why_there_is_none() -> None:
 
 
 def test_the_plan_carries_the_partitions_gpu_type_and_old_spec_files_still_load(tmp_path: Path) -> None:
-    from launcher.contract.spec import dumps_run_spec, read_run_spec
-    from submit.config.cluster import load_profile
-    from submit.planning.plan import plan_file
+    from meshrun.launcher.contract.spec import dumps_run_spec, read_run_spec
+    from meshrun.submit.config.cluster import load_profile
+    from meshrun.submit.planning.plan import plan_file
 
     plan = plan_file(REPO / "examples" / "h100-8node.yaml", load_profile("h200-ndr"), home="/home/u", run_dir="/r")
     assert plan.run_spec.run.gpu_type == "h200" and peak_tflops(plan.run_spec.run.gpu_type) == 989.0

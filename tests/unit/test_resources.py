@@ -6,8 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from submit.config.cluster import profile_files
-from submit.config.resources import shipped_profiles_dir, template_source
+from meshrun.submit.config.cluster import profile_files
+from meshrun.submit.config.resources import shipped_profiles_dir, template_source
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -20,15 +20,29 @@ def test_every_template_and_profile_of_the_repo_is_found_as_package_data() -> No
     assert {p.stem for p in (REPO / "cluster_configs").glob("*.yaml")} <= set(profile_files())
 
 
-def test_a_source_tree_that_was_never_installed_says_how_to_install() -> None:
-    # -S: no site-packages, so no editable install; only the checkout on sys.path.
+def test_a_checkout_on_sys_path_finds_its_templates_through_meshrun_links() -> None:
+    # -S: no site-packages, so no editable install; only the checkout on sys.path (meshrun/ links its folders).
     code = (
-        f"import sys; sys.path.insert(0, {str(REPO)!r}); from submit.config.resources import template_source; "
-        "template_source('slurm.sbatch.j2')"
+        f"import sys; sys.path.insert(0, {str(REPO)!r}); from meshrun.submit.config.resources import template_source; "
+        "print(len(template_source('slurm.sbatch.j2') or ''))"
     )
     done = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) == len((REPO / "templates" / "slurm.sbatch.j2").read_text())
+
+
+def test_an_install_without_its_package_data_says_how_to_install(tmp_path: Path) -> None:
+    # A tree with meshrun's code but not its templates: a broken or partial install.
+    (tmp_path / "meshrun").mkdir()
+    for folder in ("submit", "launcher"):
+        (tmp_path / "meshrun" / folder).symlink_to(REPO / folder, target_is_directory=True)
+    code = (
+        f"import sys; sys.path.insert(0, {str(tmp_path)!r}); from meshrun.submit.config.resources import template_source; "
+        "template_source('slurm.sbatch.j2')"
+    )
+    done = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=30, cwd=tmp_path)
     assert done.returncode == 1
     assert done.stderr.strip().splitlines()[-1] == (
-        "submit.config.resources.NotInstalledError: meshrun's submit.templates is missing: install meshrun "
+        "meshrun.submit.config.resources.NotInstalledError: meshrun's meshrun.templates is missing: install meshrun "
         "(`pip install .` or `bash scripts/setup.sh` in a checkout), do not only put it on PYTHONPATH"
     )

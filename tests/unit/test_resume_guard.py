@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.checkpoint import resume
-from launcher.contract import ckptdir
+from meshrun.launcher.checkpoint import resume
+from meshrun.launcher.contract import ckptdir
 
 
 def _complete(root: Path, *steps: int) -> None:

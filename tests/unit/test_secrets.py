@@ -14,16 +14,16 @@ from typing import Any, Mapping, Optional, Sequence
 
 import pytest
 
-from launcher import requeue
-from launcher.contract import secrets as ls
-from launcher.contract.schema import SchemaError, load
-from launcher.contract.spec import JobSpec, RunInfo, RunSpec, dumps_run_spec, loads_run_spec, write_run_spec
-from submit.config.cluster import load_profile
-from submit.core import secrets as job_secrets
-from submit.errors import InputError
-from submit.planning.plan import describe, plan_file
-from submit.schedulers import backend
-from submit.transport.base import LocalTransport, Result, Upload
+from meshrun.launcher import requeue
+from meshrun.launcher.contract import secrets as ls
+from meshrun.launcher.contract.schema import SchemaError, load
+from meshrun.launcher.contract.spec import JobSpec, RunInfo, RunSpec, dumps_run_spec, loads_run_spec, write_run_spec
+from meshrun.submit.config.cluster import load_profile
+from meshrun.submit.core import secrets as job_secrets
+from meshrun.submit.errors import InputError
+from meshrun.submit.planning.plan import describe, plan_file
+from meshrun.submit.schedulers import backend
+from meshrun.submit.transport.base import LocalTransport, Result, Upload
 
 REPO = Path(__file__).resolve().parents[2]
 COMMAND = REPO / "examples" / "command.yaml"
@@ -93,7 +93,7 @@ def test_the_cli_refuses_an_inline_value_in_one_line_without_echoing_it(tmp_path
     spec = tmp_path / "job.yaml"
     spec.write_text(f"name: x\ncommand: ['true']\nsecrets:\n  TOK: {token}\n")
     done = subprocess.run(
-        [sys.executable, "-m", "submit.cli.main", "submit", str(spec), "-c", "local", "--dry-run"],
+        [sys.executable, "-m", "meshrun.submit.cli.main", "submit", str(spec), "-c", "local", "--dry-run"],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -150,7 +150,7 @@ def test_plan_refuses_a_file_others_can_read_with_the_chmod_fix(tmp_path: Path, 
 
 
 def test_plan_checks_a_file_only_where_it_is_visible(tmp_path: Path) -> None:
-    from submit.planning.plan import REMOTE_HOME
+    from meshrun.submit.planning.plan import REMOTE_HOME
 
     path = tmp_path / "absent"
     profile = load_profile("local")
@@ -210,7 +210,7 @@ def test_the_rank_reads_env_sources_from_the_secrets_folder_and_file_sources_in_
 
 
 def test_run_rank_sets_the_secrets_before_the_trainer_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from launcher import entry
+    from meshrun.launcher import entry
 
     token = _token()
     run_dir = tmp_path / "runs" / "job-1"
@@ -223,8 +223,8 @@ def test_run_rank_sets_the_secrets_before_the_trainer_starts(tmp_path: Path, mon
         seen["key"] = os.environ.get("WANDB_API_KEY")
         return 0
 
-    # A stand-in for launcher.train.loop (torch-free): what the built-in trainer's rank sees.
-    monkeypatch.setitem(sys.modules, "launcher.train.loop", types.SimpleNamespace(train=train))
+    # A stand-in for meshrun.launcher.train.loop (torch-free): what the built-in trainer's rank sees.
+    monkeypatch.setitem(sys.modules, "meshrun.launcher.train.loop", types.SimpleNamespace(train=train))
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     for key in ("SLURM_PROCID", "SLURM_NTASKS", "RANK", "WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
@@ -324,8 +324,8 @@ def test_a_value_travels_only_as_put_data_into_the_private_folder(
 
 
 def test_a_sweep_sends_each_task_its_own_folder(monkeypatch: pytest.MonkeyPatch) -> None:
-    from submit.planning.sweep import plan_sweep
-    from submit.schedulers.base import secret_files
+    from meshrun.submit.planning.sweep import plan_sweep
+    from meshrun.submit.schedulers.base import secret_files
 
     monkeypatch.setenv("SRC", "v")
     plan = plan_sweep(COMMAND, load_profile("testbed"), ["secrets.TOK.env=SRC"], ["env.X=5,6"], home="/h")

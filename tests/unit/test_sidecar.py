@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
-from launcher.contract import goodput
-from launcher.contract.envcheck import env_mismatches
-from launcher.contract.rundir import RunDir, node_name
-from launcher.contract.schema import SchemaError, load
-from launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, Sidecar, write_run_spec
-from launcher.sidecar import keeper, loop, nvml, sidelog
-from launcher.sidecar.host import Host
+from meshrun.launcher.contract import goodput
+from meshrun.launcher.contract.envcheck import env_mismatches
+from meshrun.launcher.contract.rundir import RunDir, node_name
+from meshrun.launcher.contract.schema import SchemaError, load
+from meshrun.launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, Sidecar, write_run_spec
+from meshrun.launcher.sidecar import keeper, loop, nvml, sidelog
+from meshrun.launcher.sidecar.host import Host
 from tests.unit import fake_nvml
 from tests.unit.fake_nvml import FakeGpu
 
@@ -382,7 +382,7 @@ def test_the_process_samples_at_the_spec_interval_and_stops_on_sigterm(tmp_path:
     job = JobSpec(name="t", resources=Resources(tasks_per_node=1), command=("true",), sidecar=Sidecar(interval_s=0.2))
     write_run_spec(RunSpec(job=job, run=RunInfo(cluster="local", scheduler="local", run_dir=str(tmp_path))), tmp_path)
     env = {**os.environ, "PYTHONPATH": str(REPO), "SLURMD_NODENAME": "n1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.Popen([sys.executable, "-m", "launcher.sidecar", str(tmp_path)], env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "meshrun.launcher.sidecar", str(tmp_path)], env=env)
     run_dir = RunDir(str(tmp_path))
     deadline = time.monotonic() + 30
     while not Path(run_dir.gpu_metrics).exists() or len(gpu_lines(run_dir)) < 3:
@@ -395,7 +395,7 @@ def test_the_process_samples_at_the_spec_interval_and_stops_on_sigterm(tmp_path:
 
 
 def test_main_never_raises_into_the_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from launcher.sidecar.__main__ import main
+    from meshrun.launcher.sidecar.__main__ import main
 
     def broken(*_a: Any, **_k: Any) -> None:
         raise RuntimeError("boom")

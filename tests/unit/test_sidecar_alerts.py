@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
-from launcher.contract import alerts
-from launcher.contract.rundir import RunDir
-from launcher.contract.spec import Alerts, JobSpec, Resources, RunInfo, RunSpec, write_run_spec
-from launcher.sidecar import loop, nvml
-from launcher.sidecar import watchdog as wd
-from launcher.sidecar.alerting import Alerting, Forwarder, GpuRules
-from launcher.sidecar.stragglers import RankTime, StragglerTracker
+from meshrun.launcher.contract import alerts
+from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.spec import Alerts, JobSpec, Resources, RunInfo, RunSpec, write_run_spec
+from meshrun.launcher.sidecar import loop, nvml
+from meshrun.launcher.sidecar import watchdog as wd
+from meshrun.launcher.sidecar.alerting import Alerting, Forwarder, GpuRules
+from meshrun.launcher.sidecar.stragglers import RankTime, StragglerTracker
 from tests.unit import fake_nvml
 from tests.unit.fake_nvml import FakeGpu
 from tests.unit.test_watchdog import SETTINGS, STALLED, USR2, WAITING, Clock, Kill, Lines, beat

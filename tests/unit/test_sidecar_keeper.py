@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 
-from launcher import requeue
-from launcher.contract import ckptdir, lost
-from launcher.contract.alerts import read as read_alerts
-from launcher.contract.rundir import RunDir
-from launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, write_run_spec
-from launcher.sidecar import keeper
-from submit.core.status import parse_metrics_tail
+from meshrun.launcher import requeue
+from meshrun.launcher.contract import ckptdir, lost
+from meshrun.launcher.contract.alerts import read as read_alerts
+from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, write_run_spec
+from meshrun.launcher.sidecar import keeper
+from meshrun.submit.core.status import parse_metrics_tail
 
 # A stand-in sidecar: records its pid; the first one ignores USR2 (so only a restart can end the keeper);
 # a later one exits 0 at once when its keeper says it was told USR2 before it started.
@@ -184,7 +184,9 @@ def test_a_sidecar_and_its_keeper_told_usr2_again_and_again_to_their_last_instan
     write_run_spec(RunSpec(job=job, run=RunInfo(cluster="local", scheduler="local", run_dir=str(tmp_path))), tmp_path)
     env = {**os.environ, "SLURMD_NODENAME": "n1", "CUDA_VISIBLE_DEVICES": ""}
     sidecar_log = Path(RunDir(str(tmp_path)).sidecar_log("n1"))
-    proc = subprocess.Popen([sys.executable, "-m", "launcher.sidecar", str(tmp_path)], env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshrun.launcher.sidecar", str(tmp_path)], env=env, start_new_session=True
+    )
     try:
         deadline = time.monotonic() + 30
         while not (sidecar_log.exists() and "started" in sidecar_log.read_text()):
@@ -215,7 +217,7 @@ def test_a_sidecar_that_keeps_dying_is_restarted_a_bounded_number_of_times(
 
 
 def test_a_sidecar_whose_parent_is_gone_carries_on_while_its_ranks_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    from launcher.sidecar import __main__ as sidecar_main
+    from meshrun.launcher.sidecar import __main__ as sidecar_main
 
     class Ranks:
         alive = True
@@ -298,7 +300,7 @@ def test_status_ckpt_counts_only_checkpoints_complete_on_shared_storage() -> Non
 def test_node_0_stops_waiting_for_the_parts_of_a_node_whose_sidecar_is_gone(tmp_path: Path) -> None:
     """A node whose sidecar stopped (or died: its stamp went stale) will send no more parts: node 0 does not
     hold the job's nodes for sidecar.final_copy_s waiting for them."""
-    from launcher.sidecar import copier
+    from meshrun.launcher.sidecar import copier
     from tests.unit.test_copier import ATTEMPT, stage
 
     a, shared = tmp_path / "a", tmp_path / "shared"
@@ -335,7 +337,7 @@ def _job_process(job_id: str) -> int:
 
 
 def _ranks_and_wait(monkeypatch: pytest.MonkeyPatch, job_id: str) -> tuple[Any, Any, Any, Any, list[str]]:
-    from launcher.sidecar import __main__ as sidecar_main
+    from meshrun.launcher.sidecar import __main__ as sidecar_main
 
     class Ranks:
         alive = False

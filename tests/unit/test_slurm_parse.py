@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from submit.errors import ClusterError
-from submit.schedulers import slurm_cli as slurm
+from meshrun.submit.errors import ClusterError
+from meshrun.submit.schedulers import slurm_cli as slurm
 
 # sacct --allocations --parsable2 --noheader --jobs 11,12,13,14 --format JobID,JobName,State,ExitCode,...
 SACCT = """\
@@ -52,14 +52,14 @@ def test_a_requeued_jobs_earlier_runs_are_its_restarts() -> None:
     assert states["4"].earlier_s == 13 and states["9"].earlier_s == 0  # ELAPSED: the job's whole life, 79 s
     assert states["9"].restarts == 0
     assert "--duplicates" in slurm.sacct_argv(["4"])
-    from submit.schedulers.slurm import _whole_life
+    from meshrun.submit.schedulers.slurm import _whole_life
 
     assert _whole_life(states["4"]) == 79 and _whole_life(states["9"]) == 21  # status's ELAPSED and GPU-hours
 
 
 @pytest.mark.parametrize("text, code", [("0:0", 0), ("2:0", 2), ("0:15", None), ("75:0", 75), ("", None)])
 def test_a_job_ended_by_a_signal_has_no_exit_code_of_its_own(text: str, code: object) -> None:
-    from submit.schedulers.slurm import _exit_code
+    from meshrun.submit.schedulers.slurm import _exit_code
 
     assert _exit_code(text) == code  # "0:15" (a cancel) must not read as a clean exit 0
 

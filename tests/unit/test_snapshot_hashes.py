@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.contract.spec import Code
-from submit.transport import snapshot
-from submit.transport.snapshot import FileHashes, collect, work_tree
+from meshrun.launcher.contract.spec import Code
+from meshrun.submit.transport import snapshot
+from meshrun.submit.transport.snapshot import FileHashes, collect, work_tree
 
 
 @pytest.fixture

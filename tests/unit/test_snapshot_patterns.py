@@ -9,7 +9,7 @@ import fnmatch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from submit.transport.snapshot import matches
+from meshrun.submit.transport.snapshot import matches
 
 
 def by_the_rules(rel: str, patterns: tuple[str, ...]) -> bool:

@@ -10,14 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launcher.contract.rundir import RunDir
-from launcher.contract.spec import Code
-from submit.config.cluster import load_profile
-from submit.planning.plan import plan_file
-from submit.schedulers.render import render
-from submit.schedulers.slurm import BACKEND as SLURM
-from submit.transport import snapshot
-from submit.transport.base import LocalTransport
+from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.spec import Code
+from meshrun.submit.config.cluster import load_profile
+from meshrun.submit.planning.plan import plan_file
+from meshrun.submit.schedulers.render import render
+from meshrun.submit.schedulers.slurm import BACKEND as SLURM
+from meshrun.submit.transport import snapshot
+from meshrun.submit.transport.base import LocalTransport
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "tiny.yaml"

@@ -17,9 +17,9 @@ from typing import Any, Optional, Sequence
 import pytest
 import yaml
 
-from submit import api
-from submit.api import Candidate, choose, soonest
-from submit.transport.base import LocalTransport, Result
+from meshrun.submit import api
+from meshrun.submit.api import Candidate, choose, soonest
+from meshrun.submit.transport.base import LocalTransport, Result
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -133,7 +133,7 @@ def test_each_login_node_is_asked_once_and_a_tie_on_start_goes_to_the_free_nodes
 def test_the_table_says_which_rule_decided(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from submit.cli.main import main
+    from meshrun.submit.cli.main import main
 
     files, _, _ = _profiles(tmp_path, monkeypatch)
     sets = [word for item in _overrides(tmp_path) for word in ("--set", item)]

@@ -9,11 +9,11 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from submit import errors
-from submit.config.cluster import Ssh
-from submit.errors import InputError
-from submit.transport import hostkeys
-from submit.transport.sshconfig import resolve
+from meshrun.submit import errors
+from meshrun.submit.config.cluster import Ssh
+from meshrun.submit.errors import InputError
+from meshrun.submit.transport import hostkeys
+from meshrun.submit.transport.sshconfig import resolve
 
 CONFIG = """\
 Host login

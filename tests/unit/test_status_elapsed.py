@@ -6,11 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from submit.core import status as core
-from submit.core.registry import JobRecord, Registry
-from submit.core.state import JobState
-from submit.errors import ClusterError
-from submit.views.tables import progress_line, status_table
+from meshrun.submit.core import status as core
+from meshrun.submit.core.registry import JobRecord, Registry
+from meshrun.submit.core.state import JobState
+from meshrun.submit.errors import ClusterError
+from meshrun.submit.views.tables import progress_line, status_table
 
 
 class _Cluster:
@@ -52,7 +52,7 @@ def test_an_unreachable_jobs_elapsed_is_the_last_seen_with_its_age(tmp_path: Pat
     found = core.statuses(records, _Clusters(cluster), lambda _name: reader, registry, warn=lambda _m: None)
     assert found[0].state == JobState.UNREACHABLE
     assert (found[0].elapsed_s, found[0].elapsed_as_of) == (200, 1000.0)
-    monkeypatch.setattr("submit.views.tables.time.time", lambda: 1300.0)
+    monkeypatch.setattr("meshrun.submit.views.tables.time.time", lambda: 1300.0)
     row = next(line for line in status_table(found).splitlines() if line.startswith("8 "))
     assert "0:03:20 (as of 5m ago)" in row, row
     assert "elapsed 0:03:20 (as of 5m ago)" in progress_line(found[0], None)

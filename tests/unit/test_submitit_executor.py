@@ -1,4 +1,4 @@
-"""submit.executor without a cluster: what a profile puts into submitit's sbatch script, the resource
+"""meshrun.submit.executor without a cluster: what a profile puts into submitit's sbatch script, the resource
 checks (one line naming key, value and fix), the run-dir layout, and a real LocalExecutor job."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import psutil
 import pytest
 from submitit.slurm.slurm import _make_sbatch_string
 
-from submit.config.cluster import load_profile, profile_path
-from submit.core.registry import Registry
-from submit.errors import InputError
-from submit.executor import (
+from meshrun.submit.config.cluster import load_profile, profile_path
+from meshrun.submit.core.registry import Registry
+from meshrun.submit.errors import InputError
+from meshrun.submit.executor import (
     MeshrunLocalExecutor,
     MeshrunSlurmExecutor,
     Resources,
@@ -169,7 +169,7 @@ def test_local_profile_runs_a_submitit_job_and_records_it(tmp_path: Path, monkey
     assert sorted(p.name for p in logs.iterdir()) == ["rank-0.err", "rank-0.log", "rank-1.err", "rank-1.log"]
     assert (logs / "rank-1.log").resolve() == job.task(1).paths.stdout.resolve()
     # `meshrun status` reads submitit's own result files for such a job (its executor writes no meshrun state).
-    from submit import api
+    from meshrun.submit import api
 
     (found,) = api.statuses([record], api.Clusters())
     assert found.state == "COMPLETED" and found.done, found
@@ -177,7 +177,7 @@ def test_local_profile_runs_a_submitit_job_and_records_it(tmp_path: Path, monkey
 
 def test_the_api_module_stays_torch_free() -> None:
     code = (
-        "import sys, submit.executor; bad = [m for m in ('torch', 'numpy', 'paramiko') if m in sys.modules]; "
+        "import sys, meshrun.submit.executor; bad = [m for m in ('torch', 'numpy', 'paramiko') if m in sys.modules]; "
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
@@ -192,7 +192,7 @@ def test_meshrun_cancel_stops_a_local_submitit_job(
     under it (a TERM to the shell alone said CANCELLED and left the function running)."""
     import time as _time
 
-    from submit import api
+    from meshrun.submit import api
 
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     profile = "local"
@@ -252,7 +252,7 @@ def test_a_local_array_task_ends_completed_or_failed_not_unknown(
 ) -> None:
     """map_array on `local`: each task is its own controller, but submitit's files are the submission's (not
     the task's run dir): status must find them there, or `watch` and `top` wait for ever."""
-    from submit import api
+    from meshrun.submit import api
 
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     ex = executor("local", folder=tmp_path / "runs", time="00:02:00", name="arr")
@@ -273,7 +273,7 @@ def test_a_local_submitit_job_whose_controller_was_killed_is_failed(
 
     import psutil
 
-    from submit import api
+    from meshrun.submit import api
 
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     job = executor("local", folder=tmp_path / "runs", time="00:02:00", name="killed").submit(_time.sleep, 120)

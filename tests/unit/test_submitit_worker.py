@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher import submitit_worker
-from submit import executor
+from meshrun.launcher import submitit_worker
+from meshrun.submit import executor
 
 # A stand-in for `scontrol requeue` on a loaded node: the TERM reaches it before it exits.
 TERMED_BEFORE_EXIT = ["sh", "-c", "kill -TERM $$; exit 0"]
@@ -41,4 +41,4 @@ def test_a_failing_requeue_still_fails() -> None:
 def test_the_slurm_executor_runs_this_worker() -> None:
     ex = executor.MeshrunSlurmExecutor.__new__(executor.MeshrunSlurmExecutor)  # only the command is asked
     ex.python, ex.folder = "python3", Path("/runs/a b")
-    assert ex._submitit_command_str == "python3 -u -m launcher.submitit_worker '/runs/a b'"
+    assert ex._submitit_command_str == "python3 -u -m meshrun.launcher.submitit_worker '/runs/a b'"

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from launcher.contract import suspects
-from launcher.contract.rundir import RunDir
-from launcher.contract.spec import Alerts
-from launcher.sidecar.alerting import Alerting
-from submit.config.cluster import load_profile
-from submit.planning.plan import avoid_suspects, plan_file
-from submit.schedulers import backend
-from submit.schedulers.render import render
+from meshrun.launcher.contract import suspects
+from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.spec import Alerts
+from meshrun.launcher.sidecar.alerting import Alerting
+from meshrun.submit.config.cluster import load_profile
+from meshrun.submit.planning.plan import avoid_suspects, plan_file
+from meshrun.submit.schedulers import backend
+from meshrun.submit.schedulers.render import render
 
 REPO = Path(__file__).resolve().parents[2]
 HOUR = 3600.0
@@ -111,7 +111,7 @@ def test_node_0s_hang_verdict_records_the_stalled_ranks_nodes_privately(tmp_path
 
 
 def test_a_straggler_and_a_hardware_xid_make_their_nodes_suspects_once(tmp_path: Path) -> None:
-    from launcher.sidecar.stragglers import RankTime
+    from meshrun.launcher.sidecar.stragglers import RankTime
 
     ledger = tmp_path / "work" / suspects.LEDGER
     alerting = Alerting(RunDir(str(tmp_path)), "n1", 0, Alerts(), [].append, lambda: 7, str(ledger))

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from launcher.contract.spec import Code
-from submit.config.cluster import load_profile
-from submit.errors import InputError
-from submit.planning.plan import plan_file
-from submit.planning.sweep import parse, plan_sweep
-from submit.schedulers.render import render
-from submit.schedulers.slurm import BACKEND as SLURM
-from submit.transport import snapshot
+from meshrun.launcher.contract.spec import Code
+from meshrun.submit.config.cluster import load_profile
+from meshrun.submit.errors import InputError
+from meshrun.submit.planning.plan import plan_file
+from meshrun.submit.planning.sweep import parse, plan_sweep
+from meshrun.submit.schedulers.render import render
+from meshrun.submit.schedulers.slurm import BACKEND as SLURM
+from meshrun.submit.transport import snapshot
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "tiny.yaml"
@@ -172,7 +172,7 @@ def test_dry_run_shows_tasks_and_the_code(tmp_path: Path, default_corpus: Path) 
         [
             sys.executable,
             "-m",
-            "submit.cli.main",
+            "meshrun.submit.cli.main",
             "submit",
             str(TINY),
             "-c",

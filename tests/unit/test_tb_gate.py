@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from submit.views import tbserve
+from meshrun.submit.views import tbserve
 
 TOKEN = tbserve.new_token()
 COOKIE = tbserve.COOKIE_PREFIX + hashlib.sha256(TOKEN.encode()).hexdigest()[:12]

@@ -11,13 +11,13 @@ from typing import Iterator
 
 import pytest
 
-from launcher.contract.rundir import RunDir
-from submit.core.registry import JobRecord
-from submit.errors import ClusterError, InputError
-from submit.transport.base import LocalTransport
-from submit.transport.portforward import PortForward
-from submit.views import logs
-from submit.views.tensorboard import check_local_port
+from meshrun.launcher.contract.rundir import RunDir
+from meshrun.submit.core.registry import JobRecord
+from meshrun.submit.errors import ClusterError, InputError
+from meshrun.submit.transport.base import LocalTransport
+from meshrun.submit.transport.portforward import PortForward
+from meshrun.submit.views import logs
+from meshrun.submit.views.tensorboard import check_local_port
 
 
 @pytest.fixture
@@ -105,10 +105,10 @@ def test_logs_f_survives_a_connection_dropped_while_it_asks_for_the_jobs_size(tm
     ("the connection was lost") instead of reconnecting as it does once following. Without -f it says so."""
     import io
 
-    from submit.core.registry import JobRecord
-    from submit.errors import ConnectionLost
-    from submit.transport.base import LocalTransport
-    from submit.views import logs
+    from meshrun.submit.core.registry import JobRecord
+    from meshrun.submit.errors import ConnectionLost
+    from meshrun.submit.transport.base import LocalTransport
+    from meshrun.submit.views import logs
 
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)

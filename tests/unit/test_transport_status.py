@@ -12,15 +12,15 @@ from typing import Any
 
 import pytest
 
-from submit import api
-from submit.core.registry import JobRecord, Registry
-from submit.core.state import JobState
-from submit.core.status import parse_metrics_tail
-from submit.errors import HostKeyChanged, InputError, JobNotFound
-from submit.schedulers import slurm_cli as slurm
-from submit.schedulers.slurm import query_argvs, states_from
-from submit.transport.base import LocalTransport, Result, Upload, batch, tar_bytes
-from submit.views.logs import Printer, Source, parse_ranks, print_once
+from meshrun.submit import api
+from meshrun.submit.core.registry import JobRecord, Registry
+from meshrun.submit.core.state import JobState
+from meshrun.submit.core.status import parse_metrics_tail
+from meshrun.submit.errors import HostKeyChanged, InputError, JobNotFound
+from meshrun.submit.schedulers import slurm_cli as slurm
+from meshrun.submit.schedulers.slurm import query_argvs, states_from
+from meshrun.submit.transport.base import LocalTransport, Result, Upload, batch, tar_bytes
+from meshrun.submit.views.logs import Printer, Source, parse_ranks, print_once
 
 
 def hostile(canary: Path) -> str:
@@ -60,7 +60,7 @@ def test_put_writes_modes_folders_and_runs_then(tmp_path: Path) -> None:
 
 
 def test_the_ssh_put_script_unpacks_the_same_tar(tmp_path: Path) -> None:
-    from submit.transport.base import PUT_SCRIPT
+    from meshrun.submit.transport.base import PUT_SCRIPT
 
     HOSTILE = hostile(tmp_path / "pwned")
     files = {"a/b.txt": Upload(b"hi"), "x/": Upload(b"", 0o700), HOSTILE: Upload(b"odd", 0o600)}
@@ -90,8 +90,8 @@ def test_one_round_trip_queries_squeue_sacct_and_every_metrics_tail() -> None:
 
 
 def test_a_failed_slurm_job_says_why_in_the_ranks_words() -> None:
-    from submit.schedulers.slurm import _status
-    from submit.schedulers.slurm_cli import SlurmJob
+    from meshrun.submit.schedulers.slurm import _status
+    from meshrun.submit.schedulers.slurm_cli import SlurmJob
 
     failed, ok = SlurmJob("1", JobState.FAILED, exit_code="2:0"), Result((), 0, "", "")
     error = Result((), 0, "rank 0: data.path: '/x': no token file there\n", "")
@@ -119,7 +119,7 @@ class _Clusters:
     def transport_for(self, record: JobRecord) -> Any:
         if record.cluster == "bad":
             raise self.changed
-        from submit.transport.base import LocalTransport
+        from meshrun.submit.transport.base import LocalTransport
 
         return LocalTransport()
 
@@ -138,8 +138,8 @@ def test_a_changed_host_key_reaches_the_person_not_only_json(tmp_path: Path) -> 
 
 def test_watch_returns_when_only_unreachable_jobs_are_left(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     """Issue 15, item 30: --watch never returned while a cluster was unreachable."""
-    from submit.cli import jobs as cli_jobs
-    from submit.core.status import Status
+    from meshrun.submit.cli import jobs as cli_jobs
+    from meshrun.submit.core.status import Status
 
     lost = Status("7", "bad", "n", JobState.UNREACHABLE, "/r", 0.0, done=False, succeeded=False, reason="no route")
     done = Status("8", "ok", "n", JobState.COMPLETED, "/r", 0.0, done=True, succeeded=True)
@@ -208,8 +208,8 @@ def test_registry_remembers_profiles_finds_arrays_and_migrates(tmp_path: Path) -
 
 
 def test_both_transports_implement_the_whole_interface() -> None:
-    from submit.transport.base import Transport
-    from submit.transport.ssh import SshTransport
+    from meshrun.submit.transport.base import Transport
+    from meshrun.submit.transport.ssh import SshTransport
 
     wanted = {name for name in vars(Transport) if not name.startswith("_")}
     assert {"run", "put", "stream", "forward", "home"} <= wanted
@@ -223,8 +223,8 @@ def test_new_caller_side_modules_stay_light() -> None:
     import sys
 
     code = (
-        "import sys; import submit.cli.main, submit.cli.jobs, submit.transport.snapshot, submit.planning.sweep, submit.core.status, "
-        "submit.views.logs, submit.views.tensorboard, submit.transport.sshconfig, submit.views.progress, submit.transport.portforward; "
+        "import sys; import meshrun.submit.cli.main, meshrun.submit.cli.jobs, meshrun.submit.transport.snapshot, meshrun.submit.planning.sweep, meshrun.submit.core.status, "
+        "meshrun.submit.views.logs, meshrun.submit.views.tensorboard, meshrun.submit.transport.sshconfig, meshrun.submit.views.progress, meshrun.submit.transport.portforward; "
         "bad = [m for m in ('torch', 'numpy', 'paramiko', 'tensorboard') if m in sys.modules]; "
         "assert not bad, bad"
     )
@@ -232,7 +232,7 @@ def test_new_caller_side_modules_stay_light() -> None:
 
 
 def test_metrics_tail_takes_the_step_line_and_the_newest_checkpoint() -> None:
-    from submit.core.status import parse_metrics_tail
+    from meshrun.submit.core.status import parse_metrics_tail
 
     tail = (
         '{"step": 9, "loss": 2.5, "checkpoint_step": 5}\n'
@@ -248,7 +248,7 @@ def test_metrics_tail_takes_the_step_line_and_the_newest_checkpoint() -> None:
 def test_a_finished_jobs_tail_keeps_its_last_step_behind_the_sidecars_copy_events() -> None:
     """After the last step the sidecars append checkpoint events (staged, then copied, per save): the tail
     status reads (METRICS_TAIL_BYTES, as `tail -c` cuts it) still holds the step line and its restart."""
-    from submit.core.status import METRICS_TAIL_BYTES, parse_metrics_tail
+    from meshrun.submit.core.status import METRICS_TAIL_BYTES, parse_metrics_tail
 
     steps = [json.dumps({"step": s, "loss": 1.0, "restart_count": 1}) for s in range(1, 31)]
     events = [
@@ -264,7 +264,7 @@ def test_a_finished_jobs_tail_keeps_its_last_step_behind_the_sidecars_copy_event
 
 def test_status_asks_the_scheduler_it_is_handed(tmp_path: Path) -> None:
     """core/status looks no backend up: each record's scheduler is asked through the lookup its caller gives."""
-    from submit.core.status import Status, statuses
+    from meshrun.submit.core.status import Status, statuses
 
     asked: list[tuple[str, list[str]]] = []
 
@@ -315,7 +315,7 @@ def test_the_only_cluster_asked_unreachable_shows_the_ends_it_saw_and_says_why(t
 def test_an_unreachable_cluster_among_several_is_said_once_its_rows_being_what_status_saw_last(tmp_path: Path) -> None:
     """A new user's trial: with one cluster's Slurm not answering, the list showed its jobs' last RESTARTS as if
     read today, and said nothing (only a security problem or the one cluster asked was said)."""
-    from submit.errors import ClusterError
+    from meshrun.submit.errors import ClusterError
 
     class Down(_Clusters):
         def transport_for(self, record: JobRecord) -> Any:

@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
-from launcher.contract import energy
-from launcher.sidecar.energy import EnergyMeter, nvml_gpus, rapl_packages
-from submit.core.findings import ENERGY_DIR, SPEC, findings_from
-from submit.core.usage import usage, usage_line
-from submit.schedulers.slurm_cli import allocated_gpus, parse_sacct
-from submit.views.top import used_cell
+from meshrun.launcher.contract import energy
+from meshrun.launcher.sidecar.energy import EnergyMeter, nvml_gpus, rapl_packages
+from meshrun.submit.core.findings import ENERGY_DIR, SPEC, findings_from
+from meshrun.submit.core.usage import usage, usage_line
+from meshrun.submit.schedulers.slurm_cli import allocated_gpus, parse_sacct
+from meshrun.submit.views.top import used_cell
 
 
 def test_the_gpus_of_an_allocation_come_from_sacct_alloctres() -> None:
@@ -121,7 +121,7 @@ def test_status_reads_the_usage_from_the_run_dirs_records() -> None:
 def test_the_sidecar_plots_gpu_hours_and_their_cost() -> None:
     from types import SimpleNamespace
 
-    from launcher.sidecar.loop import Settings, Sidecar
+    from meshrun.launcher.sidecar.loop import Settings, Sidecar
 
     priced = SimpleNamespace(settings=Settings(gpus=8, gpu_hour_price=2.0))
     assert Sidecar.used(priced, {"allocated_s": 1800.0}) == {"usage/gpu_hours": 4.0, "usage/cost": 8.0}  # type: ignore[arg-type]

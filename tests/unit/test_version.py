@@ -12,14 +12,14 @@ from pathlib import Path
 
 import tomllib
 
-import launcher
-import submit
-from launcher.contract.spec import loads_run_spec, write_run_spec
-from launcher.entry import version_mismatch
-from submit.config.cluster import load_profile
-from submit.planning.plan import plan_file
-from submit.schedulers.render import render
-from submit.schedulers.slurm import BACKEND as SLURM
+import meshrun.launcher as launcher
+import meshrun.submit as submit
+from meshrun.launcher.contract.spec import loads_run_spec, write_run_spec
+from meshrun.launcher.entry import version_mismatch
+from meshrun.submit.config.cluster import load_profile
+from meshrun.submit.planning.plan import plan_file
+from meshrun.submit.schedulers.render import render
+from meshrun.submit.schedulers.slurm import BACKEND as SLURM
 
 REPO = Path(__file__).resolve().parents[2]
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
@@ -65,7 +65,7 @@ def _rank_log(tmp_path: Path, rendered_by: str) -> str:
         if not k.startswith(("SLURM_", "SUBMITIT_"))
         and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
     }
-    code = f"from launcher.entry import run_rank; raise SystemExit(run_rank({str(run_dir)!r}, replace_process=False))"
+    code = f"from meshrun.launcher.entry import run_rank; raise SystemExit(run_rank({str(run_dir)!r}, replace_process=False))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
@@ -85,9 +85,9 @@ def test_the_version_is_read_without_importlib_metadata_and_agrees_with_it(tmp_p
     ~10 ms): the same answer, and importlib.metadata is left unimported; a tree without one still answers."""
     from importlib import metadata
 
-    from launcher.contract import version
+    from meshrun.launcher.contract import version
 
     assert version._dist_info_version() == metadata.version("meshrun") == VERSION
-    code = "import sys; from launcher.contract import version; print(version.installed_version(), 'importlib.metadata' in sys.modules)"
+    code = "import sys; from meshrun.launcher.contract import version; print(version.installed_version(), 'importlib.metadata' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
     assert out.stdout.split() == [VERSION, "False"]

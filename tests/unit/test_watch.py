@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from submit.core.state import JobState
-from submit.core.status import Status
-from submit.errors import InputError
-from submit.views import watch
+from meshrun.submit.core.state import JobState
+from meshrun.submit.core.status import Status
+from meshrun.submit.errors import InputError
+from meshrun.submit.views import watch
 
 
 def _status(**kw: Any) -> Status:

@@ -19,11 +19,11 @@ from typing import Any, Callable, Optional
 
 import pytest
 
-from launcher.contract.rundir import NodeDir, RunDir
-from launcher.contract.spec import Watchdog as Settings
-from launcher.sidecar import watchdog as wd
-from launcher.sidecar.beats import phase_timeout, step_timeout
-from launcher.sidecar.stragglers import RankTime, StragglerTracker
+from meshrun.launcher.contract.rundir import NodeDir, RunDir
+from meshrun.launcher.contract.spec import Watchdog as Settings
+from meshrun.launcher.sidecar import watchdog as wd
+from meshrun.launcher.sidecar.beats import phase_timeout, step_timeout
+from meshrun.launcher.sidecar.stragglers import RankTime, StragglerTracker
 
 REPO = Path(__file__).resolve().parents[2]
 USR2 = int(signal.SIGUSR2)
@@ -53,7 +53,7 @@ class Clock:
 
 
 def beat(node_dir: NodeDir, rank: int, step: int, t: float, phase: str = "step", **extra: Any) -> None:
-    """A heartbeat as launcher.report.Heartbeat writes it (replaced atomically)."""
+    """A heartbeat as meshrun.launcher.report.Heartbeat writes it (replaced atomically)."""
     path = node_dir.progress(rank)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     data = {"rank": rank, "step": step, "phase": phase, "time": t, "pid": 10_000 + rank, **extra}
@@ -207,7 +207,7 @@ def test_nothing_is_declared_before_the_first_heartbeat_and_that_is_said_once(tm
         tick_at(dog, clock, t)
     assert claim(run) is None and not dog.ended
     said = [line for line in log if "no heartbeat" in line]
-    assert len(said) == 1 and "launcher.report.report()" in said[0]
+    assert len(said) == 1 and "meshrun.launcher.report.report()" in said[0]
 
 
 def test_a_previous_attempts_beats_are_ignored(tmp_path: Path) -> None:
@@ -411,7 +411,7 @@ def test_node_rank_0_compares_every_nodes_busy_times(tmp_path: Path) -> None:
 FAST = Settings(step_factor=1, step_floor_s=1, setup_timeout_s=1, diagnosis_wait_s=5)
 RANK_SCRIPT = """\
 import sys, time
-from launcher.report import Heartbeat
+from meshrun.launcher.report import Heartbeat
 
 rank = int(sys.argv[1])
 heartbeat = Heartbeat(sys.argv[2], rank)
@@ -468,7 +468,7 @@ def start_ranks(
 
 
 def test_real_ranks_are_dumped_diagnosed_and_killed(tmp_path: Path) -> None:
-    """Two real processes stamp heartbeats through launcher.report.Heartbeat and hang (one in `stuck_here`,
+    """Two real processes stamp heartbeats through meshrun.launcher.report.Heartbeat and hang (one in `stuck_here`,
     one in a function named all_reduce); a third pid has a heartbeat without stack_signal. The watchdog with
     the real os.kill gets their faulthandler stacks, names the stalled rank, and kills all three."""
     run = RunDir(str(tmp_path / "run"))
@@ -508,7 +508,7 @@ GLOO_SCRIPT = """\
 import sys, time
 import torch
 import torch.distributed as dist
-from launcher.report import Heartbeat
+from meshrun.launcher.report import Heartbeat
 
 rank = int(sys.argv[1])
 dist.init_process_group("gloo", rank=rank, world_size=2)

@@ -6,22 +6,22 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from launcher.contract.parallel_dims import ParallelDims
-    from launcher.contract.spec import JobSpec
-    from launcher.data.dataset import Layout
-    from launcher.env import RankEnv
-    from launcher.train.engines.base import Engine
-    from launcher.train.runtime import Runtime
+    from meshrun.launcher.contract.parallel_dims import ParallelDims
+    from meshrun.launcher.contract.spec import JobSpec
+    from meshrun.launcher.data.dataset import Layout
+    from meshrun.launcher.env import RankEnv
+    from meshrun.launcher.train.engines.base import Engine
+    from meshrun.launcher.train.runtime import Runtime
 
 
 def build_engine(job: JobSpec, env: RankEnv, runtime: Runtime, dims: ParallelDims, layout: Layout) -> Engine:
     """The engine the spec asks for (needs the process group)."""
     if job.trainer.engine == "deepspeed":
-        from launcher.train.engines.deepspeed import (
+        from meshrun.launcher.train.engines.deepspeed import (
             DeepSpeedEngine,  # deepspeed is an optional extra: imported only here
         )
 
         return DeepSpeedEngine.build(job, env, runtime, dims, layout)
-    from launcher.train.engines.native import NativeEngine
+    from meshrun.launcher.train.engines.native import NativeEngine
 
     return NativeEngine.build(job, env, runtime, dims, layout)

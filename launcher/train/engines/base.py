@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 
-from launcher.checkpoint.commit import Writer
-from launcher.data.dataset import MicroBatches
-from launcher.train.model import GPT
-from launcher.train.pipeline import StepLoss
+from meshrun.launcher.checkpoint.commit import Writer
+from meshrun.launcher.data.dataset import MicroBatches
+from meshrun.launcher.train.model import GPT
+from meshrun.launcher.train.pipeline import StepLoss
 
 if TYPE_CHECKING:
-    from launcher.checkpoint.commit import Checkpointer
+    from meshrun.launcher.checkpoint.commit import Checkpointer
 
 
 @dataclass(frozen=True)

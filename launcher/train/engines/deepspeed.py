@@ -5,7 +5,7 @@ hostfile); its config is generated from the spec (launcher/contract/dsconfig.py)
 batch, micro batch, accumulation, precision and clipping. meshrun builds the model (the same
 seeded GPT as the native engine: both start from the same weights) and AdamW with the same
 groups (weight decay on matrices only; DeepSpeed's CPU Adam when the optimizer is offloaded),
-and sets the learning rate of every step itself (launcher.train.optim.lr_at).
+and sets the learning rate of every step itself (meshrun.launcher.train.optim.lr_at).
 
 A checkpoint holds DeepSpeed's own save in `step-N/deepspeed/` (made inside `step-N.tmp/`, so
 the marker-last commit, retention, staging on scratch and the crash-loop guard are the same as
@@ -27,17 +27,17 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from launcher.checkpoint.commit import Checkpointer, Writer
-from launcher.contract import ckptdir, dsconfig
-from launcher.contract.parallel_dims import ParallelDims
-from launcher.contract.spec import JobSpec, Train
-from launcher.data.dataset import Layout, MicroBatches
-from launcher.env import RankEnv
-from launcher.train import initweights
-from launcher.train.engines.base import StepResult
-from launcher.train.model import GPT, loss_fn
-from launcher.train.pipeline import StepLoss
-from launcher.train.runtime import Runtime
+from meshrun.launcher.checkpoint.commit import Checkpointer, Writer
+from meshrun.launcher.contract import ckptdir, dsconfig
+from meshrun.launcher.contract.parallel_dims import ParallelDims
+from meshrun.launcher.contract.spec import JobSpec, Train
+from meshrun.launcher.data.dataset import Layout, MicroBatches
+from meshrun.launcher.env import RankEnv
+from meshrun.launcher.train import initweights
+from meshrun.launcher.train.engines.base import StepResult
+from meshrun.launcher.train.model import GPT, loss_fn
+from meshrun.launcher.train.pipeline import StepLoss
+from meshrun.launcher.train.runtime import Runtime
 
 TAG = "deepspeed"
 """DeepSpeed's folder inside a meshrun checkpoint: `step-N/deepspeed/`."""
@@ -64,7 +64,7 @@ def import_deepspeed(runtime: Runtime) -> Any:
 
 
 def param_groups(model: nn.Module, cfg: Train) -> list[dict[str, Any]]:
-    """AdamW's groups, as the native engine's (launcher.train.optim.build_optimizer): decay on matrices only."""
+    """AdamW's groups, as the native engine's (meshrun.launcher.train.optim.build_optimizer): decay on matrices only."""
     params = [p for p in model.parameters() if p.requires_grad]
     return [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},

@@ -24,19 +24,19 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from launcher.checkpoint import commit as ckpt
-from launcher.checkpoint.commit import Checkpointer, Writer, dcp_writer
-from launcher.contract import ckptdir
-from launcher.contract.parallel_dims import ParallelDims
-from launcher.contract.spec import JobSpec
-from launcher.data.dataset import Layout, MicroBatches
-from launcher.env import RankEnv
-from launcher.train.engines.base import StepResult
-from launcher.train.model import GPT, ModelPart
-from launcher.train.optim import LossScaler, build_optimizer, clip_factor, global_grad_norm, scale_grads_
-from launcher.train.parallel import apply_data_parallel, apply_tensor_parallel, build_mesh
-from launcher.train.pipeline import Executor, PipelineExecutor, PlainExecutor, StepLoss
-from launcher.train.runtime import Runtime
+from meshrun.launcher.checkpoint import commit as ckpt
+from meshrun.launcher.checkpoint.commit import Checkpointer, Writer, dcp_writer
+from meshrun.launcher.contract import ckptdir
+from meshrun.launcher.contract.parallel_dims import ParallelDims
+from meshrun.launcher.contract.spec import JobSpec
+from meshrun.launcher.data.dataset import Layout, MicroBatches
+from meshrun.launcher.env import RankEnv
+from meshrun.launcher.train.engines.base import StepResult
+from meshrun.launcher.train.model import GPT, ModelPart
+from meshrun.launcher.train.optim import LossScaler, build_optimizer, clip_factor, global_grad_norm, scale_grads_
+from meshrun.launcher.train.parallel import apply_data_parallel, apply_tensor_parallel, build_mesh
+from meshrun.launcher.train.pipeline import Executor, PipelineExecutor, PlainExecutor, StepLoss
+from meshrun.launcher.train.runtime import Runtime
 
 
 @dataclass
