@@ -158,7 +158,7 @@ def rank_main(run_dir: Path, steps: int, rounds: int) -> None:
     from meshrun.launcher.contract.modelshape import param_count
     from meshrun.launcher.contract.spec import read_run_spec
     from meshrun.launcher.data.dataset import TokenDataset
-    from meshrun.launcher.env import rank_env
+    from meshrun.launcher.rank.env import rank_env
     from meshrun.launcher.train.loop import run_loop
     from meshrun.launcher.train.metrics import MetricsLog
     from meshrun.launcher.train.runtime import init_distributed, pick_runtime

@@ -32,7 +32,7 @@ from meshrun.launcher.checkpoint.manager import CheckpointManager  # noqa: E402
 from meshrun.launcher.contract.gpus import peak_tflops  # noqa: E402
 from meshrun.launcher.contract.modelshape import flops_per_token, param_count  # noqa: E402
 from meshrun.launcher.contract.spec import Data, JobSpec, Model, Parallel, Resources, Train  # noqa: E402
-from meshrun.launcher.env import rank_env  # noqa: E402
+from meshrun.launcher.rank.env import rank_env  # noqa: E402
 from meshrun.launcher.sidecar.energy import EnergyMeter, nvml_gpus, rapl_packages  # noqa: E402
 from meshrun.launcher.sidecar.nvml import NvmlUnavailable, discover, load_nvml, resolve  # noqa: E402
 from meshrun.launcher.train.loop import run_loop  # noqa: E402

@@ -4,7 +4,7 @@
 
 Per run, on both testbed nodes: `srun -N2 true` (the baseline: what any step costs), then the health check as
 the batch script runs it (`srun -N2 python -m meshrun.launcher.probes.health RUN_DIR NOW`) and the verdict
-(`python -m meshrun.launcher.gate RUN_DIR`), for a `command:` job and a trainer job (the testbed's nodes have no
+(`python -m meshrun.launcher.batch.gate RUN_DIR`), for a `command:` job and a trainer job (the testbed's nodes have no
 usable GPUs: a GPU job's check also asks NVML and imports torch, a few seconds more). Prints the medians, the
 ratio to the bare step, and the slowest node's own time for its checks (from its answer). Goal (issue 24): under 10 s per node. Starts the testbed when it is not
 running and stops it again unless --keep. --quick: 1 run (CI's check that the bench runs).
@@ -76,7 +76,8 @@ def main() -> None:
                 check = srun(sys.executable, "-m", "meshrun.launcher.probes.health", folder)
                 times = [seconds([*check, f"{time.time():.3f}"], env) for _ in range(args.runs)]
                 gate = statistics.median(
-                    seconds([sys.executable, "-m", "meshrun.launcher.gate", folder], env) for _ in range(args.runs)
+                    seconds([sys.executable, "-m", "meshrun.launcher.batch.gate", folder], env)
+                    for _ in range(args.runs)
                 )
                 own = [json.loads(Path(RunDir(folder).health_result(n)).read_text())["seconds"] for n in NODES]
                 verdict = json.loads(Path(RunDir(folder).health_verdict).read_text())

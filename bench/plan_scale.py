@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from meshrun.launcher.env import expand_hostlist
+from meshrun.launcher.rank.env import expand_hostlist
 from meshrun.submit.config.cluster import load_profile
 from meshrun.submit.planning.plan import plan_file
 from meshrun.submit.schedulers import backend

@@ -19,7 +19,7 @@ from meshrun.launcher.checkpoint.manager import CheckpointManager  # noqa: E402
 from meshrun.launcher.contract.spec import JobSpec  # noqa: E402
 from meshrun.launcher.data.corpus import build_corpus  # noqa: E402
 from meshrun.launcher.data.dataset import TokenDataset  # noqa: E402
-from meshrun.launcher.env import rank_env  # noqa: E402
+from meshrun.launcher.rank.env import rank_env  # noqa: E402
 from meshrun.launcher.train.loop import check_layout, run_loop  # noqa: E402
 from meshrun.launcher.train.metrics import MetricsLog  # noqa: E402
 from meshrun.launcher.train.runtime import check_tasks, init_distributed, pick_runtime  # noqa: E402

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from meshrun.launcher.contract.schema import SchemaError
-from meshrun.launcher.preempt import EXIT_INPUT
+from meshrun.launcher.rank.preempt import EXIT_INPUT
 
 USAGE = "usage: python -m meshrun.launcher RUN_DIR"
 
@@ -16,14 +16,14 @@ def main(argv: list[str]) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     from meshrun.launcher.contract.rundir import record_exit
-    from meshrun.launcher.entry import run_rank
+    from meshrun.launcher.rank.entry import run_rank
 
     try:
         return run_rank(argv[1])
     except SchemaError as exc:
         # User errors (a bad spec, a missing data file: each named where it is read): one line that says the
         # fix, no traceback. A file that vanishes while the job runs is not one: it fails (exit 1) with its
-        # traceback, and rank-error.txt says what vanished (meshrun.launcher.rankfail).
+        # traceback, and rank-error.txt says what vanished (meshrun.launcher.rank.failure).
         print(f"meshrun launcher: error: {exc}", file=sys.stderr, flush=True)
         try:  # any rank: the others may be killed (kill-on-bad-exit) before rank 0 could say it
             record_exit(Path(argv[1]), EXIT_INPUT)

@@ -9,7 +9,7 @@ same scalars to RUN_DIR/tensorboard/; every rank stamps its heartbeat in its nod
 NodeDir (progress/rank-N.json = {"rank", "step", "phase", "time", "pid", ...}: what hang detection
 reads) and arms a stack dump on SIGUSR2 for the sidecar's diagnosis. The built-in trainer stamps the same heartbeat through `Heartbeat`. Outside meshrun
 report() does nothing and says so once. Rank 0 also keeps the highest step reported so far in
-RUN_DIR/.meshrun/reported-step.json (`ProgressMark`): what the requeue policy (meshrun.launcher.requeue) calls progress.
+RUN_DIR/.meshrun/reported-step.json (`ProgressMark`): what the requeue policy (meshrun.launcher.batch.requeue) calls progress.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from meshrun.launcher.train.tbwriter import ScalarWriter, scalars_of
 
 RUN_DIR_ENV = "MESHRUN_RUN_DIR"
 RESTART_COUNT_ENV = "MESHRUN_RESTART_COUNT"
-"""A command job's run number (meshrun.launcher.entry sets it); a requeued run's metrics lines carry it, so status counts it."""
+"""A command job's run number (meshrun.launcher.rank.entry sets it); a requeued run's metrics lines carry it, so status counts it."""
 PHASES = ("rendezvous", "setup", "step", "eval", "checkpoint")
 """What a rank is doing; each may get its own hang timeout ("rendezvous": waiting for the other ranks to join,
 judged across nodes by launcher/sidecar/rendezvous.py; its own timeout is setup's)."""

@@ -78,7 +78,7 @@ def pytest_runtest_protocol(item, nextitem):
     os.close(fd)
 '''
 
-FORKS_RANKS = ("launcher/controller.py", "tests/helpers/zygote.py")
+FORKS_RANKS = ("launcher/local/controller.py", "tests/helpers/zygote.py")
 """Processes whose ranks are forks that end without running atexit hooks in their own name."""
 
 

@@ -46,7 +46,7 @@ from meshrun.submit.errors import InputError
 from meshrun.submit.planning.plan import fit_partition
 from meshrun.submit.schedulers import backend, check_profile
 
-WORKER_MODULE = "meshrun.launcher.submitit_worker"
+WORKER_MODULE = "meshrun.launcher.rank.submitit_worker"
 """What each task of a Slurm job runs (`python -u -m WORKER_MODULE FOLDER`): submitit's worker, one fix added."""
 
 __all__ = ["MeshrunLocalExecutor", "MeshrunSlurmExecutor", "Resources", "executor", "setup_lines"]
@@ -307,7 +307,7 @@ class MeshrunSlurmExecutor(_Registering, SlurmExecutor):
 
     @property
     def _submitit_command_str(self) -> str:
-        # submitit's worker with a requeue that survives its own SIGTERM (launcher/submitit_worker.py).
+        # submitit's worker with a requeue that survives its own SIGTERM (launcher/rank/submitit_worker.py).
         return " ".join([self.python, "-u -m", WORKER_MODULE, shlex.quote(str(self.folder))])
 
 

@@ -26,7 +26,7 @@ from meshrun.launcher.contract import ckptdir
 from meshrun.launcher.contract.rundir import RunDir, attempt_id, note_checkpoint
 from meshrun.launcher.contract.schema import to_plain
 from meshrun.launcher.contract.spec import RunSpec
-from meshrun.launcher.env import RankEnv
+from meshrun.launcher.rank.env import RankEnv
 from meshrun.launcher.train import initweights
 from meshrun.launcher.train.metrics import MetricsLog
 from meshrun.launcher.train.trainer import Trainer

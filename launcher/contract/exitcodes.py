@@ -25,7 +25,7 @@ EXIT_DIVERGED = 78
 """The loss went NaN or inf: stopped at once, nothing non-finite saved. Never requeued (it would diverge
 again): lower the learning rate or look at the data, then `meshrun resume` from the last finite checkpoint."""
 EXIT_UNHEALTHY = 79
-"""A node failed its health check before the ranks started (launcher/gate.py): the job is requeued with the
+"""A node failed its health check before the ranks started (launcher/batch/gate.py): the job is requeued with the
 node excluded (it counts as a restart), or ends when excluding it would leave too few nodes."""
 
 EXIT_NAMES = {

@@ -11,7 +11,7 @@ lost. So once meshrun has passed on a stop, an exit 0 counts as a finish only wh
   (`command_steps`).
 
 Anything else is a stop: requeued as a saved stop (exit 75) under the usual policy, and said as "stopped by
-preemption at step N". The batch script (meshrun.launcher.requeue) and the local supervisor both ask here.
+preemption at step N". The batch script (meshrun.launcher.batch.requeue) and the local supervisor both ask here.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ PREEMPTION = "preemption"
 TIME_LIMIT = "time-limit"
 CANCEL = "cancel"
 STOP_KINDS = (PREEMPTION, TIME_LIMIT, CANCEL)
-"""What the stop meshrun passed on was: the words the batch script hands meshrun.launcher.requeue (--stop-requested=KIND)."""
+"""What the stop meshrun passed on was: the words the batch script hands meshrun.launcher.batch.requeue (--stop-requested=KIND)."""
 
 _SAID = {PREEMPTION: "by preemption", TIME_LIMIT: "at the time limit", CANCEL: "by a cancel"}
 

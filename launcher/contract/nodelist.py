@@ -3,7 +3,7 @@
 Slurm prints its node lists so (SLURM_JOB_NODELIST, squeue, sacct); meshrun's own lists (the nodes a start ran
 on, the suspects left out, the nodes a check failed on) are written the same way, so the batch log, `status`
 and `meshrun nodes` never show one list as `n[1-2]` and another as `n1,n2`. Stdlib-only, for both sides
-(meshrun.launcher.hostlist expands; submit may not import it).
+(meshrun.launcher.rank.hostlist expands; submit may not import it).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ usually lives on a cluster, not on the machine that names it.
       alerts.jsonl           rank 0 and node 0's sidecar: one JSON line per alert (see launcher/contract/alerts.py)
       doctor/rank-N.json     `meshrun doctor`: each rank's preflight results (launcher/probes/doctor.py)
       health/NODE.json       each node's health check before this start (launcher/probes/health.py)
-      health.json            the health gate's verdict on this start: failing nodes, what was done (launcher/gate.py)
+      health.json            the health gate's verdict on this start: failing nodes, what was done (launcher/batch/gate.py)
       tasks/N/               a sweep task's own run dir (same layout)
       .meshrun/              scheduler internals: local state, submitit's files, the lock
         pylib/meshrun/launcher  a link to meshrun's launcher package, on a command job's PYTHONPATH
@@ -31,7 +31,7 @@ usually lives on a cluster, not on the machine that names it.
         steptimes/NODE.json  each node's sidecar: its ranks' recent step and busy times (straggler input)
         last-beats/NODE.json each node's ranks' last heartbeats when its sidecar stopped
         reported-step.json   rank 0's highest step given to report(): a command job's progress
-        requeue.json         the requeue policy's count of failed runs without progress (meshrun.launcher.requeue)
+        requeue.json         the requeue policy's count of failed runs without progress (meshrun.launcher.batch.requeue)
         attempts.jsonl       each start and end of the job's allocation (the batch shell, the local supervisor)
         goodput/JOB.json     where the job's allocated time went (launcher/contract/goodput.py)
         energy/JOB.NODE.json what NODE's sidecar measured of the job's energy (launcher/contract/energy.py)
@@ -56,7 +56,7 @@ from meshrun.launcher.contract.private import make_private_dir
 JOB_ID_ENV = "MESHRUN_JOB_ID"
 """Set by the local backend for its supervisor: which job id's state file it writes."""
 NODE_DIR_ENV = "MESHRUN_NODE_DIR"
-"""Set for every rank (meshrun.launcher.entry): this node's NodeDir, where its heartbeat and stack dump go."""
+"""Set for every rank (meshrun.launcher.rank.entry): this node's NodeDir, where its heartbeat and stack dump go."""
 ATTEMPTS_FILE = "resume-attempts.json"
 """The crash-loop guard's counts, beside the checkpoints (in the checkpoint dir, not the run dir)."""
 
@@ -179,7 +179,7 @@ class RunDir:
 
     @property
     def health_verdict(self) -> str:
-        """The health gate's verdict on the latest start (launcher/gate.py): the failing nodes and the action."""
+        """The health gate's verdict on the latest start (launcher/batch/gate.py): the failing nodes and the action."""
         return self.path(f"{self.HEALTH}.json")
 
     def env_record(self, node: str) -> str:
@@ -267,7 +267,7 @@ class RunDir:
 
     @property
     def requeue_state(self) -> str:
-        """{"failures", "step"}: the requeue policy's memory across a command job's runs (meshrun.launcher.requeue)."""
+        """{"failures", "step"}: the requeue policy's memory across a command job's runs (meshrun.launcher.batch.requeue)."""
         return self.path(self.INTERNAL, "requeue.json")
 
     @property

@@ -7,11 +7,11 @@ A job spec maps each variable NAME to a source, never to a value:
       WANDB_API_KEY: {env: WANDB_API_KEY}     # the environment `meshrun submit` runs in, read at submit time
       HF_TOKEN: {file: ~/.config/hf/token}    # a file the ranks read, private to its owner (0600 or 0400)
 
-The values reach the ranks' environment at rank start (meshrun.launcher.entry) and nowhere else: not the script,
+The values reach the ranks' environment at rank start (meshrun.launcher.rank.entry) and nowhere else: not the script,
 the run dir, spec.json (names and sources only), the logs, sbatch's argv or environment, nor Slurm's job
 record. An `env:` value travels over the transport's input channel into a private folder beside the run
 dir (`secrets_dir_for`, a function of the run dir alone: 0700, one 0600 file per name), which the batch script's final requeue decision
-(meshrun.launcher.requeue), the local supervisor and `meshrun cancel` remove.
+(meshrun.launcher.batch.requeue), the local supervisor and `meshrun cancel` remove.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ RESERVED_PREFIXES = ("MESHRUN_", "SLURM_", "SUBMITIT_", "TORCHELASTIC_", "TORCH_
 
 RESERVED_NAMES = frozenset(
     {
-        # meshrun.launcher.env.torchrun_vars
+        # meshrun.launcher.rank.env.torchrun_vars
         "RANK",
         "WORLD_SIZE",
         "LOCAL_RANK",
@@ -48,7 +48,7 @@ RESERVED_NAMES = frozenset(
         "NODE_RANK",
         "MASTER_ADDR",
         "MASTER_PORT",
-        # meshrun.launcher.entry and meshrun.launcher.report
+        # meshrun.launcher.rank.entry and meshrun.launcher.report
         "OMP_NUM_THREADS",
         "DS_ACCELERATOR",
         "PYTHONPATH",

@@ -33,8 +33,8 @@ from meshrun.launcher import installed_version
 from meshrun.launcher.contract.private import make_private_dir
 from meshrun.launcher.contract.rundir import RunDir, expand_node_path, node_name, write_json
 from meshrun.launcher.contract.spec import RunSpec, read_run_spec
-from meshrun.launcher.env import RankEnv, rank_env
 from meshrun.launcher.probes.health import node_checks
+from meshrun.launcher.rank.env import RankEnv, rank_env
 
 FAIL_ENV = "MESHRUN_TEST_DOCTOR_FAIL"
 SLOW_ENV = "MESHRUN_TEST_DOCTOR_SLOW"

@@ -14,7 +14,7 @@ Each node answers in RUN_DIR/health/NODE.json ({"node", "time", "seconds", "chec
   job; a `command:` job brings its own imports);
 - clock: this node's time within CLOCK_SKEW_S of the batch host's (REFERENCE_TIME, its epoch seconds as the
   check started): checkpoints, heartbeats and the hang watchdog compare times across nodes.
-A check that cannot run is the node's finding, not a crash: the program always exits 0 and launcher/gate.py
+A check that cannot run is the node's finding, not a crash: the program always exits 0 and launcher/batch/gate.py
 judges the answers (a node with no answer fails). `meshrun doctor` runs the same checks on each node
 (launcher/probes/doctor.py), so a preflight and the gate cannot disagree.
 

@@ -167,7 +167,7 @@ class Settings:
 
     @property
     def ranks(self) -> range:
-        """The global ranks on this node (Slurm's block distribution, as meshrun.launcher.env assumes)."""
+        """The global ranks on this node (Slurm's block distribution, as meshrun.launcher.rank.env assumes)."""
         return range(self.node_rank * self.tasks_per_node, (self.node_rank + 1) * self.tasks_per_node)
 
 

@@ -27,8 +27,8 @@ from meshrun.launcher.contract.parallel_dims import ParallelDims
 from meshrun.launcher.contract.schema import SchemaError
 from meshrun.launcher.contract.spec import JobSpec, RunSpec, Train
 from meshrun.launcher.data.dataset import Prefetcher, TokenDataset, check_token_ids, check_train_data, open_dataset
-from meshrun.launcher.env import RankEnv, setdefault_env
-from meshrun.launcher.preempt import EXIT_FINISHED, EXIT_GAVE_UP, EXIT_REQUEUE, StopFlag
+from meshrun.launcher.rank.env import RankEnv, setdefault_env
+from meshrun.launcher.rank.preempt import EXIT_FINISHED, EXIT_GAVE_UP, EXIT_REQUEUE, StopFlag
 from meshrun.launcher.testing.faults import faults_for
 from meshrun.launcher.train import divergence
 from meshrun.launcher.train.engines.base import StepResult
@@ -103,8 +103,8 @@ def announce(t: Trainer, env: RankEnv) -> None:
 
 
 def match_math_threads(environ: Mapping[str, str]) -> None:
-    """torch's math threads = OMP_NUM_THREADS, which meshrun.launcher.entry sets to the job's cpus_per_task. torch reads
-    it when it loads; a rank forked from a process that had loaded it already (launcher/controller.py, a local
+    """torch's math threads = OMP_NUM_THREADS, which meshrun.launcher.rank.entry sets to the job's cpus_per_task. torch reads
+    it when it loads; a rank forked from a process that had loaded it already (launcher/local/controller.py, a local
     job's ranks) would keep one thread per core of the machine in every rank instead, and co-located ranks would
     spin in each other's OpenMP barriers."""
     try:
@@ -118,7 +118,7 @@ def match_math_threads(environ: Mapping[str, str]) -> None:
 def train(run_spec: RunSpec, env: RankEnv, flag: Optional[StopFlag] = None) -> int:
     """Train the reference GPT as the spec says; returns the process exit code (see preempt.py).
 
-    `flag` is the stop flag the caller installed (meshrun.launcher.entry does, before importing torch).
+    `flag` is the stop flag the caller installed (meshrun.launcher.rank.entry does, before importing torch).
     """
     tokens.check_data_files(run_spec.job)
     weights.check_init_from(run_spec.job)

@@ -13,7 +13,7 @@ from meshrun.launcher.checkpoint.commit import Checkpointer
 from meshrun.launcher.contract import alerts, ckptdir
 from meshrun.launcher.contract.rundir import RunDir, node_name
 from meshrun.launcher.contract.spec import JobSpec, RunSpec
-from meshrun.launcher.env import RankEnv
+from meshrun.launcher.rank.env import RankEnv
 from meshrun.launcher.train import divergence
 from meshrun.launcher.train.lossrules import LossRules
 from meshrun.launcher.train.plancheck import PlanCheck, step_message

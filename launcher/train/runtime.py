@@ -21,8 +21,8 @@ from meshrun.launcher.contract.exitcodes import EXIT_NO_PROGRESS
 from meshrun.launcher.contract.rundir import record_exit
 from meshrun.launcher.contract.schema import SchemaError
 from meshrun.launcher.contract.spec import JobSpec
-from meshrun.launcher.env import RankEnv
-from meshrun.launcher.rankfail import record_rank_error
+from meshrun.launcher.rank.env import RankEnv
+from meshrun.launcher.rank.failure import record_rank_error
 from meshrun.launcher.sidecar.rendezvous import rank_span
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -202,7 +202,7 @@ def rendezvous(env: RankEnv, bound_s: float) -> dist.TCPStore:
 
 
 def node_ranks(env: RankEnv, ranks: list[int]) -> str:
-    """'node n3 (ranks 4-5)' for each node of `ranks` (Slurm's block distribution, as meshrun.launcher.env assumes)."""
+    """'node n3 (ranks 4-5)' for each node of `ranks` (Slurm's block distribution, as meshrun.launcher.rank.env assumes)."""
     per_node = max(env.local_world_size, 1)
     by_node: dict[int, list[int]] = {}
     for rank in sorted(ranks):

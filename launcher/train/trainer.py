@@ -17,7 +17,7 @@ import torch.distributed as dist
 from meshrun.launcher.contract.parallel_dims import Coordinates, ParallelDims
 from meshrun.launcher.contract.spec import JobSpec, Train
 from meshrun.launcher.data.dataset import Layout, MicroBatches, TokenDataset, TrainStream, val_steps
-from meshrun.launcher.env import RankEnv
+from meshrun.launcher.rank.env import RankEnv
 from meshrun.launcher.train.engines import build_engine
 from meshrun.launcher.train.engines.base import Engine, StepResult
 from meshrun.launcher.train.optim import lr_at

@@ -130,7 +130,9 @@ def parse_metrics_tail(text: str, job_id: Optional[str] = None) -> dict[str, Any
         if isinstance(step, int) and not isinstance(step, bool) and not row.get("staged"):
             checkpoint = step if checkpoint is None else max(checkpoint, step)
         if not found and stopped is None and row.get("event") == "stopped" and isinstance(row.get("why"), str):
-            stopped = row["why"]  # a stop that was no finish (meshrun.launcher.requeue), with no step line after it
+            stopped = row[
+                "why"
+            ]  # a stop that was no finish (meshrun.launcher.batch.requeue), with no step line after it
         if not found and "event" not in row:
             found = row
         if validated is None and "val_loss" in row and "event" not in row:

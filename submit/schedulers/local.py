@@ -2,7 +2,7 @@
 
 schedule writes the run dir and starts the rendered run.sh detached, in a session of
 its own, with MESHRUN_JOB_ID set; run.sh execs the node side, `python -m
-meshrun.launcher.supervisor` (what sbatch + srun are on Slurm). Each job id has its own state
+meshrun.launcher.local.supervisor` (what sbatch + srun are on Slurm). Each job id has its own state
 file in the run dir's `.meshrun/jobs/`, so a resumed run never rewrites an earlier id's
 outcome. Two writers in one run dir are impossible: a start (or resume) is refused while
 any process of an earlier job of that run dir lives, even when its supervisor was
@@ -52,7 +52,7 @@ STATES: Mapping[str, JobState] = MappingProxyType(
         "PREEMPTED": JobState.PREEMPTED,
     }
 )
-"""Every word a local job's state file holds (written here and by launcher/supervisor.py), as meshrun's state:
+"""Every word a local job's state file holds (written here and by launcher/local/supervisor.py), as meshrun's state:
 the one place that reads them. Anything else (no state file, a word not here) is UNKNOWN."""
 CLOCK_SLACK_S = 30.0
 """A submitit-API job's controller starts just before its registry record is written: at most this before."""

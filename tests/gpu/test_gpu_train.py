@@ -17,7 +17,7 @@ import torch
 from meshrun.launcher.contract import ckptdir
 from meshrun.launcher.contract.spec import Data, JobSpec, Model, Parallel, Resources, RunInfo, RunSpec, write_run_spec
 from meshrun.launcher.data.corpus import build_corpus
-from meshrun.launcher.preempt import EXIT_REQUEUE
+from meshrun.launcher.rank.preempt import EXIT_REQUEUE
 from tests.helpers.cli import wait_for_step
 from tests.helpers.ranks import finish, metrics, start, tiny_train
 

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from meshrun.launcher.controller import TRAINER_PRELOAD as PRELOAD  # what every trainer rank imports first
+from meshrun.launcher.local.controller import TRAINER_PRELOAD as PRELOAD  # what every trainer rank imports first
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from meshrun.launcher.contract.spec import JobSpec, read_run_spec
 from meshrun.launcher.data.dataset import TokenDataset
-from meshrun.launcher.env import rank_env
+from meshrun.launcher.rank.env import rank_env
 from meshrun.launcher.train.runtime import init_distributed, pick_runtime
 from meshrun.launcher.train.trainer import build_trainer, mean_over_ranks
 

@@ -17,7 +17,7 @@ import torch
 from meshrun.launcher.contract import ckptdir
 from meshrun.launcher.contract.spec import Checkpoint, Parallel
 from meshrun.launcher.export.consolidate import consolidated_state
-from meshrun.launcher.preempt import EXIT_REQUEUE
+from meshrun.launcher.rank.preempt import EXIT_REQUEUE
 from tests.helpers.cli import trials
 from tests.helpers.ranks import (
     REPO,

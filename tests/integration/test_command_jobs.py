@@ -1,4 +1,4 @@
-"""`command:` jobs with the safety net (meshrun.launcher.job, meshrun.launcher.requeue), through the real CLI: the DDP example
+"""`command:` jobs with the safety net (meshrun.launcher.job, meshrun.launcher.batch.requeue), through the real CLI: the DDP example
 is preempted on the real Slurm testbed, requeued, and ends where an uninterrupted run does; a program that
 crashes at once ends after 2 attempts with exit 77 (gave up), on Slurm and on `local`."""
 

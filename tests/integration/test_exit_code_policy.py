@@ -3,7 +3,7 @@
 
 Each program exits with its code on its first run only (MESHRUN_RESTART_COUNT 0, Slurm's restart count)
 and 0 after, so a requeued code shows restart 1 and ends COMPLETED; a code that is not requeued ends with
-one accounting record. The policy is launcher/requeue.py's.
+one accounting record. The policy is launcher/batch/requeue.py's.
 """
 
 from __future__ import annotations

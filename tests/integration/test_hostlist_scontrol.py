@@ -36,7 +36,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshrun.launcher.env import expand_hostlist
+from meshrun.launcher.rank.env import expand_hostlist
 from tests.helpers.cli import SOAK, trials
 
 SEED = int(os.environ.get("MESHRUN_HOSTLIST_SEED", "20240611"))

@@ -20,7 +20,7 @@ import psutil
 
 from meshrun.launcher.contract.exitcodes import EXIT_NO_PROGRESS
 from meshrun.launcher.contract.rundir import RunDir, read_state
-from meshrun.launcher.hostlist import expand_hostlist
+from meshrun.launcher.rank.hostlist import expand_hostlist
 from tests.helpers.cli import (
     FAST_WATCH,
     SMALL_MODEL,

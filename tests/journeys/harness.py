@@ -90,8 +90,8 @@ LOCAL = Site(
     "MESHRUN_JOB_ID",
     {
         "sidecar": "meshrun.launcher.sidecar",
-        "supervisor": "meshrun.launcher.supervisor",
-        "controller": "meshrun.launcher.controller",
+        "supervisor": "meshrun.launcher.local.supervisor",
+        "controller": "meshrun.launcher.local.controller",
     },
     tuple(TINY),
 )

@@ -8,7 +8,7 @@ scancel, ended the job as cancelled and removed its `env:` secrets; Slurm's requ
 failed with exit 2. The shell now asks again (up to 5 s) before it takes a preempted job for a cancelled one.
 
 The stub srun plays ranks that exit 75 (saved, as on the grace time's SIGTERM) and a sidecar that ends at
-once, and runs the requeue policy itself (`python -m meshrun.launcher.requeue`, the real one); the stub squeue gives
+once, and runs the requeue policy itself (`python -m meshrun.launcher.batch.requeue`, the real one); the stub squeue gives
 Slurm's answers in turn, the last one for good.
 """
 
@@ -39,7 +39,7 @@ SRUN_STEPS = """#!/bin/bash
 # answer); the sidecar ends. What follows this part plays the ranks.
 for word in "$@"; do
   case "$word" in
-    meshrun.launcher.requeue) while [ "$1" != python ] && [ "${1##*/}" != python ]; do shift; done; exec "$@" ;;
+    meshrun.launcher.batch.requeue) while [ "$1" != python ] && [ "${1##*/}" != python ]; do shift; done; exec "$@" ;;
     meshrun.launcher.probes.health)
       mkdir -p "$MESHRUN_RUN_DIR/health" && echo '{"node": "n1", "checks": []}' > "$MESHRUN_RUN_DIR/health/n1.json"
       exit 0 ;;

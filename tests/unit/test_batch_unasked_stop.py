@@ -5,7 +5,7 @@ for the previous start's step (slurmctld retries one to a node it had lost touch
 
 The batch script (templates/slurm.sbatch.j2) runs for real under bash with stub `srun`, `squeue` and `scontrol`,
 as in tests/unit/test_batch_preemption_race.py: the stub ranks exit with the codes RANKS_EXITS gives in turn, the
-requeue policy (`python -m meshrun.launcher.requeue`) is the real one, and squeue says the job is running, unpreempted:
+requeue policy (`python -m meshrun.launcher.batch.requeue`) is the real one, and squeue says the job is running, unpreempted:
 nothing of this start asked for a stop.
 """
 

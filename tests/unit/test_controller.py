@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from meshrun.launcher import controller, rankends
+from meshrun.launcher.batch import rankends
+from meshrun.launcher.local import controller
 
 
 def _ends(tmp_path: Path, *rows: dict, torn: bool = False) -> Path:
@@ -65,7 +66,7 @@ def test_the_reason_leads_with_the_first_death_only_when_a_signal_left_it_no_wor
     the rank error, and the reason led with 'rank 1 exited with code 2, first' instead of the error itself."""
     import types
 
-    from meshrun.launcher import supervisor
+    from meshrun.launcher.local import supervisor
 
     class _Task:
         paths = types.SimpleNamespace(result_pickle=tmp_path / "none.pkl")

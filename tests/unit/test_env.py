@@ -1,4 +1,4 @@
-"""meshrun.launcher.env on recorded environments: every source, ports, user values, and Slurm hostlists.
+"""meshrun.launcher.rank.env on recorded environments: every source, ports, user values, and Slurm hostlists.
 
 Hostlist expectations marked (scontrol) are what slurm-wlm 22.05's `scontrol show hostnames`
 printed; tests/integration/test_hostlist_scontrol.py checks many more against the real binary.
@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 
-from meshrun.launcher.env import (
+from meshrun.launcher.rank.env import (
     PORT_HIGH,
     PORT_LOW,
     RankEnv,
@@ -401,7 +401,7 @@ def test_master_port_range() -> None:
 
 def test_each_start_of_a_job_rendezvous_on_a_port_of_its_own() -> None:
     """Issue 44's trial: a requeued start stalled 42 s in rendezvous on the port its dying predecessor held."""
-    from meshrun.launcher.env import start_index
+    from meshrun.launcher.rank.env import start_index
 
     starts = [{"SLURM_RESTART_COUNT": str(r), "MESHRUN_RESTART_IN_JOB": str(i)} for r in range(20) for i in range(5)]
     assert len({start_index(env) for env in starts}) == len(starts)

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshrun.launcher import attempt as attempt_cli
+from meshrun.launcher.batch import attempt as attempt_cli
 from meshrun.launcher.contract import goodput
 from meshrun.launcher.contract.rundir import RunDir
 

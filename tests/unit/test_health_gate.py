@@ -1,5 +1,5 @@
 """The health gate before each start (issue 24, part 2): each node's checks (launcher/probes/health.py), the
-verdict on the batch host (launcher/gate.py: suspects recorded, nodes excluded, the job requeued or ended) and
+verdict on the batch host (launcher/batch/gate.py: suspects recorded, nodes excluded, the job requeued or ended) and
 the requeue policy's part in it. The real thing on the Slurm testbed: tests/integration/test_health_gate.py."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from typing import Optional, Sequence
 
 import pytest
 
-from meshrun.launcher import gate
+from meshrun.launcher.batch import gate
+from meshrun.launcher.batch.requeue import decide
 from meshrun.launcher.contract import modelshape, suspects
 from meshrun.launcher.contract.exitcodes import EXIT_NO_PROGRESS, EXIT_UNHEALTHY
 from meshrun.launcher.contract.modelshape import param_count
@@ -32,7 +33,6 @@ from meshrun.launcher.contract.spec import (
     write_run_spec,
 )
 from meshrun.launcher.probes import health
-from meshrun.launcher.requeue import decide
 from tests.unit import fake_nvml
 from tests.unit.fake_nvml import FakeGpu
 
@@ -255,7 +255,7 @@ def test_main_prints_the_action_and_keeps_the_verdict_for_the_requeue_policy(
 def test_a_requeue_after_a_hang_leaves_out_the_blamed_nodes_when_the_partition_can_spare_them(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from meshrun.launcher.requeue import requeue_leaves_out
+    from meshrun.launcher.batch.requeue import requeue_leaves_out
 
     run_dir = _run(tmp_path)
     env = {"SLURM_JOB_ID": "41", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_RESTART_COUNT": "0"}
@@ -285,7 +285,7 @@ def test_a_requeue_after_a_hang_leaves_out_the_blamed_nodes_when_the_partition_c
 
 
 def test_a_requeue_leaves_out_the_ledgers_suspects_too_and_this_ends_own_first(tmp_path: Path) -> None:
-    from meshrun.launcher.requeue import requeue_leaves_out
+    from meshrun.launcher.batch.requeue import requeue_leaves_out
 
     run_dir = _run(tmp_path)
     ledger = tmp_path / "work/.meshrun/s.jsonl"
@@ -311,7 +311,7 @@ def test_a_requeue_leaves_out_the_ledgers_suspects_too_and_this_ends_own_first(t
 
 
 def test_a_saved_stop_blames_no_node_for_slurms_own_kills(tmp_path: Path) -> None:
-    from meshrun.launcher.requeue import main
+    from meshrun.launcher.batch.requeue import main
 
     run_dir = _run(tmp_path)
     Path(RunDir(run_dir).batch_log("41")).parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""meshrun.launcher.job (the kit for a command job's own script) and meshrun.launcher.requeue (the requeue decision)."""
+"""meshrun.launcher.job (the kit for a command job's own script) and meshrun.launcher.batch.requeue (the requeue decision)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from meshrun.launcher.batch.requeue import crash_loop, decide, main
 from meshrun.launcher.contract import ckptdir
 from meshrun.launcher.contract.exitcodes import EXIT_DIVERGED, EXIT_GAVE_UP, EXIT_INPUT, EXIT_NO_PROGRESS, EXIT_REQUEUE
 from meshrun.launcher.contract.rundir import RunDir
 from meshrun.launcher.report import ProgressMark, reported_step
-from meshrun.launcher.requeue import crash_loop, decide, main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -241,7 +241,7 @@ srun: error: n1: task 0: Terminated
 
 def test_on_slurm_the_first_rank_a_signal_ended_leads_the_reason(tmp_path: Path) -> None:
     """Issue 22 item 13 on Slurm: the reason named what the surviving rank said, not the rank killed first."""
-    from meshrun.launcher.requeue import record_first_death
+    from meshrun.launcher.batch.requeue import record_first_death
 
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "slurm-30.out").write_text(BATCH_LOG)
@@ -376,7 +376,7 @@ Try "srun --help" for more information
 def test_a_job_whose_ranks_never_started_says_why_and_is_not_requeued_to_fail_again(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from meshrun.launcher import rankends
+    from meshrun.launcher.batch import rankends
 
     monkeypatch.setenv("SLURM_JOB_ID", "700")
     monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
@@ -407,8 +407,8 @@ def test_a_command_not_on_path_is_bad_input_named_in_the_rank_error(
 ) -> None:
     """A new user's trial: a command that does not exist started twice and ended 'gave up (crash loop ...)'; the
     cause was only in `meshrun logs`. It is bad input now: exit 2 (never requeued), and the rank error names it."""
-    from meshrun.launcher import entry
-    from meshrun.launcher.requeue import programs_own
+    from meshrun.launcher.batch.requeue import programs_own
+    from meshrun.launcher.rank import entry
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

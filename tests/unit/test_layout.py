@@ -151,7 +151,7 @@ def test_the_layers_contract_is_the_designs_and_the_other_keeps_its_layers() -> 
     designed = set().union(*DESIGN_LAYERS)
     for name, groups in layered.items():
         kept = [group for group in groups if group & designed]
-        assert kept == DESIGN_LAYERS[-len(kept) :], (
+        assert kept == DESIGN_LAYERS[len(DESIGN_LAYERS) - len(kept) :], (
             f"{name}: the design's layers, in order, each group one layer: {kept}"
         )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from meshrun.launcher.contract.nodelist import compress, normalized
-from meshrun.launcher.hostlist import expand_hostlist
+from meshrun.launcher.rank.hostlist import expand_hostlist
 
 
 @pytest.mark.parametrize(

@@ -111,8 +111,8 @@ def test_every_entry_point_sets_the_private_umask() -> None:
     repo = Path(__file__).resolve().parents[2]
     for module, call in {
         "submit/cli/main.py": "private_umask()",
-        "launcher/entry.py": "private_umask()",
-        "launcher/supervisor.py": "private_umask()",
+        "launcher/rank/entry.py": "private_umask()",
+        "launcher/local/supervisor.py": "private_umask()",
         "launcher/sidecar/__main__.py": "private_umask()",
         "launcher/data/corpus.py": "private_umask()",
         "submit/executor.py": "private_umask_while()",

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshrun.launcher import rankfail
 from meshrun.launcher.checkpoint import commit as ckpt
 from meshrun.launcher.checkpoint import resume
 from meshrun.launcher.checkpoint.manager import marker_job
@@ -41,6 +40,7 @@ from meshrun.launcher.data.dataset import (
     check_train_data,
     largest_token,
 )
+from meshrun.launcher.rank import failure as rankfail
 from meshrun.launcher.train.loop import eval_due
 
 
@@ -283,7 +283,7 @@ def test_python_m_launcher_does_not_call_a_vanished_file_bad_input(
 ) -> None:
     """`python -m meshrun.launcher` (what srun runs) let FileNotFoundError through as exit 2 as well."""
     from meshrun.launcher import __main__ as launcher_main
-    from meshrun.launcher import entry
+    from meshrun.launcher.rank import entry
 
     def vanished(run_dir: str) -> int:
         raise FileNotFoundError(2, "No such file or directory", f"{run_dir}/gone.txt")

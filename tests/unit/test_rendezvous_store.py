@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from meshrun.launcher.env import RankEnv
+from meshrun.launcher.rank.env import RankEnv
 from meshrun.launcher.train.runtime import rendezvous_store
 
 

@@ -14,7 +14,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import pytest
 
-from meshrun.launcher import requeue
+from meshrun.launcher.batch import requeue
 from meshrun.launcher.contract import secrets as ls
 from meshrun.launcher.contract.schema import SchemaError, load
 from meshrun.launcher.contract.spec import JobSpec, RunInfo, RunSpec, dumps_run_spec, loads_run_spec, write_run_spec
@@ -210,7 +210,7 @@ def test_the_rank_reads_env_sources_from_the_secrets_folder_and_file_sources_in_
 
 
 def test_run_rank_sets_the_secrets_before_the_trainer_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from meshrun.launcher import entry
+    from meshrun.launcher.rank import entry
 
     token = _token()
     run_dir = tmp_path / "runs" / "job-1"

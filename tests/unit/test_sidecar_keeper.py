@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from meshrun.launcher import requeue
+from meshrun.launcher.batch import requeue
 from meshrun.launcher.contract import ckptdir, lost
 from meshrun.launcher.contract.alerts import read as read_alerts
 from meshrun.launcher.contract.rundir import RunDir

@@ -10,11 +10,11 @@ from typing import Sequence
 
 import pytest
 
+from meshrun.launcher.batch.requeue import main, restart_in_allocation
 from meshrun.launcher.contract import suspects
 from meshrun.launcher.contract.exitcodes import EXIT_NO_PROGRESS, EXIT_REQUEUE
 from meshrun.launcher.contract.rundir import RunDir, attempt_id
 from meshrun.launcher.contract.spec import JobSpec, Resilience, Resources, RunInfo, RunSpec, write_run_spec
-from meshrun.launcher.requeue import main, restart_in_allocation
 
 ENV = {"SLURM_JOB_ID": "41", "SLURM_RESTART_COUNT": "0", "SLURM_JOB_NODELIST": "n[1-2]"}
 KILLED = "[meshrun] job 41 restart 0 on n[1-2] at 2026-12-03T15:15:09Z\nsrun: error: n1: task 0: Killed\n"
@@ -118,8 +118,8 @@ def test_a_stop_signal_or_a_segfault_blames_no_node(tmp_path: Path) -> None:
 
 
 def test_a_ranks_banner_and_the_status_table_name_the_restart_inside_the_allocation() -> None:
-    from meshrun.launcher.entry import rank_banner
-    from meshrun.launcher.env import RankEnv
+    from meshrun.launcher.rank.entry import rank_banner
+    from meshrun.launcher.rank.env import RankEnv
     from meshrun.submit.core.findings import Findings
 
     env = RankEnv(0, 0, 1, 1, 0, 1, "n1", 29500, "41", 0, ("n1",), "slurm")
@@ -152,7 +152,7 @@ def test_a_requeue_after_the_last_spare_is_lost_leaves_out_every_node_this_alloc
     was left, and the job was requeued asking for 3 nodes again, with only n3 excluded: it could land on n2, the
     node it had just left. Both stay out, and the partition (4 nodes) cannot spare them beside 3: the requeued job
     asks for 2, its spare given up, rather than land on either."""
-    from meshrun.launcher.requeue import requeue_leaves_out
+    from meshrun.launcher.batch.requeue import requeue_leaves_out
 
     run_dir = _run(tmp_path, spare_nodes=1, avoid_suspects=False)
     job = RunSpec(
@@ -205,9 +205,9 @@ def test_a_failed_health_check_with_no_spare_left_requeues_as_a_rank_failure_doe
 ) -> None:
     """Issue 44: the health gate's requeue left out only the failing nodes and asked for nodes + spares again, so
     it could land on a node spares had replaced earlier in the allocation (or end a job a smaller request fits).
-    It makes the rank-failure path's decision (meshrun.launcher.requeue.leave_out): the batch script gets the gate's
+    It makes the rank-failure path's decision (meshrun.launcher.batch.requeue.leave_out): the batch script gets the gate's
     `requeue NODES` and then the policy's `nodes N` (scontrol update ExcNodeList= NumNodes= NumTasks=)."""
-    from meshrun.launcher import gate
+    from meshrun.launcher.batch import gate
 
     run_dir = _run(tmp_path, spare_nodes=spares)
     _failed_check(run_dir, *failing)

@@ -1,4 +1,4 @@
-"""launcher/submitit_worker.py: the requeue command outlives the SIGTERM a requeue sends to the job."""
+"""launcher/rank/submitit_worker.py: the requeue command outlives the SIGTERM a requeue sends to the job."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.launcher import submitit_worker
+from meshrun.launcher.rank import submitit_worker
 from meshrun.submit import executor
 
 # A stand-in for `scontrol requeue` on a loaded node: the TERM reaches it before it exits.
@@ -41,4 +41,4 @@ def test_a_failing_requeue_still_fails() -> None:
 def test_the_slurm_executor_runs_this_worker() -> None:
     ex = executor.MeshrunSlurmExecutor.__new__(executor.MeshrunSlurmExecutor)  # only the command is asked
     ex.python, ex.folder = "python3", Path("/runs/a b")
-    assert ex._submitit_command_str == "python3 -u -m meshrun.launcher.submitit_worker '/runs/a b'"
+    assert ex._submitit_command_str == "python3 -u -m meshrun.launcher.rank.submitit_worker '/runs/a b'"

@@ -38,7 +38,7 @@ def test_a_controller_is_charged_with_its_forked_ranks_but_not_twice_with_a_rank
         {"kind": "worker", "test": "tests/a.py::test_one", "cpu": 0.5},
         process(10, 1, 0.2, 0.0, "tests/a.py::test_one (call)"),  # a meshrun call
         # the controller forked 2 ranks (5 s between them); one ran atexit hooks and logged its own 2 s
-        process(20, 1, 3.0, 5.0, "tests/a.py::test_one (call)", "/repo/launcher/controller.py"),
+        process(20, 1, 3.0, 5.0, "tests/a.py::test_one (call)", "/repo/launcher/local/controller.py"),
         process(21, 20, 2.0, 0.0, "tests/a.py::test_one (call)"),
         process(30, 1, 1.0, 9.0, "tests/b.py::test_two (setup)"),  # children that are not forks are not added
         process(40, 1, 4.0, 0.0, None),  # the workers' own start-up

@@ -15,7 +15,7 @@ import tomllib
 import meshrun.launcher as launcher
 import meshrun.submit as submit
 from meshrun.launcher.contract.spec import loads_run_spec, write_run_spec
-from meshrun.launcher.entry import version_mismatch
+from meshrun.launcher.rank.entry import version_mismatch
 from meshrun.submit.config.cluster import load_profile
 from meshrun.submit.planning.plan import plan_file
 from meshrun.submit.schedulers.render import render
@@ -65,7 +65,7 @@ def _rank_log(tmp_path: Path, rendered_by: str) -> str:
         if not k.startswith(("SLURM_", "SUBMITIT_"))
         and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
     }
-    code = f"from meshrun.launcher.entry import run_rank; raise SystemExit(run_rank({str(run_dir)!r}, replace_process=False))"
+    code = f"from meshrun.launcher.rank.entry import run_rank; raise SystemExit(run_rank({str(run_dir)!r}, replace_process=False))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout

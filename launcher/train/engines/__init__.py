@@ -9,7 +9,7 @@ if TYPE_CHECKING:
     from meshrun.launcher.contract.parallel_dims import ParallelDims
     from meshrun.launcher.contract.spec import JobSpec
     from meshrun.launcher.data.dataset import Layout
-    from meshrun.launcher.env import RankEnv
+    from meshrun.launcher.rank.env import RankEnv
     from meshrun.launcher.train.engines.base import Engine
     from meshrun.launcher.train.runtime import Runtime
 

@@ -32,7 +32,7 @@ from meshrun.launcher.contract import ckptdir, dsconfig
 from meshrun.launcher.contract.parallel_dims import ParallelDims
 from meshrun.launcher.contract.spec import JobSpec, Train
 from meshrun.launcher.data.dataset import Layout, MicroBatches
-from meshrun.launcher.env import RankEnv
+from meshrun.launcher.rank.env import RankEnv
 from meshrun.launcher.train import initweights
 from meshrun.launcher.train.engines.base import StepResult
 from meshrun.launcher.train.model import GPT, loss_fn

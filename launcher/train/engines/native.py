@@ -30,7 +30,7 @@ from meshrun.launcher.contract import ckptdir
 from meshrun.launcher.contract.parallel_dims import ParallelDims
 from meshrun.launcher.contract.spec import JobSpec
 from meshrun.launcher.data.dataset import Layout, MicroBatches
-from meshrun.launcher.env import RankEnv
+from meshrun.launcher.rank.env import RankEnv
 from meshrun.launcher.train.engines.base import StepResult
 from meshrun.launcher.train.model import GPT, ModelPart
 from meshrun.launcher.train.optim import LossScaler, build_optimizer, clip_factor, global_grad_norm, scale_grads_

@@ -1,7 +1,7 @@
 """The `local` cluster's node side: what sbatch + srun are on Slurm. Torch-free.
 
 `meshrun submit -c local` runs the rendered run.sh detached, in a new session, with
-MESHRUN_JOB_ID set; run.sh execs `python -m meshrun.launcher.supervisor RUN_DIR`. The
+MESHRUN_JOB_ID set; run.sh execs `python -m meshrun.launcher.local.supervisor RUN_DIR`. The
 supervisor starts the ranks through submitit's LocalExecutor (which gives each rank a
 Slurm-like environment), enforces the time limit, stops every rank when one fails
 (Slurm's --kill-on-bad-exit), and records the job's outcome in its own state file,
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from meshrun.launcher.batch.requeue import crash_loop, programs_own
 from meshrun.launcher.contract import ckptdir, finish, goodput, procs
 from meshrun.launcher.contract import lost as lost_checkpoints
 from meshrun.launcher.contract.exitcodes import (
@@ -38,7 +39,6 @@ from meshrun.launcher.contract.rundir import JOB_ID_ENV, RunDir, local_state_pat
 from meshrun.launcher.contract.secrets import remove_dir, secrets_dir_for
 from meshrun.launcher.job import RESTART_COUNT_ENV
 from meshrun.launcher.report import reported_step
-from meshrun.launcher.requeue import crash_loop, programs_own
 
 STOP_GRACE_S = 60
 """How long ranks may take to save and exit after a cancel or the time limit before they are killed."""
@@ -56,7 +56,7 @@ waves a SIGTERM through until the rank's own handler is in place) must not miss 
 def rank_main(run_dir: str) -> int:
     """One rank, run by submitit's worker: output to logs/rank-N.log for the rank's life only
     (submitit's own closing lines stay in its file, not in the log a person reads)."""
-    from meshrun.launcher.entry import run_rank  # torch-free at import
+    from meshrun.launcher.rank.entry import run_rank  # torch-free at import
 
     rank = int(os.environ.get("SUBMITIT_LOCAL_GLOBALID", "0"))
     with _output_to(RunDir(run_dir).rank_log(rank)):
@@ -185,7 +185,7 @@ class Supervisor:
     def _executor(self) -> tuple[Any, int]:
         import math
 
-        from meshrun.launcher.controller import PRELOAD_ENV, TRAINER_PRELOAD, RecordingExecutor
+        from meshrun.launcher.local.controller import PRELOAD_ENV, TRAINER_PRELOAD, RecordingExecutor
 
         job = self.spec.job
         if job.command is None:  # the built-in trainer: its ranks are forked with torch already imported
@@ -267,7 +267,7 @@ class Supervisor:
     def _failed_rank(job: Any) -> Optional[int]:
         """The first rank that ended with an error or a failing exit code (75 is a clean stop), or that its
         controller saw end so (a rank killed by a signal leaves no result file)."""
-        from meshrun.launcher import controller
+        from meshrun.launcher.local import controller
 
         returned = _returned(job)
         died = controller.first_death(controller.read_ends(job.paths.folder, job.job_id), CLEAN_CODES, returned)
@@ -338,7 +338,7 @@ class Supervisor:
         if self.spec.job.command is not None:
             code, own = programs_own(str(self.run_dir.root), code)
             message = f"{message} ({own})" if own else message
-            # The batch script's crash-loop rule (meshrun.launcher.requeue): nothing requeues here, but a second
+            # The batch script's crash-loop rule (meshrun.launcher.batch.requeue): nothing requeues here, but a second
             # failure in a row without progress says so, with the same exit code.
             clean = final != "FAILED" or stopped in ("CANCELLED", "TIMEOUT") or code in NOT_REQUEUED
             if (gave_up := crash_loop(self.run_dir.root, failed=not clean)) is not None and not clean:
@@ -396,7 +396,8 @@ def first_death(job: Any, rank_error: str) -> str:
     """The first rank that ended badly, and how (its controller saw it), before the first rank error when
     another rank wrote it: a rank killed by a signal writes nothing, and its peers' errors ("connection
     closed by peer") would be all there is to read. "" when no end was recorded or that rank said why itself."""
-    from meshrun.launcher import controller, rankends
+    from meshrun.launcher.batch import rankends
+    from meshrun.launcher.local import controller
 
     first = controller.first_death(controller.read_ends(job.paths.folder, job.job_id), CLEAN_CODES, _returned(job))
     if first is None or rank_error.startswith(f"rank {first['rank']}:"):
@@ -518,7 +519,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     job_id = os.environ.get(JOB_ID_ENV, "")
     if len(argv) != 1 or not job_id:
-        print(f"usage: {JOB_ID_ENV}=ID python -m meshrun.launcher.supervisor RUN_DIR", file=sys.stderr)
+        print(f"usage: {JOB_ID_ENV}=ID python -m meshrun.launcher.local.supervisor RUN_DIR", file=sys.stderr)
         return EXIT_INPUT
     run_dir = Path(argv[0])
     private_umask()  # the ranks (submitit's workers) and the sidecar inherit it: DCP's shards, TensorBoard's files

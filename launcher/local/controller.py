@@ -41,7 +41,7 @@ PRELOAD_ENV = "MESHRUN_RANK_PRELOAD"
 TRAINER_PRELOAD = (
     "torch",
     "torch.distributed",
-    "meshrun.launcher.entry",
+    "meshrun.launcher.rank.entry",
     "meshrun.launcher.train.loop",
     "meshrun.launcher.checkpoint.manager",
     "torch._dynamo",
@@ -231,7 +231,7 @@ def start(folder: Path, command: str, parameters: dict[str, Any]) -> subprocess.
         CUDA_VISIBLE_DEVICES=",".join(str(k) for k in range(parameters.get("gpus_per_node", 0))),
         SUBMITIT_LOCAL_WITH_SHELL="",
     )
-    return subprocess.Popen([sys.executable, "-m", "meshrun.launcher.controller", str(folder)], env=env)
+    return subprocess.Popen([sys.executable, "-m", "meshrun.launcher.local.controller", str(folder)], env=env)
 
 
 class RecordingExecutor(submitit_local.LocalExecutor):  # type: ignore[misc]
@@ -245,5 +245,5 @@ class RecordingExecutor(submitit_local.LocalExecutor):  # type: ignore[misc]
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m meshrun.launcher.controller SUBMITIT_FOLDER")
+        sys.exit("usage: python -m meshrun.launcher.local.controller SUBMITIT_FOLDER")
     RecordingController(Path(sys.argv[1])).run()

@@ -1,6 +1,6 @@
 """The health gate's verdict, on the batch host, before the ranks start (issue 24). Torch-free, stdlib only.
 
-    python -m meshrun.launcher.gate RUN_DIR
+    python -m meshrun.launcher.batch.gate RUN_DIR
 
 After every node of the allocation answered launcher/probes/health.py (or ran out of time), the batch script
 asks this module what to do and gets one line on stdout, `ACTION [NODES]`; what it found goes to stderr (the
@@ -9,15 +9,15 @@ batch log):
   recorded as suspects) out: the ranks start on the others.
 - `requeue NODES`: nodes failed (and no spare is left to take their place). Each is recorded in the cluster's
   ledger of suspect nodes (with the failing check as its evidence: `meshrun nodes`) and the job ends its run with
-  EXIT_UNHEALTHY, which meshrun.launcher.requeue requeues (it counts as a restart); NODES become the requeued job's
-  ExcNodeList: the job's excluded nodes with what a rank failure's requeue leaves out too (meshrun.launcher.leaving's
+  EXIT_UNHEALTHY, which meshrun.launcher.batch.requeue requeues (it counts as a restart); NODES become the requeued job's
+  ExcNodeList: the job's excluded nodes with what a rank failure's requeue leaves out too (meshrun.launcher.batch.leaving's
   `leave_out`: the failing nodes, those spare nodes replaced earlier in the allocation, the ledger's suspects).
   A job with spares asks for fewer nodes (down to resources.nodes) when the partition cannot spare those beside
-  nodes + spares: the verdict's `nodes`, which meshrun.launcher.requeue passes on as `nodes N`. Slurm changes both only
+  nodes + spares: the verdict's `nodes`, which meshrun.launcher.batch.requeue passes on as `nodes N`. Slurm changes both only
   on a pending job: the batch script sets them right after `scontrol requeue`, before it can be scheduled.
 - `stop`: nodes failed, and excluding them would leave the partition too few nodes for the job: the job
   ends with EXIT_UNHEALTHY and the reason in `meshrun status` (clear the node, or ask the admins).
-RUN_DIR/health.json holds the verdict (`meshrun.launcher.requeue` reads its action and its `nodes`).
+RUN_DIR/health.json holds the verdict (`meshrun.launcher.batch.requeue` reads its action and its `nodes`).
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
+from meshrun.launcher.batch.leaving import LEFT_OUT_ENV, Leaving, Runner, fitting, leave_out, run_slurm
 from meshrun.launcher.contract import alerts, suspects
 from meshrun.launcher.contract.nodelist import compress
 from meshrun.launcher.contract.private import append_line
 from meshrun.launcher.contract.rundir import RunDir, job_of, read_state, write_json
 from meshrun.launcher.contract.spec import read_run_spec
-from meshrun.launcher.hostlist import expand_hostlist
-from meshrun.launcher.leaving import LEFT_OUT_ENV, Leaving, Runner, fitting, leave_out, run_slurm
+from meshrun.launcher.rank.hostlist import expand_hostlist
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def exclusion(
 
 
 def verdict_for(failing: Mapping[str, str], leaving: Leaving, cluster: str = "CLUSTER", job: str = "JOB") -> Verdict:
-    """The gate's requeue or stop, from what the requeued job would leave out (meshrun.launcher.leaving.leave_out: the
+    """The gate's requeue or stop, from what the requeued job would leave out (meshrun.launcher.batch.leaving.leave_out: the
     decision a rank failure's requeue makes too)."""
     named = ", ".join(f"{node} ({why})" for node, why in sorted(failing.items()))
     if not leaving.fits:
@@ -142,7 +142,7 @@ def judge(run_dir: str, environ: Mapping[str, str], run: Runner = run_slurm, now
             f"health check failed on {named}: the ranks start on {compress(run_on)} instead (spare nodes in its place)"
         )
         return Verdict("start", dict(failing), tuple(sorted(failing)), why)
-    # The requeue leaves out what a rank failure's would (meshrun.launcher.leaving.leave_out): the failing nodes, the nodes
+    # The requeue leaves out what a rank failure's would (meshrun.launcher.batch.leaving.leave_out): the failing nodes, the nodes
     # spares replaced earlier in this allocation and the ledger's suspects, asking for fewer nodes (its spares given
     # up) when the partition cannot spare them beside nodes + spares.
     blamed = {node: f"health check: {evidence}" for node, evidence in failing.items()}
@@ -163,7 +163,7 @@ def read_run_spec_quietly(run_dir: str) -> Any:
 
 def main(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> int:
     if len(argv) != 1:
-        print("usage: python -m meshrun.launcher.gate RUN_DIR", file=sys.stderr)
+        print("usage: python -m meshrun.launcher.batch.gate RUN_DIR", file=sys.stderr)
         return 2
     run_dir = argv[0]
     verdict = judge(run_dir, environ)

@@ -1,6 +1,6 @@
 """submitit's worker on a Slurm node, whose requeue survives the SIGTERM that the requeue itself sends.
 
-meshrun's submitit executor (submit/executor.py) runs `python -u -m meshrun.launcher.submitit_worker
+meshrun's submitit executor (submit/executor.py) runs `python -u -m meshrun.launcher.rank.submitit_worker
 FOLDER` where submitit runs `python -u -m submitit.core._submit FOLDER`; the two differ in one place. A
 checkpointable job that is preempted runs `scontrol requeue JOB` from inside the job, and Slurm answers a
 requeue by sending SIGTERM to every process of the job: `scontrol` too, which on a loaded node now and then

@@ -72,7 +72,7 @@ def record_rank_error(run_dir: str | Path, rank: object, message: str) -> bool:
 
 def _this_rank() -> object:
     """This rank's number from the environment, however far start-up got ('?' if unknown)."""
-    from meshrun.launcher.env import rank_env
+    from meshrun.launcher.rank.env import rank_env
 
     try:
         return rank_env(os.environ).rank

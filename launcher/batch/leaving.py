@@ -1,5 +1,5 @@
 """What a requeued job leaves out, and how many nodes it asks for: the one decision for a rank failure's or a
-hang's requeue (meshrun.launcher.requeue) and a failed health check's (meshrun.launcher.gate), on the batch host. Torch-free,
+hang's requeue (meshrun.launcher.batch.requeue) and a failed health check's (meshrun.launcher.batch.gate), on the batch host. Torch-free,
 stdlib only.
 
 The nodes left out: those this end blames, those this allocation left earlier (spare nodes took their place) and
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
 from meshrun.launcher.contract import suspects
 from meshrun.launcher.contract.rundir import job_of
-from meshrun.launcher.hostlist import expand_hostlist
+from meshrun.launcher.rank.hostlist import expand_hostlist
 
 if TYPE_CHECKING:
     from meshrun.launcher.contract.spec import RunSpec
@@ -96,7 +96,7 @@ def leave_out(
     now: Optional[float] = None,
 ) -> Optional[Leaving]:
     """The one decision of what a requeued job leaves out, for a rank failure or hang (requeue_leaves_out) and for a
-    failed health check (meshrun.launcher.gate.judge): the nodes this end blames (`blamed`), the nodes this allocation left
+    failed health check (meshrun.launcher.batch.gate.judge): the nodes this end blames (`blamed`), the nodes this allocation left
     out earlier (spare nodes took their place: a failure, a hang or a health check blamed them) and the cluster's
     other suspects in the ledger (unless resilience.avoid_suspects is off); None when there are none.
 

@@ -28,9 +28,9 @@ from meshrun.launcher.contract.rundir import (
 )
 from meshrun.launcher.contract.schema import SchemaError
 from meshrun.launcher.contract.spec import RunSpec, read_run_spec
-from meshrun.launcher.env import RankEnv, rank_env, setdefault_env, torchrun_vars
-from meshrun.launcher.preempt import StopFlag
-from meshrun.launcher.rankfail import reports_fatal_errors
+from meshrun.launcher.rank.env import RankEnv, rank_env, setdefault_env, torchrun_vars
+from meshrun.launcher.rank.failure import reports_fatal_errors
+from meshrun.launcher.rank.preempt import StopFlag
 from meshrun.launcher.report import expose_to_commands
 
 

@@ -2,14 +2,14 @@
 
 The batch script asks it once its ranks have exited:
 
-    python -m meshrun.launcher.requeue RUN_DIR STATUS RESTARTS MAX_RESTARTS [--stop-requested] [--terminated]
+    python -m meshrun.launcher.batch.requeue RUN_DIR STATUS RESTARTS MAX_RESTARTS [--stop-requested] [--terminated]
 
 and gets one line, `ACTION CODE WHY`: ACTION is `requeue` or `stop`, CODE the status the job ends with,
 WHY the sentence for its log. The rules:
 
 - 0 (finished), 2 (bad input), 77 (crash loop) and 78 (diverged) end the job; so does a SIGTERM
   (`scancel`, or Slurm ending the job itself) and the restart limit (`checkpoint.max_restarts`).
-- 79 (a node failed its health check before the ranks started) is requeued when meshrun.launcher.gate excluded the
+- 79 (a node failed its health check before the ranks started) is requeued when meshrun.launcher.batch.gate excluded the
   node, and ends the job when it could not (too few nodes would be left). The gate leaves out what a failure's
   requeue leaves out (`leave_out`, one decision for both) and the policy passes on its smaller node count.
 - 75 (saved for requeue), 76 (no progress) and failures (a crash, a lost node: often transient) are
@@ -38,7 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Optional
 
-from meshrun.launcher import rankends
+from meshrun.launcher.batch import rankends
+from meshrun.launcher.batch.gate import verdict_of
+from meshrun.launcher.batch.leaving import Runner, leave_out, run_slurm
 from meshrun.launcher.checkpoint.resume import MAX_ATTEMPTS
 from meshrun.launcher.contract import finish, nodelist, suspects
 from meshrun.launcher.contract import lost as lost_checkpoints
@@ -65,8 +67,6 @@ from meshrun.launcher.contract.rundir import (
     write_json,
 )
 from meshrun.launcher.contract.secrets import remove_dir, secrets_dir_for
-from meshrun.launcher.gate import verdict_of
-from meshrun.launcher.leaving import Runner, leave_out, run_slurm
 from meshrun.launcher.report import open_metrics, reported_step
 
 if TYPE_CHECKING:
@@ -276,7 +276,7 @@ def record_reason(run_dir: str, why: str) -> None:
 
 
 USAGE = (
-    "usage: python -m meshrun.launcher.requeue RUN_DIR STATUS RESTARTS MAX_RESTARTS [--stop-requested[=KIND]] [--terminated] "
+    "usage: python -m meshrun.launcher.batch.requeue RUN_DIR STATUS RESTARTS MAX_RESTARTS [--stop-requested[=KIND]] [--terminated] "
     "[--spares=N] [--unasked-stop]"
 )
 

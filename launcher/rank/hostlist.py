@@ -1,6 +1,6 @@
 """Slurm hostlist expansion in pure Python, equal to `scontrol show hostnames`.
 
-Torch-free and stdlib-only; `meshrun.launcher.env.expand_hostlist` re-exports it.
+Torch-free and stdlib-only; `meshrun.launcher.rank.env.expand_hostlist` re-exports it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Each start and end of a Slurm job's allocation, as the batch script records them (torch-free):
 
-    python -m meshrun.launcher.attempt RUN_DIR start [SUBMITTED]   # SUBMITTED: squeue's SubmitTime (ISO), or ""
-    python -m meshrun.launcher.attempt RUN_DIR end STATUS [WHY]   # WHY: a stop status shows while the job waits
+    python -m meshrun.launcher.batch.attempt RUN_DIR start [SUBMITTED]   # SUBMITTED: squeue's SubmitTime (ISO), or ""
+    python -m meshrun.launcher.batch.attempt RUN_DIR end STATUS [WHY]   # WHY: a stop status shows while the job waits
 
 The job id, restart count and nodes come from Slurm's environment (a restart inside the allocation, on spare
 nodes, from the batch script's MESHRUN_RESTART_IN_JOB and MESHRUN_RUN_NODES). Both append to RUN_DIR/.meshrun/
@@ -20,7 +20,7 @@ from typing import Mapping, Optional
 from meshrun.launcher.contract import goodput
 from meshrun.launcher.contract.rundir import RUN_NODES_ENV, in_job_restart, job_of
 
-USAGE = "usage: python -m meshrun.launcher.attempt RUN_DIR start [SUBMITTED] | RUN_DIR end STATUS [WHY]"
+USAGE = "usage: python -m meshrun.launcher.batch.attempt RUN_DIR start [SUBMITTED] | RUN_DIR end STATUS [WHY]"
 
 
 def submitted_time(text: str) -> Optional[float]:
@@ -48,7 +48,7 @@ def main(argv: Optional[list[str]] = None, environ: Mapping[str, str] = os.envir
             status = int(args[2]) if len(args) > 2 and args[2].isdigit() else None
             goodput.record_end(run_dir, job, restart, status, in_job, environ.get(RUN_NODES_ENV, ""))
             if len(args) > 3 and args[3]:
-                from meshrun.launcher.requeue import record_stop  # the batch host's one writer of a stop's reason
+                from meshrun.launcher.batch.requeue import record_stop  # the batch host's one writer of a stop's reason
 
                 record_stop(run_dir, args[3], environ)
         goodput.write(run_dir, job)
