@@ -8,7 +8,10 @@ exactly where it stopped is Lightning's own protocol, with two lines a Lightning
 - `default_root_dir` in the run dir: Lightning's SIGUSR1 handler (the time limit's warning, which meshrun
   passes on once) saves `hpc_ckpt_N.ckpt` there and runs `scontrol requeue` itself; the next start loads it;
 - `OnExceptionCheckpoint`: a preemption's SIGTERM makes Lightning stop at the next batch and exit 0, and this
-  callback of Lightning's saves first; meshrun takes that exit 0 for the stop it is and requeues the job.
+  callback of Lightning's saves first; meshrun takes that exit 0 for the stop it is and requeues the job;
+- `ckpt_path=newest_checkpoint(...)`: the newer of the two. Left to itself (ckpt_path=None) Lightning loads an
+  hpc checkpoint whenever there is one, however old: after a time limit's save and a later preemption's, it
+  went back to the time limit's and trained the steps between again.
 
     python examples/lightning_train.py [--epochs N] [--sleep S]
 """
@@ -16,8 +19,10 @@ exactly where it stopped is Lightning's own protocol, with two lines a Lightning
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import time
+from typing import Optional
 
 import pytorch_lightning as pl
 import torch
@@ -56,6 +61,18 @@ def data() -> DataLoader:
     )  # one batch a rank an epoch (2 ranks): every stop ends an epoch, and a resume is exact
 
 
+def newest_checkpoint(*folders: str) -> Optional[str]:
+    """The newest checkpoint Lightning saved on a stop: a time limit's hpc_ckpt_N.ckpt or a preemption's
+    on_exception.ckpt, in any of `folders`; None on a first start."""
+    found = [
+        path
+        for folder in folders
+        for pattern in ("hpc_ckpt_*.ckpt", "on_exception.ckpt")
+        for path in glob.glob(os.path.join(folder, pattern))
+    ]
+    return max(found, key=os.path.getmtime, default=None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=20)
@@ -63,6 +80,7 @@ def main() -> None:
     args = parser.parse_args()
     pl.seed_everything(0)
     run_dir = os.environ.get("MESHRUN_RUN_DIR", ".")
+    checkpoints = os.environ.get("MESHRUN_CHECKPOINT_DIR", run_dir)
     nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -71,13 +89,13 @@ def main() -> None:
         strategy="ddp",
         max_epochs=args.epochs,
         default_root_dir=run_dir,  # the time limit's hpc_ckpt_N.ckpt lands here (not in the shared code snapshot)
-        callbacks=[OnExceptionCheckpoint(os.environ.get("MESHRUN_CHECKPOINT_DIR", run_dir))],  # a preemption's
+        callbacks=[OnExceptionCheckpoint(checkpoints)],  # a preemption's on_exception.ckpt lands here
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
     model = Regression(args.sleep)
-    trainer.fit(model, data())  # ckpt_path=None: Lightning resumes from its own checkpoint by itself
+    trainer.fit(model, data(), ckpt_path=newest_checkpoint(run_dir, checkpoints))
     loss = trainer.callback_metrics.get("train_loss")
     print(f"final loss {float(loss):.8f} after epoch {trainer.current_epoch} step {trainer.global_step}", flush=True)
     if torch.distributed.is_initialized():

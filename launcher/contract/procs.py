@@ -270,3 +270,15 @@ def started_wall(pid: int) -> Optional[float]:
         return float(psutil.Process(pid).create_time())
     except (psutil.Error, OSError):
         return None
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether the process has a handler of its own for `signum` (SigCgt in /proc/PID/status: the one fact here
+    psutil does not give). A warning signal it does not catch would kill it (SIGUSR1's default action); False
+    when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="utf-8", errors="replace") as handle:
+            caught = next((line.split()[1] for line in handle if line.startswith("SigCgt:")), "0")
+    except OSError:
+        return False
+    return bool(int(caught, 16) >> (signum - 1) & 1)

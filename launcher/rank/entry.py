@@ -15,7 +15,7 @@ from typing import Mapping, MutableMapping, Optional, Sequence
 
 from meshrun.launcher import installed_version
 from meshrun.launcher import job as kit
-from meshrun.launcher.contract import private, secrets
+from meshrun.launcher.contract import private, procs, secrets
 from meshrun.launcher.contract.exitcodes import EXIT_REQUEUE
 from meshrun.launcher.contract.private import make_private_below, make_private_dir, private_umask
 from meshrun.launcher.contract.rundir import (
@@ -175,7 +175,7 @@ def run_command(argv: Sequence[str], environ: Mapping[str, str], replace_process
     except FileNotFoundError:
         # Bad input, as a bad spec is (rank-error.txt, exit 2: never requeued, status names it): a requeue would
         # not find it either, and the crash-loop guard's "gave up" hid the cause behind two lost starts.
-        where = os.uname().nodename
+        where = environ.get("SLURMD_NODENAME") or os.uname().nodename  # the node, where one machine runs several
         raise SchemaError(
             "command", argv[0], f"not found on PATH on {where}: give an absolute path, or install it on the cluster"
         ) from None
@@ -192,7 +192,9 @@ def _wait_for_child(argv: Sequence[str], environ: Mapping[str, str]) -> int:
 
     SIGUSR1 (the local supervisor's time limit, sent to the ranks, not the group) is passed on to the program:
     its default action ended this worker and left the program running until the kill, which never heard of
-    the limit (a framework that saves on it saved nothing)."""
+    the limit (a framework that saves on it saved nothing). A program with no handler for it gets SIGTERM
+    instead, the stop it does know: USR1's default action would kill it (Lightning, which handles USR1 only
+    where it finds Slurm, died of it on `local` with nothing saved)."""
     passed_on: list[int] = []  # a USR1 before the program exists: it gets it once it does
     child: Optional[subprocess.Popen[bytes]] = None
 
@@ -200,7 +202,7 @@ def _wait_for_child(argv: Sequence[str], environ: Mapping[str, str]) -> int:
         if child is None:
             passed_on.append(signum)
         else:
-            child.send_signal(signum)
+            child.send_signal(signum if procs.catches(child.pid, signum) else signal.SIGTERM)
 
     before = signal.signal(signal.SIGTERM, _the_program_decides), signal.signal(signal.SIGUSR1, pass_on)
     try:
@@ -210,7 +212,7 @@ def _wait_for_child(argv: Sequence[str], environ: Mapping[str, str]) -> int:
         signal.signal(signal.SIGUSR1, before[1])
         raise
     for signum in passed_on:
-        child.send_signal(signum)
+        pass_on(signum, None)
     return _exit_code(child.wait())
 
 

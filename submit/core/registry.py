@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     last_elapsed_s INTEGER,
     last_seen_at REAL,
     last_reason TEXT,
+    last_restarts INTEGER,
+    last_restarts_in_job INTEGER,
     PRIMARY KEY (cluster, job_id)
 )
 """
@@ -52,6 +55,8 @@ _COLUMNS = (
     "last_elapsed_s",
     "last_seen_at",
     "last_reason",
+    "last_restarts",
+    "last_restarts_in_job",
 )
 
 
@@ -92,6 +97,28 @@ class JobRecord:
     last_reason: Optional[str] = None
     """The reason status saw with the final state: a resume in the same run dir starts by removing the run dir's
     rank error, which the ended job's reason was read from."""
+    last_restarts: Optional[int] = None
+    """The requeues status saw with the final state (RESTARTS' first figure): shown while the cluster cannot be
+    reached, as the rest of an ended job's row."""
+    last_restarts_in_job: Optional[int] = None
+    """The restarts inside the allocation status saw with the final state (RESTARTS' second figure)."""
+
+    def resubmitted(self, job_id: str, submitted_at: float) -> JobRecord:
+        """This job's record for a new job in the same run dir (`meshrun resume`): nothing status saw of this
+        one (its state, progress, reason, restarts, elapsed time) carries over to the new one."""
+        return dataclasses.replace(
+            self,
+            job_id=job_id,
+            submitted_at=submitted_at,
+            last_state=JobState.SUBMITTED.value,
+            last_progress=None,
+            last_elapsed_s=None,
+            last_seen_at=None,
+            last_reason=None,
+            last_restarts=None,
+            last_restarts_in_job=None,
+            chosen=None,
+        )
 
 
 def default_path() -> Path:
@@ -126,6 +153,9 @@ class Registry:
             self._db.execute("ALTER TABLE jobs ADD COLUMN last_seen_at REAL")
         if "last_reason" not in columns:  # ... or before a final job's reason was kept
             self._db.execute("ALTER TABLE jobs ADD COLUMN last_reason TEXT")
+        if "last_restarts" not in columns:  # ... or before its restarts were
+            self._db.execute("ALTER TABLE jobs ADD COLUMN last_restarts INTEGER")
+            self._db.execute("ALTER TABLE jobs ADD COLUMN last_restarts_in_job INTEGER")
         self._db.commit()
 
     def add(self, record: JobRecord) -> None:
@@ -143,14 +173,22 @@ class Registry:
             )
 
     def set_state(
-        self, record: JobRecord, state: str, progress: Optional[str] = None, reason: Optional[str] = None
+        self,
+        record: JobRecord,
+        state: str,
+        progress: Optional[str] = None,
+        reason: Optional[str] = None,
+        restarts: Optional[tuple[int, int]] = None,
     ) -> None:
-        """The state status saw; `progress` (JSON) and `reason` kept with a final one (None keeps what was there)."""
+        """The state status saw; `progress` (JSON), `reason` and `restarts` (requeues, restarts in the allocation)
+        kept with a final one (None keeps what was there)."""
+        requeues, in_job = restarts if restarts is not None else (None, None)
         with self._db:
             self._db.execute(
                 "UPDATE jobs SET last_state=?, last_progress=COALESCE(?, last_progress), "
-                "last_reason=COALESCE(?, last_reason) WHERE cluster=? AND job_id=?",
-                (state, progress, reason, record.cluster, record.job_id),
+                "last_reason=COALESCE(?, last_reason), last_restarts=COALESCE(?, last_restarts), "
+                "last_restarts_in_job=COALESCE(?, last_restarts_in_job) WHERE cluster=? AND job_id=?",
+                (state, progress, reason, requeues, in_job, record.cluster, record.job_id),
             )
 
     def set_seen(self, seen: Sequence[tuple[JobRecord, int]], at: float) -> None:

@@ -225,6 +225,8 @@ def _kept_or_unreachable(record: JobRecord, why: str) -> Status:
         done=True,
         succeeded=known in SUCCESS,
         elapsed_s=record.last_elapsed_s,  # seen with its final state: it will not change either
+        restarts=record.last_restarts or 0,
+        restarts_in_job=record.last_restarts_in_job or 0,
     )
 
 
@@ -286,12 +288,27 @@ def statuses(
     result = [with_chosen(r, kept_at_end(r, found[(r.cluster, r.job_id)])) for r in records]
     if registry is not None:
         for record, status in zip(records, result):
-            if status.state != record.last_state and status.state not in (JobState.UNKNOWN, JobState.UNREACHABLE):
+            if _news_for_the_registry(record, status):
                 final = status.done and bool(status.progress)
                 reason = status.reason if status.done else None
-                registry.set_state(record, status.state.value, json.dumps(status.progress) if final else None, reason)
+                restarts = (status.restarts, status.restarts_in_job) if status.done else None
+                progress = json.dumps(status.progress) if final else None
+                registry.set_state(record, status.state.value, progress, reason, restarts)
         registry.set_seen(seen_elapsed(records, result), time.time())
     return result
+
+
+def _news_for_the_registry(record: JobRecord, status: Status) -> bool:
+    """A state meshrun has not recorded yet, or an ended job's reason or restarts read after its end was seen
+    (Slurm's accounting may say FAILED before the batch log's last line is there)."""
+    if status.state in (JobState.UNKNOWN, JobState.UNREACHABLE) or status.elapsed_as_of is not None:
+        return False
+    if status.state.value != record.last_state:
+        return True
+    return status.done and (
+        (status.reason is not None and status.reason != record.last_reason)
+        or (status.restarts, status.restarts_in_job) != (record.last_restarts or 0, record.last_restarts_in_job or 0)
+    )
 
 
 def seen_elapsed(records: Sequence[JobRecord], result: Sequence[Status]) -> list[tuple[JobRecord, int]]:

@@ -116,9 +116,7 @@ def resume(
         transport.write_text(RunDir(record.run_dir).spec, dumps_run_spec(changed))
     transport.run(["rm", "-f", "--", f"{root}/{ATTEMPTS_FILE}"]).check("rm")
     job_id = restart(record, transport)
-    new = dataclasses.replace(
-        record, job_id=job_id, submitted_at=now(), last_state=JobState.SUBMITTED.value, last_progress=None
-    )
+    new = record.resubmitted(job_id, now())
     registry.add(new)
     return new
 

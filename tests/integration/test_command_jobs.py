@@ -183,7 +183,8 @@ def test_a_job_whose_ranks_never_start_says_why_in_status_and_logs_and_is_not_re
 AT_THE_LIMIT = """
 import signal, sys, time
 stop = []
-signal.signal(signal.SIGUSR1, lambda *_: stop.append(1))
+# "term-only": a program that knows only SIGTERM's stop (Lightning outside Slurm installs no USR1 handler).
+signal.signal(signal.SIGTERM if sys.argv[1] == "term-only" else signal.SIGUSR1, lambda *_: stop.append(1))
 print("handler set", flush=True)
 while not stop:
     time.sleep(0.05)
@@ -197,11 +198,13 @@ print("left the loop on the signal", flush=True)
 def test_a_local_job_that_exits_0_at_its_time_limit_ends_timeout_unless_it_said_it_finished(tmp_path: Path) -> None:
     """Issue 44 on `local`: the supervisor's time limit passes SIGUSR1 on; a program that leaves its loop on it
     and exits 0 has work left (TIMEOUT, and status says where it stopped and that resume continues it); one that
-    said it finished is COMPLETED. Both through the real supervisor and its real time limit (12 s)."""
+    said it finished is COMPLETED; one with no USR1 handler of its own gets SIGTERM instead (USR1 would kill it:
+    Lightning on `local` died of it, exit 138, nothing saved). All through the real supervisor and its real time
+    limit (12 s)."""
     script = tmp_path / "at_the_limit.py"
     script.write_text(AT_THE_LIMIT)
     jobs = {}
-    for way in ("silent", "finished"):
+    for way in ("silent", "finished", "term-only"):
         args = ["examples/command.yaml", "-c", "local", *ONE_RANK, "--set", "resources.time=0:12"]
         jobs[way] = submitted(
             meshrun(tmp_path, "submit", *args, "--set", f"command=python3,{script},{way}", check=True)
@@ -217,6 +220,8 @@ def test_a_local_job_that_exits_0_at_its_time_limit_ends_timeout_unless_it_said_
         "stopped at the time limit (no step reported): `meshrun resume` continues it"
     ), rows["silent"]
     assert rows["finished"]["state"] == "COMPLETED" and rows["finished"]["exit_code"] in (0, None), rows["finished"]
+    assert rows["term-only"]["state"] == "TIMEOUT" and rows["term-only"]["exit_code"] != 138, rows["term-only"]
+    assert rows["term-only"]["reason"].startswith("stopped at the time limit (no step reported)"), rows["term-only"]
 
 
 def test_a_step_cancel_nobody_of_this_start_asked_for_restarts_the_ranks_in_place(

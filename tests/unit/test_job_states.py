@@ -249,3 +249,60 @@ def test_a_dependency_on_a_job_array_stands_for_all_its_tasks() -> None:
     # decided, and afterok on it would never release (the docs' sweep example caught it).
     ending = {f"7_{n}": SlurmJob(job_id=f"7_{n}", state=JobState.COMPLETING) for n in range(2)}
     assert dependency_state("7", rows(JobState.CANCELLED, JobState.CANCELLED), ending).state is JobState.CANCELLED
+
+
+def test_a_resumed_job_starts_with_nothing_status_saw_of_its_parent(tmp_path: Path) -> None:
+    """A new user's trial: the resume of a cancelled job ran to COMPLETED, and status still gave it the cancelled
+    job's reason ("checkpoint saved: `meshrun resume` continues it"), copied with the rest of the parent's row."""
+    from meshrun.submit.core.registry import JobRecord, Registry
+
+    registry = Registry(tmp_path / "r.sqlite")
+    parent = JobRecord("local-a", "local", "j", "/r", "local", 1.0, None, "h")
+    registry.add(parent)
+    registry.set_state(parent, "CANCELLED", json.dumps({"step": 207}), "checkpoint saved: resume", (2, 1))
+    (seen,) = registry.recent(5)
+    child = seen.resubmitted("local-b", 2.0)
+    assert (child.job_id, child.submitted_at, child.last_state) == ("local-b", 2.0, "SUBMITTED")
+    assert (child.last_progress, child.last_reason, child.last_restarts, child.last_restarts_in_job) == (None,) * 4
+    assert (child.last_elapsed_s, child.last_seen_at, child.chosen) == (None, None, None)
+    assert (child.run_dir, child.name, child.cluster, child.spec_hash) == (parent.run_dir, "j", "local", "h")
+
+
+def test_an_ended_job_keeps_its_restarts_and_a_reason_read_after_its_end(tmp_path: Path) -> None:
+    """A new user's trial: with the cluster unreachable, ended jobs showed RESTARTS 0 where they had shown 1, and
+    a reason read only after the end was first seen (the batch log's last line came later) was never kept."""
+    import dataclasses
+
+    from meshrun.submit.core import status as status_mod
+    from meshrun.submit.core.registry import JobRecord, Registry
+    from meshrun.submit.core.status import Status
+
+    registry = Registry(tmp_path / "r.sqlite")
+    record = JobRecord("7", "c", "j", "/r", "slurm", 1.0, None, "h")
+    registry.add(record)
+    ended = Status(
+        job_id="7",
+        cluster="c",
+        name="j",
+        state=JobState.FAILED,
+        run_dir="/r",
+        submitted_at=1.0,
+        done=True,
+        succeeded=False,
+        restarts=1,
+        restarts_in_job=2,
+    )
+    assert status_mod._news_for_the_registry(record, ended)
+    registry.set_state(record, "FAILED", None, None, (1, 2))
+    (stored,) = registry.recent(5)
+    assert not status_mod._news_for_the_registry(stored, ended)
+    late = dataclasses.replace(ended, reason="gave up (crash loop)")
+    assert status_mod._news_for_the_registry(stored, late)
+    registry.set_state(stored, "FAILED", None, late.reason, (1, 2))
+    (stored,) = registry.recent(5)
+    kept = status_mod._kept_or_unreachable(stored, "connection refused")
+    assert (kept.state, kept.restarts, kept.restarts_in_job) == (JobState.FAILED, 1, 2)
+    assert status_mod.kept_at_end(stored, kept).reason == "gave up (crash loop)"
+    running = dataclasses.replace(ended, state=JobState.RUNNING, done=False, reason="x")
+    assert status_mod._news_for_the_registry(stored, running)  # a state change is always news
+    assert not status_mod._news_for_the_registry(stored, dataclasses.replace(kept, state=JobState.UNREACHABLE))

@@ -210,3 +210,23 @@ def test_the_batch_script_signals_srun_and_the_sidecar_only_while_this_shell_has
     probe += 'running "$a" && echo a-running || echo a-reaped\nrunning "$b" && echo b-running\nkill "$b"\n'
     out = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, timeout=20)
     assert out.stdout.split() == ["a-reaped", "b-running"], out
+
+
+def test_catches_tells_a_program_with_its_own_handler_from_one_the_signal_would_kill() -> None:
+    handler = (
+        "import signal, time; signal.signal(signal.SIGUSR1, lambda *_: None); print('set', flush=True); time.sleep(30)"
+    )
+    plain = "import time; print('set', flush=True); time.sleep(30)"
+    started = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE) for code in (handler, plain)]
+    try:
+        for child in started:
+            assert child.stdout is not None and child.stdout.readline() == b"set\n"
+        with_handler, without = started
+        assert procs.catches(with_handler.pid, signal.SIGUSR1)
+        assert not procs.catches(with_handler.pid, signal.SIGUSR2)
+        assert not procs.catches(without.pid, signal.SIGUSR1)
+    finally:
+        for child in started:
+            child.kill()
+            child.wait()
+    assert not procs.catches(started[0].pid, signal.SIGUSR1)  # gone: nothing to signal
