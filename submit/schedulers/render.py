@@ -120,6 +120,19 @@ def _rank_command(plan: Plan) -> tuple[list[str], list[str]]:
     return [], ["apptainer", "exec", *gpu, *binds, box.image, *python]
 
 
+def _signal_seconds(plan: Plan) -> int:
+    """How long before the time limit Slurm sends its warning (USR1): the profile's, at most half the job's time."""
+    return min(plan.cluster.defaults.signal_seconds, max(plan.time_seconds // 2, 1))
+
+
+def time_limit_backstop_s(signal_seconds: int) -> int:
+    """After the time limit's warning, when the batch shell requeues a job whose ranks have not stopped: 10 s (at
+    least 5, a sixth of the lead) before the limit, never sooner than half the lead. A program that saves and
+    exits in time never meets it; one whose own save-and-requeue hung (Lightning's handler, waiting in a barrier
+    for a rank inside an all-reduce) would otherwise end TIMEOUT, which Slurm never requeues."""
+    return max(signal_seconds - max(signal_seconds // 6, 5), signal_seconds // 2, 1)
+
+
 SIDECAR_STOP_MARGIN_S = 5
 """Beyond sidecar.final_copy_s, how long the batch script waits for the sidecar to stop by itself."""
 
@@ -153,7 +166,8 @@ def context(plan: Plan, python: str) -> dict[str, Any]:
         "exclusive": cluster.defaults.exclusive,
         "exclude": ",".join(check_node_names("defaults.exclude", cluster.defaults.exclude)),
         "memory_gb": res.memory_gb,
-        "signal_seconds": min(cluster.defaults.signal_seconds, max(plan.time_seconds // 2, 1)),
+        "signal_seconds": _signal_seconds(plan),
+        "backstop_s": time_limit_backstop_s(_signal_seconds(plan)),
         "run_dir": plan.run_dir,
         # sbatch reads % in --output as a pattern (%j, %a): a literal one is written %%.
         "output_prefix": plan.run_dir.replace("%", "%%"),

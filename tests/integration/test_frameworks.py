@@ -146,7 +146,10 @@ def test_lightning_requeues_itself_on_the_time_limits_warning_and_meshrun_stands
     batch, rank0 = _batch_log(run_dir, job_id), _rank_log(run_dir)
     assert row["state"] == "COMPLETED" and row["restarts"] == 1, (row, batch, rank0[-3000:])
     # Lightning saved and asked Slurm for the requeue itself; meshrun passed the signal on once and stood back.
-    assert "Handling auto-requeue signal" in rank0 and "hpc_ckpt_1.ckpt" in rank0, rank0[-3000:]
+    assert "Handling auto-requeue signal" in rank0 and (run_dir / "hpc_ckpt_1.ckpt").is_file(), rank0[-3000:]
+    # The next start restored the newest of Lightning's own checkpoints (the recipe's ckpt_path): the hpc one, or
+    # the on_exception.ckpt its callback saved on the requeue's TERM just after it.
+    assert "Restored all states from the checkpoint" in rank0.split("restart 1 master")[-1], rank0[-3000:]
     assert "SIGUSR1: passing it to the ranks" in batch, batch
     assert "requeueing: restart" not in batch.split(" restart 1 ")[0], batch  # not a second requeue of meshrun's
     assert _sacct_rows(job_id) == ["REQUEUED", "COMPLETED"], _sacct_rows(job_id)

@@ -29,6 +29,7 @@ from meshrun.submit.config.cluster import load_profile
 from meshrun.submit.core.status import parse_metrics_tail
 from meshrun.submit.planning.plan import plan_file
 from meshrun.submit.schedulers import backend
+from meshrun.submit.schedulers import render as render_module
 from meshrun.submit.schedulers.render import render
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,9 +77,12 @@ echo "scontrol $*" >> "$ANSWERS.scontrol"
 """
 
 
-def _script(run_dir: Path) -> str:
-    """The testbed profile's script for examples/command.yaml, as `meshrun submit` renders it."""
+def _script(run_dir: Path, lead: int = 0) -> str:
+    """The testbed profile's script for examples/command.yaml, as `meshrun submit` renders it (with the time
+    limit's warning `lead` s ahead, if given)."""
     profile = load_profile("testbed")
+    if lead:
+        profile = dataclasses.replace(profile, defaults=dataclasses.replace(profile.defaults, signal_seconds=lead))
     # The work dir (and so the ledger of suspect nodes in it) is the test's own: a node these stubs blame must
     # not land in the real testbed's ledger, where the spare-node tests would avoid it.
     profile = dataclasses.replace(profile, paths=dataclasses.replace(profile.paths, work_dir=str(run_dir.parent)))
@@ -105,7 +109,7 @@ def stub_job(tmp_path: Path, srun: str, answers: list[str], **extra_env: str) ->
         (bin_dir / name).chmod(0o755)
     (tmp_path / "answers").write_text("".join(line + "\n" for line in answers))
     script = tmp_path / "job.sbatch"
-    script.write_text(_script(run_dir))
+    script.write_text(_script(run_dir, int(extra_env.pop("LEAD", "0"))))
     env = {
         "PATH": f"{bin_dir}:{os.path.dirname(sys.executable)}:/usr/bin:/bin",
         "HOME": str(tmp_path),
@@ -229,3 +233,34 @@ def test_a_cancel_of_a_command_job_passes_no_usr1_on(tmp_path: Path) -> None:
     assert "SIGTERM: Slurm signals the ranks itself" in said, said
     assert "not requeueing" in said and not scontrol.exists(), said
     assert not secrets.exists()  # ended: the secrets go
+
+
+def test_ranks_that_neither_stop_nor_requeue_after_the_time_limits_warning_are_requeued_before_the_limit(
+    tmp_path: Path,
+) -> None:
+    """A new user's trial: Lightning's handler saved hpc_ckpt_1.ckpt on the time limit's USR1, then hung in its
+    barrier; its own `scontrol requeue` never ran, and the job ended TIMEOUT, which Slurm never requeues (issue
+    44: one requeue, never none). The batch shell's backstop requeues it shortly before the limit."""
+    lead = 6  # the profile's warning lead: the backstop comes time_limit_backstop_s(6) = 3 s after the warning
+    shell, _secrets, scontrol = _start(tmp_path, ["N/A 1 PENDING"], RANKS_WAIT="1", RANKS_EXIT="0", LEAD=str(lead))
+    answers = tmp_path / "answers"
+    deadline = time.monotonic() + 30
+    while not Path(f"{answers}.ranks").exists():
+        assert time.monotonic() < deadline and shell.poll() is None, "the ranks never started"
+        time.sleep(0.05)
+    shell.send_signal(signal.SIGUSR1)  # the time limit's warning; the ranks go on (hung)
+    while not scontrol.exists():
+        assert time.monotonic() < deadline + 10 and shell.poll() is None, "no backstop requeue"
+        time.sleep(0.1)
+    shell.send_signal(signal.SIGTERM)  # the requeue ends the shell, as Slurm's does
+    Path(f"{answers}.go").touch()
+    out, err = shell.communicate(timeout=60)
+    said = out + err
+    assert "the ranks have not stopped 3 s after the time limit's warning: requeueing the job from here" in said, said
+    assert scontrol.read_text() == "scontrol requeue 4242\n", said  # once
+    assert "the job was requeued by the time limit's backstop above: not requeueing it again" in said, said
+    metrics = (tmp_path / "runs" / "job" / "metrics.jsonl").read_text()
+    assert parse_metrics_tail(metrics, "4242")["stopped"] == (
+        "stopped at the time limit's warning (the ranks had not stopped: requeued before the limit)"
+    )
+    assert render_module.time_limit_backstop_s(120) == 100 and render_module.time_limit_backstop_s(2) == 1
