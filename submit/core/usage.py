@@ -38,11 +38,12 @@ def _energy(energy: Mapping[str, Any]) -> str:
 
 
 def usage_line(used: Mapping[str, Any]) -> str:
-    """'used: 3.2 GPU-hours (8 GPUs; the run dir's jobs 5.1), energy GPU 1.24 kWh, CPU unmeasured; cost 8.00 USD'."""
+    """'used: 3.2 GPU-hours (8 GPUs; the run dir's jobs 5.1), energy GPU 1.24 kWh, CPU unmeasured; cost 8.00 USD';
+    a job without GPUs: 'used: no GPUs; energy not measured' (or its CPU energy where the nodes measured it)."""
     hours = used.get("gpu_hours")
-    if used.get("gpus") == 0:  # a CPU job: its GPU-hours are no figure worth a line (a trial read "0 GPUs; ... 0")
-        head = "used: no GPUs"
-        return head + (", energy unmeasured" if used.get("energy") is None else _energy(used["energy"]))
+    if used.get("gpus") == 0:  # a CPU job: neither its GPU-hours nor its GPU energy are figures worth a word
+        cpu = (used.get("energy") or {}).get("cpu_kwh")
+        return "used: no GPUs; " + ("energy not measured" if cpu is None else f"energy CPU {_kwh(cpu)}")
     if hours is None:
         head = "used: GPU-hours unknown"
     else:

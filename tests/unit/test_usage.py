@@ -96,10 +96,19 @@ def test_usage_prices_gpu_hours_and_says_what_was_not_measured() -> None:
     )
     unpriced = usage(0, 60.0, None, None, 0.0, "")
     # A CPU job (issue 44's trial: "used: 0 GPU-hours (0 GPUs; the run dir's jobs 0)"): said as what it is.
-    assert unpriced["cost"] is None and usage_line(unpriced) == "used: no GPUs, energy unmeasured"
+    assert unpriced["cost"] is None and usage_line(unpriced) == "used: no GPUs; energy not measured"
     assert usage_line(usage(None, 60.0, None, None, 0.0, "")) == "used: GPU-hours unknown, energy unmeasured"
     assert used_cell(used) == "10.00 USD" and used_cell(usage(8, 1800.0, None, None, 0.0, "")) == "4 GPU-h"
     assert used_cell(unpriced) == "-" and used_cell(None) == "-"
+
+
+def test_a_job_without_gpus_says_nothing_of_gpu_energy() -> None:
+    unmeasured = usage(0, 60.0, None, {"nodes": 1, "gpu_kwh": None, "cpu_kwh": None}, 0.0, "")
+    assert usage_line(unmeasured) == "used: no GPUs; energy not measured"
+    measured = usage(0, 60.0, None, {"nodes": 1, "gpu_kwh": None, "cpu_kwh": 0.0125}, 0.0, "")
+    assert usage_line(measured) == "used: no GPUs; energy CPU 0.0125 kWh"
+    gpu_job = usage(2, 3600.0, None, {"nodes": 1, "gpu_kwh": None, "cpu_kwh": None}, 0.0, "")
+    assert usage_line(gpu_job) == "used: 2 GPU-hours (2 GPUs), energy GPU unmeasured, CPU unmeasured"
 
 
 def test_status_reads_the_usage_from_the_run_dirs_records() -> None:
