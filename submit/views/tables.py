@@ -194,19 +194,13 @@ def detail_lines(status: Any, width: int = 100) -> list[str]:
             f"(meshrun export {status.job_id} --best)"
         )
     if status.goodput is not None:
-        lines.append(goodput_line(status.goodput, trainer=status.steps is not None))
+        lines.append(goodput_line(status.goodput, trainer=status.steps is not None, ended=status.done))
     if status.usage is not None:
         from meshrun.submit.core.usage import usage_line
 
         lines.append(usage_line(status.usage))
     if status.run_goodput is not None:
-        run = status.run_goodput
-        lines.append(
-            f"the run dir's {run['jobs']} jobs: {run.get('effective_pct') or 0:.0f}% effective (productive "
-            f"{span(float(run['productive_s']))} of {span(float(run['allocated_s']))} allocated"
-            + (f", {run['lost_steps']} steps lost" if run.get("lost_steps") else "")
-            + ")"
-        )
+        lines.append(run_goodput_line(status.run_goodput, trainer=status.steps is not None))
     if status.alerts:
         lines.append(f"alerts ({len(status.alerts)} recent, newest last; all: {status.run_dir}/alerts.jsonl):")
         lines += [f"  {alert_line(a)}" for a in status.alerts[-DETAIL_ALERTS:]]
@@ -236,13 +230,31 @@ def _of_the_wall(figures: Mapping[str, Any]) -> str:
     return f"; {pct:.0f}% of the {span(float(wall))} since the first start"
 
 
-def goodput_line(figures: Mapping[str, Any], trainer: bool = True) -> str:
+def run_goodput_line(run: Mapping[str, Any], trainer: bool = True) -> str:
+    """'the run dir's 2 jobs: 64% effective (productive 52.1s of 81.4s allocated, 9 steps lost)': the run dir's
+    total (submit/core/findings.py's run_total). `trainer` False with nothing productive: a `command:` program
+    that reports no steps, whose allocation is all that is measured (as its job's own line says)."""
+    head = f"the run dir's {run['jobs']} jobs"
+    allocated = span(float(run["allocated_s"]))
+    if not trainer and not run.get("productive_s"):
+        return f"{head}: goodput not measured ({allocated} allocated): the program reports no steps"
+    return (
+        f"{head}: {run.get('effective_pct') or 0:.0f}% effective (productive "
+        f"{span(float(run['productive_s']))} of {allocated} allocated"
+        + (f", {run['lost_steps']} steps lost" if run.get("lost_steps") else "")
+        + ")"
+    )
+
+
+def goodput_line(figures: Mapping[str, Any], trainer: bool = True, ended: bool = False) -> str:
     """'goodput: 81% effective (productive 9m45s of 12m03s allocated; setup 40.2s, lost 1m02s (37 steps), ...);
     queued 3.1s, requeue 45.0s': launcher/contract/goodput.py's record, in one line. `trainer` False: a
-    `command:` job, whose program may report no step at all (then only the allocation is measured)."""
+    `command:` job, whose program may report no step at all (then only the allocation is measured). `ended`:
+    the scheduler says the job ended, whatever its record (one its end never reached, e.g. a killed job's)."""
     parts = figures.get("parts_s") or {}
     pct = figures.get("effective_pct")
-    head = "goodput so far" if figures.get("running") else "goodput"
+    running = bool(figures.get("running")) and not ended
+    head = "goodput so far" if running else "goodput"
     if not figures.get("steps") and not parts.get("productive") and not trainer:
         # A program that reports no step (a framework's own loop): its whole allocation would read as setup.
         allocated = figures.get("allocated_s")
@@ -252,7 +264,7 @@ def goodput_line(figures: Mapping[str, Any], trainer: bool = True) -> str:
             "(meshrun.launcher.job.report(step) in its loop gives the split: setup, productive, lost)"
         )
     if pct is None:  # the record of a start that has not run a second yet (a running job refreshes it each minute)
-        if not figures.get("running"):
+        if not running:
             return f"{head}: not measured (the job ended before its first second of work was recorded)"
         return f"{head}: not measured yet (a running job's record is refreshed each minute)"
     rest = [

@@ -196,7 +196,11 @@ def digest(status: Status, event: str) -> dict[str, Any]:
         + (f"step {checkpoint}" if checkpoint is not None else "none")
         + (f", loss {record['losses']}" if record["losses"] else "")
     )
-    lines += [f"  {goodput_line(status.goodput, trainer=status.steps is not None)}"] if status.goodput else []
+    lines += (
+        [f"  {goodput_line(status.goodput, trainer=status.steps is not None, ended=status.done)}"]
+        if status.goodput
+        else []
+    )
     lines += [f"  {name}: {command}" for name, command in commands.items() if name in ("diagnosis", "resume", "cancel")]
     record["text"] = "\n".join(lines)
     return record

@@ -105,6 +105,27 @@ def test_a_running_attempt_counts_to_now_and_a_job_that_never_stepped_is_all_set
     )
 
 
+def test_an_ended_jobs_goodput_is_not_so_far_and_a_stepless_programs_run_dir_total_is_not_measured() -> None:
+    from meshrun.submit.core.state import JobState
+    from meshrun.submit.core.status import Status
+    from meshrun.submit.views.tables import detail_lines
+
+    attempts = goodput.attempts_of([{"event": "start", "job": "9", "restart": 0, "time": 100.0}], "9")
+    unfinished = goodput.account(attempts, [], now=399.0)  # its end never recorded (a killed job's)
+    assert unfinished["running"]
+    run = {"jobs": 2, "allocated_s": 299.0, "productive_s": 0.0, "lost_steps": 0, "effective_pct": 0.0}
+    base: dict[str, Any] = dict(job_id="9", cluster="local", name="n", run_dir="/r", submitted_at=0.0, succeeded=False)
+    ended = Status(**base, state=JobState.CANCELLED, done=True, goodput=unfinished, run_goodput=run)
+    lines = detail_lines(ended)
+    assert lines[0].startswith("goodput: not measured (4m59s allocated in 1 start(s)): the program reports no steps")
+    assert lines[1] == "the run dir's 2 jobs: goodput not measured (4m59s allocated): the program reports no steps"
+    running = Status(**base, state=JobState.RUNNING, done=False, goodput=unfinished)
+    assert detail_lines(running)[0].startswith("goodput so far: not measured (4m59s allocated")
+    # a trainer's run dir keeps its figures
+    trained = Status(**base, state=JobState.COMPLETED, done=True, steps=10, run_goodput=run)
+    assert detail_lines(trained) == ["the run dir's 2 jobs: 0% effective (productive 0.0s of 4m59s allocated)"]
+
+
 def test_a_resume_under_a_new_job_id_makes_the_parents_unsaved_steps_lost() -> None:
     parent = [_start("a", 0, 0, 10.0), *_steps("a", 0, 1, 12, 10.0, 1.0)]
     child = [_start("b", 0, 10, 50.0), *_steps("b", 0, 11, 20, 50.0, 1.0)]
