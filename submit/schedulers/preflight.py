@@ -187,6 +187,7 @@ def judge(plan: Plan, planned: Sequence[tuple[str, list[str]]], results: Sequenc
             check = _files(result, plan.spec.train.model.vocab_size if plan.spec.train else 0)
         elif what == "environment":
             check = _environment(plan, result)
+            checks += _program_there(plan, result)  # one label for the program's check, here and on `local`
         elif what == "program":
             check = _program(plan, result.stdout.strip() == "found", "on this machine", "program")
         else:
@@ -305,12 +306,19 @@ def _environment(plan: Plan, result: Result) -> Check:
             False,
             f"the cluster's meshrun is {meshrun}, this one is {__version__}; install the same meshrun on both",
         )
-    if versions.get("program") == "-":
-        where = "on the login node after the profile's setup lines (a compute node may differ)"
-        return _program(plan, False, where, "environment")
     there = "meshrun from the code snapshot" if meshrun == "-" else f"meshrun {meshrun}"
     note = f" (on the login node {failed}: a compute node may differ)" if failed else ""
     return Check("environment", True, f"torch {torch}, {there}{note}")
+
+
+def _program_there(plan: Plan, result: Result) -> list[Check]:
+    """The `program` check from the environment's round trip on a cluster (its `program found|-` line); [] when the
+    job's program is not looked up on PATH or the line is missing (the shell died before it)."""
+    said = [line.split(" ", 1)[1] for line in result.stdout.splitlines() if line.startswith("program ")]
+    if program_on_path(plan) is None or not said:
+        return []
+    where = "on the login node after the profile's setup lines (a compute node may differ)"
+    return [_program(plan, said[-1].strip() == "found", where, "program")]
 
 
 def _program(plan: Plan, found: bool, where: str, what: str) -> Check:

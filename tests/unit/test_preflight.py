@@ -151,10 +151,11 @@ def test_a_command_not_on_path_fails_the_check_before_it_queues(
         return list(_run(dataclasses.replace(plan, spec=spec, cluster=cluster), local=local).checks)
 
     failed = [c for c in checked("no-such-program-xyz", "--flag") if not c.ok]
-    assert len(failed) == 1 and failed[0].what == ("program" if local else "environment"), failed
+    assert len(failed) == 1 and failed[0].what == "program", failed  # one label, local or not
     assert failed[0].line.startswith("command: `no-such-program-xyz` is not on PATH "), failed
     assert "give an absolute path, install it, or load it in the profile's `setup:` lines" in failed[0].line
-    assert all(c.ok for c in checked("sh", "-c", "true")), checked("sh", "-c", "true")
+    found = checked("sh", "-c", "true")
+    assert all(c.ok for c in found) and [c.line for c in found if c.what == "program"] == ["`sh` is on PATH"], found
     assert all(c.ok for c in checked("./relative/script.sh")), "a path is uploaded with the code: not judged here"
     monkeypatch.chdir(tmp_path)  # where an injected `touch` would write
     named = checked("$(touch pwned)")  # a name is data, never code
