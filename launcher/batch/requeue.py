@@ -358,6 +358,22 @@ def unfinished_stop(run_dir: str, spec: RunSpec, status: int, stop_kind: Optiona
     return said
 
 
+DIED_OF_THE_STOP = frozenset({128 + signal.SIGTERM, 128 + signal.SIGUSR1})
+"""A rank's status when the stop signal itself ended it: a program with no handler for it (Hugging Face's
+Trainer installs none for SIGTERM)."""
+
+
+def stopped_by_the_signal(run_dir: str, spec: RunSpec, status: int, stop_kind: Optional[str]) -> Optional[str]:
+    """A `command:` job whose ranks died of the stop signal passed on for a preemption or the time limit: what
+    stopped it and where, recorded for `meshrun status` as an exit 0 after the stop is (a new user's trial saw a
+    preempted Hugging Face job wait with only Slurm's `Resources` for a reason); None otherwise."""
+    if status not in DIED_OF_THE_STOP or stop_kind is None or spec.job.command is None:
+        return None
+    said = finish.stopped(stop_kind, reported_step(run_dir))
+    record_stop(run_dir, said)
+    return said
+
+
 def record_stop(run_dir: str, said: str, environ: Mapping[str, str] = os.environ) -> None:
     """{"event": "stopped", "why"}: status shows the newest stop as the job's reason while nothing came after it."""
     line = {"event": "stopped", "why": said, "restart_count": int(environ.get("SLURM_RESTART_COUNT") or 0)}
@@ -412,7 +428,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if unfinished is not None:  # a stop like the built-in trainer's saved one: requeued as it is
         status, note = EXIT_REQUEUE, f"{unfinished}: {finish.WHY_A_STOP}"
     elif command_job:
-        status, note = programs_own(run_dir, status)
+        if not terminated and (died := stopped_by_the_signal(run_dir, spec, status, stop_kind)) is not None:
+            note = died
+        status, own = programs_own(run_dir, status)
+        note = f"{note}: {own}" if note and own else note or own
     decision = decide(
         run_dir,
         status,

@@ -187,6 +187,17 @@ def test_a_preempted_framework_that_exits_0_is_requeued_not_finished(tmp_path: P
     assert secrets.exists()  # the requeued run needs them
 
 
+def test_a_preempted_framework_killed_by_the_signal_says_what_stopped_it(tmp_path: Path) -> None:
+    """A new user's trial: Hugging Face's Trainer installs no SIGTERM handler, so a preempted rank dies of the
+    signal (143); the job was requeued, but while it waited `status` said only Slurm's `Resources`."""
+    done, _secrets, scontrol = _run(tmp_path, [f"{PREEMPTED_AT} 0 RUNNING"], RANKS_EXIT="143")
+    said = done.stdout + done.stderr
+    assert "stopped by preemption (no step reported)" in said and "requeueing: restart 1 of at most" in said, said
+    assert scontrol.read_text() == "scontrol requeue 4242\n"
+    metrics = (tmp_path / "runs" / "job" / "metrics.jsonl").read_text()
+    assert parse_metrics_tail(metrics, "4242")["stopped"] == "stopped by preemption (no step reported)"
+
+
 def test_the_ranks_hear_the_stop_once_per_start(tmp_path: Path) -> None:
     """Issue 44: after the time limit's SIGUSR1, Lightning saved a checkpoint and asked for a requeue; the TERM
     of that requeue reached the batch shell, which passed the stop on again: a second save and requeue."""
