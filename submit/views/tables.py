@@ -163,11 +163,14 @@ def _hang_head(verdict: dict[str, Any]) -> str:
 def detail_lines(status: Any, width: int = 100) -> list[str]:
     """One job's findings under its table row: why it ended so (or waits), the engine, the hang's verdict,
     stragglers, environment mismatches."""
+    import functools
     import textwrap
 
     from meshrun.submit.textwidth import printable
 
-    lines = textwrap.wrap(printable(_reason_line(status)), width, subsequent_indent="  ") if status.reason else []
+    # Never broken at a hyphen: an option ('--container-image=...') or a node name stays whole on its line.
+    wrap = functools.partial(textwrap.wrap, width=width, break_on_hyphens=False)
+    lines = wrap(printable(_reason_line(status)), subsequent_indent="  ") if status.reason else []
     lines += [f"engine: {printable(status.engine)}"] if status.engine else []
     lines += [printable(f"chosen: {status.chosen}")] if status.chosen else []
     ratio = status.progress.get("plan_step_ratio")
@@ -177,7 +180,7 @@ def detail_lines(status: Any, width: int = 100) -> list[str]:
     if status.verdict is not None:
         lines.append(printable(f"hang: {_hang_head(status.verdict)}".rstrip(": ")))
         paragraph = printable(" ".join(str(status.verdict.get("verdict") or "").split()))
-        lines += textwrap.wrap(paragraph, width, initial_indent="  ", subsequent_indent="  ")
+        lines += wrap(paragraph, initial_indent="  ", subsequent_indent="  ")
         lines.append(f"  the diagnosis: meshrun logs {status.job_id} --diagnosis")
     if status.stragglers:
         named = [

@@ -161,6 +161,17 @@ def test_top_cells_step_of_steps_time_left_and_a_non_finite_loss_in_the_sparklin
     assert progress_line(huge, 10**9).endswith("eta >99 days left 0:04:00 (the limit comes first)")
 
 
+def test_a_wrapped_reason_keeps_an_option_name_whole() -> None:
+    from meshrun.submit.views.tables import detail_lines
+
+    said = "pyxis: the cluster has no enroot; drop the option '--container-image=nvcr.io/nvidia/pytorch:24.05-py3'"
+    lines = detail_lines(_status(state="FAILED", done=True, reason=said, exit_code=2), width=100)
+    assert lines == [
+        "reason (exit 2, bad input): pyxis: the cluster has no enroot; drop the option",
+        "  '--container-image=nvcr.io/nvidia/pytorch:24.05-py3'",
+    ]
+
+
 def test_status_of_one_job_says_why_it_ended_with_its_exit_codes_meaning() -> None:
     from meshrun.submit.views.tables import detail_lines
 
