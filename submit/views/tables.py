@@ -306,8 +306,10 @@ def _reason_line(status: Any) -> str:
     from meshrun.launcher.contract.exitcodes import EXIT_NAMES
 
     code = status.exit_code
-    named = f" (exit {code}, {EXIT_NAMES[code]})" if code in EXIT_NAMES and code else ""
-    named = named or (f" (exit {code})" if code else "")
+    name = EXIT_NAMES.get(code, "") if code else ""
+    if name and str(status.reason).startswith(name.split(" (")[0]):
+        name = ""  # the reason says it already ('gave up (crash loop: ...)'): not twice
+    named = f" (exit {code}, {name})" if name else (f" (exit {code})" if code else "")
     return f"reason{named}: {status.reason}"
 
 

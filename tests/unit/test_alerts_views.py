@@ -179,6 +179,8 @@ def test_status_of_one_job_says_why_it_ended_with_its_exit_codes_meaning() -> No
     assert detail_lines(failed)[0] == "reason (exit 2, bad input): rank 0: bad token file"
     odd = _status(state="FAILED", done=True, reason="rank 1 exited with code 3", exit_code=3)
     assert detail_lines(odd)[0] == "reason (exit 3): rank 1 exited with code 3"
+    gave_up = _status(state="FAILED", done=True, reason="gave up (crash loop: 2 runs in a row failed)", exit_code=77)
+    assert detail_lines(gave_up)[0] == "reason (exit 77): gave up (crash loop: 2 runs in a row failed)"
     waiting = _status(state="PENDING", reason="Resources")
     assert detail_lines(waiting) == ["reason: Resources"]
     assert detail_lines(_status(state="COMPLETED", done=True, succeeded=True)) == []
