@@ -6,7 +6,7 @@ Per run, on both testbed nodes: `srun -N2 true` (the baseline: what any step cos
 the batch script runs it (`srun -N2 python -m meshrun.launcher.probes.health RUN_DIR NOW`) and the verdict
 (`python -m meshrun.launcher.batch.gate RUN_DIR`), for a `command:` job and a trainer job (the testbed's nodes have no
 usable GPUs: a GPU job's check also asks NVML and imports torch, a few seconds more). Prints the medians, the
-ratio to the bare step, and the slowest node's own time for its checks (from its answer). Goal (issue 24): under 10 s per node. Starts the testbed when it is not
+ratio to the bare step, and the slowest node's own time for its checks (from its answer). Goal: under 10 s per node. Starts the testbed when it is not
 running and stops it again unless --keep. --quick: 1 run (CI's check that the bench runs).
 """
 

@@ -7,7 +7,7 @@ is not touched); then each job of the grid is planned (`meshrun plan --json`: st
 calibration) and run (`meshrun submit --wait`), and its measured step time is the median of metrics.jsonl's
 step_time_s after the first two logged steps (warm-up). It prints a row per job and the error distribution
 (error = predicted / measured - 1), apart for the models the planner's CPU constants were fitted on and the
-HELD_OUT ones; issue 25's goal: median |error| under 20%, worst under 50%. --quick runs
+HELD_OUT ones; the goal: median |error| under 20%, worst under 50%. --quick runs
 one small job of a few steps: CI's check that the bench runs (its errors mean little).
 """
 

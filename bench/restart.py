@@ -1,5 +1,5 @@
 """From a rank's death to the next first step: a restart inside the allocation on a spare node against a requeue
-of the same job, on the real Slurm testbed, measured in one run (issue 24's goal: under a quarter).
+of the same job, on the real Slurm testbed, measured in one run (the goal: under a quarter).
 
     .venv/bin/python bench/restart.py [--trials N] [--keep] [--quick]
 

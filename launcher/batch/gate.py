@@ -1,4 +1,4 @@
-"""The health gate's verdict, on the batch host, before the ranks start (issue 24). Torch-free, stdlib only.
+"""The health gate's verdict, on the batch host, before the ranks start. Torch-free, stdlib only.
 
     python -m meshrun.launcher.batch.gate RUN_DIR
 

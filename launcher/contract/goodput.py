@@ -1,4 +1,4 @@
-"""Goodput: where every second of a job's allocations went (issue 24). Torch-free, stdlib only.
+"""Goodput: where every second of a job's allocations went. Torch-free, stdlib only.
 
 Its inputs are the run dir's own records, so the same accounting runs wherever they are read:
 - RUN_DIR/.meshrun/attempts.jsonl: each start and end of an allocation ({"event": "start"|"end", "job",
@@ -281,7 +281,7 @@ def progress_of(metrics: Iterable[Mapping[str, Any]], job: str, rd: RunDir) -> d
     """The job's newest step and highest checkpoint complete on shared storage, from the whole metrics file (and
     RunDir.last_checkpoint while it names the job), as of this record. An ended job's `status` shows these: the
     metrics tail it reads for a running job fills with a later job's lines (a resume in the same run dir), and
-    a job's CKPT read from it went back (issue 44's seed 7015: 45, then 30)."""
+    a job's CKPT read from it went back (journey seed 7015: 45, then 30)."""
     step: Optional[int] = None
     checkpoint: Optional[int] = None
     for row in metrics:

@@ -1,4 +1,4 @@
-"""When each rank's log lines were written, for `meshrun logs --rank all` (issue 44: ranks out of time order).
+"""When each rank's log lines were written, for `meshrun logs --rank all` (not rank by rank, out of time order).
 
 The ranks' output reaches logs/rank-N.log without passing through meshrun (srun writes it on Slurm; the local
 supervisor points the rank's fds at it), and a line carries no time. Each node's sidecar samples its own ranks'

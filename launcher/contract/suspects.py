@@ -1,4 +1,4 @@
-"""The cluster's ledger of suspect nodes (issue 24, part 3): remembered across requeues and new submits.
+"""The cluster's ledger of suspect nodes: remembered across requeues and new submits.
 
 One JSON line per finding (a hang verdict's stalled nodes, a failed health check, a straggler, a hardware XID),
 appended where the jobs run (WORK_DIR/.meshrun/suspect-nodes.jsonl: shared

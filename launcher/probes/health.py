@@ -1,4 +1,4 @@
-"""A node's health check before the ranks start, on Slurm (issue 24's gate): one task per node.
+"""A node's health check before the ranks start, on Slurm (the health gate): one task per node.
 
     python -m meshrun.launcher.probes.health RUN_DIR REFERENCE_TIME
 

@@ -1,4 +1,4 @@
-"""Issue 14's live views against real jobs: `meshrun watch --notify` runs its command exactly once per new
+"""The live views against real jobs: `meshrun watch --notify` runs its command exactly once per new
 alert (across a restart of watch too), and `meshrun top` in a real terminal (tmux) shows what the run dirs
 hold. Locally here; over SSH against the Slurm testbed in test_ssh_alerts_live.py.
 
@@ -108,7 +108,7 @@ def test_watch_notifies_each_alert_exactly_once_locally(tmp_path: Path) -> None:
 
 
 def test_a_job_that_fails_gets_one_digest_with_its_reason_goodput_and_commands(tmp_path: Path) -> None:
-    """Issue 24: a failure is one notification holding what a person needs (a real local job, the real loop)."""
+    """A failure is one notification holding what a person needs (a real local job, the real loop)."""
     home = tmp_path / "home"
     spec = tmp_path / "failing.yaml"
     spec.write_text(

@@ -71,7 +71,7 @@ def test_a_command_that_crashes_at_once_gives_up_after_two_runs_on_slurm(testbed
 
 
 def test_on_slurm_the_reason_names_the_rank_killed_first_and_how(testbed: dict, tmp_path: Path) -> None:
-    """Issue 22 item 13 on Slurm: rank 1 killed with -9 while rank 0 waits; the reason led with nothing of it."""
+    """On Slurm: rank 1 killed with -9 while rank 0 waits; the reason led with nothing of it."""
     program = (
         'command=[python3, -c, \'import os, time; r = os.environ["RANK"]; time.sleep(2); '
         'os.kill(os.getpid(), 9) if r == "1" else time.sleep(120)\']'
@@ -102,7 +102,7 @@ def test_a_command_that_crashes_at_once_gives_up_on_its_second_local_run(tmp_pat
 
 
 def test_a_programs_own_exit_2_is_its_failure_not_bad_input_on_local(tmp_path: Path) -> None:
-    """Issue 22 item 11: a script's argparse error ended the job as meshrun's exit 2, 'bad input'."""
+    """A script's argparse error ended the job as meshrun's exit 2, 'bad input'."""
     usage = "command=[python3, -c, 'import argparse; argparse.ArgumentParser().parse_args([\"--nope\"])']"
     out = meshrun(tmp_path, "submit", "examples/command.yaml", "-c", "local", *ONE_RANK, "--set", usage, "--wait")
     job_id, _ = submitted(out)
@@ -113,7 +113,7 @@ def test_a_programs_own_exit_2_is_its_failure_not_bad_input_on_local(tmp_path: P
 
 
 def test_a_command_job_saving_through_launcher_job_shows_its_checkpoint(tmp_path: Path) -> None:
-    """Issue 22 item 12: CKPT showed '-' for command jobs that saved through meshrun.launcher.job."""
+    """CKPT showed '-' for command jobs that saved through meshrun.launcher.job."""
     script = "command=[python3, examples/ddp_train.py, --steps, '30', --save-every, '10']"
     out = meshrun(tmp_path, "submit", "examples/ddp.yaml", "-c", "local", "--set", script, "--wait", check=True)
     job_id, run_dir = submitted(out)
@@ -155,7 +155,7 @@ def test_should_stop_agrees_across_ranks_when_one_rank_is_signalled(tmp_path: Pa
 def test_a_job_whose_ranks_never_start_says_why_in_status_and_logs_and_is_not_requeued(
     testbed: dict, tmp_path: Path
 ) -> None:
-    """Issue 44's trial: a profile's Pyxis container on a cluster without Pyxis queued, then failed in 0 s with
+    """A new user's trial: a profile's Pyxis container on a cluster without Pyxis queued, then failed in 0 s with
     `srun: unrecognized option '--container-image=...'` 8 times; status said FAILED with no reason, `logs` said
     "no log yet" (exit 0), and the batch log advised a `meshrun resume` that would fail the same way."""
     import yaml
@@ -196,7 +196,7 @@ print("left the loop on the signal", flush=True)
 
 
 def test_a_local_job_that_exits_0_at_its_time_limit_ends_timeout_unless_it_said_it_finished(tmp_path: Path) -> None:
-    """Issue 44 on `local`: the supervisor's time limit passes SIGUSR1 on; a program that leaves its loop on it
+    """On `local`: the supervisor's time limit passes SIGUSR1 on; a program that leaves its loop on it
     and exits 0 has work left (TIMEOUT, and status says where it stopped and that resume continues it); one that
     said it finished is COMPLETED; one with no USR1 handler of its own gets SIGTERM instead (USR1 would kill it:
     Lightning on `local` died of it, exit 138, nothing saved). All through the real supervisor and its real time

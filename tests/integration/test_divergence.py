@@ -1,4 +1,4 @@
-"""Issue 14's trainer side on the local cluster, through the real `meshrun` command: a job made to
+"""The divergence alert's trainer side on the local cluster, through the real `meshrun` command: a job made to
 diverge stops at once with exit 78 and nothing non-finite saved; a starved job fires data_wait; the
 best checkpoint survives retention and exports."""
 

@@ -57,7 +57,7 @@ CASES = (
         env=((DEAF_ENV, "5"),),
     ),
     Case("exit-1", _first_run_exits(1), REQUEUED, "0:0", (AGAIN, DONE)),
-    # A program's own 2 (argparse's usage error) is a failure like any other (issue 22 item 11); meshrun's
+    # A program's own 2 (argparse's usage error) is a failure like any other; meshrun's
     # bad-input verdict is a 2 that comes with a rank error line (meshrun.launcher.job's checks write one).
     Case(
         "exit-2",

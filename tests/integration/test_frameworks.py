@@ -1,4 +1,4 @@
-"""The frameworks users bring, installed for real, on the Slurm testbed (issue 44).
+"""The frameworks users bring, installed for real, on the Slurm testbed.
 
 Three plain scripts with no meshrun imports (examples/lightning_train.py, hf_trainer_train.py,
 accelerate_train.py), each written as the docs tell that framework's user, train on two nodes of the testbed. One

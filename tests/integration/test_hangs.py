@@ -100,7 +100,7 @@ def test_testbed_hang_on_the_second_node_is_requeued_resumes_and_finishes(
     steps = [r["step"] for r in metrics(run_dir)]
     assert steps[-1] == 80 and steps.count(41) == 2  # steps 41.. ran again after the resume from 40
 
-    # Goodput (issue 24): two starts; the steps the first trained past its last checkpoint (40) are the lost
+    # Goodput: two starts; the steps the first trained past its last checkpoint (40) are the lost
     # ones; the parts add up to the allocated time, which is Slurm's own elapsed time of both runs.
     good = row["goodput"]
     redone = [r["step"] for r in metrics(run_dir) if r.get("restart_count") == 0 and r["step"] > 40]
@@ -115,7 +115,7 @@ def test_testbed_hang_on_the_second_node_is_requeued_resumes_and_finishes(
     assert abs(sum(map(int, elapsed)) - good["allocated_s"]) <= 3.0, (elapsed, good)
     assert "goodput: " in meshrun(tmp_path, "status", job_id, check=True).stdout
 
-    # The verdict blamed n2 (issue 24, part 3): the cluster's ledger lists it, a new 1-node job leaves it out
+    # The verdict blamed n2: the cluster's ledger lists it, a new 1-node job leaves it out
     # (the 2-node partition can spare one node) and says so, until n2 is cleared.
     listed = meshrun(tmp_path, "nodes", "-c", "testbed", check=True).stdout
     ledger = Path(read_run_spec(run_dir).run.suspects_file)  # what the job wrote, should `nodes` not show it
@@ -126,11 +126,11 @@ def test_testbed_hang_on_the_second_node_is_requeued_resumes_and_finishes(
     assert "#SBATCH --exclude=n2" in rendered.stdout and "leaving out suspect node n2" in rendered.stderr
     dry = meshrun(
         tmp_path, "submit", *one_node, "--set", f"data.path={corpus}", "--dry-run", check=True
-    )  # issue 44 item 4: the dry run reads it too
+    )  # the dry run reads it too
     assert "#SBATCH --exclude=n2" in dry.stdout and "leaving out suspect node n2" in dry.stderr, dry
     two_nodes = meshrun(tmp_path, "render", *TWO_NODES, check=True)
     assert "--exclude" not in two_nodes.stdout and "n2 kept in: the job needs 2" in two_nodes.stderr
-    bare = meshrun(tmp_path, "nodes", "-c", "testbed", "--clear")  # issue 44: argparse's usage error before
+    bare = meshrun(tmp_path, "nodes", "-c", "testbed", "--clear")  # argparse's usage error before
     assert bare.returncode == 2 and "--clear: '': name the node to trust again" in bare.stderr, bare.stderr
     assert "or --clear-all" in bare.stderr, bare.stderr
     cleared = meshrun(tmp_path, "nodes", "-c", "testbed", "--clear", "n1", "--clear-all", check=True).stdout

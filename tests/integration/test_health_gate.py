@@ -1,4 +1,4 @@
-"""The health gate on the real Slurm testbed (issue 24, part 2): a node that fails its check before the ranks
+"""The health gate on the real Slurm testbed: a node that fails its check before the ranks
 start is recorded as a suspect and excluded, and the job requeued onto a healthy node, where it trains; when
 excluding it would leave the partition too few nodes the job ends with exit 79 and says why. The failure comes
 from launcher/probes/health.py's test variable, which the submitting environment passes to the job."""

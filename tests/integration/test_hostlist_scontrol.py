@@ -284,7 +284,7 @@ def test_generated_lists_match_scontrol(scontrol: Run) -> None:
 
 
 def test_login_ib_suffix_is_expanded_as_slurm_23_11_does(scontrol: Run, scontrol_version: tuple[int, int]) -> None:
-    # Issue 13's example: the installed 22.05 refuses it, Slurm >= 23.11 gives these two names.
+    # The example: the installed 22.05 refuses it, Slurm >= 23.11 gives these two names.
     text = "login[1-2]-ib"
     assert expand_hostlist(text) == ["login1-ib", "login2-ib"]
     results = scontrol([text, "login[1-2]-ib[0]"])

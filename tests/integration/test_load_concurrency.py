@@ -1,4 +1,4 @@
-"""Load and concurrency (issue 13), through the real CLI and real processes: ten `meshrun submit` at once
+"""Load and concurrency, through the real CLI and real processes: ten `meshrun submit` at once
 (local and the Slurm testbed) record each job exactly once; a registry writer SIGKILLed mid-write loses
 nothing already recorded; `status` of 1,000 jobs is one remote command; `logs -f` of a 1 GB log reads its
 tail, not the gigabyte."""

@@ -1,7 +1,7 @@
 """A job's life on the `local` cluster, through the real CLI with real processes: one failing rank stops its
 peers, a TERM-trapping program cancels as CANCELLED (at once after submit too), a killed supervisor leaves no
 second writer, each job id keeps its own outcome and its own log lines, resume without a run dir says so,
-Ctrl-C while waiting leaves the job running. The items are what a new user hit in issue 15."""
+Ctrl-C while waiting leaves the job running. The items are what a new user hit."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 8's "one road", proven on the real parts: what `--dry-run` prints is byte for byte what the real
+"""The "one road", proven on the real parts: what `--dry-run` prints is byte for byte what the real
 submit writes, and a submit over SSH plans once and renders once (counted), locally and on the real
 Slurm testbed reached through the real sshd."""
 

@@ -91,8 +91,8 @@ def test_local_cancel_saves_then_resume_finishes_and_export_writes_safetensors(t
     assert f"resumed job {job_id} as job local-" in out.stdout and "COMPLETED" in out.stdout
     rows = _step_rows(run_dir)
     assert rows[-1]["step"] == 80 and status(tmp_path, out.stdout.split()[5])["state"] == "COMPLETED"
-    # The cancelled job's row is still its own after the resume finished in the same run dir (issue 22
-    # item 9: it showed the resume's step 80 and checkpoint).
+    # The cancelled job's row is still its own after the resume finished in the same run dir (it
+    # showed the resume's step 80 and checkpoint).
     parent = status(tmp_path, job_id)
     assert parent["state"] == "CANCELLED" and parent["progress"]["step"] < 80, parent
     assert parent["progress"]["checkpoint_step"] == row["progress"]["checkpoint_step"], (parent, row)

@@ -1,4 +1,4 @@
-"""Preflight on the real Slurm testbed, from a laptop over SSH (issue 25, part 1): a job that would die in its
+"""Preflight on the real Slurm testbed, from a laptop over SSH: a job that would die in its
 first second is refused before it queues, in one line per problem, exit 2, in one SSH connection, and Slurm
 never sees a job (sacct lists none of its name). A job that would start is told when."""
 
@@ -90,7 +90,7 @@ def test_check_alone_says_when_the_job_would_start_and_submits_nothing(
     assert [line.split()[1] for line in lines] == ["slurm", "files", "environment", "space", "code"], lines
     assert lines[-1].startswith("ok    code        snapshot "), lines  # on the cluster already, or to upload
     assert out.stderr.endswith("nothing was queued; the job would start\n") and _sacct_names(name) == []
-    # A sweep is checked first too (issue 44: `--sweep ... --check` was refused): its array's test-only.
+    # A sweep is checked first too (`--sweep ... --check` was once refused): its array's test-only.
     out = sshbed.meshrun(tmp_path, "submit", *args, "--sweep", "train.lr=1e-3,3e-4")
     assert out.returncode == 0 and out.stdout.startswith("ok    slurm       Slurm can run it"), out
     assert out.stderr.endswith("nothing was queued; the job array (2 tasks) would start\n"), out.stderr

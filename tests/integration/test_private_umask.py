@@ -1,4 +1,4 @@
-"""Private by default, whatever the umask (issue 22 item 8): real jobs started under `umask 000`, every file
+"""Private by default, whatever the umask: real jobs started under `umask 000`, every file
 and folder they create walked, at the end and while they run, for any group or other permission bit.
 
 Under umask 000 a 0755 scratch folder became 0777, DCP's shards in `step-N.tmp/` 0666, TensorBoard's and the

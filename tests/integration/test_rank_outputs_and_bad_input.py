@@ -1,5 +1,5 @@
 """What a rank writes and what it refuses, with real `python -m meshrun.launcher RUN_DIR` ranks (CPU, gloo, a tiny
-model); the items are issue 15's, their one-process side is tests/unit/test_rank_outputs_and_bad_input.py.
+model); the items a new user hit, their one-process side is tests/unit/test_rank_outputs_and_bad_input.py.
 
 One short run covers the trainer's findings (validation cadence, every commit in metrics.jsonl
 and the crash-loop guard, private checkpoints under a checkpoint root, no `env` in the marker)

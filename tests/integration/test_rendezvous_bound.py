@@ -1,6 +1,6 @@
 """The built-in trainer's rendezvous is bounded (watchdog.rendezvous_timeout_s): with one rank that never starts,
 real `python -m meshrun.launcher RUN_DIR` ranks (gloo, this machine as two "nodes") end within the bound with exit 76 and
-one line naming the rank and node that did not join, not torch's traceback after 10 minutes (issue 44: a requeued
+one line naming the rank and node that did not join, not torch's traceback after 10 minutes (a requeued
 start waited in a store connect that could not complete)."""
 
 from __future__ import annotations

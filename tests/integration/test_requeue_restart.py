@@ -1,4 +1,4 @@
-"""A requeued two-node job starts again on the real testbed and both slurmds live on (issue 22, item 5); the
+"""A requeued two-node job starts again on the real testbed and both slurmds live on; the
 testbed clears a leftover job and heals a node whose slurmd died, so one casualty does not fail every later
 test."""
 

@@ -92,7 +92,7 @@ def test_a_two_node_slurm_job_has_a_sidecar_per_node_gone_when_the_ranks_end(tes
     assert "Killed" not in batch, batch
 
 
-# --- A dead sidecar (issue 22, items 2 and 4) ---------------------------------------------------------------
+# --- A dead sidecar ---------------------------------------------------------------------------------------------------
 
 SAVING = ["--set", "checkpoint.every=5", "--set", "checkpoint.keep=2", "--set", "sidecar.interval_s=0.5"]
 
@@ -205,7 +205,7 @@ def test_a_killed_local_supervisor_leaves_its_ranks_training_until_cancelled_and
 def test_a_killed_sidecar_on_the_second_slurm_node_is_started_again_and_no_checkpoint_is_lost(
     testbed: dict, tmp_path: Path, corpus: Path
 ) -> None:
-    """Issue 22 item 2 where it happened: two nodes, saves staged on each node's scratch, n2's sidecar
+    """A dead sidecar where it happened: two nodes, saves staged on each node's scratch, n2's sidecar
     killed with -9 mid-run. Its keeper starts it again; every later step reaches shared storage, the job
     does not wait out sidecar.final_copy_s (300 s, longer than this test waits), no checkpoint_lost alert."""
     steps = 30

@@ -1,5 +1,5 @@
 """The profile's work_dir on the real Slurm testbed (and over the real sshd): a failed sbatch leaves no run dir
-in it, a `%` in it is not a pattern, `render` over SSH shows the login node's real home for `~` (issue 15)."""
+in it, a `%` in it is not a pattern, `render` over SSH shows the login node's real home for `~`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Restart inside the allocation on a spare node (issue 24, part 1), on the real Slurm testbed: a 2-node job
+"""Restart inside the allocation on a spare node, on the real Slurm testbed: a 2-node job
 with 1 spare (the testbed's `wide` partition has three nodes) whose rank on n2 is killed with -9 mid-run
 restarts on n1 + n3 inside the same Slurm job (no requeue), resumes from its last complete checkpoint and
 finishes every step, bit for bit as an uninterrupted run; the node it left is a suspect with srun's evidence,
@@ -196,7 +196,7 @@ def _kill_the_rank(run_dir: Path, saved_after: int, not_on: str = "") -> tuple[s
 def test_a_requeue_after_the_last_spare_leaves_out_both_nodes_and_asks_for_fewer(
     testbed: dict, tmp_path: Path, corpus: Path
 ) -> None:
-    """Issue 44: 1 node + 1 spare in `wide` (n1-n3). The rank's node is killed: the spare takes over; it is killed
+    """1 node + 1 spare in `wide` (n1-n3). The rank's node is killed: the spare takes over; it is killed
     too: no spare left, the job requeues. It used to ask for 2 nodes again beside only the last one excluded, and
     could land on the node it had left first. The batch script's `scontrol update ExcNodeList= NumNodes=
     NumTasks=` makes the requeued job run on the third node alone, with one task, from its checkpoint."""

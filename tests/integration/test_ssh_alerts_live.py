@@ -1,4 +1,4 @@
-"""Issue 14's live views over SSH against the real Slurm testbed: `meshrun watch --notify` runs its command
+"""The live views over SSH against the real Slurm testbed: `meshrun watch --notify` runs its command
 exactly once per new alert (across a restart too) and `meshrun top` in a real terminal (tmux) shows what
 the run dir holds, each refresh one round trip. The laptop has no Slurm: the cluster only over sshd."""
 

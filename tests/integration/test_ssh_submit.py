@@ -222,7 +222,7 @@ def _reading(run_dir: Path, timeout: float = 60) -> None:
 
 
 def test_a_resubmit_while_jobs_run_never_removes_or_replaces_their_code(testbed: dict, tmp_path: Path) -> None:
-    """Issue 22 item 1: a job's own bytecode made the next submit swap the snapshot under it (exit 2)."""
+    """A job's own bytecode made the next submit swap the snapshot under it (exit 2)."""
     profile = str(sshbed.profile(tmp_path, "snapbed"))
     root = sshbed.project(
         tmp_path,
@@ -282,7 +282,7 @@ def _sacct_state(job: str, timeout: float = 60) -> tuple[str, str]:
 
 
 def test_a_hand_submitted_render_refuses_to_start_without_its_snapshot(testbed: dict, tmp_path: Path) -> None:
-    """Issue 22 item 7: `render -o` uploads nothing; its script must not run the code from /tmp."""
+    """`render -o` uploads nothing; its script must not run the code from /tmp."""
     profile = str(sshbed.profile(tmp_path, "handbed"))
     root = sshbed.project(
         tmp_path,

@@ -55,7 +55,7 @@ def test_wait_shows_progress_as_plain_lines_when_piped(tmp_path: Path, corpus: P
 
 
 def test_bad_data_shows_the_ranks_one_line_error_and_exits_2(tmp_path: Path) -> None:
-    """Issue 15, item 15: the real error, not a garbled submitit reason, in --wait, status and the exit code."""
+    """The real error, not a garbled submitit reason, in --wait, status and the exit code."""
     out = meshrun(tmp_path, "submit", *TINY, "--set", "data.path=/nonexistent/tokens.u16", "--wait", "--no-check")
     assert out.returncode == 2, out.stdout + out.stderr
     job_id, _ = submitted(out)

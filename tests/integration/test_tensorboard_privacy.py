@@ -1,4 +1,4 @@
-"""Issue 22 item 6: another user of the login node (or of the laptop) cannot read your TensorBoard, and
+"""Another user of the login node (or of the laptop) cannot read your TensorBoard, and
 no server outlives the `meshrun tb` that started it: closing the terminal (SIGHUP) stops it, and
 `meshrun tb --stop` stops one left running (a `meshrun tb` killed with -9), never another process.
 

@@ -1,4 +1,4 @@
-"""Issue 9, part 1: the job writes its own TensorBoard event files. A real `tensorboard --logdir WORK_DIR`
+"""The job writes its own TensorBoard event files. A real `tensorboard --logdir WORK_DIR`
 shows two local runs side by side; `meshrun tb JOB JOB` serves them together, and an array id serves
 its tasks (old runs without event files are converted from metrics.jsonl)."""
 

@@ -1,5 +1,5 @@
 """Seeded journeys of a user on a cluster (a `Site`: `local`, or the real Slurm testbed), and the invariants
-every step must keep (issue 22's harness: the class of bug, not its instances).
+every step must keep (the class of bug, not its instances).
 
 A journey is a sequence of steps drawn by `random.Random(seed)`: submit beside running jobs (the same
 code, or from one of two project folders, changed since its last submit), cancel, resume, kill -9 of one
@@ -590,7 +590,7 @@ class Journey:
 
     def check_code(self, rows: dict[str, dict[str, Any]]) -> None:
         """The code a job runs from (its snapshot on Slurm, the project on `local`) is there, as first seen,
-        while the job has not ended: a later submit never removes or replaces it (issue 22 item 1)."""
+        while the job has not ended: a later submit never removes or replaces it."""
         if not self.site.ships_code:
             return
         for job_id, row in rows.items():

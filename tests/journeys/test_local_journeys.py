@@ -17,9 +17,9 @@ from tests.journeys.harness import LOCAL, Journey, reference_losses
 
 CI_SEEDS = (1, 2, 3)
 FIRST_SEED = int(os.environ.get("MESHRUN_JOURNEY_SEED", "0"))
-"""The soak's first seed: seeds it has not seen find what the usual 0-99 no longer can (issue 44: 7015)."""
+"""The soak's first seed: seeds it has not seen find what the usual 0-99 no longer can (7015 did)."""
 SEEDS = range(FIRST_SEED, FIRST_SEED + int(os.environ.get("MESHRUN_JOURNEYS", "100"))) if SOAK else CI_SEEDS
-# CI's few journeys are short (the suite's time is shared: issue 23 keeps every journey under 3 minutes in all);
+# CI's few journeys are short (the suite's time is shared: every journey stays under 3 minutes in all);
 # the soak's are longer.
 STEPS_PER_JOURNEY = (5, 10) if SOAK else (4, 6)
 

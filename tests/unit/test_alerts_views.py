@@ -1,4 +1,4 @@
-"""Issue 14's views: the --wait progress line, the ALERTS column, status JOB's alerts, the findings round trip."""
+"""The alert views: the --wait progress line, the ALERTS column, status JOB's alerts, the findings round trip."""
 
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ def test_top_cells_step_of_steps_time_left_and_a_non_finite_loss_in_the_sparklin
         "-",
         "0:09:00",
     )
-    # GOODPUT: the job's effective training time so far, from its goodput record (issue 24).
+    # GOODPUT: the job's effective training time so far, from its goodput record.
     assert top.row(_status(goodput={"effective_pct": 81.4}))[top.HEAD.index("GOODPUT")] == "81%"
     assert limited and cells[top.HEAD.index("GOODPUT")] == "-"
     huge = _status(progress={"step": 1, "step_time_s": 3.0}, steps=10**9, elapsed_s=60, time_limit_s=300)
@@ -187,7 +187,7 @@ def test_status_of_one_job_says_why_it_ended_with_its_exit_codes_meaning() -> No
 
 
 def test_top_once_lists_the_running_jobs_and_the_named_ones_ended_or_not(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 44: `top --once` listed COMPLETED jobs (the registry still thought them running) while README says
+    """`top --once` listed COMPLETED jobs (the registry still thought them running) while README says
     'every running job'."""
     from meshrun.submit import api
     from meshrun.submit.views import top

@@ -1,7 +1,7 @@
 """The batch script's reading of Slurm once the ranks have ended (templates/slurm.sbatch.j2), run for real
 under bash with stub `srun`, `squeue` and `scontrol` on PATH.
 
-Found by a 2-worker run of the suite (issue 23), on a loaded 2-core machine: at a preemption's grace time's
+Found by a 2-worker run of the suite, on a loaded 2-core machine: at a preemption's grace time's
 end Slurm signals the batch shell and requeues the job, but counts the restart a moment after the shell
 first asked squeue, which then showed the job preempted and no longer RUNNING. The shell took that for a
 scancel, ended the job as cancelled and removed its `env:` secrets; Slurm's requeued run found them gone and
@@ -176,7 +176,7 @@ def test_a_preempted_job_slurm_ends_without_a_requeue_ends_as_cancelled(tmp_path
 
 
 def test_a_preempted_framework_that_exits_0_is_requeued_not_finished(tmp_path: Path) -> None:
-    """Issue 44: Lightning leaves its loop on the preemption's SIGTERM and exits 0 within the grace time; the
+    """Lightning leaves its loop on the preemption's SIGTERM and exits 0 within the grace time; the
     job was taken for finished and ended COMPLETED with its work lost."""
     done, secrets, scontrol = _run(tmp_path, [f"{PREEMPTED_AT} 0 RUNNING"], RANKS_EXIT="0")
     said = done.stdout + done.stderr
@@ -199,7 +199,7 @@ def test_a_preempted_framework_killed_by_the_signal_says_what_stopped_it(tmp_pat
 
 
 def test_the_ranks_hear_the_stop_once_per_start(tmp_path: Path) -> None:
-    """Issue 44: after the time limit's SIGUSR1, Lightning saved a checkpoint and asked for a requeue; the TERM
+    """After the time limit's SIGUSR1, Lightning saved a checkpoint and asked for a requeue; the TERM
     of that requeue reached the batch shell, which passed the stop on again: a second save and requeue."""
     shell, _secrets, scontrol = _start(tmp_path, ["N/A 1 PENDING"], RANKS_WAIT="1", RANKS_EXIT="0")
     answers = tmp_path / "answers"
@@ -250,8 +250,8 @@ def test_ranks_that_neither_stop_nor_requeue_after_the_time_limits_warning_are_r
     tmp_path: Path,
 ) -> None:
     """A new user's trial: Lightning's handler saved hpc_ckpt_1.ckpt on the time limit's USR1, then hung in its
-    barrier; its own `scontrol requeue` never ran, and the job ended TIMEOUT, which Slurm never requeues (issue
-    44: one requeue, never none). The batch shell's backstop requeues it shortly before the limit."""
+    barrier; its own `scontrol requeue` never ran, and the job ended TIMEOUT, which Slurm never requeues (one
+    requeue, never none). The batch shell's backstop requeues it shortly before the limit."""
     lead = 6  # the profile's warning lead: the backstop comes time_limit_backstop_s(6) = 3 s after the warning
     shell, _secrets, scontrol = _start(tmp_path, ["N/A 1 PENDING"], RANKS_WAIT="1", RANKS_EXIT="0", LEAD=str(lead))
     answers = tmp_path / "answers"

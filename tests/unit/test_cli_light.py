@@ -57,7 +57,7 @@ def test_bad_input_is_one_line_exit_2_no_traceback(tmp_path: Path) -> None:
         ["status", "12345"],
         ["logs", "12345"],
         ["cancel", "12345"],
-        # A new user's trial (issue 22): a mistyped cluster listed nothing with exit 0; argparse's own errors
+        # A new user's trial: a mistyped cluster listed nothing with exit 0; argparse's own errors
         # printed the usage block.
         ["status", "-c", "nosuchcluster"],
         ["top", "--once", "-c", "nosuchcluster"],

@@ -350,7 +350,7 @@ def run_data(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_a_users_corpus_past_the_default_corpus_cap_is_read_whole(tmp_path: Path) -> None:
-    """Issue 22 item 3: 27 MB of a user's text became its first 16 MB, the last document cut, exit 0 and not a
+    """27 MB of a user's text became its first 16 MB, the last document cut, exit 0 and not a
     word. A user's inputs are read whole; the 16 MiB cap is the default corpus's."""
     folder = tmp_path / "big"
     folder.mkdir()

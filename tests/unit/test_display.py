@@ -1,6 +1,6 @@
 """What a person reads lines up, says the truth and carries no raw control characters: status columns with
 wide and emoji names, errors and the sweep's input with escape sequences, terminal widths
-(submit/textwidth.py), readable ASCII run-dir names (issue 15, item 34)."""
+(submit/textwidth.py), readable ASCII run-dir names."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def _cli(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
     )
 
 
-# --- item 34: control characters in errors ----------------------------------------------------------------------
+# --- control characters in errors -------------------------------------------------------------------------------
 
 
 class _OddRepr:
@@ -89,7 +89,7 @@ def test_cli_errors_from_sweeps_and_sets_print_no_raw_control_characters(tmp_pat
         assert "\\x1b" in out.stderr
 
 
-# --- item 34: wide names and run-dir names ----------------------------------------------------------------------
+# --- wide names and run-dir names -------------------------------------------------------------------------------
 
 
 def test_display_width_counts_terminal_columns() -> None:

@@ -400,7 +400,7 @@ def test_master_port_range() -> None:
 
 
 def test_each_start_of_a_job_rendezvous_on_a_port_of_its_own() -> None:
-    """Issue 44's trial: a requeued start stalled 42 s in rendezvous on the port its dying predecessor held."""
+    """A new user's trial: a requeued start stalled 42 s in rendezvous on the port its dying predecessor held."""
     from meshrun.launcher.rank.env import start_index
 
     starts = [{"SLURM_RESTART_COUNT": str(r), "MESHRUN_RESTART_IN_JOB": str(i)} for r in range(20) for i in range(5)]

@@ -119,7 +119,7 @@ def test_a_non_finite_number_in_the_file_is_refused_with_its_line(
     assert code == 2 and "job.yaml:" in err and "train.grad_clip: nan: expected a finite number" in err, err
 
 
-# ------------------------------------------------------------------ flags and outputs (issue 22 items 17-19, 26)
+# ------------------------------------------------------------------ flags and outputs
 
 
 @pytest.mark.parametrize(
@@ -287,7 +287,7 @@ def test_what_a_cluster_or_format_does_not_have_is_said_plainly(
 def test_render_of_an_unreachable_cluster_says_it_can_render_offline(
     home: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 22 item 22: an example profile's host does not exist; render asks the cluster only for its home."""
+    """An example profile's host does not exist; render asks the cluster only for its home."""
     profile = unreachable_profile(home)
     code, err = run(capsys, "render", str(REPO / "examples" / "command.yaml"), "-c", str(profile))
     assert (

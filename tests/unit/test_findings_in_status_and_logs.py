@@ -280,7 +280,7 @@ def test_logs_diagnosis_survives_garbled_heartbeats_and_says_when_there_is_none(
 def test_ckpt_is_the_newest_checkpoint_on_shared_storage_however_far_back_its_metrics_event_is(
     tmp_path: Path,
 ) -> None:
-    """Issue 22 item 12: CKPT showed '-' once more step lines than the metrics tail holds followed the last
+    """CKPT showed '-' once more step lines than the metrics tail holds followed the last
     checkpoint event (a long interval, a requeue's new steps), and for command jobs saving through meshrun.launcher.job."""
     from meshrun.launcher.contract.rundir import note_checkpoint
 
@@ -307,7 +307,7 @@ def _metrics_line(run_dir: Path, row: dict[str, Any]) -> None:
 
 
 def test_an_ended_job_keeps_its_step_and_checkpoint_after_a_resume_fills_the_metrics_tail(tmp_path: Path) -> None:
-    """Issue 44's seed 7015: an ended job showed CKPT 45, then 30, once a resume of it in the same run dir had
+    """Journey seed 7015: an ended job showed CKPT 45, then 30, once a resume of it in the same run dir had
     run. Its status read the metrics tail, which the resume's lines fill, and RunDir.last_checkpoint, which the
     resume's copies rewrite; a copier's backlog committing an older step last made the newest line say 30.
     What an ended job shows comes from its own record, written at its end, and never goes back."""

@@ -77,7 +77,7 @@ def test_a_killed_attempt_and_its_requeue_add_up_and_the_redone_steps_are_the_lo
     assert parts["end"] == pytest.approx(3.0 + 1.0)
     assert g["queue_s"] == pytest.approx(START0 - SUBMITTED) and g["requeue_s"] == pytest.approx(20.0)
     assert g["effective_pct"] == pytest.approx(100 * 60.0 / g["allocated_s"], abs=0.01)
-    # Issue 44: what the user waited counts the requeue's 20 s too (the trial: 71% said, 68.2% waited).
+    # What the user waited counts the requeue's 20 s too (the trial: 71% said, 68.2% waited).
     assert g["wall_s"] == pytest.approx(end1 - START0)
     assert g["wall_effective_pct"] == pytest.approx(100 * 60.0 / (end1 - START0), abs=0.01)
     from meshrun.submit.views.tables import goodput_line

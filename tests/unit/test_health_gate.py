@@ -1,4 +1,4 @@
-"""The health gate before each start (issue 24, part 2): each node's checks (launcher/probes/health.py), the
+"""The health gate before each start: each node's checks (launcher/probes/health.py), the
 verdict on the batch host (launcher/batch/gate.py: suspects recorded, nodes excluded, the job requeued or ended) and
 the requeue policy's part in it. The real thing on the Slurm testbed: tests/integration/test_health_gate.py."""
 

@@ -204,7 +204,7 @@ def test_the_batch_scripts_command_line(tmp_path: Path, capsys: pytest.CaptureFi
 def test_a_programs_own_exit_2_is_a_failure_and_only_a_reported_bad_input_is_meshruns_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 22 item 11: a command's argparse error (exit 2) ended the job as meshrun's 'bad input'."""
+    """A command's argparse error (exit 2) ended the job as meshrun's 'bad input'."""
     (tmp_path / "spec.json").write_text(
         json.dumps(
             {
@@ -240,7 +240,7 @@ srun: error: n1: task 0: Terminated
 
 
 def test_on_slurm_the_first_rank_a_signal_ended_leads_the_reason(tmp_path: Path) -> None:
-    """Issue 22 item 13 on Slurm: the reason named what the surviving rank said, not the rank killed first."""
+    """On Slurm: the reason named what the surviving rank said, not the rank killed first."""
     from meshrun.launcher.batch.requeue import record_first_death
 
     (tmp_path / "logs").mkdir()
@@ -272,7 +272,7 @@ def _command_spec(run_dir: Path, **job: object) -> None:
 def test_an_exit_0_after_a_stop_is_a_stop_unless_the_program_said_it_finished(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 44: Lightning leaves its loop on the preemption's SIGTERM and exits 0; the job ended COMPLETED
+    """Lightning leaves its loop on the preemption's SIGTERM and exits 0; the job ended COMPLETED
     with 2 of 2,000 epochs done. Now it is requeued as a stop, and status says where it stopped."""
     from meshrun.launcher import job
     from meshrun.launcher.contract import finish
@@ -363,7 +363,7 @@ def test_command_steps_belongs_to_command_jobs() -> None:
     assert JobSpec(name="x", command=("true",), command_steps=5).command_steps == 5
 
 
-# A profile's Pyxis flags on a cluster without Pyxis (issue 44's trial): srun refuses its own command line; no rank
+# A profile's Pyxis flags on a cluster without Pyxis (a new user's trial): srun refuses its own command line; no rank
 # ever starts. Status said FAILED with no reason, and the job was requeued 8 times, failing the same way.
 REFUSED_LOG = """\
 [meshrun] job 700 restart 0 on n[1-2] at 2026-12-07T10:00:00Z

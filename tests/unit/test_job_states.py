@@ -157,7 +157,7 @@ def test_a_dependency_that_cannot_do_what_was_meant_is_named(kind: str, state: J
 
 def test_each_job_in_a_run_dir_reads_its_own_progress_checkpoint_and_alerts() -> None:
     """A resume appends to its parent's metrics.jsonl and alerts.jsonl under its own id: the parent keeps
-    the step and checkpoint it ended with, the child does not show the parent's alert (issue 22 item 9)."""
+    the step and checkpoint it ended with, the child does not show the parent's alert."""
     from meshrun.submit.core.findings import ALERTS, findings_from
     from meshrun.submit.core.status import parse_losses, parse_metrics_tail
 

@@ -217,3 +217,27 @@ def test_every_import_names_meshrun_not_a_bare_submit_or_launcher() -> None:
     assert not found, "name these meshrun.submit / meshrun.launcher:\n" + "\n".join(found)
     assert BARE_NAME.search("from launcher.job import finished") and BARE_NAME.search("python -m submit.cli")
     assert not BARE_NAME.search("from meshrun.launcher import job") and not BARE_NAME.search("meshrun submit x.yaml")
+
+
+ISSUE_CITATION = re.compile(r"\b[Ii]ssues? ?#?\d+")
+"""An issue number cited in code, a comment, a docstring or a test: it means nothing to a reader of the repository.
+Name the behaviour instead."""
+
+
+def test_no_code_or_test_cites_an_issue_number() -> None:
+    sources = [
+        path
+        for folder in ("submit", "launcher", "templates", "tests", "bench", "scripts", "examples")
+        for path in sorted((REPO / folder).rglob("*"))
+        if path.suffix in (".py", ".j2", ".sh") and "__pycache__" not in path.parts
+    ]
+    found = [
+        f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+        for path in sources
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if ISSUE_CITATION.search(line) and not (path.name == Path(__file__).name and "ISSUE_CITATION = " in line)
+    ]
+    assert not found, "name the behaviour, not the issue:\n" + "\n".join(found)
+    number = "24"  # apart, so that this line itself cites none
+    assert ISSUE_CITATION.search(f"(issue {number}, part 3)") and ISSUE_CITATION.search(f"Issue #{number}'s trial")
+    assert not ISSUE_CITATION.search("an issue's fix") and not ISSUE_CITATION.search("the issues here")

@@ -89,7 +89,7 @@ def test_a_finished_state_is_kept(tmp_path: Path) -> None:
 
 
 def test_each_job_id_of_a_run_dir_keeps_its_own_outcome(tmp_path: Path) -> None:
-    """A resumed run shares the run dir, never the first id's state (issue 15, item 7)."""
+    """A resumed run shares the run dir, never the first id's state."""
     merge_state(local_state_path(str(tmp_path), "local-a"), state="CANCELLED")
     merge_state(local_state_path(str(tmp_path), "local-b"), state="COMPLETED")
     assert local.current_state(str(tmp_path), "local-a")["state"] == "CANCELLED"
@@ -139,7 +139,7 @@ def test_wait_prints_plain_lines_only_on_change(monkeypatch) -> None:
 
 
 def test_wait_polls_by_the_time_since_the_wait_began_across_a_requeue(monkeypatch) -> None:
-    """Issue 44: `--wait` polled every 2 s again after each requeue. The interval grows with the time since the
+    """`--wait` polled every 2 s again after each requeue. The interval grows with the time since the
     wait began, whatever the job's attempts: the statuses here report the current attempt's elapsed time (reset
     to 0 by a requeue at 400 s), and an interval taken from it would fall back to 2 s."""
     from meshrun.submit import api

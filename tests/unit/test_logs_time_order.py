@@ -1,4 +1,4 @@
-"""`meshrun logs --rank all` in the order the lines were written (issue 44: rank by rank, out of time order)."""
+"""`meshrun logs --rank all` in the order the lines were written (not rank by rank, out of time order)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The model options of issue 12 (grouped-query attention, a tied head, the RoPE base) in one process: the
+"""The model options (grouped-query attention, a tied head, the RoPE base) in one process: the
 model computes what they mean, and the planner's shapes (launcher/contract/modelshape.py, the presets) are the built
 model's."""
 

@@ -1,4 +1,4 @@
-"""Node lists in one form, Slurm's compressed one (issue 44: the trial saw `n[1-2]` and `n1,n2` side by side)."""
+"""Node lists in one form, Slurm's compressed one (a trial saw `n[1-2]` and `n1,n2` side by side)."""
 
 from __future__ import annotations
 

@@ -375,7 +375,7 @@ def test_an_error_in_the_file_still_names_its_line(tmp_path: Path) -> None:
     [("llama-80b", "llama-70b"), ("llama-6b", "llama-7b"), ("llama3-7b", "llama3-8b"), ("lama-7b", "llama-7b")],
 )
 def test_a_preset_off_by_its_size_gets_the_nearest_size_not_the_nearest_spelling(given: str, meant: str) -> None:
-    """Issue 22 item 26: 'llama-80b' suggested 'llama3-8b'."""
+    """'llama-80b' suggested 'llama3-8b'."""
     from meshrun.launcher.contract.presets import PRESETS
     from meshrun.launcher.contract.schema import closest
 
@@ -383,7 +383,7 @@ def test_a_preset_off_by_its_size_gets_the_nearest_size_not_the_nearest_spelling
 
 
 def test_type_errors_speak_yaml_and_a_scalar_list_says_how_to_write_it(tmp_path: Path) -> None:
-    """Issue 44 item 4: errors printed Python's True/None for what the user wrote as true/null, and
+    """Errors printed Python's True/None for what the user wrote as true/null, and
     `restart_on: failure` (refused in a file, read as [failure] by --set) said only "expected a list"."""
     spec = tmp_path / "job.yaml"
     spec.write_text("name: x\nresources: {nodes: true}\n")

@@ -186,7 +186,7 @@ def test_slurms_answer_is_read(code: int, said: str, ok: bool, line: str) -> Non
 
 
 def test_a_sweep_over_max_array_size_names_the_limit_and_the_count() -> None:
-    """Issue 44: 1,002 tasks where MaxArraySize is 1,001 got Slurm's 'Invalid job array specification' and a
+    """1,002 tasks where MaxArraySize is 1,001 got Slurm's 'Invalid job array specification' and a
     hint to check nodes, partition and time. The sweep's test asks for the limit when Slurm refuses."""
     said = "sbatch: error: Batch job submission failed: Invalid job array specification\nMaxArraySize = 1001\n"
     check, _ = preflight._slurm(Result(("sh",), 1, said, ""), tasks=1002)

@@ -55,7 +55,7 @@ def test_snapshot_on_the_login_node_makes_work_dir_runs_and_code_private(tmp_pat
 
 
 def test_the_private_folder_helper_ignores_the_umask_and_leaves_folders_above_alone(tmp_path: Path) -> None:
-    """meshrun.launcher.contract.private: the one helper every folder meshrun makes goes through (issue 22 item 8)."""
+    """meshrun.launcher.contract.private: the one helper every folder meshrun makes goes through."""
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o755)
     os.chmod(shared, 0o755)

@@ -1,7 +1,7 @@
 """The caller's side without a cluster: a cluster profile is named after its file and a job goes back to the
 file it was submitted with, the registry is private, and input checks refuse what would fail later (`--after`
 ids, a relative data.path, an export output that is a folder, a resume `--set` of what may not change, a
-trailing newline or full-width digits). The items are what a new user hit in issue 15; an unreachable
+trailing newline or full-width digits). The items are what a new user hit; an unreachable
 cluster in status and --watch is in test_transport_status.py."""
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def test_resume_set_changes_only_what_may_change() -> None:
 
 
 def test_validators_refuse_a_trailing_newline_and_non_ascii_digits() -> None:
-    """Siblings of item 21: a `$`-anchored regex accepts "X\\n", and `\\d` accepts full-width digits."""
+    """Why: a `$`-anchored regex accepts "X\\n", and `\\d` accepts full-width digits."""
     from meshrun.launcher.contract import schema
     from meshrun.launcher.contract.spec import JobSpec
     from meshrun.submit.core.plan import parse_time

@@ -1,6 +1,6 @@
 """What a rank writes and what it refuses, in one process: private checkpoints, every commit reported,
 validation cadence, data and vocabulary checks, a readable error for a bad spec.json, rank-error.txt and
-the exit code a failure gets. The items are issue 15's; the real ranks' side is
+the exit code a failure gets. The items are a new user's; the real ranks' side is
 tests/integration/test_rank_outputs_and_bad_input.py."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def _state() -> dict[str, torch.Tensor]:
     return dict(nn.Linear(4, 4).state_dict())
 
 
-# ------------------------------------------------------------------ item 1: private checkpoints
+# ------------------------------------------------------------------ private checkpoints
 
 
 def test_checkpoints_under_a_checkpoint_root_are_private(tmp_path: Path, group: None, open_umask: None) -> None:
@@ -105,7 +105,7 @@ def test_the_marker_keeps_no_env_and_export_can_still_rebuild_the_job() -> None:
     assert schema.load(JobSpec, stored).trainer.model.n_layers == 2
 
 
-# ------------------------------------------------------------------ item 12: every commit is reported
+# ------------------------------------------------------------------ every commit is reported
 
 
 @pytest.mark.parametrize("async_save", [True, False])
@@ -119,7 +119,7 @@ def test_every_commit_calls_on_commit_whichever_call_commits_it(tmp_path: Path, 
     assert seen == [1, 2] == ckptdir.complete_steps(tmp_path)
 
 
-# ------------------------------------------------------------------ item 11: validation cadence
+# ------------------------------------------------------------------ validation cadence
 
 
 @pytest.mark.parametrize(
@@ -130,7 +130,7 @@ def test_validation_every_eval_every_steps_and_at_the_last(eval_every: int, last
     assert [s for s in range(1, last + 1) if eval_due(cfg, s, last)] == validated
 
 
-# ------------------------------------------------------------------ items 13, 16: data checks
+# ------------------------------------------------------------------ data checks
 
 
 def _tokens(path: Path, values: list[int]) -> Path:
@@ -175,7 +175,7 @@ def test_resuming_over_other_data_is_bad_input_not_a_crash(tmp_path: Path) -> No
         TrainStream(TokenDataset(path, seq_len=16), layout, seed=0).load_state_dict(saved)
 
 
-# ------------------------------------------------------------------ item 17: spec.json
+# ------------------------------------------------------------------ spec.json
 
 
 def _spec_dir(tmp_path: Path, text: str) -> Path:
@@ -208,7 +208,7 @@ def test_a_missing_spec_json_names_the_run_dir(tmp_path: Path) -> None:
         read_run_spec(tmp_path)
 
 
-# ------------------------------------------------------------------ item 15: rank-error.txt
+# ------------------------------------------------------------------ rank-error.txt
 
 
 def as_rank(monkeypatch: pytest.MonkeyPatch, rank: int, world_size: int) -> None:

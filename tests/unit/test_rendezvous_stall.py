@@ -1,5 +1,5 @@
 """A stalled rendezvous, judged by the hang watch within about a minute and naming the node that did not join
-(issue 44: a requeued start waited in a store connect that could not complete, under a 1,200 s setup timeout)."""
+(a requeued start waited in a store connect that could not complete, under a 1,200 s setup timeout)."""
 
 from __future__ import annotations
 

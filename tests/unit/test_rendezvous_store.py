@@ -1,5 +1,5 @@
 """The rendezvous store of the built-in trainer's ranks (launcher/train/runtime.py): rank 0 serves it on the
-address the ranks reach it at, not on every interface of its node (issue 44's trial: torch's own TCPStore
+address the ranks reach it at, not on every interface of its node (a new user's trial: torch's own TCPStore
 listened on *:PORT, where any user of the node could connect)."""
 
 from __future__ import annotations

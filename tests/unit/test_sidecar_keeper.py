@@ -1,4 +1,4 @@
-"""A dead sidecar and lost checkpoints (issue 22 items 2 and 4): the keeper starts a killed sidecar again and
+"""A dead sidecar and lost checkpoints: the keeper starts a killed sidecar again and
 tells it what its predecessor was told; a sidecar whose parent is gone carries on while its ranks run;
 steps saved beyond the newest complete checkpoint are lost, raise an alert, and end a "finished" run as a
 failure; status's CKPT counts only what is complete on shared storage."""

@@ -36,7 +36,7 @@ def test_parse_sacct() -> None:
     assert slurm.seconds(states["11"].elapsed) == 21 and slurm.seconds(states["11"].time_limit) == 1200
 
 
-# sacct --allocations --duplicates ... -j 4: a Lightning job preempted once on the testbed (issue 44), then 9 never requeued
+# sacct --allocations --duplicates ... -j 4: a Lightning job preempted once on the testbed, then 9 never requeued
 SACCT_REQUEUED = """\
 4|lightning-script|REQUEUED|0:0|00:00:13|00:10:00|n[1-2]
 9|tiny|COMPLETED|0:0|00:00:21|00:20:00|n1

@@ -1,4 +1,4 @@
-"""The requeue policy's restart inside the allocation (issue 24, part 1): which ends restart on a spare node,
+"""The requeue policy's restart inside the allocation: which ends restart on a spare node,
 which node they leave out, and when the job falls back to a requeue. The real thing on the Slurm testbed:
 tests/integration/test_spare_nodes.py."""
 
@@ -148,7 +148,7 @@ class _Slurm:
 def test_a_requeue_after_the_last_spare_is_lost_leaves_out_every_node_this_allocation_left(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 44: 2 nodes + 1 spare; n2 failed and the spare n3 took its place; then n3's rank was killed, no spare
+    """2 nodes + 1 spare; n2 failed and the spare n3 took its place; then n3's rank was killed, no spare
     was left, and the job was requeued asking for 3 nodes again, with only n3 excluded: it could land on n2, the
     node it had just left. Both stay out, and the partition (4 nodes) cannot spare them beside 3: the requeued job
     asks for 2, its spare given up, rather than land on either."""
@@ -203,7 +203,7 @@ def test_a_failed_health_check_with_no_spare_left_requeues_as_a_rank_failure_doe
     excluded: tuple[str, ...],
     asked: int,
 ) -> None:
-    """Issue 44: the health gate's requeue left out only the failing nodes and asked for nodes + spares again, so
+    """The health gate's requeue left out only the failing nodes and asked for nodes + spares again, so
     it could land on a node spares had replaced earlier in the allocation (or end a job a smaller request fits).
     It makes the rank-failure path's decision (meshrun.launcher.batch.requeue.leave_out): the batch script gets the gate's
     `requeue NODES` and then the policy's `nodes N` (scontrol update ExcNodeList= NumNodes= NumTasks=)."""

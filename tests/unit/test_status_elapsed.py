@@ -1,5 +1,5 @@
 """ELAPSED while a job's cluster cannot be reached: the value the last status that reached it saw, with its age
-(issue 44: it showed '-'). The registry keeps what status read; no cluster needed."""
+(it showed '-'). The registry keeps what status read; no cluster needed."""
 
 from __future__ import annotations
 

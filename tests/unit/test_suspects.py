@@ -1,4 +1,4 @@
-"""The suspect-node ledger (issue 24, part 3): what a hang verdict records, how long a node stays suspect, how a
+"""The suspect-node ledger: what a hang verdict records, how long a node stays suspect, how a
 clearing ends it, and how a new submit leaves suspects out only as far as its partition can spare them."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The flags that name a port or a rank: `tb --port` out of range or in use, a port forward that cannot bind,
-`logs --rank` past the job's ranks (issue 15, items 19 and 22): bad input in one line, never a traceback."""
+`logs --rank` past the job's ranks: bad input in one line, never a traceback."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def busy_port() -> Iterator[int]:
         yield other.getsockname()[1]
 
 
-# --- item 19: tb --port ---------------------------------------------------------------------------------------
+# --- tb --port ------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("port", [-1, 65536, 70000])
@@ -63,7 +63,7 @@ def test_forward_that_cannot_bind_fails_in_one_line(bad: object, busy_port: int)
     assert "\n" not in message and f"127.0.0.1:{port}" in message and "--port" in message
 
 
-# --- item 22: logs --rank past the job's ranks ------------------------------------------------------------------
+# --- logs --rank past the job's ranks ---------------------------------------------------------------------------
 
 
 def test_rank_past_the_world_size_names_the_size() -> None:

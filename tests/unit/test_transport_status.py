@@ -125,7 +125,7 @@ class _Clusters:
 
 
 def test_a_changed_host_key_reaches_the_person_not_only_json(tmp_path: Path) -> None:
-    """Issue 15, item 5: a host key warning went only into --json output."""
+    """A host key warning went only into --json output."""
     warned: list[str] = []
     records = [
         JobRecord("local-x", "ok", "n", str(tmp_path), "local", 0.0, None, "h"),
@@ -137,7 +137,7 @@ def test_a_changed_host_key_reaches_the_person_not_only_json(tmp_path: Path) -> 
 
 
 def test_watch_returns_when_only_unreachable_jobs_are_left(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
-    """Issue 15, item 30: --watch never returned while a cluster was unreachable."""
+    """--watch never returned while a cluster was unreachable."""
     from meshrun.submit.cli import jobs as cli_jobs
     from meshrun.submit.core.status import Status
 

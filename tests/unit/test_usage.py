@@ -95,7 +95,7 @@ def test_usage_prices_gpu_hours_and_says_what_was_not_measured() -> None:
         "used: 4 GPU-hours (8 GPUs; the run dir's jobs 8), energy GPU 1.25 kWh, CPU unmeasured; cost 10.00 USD"
     )
     unpriced = usage(0, 60.0, None, None, 0.0, "")
-    # A CPU job (issue 44's trial: "used: 0 GPU-hours (0 GPUs; the run dir's jobs 0)"): said as what it is.
+    # A CPU job (a new user's trial: "used: 0 GPU-hours (0 GPUs; the run dir's jobs 0)"): said as what it is.
     assert unpriced["cost"] is None and usage_line(unpriced) == "used: no GPUs; energy not measured"
     assert usage_line(usage(None, 60.0, None, None, 0.0, "")) == "used: GPU-hours unknown, energy unmeasured"
     assert used_cell(used) == "10.00 USD" and used_cell(usage(8, 1800.0, None, None, 0.0, "")) == "4 GPU-h"

@@ -69,7 +69,7 @@ def test_each_job_that_ends_gets_one_line_with_why_it_failed() -> None:
     ]
 
 
-# ------------------------------------------------------------------ digests (issue 24, part 4)
+# ------------------------------------------------------------------ digests
 
 VERDICT = {
     "time": 1000.0,
