@@ -5,7 +5,6 @@ are, and README stays the short landing page whose test command CI runs. The sit
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -13,19 +12,15 @@ from types import ModuleType
 
 import pytest
 
+from tests.helpers.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 CODE_ROOTS = ("submit", "launcher")
 
 
 def generator() -> ModuleType:
-    """scripts/docs_reference.py, loaded by path (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("docs_reference", ROOT / "scripts" / "docs_reference.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/docs_reference.py")
 
 
 @pytest.mark.parametrize("page", ["job-spec.md", "cluster-profile.md", "cli.md"])

@@ -3,25 +3,20 @@ Lightning's own checkpoints, not from whichever Lightning prefers."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from tests.helpers.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("lightning_train", ROOT / "examples" / "lightning_train.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/lightning_train.py")
 
 
 def test_a_preemption_after_a_time_limit_save_resumes_from_the_preemption(example: ModuleType, tmp_path: Path) -> None:

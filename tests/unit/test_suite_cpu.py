@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 
+from tests.helpers.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def suite_cpu() -> ModuleType:
-    """scripts/suite_cpu.py, loaded by path (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("suite_cpu", ROOT / "scripts" / "suite_cpu.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/suite_cpu.py")
 
 
 def process(pid: int, ppid: int, cpu: float, children: float, test: str | None, argv0: str = "x") -> dict:
