@@ -11,8 +11,6 @@ import pytest
 
 from tests.helpers.scripts import load_script
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
 def example() -> ModuleType:
