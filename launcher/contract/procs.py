@@ -12,6 +12,9 @@ servers). Every place meshrun signals a process it did not just start itself goe
   environment carries the job's id: SLURM_JOB_ID on Slurm, MESHRUN_JOB_ID on `local`).
 - `signal_group_if_same(leader, sig, job=...)` is the same for a process group led by `leader`.
 
+Every other read of a process (its state, argv, children, start) goes through here too, on psutil: no other
+module reads /proc/PID/ by hand (tests/unit/test_procs.py guards it, and lists the exceptions with their reasons).
+
 Torch-free; psutil only (a dependency of meshrun, small, on every platform meshrun runs), imported inside the
 functions that use it: `own_identity` reads /proc alone on Linux, because report() runs in a command job's own
 Python (RUN_DIR/.meshrun/pylib), which may have nothing but the standard library.
@@ -257,6 +260,24 @@ def command_line(pid: int) -> Optional[list[str]]:
 
     try:
         return list(psutil.Process(pid).cmdline())
+    except (psutil.Error, OSError):
+        return None
+
+
+ENDED = ("zombie", "dead")
+"""psutil.STATUS_ZOMBIE and psutil.STATUS_DEAD: the states (`state`) of a process that has ended but is not yet
+reaped, or is being reaped."""
+
+
+def state(pid: int) -> Optional[str]:
+    """The process's state as psutil names it ("running", "sleeping"... or one of ENDED), or None when it is
+    gone or cannot be read."""
+    import psutil  # here, not at the top: see the module's docstring
+
+    if pid <= 0:
+        return None
+    try:
+        return str(psutil.Process(pid).status())
     except (psutil.Error, OSError):
         return None
 

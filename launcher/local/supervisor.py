@@ -461,18 +461,11 @@ def stop_sidecar(proc: Optional[subprocess.Popen[bytes]], timeout_s: float = SID
 def _stop_keeperless_sidecar(timeout_s: float) -> None:
     """Its keeper was killed, but the sidecar itself may live on (it carries on alone while the ranks run):
     it too gets its USR2 and its time for the last copies, before the group's SIGKILL ends everything."""
-    sidecars = [pid for pid in _group_members() if b"meshrun.launcher.sidecar" in _cmdline(pid).split(b"\0")]
+    sidecars = [pid for pid in _group_members() if "meshrun.launcher.sidecar" in (procs.command_line(pid) or [])]
     _signal_found(iter(sidecars), signal.SIGUSR2)  # members of this process group, found just now
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and any(pid in sidecars for pid in _group_members()):
         time.sleep(0.2)
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
 
 
 def _read_code(path: str) -> Optional[int]:

@@ -81,11 +81,7 @@ def process_alive(pid: Any) -> bool:
         return False
     except PermissionError:
         return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state not in ("Z", "X")
+    return procs.state(pid) not in procs.ENDED  # None (gone since, or unreadable): as alive as os.kill found it
 
 
 def rank_alive(beat: dict[str, Any]) -> bool:

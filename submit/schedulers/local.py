@@ -204,11 +204,8 @@ def _start(run_dir: str, argv: Sequence[str]) -> str:
 
 def _alive(pid: int) -> bool:
     """True if the process runs (zombies count as dead: PID 1 may reap them late)."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (FileNotFoundError, IndexError, ProcessLookupError):
-        return False
+    state = procs.state(pid)
+    return state is not None and state not in procs.ENDED
 
 
 def _supervisor_alive(state: dict[str, Any]) -> bool:

@@ -230,3 +230,95 @@ def test_catches_tells_a_program_with_its_own_handler_from_one_the_signal_would_
             child.kill()
             child.wait()
     assert not procs.catches(started[0].pid, signal.SIGUSR1)  # gone: nothing to signal
+
+
+REPO = Path(__file__).resolve().parents[2]
+PROC_PATH = re.compile(r"""/proc/(?:\{[^}]*\}|%[sd]|self|thread-self|\d+)/|/proc/["']\s*\+""")
+"""A path under /proc/<pid>/ (or /proc/self/, /proc/thread-self/) built in code: an f-string or %-format with a
+pid in it, or "/proc/" + something."""
+OWN_PROC_READS = {
+    "launcher/contract/procs.py": "the one module: own_identity reads /proc/PID/stat alone (a command job's own "
+    "Python may have only the standard library), and catches reads SigCgt, which psutil does not give",
+    "launcher/train/worktime.py": "/proc/thread-self/schedstat, a thread's run and wait time: psutil has no schedstat",
+    "submit/views/tbserve.py": "a standalone script (stdlib + tensorboard only), copied to the login node and run "
+    "in the cluster's environment: it cannot import meshrun or psutil",
+}
+
+
+def _zombie() -> subprocess.Popen[bytes]:
+    """A child that has ended but is not yet reaped (the caller waits for it)."""
+    child = subprocess.Popen(["sleep", "600"])
+    child.kill()
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # ended: a zombie until child.wait() reaps it
+    return child
+
+
+def test_the_guard_itself_sees_a_hand_read_of_proc() -> None:
+    assert PROC_PATH.search('Path(f"/proc/{pid}/cmdline").read_bytes()')
+    assert PROC_PATH.search('open(f"/proc/{self.pid}/stat")')
+    assert PROC_PATH.search('open("/proc/%d/status" % pid)')
+    assert PROC_PATH.search('open("/proc/self/status")')
+    assert PROC_PATH.search('open("/proc/" + str(pid) + "/stat")')
+    assert not PROC_PATH.search('open("/proc/meminfo")')
+    assert not PROC_PATH.search('Path(f"{proc}/diskstats")')
+
+
+def test_only_procs_reads_a_process_from_proc_by_hand() -> None:
+    """Process identity and state are read in one module (procs, on psutil); the exceptions say why."""
+    found = sorted(
+        str(path.relative_to(REPO))
+        for folder in ("submit", "launcher")
+        for path in (REPO / folder).rglob("*.py")
+        if PROC_PATH.search(path.read_text(encoding="utf-8"))
+    )
+    assert found == sorted(OWN_PROC_READS), found
+
+
+def test_state_names_a_running_an_ended_and_a_gone_process() -> None:
+    import psutil
+
+    assert procs.ENDED == (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    assert procs.state(os.getpid()) == psutil.STATUS_RUNNING
+    child = _zombie()
+    try:
+        assert procs.state(child.pid) == psutil.STATUS_ZOMBIE
+    finally:
+        child.wait()
+    assert procs.state(child.pid) is None
+    assert procs.state(0) is None and procs.state(-1) is None
+
+
+def test_a_zombie_or_a_gone_process_is_not_alive_to_the_sidecar_nor_the_local_backend(
+    bystander: subprocess.Popen[bytes],
+) -> None:
+    from meshrun.launcher.sidecar.loop import process_alive
+    from meshrun.submit.schedulers import local
+
+    assert process_alive(bystander.pid) and local._alive(bystander.pid)
+    child = _zombie()
+    try:
+        assert not process_alive(child.pid) and not local._alive(child.pid)
+    finally:
+        child.wait()
+    assert not process_alive(child.pid) and not local._alive(child.pid)
+    assert not process_alive(0) and not local._alive(0) and not local._alive(-1)
+    assert not process_alive("12") and not process_alive(None)
+
+
+def test_a_keeperless_sidecar_is_found_by_its_argv_and_only_it_is_signalled(
+    monkeypatch: pytest.MonkeyPatch, bystander: subprocess.Popen[bytes]
+) -> None:
+    from meshrun.launcher.local import supervisor
+
+    code = "import time; time.sleep(60)"
+    sidecar = subprocess.Popen([sys.executable, "-c", code, "meshrun.launcher.sidecar"])
+    named = subprocess.Popen([sys.executable, "-c", code, "--not=meshrun.launcher.sidecar"])
+    started = (sidecar, named, bystander)
+    monkeypatch.setattr(supervisor, "_group_members", lambda: [p.pid for p in started if p.poll() is None])
+    try:
+        supervisor._stop_keeperless_sidecar(20)
+        assert sidecar.wait(timeout=5) == -signal.SIGUSR2
+        assert named.poll() is None and bystander.poll() is None
+    finally:
+        named.kill()
+        named.wait()
