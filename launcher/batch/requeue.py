@@ -2,13 +2,13 @@
 
 The batch script asks it once its ranks have exited:
 
-    python -m meshrun.launcher.batch.requeue RUN_DIR STATUS RESTARTS MAX_RESTARTS [--stop-requested] [--terminated]
+    python -m meshrun.launcher.batch.requeue RUN_DIR STATUS RESTARTS MAX_REQUEUES [--stop-requested] [--terminated]
 
 and gets one line, `ACTION CODE WHY`: ACTION is `requeue` or `stop`, CODE the status the job ends with,
 WHY the sentence for its log. The rules:
 
 - 0 (finished), 2 (bad input), 77 (crash loop) and 78 (diverged) end the job; so does a SIGTERM
-  (`scancel`, or Slurm ending the job itself) and the restart limit (`checkpoint.max_restarts`).
+  (`scancel`, or Slurm ending the job itself) and the requeue limit (`checkpoint.max_requeues`).
 - 79 (a node failed its health check before the ranks started) is requeued when meshrun.launcher.batch.gate excluded the
   node, and ends the job when it could not (too few nodes would be left). The gate leaves out what a failure's
   requeue leaves out (`leave_out`, one decision for both) and the policy passes on its smaller node count.
@@ -128,7 +128,7 @@ def decide(
     run_dir: str,
     status: int,
     restarts: int,
-    max_restarts: int,
+    max_requeues: int,
     stop_requested: bool = False,
     terminated: bool = False,
     command_job: bool = False,
@@ -149,11 +149,13 @@ def decide(
     if gave_up is not None:
         record_reason(run_dir, f"gave up ({gave_up})")
         return Decision(False, EXIT_GAVE_UP, f"gave up ({gave_up})")
-    if restarts >= max_restarts:
+    if restarts >= max_requeues:
         return Decision(
-            False, status, f"restart limit ({max_restarts}) reached: not requeueing; `meshrun resume` continues it"
+            False,
+            status,
+            f"requeue limit (checkpoint.max_requeues={max_requeues}) reached: not requeueing; `meshrun resume` continues it",
         )
-    return Decision(True, status, f"requeueing: restart {restarts + 1} of at most {max_restarts}")
+    return Decision(True, status, f"requeueing: restart {restarts + 1} of at most {max_requeues}")
 
 
 def record_first_death(run_dir: str, restarts: int, environ: Mapping[str, str] = os.environ) -> None:
@@ -276,7 +278,7 @@ def record_reason(run_dir: str, why: str) -> None:
 
 
 USAGE = (
-    "usage: python -m meshrun.launcher.batch.requeue RUN_DIR STATUS RESTARTS MAX_RESTARTS [--stop-requested[=KIND]] [--terminated] "
+    "usage: python -m meshrun.launcher.batch.requeue RUN_DIR STATUS RESTARTS MAX_REQUEUES [--stop-requested[=KIND]] [--terminated] "
     "[--spares=N] [--unasked-stop]"
 )
 
@@ -399,7 +401,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ):
         print(USAGE, file=sys.stderr)
         return 2
-    run_dir, (status, restarts, max_restarts) = words[0], map(int, words[1:])
+    run_dir, (status, restarts, max_requeues) = words[0], map(int, words[1:])
     from meshrun.launcher.contract.spec import read_run_spec  # torch-free
 
     spec = read_run_spec(Path(run_dir))
@@ -436,7 +438,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         run_dir,
         status,
         restarts,
-        max_restarts,
+        max_requeues,
         stop_requested=stop_requested,
         terminated=terminated,
         command_job=command_job,

@@ -120,10 +120,13 @@ def homes(cls: type, name: str, path: str = "") -> list[str]:
 
 
 def unknown_key(cls: type, key: str, path: str, valid: typing.Iterable[str], leaf: Optional[str] = None) -> str:
-    """The reason for an unknown `key` inside `cls` (at `path`): where a key of that name lives below it, else the
-    nearest spelling, else (a key path with a level too many or a misspelt one) where its `leaf` lives; then the
-    valid keys."""
+    """The reason for an unknown `key` inside `cls` (at `path`): its new name when `cls.RENAMED` (a ClassVar
+    mapping old key -> new key) has it, else where a key of that name lives below it, else the nearest spelling,
+    else (a key path with a level too many or a misspelt one) where its `leaf` lives; then the valid keys."""
     names = sorted(valid)
+    renamed = getattr(cls, "RENAMED", {}).get(key)
+    if renamed is not None:  # a key meshrun once had: the pointer to its new name, not a spelling guess
+        return f"renamed: write {_join(path, renamed)} instead"
     found = homes(cls, key, path)
     if found:
         return f"unknown key; {key} is {' or '.join(found[:2])}; valid keys: {', '.join(names)}"

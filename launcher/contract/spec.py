@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping, Optional
+from typing import Any, ClassVar, Literal, Mapping, Optional
 
 from meshrun.launcher.contract.parallel_dims import ParallelDims, Problem
 from meshrun.launcher.contract.rundir import NodeDir, RunDir, expand_node_path, node_name
@@ -195,8 +195,13 @@ class Checkpoint:
     """Resume from exactly this step (it must be complete); the newest complete one when unset."""
     keep_best: bool = False
     """Also keep the complete checkpoint with the lowest validation loss (its marker records it); never retained away."""
-    max_restarts: int = 20
-    """Requeue at most this many times (preemption, time limit, failure) before stopping."""
+    max_requeues: int = 20
+    """Requeue the job at most this many times (preemption, time limit, failure) before stopping;
+    `resilience.max_restarts` counts the restarts inside one allocation."""
+
+    RENAMED: ClassVar[dict[str, str]] = {"max_restarts": "max_requeues"}
+    """Keys this section once had, refused with their new name: `checkpoint.max_restarts` shared its name with
+    `resilience.max_restarts`, another count."""
 
 
 @dataclass(frozen=True)
@@ -702,8 +707,8 @@ def check_checkpoint(spec: JobSpec) -> None:
             ck.keep_every,
             "must be at least 0 (0 keeps nothing beyond checkpoint.keep), e.g. 1000",
         )
-    if ck.max_restarts < 0:
-        raise SchemaError("checkpoint.max_restarts", ck.max_restarts, "must be at least 0 (0 never requeues), e.g. 20")
+    if ck.max_requeues < 0:
+        raise SchemaError("checkpoint.max_requeues", ck.max_requeues, "must be at least 0 (0 never requeues), e.g. 20")
     if ck.resume_step is not None and ck.resume_step < 1:
         raise SchemaError(
             "checkpoint.resume_step",

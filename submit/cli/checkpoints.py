@@ -20,7 +20,7 @@ def add_parsers(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--wait", action="store_true", help="wait for the end; exit 0 only if it succeeded")
     overrides_arg(
         p,
-        "change what may change on a resume (train.steps, the lr schedule, cadences, checkpoint.max_restarts); "
+        "change what may change on a resume (train.steps, the lr schedule, cadences, checkpoint.max_requeues); "
         "repeatable",
     )
     p.add_argument("-c", "--cluster", help="the job's cluster, if the id is ambiguous")

@@ -38,7 +38,7 @@ RESUME_SETTABLE = (
     "checkpoint.every",
     "checkpoint.keep",
     "checkpoint.keep_every",
-    "checkpoint.max_restarts",
+    "checkpoint.max_requeues",
     "checkpoint.resume_step",
 )
 """What `resume --set` may change: the length, the schedule, the cadences, the requeue budget, which

@@ -64,7 +64,7 @@ def job_spec(profile: ClusterProfile, opts: Options) -> dict[str, Any]:
             "partition": opts.partition.name,
         },
         "command": command,
-        "checkpoint": {"max_restarts": 0},  # a preflight that failed is the answer, never requeued
+        "checkpoint": {"max_requeues": 0},  # a preflight that failed is the answer, never requeued
         "env": {"OMP_NUM_THREADS": "1"},
     }
 

@@ -189,7 +189,7 @@ def context(plan: Plan, python: str) -> dict[str, Any]:
         "python_dir": posixpath.dirname(python),
         "srun_flags": srun_flags,
         "rank_command": rank_command,
-        "max_restarts": spec.checkpoint.max_restarts,
+        "max_requeues": spec.checkpoint.max_requeues,
         "requeue_command": _sidecar_command(rank_command, "meshrun.launcher.batch.requeue"),
         "attempt_command": _sidecar_command(rank_command, "meshrun.launcher.batch.attempt"),
         "spare_nodes": spec.resilience.spare_nodes,

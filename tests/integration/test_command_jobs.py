@@ -76,7 +76,7 @@ def test_on_slurm_the_reason_names_the_rank_killed_first_and_how(testbed: dict, 
         'command=[python3, -c, \'import os, time; r = os.environ["RANK"]; time.sleep(2); '
         'os.kill(os.getpid(), 9) if r == "1" else time.sleep(120)\']'
     )
-    args = [*DDP, "--set", program, "--set", "checkpoint.max_restarts=0"]
+    args = [*DDP, "--set", program, "--set", "checkpoint.max_requeues=0"]
     job_id, _ = submitted(meshrun(tmp_path, "submit", *args, check=True))
     row = wait_for_state(tmp_path, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
     assert row["state"] == "FAILED" and row["reason"].startswith("rank 1 (on n2) "), row

@@ -118,13 +118,13 @@ def test_resume_a_stopped_slurm_job_in_its_run_dir(testbed: dict, tmp_path: Path
     # No requeue allowed: the signalled job saves, stops, and waits for a person. 40 steps whose data waits 0.3 s
     # (asleep: the signal has 11 s to land after step 3, without two ranks burning the cores meanwhile).
     delayed = ("--set", f"train.steps={RESUMED_STEPS}", "--set", "env.MESHRUN_TEST_DATA_DELAY=0.3")
-    args = _two_ranks_on_two_nodes(corpus, "--set", "checkpoint.max_restarts=0", *delayed)
+    args = _two_ranks_on_two_nodes(corpus, "--set", "checkpoint.max_requeues=0", *delayed)
     job_id, run_dir = submitted(meshrun(tmp_path, "submit", *args, check=True))
     wait_for_step(run_dir, 3)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)
     row = wait_for_state(tmp_path, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
     assert row["state"] == "FAILED" and row["restarts"] == 0, row
-    assert "restart limit (0) reached" in (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    assert "requeue limit (checkpoint.max_requeues=0) reached" in (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
     out = meshrun(tmp_path, "resume", job_id, "--wait", timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     new_id = out.stdout.split()[5]

@@ -83,7 +83,7 @@ def test_two_nodes_four_ranks_train_together(testbed: dict, tmp_path: Path, corp
 # A small GPT for 3D layouts on 2 nodes x 2 CPU ranks: 2 layers (1 per stage at pp=2), 4 heads and a
 # vocabulary of 256 (both split by tp=2), 64 tokens (split by sequence parallelism at tp=2);
 # global batch 16 = micro 4 x dp 2 x accumulation 2 (at pp=2: 2 pipeline micro-batches). A failure
-# must fail the test at once, not come back as requeues: max_restarts 0. One OpenMP thread per rank:
+# must fail the test at once, not come back as requeues: checkpoint.max_requeues 0. One OpenMP thread per rank:
 # nothing sets OMP_NUM_THREADS on the ranks, and 4 ranks x torch's default 2 threads on 2 cores spin
 # in libgomp barriers inside MKL's sgemm (tp=2 steps measured 4x slower: ~2.2 s against 0.5 s).
 LAYOUT_STEPS = 8
@@ -101,7 +101,7 @@ SMALL_3D = [
     "train.log_every=1",
     f"train.eval_every={LAYOUT_STEPS}",
     "train.eval_sequences=16",
-    "checkpoint.max_restarts=0",
+    "checkpoint.max_requeues=0",
     "env.OMP_NUM_THREADS=1",
 ]
 BANNER = re.compile(r"\[meshrun\] rank (\d+)/4 local \d+/2 node \d+/2 \((\w+)\)")

@@ -167,7 +167,7 @@ def test_the_doctor_job_plans_through_the_normal_planner() -> None:
     plan = make_plan(schema.load(JobSpec, data), data, H200, home="/home/alice")
     assert plan.spec.world_size == 16 and plan.spec.resources.gpus_per_node == 8
     assert plan.spec.command == ("python", "-m", "meshrun.launcher.probes.doctor", "--storage-mib", "64")
-    assert plan.spec.checkpoint.max_restarts == 0  # a failed preflight is never requeued
+    assert plan.spec.checkpoint.max_requeues == 0  # a failed preflight is never requeued
     testbed = load_profile("testbed")
     data = job_spec(testbed, Options(nodes=2, partition=testbed.partition(None), gpus_per_node=0, data="/d/x.u16"))
     plan = make_plan(schema.load(JobSpec, data), data, testbed, home="/root")

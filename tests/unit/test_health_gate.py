@@ -244,11 +244,11 @@ def test_main_prints_the_action_and_keeps_the_verdict_for_the_requeue_policy(
     assert (alert["rule"], alert["node"], alert["job"]) == ("node_unhealthy", "n1", "41"), alert
     assert alert["message"].startswith("health check failed on n1 (gpus: GPU-1: row remapping failed)"), alert
     # The requeue policy ends the job with the gate's reason; a requeue verdict is requeued like a failure.
-    d = decide(run_dir, EXIT_UNHEALTHY, restarts=0, max_restarts=3)
+    d = decide(run_dir, EXIT_UNHEALTHY, restarts=0, max_requeues=3)
     assert not d.requeue and d.code == EXIT_UNHEALTHY and "health check failed on n1" in d.why
     assert "health check failed on n1" in Path(RunDir(run_dir).rank_error).read_text()
     Path(RunDir(run_dir).health_verdict).write_text(json.dumps({"action": "requeue"}))
-    again = decide(run_dir, EXIT_UNHEALTHY, restarts=0, max_restarts=3)
+    again = decide(run_dir, EXIT_UNHEALTHY, restarts=0, max_requeues=3)
     assert again.requeue and again.why == "requeueing: restart 1 of at most 3"
 
 

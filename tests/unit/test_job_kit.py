@@ -139,7 +139,7 @@ DECISIONS = [
     (EXIT_NO_PROGRESS, 3, False, False, True, EXIT_NO_PROGRESS, "requeueing: restart 4 of at most 20"),
     (1, 0, False, False, True, 1, "requeueing: restart 1"),
     (143, 0, False, True, False, 143, "SIGTERM"),
-    (EXIT_REQUEUE, 20, False, False, False, EXIT_REQUEUE, "restart limit (20) reached"),
+    (EXIT_REQUEUE, 20, False, False, False, EXIT_REQUEUE, "requeue limit (checkpoint.max_requeues=20) reached"),
 ]
 
 
@@ -306,7 +306,7 @@ def test_an_exit_0_after_a_stop_is_a_stop_unless_the_program_said_it_finished(
     assert main([str(tmp_path), "0", "20", "20", "--stop-requested=preemption"]) == 0
     said = capsys.readouterr().out
     assert said.startswith(f"stop {EXIT_REQUEUE} stopped by preemption at step 40: "), said
-    assert "restart limit (20) reached" in (tmp_path / RunDir.RANK_ERROR).read_text()
+    assert "requeue limit (checkpoint.max_requeues=20) reached" in (tmp_path / RunDir.RANK_ERROR).read_text()
     # finished() in an earlier start counts for nothing; in this one it makes the 0 a finish.
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     job.finished(40)

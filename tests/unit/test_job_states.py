@@ -207,7 +207,7 @@ def test_a_final_job_keeps_the_progress_and_reason_it_ended_with(tmp_path: Path)
     registry = Registry(tmp_path / "r.sqlite")
     record = JobRecord("local-a", "local", "j", "/r", "local", 1.0, None, "h")
     registry.add(record)
-    said = "stopped by preemption (no step reported): restart limit (0) reached"
+    said = "stopped by preemption (no step reported): requeue limit (checkpoint.max_requeues=0) reached"
     registry.set_state(record, "FAILED", json.dumps({"step": 19, "checkpoint_step": 19, "loss": 2.5961}), said)
     (stored,) = registry.recent(5)
     assert stored.last_progress is not None and stored.last_reason == said

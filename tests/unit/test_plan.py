@@ -124,7 +124,7 @@ def _plan(spec: Path, cluster: str, *overrides: str):
         ("local", TINY, ["checkpoint.keep=0"], "checkpoint.keep", "keep at least 1 complete checkpoint"),
         ("local", TINY, ["checkpoint.every=-5"], "checkpoint.every", "must be at least 0"),
         ("local", TINY, ["checkpoint.keep_every=-1"], "checkpoint.keep_every", r"must be at least 0 \(0 keeps nothing"),
-        ("local", TINY, ["checkpoint.max_restarts=-1"], "checkpoint.max_restarts", r"must be at least 0 \(0 never"),
+        ("local", TINY, ["checkpoint.max_requeues=-1"], "checkpoint.max_requeues", r"must be at least 0 \(0 never"),
         ("local", TINY, ["checkpoint.resume_step=0"], "checkpoint.resume_step", "give a step >= 1, or null"),
         # GPU jobs: one rank per GPU, however the counts are given.
         (
@@ -161,7 +161,7 @@ def test_errors_name_key_value_and_fix(cluster, spec, overrides, key, message) -
                 "train.model.vocab_size=255",
             ],
         ),  # tp 1 splits nothing
-        ("local", TINY, ["checkpoint.keep_every=0", "checkpoint.max_restarts=0", "checkpoint.resume_step=1"]),
+        ("local", TINY, ["checkpoint.keep_every=0", "checkpoint.max_requeues=0", "checkpoint.resume_step=1"]),
         ("local", TINY, ["checkpoint.resume_step=null"]),
         ("local", GPT3D, ["train.model.n_kv_heads=2", "train.model.rope_theta=500000"]),  # 2 kv heads over tp 2
         ("local", GPT3D, ["train.model.tie_embeddings=true", "parallel.pp=1", "parallel.dp=4"]),  # tied under tp 2
@@ -263,6 +263,21 @@ def test_unknown_key_in_file_points_at_its_line(tmp_path: Path) -> None:
     assert str(info.value).startswith(
         f"{path}:4: resources.tasks_per_nod: 2: unknown key (did you mean 'tasks_per_node'?)"
     )
+
+
+def test_a_renamed_key_is_refused_with_its_new_name_in_a_file_and_in_set(tmp_path: Path) -> None:
+    """checkpoint.max_restarts (requeues of the job) shared its name with resilience.max_restarts (restarts inside
+    one allocation); it is checkpoint.max_requeues now, and the old key says so wherever it is written."""
+    path = tmp_path / "job.yaml"
+    path.write_text("name: x\ncheckpoint:\n  max_restarts: 5\n")
+    with pytest.raises(InputError) as info:
+        load_job(path)
+    assert str(info.value) == f"{path}:3: checkpoint.max_restarts: 5: renamed: write checkpoint.max_requeues instead"
+    with pytest.raises(InputError) as info:
+        load_job(TINY, ["checkpoint.max_restarts=5"])
+    assert str(info.value) == "--set checkpoint.max_restarts: '5': renamed: write checkpoint.max_requeues instead"
+    assert load_job(TINY, ["checkpoint.max_requeues=5"])[0].checkpoint.max_requeues == 5
+    assert load_job(TINY, ["resilience.max_restarts=2"])[0].resilience.max_restarts == 2  # the other count
 
 
 @pytest.mark.parametrize(

@@ -118,8 +118,8 @@ def test_export_output_must_be_a_file_in_an_existing_folder(tmp_path: Path) -> N
 def test_resume_set_changes_only_what_may_change() -> None:
     """Item 17: a supported way to change steps, the lr schedule, restarts on a resume."""
     run_spec = plan_file(TINY, load_profile("local"), home="/h").run_spec
-    longer = with_overrides(run_spec, ["train.steps=500", "checkpoint.max_restarts=3"])
-    assert longer.job.trainer.steps == 500 and longer.job.checkpoint.max_restarts == 3
+    longer = with_overrides(run_spec, ["train.steps=500", "checkpoint.max_requeues=3"])
+    assert longer.job.trainer.steps == 500 and longer.job.checkpoint.max_requeues == 3
     with pytest.raises(InputError, match="a resume may change only"):
         with_overrides(run_spec, ["train.model.d_model=256"])
     with pytest.raises(InputError, match="train.steps"):

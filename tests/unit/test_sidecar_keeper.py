@@ -285,7 +285,7 @@ def test_a_finished_run_with_lost_steps_is_a_failure_and_is_requeued(
     assert decision.startswith("requeue 1 requeueing: restart 1 of at most 3"), decision
     assert "checkpoint steps 10, 15 never reached shared storage" in Path(run_dir.rank_error).read_text()
     assert requeue.main([run_dir.root, "0", "3", "3"]) == 0  # no restart left: it ends failed, never 0
-    assert capsys.readouterr().out.startswith("stop 1 restart limit (3) reached")
+    assert capsys.readouterr().out.startswith("stop 1 requeue limit (checkpoint.max_requeues=3) reached")
 
 
 def test_status_ckpt_counts_only_checkpoints_complete_on_shared_storage() -> None:
