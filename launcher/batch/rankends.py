@@ -10,7 +10,31 @@ from __future__ import annotations
 
 import re
 import signal
-from typing import Optional
+from dataclasses import dataclass
+from typing import Collection, Iterable, Optional
+
+
+@dataclass(frozen=True)
+class RankEnd:
+    """How one rank ended, wherever it was read (srun's line for a task, the local controller's record)."""
+
+    rank: int
+    code: int
+    """Its exit code; -N: killed by signal N (a command job's rank reports its program's death by N as 128 + N)."""
+    time: float = 0.0
+    """When, in seconds since the epoch; 0 where the source has no times (srun's lines come in order)."""
+    node: str = ""
+    """The node it ran on, where the source names it."""
+
+    def words(self) -> str:
+        """'rank 1 (on n1) was killed by SIGKILL ...', 'rank 0 exited with code 3'."""
+        return f"rank {self.rank}{f' (on {self.node})' if self.node else ''} {how(self.code)}"
+
+
+def first_death(ends: Iterable[RankEnd], clean: Collection[int] = ()) -> Optional[RankEnd]:
+    """The first rank to end other than with a `clean` code: the earliest by time, the first given among equals."""
+    bad = [end for end in ends if end.code not in clean]
+    return min(bad, key=lambda end: end.time) if bad else None
 
 
 def how(code: int) -> str:
@@ -53,17 +77,17 @@ def srun_code(what: str) -> Optional[int]:
     return -int(sig) if sig is not None else None
 
 
-def first_srun_death(batch_log: str, attempt_line: str) -> Optional[tuple[int, str, int]]:
-    """(rank, node, code) of the first task srun reported ending badly after `attempt_line` (this attempt's
-    start line in the batch log), or None."""
+def srun_ends(batch_log: str, attempt_line: str) -> list[RankEnd]:
+    """The ends of tasks srun reported after `attempt_line` (this attempt's start line in the batch log), in order;
+    srun reports only the tasks that ended badly."""
     start = batch_log.rfind(attempt_line)
     if start < 0:
-        return None
-    for line in batch_log[start:].splitlines():
-        match = _SRUN_TASK_END.match(line)
-        if match and (code := srun_code(match.group("what"))) is not None:
-            return int(match.group("task")), match.group("node"), code
-    return None
+        return []
+    return [
+        RankEnd(int(match.group("task")), code, node=match.group("node"))
+        for line in batch_log[start:].splitlines()
+        if (match := _SRUN_TASK_END.match(line)) and (code := srun_code(match.group("what"))) is not None
+    ]
 
 
 _SRUN_COMPLAINT = re.compile(r"^srun: (?:unrecognized option|invalid option|option requires|fatal: |error: )")

@@ -163,15 +163,14 @@ def record_first_death(run_dir: str, restarts: int, environ: Mapping[str, str] =
     other ranks said (a collective's "connection closed by peer"): srun's own line for it ("srun: error: n1:
     task 0: Killed"), read from this attempt's part of the batch log. The local supervisor does the same
     from its rank controller's record."""
-    found = first_death(run_dir, restarts, environ)
-    if found is None or not rankends.by_signal(found[2]):
+    found = srun_first_death(run_dir, restarts, environ)
+    if found is None or not rankends.by_signal(found.code):
         return  # a rank that exited with a code of its own had its say
-    rank, node, code = found
     path = Path(RunDir(run_dir).rank_error)
     said = path.read_text(errors="replace").strip() if path.exists() else ""
-    if said.startswith(f"rank {rank}:"):
+    if said.startswith(f"rank {found.rank}:"):
         return
-    lead = f"rank {rank} (on {node}) {rankends.how(code)}"
+    lead = found.words()
     path.write_text((f"{lead}, first; then {said}" if said else lead) + "\n")
     path.chmod(0o600)
 
@@ -206,13 +205,13 @@ def attempt_line(job: str, restarts: int, in_job: int) -> str:
     return f"[meshrun] job {job} restart {restarts} " + (f"in-job {in_job} on " if in_job else "on ")
 
 
-def first_death(run_dir: str, restarts: int, environ: Mapping[str, str]) -> Optional[tuple[int, str, int]]:
-    """(rank, node, code) of the first task srun reported ending badly in this attempt's part of the batch log."""
+def srun_first_death(run_dir: str, restarts: int, environ: Mapping[str, str]) -> Optional[rankends.RankEnd]:
+    """The first task srun reported ending badly in this attempt's part of the batch log."""
     job = environ.get("SLURM_JOB_ID")
     log = batch_log_of(run_dir, environ)
     if not job or not log:
         return None
-    return rankends.first_srun_death(log, attempt_line(job, restarts, in_job_restart(environ)))
+    return rankends.first_death(rankends.srun_ends(log, attempt_line(job, restarts, in_job_restart(environ))))
 
 
 NODE_SIGNALS = (signal.SIGKILL, signal.SIGBUS)
@@ -231,11 +230,10 @@ def blamed_for(run_dir: str, status: int, restarts: int, environ: Mapping[str, s
         if verdict.get("attempt") != attempt_id(environ):
             return {}
         return {node: suspects.verdict_evidence(verdict) for node in suspects.blamed_nodes(verdict)}
-    found = first_death(run_dir, restarts, environ)
-    if found is None or not rankends.by_signal(found[2]) or abs(found[2]) % 128 not in NODE_SIGNALS:
+    found = srun_first_death(run_dir, restarts, environ)
+    if found is None or not rankends.by_signal(found.code) or abs(found.code) % 128 not in NODE_SIGNALS:
         return {}
-    rank, node, code = found
-    return {node: f"rank {rank} {rankends.how(code)}"}
+    return {found.node: f"rank {found.rank} {rankends.how(found.code)}"}
 
 
 def restart_in_allocation(

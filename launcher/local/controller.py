@@ -28,6 +28,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 from submitit.local import local as submitit_local
 
+from meshrun.launcher.batch.rankends import RankEnd
+
 ENDS_SUFFIX = "_rank_ends.jsonl"
 """`<submitit folder>/<controller pid>_rank_ends.jsonl`: one {"rank", "code", "time"} line per rank end."""
 
@@ -200,19 +202,13 @@ def read_ends(folder: str | Path, controller_pid: int | str) -> list[dict[str, A
     return sorted(ends, key=lambda end: float(end.get("time", 0)))
 
 
-def first_death(
-    ends: Sequence[dict[str, Any]], clean: Sequence[int], returned: Mapping[int, tuple[float, int]]
-) -> Optional[dict[str, Any]]:
-    """The first rank to end other than cleanly, as {"rank", "code", "time"}. A rank whose function returned
-    (`returned`: when its result was written, and the code) gave its own account, which a signal reaching its
-    process while it exits (the stop of its peers) does not change; any other rank's end is its process's."""
+def rank_ends(ends: Sequence[dict[str, Any]], returned: Mapping[int, tuple[float, int]]) -> list[RankEnd]:
+    """Each rank's end: a rank whose function returned (`returned`: when its result was written, and the code)
+    gave its own account, which a signal reaching its process while it exits (the stop of its peers) does not
+    change; any other rank's end is its process's, as recorded (`read_ends`)."""
     merged = {int(end["rank"]): (float(end.get("time", 0)), int(end["code"])) for end in ends}
     merged.update(returned)
-    bad = sorted((when, rank, code) for rank, (when, code) in merged.items() if code not in clean)
-    if not bad:
-        return None
-    when, rank, code = bad[0]
-    return {"rank": rank, "code": code, "time": when}
+    return [RankEnd(rank, code, when) for rank, (when, code) in sorted(merged.items())]
 
 
 def start(folder: Path, command: str, parameters: dict[str, Any]) -> subprocess.Popen[bytes]:

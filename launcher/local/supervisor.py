@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from meshrun.launcher.batch import rankends
 from meshrun.launcher.batch.requeue import crash_loop, programs_own
 from meshrun.launcher.contract import ckptdir, finish, goodput, procs
 from meshrun.launcher.contract import lost as lost_checkpoints
@@ -267,11 +268,9 @@ class Supervisor:
     def _failed_rank(job: Any) -> Optional[int]:
         """The first rank that ended with an error or a failing exit code (75 is a clean stop), or that its
         controller saw end so (a rank killed by a signal leaves no result file)."""
-        from meshrun.launcher.local import controller
 
-        returned = _returned(job)
-        died = controller.first_death(controller.read_ends(job.paths.folder, job.job_id), CLEAN_CODES, returned)
-        return None if died is None else int(died["rank"])
+        died = _first_death(job)
+        return None if died is None else died.rank
 
     @staticmethod
     def _codes(job: Any) -> tuple[Optional[list[int]], str]:
@@ -328,7 +327,9 @@ class Supervisor:
             message = f"diverged (exit {EXIT_DIVERGED}): the loss went NaN/inf; {fix}"
         else:
             final = "FAILED"
-            message = first_death(job, rank_error) or rank_error or (f"rank exit codes {codes}" if codes else message)
+            message = (
+                first_death_words(job, rank_error) or rank_error or (f"rank exit codes {codes}" if codes else message)
+            )
         code = agreed if agreed is not None else _job_exit_code(codes, final)
         lost = lost_checkpoints.check(self.run_dir.root)  # after the sidecar's last copies: a checkpoint_lost alert
         if lost is not None:
@@ -392,21 +393,26 @@ def _returned(job: Any) -> dict[int, tuple[float, int]]:
     return codes
 
 
-def first_death(job: Any, rank_error: str) -> str:
+def _first_death(job: Any) -> Optional[rankends.RankEnd]:
+    """The first rank that ended badly, as its controller and its result file saw it."""
+    from meshrun.launcher.local import controller
+
+    ends = controller.rank_ends(controller.read_ends(job.paths.folder, job.job_id), _returned(job))
+    return rankends.first_death(ends, CLEAN_CODES)
+
+
+def first_death_words(job: Any, rank_error: str) -> str:
     """The first rank that ended badly, and how (its controller saw it), before the first rank error when
     another rank wrote it: a rank killed by a signal writes nothing, and its peers' errors ("connection
     closed by peer") would be all there is to read. "" when no end was recorded or that rank said why itself."""
-    from meshrun.launcher.batch import rankends
-    from meshrun.launcher.local import controller
-
-    first = controller.first_death(controller.read_ends(job.paths.folder, job.job_id), CLEAN_CODES, _returned(job))
-    if first is None or rank_error.startswith(f"rank {first['rank']}:"):
+    first = _first_death(job)
+    if first is None or rank_error.startswith(f"rank {first.rank}:"):
         return ""
-    if rank_error and not rankends.by_signal(first["code"]):
+    if rank_error and not rankends.by_signal(first.code):
         # A rank that exited with a code of its own had its say: ranks that meet the same bad input exit in any
         # order, and whichever wrote the rank error first speaks for them.
         return ""
-    lead = f"rank {first['rank']} {rankends.how(first['code'])}"
+    lead = first.words()
     return f"{lead}, first; then {rank_error}" if rank_error else lead
 
 

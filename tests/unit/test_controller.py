@@ -29,14 +29,36 @@ def test_the_first_death_skips_clean_ends_and_a_rank_that_returned_speaks_for_it
         {"rank": 0, "code": 0, "time": 2.0},
         {"rank": 1, "code": -9, "time": 3.0},
     ]
-    assert controller.first_death(ends, (0, 75), {2: (0.9, 75), 0: (1.9, 0)}) == {"rank": 1, "code": -9, "time": 3.0}
+
+    def first(ends: list[dict], returned: dict) -> rankends.RankEnd | None:
+        return rankends.first_death(controller.rank_ends(ends, returned), (0, 75))
+
+    assert first(ends, {2: (0.9, 75), 0: (1.9, 0)}) == rankends.RankEnd(1, -9, 3.0)
     # A process that exited 0 after its function returned a failing code: that code, when it was written.
-    assert controller.first_death(ends, (0, 75), {2: (0.9, 2)}) == {"rank": 2, "code": 2, "time": 0.9}
+    assert first(ends, {2: (0.9, 2)}) == rankends.RankEnd(2, 2, 0.9)
     # Rank 1 returned 3, then its peers were stopped and its own process caught the TERM while exiting:
     # its returned code, not the TERM, and it came first.
     late = [{"rank": 0, "code": -15, "time": 5.0}, {"rank": 1, "code": -15, "time": 5.1}]
-    assert controller.first_death(late, (0, 75), {1: (4.0, 3)}) == {"rank": 1, "code": 3, "time": 4.0}
-    assert controller.first_death(ends[:2], (0, 75), {}) is None
+    assert first(late, {1: (4.0, 3)}) == rankends.RankEnd(1, 3, 4.0)
+    assert first(ends[:2], {}) is None
+
+
+def test_srun_s_lines_give_the_same_kind_of_end_with_its_node_in_order() -> None:
+    """One first_death for both sources: srun's task lines (this attempt's part of the batch log, no times: in
+    the order srun wrote them) and the local controller's record."""
+    log = (
+        "[meshrun] job 7 restart 0 on n[1-2]\n"
+        "srun: error: n1: task 3: Killed\n"  # an earlier attempt's line is not read: see below
+        "[meshrun] job 7 restart 1 on n[1-2]\n"
+        "srun: error: n2: task 1: Exited with exit code 3\n"
+        "srun: error: n1: task 0: Killed\n"
+        "srun: error: n1: task 2: Something srun does not name\n"
+    )
+    ends = rankends.srun_ends(log, "[meshrun] job 7 restart 1 ")
+    assert ends == [rankends.RankEnd(1, 3, node="n2"), rankends.RankEnd(0, -9, node="n1")]
+    first = rankends.first_death(ends)
+    assert first == rankends.RankEnd(1, 3, node="n2") and first.words() == "rank 1 (on n2) exited with code 3"
+    assert rankends.srun_ends(log, "[meshrun] job 8 ") == [] and rankends.first_death([]) is None
 
 
 def test_how_a_rank_ended_in_words() -> None:
@@ -75,8 +97,8 @@ def test_the_reason_leads_with_the_first_death_only_when_a_signal_left_it_no_wor
     job.task = lambda _k: _Task()
     error = "rank 0: data.path: '/x': no token file there"
     _ends(tmp_path, {"rank": 1, "code": 2, "time": 1.0}, {"rank": 0, "code": 2, "time": 1.5})
-    assert supervisor.first_death(job, error) == ""  # the error speaks for both
+    assert supervisor.first_death_words(job, error) == ""  # the error speaks for both
     _ends(tmp_path, {"rank": 1, "code": -9, "time": 1.0}, {"rank": 0, "code": 1, "time": 1.5})
-    said = supervisor.first_death(job, "rank 0: Connection closed by peer")
+    said = supervisor.first_death_words(job, "rank 0: Connection closed by peer")
     assert said.startswith("rank 1 was killed by SIGKILL") and said.endswith("then rank 0: Connection closed by peer")
-    assert supervisor.first_death(job, "").startswith("rank 1 was killed by SIGKILL")
+    assert supervisor.first_death_words(job, "").startswith("rank 1 was killed by SIGKILL")
