@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from meshrun.submit.core.registry import JobRecord, Registry
-from tests.helpers import sshbed
+from tests.helpers import builders, sshbed
 from tests.helpers.cli import REPO, env_for, meshrun, submitted, trials
 
 CONCURRENT = 10
@@ -114,10 +114,6 @@ for i in range(1_000_000):
 """
 
 
-def _record(i: int) -> JobRecord:
-    return JobRecord(f"pre-{i}", "local", "before", f"/nonexistent/pre-{i}", "local", time.time(), None, "0" * 64)
-
-
 def _kill_writer_midway(home: Path, trial: int, rng: random.Random) -> list[str]:
     """Start WRITER, let it commit a random number of records, SIGKILL it a random moment later;
     the ids it reported committed."""
@@ -139,7 +135,10 @@ def test_sigkill_during_registry_writes_loses_nothing_recorded(tmp_path: Path) -
     first, _ = submitted(meshrun(tmp_path, "submit", str(_project(tmp_path, ["true"])), "-c", "local", check=True))
     registry = Registry(_registry(tmp_path))
     for i in range(50):
-        registry.add(_record(i))
+        run_dir = f"/nonexistent/pre-{i}"
+        registry.add(
+            builders.record(f"pre-{i}", cluster="local", run_dir=run_dir, scheduler="local", submitted_at=time.time())
+        )
     registry.close()
     kept = {first, *(f"pre-{i}" for i in range(50))}
     for trial in range(trials(3, 30)):

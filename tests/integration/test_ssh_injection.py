@@ -8,12 +8,8 @@ import subprocess
 from pathlib import Path
 
 from tests.helpers import sshbed
+from tests.helpers.builders import hostile
 from tests.helpers.sshbed import meshrun
-
-
-def hostile(canary: Path) -> str:
-    """A value that creates `canary` (the fixture: each test's own file) if a shell ran it."""
-    return f"$(touch {canary}) `touch {canary}` 'single' \"double\" spaces;x && touch {canary}"
 
 
 def odd_file(canary: Path) -> str:

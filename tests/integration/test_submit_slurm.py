@@ -16,6 +16,7 @@ from meshrun.submit.errors import InputError
 from meshrun.submit.planning.plan import plan_file
 from meshrun.submit.schedulers.render import render
 from meshrun.submit.schedulers.slurm import BACKEND as SLURM
+from tests.helpers.builders import hostile
 from tests.helpers.cli import REPO, meshrun, metrics, status, submitted
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -24,11 +25,6 @@ SIZED_ELSEWHERE = {
     "h100-8node": "resources.gpus_per_node",  # a real 8-node H100 cluster
     "gpt-3d": "resources.cpus_per_task",
 }  # 8 ranks on one node of `local`
-
-
-def hostile(canary: Path) -> str:
-    """A value that creates `canary` (the fixture: each test's own file) if a shell ran it."""
-    return f"$(touch {canary}) `touch {canary}` 'single' \"double\" spaces;x"
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)

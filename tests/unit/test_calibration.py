@@ -17,6 +17,7 @@ from meshrun.submit.cli.plan import build, render
 from meshrun.submit.config.cluster import SHIPPED_DIR, load_profile
 from meshrun.submit.planning import calibration, steptime
 from meshrun.submit.planning.plan import REMOTE_HOME, plan_file
+from tests.helpers import builders
 
 REPO = Path(__file__).resolve().parents[2]
 NOW = dt.datetime(2026, 12, 4, 1, 2, 3, tzinfo=dt.timezone.utc)
@@ -89,7 +90,7 @@ def test_each_partition_keeps_its_newest_gpu_and_cpu_figures_apart_in_a_private_
 
 def _plan(cluster: str, spec: str = "tiny.yaml", *overrides: str) -> dict[str, Any]:
     profile = load_profile(str(SHIPPED_DIR / f"{cluster}.yaml"))
-    plan = plan_file(REPO / "examples" / spec, profile, list(overrides), home=REMOTE_HOME)
+    plan = builders.plan(spec, profile, *overrides, home=REMOTE_HOME, run_dir=None)
     return build(plan.spec, profile, plan.partition)
 
 
@@ -327,4 +328,4 @@ def test_without_two_timed_shapes_a_cpu_calibration_has_no_block_terms() -> None
 
 def _tiny(keys: dict[str, Any]) -> Any:
     overrides = [f"{key}={value}" for key, value in keys.items()]
-    return plan_file(REPO / "examples" / "tiny.yaml", load_profile("local"), overrides, home=REMOTE_HOME).spec
+    return builders.plan("tiny.yaml", "local", *overrides, home=REMOTE_HOME, run_dir=None).spec

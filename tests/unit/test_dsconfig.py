@@ -4,6 +4,7 @@ clash with the spec or are unknown, written into the run dir, and the engine vis
 from __future__ import annotations
 
 import json
+import time
 import typing
 from pathlib import Path
 from typing import Any
@@ -16,11 +17,12 @@ from meshrun.launcher.contract.schema import SchemaError, load
 from meshrun.launcher.contract.spec import JobSpec
 from meshrun.submit.config.cluster import load_profile
 from meshrun.submit.core import findings
-from meshrun.submit.planning.plan import describe, plan_file
+from meshrun.submit.planning.plan import describe
 from meshrun.submit.planning.sweep import plan_sweep
 from meshrun.submit.schedulers.base import run_dir_files
 from meshrun.submit.transport.base import new_marker
 from meshrun.submit.views.tables import detail_lines
+from tests.helpers import builders
 from tests.unit.test_cli_light import _run
 from tests.unit.test_local_and_wait import _status
 
@@ -305,12 +307,15 @@ def test_a_refused_key_through_the_cli_is_one_line_and_exit_2(tmp_path: Path, de
     assert "engine=deepspeed, zero=2, offload=none" in out.stdout and "/deepspeed.json" in out.stdout
 
 
-def _plan(*overrides: str) -> Any:
-    return plan_file(TINY, load_profile("local"), list(overrides), home="/home/u", run_dir="/r")
-
-
 def test_the_planner_writes_the_generated_config_into_the_run_dir_and_describes_the_engine() -> None:
-    plan = _plan(DEEPSPEED, "parallel.zero=3", "parallel.offload_optimizer=true", "parallel.offload_params=true")
+    plan = builders.plan(
+        "tiny.yaml",
+        "local",
+        DEEPSPEED,
+        "parallel.zero=3",
+        "parallel.offload_optimizer=true",
+        "parallel.offload_params=true",
+    )
     files = run_dir_files(plan, "run.sh", "#!/bin/sh\n")
     written = json.loads(files[RunDir.DEEPSPEED_CONFIG].data)
     assert written == dsconfig.generate(plan.spec) and written["zero_optimization"]["stage"] == 3
@@ -322,7 +327,7 @@ def test_the_planner_writes_the_generated_config_into_the_run_dir_and_describes_
         "deepspeed_config": "/r/deepspeed.json",
     }
     assert "dp_mode" not in shown
-    native = _plan()
+    native = builders.plan("tiny.yaml", "local")
     assert RunDir.DEEPSPEED_CONFIG not in run_dir_files(native, "run.sh", "") and describe(native)["engine"] == "native"
 
 
@@ -334,7 +339,7 @@ def test_each_sweep_task_gets_its_own_config() -> None:
 
 
 def test_status_detail_shows_the_engine_from_spec_json(tmp_path: Path) -> None:
-    plan = _plan(DEEPSPEED, "parallel.offload_optimizer=true")
+    plan = builders.plan("tiny.yaml", "local", DEEPSPEED, "parallel.offload_optimizer=true")
     (tmp_path / "spec.json").write_text(run_dir_files(plan, "run.sh", "")[RunDir.SPEC].data.decode())  # type: ignore[union-attr]
     files = findings.read_files(str(tmp_path), with_env=True)
     found = findings.findings_from(files, 0.0)
@@ -361,7 +366,8 @@ def test_the_slurm_round_trip_brings_spec_json_for_the_detail_view_only(tmp_path
 
     run_dir = tmp_path / "it's a $(run)"
     run_dir.mkdir()
-    spec = run_dir_files(_plan(DEEPSPEED, "parallel.zero=1"), "run.sh", "")[RunDir.SPEC].data
+    plan = builders.plan("tiny.yaml", "local", DEEPSPEED, "parallel.zero=1")
+    spec = run_dir_files(plan, "run.sh", "")[RunDir.SPEC].data
     (run_dir / "spec.json").write_bytes(spec)  # type: ignore[arg-type]
     marker = new_marker()
     for detail, engine in ((True, "deepspeed ZeRO-1"), (False, None)):
@@ -373,13 +379,16 @@ def test_the_slurm_round_trip_brings_spec_json_for_the_detail_view_only(tmp_path
 def test_the_local_backends_status_json_carries_the_engine(tmp_path: Path) -> None:
     from meshrun.submit.schedulers.local import BACKEND as LOCAL
     from meshrun.submit.transport.base import LocalTransport
-    from tests.unit.test_findings_in_status_and_logs import _record
 
-    spec = run_dir_files(_plan(DEEPSPEED, "parallel.offload_optimizer=true"), "run.sh", "")[RunDir.SPEC].data
+    plan = builders.plan("tiny.yaml", "local", DEEPSPEED, "parallel.offload_optimizer=true")
+    spec = run_dir_files(plan, "run.sh", "")[RunDir.SPEC].data
     (tmp_path / "spec.json").write_bytes(spec)  # type: ignore[arg-type]
-    (found,) = LOCAL.statuses([_record("local-1", tmp_path, "local")], LocalTransport(), detail=True)
+    record = builders.record(
+        "local-1", run_dir=tmp_path, scheduler="local", submitted_at=time.time() - 60, last_state="RUNNING"
+    )
+    (found,) = LOCAL.statuses([record], LocalTransport(), detail=True)
     assert json.loads(json.dumps(found.as_json()))["engine"] == "deepspeed ZeRO-2, optimizer offload"
-    (listed,) = LOCAL.statuses([_record("local-1", tmp_path, "local")], LocalTransport())
+    (listed,) = LOCAL.statuses([record], LocalTransport())
     assert listed.engine is None  # the list view does not read spec.json
 
 

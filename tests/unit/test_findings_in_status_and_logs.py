@@ -20,6 +20,7 @@ from meshrun.submit.schedulers.slurm import BACKEND as SLURM
 from meshrun.submit.transport.base import LocalTransport, Result, new_marker
 from meshrun.submit.views.logs import fetch_diagnosis, format_diagnosis, heartbeat_lines
 from meshrun.submit.views.tables import detail_lines, finding_note, status_table
+from tests.helpers import builders
 from tests.unit.test_local_and_wait import _status
 
 NOW = time.time()
@@ -63,10 +64,6 @@ def _run_dir(root: Path, hung: bool = True) -> Path:
     _write(root, "env/n2.json", _env("n2", "535.104"))
     _write(root, "env/n9.json", _env("n9", "999", run="40.0", when=NOW - 3600))  # an earlier run's node
     return root
-
-
-def _record(job_id: str, run_dir: Path, scheduler: str = "slurm", submitted_at: float = NOW - 60) -> JobRecord:
-    return JobRecord(job_id, "c", "n", str(run_dir), scheduler, submitted_at, None, "h", "RUNNING")
 
 
 # ------------------------------------------------------------------ parsing (pure)
@@ -160,12 +157,16 @@ def test_slurm_status_brings_the_findings_in_its_one_round_trip(tmp_path: Path, 
     hung, fine = _run_dir(tmp_path / "hung"), tmp_path / "fine"
     fine.mkdir()
     transport = _Counting()
-    one, two = SLURM.statuses([_record("41", hung), _record("42", fine)], transport, detail=True)
+    jobs = [
+        builders.record(job, run_dir=run, submitted_at=NOW - 60, last_state="RUNNING")
+        for job, run in (("41", hung), ("42", fine))
+    ]
+    one, two = SLURM.statuses(jobs, transport, detail=True)
     assert transport.calls == 1 and one.state == "RUNNING"
     assert one.verdict is not None and one.verdict["step"] == 7 and [s["rank"] for s in one.stragglers] == [3, 5]
     assert one.env_mismatches == ["driver differs between nodes: 535.104 on n2; 550.54 on n1"]
     assert two.verdict is None and two.stragglers == [] and two.env_mismatches == []
-    (listed,) = SLURM.statuses([_record("41", hung)], transport)  # the list view: no env records fetched
+    (listed,) = SLURM.statuses(jobs[:1], transport)  # the list view: no env records fetched
     assert listed.verdict is not None and listed.env_mismatches == [] and transport.calls == 2
     as_json = json.loads(json.dumps(one.as_json()))
     assert {"verdict", "stragglers", "env_mismatches"} <= set(as_json)
@@ -173,7 +174,11 @@ def test_slurm_status_brings_the_findings_in_its_one_round_trip(tmp_path: Path, 
 
 def test_local_status_reads_the_same_findings(tmp_path: Path) -> None:
     hung = _run_dir(tmp_path / "hung")
-    (found,) = LOCAL.statuses([_record("local-1", hung, "local")], LocalTransport(), detail=True)
+    (found,) = LOCAL.statuses(
+        [builders.record("local-1", run_dir=hung, scheduler="local", submitted_at=NOW - 60, last_state="RUNNING")],
+        LocalTransport(),
+        detail=True,
+    )
     assert found.verdict is not None and len(found.stragglers) == 2 and len(found.env_mismatches) == 1
 
 

@@ -11,20 +11,13 @@ from meshrun.submit.config.cluster import load_profile
 from meshrun.submit.core.plan import format_time, parse_time
 from meshrun.submit.errors import InputError
 from meshrun.submit.planning.plan import describe, load_job, plan_file
-from meshrun.submit.schedulers import backend
+from tests.helpers import builders
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "tiny.yaml"
 BIG = REPO / "examples" / "h100-8node.yaml"
 TWO = REPO / "examples" / "two-node.yaml"
 GPT3D = REPO / "examples" / "gpt-3d.yaml"
-
-
-def _plan(spec: Path, cluster: str, *overrides: str):
-    """Planned as `meshrun submit` plans: with the profile's scheduler's own checks (api.plan_job's)."""
-    profile = load_profile(cluster)
-    check = backend(profile.scheduler).check
-    return plan_file(spec, profile, list(overrides), home="/home/u", run_dir="/r", scheduler_check=check)
 
 
 @pytest.mark.parametrize(
@@ -138,7 +131,7 @@ def _plan(spec: Path, cluster: str, *overrides: str):
 )
 def test_errors_name_key_value_and_fix(cluster, spec, overrides, key, message) -> None:
     with pytest.raises(InputError, match=message) as info:
-        _plan(spec, cluster, *overrides)
+        builders.plan(spec, cluster, *overrides, checked=True)
     assert info.value.key.endswith(key)
     assert info.value.fix
 
@@ -168,19 +161,19 @@ def test_errors_name_key_value_and_fix(cluster, spec, overrides, key, message) -
     ],
 )
 def test_edges_that_are_allowed(cluster, spec, overrides) -> None:
-    _plan(spec, cluster, *overrides)
+    builders.plan(spec, cluster, *overrides, checked=True)
 
 
 def test_error_line_carries_key_value_and_fix() -> None:
     with pytest.raises(InputError) as info:
-        _plan(TWO, "testbed", "parallel.dp=2", "parallel.tp=2", "train.model.vocab_size=50257")
+        builders.plan(TWO, "testbed", "parallel.dp=2", "parallel.tp=2", "train.model.vocab_size=50257", checked=True)
     text = str(info.value)
     assert text.startswith("parallel.tp: 2: train.model.vocab_size(50257) must be divisible by tp(2)"), text
     assert "\n" not in text
 
 
 def test_describe_shows_the_3d_layout() -> None:
-    shown = describe(_plan(GPT3D, "local"))
+    shown = describe(builders.plan(GPT3D, "local", checked=True))
     assert {k: shown[k] for k in ("dp", "tp", "pp", "dp_mode", "accumulation", "pp_schedule", "sequence_parallel")} == {
         "dp": 2,
         "tp": 2,
@@ -191,16 +184,18 @@ def test_describe_shows_the_3d_layout() -> None:
         "sequence_parallel": False,
     }
     assert (
-        describe(_plan(GPT3D, "local", "parallel.pp_schedule=gpipe", "parallel.sequence_parallel=true"))["pp_schedule"]
+        describe(
+            builders.plan(GPT3D, "local", "parallel.pp_schedule=gpipe", "parallel.sequence_parallel=true", checked=True)
+        )["pp_schedule"]
         == "gpipe"
     )
-    flat = describe(_plan(TINY, "local"))  # dp only: nothing about pipelines or tp
+    flat = describe(builders.plan(TINY, "local", checked=True))  # dp only: nothing about pipelines or tp
     assert flat["accumulation"] == 2 and "pp_schedule" not in flat and "sequence_parallel" not in flat
-    assert "dp" not in describe(_plan(REPO / "examples" / "command.yaml", "local"))
+    assert "dp" not in describe(builders.plan(REPO / "examples" / "command.yaml", "local", checked=True))
 
 
 def test_gpt_3d_example_is_the_8_rank_3d_layout() -> None:
-    plan = _plan(GPT3D, "local")
+    plan = builders.plan(GPT3D, "local", checked=True)
     spec = plan.spec
     assert spec.world_size == 8 and (spec.parallel.pp, spec.parallel.dp, spec.parallel.tp) == (2, 2, 2)
     t = spec.trainer
@@ -223,7 +218,7 @@ def test_gpt_3d_example_is_the_8_rank_3d_layout() -> None:
 )
 def test_set_overrides_are_checked(override: str, message: str) -> None:
     with pytest.raises(InputError, match=message):
-        _plan(TINY, "local", override)
+        builders.plan(TINY, "local", override, checked=True)
 
 
 def test_set_casts_to_the_field_type() -> None:
@@ -321,7 +316,7 @@ def test_plan_resolves_home_and_checkpoint_root() -> None:
     plan = plan_file(TINY, load_profile("local"), home="/home/u")
     assert plan.run_dir.startswith("/home/u/.local/share/meshrun/runs/tiny-gpt-")
     assert plan.run_spec.run.checkpoint_dir == f"{plan.run_dir}/checkpoints"
-    big = _plan(BIG, "h100-ndr")
+    big = builders.plan(BIG, "h100-ndr", checked=True)
     assert big.run_spec.run.checkpoint_dir == "/lustre/alice/checkpoints/r"
     assert big.run_spec.run.nccl_env["NCCL_IB_HCA"].startswith("=mlx5_0")
 

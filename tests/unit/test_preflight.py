@@ -12,12 +12,11 @@ from pathlib import Path
 import pytest
 
 from meshrun.launcher import __version__
-from meshrun.submit.config.cluster import load_profile
 from meshrun.submit.core.plan import Plan
-from meshrun.submit.planning.plan import plan_file
 from meshrun.submit.schedulers import preflight
 from meshrun.submit.schedulers.base import Request
 from meshrun.submit.transport.base import LocalTransport, Result
+from tests.helpers import builders
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,8 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 def _plan(tmp_path: Path, *overrides: str, profile: str = "local") -> Plan:
     corpus = tmp_path / "tokens.u16"
     corpus.write_bytes(b"\0" * 16384)  # 8192 tokens: 60 sequences of tiny.yaml's 129
-    sets = [f"data.path={corpus}", *overrides]
-    return plan_file(REPO / "examples" / "tiny.yaml", load_profile(profile), sets, home=str(tmp_path))
+    return builders.plan("tiny.yaml", profile, f"data.path={corpus}", *overrides, home=str(tmp_path), run_dir=None)
 
 
 def _request(scheduler: str = "local") -> Request:

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
 
@@ -164,18 +164,13 @@ def test_the_watchdog_kills_its_own_hung_rank(tmp_path: Path) -> None:
             rank.wait()
 
 
-def local_record(run_dir: Path, job_id: str) -> Any:
-    from meshrun.submit.core.registry import JobRecord
-
-    return JobRecord(job_id, "local", "t", str(run_dir), "local", time.time(), None, "h")
-
-
 def test_a_local_cancel_never_signals_the_group_a_stale_state_file_names(tmp_path: Path) -> None:
     """`meshrun cancel` of a local job whose state file's supervisor pid (and process group) is now another
     session leader of this user: with the start time recorded, or without (an older state file) where the
     group does not carry the job's id, nothing is signalled."""
     from meshrun.launcher.contract.rundir import local_state_path, merge_state
     from meshrun.submit.schedulers import local
+    from tests.helpers import builders
 
     victim = subprocess.Popen(["sleep", "600"], start_new_session=True)  # leads its own group, as a supervisor
     try:
@@ -186,9 +181,13 @@ def test_a_local_cancel_never_signals_the_group_a_stale_state_file_names(tmp_pat
         merge_state(path, supervisor_started_at=now.started_at - 3.0)
         assert local.current_state(str(tmp_path), "local-a")["state"] != "RUNNING"  # its supervisor is gone
         merge_state(path, state="RUNNING", supervisor_started_at=None)  # an older state file: no start time
-        local._cancel(local_record(tmp_path, "local-a"))
+        local._cancel(
+            builders.record("local-a", cluster="local", run_dir=tmp_path, scheduler="local", submitted_at=time.time())
+        )
         assert still_running(victim)
-        record = local_record(tmp_path, str(victim.pid))  # a submitit-API job id is its controller's pid
+        record = builders.record(
+            str(victim.pid), cluster="local", run_dir=tmp_path, scheduler="local", submitted_at=time.time()
+        )  # a submitit-API job id is its controller's pid
         local._cancel_submitit_job(record)
         assert still_running(victim)
     finally:

@@ -16,6 +16,8 @@ from meshrun.submit.planning.plan import plan_file
 from meshrun.submit.schedulers import backend
 from meshrun.submit.schedulers.render import compiled_templates, render, sbatch_label
 from meshrun.submit.schedulers.slurm import BACKEND as SLURM
+from tests.helpers import builders
+from tests.helpers.builders import hostile
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden"
@@ -62,24 +64,9 @@ def test_main_example_renders_on_every_shipped_cluster_that_fits() -> None:
     assert set(fits) == set(SHIPPED)
 
 
-def hostile(canary: Path) -> str:
-    """A value that creates `canary` (the fixture: each test's own file) if a shell ran it."""
-    return f"$(touch {canary}) `touch {canary}` 'single' \"double\" spaces ; rm -rf /"
-
-
-def _plan_with(tmp_path: Path, *overrides: str):
-    return plan_file(
-        REPO / "examples" / "tiny.yaml",
-        load_profile("testbed"),
-        list(overrides),
-        home=HOME,
-        run_dir=str(tmp_path / "run"),
-    )
-
-
-def test_hostile_values_are_quoted_and_reach_bash_literally(tmp_path: Path, canary: Path) -> None:
+def test_hostile_values_are_quoted_and_reach_bash_literally(canary: Path) -> None:
     HOSTILE = hostile(canary)
-    script = render(_plan_with(tmp_path, f"name={HOSTILE}", f"env.HOSTILE={HOSTILE}"), SLURM)
+    script = render(builders.plan("tiny.yaml", "testbed", f"name={HOSTILE}", f"env.HOSTILE={HOSTILE}"), SLURM)
     # Run the environment part of the script in bash and read the values back.
     lines = [l for l in script.splitlines() if l.startswith(("export MESHRUN_JOB_NAME=", "export HOSTILE="))]
     probe = "\n".join(lines + ['printf "%s\\n%s\\n" "$MESHRUN_JOB_NAME" "$HOSTILE"'])
@@ -88,23 +75,23 @@ def test_hostile_values_are_quoted_and_reach_bash_literally(tmp_path: Path, cana
     assert not canary.exists()
 
 
-def test_sbatch_directives_carry_only_a_safe_label(tmp_path: Path, canary: Path) -> None:
+def test_sbatch_directives_carry_only_a_safe_label(canary: Path) -> None:
     HOSTILE = hostile(canary)
-    script = render(_plan_with(tmp_path, f"name={HOSTILE}"), SLURM)
+    script = render(builders.plan("tiny.yaml", "testbed", f"name={HOSTILE}"), SLURM)
     directive = next(l for l in script.splitlines() if l.startswith("#SBATCH --job-name="))
     assert directive == f"#SBATCH --job-name={sbatch_label(HOSTILE)}"
     assert all(c.isalnum() or c in "._+-" for c in directive.split("=", 1)[1])
 
 
 @pytest.mark.parametrize("override", ["name=a\nb", "env.X=line1\nline2", "env.Y=tab\there", "name=bell\x07"])
-def test_newlines_and_control_characters_are_refused(tmp_path: Path, override: str) -> None:
+def test_newlines_and_control_characters_are_refused(override: str) -> None:
     with pytest.raises(InputError, match="newlines and control characters"):
-        _plan_with(tmp_path, override)
+        builders.plan("tiny.yaml", "testbed", override)
 
 
-def test_bad_env_key_is_refused(tmp_path: Path) -> None:
+def test_bad_env_key_is_refused() -> None:
     with pytest.raises(InputError, match="environment variable names"):
-        _plan_with(tmp_path, "env.BAD-KEY=1")
+        builders.plan("tiny.yaml", "testbed", "env.BAD-KEY=1")
 
 
 def test_setup_lines_with_newlines_are_refused(tmp_path: Path) -> None:

@@ -25,8 +25,8 @@ from meshrun.submit.executor import (
     setup_lines,
     slurm_parameters,
 )
+from tests.helpers.builders import hostile
 
-HOSTILE = "$(touch {marker}) `touch {marker}` 'single' spaces;x"
 PROFILE = """\
 name: login
 scheduler: slurm
@@ -45,8 +45,7 @@ defaults: {{account: llm, qos: high, constraint: h100, exclusive: true, signal_s
 @pytest.fixture
 def profile_file(tmp_path: Path) -> Path:
     path = tmp_path / "login.yaml"
-    hostile = HOSTILE.format(marker=tmp_path / "pwned").replace('"', '\\"')
-    path.write_text(PROFILE.format(hostile=hostile))
+    path.write_text(PROFILE.format(hostile=hostile(tmp_path / "pwned").replace('"', '\\"')))
     return path
 
 
@@ -81,7 +80,7 @@ def test_nccl_preset_is_quoted_and_yields_to_the_users_own_export(profile_file: 
     out = subprocess.run(
         ["bash", "-c", probe], capture_output=True, text=True, env={"NCCL_IB_HCA": "mine"}, check=True
     ).stdout
-    assert out == HOSTILE.format(marker=tmp_path / "pwned") + "|mine"
+    assert out == hostile(tmp_path / "pwned") + "|mine"
     assert not (tmp_path / "pwned").exists()
 
 

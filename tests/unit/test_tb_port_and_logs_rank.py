@@ -18,6 +18,7 @@ from meshrun.submit.transport.base import LocalTransport
 from meshrun.submit.transport.portforward import PortForward
 from meshrun.submit.views import logs
 from meshrun.submit.views.tensorboard import check_local_port
+from tests.helpers import builders
 
 
 @pytest.fixture
@@ -74,30 +75,18 @@ def test_rank_past_the_world_size_names_the_size() -> None:
         logs.parse_ranks("0,4", 4)
 
 
-def _record(run_dir: Path) -> JobRecord:
-    return JobRecord(
-        job_id="1",
-        cluster="local",
-        name="j",
-        run_dir=str(run_dir),
-        scheduler="local",
-        submitted_at=time.time(),
-        git_sha=None,
-        spec_hash="x",
-    )
-
-
 def test_select_ranks_reads_the_world_size_even_for_one_rank(tmp_path: Path) -> None:
     run = RunDir(str(tmp_path))
     Path(run.spec).write_text(json.dumps({"job": {"resources": {"nodes": 1, "tasks_per_node": 2}}}))
-    record = _record(tmp_path)
+    record = builders.record(cluster="local", run_dir=tmp_path, scheduler="local", submitted_at=time.time())
     assert logs.select_ranks(LocalTransport(), record, "1") == [1]
     with pytest.raises(InputError, match=r"the job has 2 ranks \(0-1\)"):
         logs.select_ranks(LocalTransport(), record, "99")
 
 
 def test_select_ranks_without_a_spec_yet_accepts_any_rank(tmp_path: Path) -> None:
-    assert logs.select_ranks(LocalTransport(), _record(tmp_path), "7") == [7]
+    record = builders.record(cluster="local", run_dir=tmp_path, scheduler="local", submitted_at=time.time())
+    assert logs.select_ranks(LocalTransport(), record, "7") == [7]
 
 
 def test_logs_f_survives_a_connection_dropped_while_it_asks_for_the_jobs_size(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -21,11 +21,8 @@ from meshrun.submit.schedulers import slurm_cli as slurm
 from meshrun.submit.schedulers.slurm import query_argvs, states_from
 from meshrun.submit.transport.base import LocalTransport, Result, Upload, batch, tar_bytes
 from meshrun.submit.views.logs import Printer, Source, parse_ranks, print_once
-
-
-def hostile(canary: Path) -> str:
-    """A value (and file name) that creates `canary` (the fixture: each test's own file) if a shell ran it."""
-    return f"$(touch {canary}) `x` 'q' \"d\" a b;c"
+from tests.helpers import builders
+from tests.helpers.builders import hostile
 
 
 def test_batch_keeps_each_commands_output_code_and_quotes_everything(canary: Path) -> None:
@@ -72,12 +69,8 @@ def test_the_ssh_put_script_unpacks_the_same_tar(tmp_path: Path) -> None:
     assert not (tmp_path / "pwned").exists()
 
 
-def _record(job_id: str, last_state: str = "SUBMITTED") -> JobRecord:
-    return JobRecord(job_id, "c", "n", f"/r/{job_id}", "slurm", 0.0, None, "h", last_state)
-
-
 def test_one_round_trip_queries_squeue_sacct_and_every_metrics_tail() -> None:
-    argvs = query_argvs([_record("1"), _record("2_3")])
+    argvs = query_argvs([builders.record("1", run_dir="/r/1"), builders.record("2_3", run_dir="/r/2_3")])
     assert argvs[0][:4] == ["squeue", "--noheader", "--array", "--states=all"] and argvs[1][0] == "sacct"
     assert argvs[2:4] == [
         ["tail", "-c", "8192", "--", "/r/1/metrics.jsonl"],
@@ -95,13 +88,13 @@ def test_a_failed_slurm_job_says_why_in_the_ranks_words() -> None:
 
     failed, ok = SlurmJob("1", JobState.FAILED, exit_code="2:0"), Result((), 0, "", "")
     error = Result((), 0, "rank 0: data.path: '/x': no token file there\n", "")
-    found = _status(_record("1"), failed, ok, error)
+    found = _status(builders.record("1"), failed, ok, error)
     assert found.reason == "rank 0: data.path: '/x': no token file there" and found.exit_code == 2
-    assert _status(_record("1"), failed, ok, Result((), 1, "", "No such file")).reason is None
+    assert _status(builders.record("1"), failed, ok, Result((), 1, "", "No such file")).reason is None
 
 
 def test_accounting_off_falls_back_to_squeue_and_the_last_seen_state() -> None:
-    records = [_record("5"), _record("6", "COMPLETED"), _record("7")]
+    records = [builders.record("5"), builders.record("6", last_state="COMPLETED"), builders.record("7")]
     squeue = Result((), 0, "5|RUNNING|0:09|30:00|n1|None\n", "")
     sacct = Result((), 1, "", "sacct: error: Slurm accounting storage is disabled\n")
     states = states_from(records, squeue, sacct)
