@@ -31,6 +31,47 @@ class SchemaError(ValueError):
         super().__init__(f"{key or '<top>'}: {_show(value)}: {fix}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """A number's range, declared once beside its field (`bounded`) and checked by `load` with the field's key.
+    None leaves a side open; a field whose value is None (optional and unset) is not checked."""
+
+    fix: str
+    """The error's fix, as the person reads it ("give 0 to 100 restarts (default 3)")."""
+    at_least: Optional[float] = None
+    above: Optional[float] = None
+    at_most: Optional[float] = None
+    below: Optional[float] = None
+    or_exactly: Optional[float] = None
+    """A value allowed outside the range (0 where 0 turns a rule off)."""
+
+    def holds(self, value: float) -> bool:
+        if self.or_exactly is not None and value == self.or_exactly:
+            return True
+        return not (
+            (self.at_least is not None and value < self.at_least)
+            or (self.above is not None and value <= self.above)
+            or (self.at_most is not None and value > self.at_most)
+            or (self.below is not None and value >= self.below)
+        )
+
+
+BOUND = "bound"
+"""The field metadata key `bounded` writes and `load` reads."""
+
+
+def bounded(default: Any, fix: str, **limits: float) -> Any:
+    """A dataclass field with a default and a Bound (its limits: at_least, above, at_most, below, or_exactly)."""
+    return dataclasses.field(default=default, metadata={BOUND: Bound(fix, **limits)})
+
+
+def check_bound(field: dataclasses.Field[Any], value: Any, key: str) -> None:
+    """The field's declared Bound on `value`, refused naming `key`, the value and the fix."""
+    found = field.metadata.get(BOUND)
+    if found is not None and value is not None and not found.holds(value):
+        raise SchemaError(key, value, found.fix)
+
+
 SHOWN_CHARS = 320
 """An error line shows a value up to this long: a path whole (a cut one hides what is wrong with it), a
 pasted blob shortened."""
@@ -154,6 +195,7 @@ def load(cls: type[T], data: Any, path: str = "") -> T:
         key = _join(path, name)
         if name in data:
             kwargs[name] = convert(hints[name], data[name], key)
+            check_bound(field, kwargs[name], key)
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise SchemaError(key, None, "this key is required")
     try:

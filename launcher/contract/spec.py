@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal, Mapping, Optional
 
 from meshrun.launcher.contract.parallel_dims import ParallelDims, Problem
 from meshrun.launcher.contract.rundir import NodeDir, RunDir, expand_node_path, node_name
-from meshrun.launcher.contract.schema import SchemaError, load, to_plain
+from meshrun.launcher.contract.schema import SchemaError, bounded, load, to_plain
 from meshrun.launcher.contract.secrets import ENV_KEY, parse_secrets
 
 SPEC_FILE = RunDir.SPEC
@@ -25,13 +25,13 @@ Precision = Literal["fp32", "bf16", "fp16"]
 
 @dataclass(frozen=True)
 class Resources:
-    nodes: int = 1
+    nodes: int = bounded(1, "must be at least 1", at_least=1)
     """Number of nodes."""
-    gpus_per_node: int = 0
+    gpus_per_node: int = bounded(0, "must be at least 0", at_least=0)
     """GPUs per node; 0 trains on CPU ranks (gloo)."""
-    tasks_per_node: Optional[int] = None
+    tasks_per_node: Optional[int] = bounded(None, "must be at least 1", at_least=1)
     """Ranks per node; defaults to gpus_per_node (one rank per GPU). Required for CPU jobs."""
-    cpus_per_task: int = 1
+    cpus_per_task: int = bounded(1, "must be at least 1", at_least=1)
     """CPU cores per rank (data loading threads, the CPU math of CPU jobs)."""
     time: str = "01:00:00"
     """Wall-clock limit, in Slurm's syntax: MM, HH:MM:SS or D-HH:MM:SS."""
@@ -43,11 +43,11 @@ class Resources:
 
 @dataclass(frozen=True)
 class Parallel:
-    dp: int = 1
+    dp: int = bounded(1, "must be at least 1", at_least=1)
     """Data-parallel degree."""
-    tp: int = 1
+    tp: int = bounded(1, "must be at least 1", at_least=1)
     """Tensor-parallel degree (kept inside one NVLink/NVSwitch domain)."""
-    pp: int = 1
+    pp: int = bounded(1, "must be at least 1", at_least=1)
     """Pipeline-parallel degree (must divide the number of layers)."""
     dp_mode: Literal["fsdp", "ddp"] = "fsdp"
     """How data parallelism keeps parameters: fsdp (FSDP2 fully_shard, ZeRO-3-like) or ddp (replicated:
@@ -67,13 +67,13 @@ class Parallel:
 
 @dataclass(frozen=True)
 class Model:
-    n_layers: int = 4
+    n_layers: int = bounded(4, "must be at least 1", at_least=1)
     """Transformer blocks."""
-    d_model: int = 128
+    d_model: int = bounded(128, "must be at least 1", at_least=1)
     """Hidden size."""
-    n_heads: int = 4
+    n_heads: int = bounded(4, "must be at least 1", at_least=1)
     """Attention heads (d_model must be divisible by it, and it by tp)."""
-    vocab_size: int = 256
+    vocab_size: int = bounded(256, "give the vocabulary size, or 0: the tokenizer's", at_least=0)
     """Vocabulary size; 256 for a byte-level token file. 0 takes it from the tokenizer `meshrun data` saved
     beside data.path (its `.json` record)."""
     n_kv_heads: int = 0
@@ -81,9 +81,9 @@ class Model:
     it by tp); 0 means n_heads (full multi-head attention)."""
     tie_embeddings: bool = False
     """Share one matrix between the token embedding and the output head (GPT-2, small Llamas); pp must be 1."""
-    rope_theta: float = 10000.0
+    rope_theta: float = bounded(10000.0, "give a base above 1, e.g. 10000 or 500000", above=1, at_most=1e9)
     """Rotary embeddings' base (Llama 2: 10000, Llama 3: 500000)."""
-    seq_len: int = 128
+    seq_len: int = bounded(128, "must be at least 1", at_least=1)
     """Tokens per training sequence."""
     ffn_mult: float = 2.6667
     """SwiGLU hidden size as a multiple of d_model (rounded up to a multiple of 64)."""
@@ -98,12 +98,6 @@ class Model:
                 self.n_kv_heads,
                 f"give a divisor of n_heads ({self.n_heads}), or 0 for full multi-head attention",
             )
-        if self.vocab_size < 0:
-            raise SchemaError(
-                "train.model.vocab_size", self.vocab_size, "give the vocabulary size, or 0: the tokenizer's"
-            )
-        if not 1.0 < self.rope_theta <= 1e9:
-            raise SchemaError("train.model.rope_theta", self.rope_theta, "give a base above 1, e.g. 10000 or 500000")
 
     @property
     def kv_heads(self) -> int:
@@ -120,27 +114,27 @@ class Train:
     """The GPT-style model to train."""
     engine: Engine = "native"
     """native (FSDP2/DDP + DTensor TP + pipelining) or deepspeed (ZeRO 0-3, CPU offload; dp only)."""
-    steps: int = 100
+    steps: int = bounded(100, "must be at least 1", at_least=1)
     """Optimizer steps."""
     precision: Precision = "fp32"
     """fp32, bf16 or fp16 (mixed precision on GPUs; CPU runs use fp32 math)."""
-    global_batch: int = 8
+    global_batch: int = bounded(8, "must be at least 1", at_least=1)
     """Sequences per optimizer step, across all data-parallel ranks (as in Megatron)."""
-    micro_batch: int = 2
+    micro_batch: int = bounded(2, "must be at least 1", at_least=1)
     """Sequences per forward/backward on one data-parallel rank; accumulation = global/(micro*dp)."""
-    lr: float = 3e-4
+    lr: float = bounded(3e-4, "the learning rate must be positive, e.g. 3e-4", above=0)
     """Peak learning rate."""
-    min_lr: float = 3e-5
+    min_lr: float = bounded(3e-5, "must be at least 0 (the cosine schedule's floor; e.g. lr / 10)", at_least=0)
     """Learning rate at the end of the cosine schedule."""
-    warmup_steps: int = 10
+    warmup_steps: int = bounded(10, "must be at least 0 (0: no warmup)", at_least=0)
     """Linear warmup steps."""
-    weight_decay: float = 0.1
+    weight_decay: float = bounded(0.1, "must be at least 0 (0: no decay; e.g. 0.1)", at_least=0)
     """AdamW weight decay (never applied to norms and biases)."""
-    grad_clip: float = 1.0
+    grad_clip: float = bounded(1.0, "must be at least 0 (0 turns clipping off; e.g. 1.0)", at_least=0)
     """Clip the global gradient norm to this; 0 disables clipping."""
-    log_every: int = 1
+    log_every: int = bounded(1, "must be at least 1", at_least=1)
     """Write a metrics.jsonl line every N steps."""
-    eval_every: int = 0
+    eval_every: int = bounded(0, "must be at least 0 (0: no validation)", at_least=0)
     """Validation loss every N steps; 0 disables."""
     eval_sequences: int = 128
     """Validation sequences per evaluation: the first ones of the held-out split, cut to a multiple of global_batch."""
@@ -174,7 +168,7 @@ class Data:
     val_path: Optional[str] = None
     """A separate validation token file. Unset: the held-out documents `meshrun data` wrote beside `path`
     (its `.json` record names them), else the tail `val_fraction` of `path`."""
-    val_fraction: float = 0.05
+    val_fraction: float = bounded(0.05, "use a fraction in [0, 1), e.g. 0.05", at_least=0, below=1)
     """Fraction held out for validation from a token file that has no held-out file (the tail of the stream)."""
     blend: tuple[BlendSource, ...] = ()
     """Train on several token files mixed by weight (deterministic, resumable, the same for any layout)
@@ -183,19 +177,26 @@ class Data:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    every: int = 0
+    every: int = bounded(0, "must be at least 0 (0 saves only at the end and on preemption), e.g. 500", at_least=0)
     """Save every N steps; 0 saves only at the end and on preemption."""
-    keep: int = 3
+    keep: int = bounded(
+        3, "keep at least 1 complete checkpoint (the one a requeued job resumes from), e.g. 3", at_least=1
+    )
     """Keep the newest K complete checkpoints."""
-    keep_every: int = 0
+    keep_every: int = bounded(0, "must be at least 0 (0 keeps nothing beyond checkpoint.keep), e.g. 1000", at_least=0)
     """Also keep every checkpoint whose step is a multiple of this (0: none beyond `keep`)."""
     async_save: bool = True
     """Save in the background: training waits only while the state is copied to CPU memory."""
-    resume_step: Optional[int] = None
+    resume_step: Optional[int] = bounded(
+        None,
+        "checkpoints are numbered by the step after which they were saved, from 1: give a step >= 1, or null to "
+        "resume from the newest complete checkpoint",
+        at_least=1,
+    )
     """Resume from exactly this step (it must be complete); the newest complete one when unset."""
     keep_best: bool = False
     """Also keep the complete checkpoint with the lowest validation loss (its marker records it); never retained away."""
-    max_requeues: int = 20
+    max_requeues: int = bounded(20, "must be at least 0 (0 never requeues), e.g. 20", at_least=0)
     """Requeue the job at most this many times (preemption, time limit, failure) before stopping;
     `resilience.max_restarts` counts the restarts inside one allocation."""
 
@@ -223,16 +224,10 @@ class Code:
 class Sidecar:
     """The per-node sidecar (GPU and host metrics, the environment record): `python -m meshrun.launcher.sidecar`."""
 
-    interval_s: float = 5.0
+    interval_s: float = bounded(5.0, "give 0.1 to 3600 seconds (default 5)", at_least=0.1, at_most=3600)
     """Seconds between samples (gpu.jsonl, TensorBoard); 0.1-3600. Shorter costs the ranks more CPU."""
-    final_copy_s: float = 300.0
+    final_copy_s: float = bounded(300.0, "give 0 to 86400 seconds (default 300)", at_least=0, at_most=86400)
     """When the ranks end, how long the sidecar may still copy checkpoints staged on scratch to shared storage."""
-
-    def __post_init__(self) -> None:
-        if not 0.1 <= self.interval_s <= 3600:
-            raise SchemaError("sidecar.interval_s", self.interval_s, "give 0.1 to 3600 seconds (default 5)")
-        if not 0 <= self.final_copy_s <= 86400:
-            raise SchemaError("sidecar.final_copy_s", self.final_copy_s, "give 0 to 86400 seconds (default 300)")
 
 
 RESTART_ON = ("failure", "hang", "health")
@@ -243,7 +238,7 @@ RESTART_ON = ("failure", "hang", "health")
 class Resilience:
     """Keeping a long job productive across failures (docs/guides/hangs-and-alerts.md: suspect nodes)."""
 
-    forget_after_h: float = 24.0
+    forget_after_h: float = bounded(24.0, "give 0 to 8760 hours (default 24)", at_least=0, at_most=8760)
     """A node a hang verdict blamed stays in the cluster's ledger of suspects, left out of new submits, for this
     many hours after its last finding (then it is tried again); 0-8760. `meshrun nodes --clear` clears it."""
     avoid_suspects: bool = True
@@ -251,31 +246,21 @@ class Resilience:
     health_check: bool = True
     """On Slurm, before each start (the first and every requeue) every node checks its GPUs, free space, storage,
     Python environment and clock; a failing node is excluded and the job requeued (docs/guides/hangs-and-alerts.md)."""
-    health_timeout_s: float = 120.0
+    health_timeout_s: float = bounded(120.0, "give 10 to 1800 seconds (default 120)", at_least=10, at_most=1800)
     """A node that has not answered its health check in this many seconds fails it; 10-1800."""
-    min_free_gb: float = 0.0
+    min_free_gb: float = bounded(0.0, "give 0 (two checkpoints' worth) to 1000000 GB", at_least=0, at_most=1e6)
     """Free space each node needs on the checkpoint root and its scratch, in GB; 0: two checkpoints' worth,
     estimated from the model (at least 1 GB)."""
-    spare_nodes: int = 0
+    spare_nodes: int = bounded(0, "give 0 to 1024 nodes (default 0)", at_least=0, at_most=1024)
     """Nodes allocated beyond resources.nodes (Slurm): a failed node's ranks restart on a spare inside the same
     allocation, from the last complete checkpoint, instead of waiting in the queue again; 0-1024."""
-    max_restarts: int = 3
+    max_restarts: int = bounded(3, "give 0 to 100 restarts (default 3)", at_least=0, at_most=100)
     """Restarts inside one allocation (with spare_nodes) before the job falls back to a requeue; 0-100."""
     restart_on: tuple[str, ...] = ("failure", "hang", "health")
     """What restarts inside the allocation: a rank's failure, a hang verdict (exit 76), a node failing its
     health check; anything else (bad input, a crash loop, divergence) never does."""
 
     def __post_init__(self) -> None:
-        if not 0 <= self.forget_after_h <= 8760:
-            raise SchemaError("resilience.forget_after_h", self.forget_after_h, "give 0 to 8760 hours (default 24)")
-        if not 10 <= self.health_timeout_s <= 1800:
-            raise SchemaError(
-                "resilience.health_timeout_s", self.health_timeout_s, "give 10 to 1800 seconds (default 120)"
-            )
-        if not 0 <= self.spare_nodes <= 1024:
-            raise SchemaError("resilience.spare_nodes", self.spare_nodes, "give 0 to 1024 nodes (default 0)")
-        if not 0 <= self.max_restarts <= 100:
-            raise SchemaError("resilience.max_restarts", self.max_restarts, "give 0 to 100 restarts (default 3)")
         unknown = [word for word in self.restart_on if word not in RESTART_ON]
         if unknown:
             raise SchemaError("resilience.restart_on", unknown[0], f"give some of {', '.join(RESTART_ON)}")
@@ -289,10 +274,12 @@ class Resilience:
                 "spares serve only restarts inside the allocation: give resilience.max_restarts >= 1 and a "
                 "restart_on, or 0 spares (a spare is allocated, and billed, while it idles)",
             )
-        if not 0 <= self.min_free_gb <= 1e6:
-            raise SchemaError(
-                "resilience.min_free_gb", self.min_free_gb, "give 0 (two checkpoints' worth) to 1000000 GB"
-            )
+
+
+WEEK_S = 7 * 86400
+SECONDS_1_TO_WEEK = "give 1 to 604800 seconds"
+FACTOR_OR_OFF = "give a factor above 1 (e.g. 3), or 0 to turn the rule off"
+FRACTION_OR_OFF = "give a fraction between 0 and 1 (0 turns the rule off)"
 
 
 @dataclass(frozen=True)
@@ -301,49 +288,28 @@ class Watchdog:
 
     enabled: bool = True
     """Declare a hang (diagnose, then end the job with exit 76 for a requeue) when no rank progresses in time."""
-    step_factor: float = 5.0
+    step_factor: float = bounded(5.0, "give a multiple of 1 to 1000 (default 5)", at_least=1, at_most=1000)
     """A step hangs after step_factor x the median recent step time + step_floor_s (at least 2x the slowest)."""
-    step_floor_s: float = 60.0
+    step_floor_s: float = bounded(60.0, SECONDS_1_TO_WEEK, at_least=1, at_most=WEEK_S)
     """Added to every step timeout: a pause in the first steps or a slow logging step is not a hang."""
-    setup_timeout_s: float = 1200.0
+    setup_timeout_s: float = bounded(1200.0, SECONDS_1_TO_WEEK, at_least=1, at_most=WEEK_S)
     """Start-up (process group, model build, resume) may take this long before the first step."""
-    eval_timeout_s: float = 1200.0
+    eval_timeout_s: float = bounded(1200.0, SECONDS_1_TO_WEEK, at_least=1, at_most=WEEK_S)
     """One validation pass may take this long."""
-    checkpoint_timeout_s: float = 1200.0
+    checkpoint_timeout_s: float = bounded(1200.0, SECONDS_1_TO_WEEK, at_least=1, at_most=WEEK_S)
     """One checkpoint save may take this long."""
-    straggler_factor: float = 1.5
+    straggler_factor: float = bounded(1.5, "give a factor above 1, at most 100 (default 1.5)", above=1, at_most=100)
     """A rank whose recent busy time per step exceeds this multiple of all ranks' median is named a straggler."""
-    straggler_check_s: float = 10.0
+    straggler_check_s: float = bounded(10.0, SECONDS_1_TO_WEEK, at_least=1, at_most=WEEK_S)
     """How often each node shares its ranks' step times and stragglers are looked for (named after 3 checks)."""
-    diagnosis_wait_s: float = 30.0
+    diagnosis_wait_s: float = bounded(30.0, SECONDS_1_TO_WEEK, at_least=1, at_most=WEEK_S)
     """How long the node that found the hang waits for every node's part of the diagnosis before the verdict."""
-    rendezvous_stall_s: float = 60.0
+    rendezvous_stall_s: float = bounded(60.0, SECONDS_1_TO_WEEK, at_least=1, at_most=WEEK_S)
     """A rendezvous that some ranks reached this long ago and none has completed is a hang: the sidecars name the
     nodes whose ranks did not join (the built-in trainer's ranks say when they reach and leave it)."""
-    rendezvous_timeout_s: float = 180.0
+    rendezvous_timeout_s: float = bounded(180.0, SECONDS_1_TO_WEEK, at_least=1, at_most=WEEK_S)
     """Each rank of the built-in trainer waits this long for the rendezvous (rank 0's store, every rank in it), then
     exits 76 naming the ranks that did not join, also when the hang watch is off."""
-
-    def __post_init__(self) -> None:
-        for key in (
-            "step_floor_s",
-            "setup_timeout_s",
-            "rendezvous_stall_s",
-            "rendezvous_timeout_s",
-            "eval_timeout_s",
-            "checkpoint_timeout_s",
-            "diagnosis_wait_s",
-            "straggler_check_s",
-        ):
-            value = getattr(self, key)
-            if not 1 <= value <= 7 * 86400:
-                raise SchemaError(f"watchdog.{key}", value, "give 1 to 604800 seconds")
-        if not 1 <= self.step_factor <= 1000:
-            raise SchemaError("watchdog.step_factor", self.step_factor, "give a multiple of 1 to 1000 (default 5)")
-        if not 1 < self.straggler_factor <= 100:
-            raise SchemaError(
-                "watchdog.straggler_factor", self.straggler_factor, "give a factor above 1, at most 100 (default 1.5)"
-            )
 
 
 @dataclass(frozen=True)
@@ -351,56 +317,32 @@ class Alerts:
     """Rules over what the job records; each writes RUN_DIR/alerts.jsonl and a log line (docs/guides/hangs-and-alerts.md).
     A rule is off at 0 (or false)."""
 
-    loss_spike_factor: float = 3.0
+    loss_spike_factor: float = bounded(3.0, FACTOR_OR_OFF, above=1, at_most=1e6, or_exactly=0)
     """Alert when the loss exceeds this multiple of its median over the last `window` logged steps."""
-    grad_norm_spike_factor: float = 10.0
+    grad_norm_spike_factor: float = bounded(10.0, FACTOR_OR_OFF, above=1, at_most=1e6, or_exactly=0)
     """Alert when the grad norm exceeds this multiple of its median over the last `window` logged steps."""
-    window: int = 50
+    window: int = bounded(50, "give 2 to 100000 logged steps (default 50)", at_least=2, at_most=100000)
     """Logged steps the spike rules take their median over (they wait for 10 before judging)."""
-    val_patience: int = 5
+    val_patience: int = bounded(5, "give evaluations >= 1, or 0 to turn it off", at_least=0, at_most=100000)
     """Alert when the validation loss has not improved over this many evaluations."""
-    data_wait_fraction: float = 0.2
+    data_wait_fraction: float = bounded(0.2, FRACTION_OR_OFF, at_least=0, below=1)
     """Alert when the data wait takes more than this fraction of the step time (3 logged steps in a row)."""
-    gpu_util_below_pct: float = 30.0
+    gpu_util_below_pct: float = bounded(30.0, "give 0-100 percent (0: off)", at_least=0, at_most=100)
     """Alert when a GPU's utilisation stays below this for `gpu_util_minutes` (the sidecar)."""
-    gpu_util_minutes: float = 10.0
+    gpu_util_minutes: float = bounded(10.0, "give minutes above 0, at most a week", above=0, at_most=10080)
     """How long, in minutes, a GPU's utilisation must stay below `gpu_util_below_pct` before the alert."""
-    gpu_memory_fraction: float = 0.95
+    gpu_memory_fraction: float = bounded(0.95, FRACTION_OR_OFF, at_least=0, below=1)
     """Alert when a GPU's memory used exceeds this fraction of its capacity (the sidecar)."""
     stragglers: bool = True
     """Alert when the sidecar names a straggler."""
     hangs: bool = True
     """Alert when the sidecar declares a hang."""
-    plan_drift: float = 0.3
+    plan_drift: float = bounded(0.3, "give a fraction such as 0.3 (30%), or 0 to turn it off", at_least=0, at_most=100)
     """Alert when the measured step time (or a GPU's peak memory) is off the plan's prediction by more than this
     fraction either way, naming the term that is off (launcher/train/plancheck.py); 0: no alert, the ratio is
     still measured and shown."""
-    plan_check_steps: int = 50
+    plan_check_steps: int = bounded(50, "give 1 to 1000000 steps (default 50)", at_least=1, at_most=1_000_000)
     """Steps rank 0 measures (after the attempt's first few, its warm-up) before comparing them with the plan."""
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.plan_drift <= 100:
-            raise SchemaError(
-                "alerts.plan_drift", self.plan_drift, "give a fraction such as 0.3 (30%), or 0 to turn it off"
-            )
-        if not 1 <= self.plan_check_steps <= 1_000_000:
-            raise SchemaError("alerts.plan_check_steps", self.plan_check_steps, "give 1 to 1000000 steps (default 50)")
-        for key in ("loss_spike_factor", "grad_norm_spike_factor"):
-            value = getattr(self, key)
-            if value != 0 and not 1 < value <= 1e6:
-                raise SchemaError(f"alerts.{key}", value, "give a factor above 1 (e.g. 3), or 0 to turn the rule off")
-        if not 2 <= self.window <= 100000:
-            raise SchemaError("alerts.window", self.window, "give 2 to 100000 logged steps (default 50)")
-        if not 0 <= self.val_patience <= 100000:
-            raise SchemaError("alerts.val_patience", self.val_patience, "give evaluations >= 1, or 0 to turn it off")
-        for key in ("data_wait_fraction", "gpu_memory_fraction"):
-            value = getattr(self, key)
-            if not 0 <= value < 1:
-                raise SchemaError(f"alerts.{key}", value, "give a fraction between 0 and 1 (0 turns the rule off)")
-        if not 0 <= self.gpu_util_below_pct <= 100:
-            raise SchemaError("alerts.gpu_util_below_pct", self.gpu_util_below_pct, "give 0-100 percent (0: off)")
-        if not 0 < self.gpu_util_minutes <= 10080:
-            raise SchemaError("alerts.gpu_util_minutes", self.gpu_util_minutes, "give minutes above 0, at most a week")
 
 
 @dataclass(frozen=True)
@@ -415,7 +357,9 @@ class JobSpec:
     """The built-in GPT trainer's settings (exclusive with `command`)."""
     command: Optional[tuple[str, ...]] = None
     """Your own program as an argv list, run on every rank with torchrun-compatible variables."""
-    command_steps: Optional[int] = None
+    command_steps: Optional[int] = bounded(
+        None, "give the step your program reports last (1 or more)", at_least=1, at_most=10**12
+    )
     """A `command:` job's last step, when it has one: once the program has reported it (meshrun.launcher.report), an exit 0
     is a finish even after a stop signal. Without it, or a call of meshrun.launcher.job.finished(), an exit 0 after a
     preemption or the time limit's warning is a stop and the job is requeued (frameworks leave their loop on
@@ -466,10 +410,6 @@ class JobSpec:
                 "command_steps",
                 self.command_steps,
                 "it is a `command:` job's last step; the built-in trainer's is train.steps",
-            )
-        if self.command_steps is not None and not 1 <= self.command_steps <= 10**12:
-            raise SchemaError(
-                "command_steps", self.command_steps, "give the step your program reports last (1 or more)"
             )
         from meshrun.launcher.contract import dsconfig  # here, not at the top: dsconfig reads JobSpec
 
@@ -653,30 +593,10 @@ def read_run_spec(run_dir: Path) -> RunSpec:
     return loads_run_spec(text, str(path))
 
 
-def _positive(key: str, value: float, minimum: float = 1) -> None:
-    if value < minimum:
-        raise SchemaError(key, value, f"must be at least {minimum:g}")
-
-
 def check_ranges(spec: JobSpec) -> None:
-    """The spec's numbers in their ranges, each refused naming its key, the value and the fix: what the planner
-    checks before anything is sent (and a resume's --set before it is applied). Beside the fields they check,
-    in the contract both sides share."""
-    res = spec.resources
-    for key, value in (
-        ("resources.nodes", res.nodes),
-        ("resources.cpus_per_task", res.cpus_per_task),
-        ("parallel.dp", spec.parallel.dp),
-        ("parallel.tp", spec.parallel.tp),
-        ("parallel.pp", spec.parallel.pp),
-    ):
-        _positive(key, value)
-    _positive("resources.gpus_per_node", res.gpus_per_node, 0)
-    check_checkpoint(spec)
-    if res.tasks_per_node is not None:
-        _positive("resources.tasks_per_node", res.tasks_per_node)
-    if not 0 <= spec.data.val_fraction < 1:
-        raise SchemaError("data.val_fraction", spec.data.val_fraction, "use a fraction in [0, 1), e.g. 0.05")
+    """What no one field says alone, refused naming its key, the value and the fix: what the planner checks
+    before anything is sent (and a resume's --set before it is applied). A number's own range is declared once
+    beside its field (`bounded`) and checked as the spec is loaded."""
     if spec.command is None and not (spec.data.path.startswith(("/", "~/")) or spec.data.path == "~"):
         # The ranks run elsewhere (another cwd, another machine): a relative path means nothing there.
         raise SchemaError(
@@ -688,61 +608,8 @@ def check_ranges(spec: JobSpec) -> None:
         _check_train_ranges(spec)
 
 
-def check_checkpoint(spec: JobSpec) -> None:
-    """Checkpoint cadence, retention and the requeue guard."""
-    ck = spec.checkpoint
-    if ck.keep < 1:
-        raise SchemaError(
-            "checkpoint.keep",
-            ck.keep,
-            "keep at least 1 complete checkpoint (the one a requeued job resumes from), e.g. 3",
-        )
-    if ck.every < 0:
-        raise SchemaError(
-            "checkpoint.every", ck.every, "must be at least 0 (0 saves only at the end and on preemption), e.g. 500"
-        )
-    if ck.keep_every < 0:
-        raise SchemaError(
-            "checkpoint.keep_every",
-            ck.keep_every,
-            "must be at least 0 (0 keeps nothing beyond checkpoint.keep), e.g. 1000",
-        )
-    if ck.max_requeues < 0:
-        raise SchemaError("checkpoint.max_requeues", ck.max_requeues, "must be at least 0 (0 never requeues), e.g. 20")
-    if ck.resume_step is not None and ck.resume_step < 1:
-        raise SchemaError(
-            "checkpoint.resume_step",
-            ck.resume_step,
-            "checkpoints are numbered by the step after which they were saved, from 1: give "
-            "a step >= 1, or null to resume from the newest complete checkpoint",
-        )
-
-
 def _check_train_ranges(spec: JobSpec) -> None:
     t, m = spec.trainer, spec.trainer.model
-    for key, value in (
-        ("train.steps", t.steps),
-        ("train.global_batch", t.global_batch),
-        ("train.micro_batch", t.micro_batch),
-        ("train.log_every", t.log_every),
-        ("train.model.n_layers", m.n_layers),
-        ("train.model.d_model", m.d_model),
-        ("train.model.n_heads", m.n_heads),
-        ("train.model.seq_len", m.seq_len),
-    ):  # not vocab_size: 0 takes the tokenizer's (tokens.resolve_vocab), below 0 the spec refuses
-        _positive(key, value)
-    at_least_zero: tuple[tuple[str, float, str], ...] = (
-        ("train.warmup_steps", t.warmup_steps, "0: no warmup"),
-        ("train.eval_every", t.eval_every, "0: no validation"),
-        ("train.weight_decay", t.weight_decay, "0: no decay; e.g. 0.1"),
-        ("train.grad_clip", t.grad_clip, "0 turns clipping off; e.g. 1.0"),
-        ("train.min_lr", t.min_lr, "the cosine schedule's floor; e.g. lr / 10"),
-    )
-    for key, number, hint in at_least_zero:
-        if number < 0:
-            raise SchemaError(key, number, f"must be at least 0 ({hint})")
-    if t.lr <= 0:
-        raise SchemaError("train.lr", t.lr, "the learning rate must be positive, e.g. 3e-4")
     if t.eval_every > 0 and t.eval_sequences < t.global_batch:
         raise SchemaError(
             "train.eval_sequences",

@@ -7,7 +7,6 @@ A profile never names a model.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -15,7 +14,7 @@ from pathlib import Path
 from typing import Literal, Mapping, Optional, Sequence
 
 from meshrun.launcher.contract import schema
-from meshrun.launcher.contract.schema import SchemaError
+from meshrun.launcher.contract.schema import SchemaError, bounded
 from meshrun.launcher.contract.secrets import ENV_KEY
 from meshrun.submit.config.resources import shipped_profiles_dir
 from meshrun.submit.config.yamlfile import YamlDoc
@@ -135,7 +134,7 @@ class Container:
 
 @dataclass(frozen=True)
 class Cost:
-    gpu_hour: float = 0.0
+    gpu_hour: float = bounded(0.0, "a price per GPU-hour: a number, 0 or more", at_least=0)
     """What one allocated GPU-hour costs on this cluster (0: unpriced); `plan` prices a whole run with it."""
     currency: str = "USD"
     """The unit of gpu_hour, as printed (USD, EUR, credits, ...)."""
@@ -169,8 +168,6 @@ class ClusterProfile:
     """The price of a GPU-hour, for `plan`'s estimate of what a run costs."""
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.cost.gpu_hour) and self.cost.gpu_hour >= 0):
-            raise SchemaError("cost.gpu_hour", self.cost.gpu_hour, "a price per GPU-hour: a number, 0 or more")
         if not CURRENCY.fullmatch(self.cost.currency):
             raise SchemaError("cost.currency", self.cost.currency, "a unit of 1-12 letters, e.g. USD or credits")
         if not PROFILE_NAME.fullmatch(self.name):

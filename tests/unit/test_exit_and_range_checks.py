@@ -11,12 +11,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from meshrun.submit.cli.main import main
 from meshrun.submit.core.registry import Registry
+from meshrun.submit.errors import InputError
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "examples" / "tiny.yaml")
@@ -310,3 +312,79 @@ def test_spare_nodes_on_the_one_machine_local_cluster_are_refused(
         code == 2
         and err == "meshrun: error: resilience.spare_nodes: 1: the local cluster is this one machine: give 0\n"
     )
+
+
+def _numeric_fields(cls: type, path: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, dataclasses.Field) of every int or float field below a spec section, nested sections walked."""
+    import dataclasses
+    import typing
+
+    found = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key, tp = f"{path}.{f.name}" if path else f.name, hints[f.name]
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        bare = args[0] if typing.get_origin(tp) is typing.Union and len(args) == 1 else tp
+        if dataclasses.is_dataclass(bare) and isinstance(bare, type):
+            found += _numeric_fields(bare, key)
+        elif bare in (int, float):
+            found.append((key, f))
+    return found
+
+
+UNBOUNDED = {
+    "train.seed": "any integer seeds the generators",
+    "train.model.n_kv_heads": "0 or a divisor of n_heads: a rule between two fields (Model.__post_init__)",
+    "train.model.ffn_mult": "any positive multiple the layout search may pick; the planner sizes it",
+    "train.eval_sequences": "at least train.global_batch: a rule between two fields (check_ranges)",
+    "parallel.zero": "a DeepSpeed stage, checked with the deepspeed section (dsconfig)",
+    "resources.memory_gb": "the scheduler's own unit, checked by Slurm's --test-only",
+}
+"""Numbers of a job spec without a declared range, each with the reason."""
+
+
+def test_every_number_of_a_spec_has_its_range_declared_once_beside_it_and_its_default_within() -> None:
+    """A bound is declared once, next to its field (`schema.bounded`), and the schema checks it as the spec is
+    read, with the one-line error the planner gave before: no second list of ranges ~400 lines away."""
+    from meshrun.launcher.contract.schema import BOUND
+    from meshrun.launcher.contract.spec import JobSpec
+
+    fields = _numeric_fields(JobSpec)
+    unbounded = {key for key, f in fields if BOUND not in f.metadata}
+    assert unbounded == set(UNBOUNDED), f"declare these with schema.bounded: {sorted(unbounded - set(UNBOUNDED))}"
+    for key, f in fields:
+        if BOUND in f.metadata and f.default is not None:
+            assert f.metadata[BOUND].holds(f.default), f"{key}'s default {f.default} is outside its own range"
+
+
+@pytest.mark.parametrize(
+    "key, value, shown, message",
+    [
+        ("sidecar.interval_s", "0", "0.0", "give 0.1 to 3600 seconds (default 5)"),
+        ("resilience.max_restarts", "101", "101", "give 0 to 100 restarts (default 3)"),
+        ("alerts.loss_spike_factor", "1", "1.0", "give a factor above 1 (e.g. 3), or 0 to turn the rule off"),
+        ("train.lr", "0", "0.0", "the learning rate must be positive, e.g. 3e-4"),
+        (
+            "checkpoint.keep",
+            "0",
+            "0",
+            "keep at least 1 complete checkpoint (the one a requeued job resumes from), e.g. 3",
+        ),
+    ],
+)
+def test_a_declared_bound_refuses_in_a_file_and_in_set_with_one_line(
+    tmp_path: Path, key: str, value: str, shown: str, message: str
+) -> None:
+    from meshrun.submit.planning.plan import load_job
+
+    section, leaf = key.split(".")
+    spec = tmp_path / "job.yaml"
+    spec.write_text(f"name: x\n{'' if section == 'train' else 'train: {}'}\n{section}:\n  {leaf}: {value}\n")
+    with pytest.raises(InputError) as info:
+        load_job(spec)
+    assert str(info.value) == f"{spec}:4: {key}: {shown}: {message}"
+    with pytest.raises(InputError) as info:
+        load_job(REPO / "examples" / "tiny.yaml", [f"{key}={value}"])
+    assert str(info.value) == f"--set {key}: {shown}: {message}"
+    # 0 turns a rule off where the bound says so
+    assert load_job(REPO / "examples" / "tiny.yaml", ["alerts.loss_spike_factor=0"])[0].alerts.loss_spike_factor == 0

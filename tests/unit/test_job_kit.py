@@ -353,13 +353,13 @@ def test_the_declared_last_step_and_the_built_in_trainer_make_an_exit_0_a_finish
 
 
 def test_command_steps_belongs_to_command_jobs() -> None:
-    from meshrun.launcher.contract.schema import SchemaError
+    from meshrun.launcher.contract.schema import SchemaError, load
     from meshrun.launcher.contract.spec import JobSpec
 
     with pytest.raises(SchemaError, match="command_steps.*train.steps"):
         JobSpec(name="x", command_steps=5)
-    with pytest.raises(SchemaError, match="command_steps"):
-        JobSpec(name="x", command=("true",), command_steps=0)
+    with pytest.raises(SchemaError, match="command_steps: 0: give the step your program reports last"):
+        load(JobSpec, {"name": "x", "command": ["true"], "command_steps": 0})
     assert JobSpec(name="x", command=("true",), command_steps=5).command_steps == 5
 
 

@@ -11,7 +11,7 @@ import torch
 
 from meshrun.launcher.contract.modelshape import flops_per_token, param_count, part_param_count
 from meshrun.launcher.contract.presets import PRESETS
-from meshrun.launcher.contract.schema import SchemaError
+from meshrun.launcher.contract.schema import SchemaError, load
 from meshrun.launcher.contract.spec import Model
 from meshrun.launcher.train.model import GPT, ModelPart, rope_tables
 
@@ -134,5 +134,5 @@ def test_presets_have_the_originals_shapes_and_parameter_counts(
 )
 def test_bad_model_options_name_the_key_and_the_fix(fields: dict[str, Any], key: str) -> None:
     with pytest.raises(SchemaError) as info:
-        Model(**fields)
+        load(Model, fields, "train.model")  # as a spec's train.model section is read
     assert info.value.key == key and info.value.fix

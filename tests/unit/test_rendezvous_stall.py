@@ -11,7 +11,7 @@ import pytest
 
 from meshrun.launcher.contract import suspects
 from meshrun.launcher.contract.rundir import RunDir
-from meshrun.launcher.contract.schema import SchemaError
+from meshrun.launcher.contract.schema import SchemaError, load
 from meshrun.launcher.contract.spec import Watchdog as Settings
 from meshrun.launcher.sidecar import rendezvous
 from meshrun.launcher.sidecar.rendezvous import NodeView, RendezvousTrack, judge
@@ -148,5 +148,5 @@ def test_a_completed_rendezvous_or_a_command_job_is_never_judged(tmp_path: Path)
 @pytest.mark.parametrize("key", ["rendezvous_stall_s", "rendezvous_timeout_s"])
 def test_the_bounds_are_checked_with_the_key_named(key: str) -> None:
     with pytest.raises(SchemaError, match=f"watchdog.{key}.*give 1 to 604800 seconds"):
-        Settings(**{key: 0})
+        load(Settings, {key: 0}, "watchdog")  # as a spec's watchdog section is read
     assert getattr(Settings(), key) == {"rendezvous_stall_s": 60.0, "rendezvous_timeout_s": 180.0}[key]
