@@ -177,6 +177,22 @@ def unknown_key(cls: type, key: str, path: str, valid: typing.Iterable[str], lea
     return f"unknown key{spelling}{hint}; valid keys: {', '.join(names)}"
 
 
+def upgrade_renamed(cls: type, data: Any) -> Any:
+    """`data` with every key a section's RENAMED lists written under its new name: for meshrun's own records
+    (a run dir's spec.json written before a rename, a requeued start's embedded copy), never for a person's input,
+    which is refused with the new name instead (`unknown_key`)."""
+    if not isinstance(data, Mapping) or not dataclasses.is_dataclass(cls):
+        return data
+    renamed: Mapping[str, str] = getattr(cls, "RENAMED", {})
+    out = {renamed.get(k, k) if renamed.get(k) not in data else k: v for k, v in data.items()}
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = _strip_optional(hints[f.name])
+        if f.name in out and dataclasses.is_dataclass(tp) and isinstance(tp, type):
+            out[f.name] = upgrade_renamed(tp, out[f.name])
+    return out
+
+
 def load(cls: type[T], data: Any, path: str = "") -> T:
     """Build dataclass `cls` from `data`, strictly: unknown keys and wrong types are errors."""
     if data is None:

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal, Mapping, Optional
 
 from meshrun.launcher.contract.parallel_dims import ParallelDims, Problem
 from meshrun.launcher.contract.rundir import NodeDir, RunDir, expand_node_path, node_name
-from meshrun.launcher.contract.schema import SchemaError, bounded, load, to_plain
+from meshrun.launcher.contract.schema import SchemaError, bounded, load, to_plain, upgrade_renamed
 from meshrun.launcher.contract.secrets import ENV_KEY, parse_secrets
 
 SPEC_FILE = RunDir.SPEC
@@ -576,7 +576,7 @@ def loads_run_spec(text: str, source: str) -> RunSpec:
     if not isinstance(data, dict):
         raise SpecFileError(source, f"expected a JSON object, found {type(data).__name__}", _RESUBMIT)
     try:
-        return load(RunSpec, data)
+        return load(RunSpec, upgrade_renamed(RunSpec, data))  # a run dir from before a key's rename still runs
     except SchemaError as exc:
         raise SpecFileError(source, str(exc), "edit that key back, or submit the job again") from None
 

@@ -406,3 +406,18 @@ def test_type_errors_speak_yaml_and_a_scalar_list_says_how_to_write_it(tmp_path:
     spec.write_text("name: x\n")
     job, _ = load_job(spec, ["resilience.restart_on=failure"])
     assert job.resilience.restart_on == ("failure",)
+
+
+def test_a_run_dir_written_before_the_rename_still_runs(tmp_path: Path) -> None:
+    """meshrun's own records are read with the new name (a requeued start, a resume of an older run dir); only a
+    person's input is refused with the pointer."""
+    import json
+
+    from meshrun.launcher.contract.spec import dumps_run_spec, loads_run_spec
+    from meshrun.submit.config.cluster import load_profile
+
+    run_spec = builders.plan("tiny.yaml", load_profile("local")).run_spec
+    old = json.loads(dumps_run_spec(run_spec))
+    old["job"]["checkpoint"]["max_restarts"] = old["job"]["checkpoint"].pop("max_requeues")
+    old["job"]["checkpoint"]["max_restarts"] = 7
+    assert loads_run_spec(json.dumps(old), "spec.json").job.checkpoint.max_requeues == 7
