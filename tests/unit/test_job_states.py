@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -195,6 +196,23 @@ def test_records_name_the_job_that_wrote_them() -> None:
     assert alert.record()["job"] == "77"
 
 
+def _failed(job_id: str, cluster: str = "local", **fields: Any) -> Any:
+    """A FAILED job's Status as status builds it at its end (run dir /r, submitted at 1.0)."""
+    from meshrun.submit.core.status import Status
+
+    return Status(
+        job_id=job_id,
+        cluster=cluster,
+        name="j",
+        state=JobState.FAILED,
+        run_dir="/r",
+        submitted_at=1.0,
+        done=True,
+        succeeded=False,
+        **fields,
+    )
+
+
 def test_a_final_job_keeps_the_progress_and_reason_it_ended_with(tmp_path: Path) -> None:
     """Once its lines have left the metrics tail (a resume wrote on), the row shows what status saw at the end
     wherever today's reading has less: a new user's trial saw an ended job's LOSS go '-' and its reason vanish
@@ -202,7 +220,7 @@ def test_a_final_job_keeps_the_progress_and_reason_it_ended_with(tmp_path: Path)
     import dataclasses
 
     from meshrun.submit.core.registry import JobRecord, Registry
-    from meshrun.submit.core.status import Status, kept_at_end
+    from meshrun.submit.core.status import kept_at_end
 
     registry = Registry(tmp_path / "r.sqlite")
     record = JobRecord("local-a", "local", "j", "/r", "local", 1.0, None, "h")
@@ -211,16 +229,7 @@ def test_a_final_job_keeps_the_progress_and_reason_it_ended_with(tmp_path: Path)
     registry.set_state(record, "FAILED", json.dumps({"step": 19, "checkpoint_step": 19, "loss": 2.5961}), said)
     (stored,) = registry.recent(5)
     assert stored.last_progress is not None and stored.last_reason == said
-    ended = Status(
-        job_id="local-a",
-        cluster="local",
-        name="j",
-        state=JobState.FAILED,
-        run_dir="/r",
-        submitted_at=1.0,
-        done=True,
-        succeeded=False,
-    )
+    ended = _failed("local-a")
     assert kept_at_end(stored, ended).progress == {"step": 19, "checkpoint_step": 19, "loss": 2.5961}
     assert kept_at_end(stored, ended).reason == said
     # Its goodput record still gives the step and checkpoint: the loss comes from what was kept.
@@ -275,23 +284,11 @@ def test_an_ended_job_keeps_its_restarts_and_a_reason_read_after_its_end(tmp_pat
 
     from meshrun.submit.core import status as status_mod
     from meshrun.submit.core.registry import JobRecord, Registry
-    from meshrun.submit.core.status import Status
 
     registry = Registry(tmp_path / "r.sqlite")
     record = JobRecord("7", "c", "j", "/r", "slurm", 1.0, None, "h")
     registry.add(record)
-    ended = Status(
-        job_id="7",
-        cluster="c",
-        name="j",
-        state=JobState.FAILED,
-        run_dir="/r",
-        submitted_at=1.0,
-        done=True,
-        succeeded=False,
-        restarts=1,
-        restarts_in_job=2,
-    )
+    ended = _failed("7", cluster="c", restarts=1, restarts_in_job=2)
     assert status_mod._news_for_the_registry(record, ended)
     registry.set_state(record, "FAILED", None, None, (1, 2))
     (stored,) = registry.recent(5)

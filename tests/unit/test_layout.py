@@ -200,20 +200,25 @@ BARE_NAME = re.compile(
 it would load a second copy of a module under another name, and installed it would find another project's."""
 
 
-def test_every_import_names_meshrun_not_a_bare_submit_or_launcher() -> None:
+def lines_matching(pattern: re.Pattern[str], skip: str = "") -> list[str]:
+    """'file:line: text' for every line of the repository's code, templates, scripts and tests that `pattern`
+    finds, but this file's own line holding `skip` (where the pattern is written down)."""
     sources = [
         path
         for folder in ("submit", "launcher", "templates", "tests", "bench", "scripts", "examples")
         for path in sorted((REPO / folder).rglob("*"))
         if path.suffix in (".py", ".j2", ".sh") and "__pycache__" not in path.parts
     ]
-    found = [
+    return [
         f"{path.relative_to(REPO)}:{number}: {line.strip()}"
         for path in sources
-        if path.name != Path(__file__).name
         for number, line in enumerate(path.read_text().splitlines(), 1)
-        if BARE_NAME.search(line)
+        if pattern.search(line) and not (skip and path.name == Path(__file__).name and skip in line)
     ]
+
+
+def test_every_import_names_meshrun_not_a_bare_submit_or_launcher() -> None:
+    found = [line for line in lines_matching(BARE_NAME) if not line.startswith(f"tests/unit/{Path(__file__).name}:")]
     assert not found, "name these meshrun.submit / meshrun.launcher:\n" + "\n".join(found)
     assert BARE_NAME.search("from launcher.job import finished") and BARE_NAME.search("python -m submit.cli")
     assert not BARE_NAME.search("from meshrun.launcher import job") and not BARE_NAME.search("meshrun submit x.yaml")
@@ -225,18 +230,7 @@ Name the behaviour instead."""
 
 
 def test_no_code_or_test_cites_an_issue_number() -> None:
-    sources = [
-        path
-        for folder in ("submit", "launcher", "templates", "tests", "bench", "scripts", "examples")
-        for path in sorted((REPO / folder).rglob("*"))
-        if path.suffix in (".py", ".j2", ".sh") and "__pycache__" not in path.parts
-    ]
-    found = [
-        f"{path.relative_to(REPO)}:{number}: {line.strip()}"
-        for path in sources
-        for number, line in enumerate(path.read_text().splitlines(), 1)
-        if ISSUE_CITATION.search(line) and not (path.name == Path(__file__).name and "ISSUE_CITATION = " in line)
-    ]
+    found = lines_matching(ISSUE_CITATION, skip="ISSUE_CITATION = ")
     assert not found, "name the behaviour, not the issue:\n" + "\n".join(found)
     number = "24"  # apart, so that this line itself cites none
     assert ISSUE_CITATION.search(f"(issue {number}, part 3)") and ISSUE_CITATION.search(f"Issue #{number}'s trial")
