@@ -105,7 +105,7 @@ QUICK: dict[str, tuple[list[str], list[str]]] = {
             r"^ROW\tplan, datasheet\tno step time",
             r"^ROW\tplan, calibrated\t[0-9.e-]+ s/step, .*; calibrated on ",
             rf"^ROW\trun 8 steps\tmeasured {NUMBER} s/step .*plan error: calibrated [+-]{NUMBER}%$",
-            r"^ROW\tstatus used\t.*energy GPU unmeasured",
+            r"^ROW\tstatus used\t.*no GPUs; energy not measured",
         ],
     ),
     "gpu_ops.py": (

@@ -73,4 +73,4 @@ def test_a_cpu_job_on_local_used_no_gpu_hours_and_its_energy_is_unmeasured(tmp_p
     used = status(tmp_path, job_id)["usage"]
     assert used["gpus"] == 0 and used["gpu_hours"] == 0 and used["cost"] is None, used
     assert used["energy"] == {"nodes": 1, "gpu_kwh": None, "cpu_kwh": None}, used
-    assert meshrun(tmp_path, "status", job_id, check=True).stdout.count("energy GPU unmeasured, CPU unmeasured") == 1
+    assert meshrun(tmp_path, "status", job_id, check=True).stdout.count("used: no GPUs; energy not measured") == 1
