@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from meshrun.launcher.checkpoint import commit as ckpt
-from meshrun.launcher.contract import ckptdir
-from meshrun.launcher.contract.spec import Model
+from meshrun.launcher.contract.records import ckptdir
+from meshrun.launcher.contract.spec.job import Model
 from meshrun.launcher.train.model import GPT
 
 

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from checkpoint import build, state_bytes  # noqa: E402  (bench/checkpoint.py: the same model)
 
 from meshrun.launcher.checkpoint import commit as ckpt  # noqa: E402
-from meshrun.launcher.contract import ckptdir  # noqa: E402
+from meshrun.launcher.contract.records import ckptdir  # noqa: E402
 from meshrun.launcher.sidecar import copier  # noqa: E402
 
 ROUNDS = 3

@@ -48,7 +48,7 @@ PARTS = ("params", "grads", "optimizer", "master")
 
 
 def job_spec(data: Path, quick: bool, steps: int) -> Any:
-    from meshrun.launcher.contract.spec import Data, JobSpec, Model, Parallel, Resources, Train
+    from meshrun.launcher.contract.spec.job import Data, JobSpec, Model, Parallel, Resources, Train
 
     model = (
         Model(n_layers=2, d_model=64, n_heads=4, vocab_size=256, seq_len=64)
@@ -155,8 +155,8 @@ def rank_main(run_dir: Path, steps: int, rounds: int) -> None:
     import torch.distributed as dist
 
     from meshrun.launcher.checkpoint.manager import CheckpointManager
-    from meshrun.launcher.contract.modelshape import param_count
-    from meshrun.launcher.contract.spec import read_run_spec
+    from meshrun.launcher.contract.spec.job import read_run_spec
+    from meshrun.launcher.contract.spec.modelshape import param_count
     from meshrun.launcher.data.dataset import TokenDataset
     from meshrun.launcher.rank.env import rank_env
     from meshrun.launcher.train.loop import run_loop
@@ -288,7 +288,7 @@ def main() -> None:
         return
     if args.quick:
         args.steps, args.rounds = 2, 1
-    from meshrun.launcher.contract.spec import RunInfo, RunSpec, write_run_spec
+    from meshrun.launcher.contract.spec.job import RunInfo, RunSpec, write_run_spec
 
     with tempfile.TemporaryDirectory() as tmp:
         job = job_spec(corpus(Path(tmp), 50_000 if args.quick else 400_000), args.quick, args.steps * (args.rounds + 1))

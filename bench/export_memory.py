@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from meshrun.launcher.contract import ckptdir, hfnames, schema
-from meshrun.launcher.contract.spec import Data, JobSpec, Model, Train
+from meshrun.launcher.contract.records import ckptdir
+from meshrun.launcher.contract.spec import hfnames, schema
+from meshrun.launcher.contract.spec.job import Data, JobSpec, Model, Train
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD = r"""

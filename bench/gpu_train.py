@@ -30,8 +30,8 @@ from trainer_setup import corpus, single_rank_trainer  # noqa: E402
 
 from meshrun.launcher.checkpoint.manager import CheckpointManager  # noqa: E402
 from meshrun.launcher.contract.gpus import peak_tflops  # noqa: E402
-from meshrun.launcher.contract.modelshape import flops_per_token, param_count  # noqa: E402
-from meshrun.launcher.contract.spec import Data, JobSpec, Model, Parallel, Resources, Train  # noqa: E402
+from meshrun.launcher.contract.spec.job import Data, JobSpec, Model, Parallel, Resources, Train  # noqa: E402
+from meshrun.launcher.contract.spec.modelshape import flops_per_token, param_count  # noqa: E402
 from meshrun.launcher.rank.env import rank_env  # noqa: E402
 from meshrun.launcher.sidecar.energy import EnergyMeter, nvml_gpus, rapl_packages  # noqa: E402
 from meshrun.launcher.sidecar.nvml import NvmlUnavailable, discover, load_nvml, resolve  # noqa: E402

@@ -26,8 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from meshrun.launcher.contract.rundir import RunDir, node_name  # noqa: E402
-from meshrun.launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, Sidecar, Watchdog, write_run_spec  # noqa: E402
+from meshrun.launcher.contract.records.rundir import RunDir, node_name  # noqa: E402
+from meshrun.launcher.contract.spec.job import JobSpec, Resources, RunInfo, RunSpec, Sidecar, Watchdog, write_run_spec  # noqa: E402
 
 RANK = """
 import sys, time

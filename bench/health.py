@@ -25,8 +25,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from meshrun.launcher.contract.rundir import RunDir  # noqa: E402
-from meshrun.launcher.contract.spec import JobSpec, Model, Resources, RunInfo, RunSpec, Train, write_run_spec  # noqa: E402
+from meshrun.launcher.contract.records.rundir import RunDir  # noqa: E402
+from meshrun.launcher.contract.spec.job import JobSpec, Model, Resources, RunInfo, RunSpec, Train, write_run_spec  # noqa: E402
 from tests.testbed import testbed as tb  # noqa: E402
 
 NODES = ("n1", "n2")

@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from meshrun.launcher.contract.modelshape import StageBytes
-from meshrun.launcher.contract.schema import to_plain
+from meshrun.launcher.contract.spec.modelshape import StageBytes
+from meshrun.launcher.contract.spec.schema import to_plain
 from meshrun.submit.config.cluster import load_profile
 from meshrun.submit.planning import estimate, meshcheck
 from meshrun.submit.planning.plan import plan_file

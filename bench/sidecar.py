@@ -25,8 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trainer_setup import REPO, corpus, single_rank_trainer, timed_steps  # noqa: E402
 
-from meshrun.launcher.contract.rundir import RunDir  # noqa: E402
-from meshrun.launcher.contract.spec import (  # noqa: E402
+from meshrun.launcher.contract.records.rundir import RunDir  # noqa: E402
+from meshrun.launcher.contract.spec.job import (  # noqa: E402
     Data,
     JobSpec,
     Model,

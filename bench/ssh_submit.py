@@ -52,7 +52,7 @@ def _cli(*args: str) -> str:
 
 def _code_tar_bytes(spec: Path) -> int:
     """What uploading the spec's project costs: the gzipped tar meshrun sends."""
-    from meshrun.launcher.contract.spec import Code
+    from meshrun.launcher.contract.spec.job import Code
     from meshrun.submit.transport.base import Upload, tar_bytes
     from meshrun.submit.transport.snapshot import collect
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from trainer_setup import corpus, single_rank_trainer, timed_steps  # noqa: E402
 
-from meshrun.launcher.contract.spec import Data, JobSpec, Model, Resources, Train  # noqa: E402
+from meshrun.launcher.contract.spec.job import Data, JobSpec, Model, Resources, Train  # noqa: E402
 from meshrun.launcher.data.dataset import TrainStream  # noqa: E402
 from meshrun.launcher.train.metrics import MetricsLog  # noqa: E402
 from meshrun.launcher.train.model import GPT, loss_fn  # noqa: E402

@@ -16,7 +16,7 @@ if str(REPO) not in sys.path:
 import torch.distributed as dist  # noqa: E402
 
 from meshrun.launcher.checkpoint.manager import CheckpointManager  # noqa: E402
-from meshrun.launcher.contract.spec import JobSpec  # noqa: E402
+from meshrun.launcher.contract.spec.job import JobSpec  # noqa: E402
 from meshrun.launcher.data.corpus import build_corpus  # noqa: E402
 from meshrun.launcher.data.dataset import TokenDataset  # noqa: E402
 from meshrun.launcher.rank.env import rank_env  # noqa: E402

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from meshrun.launcher.contract.schema import SchemaError
+from meshrun.launcher.contract.spec.schema import SchemaError
 from meshrun.launcher.rank.preempt import EXIT_INPUT
 
 USAGE = "usage: python -m meshrun.launcher RUN_DIR"
@@ -15,7 +15,7 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[1].startswith("-"):
         print(USAGE, file=sys.stderr)
         return 2
-    from meshrun.launcher.contract.rundir import record_exit
+    from meshrun.launcher.contract.records.rundir import record_exit
     from meshrun.launcher.rank.entry import run_rank
 
     try:

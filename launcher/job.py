@@ -17,7 +17,7 @@ Under meshrun the stop signals (MESHRUN_STOP_SIGNALS: SIGUSR1 ahead of the time 
 SIGTERM on scancel) are caught from the moment this module is imported, so one that arrives early is
 not lost; elsewhere from the first should_stop(). The handler only sets a flag (meshrun.launcher.rank.preempt).
 A program that exits 0 after a stop signal without calling finished() (or reporting the spec's
-`command_steps`) stopped, it did not finish: meshrun requeues it (launcher/contract/finish.py).
+`command_steps`) stopped, it did not finish: meshrun requeues it (launcher/contract/records/finish.py).
 Checkpoints follow the built-in trainer's rule (meshrun.launcher.checkpoint.commit): a folder counts only once its
 marker is written last and it is renamed into place; latest_checkpoint() never returns anything else.
 """
@@ -34,9 +34,10 @@ from pathlib import Path
 from typing import Any, NoReturn, Optional
 
 from meshrun.launcher import report as _report
-from meshrun.launcher.contract import ckptdir, finish, private
+from meshrun.launcher.contract import private
 from meshrun.launcher.contract.exitcodes import EXIT_REQUEUE
-from meshrun.launcher.contract.rundir import note_checkpoint, record_exit
+from meshrun.launcher.contract.records import ckptdir, finish
+from meshrun.launcher.contract.records.rundir import note_checkpoint, record_exit
 from meshrun.launcher.rank.preempt import DEFAULT_SIGNALS, StopFlag
 
 RUN_DIR_ENV = _report.RUN_DIR_ENV

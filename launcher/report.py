@@ -27,7 +27,15 @@ from typing import Any, MutableMapping, Optional, TextIO
 
 from meshrun.launcher.contract.private import make_private_dir
 from meshrun.launcher.contract.procs import own_identity
-from meshrun.launcher.contract.rundir import NODE_DIR_ENV, NodeDir, RunDir, job_field, node_name, read_state, write_json
+from meshrun.launcher.contract.records.rundir import (
+    NODE_DIR_ENV,
+    NodeDir,
+    RunDir,
+    job_field,
+    node_name,
+    read_state,
+    write_json,
+)
 from meshrun.launcher.train.tbwriter import ScalarWriter, scalars_of
 
 RUN_DIR_ENV = "MESHRUN_RUN_DIR"

@@ -1,6 +1,6 @@
 """Write the docs' generated reference pages from the code, so that they cannot drift from it.
 
-    docs/reference/job-spec.md         every job-spec key: launcher/contract/spec.py's dataclasses
+    docs/reference/job-spec.md         every job-spec key: launcher/contract/spec/job.py's dataclasses
     docs/reference/cluster-profile.md  every cluster-profile key: submit/config/cluster.py's dataclasses
     docs/reference/cli.md              every verb's --help: submit/cli/main.py's build_parser()
 
@@ -189,7 +189,7 @@ def schema_page(title: str, intro: str, root: type) -> str:
 
 
 JOB_SPEC_INTRO = """
-Every key of a job spec, from `meshrun.launcher.contract.spec.JobSpec` and its sections: the type, the default and
+Every key of a job spec, from `meshrun.launcher.contract.spec.job.JobSpec` and its sections: the type, the default and
 the docstring written under the field. A key is written in YAML under its section (`train: {steps: 200}`)
 or given on the command line as `--set train.steps=200`. An unknown key, a wrong type or a value out of
 range is refused before anything is sent ([Job specs](../concepts/job-specs.md) explains the sections).
@@ -203,7 +203,7 @@ Every key of a cluster profile, from `meshrun.submit.config.cluster.ClusterProfi
 
 
 def job_spec_page() -> str:
-    from meshrun.launcher.contract.spec import JobSpec
+    from meshrun.launcher.contract.spec.job import JobSpec
 
     return schema_page("Job spec reference", JOB_SPEC_INTRO, JobSpec)
 

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from meshrun.launcher.contract.private import private_umask_while
-from meshrun.launcher.contract.suspects import LEDGER, Finding, suspects
-from meshrun.launcher.contract.suspects import parse as parse_suspects
+from meshrun.launcher.contract.records.suspects import LEDGER, Finding, suspects
+from meshrun.launcher.contract.records.suspects import parse as parse_suspects
 from meshrun.submit.config.cluster import (
     ClusterProfile,
     check_node_names,
@@ -39,7 +39,7 @@ from meshrun.submit.transport import connect
 from meshrun.submit.transport.base import Progress, Transport, batch
 
 if TYPE_CHECKING:
-    from meshrun.launcher.contract.spec import JobSpec, RunSpec
+    from meshrun.launcher.contract.spec.job import JobSpec, RunSpec
     from meshrun.submit.core import status as job_status
     from meshrun.submit.core.plan import Plan
     from meshrun.submit.core.registry import JobRecord, Registry

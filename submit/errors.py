@@ -2,7 +2,7 @@
 
 `InputError` is bad input (exit code 2), found before anything touches a
 cluster. `ClusterError` is the cluster or the transport refusing (exit code 1).
-`InputError` is a `SchemaError` (the torch-free meshrun.launcher.contract.schema's bad-input type,
+`InputError` is a `SchemaError` (the torch-free meshrun.launcher.contract.spec.schema's bad-input type,
 shared by both sides), so there is one type for bad input. `InternalError` is a
 meshrun bug, never reported as bad input.
 """
@@ -10,7 +10,7 @@ meshrun bug, never reported as bad input.
 from __future__ import annotations
 
 from meshrun.launcher.contract.exitcodes import EXIT_INPUT
-from meshrun.launcher.contract.schema import SchemaError
+from meshrun.launcher.contract.spec.schema import SchemaError
 
 EXIT_CLUSTER = 1
 

@@ -35,10 +35,10 @@ from submitit.core import core, utils
 from submitit.local.local import LocalExecutor
 from submitit.slurm.slurm import SlurmExecutor
 
-from meshrun.launcher.contract import schema
 from meshrun.launcher.contract.private import make_private_dir, private_umask_while
-from meshrun.launcher.contract.rundir import RunDir
-from meshrun.launcher.contract.spec import Resources
+from meshrun.launcher.contract.records.rundir import RunDir
+from meshrun.launcher.contract.spec import schema
+from meshrun.launcher.contract.spec.job import Resources
 from meshrun.submit.config.cluster import ClusterProfile, Partition, load_profile_file, profile_path
 from meshrun.submit.core.plan import parse_time
 from meshrun.submit.core.registry import JobRecord, Registry, now

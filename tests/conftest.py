@@ -19,7 +19,7 @@ from typing import Iterator
 
 import pytest
 
-from meshrun.launcher.contract import suspects
+from meshrun.launcher.contract.records import suspects
 from tests import hygiene, xdistgroups
 from tests.testbed import health
 from tests.testbed import testbed as tb

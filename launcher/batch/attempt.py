@@ -6,7 +6,7 @@
 The job id, restart count and nodes come from Slurm's environment (a restart inside the allocation, on spare
 nodes, from the batch script's MESHRUN_RESTART_IN_JOB and MESHRUN_RUN_NODES). Both append to RUN_DIR/.meshrun/
 attempts.jsonl and then account the job's goodput so far (RUN_DIR/.meshrun/goodput/JOB.json, which
-`meshrun status JOB` shows): launcher/contract/goodput.py. Never fails the job: a problem is one line on
+`meshrun status JOB` shows): launcher/contract/records/goodput.py. Never fails the job: a problem is one line on
 stderr and exit 0.
 """
 
@@ -17,8 +17,8 @@ import sys
 from datetime import datetime
 from typing import Mapping, Optional
 
-from meshrun.launcher.contract import goodput
-from meshrun.launcher.contract.rundir import RUN_NODES_ENV, in_job_restart, job_of
+from meshrun.launcher.contract.records import goodput
+from meshrun.launcher.contract.records.rundir import RUN_NODES_ENV, in_job_restart, job_of
 
 USAGE = "usage: python -m meshrun.launcher.batch.attempt RUN_DIR start [SUBMITTED] | RUN_DIR end STATUS [WHY]"
 

@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from meshrun.launcher.batch.leaving import LEFT_OUT_ENV, Leaving, Runner, fitting, leave_out, run_slurm
-from meshrun.launcher.contract import alerts, suspects
 from meshrun.launcher.contract.nodelist import compress
 from meshrun.launcher.contract.private import append_line
-from meshrun.launcher.contract.rundir import RunDir, job_of, read_state, write_json
-from meshrun.launcher.contract.spec import read_run_spec
+from meshrun.launcher.contract.records import alerts, suspects
+from meshrun.launcher.contract.records.rundir import RunDir, job_of, read_state, write_json
+from meshrun.launcher.contract.spec.job import read_run_spec
 from meshrun.launcher.rank.hostlist import expand_hostlist
 
 

@@ -15,12 +15,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
-from meshrun.launcher.contract import suspects
-from meshrun.launcher.contract.rundir import job_of
+from meshrun.launcher.contract.records import suspects
+from meshrun.launcher.contract.records.rundir import job_of
 from meshrun.launcher.rank.hostlist import expand_hostlist
 
 if TYPE_CHECKING:
-    from meshrun.launcher.contract.spec import RunSpec
+    from meshrun.launcher.contract.spec.job import RunSpec
 
 LEFT_OUT_ENV = "MESHRUN_LEFT_OUT"
 """Set by the batch script of a job with spare nodes: the allocation's nodes its ranks no longer run on

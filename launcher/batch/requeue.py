@@ -15,7 +15,7 @@ WHY the sentence for its log. The rules:
 - 75 (saved for requeue), 76 (no progress) and failures (a crash, a lost node: often transient) are
   requeued, as is anything after the batch shell passed on a stop signal (a program that died of it).
 - A `command:` job's 0 after the batch shell passed on a stop (`--stop-requested=preemption|time-limit`) is a
-  finish only when the program said so (launcher/contract/finish.py); otherwise it is a stop, requeued as a 75:
+  finish only when the program said so (launcher/contract/records/finish.py); otherwise it is a stop, requeued as a 75:
   frameworks leave their loop on SIGTERM and exit 0 with work left.
 - A `command:` job has one more rule, the built-in trainer's crash-loop guard (launcher/checkpoint/resume.py) said
   in its own terms: a failed run that reported no step beyond the highest one reported before it started
@@ -42,8 +42,7 @@ from meshrun.launcher.batch import rankends
 from meshrun.launcher.batch.gate import verdict_of
 from meshrun.launcher.batch.leaving import Runner, leave_out, run_slurm
 from meshrun.launcher.checkpoint.resume import MAX_ATTEMPTS
-from meshrun.launcher.contract import finish, nodelist, suspects
-from meshrun.launcher.contract import lost as lost_checkpoints
+from meshrun.launcher.contract import nodelist
 from meshrun.launcher.contract.exitcodes import (
     EXIT_DIVERGED,
     EXIT_FAILED,
@@ -57,7 +56,9 @@ from meshrun.launcher.contract.exitcodes import (
     NOT_REQUEUED,
 )
 from meshrun.launcher.contract.private import append_line
-from meshrun.launcher.contract.rundir import (
+from meshrun.launcher.contract.records import finish, suspects
+from meshrun.launcher.contract.records import lost as lost_checkpoints
+from meshrun.launcher.contract.records.rundir import (
     RunDir,
     attempt_id,
     in_job_restart,
@@ -66,11 +67,11 @@ from meshrun.launcher.contract.rundir import (
     read_state,
     write_json,
 )
-from meshrun.launcher.contract.secrets import remove_dir, secrets_dir_for
+from meshrun.launcher.contract.spec.secrets import remove_dir, secrets_dir_for
 from meshrun.launcher.report import open_metrics, reported_step
 
 if TYPE_CHECKING:
-    from meshrun.launcher.contract.spec import RunSpec
+    from meshrun.launcher.contract.spec.job import RunSpec
 
 
 @dataclass(frozen=True)
@@ -241,7 +242,7 @@ def restart_in_allocation(
 ) -> Optional[tuple[Decision, dict[str, str]]]:
     """A failure or hang the job restarts from inside its allocation, on spare nodes in place of the blamed
     ones (resilience.spare_nodes, .max_restarts, .restart_on); None when it is requeued as before."""
-    from meshrun.launcher.contract.spec import read_run_spec  # torch-free
+    from meshrun.launcher.contract.spec.job import read_run_spec  # torch-free
 
     res = read_run_spec(Path(run_dir)).job.resilience
     kind = "hang" if status == EXIT_NO_PROGRESS else "failure"
@@ -317,7 +318,7 @@ def unasked_restart(status: int, attempt_log: str, finished: bool) -> Optional[D
 
 
 def said_it_finished(run_dir: str, spec: RunSpec) -> bool:
-    """Whether the ranks' work is done: a `command:` job's program said so (launcher/contract/finish.py), or the
+    """Whether the ranks' work is done: a `command:` job's program said so (launcher/contract/records/finish.py), or the
     built-in trainer reported its last step."""
     reported = reported_step(run_dir)
     if spec.job.command is not None:
@@ -345,7 +346,7 @@ def stop_kind_of(args: list[str]) -> Optional[str]:
 
 
 def unfinished_stop(run_dir: str, spec: RunSpec, status: int, stop_kind: Optional[str]) -> Optional[str]:
-    """A `command:` job's exit 0 after a stop that is no finish (launcher/contract/finish.py): what stopped it and
+    """A `command:` job's exit 0 after a stop that is no finish (launcher/contract/records/finish.py): what stopped it and
     where ("stopped by preemption at step 40"), recorded for `meshrun status` (an event line in metrics.jsonl);
     None when it was a finish, or no such exit."""
     if status != EXIT_FINISHED or stop_kind is None or spec.job.command is None:
@@ -400,7 +401,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     run_dir, (status, restarts, max_requeues) = words[0], map(int, words[1:])
-    from meshrun.launcher.contract.spec import read_run_spec  # torch-free
+    from meshrun.launcher.contract.spec.job import read_run_spec  # torch-free
 
     spec = read_run_spec(Path(run_dir))
     lost = lost_checkpoints.check(run_dir)  # a checkpoint_lost alert, whatever the status
@@ -474,7 +475,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 def record_suspect(run_dir: str, node: str, evidence: str, environ: Mapping[str, str] = os.environ) -> None:
     """A node a restart inside the allocation leaves behind goes in the cluster's ledger of suspects (a hang's
     nodes are there already: the sidecar put them)."""
-    from meshrun.launcher.contract.spec import read_run_spec  # torch-free
+    from meshrun.launcher.contract.spec.job import read_run_spec  # torch-free
 
     ledger = read_run_spec(Path(run_dir)).run.suspects_file
     if not ledger or evidence.startswith("hang verdict"):
@@ -500,7 +501,7 @@ def requeue_leaves_out(
     NODES`, which the batch script sets as the job's ExcNodeList right after the requeue (as for the health gate's
     failures); a third, `nodes N`, when the requeued job asks for fewer nodes (its spares given up). When not even
     this end's own nodes can be spared, the log says they stay in."""
-    from meshrun.launcher.contract.spec import read_run_spec  # torch-free
+    from meshrun.launcher.contract.spec.job import read_run_spec  # torch-free
 
     if not job_of(environ):
         return

@@ -34,8 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, cast
 
-from meshrun.launcher.contract import ckptdir, private
-from meshrun.launcher.contract.rundir import node_name
+from meshrun.launcher.contract import private
+from meshrun.launcher.contract.records import ckptdir
+from meshrun.launcher.contract.records.rundir import node_name
 
 Writer = Callable[[Path], Optional["Future[Any]"]]
 """An engine's writer: fills the folder it is given (`step-N.tmp/`) with a checkpoint's files; returns the

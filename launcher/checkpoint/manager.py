@@ -22,10 +22,10 @@ import torch.distributed as dist
 from meshrun.launcher.checkpoint import commit as ckpt
 from meshrun.launcher.checkpoint import resume
 from meshrun.launcher.checkpoint.commit import Checkpointer
-from meshrun.launcher.contract import ckptdir
-from meshrun.launcher.contract.rundir import RunDir, attempt_id, note_checkpoint
-from meshrun.launcher.contract.schema import to_plain
-from meshrun.launcher.contract.spec import RunSpec
+from meshrun.launcher.contract.records import ckptdir
+from meshrun.launcher.contract.records.rundir import RunDir, attempt_id, note_checkpoint, run_node_dir
+from meshrun.launcher.contract.spec.job import RunSpec
+from meshrun.launcher.contract.spec.schema import to_plain
 from meshrun.launcher.rank.env import RankEnv
 from meshrun.launcher.train import initweights
 from meshrun.launcher.train.metrics import MetricsLog
@@ -188,7 +188,9 @@ def make_checkpointer(run_spec: RunSpec, env: RankEnv, metrics: Optional[Metrics
         on_commit=on_commit,
         # With node-local scratch the save is staged there (the stall pays for the fast disk only) and
         # the node's sidecar copies it to `root`; resume always reads `root`.
-        stage_root=Path(run_spec.node_dir(os.environ).staging) if staged else None,
+        stage_root=Path(run_node_dir(run_spec.run.run_dir, run_spec.run.scratch_dir, os.environ).staging)
+        if staged
+        else None,
         node_coordinator=env.local_rank == 0,
         attempt=attempt_id(os.environ),
         nodes=env.num_nodes,

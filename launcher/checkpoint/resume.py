@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from meshrun.launcher.contract import ckptdir, private
-from meshrun.launcher.contract.rundir import ATTEMPTS_FILE
+from meshrun.launcher.contract import private
+from meshrun.launcher.contract.records import ckptdir
+from meshrun.launcher.contract.records.rundir import ATTEMPTS_FILE
 
 MAX_ATTEMPTS = 2
 SCRATCH = "scratch"

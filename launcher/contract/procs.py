@@ -29,7 +29,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 SLURM_JOB_ENV = "SLURM_JOB_ID"
-LOCAL_JOB_ENV = "MESHRUN_JOB_ID"  # meshrun.launcher.contract.rundir.JOB_ID_ENV: every process of a `local` job has it
+LOCAL_JOB_ENV = (
+    "MESHRUN_JOB_ID"  # meshrun.launcher.contract.records.rundir.JOB_ID_ENV: every process of a `local` job has it
+)
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 

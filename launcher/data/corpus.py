@@ -8,7 +8,7 @@ text, and needing no download keeps tests and examples hermetic.
 Output, for `--out X`: the token file X (uint16 little-endian up to 65,536 ids, else uint32), each
 document followed by the end-of-text token; with `val_fraction` > 0 the held-out documents in a second
 token file beside it (`X.val` before X's suffix: `stdlib.val.u16`); the tokenizer file beside it
-(`X.tokenizer.json`, not for bytes); and a JSON record `X.json` (launcher/contract/tokens.py) naming all three.
+(`X.tokenizer.json`, not for bytes); and a JSON record `X.json` (launcher/contract/spec/tokens.py) naming all three.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any, BinaryIO, Iterator, Optional, Sequence, TextIO
 
 from meshrun.launcher.contract.private import make_private_dir, private_umask
-from meshrun.launcher.contract.schema import SchemaError
-from meshrun.launcher.contract.tokens import record_path
+from meshrun.launcher.contract.spec.schema import SchemaError
+from meshrun.launcher.contract.spec.tokens import record_path
 from meshrun.launcher.data.textsources import Inputs, Reader, Tally
 from meshrun.launcher.data.tokenizer import (
     BytesTokenizer,

@@ -25,9 +25,9 @@ from typing import Any, Iterator, Literal, Optional, Sequence
 
 import torch
 
-from meshrun.launcher.contract.schema import SchemaError
-from meshrun.launcher.contract.spec import Data
-from meshrun.launcher.contract.tokens import (
+from meshrun.launcher.contract.spec.job import Data
+from meshrun.launcher.contract.spec.schema import SchemaError
+from meshrun.launcher.contract.spec.tokens import (
     EMPTY,
     TOKEN_WIDTHS,
     read_record,

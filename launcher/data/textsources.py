@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
-from meshrun.launcher.contract.schema import SchemaError
+from meshrun.launcher.contract.spec.schema import SchemaError
 
 PROSE_SUFFIXES = (".txt", ".md", ".rst")
 CODE_SUFFIXES = (

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional, Protocol, Sequence
 
-from meshrun.launcher.contract.schema import SchemaError
-from meshrun.launcher.contract.tokens import BYTES_VOCAB
+from meshrun.launcher.contract.spec.schema import SchemaError
+from meshrun.launcher.contract.spec.tokens import BYTES_VOCAB
 
 EOT = "<|endoftext|>"
 """The end-of-text token a trained BPE gets, and the first name looked for in a user's tokenizer."""

@@ -15,7 +15,7 @@ engine (the marker's job says `train.engine: deepspeed`) is consolidated by Deep
 its save in `step-N/deepspeed/`, whatever ZeRO stage sharded it: that one is held whole, then written.
 
 `meshrun` format: one file OUT, the GPT's own names, metadata (step, model config) in safetensors'
-string map. `hf` format: a folder OUT for transformers' LlamaForCausalLM (launcher/contract/hfnames.py): Hugging
+string map. `hf` format: a folder OUT for transformers' LlamaForCausalLM (launcher/contract/spec/hfnames.py): Hugging
 Face names in `model.safetensors` or shards of at most --max-shard-size with their index, config.json,
 and the tokenizer `meshrun data` saved beside the run's token file, when there is one.
 """
@@ -34,8 +34,9 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from meshrun.launcher.contract import ckptdir, dsconfig, hfnames, schema
-from meshrun.launcher.contract.spec import JobSpec, Model
+from meshrun.launcher.contract.records import ckptdir
+from meshrun.launcher.contract.spec import dsconfig, hfnames, schema
+from meshrun.launcher.contract.spec.job import JobSpec, Model
 from meshrun.launcher.export import shardwriter as sw
 
 FORMATS = ("meshrun", "hf")

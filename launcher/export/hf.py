@@ -1,6 +1,6 @@
 """`export --format hf`: a folder transformers' LlamaForCausalLM.from_pretrained loads.
 
-Hugging Face names (launcher/contract/hfnames.py) in `model.safetensors`, or in shards of at most --max-shard-size
+Hugging Face names (launcher/contract/spec/hfnames.py) in `model.safetensors`, or in shards of at most --max-shard-size
 with `model.safetensors.index.json`; `config.json`; and, when the run's token file has a tokenizer beside
 it (`meshrun data` saved it; its `.json` record names it), `tokenizer.json` and a minimal
 `tokenizer_config.json`. Written into a temporary folder beside OUT, then renamed: OUT is whole or untouched.
@@ -14,8 +14,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional
 
-from meshrun.launcher.contract import hfnames, tokens
-from meshrun.launcher.contract.schema import SchemaError
+from meshrun.launcher.contract.spec import hfnames, tokens
+from meshrun.launcher.contract.spec.schema import SchemaError
 from meshrun.launcher.export import shardwriter as sw
 from meshrun.launcher.export.consolidate import OutputError, Source
 

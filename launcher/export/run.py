@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from meshrun.launcher.contract import ckptdir, hfnames
+from meshrun.launcher.contract.records import ckptdir
+from meshrun.launcher.contract.spec import hfnames
 from meshrun.launcher.export.consolidate import (
     ATTEMPTS,
     DEFAULT_SHARD,

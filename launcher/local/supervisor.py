@@ -23,8 +23,7 @@ from typing import Any, Iterator, Optional
 
 from meshrun.launcher.batch import rankends
 from meshrun.launcher.batch.requeue import crash_loop, programs_own
-from meshrun.launcher.contract import ckptdir, finish, goodput, procs
-from meshrun.launcher.contract import lost as lost_checkpoints
+from meshrun.launcher.contract import procs
 from meshrun.launcher.contract.exitcodes import (
     EXIT_DIVERGED,
     EXIT_FAILED,
@@ -36,8 +35,17 @@ from meshrun.launcher.contract.exitcodes import (
     diverged_fix,
 )
 from meshrun.launcher.contract.private import make_private_dir, private_umask
-from meshrun.launcher.contract.rundir import JOB_ID_ENV, RunDir, local_state_path, merge_state, node_name, read_state
-from meshrun.launcher.contract.secrets import remove_dir, secrets_dir_for
+from meshrun.launcher.contract.records import ckptdir, finish, goodput
+from meshrun.launcher.contract.records import lost as lost_checkpoints
+from meshrun.launcher.contract.records.rundir import (
+    JOB_ID_ENV,
+    RunDir,
+    local_state_path,
+    merge_state,
+    node_name,
+    read_state,
+)
+from meshrun.launcher.contract.spec.secrets import remove_dir, secrets_dir_for
 from meshrun.launcher.job import RESTART_COUNT_ENV
 from meshrun.launcher.report import reported_step
 
@@ -167,7 +175,7 @@ class _Stop:
 
 class Supervisor:
     def __init__(self, run_dir: Path, job_id: str) -> None:
-        from meshrun.launcher.contract.spec import read_run_spec  # torch-free
+        from meshrun.launcher.contract.spec.job import read_run_spec  # torch-free
 
         self.run_dir = RunDir(str(run_dir))
         self.job_id = job_id
@@ -348,7 +356,7 @@ class Supervisor:
 
     def _finished_at_its_stop(self, codes: Optional[list[int]]) -> bool:
         """A `command:` job whose ranks all exited 0 after the time limit's stop and that said it finished
-        (meshrun.launcher.job.finished, or its command_steps reported): a finish, not a stop (launcher/contract/finish.py)."""
+        (meshrun.launcher.job.finished, or its command_steps reported): a finish, not a stop (launcher/contract/records/finish.py)."""
         if self.spec.job.command is None or not codes or any(codes):
             return False
         root = str(self.run_dir.root)

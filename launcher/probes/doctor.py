@@ -31,8 +31,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from meshrun.launcher import installed_version
 from meshrun.launcher.contract.private import make_private_dir
-from meshrun.launcher.contract.rundir import RunDir, expand_node_path, node_name, write_json
-from meshrun.launcher.contract.spec import RunSpec, read_run_spec
+from meshrun.launcher.contract.records.rundir import RunDir, expand_node_path, node_name, write_json
+from meshrun.launcher.contract.spec.job import RunSpec, read_run_spec
 from meshrun.launcher.probes.health import node_checks
 from meshrun.launcher.rank.env import RankEnv, rank_env
 
@@ -179,7 +179,7 @@ def layer_seconds(shapes: Sequence[tuple[int, int, int, int]], cuda: bool) -> li
     matmuls, or the share of the GEMM's rate a GPU job's blocks reach (submit/planning/calibration.py fits them)."""
     import torch
 
-    from meshrun.launcher.contract.spec import Model
+    from meshrun.launcher.contract.spec.job import Model
     from meshrun.launcher.train.model import GPT, loss_fn
 
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

@@ -33,10 +33,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Optional, Sequence
 
-from meshrun.launcher.contract.modelshape import checkpoint_space_needed
 from meshrun.launcher.contract.private import make_private_dir
-from meshrun.launcher.contract.rundir import RunDir, expand_node_path, node_name, write_json
-from meshrun.launcher.contract.spec import RunSpec, read_run_spec
+from meshrun.launcher.contract.records.rundir import RunDir, expand_node_path, node_name, write_json
+from meshrun.launcher.contract.spec.job import RunSpec, read_run_spec
+from meshrun.launcher.contract.spec.modelshape import checkpoint_space_needed
 
 Verdict = Literal["pass", "fail", "skip"]
 FAIL_ENV = "MESHRUN_TEST_HEALTH_FAIL"

@@ -17,7 +17,7 @@ ranks of a stage and finds them equal). Middle stages build the same blocks unde
 count serves all of them.
 
 Launcher side: never imports submit. submit/planning/meshcheck.py runs this module with the job's interpreter
-and builds meshrun.launcher.contract.modelshape.StageBytes from the JSON it prints. Bad input: one line, exit 2.
+and builds meshrun.launcher.contract.spec.modelshape.StageBytes from the JSON it prints. Bad input: one line, exit 2.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from dataclasses import asdict, dataclass
 from typing import Any, Iterator, TextIO
 
 from meshrun.launcher.contract.exitcodes import EXIT_FAILED, EXIT_INPUT
-from meshrun.launcher.contract.modelshape import ModelPart, StageBytes
-from meshrun.launcher.contract.parallel_dims import ParallelDims
-from meshrun.launcher.contract.schema import SchemaError, load
-from meshrun.launcher.contract.spec import JobSpec
+from meshrun.launcher.contract.spec.job import JobSpec
+from meshrun.launcher.contract.spec.modelshape import ModelPart, StageBytes
+from meshrun.launcher.contract.spec.parallel_dims import ParallelDims
+from meshrun.launcher.contract.spec.schema import SchemaError, load
 
 FP32 = 4
 ADAM_STATES = 2
@@ -155,7 +155,7 @@ def deepspeed_bytes(job: JobSpec, held: Held) -> StageBytes:
     the same way. DeepSpeed's partitions are the flat buffer split in dp equal parts (ceil). Offloaded
     state lives in CPU memory: it counts 0 on the rank's device.
     """
-    from meshrun.launcher.contract.dsconfig import zero_stage
+    from meshrun.launcher.contract.spec.dsconfig import zero_stage
 
     p, dp, zero = held.numel, job.parallel.dp, zero_stage(job)
     part = math.ceil(p / dp)

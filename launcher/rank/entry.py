@@ -15,19 +15,21 @@ from typing import Mapping, MutableMapping, Optional, Sequence
 
 from meshrun.launcher import installed_version
 from meshrun.launcher import job as kit
-from meshrun.launcher.contract import private, procs, secrets
+from meshrun.launcher.contract import private, procs
 from meshrun.launcher.contract.exitcodes import EXIT_REQUEUE
 from meshrun.launcher.contract.private import make_private_below, make_private_dir, private_umask
-from meshrun.launcher.contract.rundir import (
+from meshrun.launcher.contract.records.rundir import (
     NODE_DIR_ENV,
     NodeDir,
     RunDir,
     expand_node_path,
     in_job_restart,
     record_exit,
+    run_node_dir,
 )
-from meshrun.launcher.contract.schema import SchemaError
-from meshrun.launcher.contract.spec import RunSpec, read_run_spec
+from meshrun.launcher.contract.spec import secrets
+from meshrun.launcher.contract.spec.job import RunSpec, read_run_spec
+from meshrun.launcher.contract.spec.schema import SchemaError
 from meshrun.launcher.rank.env import RankEnv, rank_env, setdefault_env, torchrun_vars
 from meshrun.launcher.rank.failure import reports_fatal_errors
 from meshrun.launcher.rank.preempt import StopFlag
@@ -43,7 +45,7 @@ def prepare_env(run_spec: RunSpec, environ: MutableMapping[str, str]) -> None:
     # As torchrun does: one rank's math threads = its CPUs (torch's default, one per core of the
     # machine, makes co-located ranks spin in each other's OpenMP barriers). Set before torch loads.
     setdefault_env({"OMP_NUM_THREADS": str(run_spec.job.resources.cpus_per_task)}, environ)
-    node = run_spec.node_dir(environ)
+    node = run_node_dir(run_spec.run.run_dir, run_spec.run.scratch_dir, environ)
     make_node_dir(run_spec, node)
     environ[NODE_DIR_ENV] = node.root  # the heartbeat and the stack dump go here (the sidecar reads them)
     setdefault_env(flight_recorder_env(node), environ)

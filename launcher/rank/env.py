@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Mapping, MutableMapping, Optional
 
-from meshrun.launcher.contract.rundir import IN_JOB_ENV
+from meshrun.launcher.contract.records.rundir import IN_JOB_ENV
 from meshrun.launcher.rank.hostlist import expand_hostlist
 
 __all__ = ["RankEnv", "rank_env", "torchrun_vars", "setdefault_env", "master_port", "expand_hostlist"]

@@ -19,10 +19,10 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
-from meshrun.launcher.contract.ckptdir import CheckpointError
 from meshrun.launcher.contract.exitcodes import EXIT_INPUT
-from meshrun.launcher.contract.rundir import RunDir, record_exit
-from meshrun.launcher.contract.schema import SchemaError
+from meshrun.launcher.contract.records.ckptdir import CheckpointError
+from meshrun.launcher.contract.records.rundir import RunDir, record_exit
+from meshrun.launcher.contract.spec.schema import SchemaError
 
 BAD_INPUT: tuple[type[BaseException], ...] = (SchemaError, CheckpointError)
 """What the user fixes, not the cluster: a bad spec, a missing or unusable data file or checkpoint (each

@@ -9,7 +9,7 @@ nodes differ. It never fails the job: an error is one line in RUN_DIR/logs/sidec
 
     nvml.py       GPU discovery, CUDA_VISIBLE_DEVICES -> UUIDs, one sample per GPU, XID events
     host.py       CPU, memory and disk I/O from /proc
-    envrecord.py  the environment record; env_mismatches() lives in launcher/contract/envcheck.py (status shows it)
+    envrecord.py  the environment record; env_mismatches() lives in launcher/contract/records/envcheck.py (status shows it)
     loop.py       the main loop: periodic tasks (sampling, the env check; hang watch and checkpoint
                   copier plug in as further tasks), stop on SIGTERM or when the parent is gone
 """

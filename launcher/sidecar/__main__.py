@@ -19,7 +19,7 @@ import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from meshrun.launcher.contract.exitcodes import EXIT_INPUT
-from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.records.rundir import RunDir
 
 if TYPE_CHECKING:
     from meshrun.launcher.sidecar.loop import Stop
@@ -92,7 +92,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(USAGE, file=sys.stderr)
         return EXIT_INPUT
     from meshrun.launcher.contract.private import private_umask
-    from meshrun.launcher.contract.rundir import node_name
+    from meshrun.launcher.contract.records.rundir import node_name
     from meshrun.launcher.sidecar.keeper import KEPT_ENV, TOLD_ENV, deaf_end, keep, unblock_stop_signals
     from meshrun.launcher.sidecar.sidelog import Log
 

@@ -1,7 +1,7 @@
 """The sidecar's alert rules (GPU utilisation, GPU memory, stragglers, hangs) and their forwarding.
 Torch-free, stdlib only.
 
-Only node 0 writes RUN_DIR/alerts.jsonl (launcher/contract/alerts.py: appends from one machine stay whole
+Only node 0 writes RUN_DIR/alerts.jsonl (launcher/contract/records/alerts.py: appends from one machine stay whole
 lines, even on NFS). Another node's sidecar appends to RunDir.node_alerts(node), and node 0's sidecar
 copies the new complete lines of those files into alerts.jsonl every second. What it has forwarded is
 found again in alerts.jsonl when it starts, so a requeued job's new sidecar forwards nothing twice.
@@ -14,11 +14,11 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional
 
-from meshrun.launcher.contract import alerts, suspects
-from meshrun.launcher.contract.alerts import Alert
 from meshrun.launcher.contract.private import append_line
-from meshrun.launcher.contract.rundir import RunDir, job_of
-from meshrun.launcher.contract.spec import Alerts as AlertSettings
+from meshrun.launcher.contract.records import alerts, suspects
+from meshrun.launcher.contract.records.alerts import Alert
+from meshrun.launcher.contract.records.rundir import RunDir, job_of
+from meshrun.launcher.contract.spec.job import Alerts as AlertSettings
 from meshrun.launcher.sidecar.stragglers import RankTime
 
 LogFn = Callable[[str], None]
@@ -311,7 +311,7 @@ class Alerting:
 
     def blame(self, verdict: dict[str, Any], now: float) -> None:
         """The nodes of the ranks the verdict found stalled go in the cluster's ledger of suspects (new submits
-        leave them out: launcher/contract/suspects.py), with the verdict's first sentence as the evidence."""
+        leave them out: launcher/contract/records/suspects.py), with the verdict's first sentence as the evidence."""
         for node in suspects.blamed_nodes(verdict):
             self.record_suspect(node, suspects.verdict_evidence(verdict), now)
 

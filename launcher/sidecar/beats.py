@@ -8,7 +8,7 @@ import statistics
 from collections import deque
 from typing import Any, Optional, Sequence
 
-from meshrun.launcher.contract.spec import Watchdog as WatchdogSettings
+from meshrun.launcher.contract.spec.job import Watchdog as WatchdogSettings
 
 RECENT = 20
 """Step durations (per rank) the step timeout looks at."""
@@ -45,7 +45,7 @@ def phase_timeout(settings: WatchdogSettings, phase: str, durations: Sequence[fl
 
 
 def write_text(path: str, text: str) -> None:
-    """Atomic and private (0600), as meshrun.launcher.contract.rundir.record_exit writes the exit code."""
+    """Atomic and private (0600), as meshrun.launcher.contract.records.rundir.record_exit writes the exit code."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as handle:

@@ -35,8 +35,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from meshrun.launcher.contract import ckptdir, private
+from meshrun.launcher.contract import private
 from meshrun.launcher.contract.exitcodes import EXIT_FAILED, EXIT_INPUT
+from meshrun.launcher.contract.records import ckptdir
 from meshrun.launcher.sidecar.copyfile import CopyError, copy_file, hash_file, same_bytes
 from meshrun.launcher.sidecar.keeper import popen_blocking
 

@@ -1,4 +1,4 @@
-"""The node's energy counters, read by its sidecar for launcher/contract/energy.py: NVML's total energy of each of
+"""The node's energy counters, read by its sidecar for launcher/contract/records/energy.py: NVML's total energy of each of
 the job's GPUs, and RAPL's of each CPU package where this user may read it (since 2020 most kernels make
 `energy_uj` root-only). A counter that cannot be read at the start is not measured at all: no partial sums."""
 

@@ -1,5 +1,5 @@
 """The environment record: each node's hostname, GPUs, driver, CUDA, torch, NCCL and meshrun versions,
-written to RUN_DIR/env/NODE.json; env_mismatches() (launcher/contract/envcheck.py, shared with `meshrun status`)
+written to RUN_DIR/env/NODE.json; env_mismatches() (launcher/contract/records/envcheck.py, shared with `meshrun status`)
 names what differs between nodes. Torch-free:
 versions come from package metadata, never from importing torch.
 """
@@ -11,8 +11,8 @@ import socket
 import time
 from typing import Any, Mapping, Optional
 
-from meshrun.launcher.contract.envcheck import COMPARED, env_mismatches, read_records
-from meshrun.launcher.contract.rundir import write_json
+from meshrun.launcher.contract.records.envcheck import COMPARED, env_mismatches, read_records
+from meshrun.launcher.contract.records.rundir import write_json
 
 NCCL_DISTRIBUTIONS = ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11")
 """The NCCL wheels torch's CUDA builds depend on; a torch with NCCL linked in has none (then omitted)."""

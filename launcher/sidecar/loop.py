@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Union
 
-from meshrun.launcher.contract import goodput, logtimes, procs
-from meshrun.launcher.contract.rundir import (
+from meshrun.launcher.contract import procs
+from meshrun.launcher.contract.records import goodput, logtimes
+from meshrun.launcher.contract.records.rundir import (
     RunDir,
     attempt_id,
     expand_node_path,
@@ -27,7 +28,7 @@ from meshrun.launcher.contract.rundir import (
     read_state,
     write_json,
 )
-from meshrun.launcher.contract.spec import Alerts, Watchdog
+from meshrun.launcher.contract.spec.job import Alerts, Watchdog
 from meshrun.launcher.sidecar import envrecord
 from meshrun.launcher.sidecar.alerting import Alerting
 from meshrun.launcher.sidecar.energy import EnergyMeter, nvml_gpus, rapl_packages
@@ -168,7 +169,7 @@ class Settings:
 
 
 def read_settings(run_dir: RunDir, environ: Mapping[str, str], log: LogFn) -> Settings:
-    from meshrun.launcher.contract.spec import read_run_spec  # torch-free
+    from meshrun.launcher.contract.spec.job import read_run_spec  # torch-free
 
     node_rank = int(environ.get("SLURM_NODEID", "0") or 0)
     try:

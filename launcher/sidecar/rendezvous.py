@@ -133,7 +133,7 @@ def judge(
 
 def missing_ranks(stall: Mapping[str, Any]) -> list[dict[str, Any]]:
     """A claim's stall as verdict.json rank entries: the ranks that never joined are the stalled ones (their nodes
-    are blamed as a hang's stalled ranks' nodes are: launcher/contract/suspects.py blamed_nodes)."""
+    are blamed as a hang's stalled ranks' nodes are: launcher/contract/records/suspects.py blamed_nodes)."""
     out = []
     for entry in stall.get("missing") or []:
         if not isinstance(entry, dict):

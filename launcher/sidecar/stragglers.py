@@ -12,7 +12,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.records.rundir import RunDir
 from meshrun.launcher.sidecar.beats import read_json
 
 STREAK = 3

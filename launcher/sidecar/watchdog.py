@@ -24,8 +24,8 @@ from typing import Any, Callable, Optional, Sequence
 from meshrun.launcher.contract import procs
 from meshrun.launcher.contract.exitcodes import EXIT_NO_PROGRESS
 from meshrun.launcher.contract.private import make_private_dir
-from meshrun.launcher.contract.rundir import NodeDir, RunDir, write_json
-from meshrun.launcher.contract.spec import Watchdog as WatchdogSettings
+from meshrun.launcher.contract.records.rundir import NodeDir, RunDir, write_json
+from meshrun.launcher.contract.spec.job import Watchdog as WatchdogSettings
 from meshrun.launcher.sidecar import diagnosis, rendezvous
 from meshrun.launcher.sidecar.beats import (
     WARMUP_DURATIONS,

@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from meshrun.launcher.contract.rundir import in_job_restart
-from meshrun.launcher.contract.schema import SchemaError
+from meshrun.launcher.contract.records.rundir import in_job_restart
+from meshrun.launcher.contract.spec.schema import SchemaError
 
 HANG_ENV = "MESHRUN_TEST_HANG"
 SLOW_ENV = "MESHRUN_TEST_SLOW"

@@ -19,9 +19,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from meshrun.launcher.contract import alerts
 from meshrun.launcher.contract.exitcodes import EXIT_DIVERGED, diverged_fix
-from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.records import alerts
+from meshrun.launcher.contract.records.rundir import RunDir
 
 _NEVER = 1 << 62
 """A key larger than any step: packed as _NEVER - first_bad_step so MAX over ranks finds the earliest."""

@@ -1,7 +1,7 @@
 """train.init_from: start a run from existing weights (fine-tuning) instead of the seeded init.
 
 The file is a safetensors file in meshrun's naming (`meshrun export`) or Hugging Face Llama's (an hf
-export folder, or a Llama checkpoint of the same shape); launcher/contract/weights.py has checked its names and
+export folder, or a Llama checkpoint of the same shape); launcher/contract/spec/weights.py has checked its names and
 shapes before anything started. Every rank reads, one tensor at a time (memory-mapped: only that
 tensor's bytes), the full tensors of the parameters it holds and keeps its slice: a pipeline stage reads
 only its blocks, and a parameter sharded by FSDP2 or tensor parallelism (a DTensor) takes its local
@@ -23,8 +23,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from meshrun.launcher.contract import hfnames, weights
-from meshrun.launcher.contract.tokens import local_path
+from meshrun.launcher.contract.spec import hfnames, weights
+from meshrun.launcher.contract.spec.tokens import local_path
 
 
 def file_names(path: Path) -> dict[str, Path]:

@@ -19,13 +19,13 @@ import torch
 import torch.distributed as dist
 
 from meshrun.launcher.checkpoint.manager import CheckpointManager
-from meshrun.launcher.contract import tokens, weights
 from meshrun.launcher.contract.exitcodes import EXIT_DIVERGED
 from meshrun.launcher.contract.gpus import mfu_peak
-from meshrun.launcher.contract.modelshape import param_count
-from meshrun.launcher.contract.parallel_dims import ParallelDims
-from meshrun.launcher.contract.schema import SchemaError
-from meshrun.launcher.contract.spec import JobSpec, RunSpec, Train
+from meshrun.launcher.contract.spec import tokens, weights
+from meshrun.launcher.contract.spec.job import JobSpec, RunSpec, Train
+from meshrun.launcher.contract.spec.modelshape import param_count
+from meshrun.launcher.contract.spec.parallel_dims import ParallelDims
+from meshrun.launcher.contract.spec.schema import SchemaError
 from meshrun.launcher.data.dataset import Prefetcher, TokenDataset, check_token_ids, check_train_data, open_dataset
 from meshrun.launcher.rank.env import RankEnv, setdefault_env
 from meshrun.launcher.rank.preempt import EXIT_FINISHED, EXIT_GAVE_UP, EXIT_REQUEUE, StopFlag

@@ -22,8 +22,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-from meshrun.launcher.contract.alerts import Alert
-from meshrun.launcher.contract.spec import Alerts
+from meshrun.launcher.contract.records.alerts import Alert
+from meshrun.launcher.contract.spec.job import Alerts
 
 MIN_HISTORY = 10
 """Logged values a spike rule waits for before judging (a median of 2 says little)."""

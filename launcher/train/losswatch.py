@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from meshrun.launcher.checkpoint.commit import Checkpointer
-from meshrun.launcher.contract import alerts, ckptdir
-from meshrun.launcher.contract.rundir import RunDir, node_name
-from meshrun.launcher.contract.spec import JobSpec, RunSpec
+from meshrun.launcher.contract.records import alerts, ckptdir
+from meshrun.launcher.contract.records.rundir import RunDir, node_name
+from meshrun.launcher.contract.spec.job import JobSpec, RunSpec
 from meshrun.launcher.rank.env import RankEnv
 from meshrun.launcher.train import divergence
 from meshrun.launcher.train.lossrules import LossRules

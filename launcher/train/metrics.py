@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Optional, TextIO
 
-from meshrun.launcher.contract import goodput
 from meshrun.launcher.contract.gpus import mfu
 from meshrun.launcher.contract.private import make_private_dir
-from meshrun.launcher.contract.rundir import RunDir, job_field
+from meshrun.launcher.contract.records import goodput
+from meshrun.launcher.contract.records.rundir import RunDir, job_field
 from meshrun.launcher.report import Heartbeat
 from meshrun.launcher.train.tbwriter import ScalarWriter, scalars_of
 
@@ -61,7 +61,7 @@ class MetricsLog:
     def resume_at(self, step: int, restart_count: int = 0) -> None:
         """This attempt's first step is about to begin: TensorBoard drops what an earlier attempt logged from
         there on, and metrics.jsonl says when training began and from which step (goodput's setup ends here,
-        and the steps an earlier attempt computed past it were lost: launcher/contract/goodput.py)."""
+        and the steps an earlier attempt computed past it were lost: launcher/contract/records/goodput.py)."""
         if self.board is not None:
             self.board.starts_at(step)
         self.event(

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from meshrun.launcher.contract.modelshape import ModelPart, ffn_hidden, flops_per_token
-from meshrun.launcher.contract.spec import Model as ModelConfig
+from meshrun.launcher.contract.spec.job import Model as ModelConfig
+from meshrun.launcher.contract.spec.modelshape import ModelPart, ffn_hidden, flops_per_token
 
 INIT_STD = 0.02
 

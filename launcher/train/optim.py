@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshrun.launcher.contract.spec import Train
+from meshrun.launcher.contract.spec.job import Train
 
 try:  # a public name since torch 2.4; the private module keeps older builds working
     from torch.distributed.tensor import DTensor, Replicate

@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from meshrun.launcher.contract.parallel_dims import MESH_DIMS, ParallelDims
+from meshrun.launcher.contract.spec.parallel_dims import MESH_DIMS, ParallelDims
 from meshrun.launcher.train.model import GPT
 from meshrun.launcher.train.runtime import Runtime
 

@@ -21,8 +21,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from meshrun.launcher.contract.alerts import Alert
-from meshrun.launcher.contract.spec import Prediction
+from meshrun.launcher.contract.records.alerts import Alert
+from meshrun.launcher.contract.spec.job import Prediction
 
 WARMUP_STEPS = 5
 """An attempt's first steps, not measured: the allocator, the first collectives and the data loader warm up."""

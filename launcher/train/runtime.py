@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from meshrun.launcher.contract.exitcodes import EXIT_NO_PROGRESS
-from meshrun.launcher.contract.rundir import record_exit
-from meshrun.launcher.contract.schema import SchemaError
-from meshrun.launcher.contract.spec import JobSpec
+from meshrun.launcher.contract.records.rundir import record_exit
+from meshrun.launcher.contract.spec.job import JobSpec
+from meshrun.launcher.contract.spec.schema import SchemaError
 from meshrun.launcher.rank.env import RankEnv
 from meshrun.launcher.rank.failure import record_rank_error
 from meshrun.launcher.sidecar.rendezvous import rank_span

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshrun.launcher.contract.parallel_dims import Coordinates, ParallelDims
-from meshrun.launcher.contract.spec import JobSpec, Train
+from meshrun.launcher.contract.spec.job import JobSpec, Train
+from meshrun.launcher.contract.spec.parallel_dims import Coordinates, ParallelDims
 from meshrun.launcher.data.dataset import Layout, MicroBatches, TokenDataset, TrainStream, val_steps
 from meshrun.launcher.rank.env import RankEnv
 from meshrun.launcher.train.engines import build_engine

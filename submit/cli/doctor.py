@@ -75,8 +75,8 @@ def options(args: argparse.Namespace, profile: Any) -> Any:
 
 
 def doctor_plan(profile: Any, opts: Any, home: str) -> Any:
-    from meshrun.launcher.contract import schema
-    from meshrun.launcher.contract.spec import JobSpec
+    from meshrun.launcher.contract.spec import schema
+    from meshrun.launcher.contract.spec.job import JobSpec
     from meshrun.submit import api
     from meshrun.submit.jobs.doctor import job_spec
 
@@ -92,7 +92,7 @@ def doctor_plan(profile: Any, opts: Any, home: str) -> Any:
 
 def read_results(transport: Any, run_dir: str, world: int) -> list[Optional[dict[str, Any]]]:
     """Every rank's results file (None where a rank wrote none, or half of one)."""
-    from meshrun.launcher.contract.rundir import RunDir
+    from meshrun.launcher.contract.records.rundir import RunDir
 
     out: list[Optional[dict[str, Any]]] = []
     for rank in range(world):
@@ -169,8 +169,8 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     """`meshrun nodes -c CLUSTER [--clear NODE]`: the ledger of suspect nodes kept where the jobs run."""
     import time
 
-    from meshrun.launcher.contract import suspects
     from meshrun.launcher.contract.nodelist import compress
+    from meshrun.launcher.contract.records import suspects
     from meshrun.submit import api
     from meshrun.submit.views.tables import table
 

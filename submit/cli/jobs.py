@@ -154,7 +154,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
 def _ranks_reason(transport: Any, run_dir: str) -> str:
     """The first line of the job's recorded reason (RUN_DIR/rank-error.txt: a rank's, or the batch script's when
     the ranks never started), "" when there is none."""
-    from meshrun.launcher.contract.rundir import RunDir
+    from meshrun.launcher.contract.records.rundir import RunDir
     from meshrun.submit.textwidth import printable
 
     path = RunDir(run_dir).rank_error

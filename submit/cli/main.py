@@ -17,7 +17,7 @@ from typing import Any, Callable, NoReturn, Optional, Sequence
 
 from meshrun.launcher.contract.exitcodes import EXIT_INPUT
 from meshrun.launcher.contract.private import private_umask
-from meshrun.launcher.contract.schema import SchemaError
+from meshrun.launcher.contract.spec.schema import SchemaError
 from meshrun.submit.cli import checkpoints as cli_ckpt
 from meshrun.submit.cli import doctor as cli_doctor
 from meshrun.submit.cli import jobs as cli_jobs
@@ -524,7 +524,7 @@ def cmd_data(args: argparse.Namespace) -> int:
     caller's side imports only launcher's torch-free contract."""
     import subprocess
 
-    from meshrun.launcher.contract.spec import (
+    from meshrun.launcher.contract.spec.job import (
         DEFAULT_DATA_PATH,  # here: the spec module is not every verb's start-up cost
     )
 
@@ -578,7 +578,7 @@ VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 def _suggest_a_verb(parser: argparse.ArgumentParser, argv: list[str]) -> None:
     """A mistyped verb gets the nearest one, as a mistyped spec key does (argparse lists them all)."""
-    from meshrun.launcher.contract.schema import closest
+    from meshrun.launcher.contract.spec.schema import closest
 
     verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     first = next((word for word in argv if not word.startswith("-")), None)

@@ -69,7 +69,7 @@ def _usable(partition: Any) -> Optional[int]:
 def build(spec: Any, cluster: Any, partition: Any) -> dict[str, Any]:
     """The plan's JSON object (docs/guides/plan-and-doctor.md documents every key). Where `meshrun doctor`
     measured a partition (submit/planning/calibration.py), its figures time the job instead of the datasheet's."""
-    from meshrun.launcher.contract.modelshape import param_count
+    from meshrun.launcher.contract.spec.modelshape import param_count
     from meshrun.submit.planning import calibration, estimate, recommend, steptime
 
     memory = estimate.memory_per_gpu(spec)

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Mapping, Optional, Sequence
 
-from meshrun.launcher.contract import schema
-from meshrun.launcher.contract.schema import SchemaError, bounded
-from meshrun.launcher.contract.secrets import ENV_KEY
+from meshrun.launcher.contract.spec import schema
+from meshrun.launcher.contract.spec.schema import SchemaError, bounded
+from meshrun.launcher.contract.spec.secrets import ENV_KEY
 from meshrun.submit.config.resources import shipped_profiles_dir
 from meshrun.submit.config.yamlfile import YamlDoc
 from meshrun.submit.errors import InputError

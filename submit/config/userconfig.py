@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from meshrun.launcher.contract import schema
+from meshrun.launcher.contract.spec import schema
 from meshrun.submit.config.yamlfile import YamlDoc
 from meshrun.submit.folders import config_dir
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from meshrun.launcher.contract import schema
+from meshrun.launcher.contract.spec import schema
 from meshrun.submit.errors import InputError
 from meshrun.submit.textwidth import printable
 

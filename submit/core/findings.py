@@ -17,9 +17,10 @@ import posixpath
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
-from meshrun.launcher.contract import dsconfig, energy
-from meshrun.launcher.contract.envcheck import env_mismatches, newest_run, parse_record
-from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.records import energy
+from meshrun.launcher.contract.records.envcheck import env_mismatches, newest_run, parse_record
+from meshrun.launcher.contract.records.rundir import RunDir
+from meshrun.launcher.contract.spec import dsconfig
 from meshrun.submit.core.usage import usage
 
 CAP_BYTES = 65536
@@ -69,7 +70,7 @@ class Findings:
     env_mismatches: list[str] = field(default_factory=list)
     """One line per version that differs between the newest run's nodes."""
     alerts: list[dict[str, Any]] = field(default_factory=list)
-    """This job's newest alert records (launcher/contract/alerts.py), oldest first."""
+    """This job's newest alert records (launcher/contract/records/alerts.py), oldest first."""
     gpus: list[dict[str, Any]] = field(default_factory=list)
     """The newest gpu.jsonl sample of each GPU (asked for by `meshrun top` only; else [])."""
     steps: Optional[int] = None
@@ -78,7 +79,7 @@ class Findings:
     """The engine from spec.json, e.g. 'deepspeed ZeRO-2, optimizer offload' (as `steps`)."""
     goodput: Optional[dict[str, Any]] = None
     """Where this job's allocated time went, as of its newest attempt's start or end or its sidecar's last
-    minute (one job's detail view and `top`): RUN_DIR/.meshrun/goodput/JOB.json, launcher/contract/goodput.py."""
+    minute (one job's detail view and `top`): RUN_DIR/.meshrun/goodput/JOB.json, launcher/contract/records/goodput.py."""
     run_goodput: Optional[dict[str, Any]] = None
     """The run dir's total over every job in it (a resume in the run dir is a job of its own), when it has more
     than one: {"jobs", "allocated_s", "productive_s", "lost_steps", "effective_pct"}."""
@@ -86,7 +87,7 @@ class Findings:
     """This job's newest checkpoint complete on shared storage (RunDir.last_checkpoint), None when it made none
     (or a later job of the run dir made the newest: then its own metrics events say)."""
     energy: Optional[dict[str, Any]] = None
-    """What the job's nodes measured of its energy (launcher/contract/energy.py's total; one job's detail view and
+    """What the job's nodes measured of its energy (launcher/contract/records/energy.py's total; one job's detail view and
     `top`); None when no node recorded any."""
     spec_gpus: Optional[int] = None
     """The GPUs spec.json asks for (nodes x gpus_per_node; with spec.json only, as `steps`)."""
@@ -384,8 +385,8 @@ def _json_lines(text: Optional[str]) -> list[dict[str, Any]]:
 
 
 def parse_alerts(text: Optional[str]) -> list[dict[str, Any]]:
-    """alerts.jsonl's records (launcher/contract/alerts.py), oldest first; a record naming no known rule is left out."""
-    from meshrun.launcher.contract.alerts import RULES
+    """alerts.jsonl's records (launcher/contract/records/alerts.py), oldest first; a record naming no known rule is left out."""
+    from meshrun.launcher.contract.records.alerts import RULES
 
     return [row for row in _json_lines(text) if row.get("rule") in RULES]
 

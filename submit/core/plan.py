@@ -10,8 +10,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from meshrun.launcher.contract import schema
-from meshrun.launcher.contract.spec import JobSpec, RunSpec
+from meshrun.launcher.contract.spec import schema
+from meshrun.launcher.contract.spec.job import JobSpec, RunSpec
 from meshrun.submit.config.cluster import ClusterProfile, Partition
 from meshrun.submit.errors import InputError
 

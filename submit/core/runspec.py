@@ -3,8 +3,8 @@ a restart's secrets learn the job from."""
 
 from __future__ import annotations
 
-from meshrun.launcher.contract.rundir import RunDir
-from meshrun.launcher.contract.spec import RunSpec, SpecFileError, loads_run_spec
+from meshrun.launcher.contract.records.rundir import RunDir
+from meshrun.launcher.contract.spec.job import RunSpec, SpecFileError, loads_run_spec
 from meshrun.submit.core.registry import JobRecord
 from meshrun.submit.errors import ClusterError, InputError
 from meshrun.submit.transport.base import Transport

@@ -1,4 +1,4 @@
-"""The submit side of a job's secrets (spec `secrets:`, launcher/contract/secrets.py): checked when the job is planned,
+"""The submit side of a job's secrets (spec `secrets:`, launcher/contract/spec/secrets.py): checked when the job is planned,
 sent when it is scheduled, never written where a person or Slurm keeps things.
 
 - plan time (before any connection): every `env:` source is set here and every `file:` source that this
@@ -17,13 +17,13 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-from meshrun.launcher.contract import secrets as ls
-from meshrun.launcher.contract.schema import SchemaError
+from meshrun.launcher.contract.spec import secrets as ls
+from meshrun.launcher.contract.spec.schema import SchemaError
 from meshrun.submit.errors import InputError
 from meshrun.submit.transport.base import Upload
 
 if TYPE_CHECKING:
-    from meshrun.launcher.contract.spec import JobSpec, RunSpec
+    from meshrun.launcher.contract.spec.job import JobSpec, RunSpec
     from meshrun.submit.config.cluster import ClusterProfile
     from meshrun.submit.transport.base import Transport
 

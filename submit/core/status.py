@@ -17,7 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
-from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.records.rundir import RunDir
 from meshrun.submit.core.registry import JobRecord, Registry
 from meshrun.submit.core.state import FINAL, SUCCESS, JobState
 from meshrun.submit.errors import ConnectionLost, MeshrunError
@@ -73,7 +73,7 @@ class Status:
     and `top` only; None for a command job)."""
     goodput: Optional[dict[str, Any]] = None
     """Where the job's allocated time went ({"allocated_s", "parts_s", "effective_pct", "lost_steps",
-    "queue_s", "requeue_s", "running", "attempts", ...}: launcher/contract/goodput.py), as of its newest
+    "queue_s", "requeue_s", "running", "attempts", ...}: launcher/contract/records/goodput.py), as of its newest
     attempt's start or end."""
     run_goodput: Optional[dict[str, Any]] = None
     """The run dir's total over its jobs (a resume in the run dir is a job of its own) when it has more than one:

@@ -1,5 +1,5 @@
 """What a job has used so far: GPU-hours (the GPUs Slurm's accounting says the allocation holds, else those the
-spec asked for, times the allocated time), the energy its nodes measured (launcher/contract/energy.py: never a
+spec asked for, times the allocated time), the energy its nodes measured (launcher/contract/records/energy.py: never a
 guess) and, where the profile prices GPU-hours (cost.gpu_hour, carried in spec.json), what they cost. `meshrun
 status JOB`, its --json and `meshrun top` show it; the sidecar's TensorBoard plots the same GPU-hours and cost."""
 

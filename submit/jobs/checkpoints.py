@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from meshrun.launcher.contract import hfnames
-from meshrun.launcher.contract.rundir import ATTEMPTS_FILE, RunDir
-from meshrun.launcher.contract.spec import RunSpec
+from meshrun.launcher.contract.records.rundir import ATTEMPTS_FILE, RunDir
+from meshrun.launcher.contract.spec import hfnames
+from meshrun.launcher.contract.spec.job import RunSpec
 from meshrun.submit.core.registry import JobRecord, Registry, now
 from meshrun.submit.core.runspec import read_run_spec
 from meshrun.submit.core.state import JobState
@@ -53,8 +53,8 @@ def checkpoint_dir(record: JobRecord, transport: Transport) -> str:
 
 def with_overrides(run_spec: RunSpec, overrides: Sequence[str]) -> RunSpec:
     """The run spec with `resume --set` applied (validated like a submit's); only RESUME_SETTABLE keys."""
-    from meshrun.launcher.contract import schema
-    from meshrun.launcher.contract.spec import JobSpec, check_ranges
+    from meshrun.launcher.contract.spec import schema
+    from meshrun.launcher.contract.spec.job import JobSpec, check_ranges
 
     for item in overrides:
         key = item.partition("=")[0].strip()
@@ -111,7 +111,7 @@ def resume(
     else:
         check_steps_left(changed, root, transport)
     if overrides:
-        from meshrun.launcher.contract.spec import dumps_run_spec
+        from meshrun.launcher.contract.spec.job import dumps_run_spec
 
         transport.write_text(RunDir(record.run_dir).spec, dumps_run_spec(changed))
     transport.run(["rm", "-f", "--", f"{root}/{ATTEMPTS_FILE}"]).check("rm")
@@ -195,7 +195,7 @@ def check_step(step: int, complete: Sequence[int], root: str) -> None:
 
 def last_saved_step(record: JobRecord, transport: Transport) -> Optional[int]:
     """The newest checkpoint step the job's ranks reported saving (on scratch or shared storage), if any."""
-    from meshrun.launcher.contract.lost import saved_steps
+    from meshrun.launcher.contract.records.lost import saved_steps
 
     path = RunDir(record.run_dir).metrics
     try:

@@ -1,4 +1,4 @@
-"""The cluster's suspect nodes as submit sees them (launcher/contract/suspects.py keeps the ledger): read over
+"""The cluster's suspect nodes as submit sees them (launcher/contract/records/suspects.py keeps the ledger): read over
 the transport in one command (planning.plan.avoid_suspects leaves them out of a new job), cleared by
 `meshrun nodes --clear`."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Sequence
 
-from meshrun.launcher.contract import suspects
+from meshrun.launcher.contract.records import suspects
 from meshrun.submit.config.cluster import check_node_names
 from meshrun.submit.transport.base import Transport
 

@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Sequence
 
-from meshrun.launcher.contract.modelshape import layer_elements, layer_flops_per_token
-from meshrun.launcher.contract.rundir import write_json
-from meshrun.launcher.contract.spec import Model
+from meshrun.launcher.contract.records.rundir import write_json
+from meshrun.launcher.contract.spec.job import Model
+from meshrun.launcher.contract.spec.modelshape import layer_elements, layer_flops_per_token
 from meshrun.submit.folders import state_dir
 
 Kind = Literal["gpu", "cpu"]

@@ -21,10 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from meshrun.launcher.contract import dsconfig
-from meshrun.launcher.contract.modelshape import ModelPart, StageBytes, ffn_hidden, part_param_count
-from meshrun.launcher.contract.spec import JobSpec
-from meshrun.launcher.contract.spec import Model as ModelConfig
+from meshrun.launcher.contract.spec import dsconfig
+from meshrun.launcher.contract.spec.job import JobSpec
+from meshrun.launcher.contract.spec.job import Model as ModelConfig
+from meshrun.launcher.contract.spec.modelshape import ModelPart, StageBytes, ffn_hidden, part_param_count
 
 GIB = 1024**3
 CONTEXT_BYTES = GIB

@@ -16,9 +16,9 @@ import time
 from typing import Any, Sequence
 
 from meshrun.launcher.contract.exitcodes import EXIT_INPUT
-from meshrun.launcher.contract.modelshape import StageBytes
-from meshrun.launcher.contract.schema import to_plain
-from meshrun.launcher.contract.spec import JobSpec
+from meshrun.launcher.contract.spec.job import JobSpec
+from meshrun.launcher.contract.spec.modelshape import StageBytes
+from meshrun.launcher.contract.spec.schema import to_plain
 from meshrun.submit.errors import ClusterError, InputError, InternalError
 
 TIMEOUT_S = 600.0

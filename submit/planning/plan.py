@@ -13,11 +13,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from meshrun.launcher.contract import dsconfig, presets, schema, suspects, tokens
 from meshrun.launcher.contract.nodelist import compress
-from meshrun.launcher.contract.rundir import RunDir
-from meshrun.launcher.contract.schema import SchemaError
-from meshrun.launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, check_ranges
+from meshrun.launcher.contract.records import suspects
+from meshrun.launcher.contract.records.rundir import RunDir
+from meshrun.launcher.contract.spec import dsconfig, presets, schema, tokens
+from meshrun.launcher.contract.spec.job import JobSpec, Resources, RunInfo, RunSpec, check_ranges
+from meshrun.launcher.contract.spec.schema import SchemaError
 from meshrun.submit import __version__
 from meshrun.submit.config.cluster import ClusterProfile, Partition, check_node_names
 from meshrun.submit.config.yamlfile import YamlDoc
@@ -72,7 +73,7 @@ def _set_keys(overrides: Sequence[str]) -> set[str]:
 
 
 def expand_preset(data: dict[str, Any], overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """`train.model.preset` -> its shape keys (launcher/contract/presets.py). Keys given explicitly win: a preset in
+    """`train.model.preset` -> its shape keys (launcher/contract/spec/presets.py). Keys given explicitly win: a preset in
     the file yields to the file's (and --set's) model keys; a preset given by --set replaces the file's
     model keys and yields only to --set's, so `--set train.model.preset=llama-70b` sizes any spec."""
     train = data.get("train")
@@ -243,7 +244,9 @@ def check_files(plan: Plan) -> None:
     """The files the ranks will read (data, init weights) exist, where this machine sees their filesystem
     (the local cluster, a login node; not a laptop: over SSH the ranks check when they start). At submit
     time, beside check_fit: planning and rendering a job need no data."""
-    from meshrun.launcher.contract import weights  # here: only a submit reads init weights' headers (render never does)
+    from meshrun.launcher.contract.spec import (
+        weights,  # here: only a submit reads init weights' headers (render never does)
+    )
 
     home = os.path.expanduser("~")
     tokens.check_data_files(plan.spec, home)
@@ -278,7 +281,7 @@ def make_plan(
     ckpt_root = cluster.paths.checkpoint_root and expand_home(cluster.paths.checkpoint_root, home)
     ckpt_dir = f"{ckpt_root.rstrip('/')}/{Path(run_dir).name}" if ckpt_root else f"{run_dir}/checkpoints"
     # Node-local, and often shared by every user of the node: one private folder per user ($USER, like
-    # `~`, is expanded on the node itself: meshrun.launcher.contract.rundir.expand_node_path), one per run inside it.
+    # `~`, is expanded on the node itself: meshrun.launcher.contract.records.rundir.expand_node_path), one per run inside it.
     scratch = cluster.paths.scratch
     scratch_dir = f"{scratch.rstrip('/')}/meshrun-$USER/{Path(run_dir).name}" if scratch else ""
     info = RunInfo(

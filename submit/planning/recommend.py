@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
-from meshrun.launcher.contract import dsconfig
 from meshrun.launcher.contract.gpus import memory_bandwidth_gbs, memory_gb, peak_tflops
-from meshrun.launcher.contract.parallel_dims import ParallelDims
-from meshrun.launcher.contract.spec import JobSpec, Prediction
+from meshrun.launcher.contract.spec import dsconfig
+from meshrun.launcher.contract.spec.job import JobSpec, Prediction
+from meshrun.launcher.contract.spec.parallel_dims import ParallelDims
 from meshrun.submit.config.cluster import ClusterProfile, Partition
 from meshrun.submit.planning.calibration import Calibration, load_all
 from meshrun.submit.planning.estimate import Memory, fits, memory_per_gpu

@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from meshrun.launcher.contract import dsconfig
 from meshrun.launcher.contract.gpus import FP32_FRACTION
-from meshrun.launcher.contract.modelshape import ModelPart, flops_per_token, layer_elements
-from meshrun.launcher.contract.spec import JobSpec, Prediction
+from meshrun.launcher.contract.spec import dsconfig
+from meshrun.launcher.contract.spec.job import JobSpec, Prediction
+from meshrun.launcher.contract.spec.modelshape import ModelPart, flops_per_token, layer_elements
 from meshrun.submit.config.cluster import Cost
 from meshrun.submit.planning.estimate import cdiv, local_params, mixed
 

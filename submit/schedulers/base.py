@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence
 
-from meshrun.launcher.contract import secrets as ls
-from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.records.rundir import RunDir
+from meshrun.launcher.contract.spec import secrets as ls
 from meshrun.submit.core import secrets as job_secrets
 from meshrun.submit.transport.base import Upload
 
 if TYPE_CHECKING:
-    from meshrun.launcher.contract.spec import JobSpec
+    from meshrun.launcher.contract.spec.job import JobSpec
     from meshrun.submit.config.cluster import ClusterProfile
     from meshrun.submit.core.plan import Plan
     from meshrun.submit.core.registry import JobRecord
@@ -81,7 +81,7 @@ def run_dir_files(plan: Plan, script_name: str, script: str) -> dict[str, Upload
     may change the batch or the ZeRO stage). Names come from the run-dir contract."""
     import yaml  # here, not at the top: `status`, `cancel` and `logs` load this module and never write a spec
 
-    from meshrun.launcher.contract.spec import dumps_run_spec
+    from meshrun.launcher.contract.spec.job import dumps_run_spec
 
     files = {
         RunDir.JOB_YAML: Upload(yaml.safe_dump(plan.submitted, sort_keys=False, allow_unicode=True).encode()),
@@ -100,7 +100,7 @@ def run_dir_files(plan: Plan, script_name: str, script: str) -> dict[str, Upload
 
 def _deepspeed_config(prefix: str, job: JobSpec) -> dict[str, Upload]:
     """{prefix + deepspeed.json: the config} for a deepspeed job, for a person to inspect; else {}."""
-    from meshrun.launcher.contract import dsconfig
+    from meshrun.launcher.contract.spec import dsconfig
 
     if not dsconfig.uses_deepspeed(job):
         return {}

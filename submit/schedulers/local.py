@@ -25,8 +25,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 from meshrun.launcher.contract import procs
 from meshrun.launcher.contract.private import make_private_dir
-from meshrun.launcher.contract.rundir import JOB_ID_ENV, RunDir, local_state_path, merge_state, read_state
-from meshrun.launcher.contract.spec import JobSpec
+from meshrun.launcher.contract.records.rundir import JOB_ID_ENV, RunDir, local_state_path, merge_state, read_state
+from meshrun.launcher.contract.spec.job import JobSpec
 from meshrun.submit.config.cluster import ClusterProfile
 from meshrun.submit.core import findings
 from meshrun.submit.core import secrets as job_secrets
@@ -258,7 +258,7 @@ def _record_death(run_dir: str, job_id: str, state: dict[str, Any]) -> dict[str,
     """The end of a job whose supervisor died and whose processes have all ended, written into its state
     file when first seen: ELAPSED stops at its last sign of life, and a later resume writing into the
     run dir does not move it."""
-    from meshrun.launcher.contract import lost
+    from meshrun.launcher.contract.records import lost
 
     ended = last_activity(run_dir, float(state.get("started") or state.get("submitted") or 0))
     if state.get("cancel_requested"):

@@ -27,8 +27,8 @@ import sys
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from meshrun.launcher.contract.modelshape import checkpoint_space_needed
-from meshrun.launcher.contract.tokens import SAMPLE_BYTES, Sample, sample_problem
+from meshrun.launcher.contract.spec.modelshape import checkpoint_space_needed
+from meshrun.launcher.contract.spec.tokens import SAMPLE_BYTES, Sample, sample_problem
 from meshrun.submit import __version__
 from meshrun.submit.core.plan import Plan
 from meshrun.submit.schedulers.base import Request
@@ -50,7 +50,7 @@ TEST_ARRAY = TEST_ONLY.replace(
 # read it, `notmine KEY PATH` when another user owns it; a data file `tokens KEY BYTES NON_NUL NON_ASCII MAX_ID
 # RECORD PATH`: its size, the bytes of its first MiB that are not NUL (token ids have NULs; text has none) and those
 # that are not printable ASCII or whitespace (plain text has none), the largest id
-# there, and whether a record (PATH.json) is beside it (the same test as meshrun.launcher.contract.tokens, in sh: the
+# there, and whether a record (PATH.json) is beside it (the same test as meshrun.launcher.contract.spec.tokens, in sh: the
 # file is on the cluster only).
 FILES = r"""
 inspect=$1; shift
@@ -170,7 +170,7 @@ def commands(plan: Plan, request: Request, local: bool, inspect_data: bool = Tru
 
 
 def run(plan: Plan, request: Request, transport: Transport, local: bool, inspect_data: bool = True) -> Preflight:
-    """Every check in one round trip (meshrun.launcher.contract.modelshape sizes the checkpoints)."""
+    """Every check in one round trip (meshrun.launcher.contract.spec.modelshape sizes the checkpoints)."""
     planned = commands(plan, request, local, inspect_data)
     return judge(plan, planned, batch(transport, [argv for _, argv in planned], timeout=120))
 
@@ -231,7 +231,7 @@ def _slurm(result: Result, tasks: int = 0) -> tuple[Check, Optional[str]]:
 
 def _token_problem(fields: str, vocab: int) -> list[str]:
     """What a data file's `tokens` line says is wrong with it as token ids ([] when nothing), judged as
-    meshrun.launcher.contract.tokens judges a file this machine sees."""
+    meshrun.launcher.contract.spec.tokens judges a file this machine sees."""
     key, size, non_nul, non_ascii, top, record, path = (fields.split(" ", 6) + [""] * 7)[:7]
     try:
         nbytes, kept, odd, largest = int(size), int(non_nul), int(non_ascii), int(top)

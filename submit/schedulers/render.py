@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import jinja2
 
 from meshrun.launcher.contract import exitcodes
-from meshrun.launcher.contract.rundir import RunDir
-from meshrun.launcher.contract.spec import dumps_run_spec
+from meshrun.launcher.contract.records.rundir import RunDir
+from meshrun.launcher.contract.spec.job import dumps_run_spec
 from meshrun.submit import __version__
 from meshrun.submit.config.cluster import check_node_names
 from meshrun.submit.config.resources import template_source

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from meshrun.launcher.contract.rundir import RunDir
-from meshrun.launcher.contract.spec import JobSpec
+from meshrun.launcher.contract.records.rundir import RunDir
+from meshrun.launcher.contract.spec.job import JobSpec
 from meshrun.submit.config.cluster import ClusterProfile
 from meshrun.submit.core import secrets as job_secrets
 from meshrun.submit.core.plan import Plan

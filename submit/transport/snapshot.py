@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from meshrun.launcher.contract.private import write_private
-from meshrun.launcher.contract.spec import Code
+from meshrun.launcher.contract.spec.job import Code
 from meshrun.submit.errors import ClusterError, InputError
 from meshrun.submit.folders import own_cache
 from meshrun.submit.transport.base import Progress, Transport, Upload
@@ -334,7 +334,7 @@ MARKER_LINE = "meshrun-probe"
 
 # From the home folder: print the marker and $HOME; make the work dir, runs/ and code/ private (0700) if
 # they are new (not when "$5" asks to write nothing); the cluster's suspect-node ledger "$7", each line after
-# `suspect ` (launcher/contract/suspects.py: a submit leaves them out); then, for the snapshot "$2" (none when empty), walk
+# `suspect ` (launcher/contract/records/suspects.py: a submit leaves them out); then, for the snapshot "$2" (none when empty), walk
 # its copies: `code/$2`, `code/$2-1`, ... A copy that does not verify is reported (`changed NAME WHY`) and
 # left as it is: a job queued or running may use it. The last line is `WORD NAME`: the first copy that
 # verifies (present) or the first free name (absent); `unsafe` or `full` stop the walk.
@@ -452,7 +452,7 @@ class Probed:
     home: str
     found: Optional[Found]
     suspect_lines: tuple[str, ...] = ()
-    """The cluster's suspect-node ledger's newest lines (launcher/contract/suspects.py parses them)."""
+    """The cluster's suspect-node ledger's newest lines (launcher/contract/records/suspects.py parses them)."""
 
 
 def probe(

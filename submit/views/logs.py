@@ -6,7 +6,7 @@ If the connection drops, it reconnects and restarts every tail at its offset, so
 no byte is lost or repeated. When the job has ended (checked with backoff, one
 round trip each), what is left past each offset is read once more and it stops.
 With several ranks each line is prefixed `[rank N] ` and what is already written is printed in the order it was
-written (the sidecar's times, launcher/contract/logtimes.py); partial lines wait for their end.
+written (the sidecar's times, launcher/contract/records/logtimes.py); partial lines wait for their end.
 Following a log bigger than FOLLOW_TAIL_BYTES starts at its last line that begins within that many
 bytes of its end (as `tail -f` does): a 1 GB log shows its tail at once instead of streaming 1 GB;
 `meshrun logs JOB` without -f still prints all of it.
@@ -27,8 +27,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Iterator, Optional, Sequence, TextIO
 
-from meshrun.launcher.contract import logtimes
-from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.records import logtimes
+from meshrun.launcher.contract.records.rundir import RunDir
 from meshrun.submit import api
 from meshrun.submit.core.registry import JobRecord
 from meshrun.submit.errors import ClusterError, ConnectionLost, InputError
@@ -50,7 +50,7 @@ class Source:
     offset: int = 0
     partial: bytes = b""
     times: Optional[str] = None
-    """Where the sidecar records when this rank's log grew (launcher/contract/logtimes.py): several ranks are
+    """Where the sidecar records when this rank's log grew (launcher/contract/records/logtimes.py): several ranks are
     merged in time order with it; None for the batch log."""
 
 

@@ -251,7 +251,7 @@ def run_goodput_line(run: Mapping[str, Any], trainer: bool = True) -> str:
 
 def goodput_line(figures: Mapping[str, Any], trainer: bool = True, ended: bool = False) -> str:
     """'goodput: 81% effective (productive 9m45s of 12m03s allocated; setup 40.2s, lost 1m02s (37 steps), ...);
-    queued 3.1s, requeue 45.0s': launcher/contract/goodput.py's record, in one line. `trainer` False: a
+    queued 3.1s, requeue 45.0s': launcher/contract/records/goodput.py's record, in one line. `trainer` False: a
     `command:` job, whose program may report no step at all (then only the allocation is measured). `ended`:
     the scheduler says the job ended, whatever its record (one its end never reached, e.g. a killed job's)."""
     parts = figures.get("parts_s") or {}

@@ -109,7 +109,7 @@ def used_cell(used: Optional[dict[str, Any]]) -> str:
 
 
 def goodput_cell(figures: Optional[dict[str, Any]]) -> str:
-    """The job's effective training time so far (productive / allocated, launcher/contract/goodput.py)."""
+    """The job's effective training time so far (productive / allocated, launcher/contract/records/goodput.py)."""
     pct = _number((figures or {}).get("effective_pct"))
     return "-" if pct is None else f"{pct:.0f}%"
 

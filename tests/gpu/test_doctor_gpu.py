@@ -17,8 +17,8 @@ import pytest
 
 from meshrun.launcher import installed_version
 from meshrun.launcher.contract.gpus import PEAK_BF16_TFLOPS, peak_tflops
-from meshrun.launcher.contract.rundir import RunDir
-from meshrun.launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, write_run_spec
+from meshrun.launcher.contract.records.rundir import RunDir
+from meshrun.launcher.contract.spec.job import JobSpec, Resources, RunInfo, RunSpec, write_run_spec
 from meshrun.submit.config.cluster import Partition, load_profile
 from meshrun.submit.jobs.doctor import Options, judge, table
 

@@ -14,8 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshrun.launcher.contract import ckptdir
-from meshrun.launcher.contract.spec import Data, JobSpec, Model, Parallel, Resources, RunInfo, RunSpec, write_run_spec
+from meshrun.launcher.contract.records import ckptdir
+from meshrun.launcher.contract.spec.job import (
+    Data,
+    JobSpec,
+    Model,
+    Parallel,
+    Resources,
+    RunInfo,
+    RunSpec,
+    write_run_spec,
+)
 from meshrun.launcher.data.corpus import build_corpus
 from meshrun.launcher.rank.preempt import EXIT_REQUEUE
 from tests.helpers.cli import wait_for_step

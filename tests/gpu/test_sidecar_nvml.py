@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from meshrun.launcher.contract.rundir import RunDir
-from meshrun.launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, write_run_spec
+from meshrun.launcher.contract.records.rundir import RunDir
+from meshrun.launcher.contract.spec.job import JobSpec, Resources, RunInfo, RunSpec, write_run_spec
 from meshrun.launcher.sidecar import loop
 from meshrun.launcher.sidecar.nvml import Gpus, NvmlUnavailable, discover, load_nvml, resolve
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from meshrun.launcher.contract.spec import (
+from meshrun.launcher.contract.spec.job import (
     Checkpoint,
     Data,
     JobSpec,

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshrun.launcher.contract.spec import JobSpec, read_run_spec
+from meshrun.launcher.contract.spec.job import JobSpec, read_run_spec
 from meshrun.launcher.data.dataset import TokenDataset
 from meshrun.launcher.rank.env import rank_env
 from meshrun.launcher.train.runtime import init_distributed, pick_runtime

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.profiler import ProfilerActivity, profile
 
-from meshrun.launcher.contract.parallel_dims import ParallelDims
+from meshrun.launcher.contract.spec.parallel_dims import ParallelDims
 from meshrun.launcher.train.model import GPT, ModelConfig, ModelPart
 from meshrun.launcher.train.optim import global_grad_norm
 from meshrun.launcher.train.parallel import apply_data_parallel, apply_tensor_parallel, build_mesh

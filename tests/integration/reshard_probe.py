@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from meshrun.launcher.checkpoint.commit import Checkpointer
 from meshrun.launcher.checkpoint.manager import CheckpointManager
-from meshrun.launcher.contract.spec import read_run_spec
+from meshrun.launcher.contract.spec.job import read_run_spec
 from meshrun.launcher.data.dataset import TokenDataset
 from meshrun.launcher.rank.env import rank_env
 from meshrun.launcher.train.runtime import init_distributed, pick_runtime

@@ -18,8 +18,8 @@ from typing import Any, Callable, Optional
 import pytest
 import yaml
 
-from meshrun.launcher.contract import alerts
-from meshrun.launcher.contract.alerts import Alert
+from meshrun.launcher.contract.records import alerts
+from meshrun.launcher.contract.records.alerts import Alert
 from tests.helpers.cli import REPO, env_for, meshrun, submitted
 
 IDLE = 'touch "$MESHRUN_RUN_DIR/up"; while [ ! -e "$MESHRUN_RUN_DIR/stop" ]; do sleep 0.2; done'

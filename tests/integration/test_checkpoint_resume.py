@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from meshrun.launcher.contract import ckptdir
-from meshrun.launcher.contract.spec import Checkpoint, Parallel
+from meshrun.launcher.contract.records import ckptdir
+from meshrun.launcher.contract.spec.job import Checkpoint, Parallel
 from meshrun.launcher.export.consolidate import consolidated_state
 from meshrun.launcher.rank.preempt import EXIT_REQUEUE
 from tests.helpers.cli import trials

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.launcher.contract import ckptdir
+from meshrun.launcher.contract.records import ckptdir
 from meshrun.launcher.sidecar import copier
 from tests.helpers.cli import trials
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.records.rundir import RunDir
 from tests.helpers.cli import meshrun, submitted
 
 SPEC = "examples/deepspeed-command.yaml"

@@ -23,8 +23,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from meshrun.launcher.contract import ckptdir
-from meshrun.launcher.contract.spec import Model, read_run_spec
+from meshrun.launcher.contract.records import ckptdir
+from meshrun.launcher.contract.spec.job import Model, read_run_spec
 from meshrun.launcher.data.dataset import Layout, TokenDataset, val_steps
 from meshrun.launcher.train.model import GPT, loss_fn
 from tests.helpers.cli import TINY, TWO_NODES, meshrun, metrics, status, submitted, wait_for_state

@@ -9,9 +9,9 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from meshrun.launcher.contract import alerts, ckptdir
 from meshrun.launcher.contract.exitcodes import EXIT_DIVERGED
-from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.records import alerts, ckptdir
+from meshrun.launcher.contract.records.rundir import RunDir
 from meshrun.launcher.export.consolidate import consolidated_state
 from tests.helpers.cli import TINY, meshrun, metrics, submitted, wait_for_state
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from meshrun.launcher.contract.rundir import RunDir, node_name
+from meshrun.launcher.contract.records.rundir import RunDir, node_name
 from tests.helpers.cli import TINY, meshrun, status, submitted
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from meshrun.launcher.contract import dsconfig
-from meshrun.launcher.contract.spec import loads_run_spec
+from meshrun.launcher.contract.spec import dsconfig
+from meshrun.launcher.contract.spec.job import loads_run_spec
 from tests.helpers.cli import TINY, meshrun, status, submitted
 
 

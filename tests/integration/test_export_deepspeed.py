@@ -19,8 +19,9 @@ from typing import Any
 import pytest
 import torch
 
-from meshrun.launcher.contract import ckptdir, schema
-from meshrun.launcher.contract.spec import Checkpoint, Data, JobSpec, Model, Parallel, Resources, Train
+from meshrun.launcher.contract.records import ckptdir
+from meshrun.launcher.contract.spec import schema
+from meshrun.launcher.contract.spec.job import Checkpoint, Data, JobSpec, Model, Parallel, Resources, Train
 from tests.helpers.ranks import REPO, free_port, rank_environ
 
 pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed (bash scripts/setup.sh installs it)")

@@ -18,9 +18,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from meshrun.launcher.contract import ckptdir, schema, weights
-from meshrun.launcher.contract.schema import SchemaError
-from meshrun.launcher.contract.spec import Checkpoint, Data, JobSpec, Model, Parallel, Train
+from meshrun.launcher.contract.records import ckptdir
+from meshrun.launcher.contract.spec import schema, weights
+from meshrun.launcher.contract.spec.job import Checkpoint, Data, JobSpec, Model, Parallel, Train
+from meshrun.launcher.contract.spec.schema import SchemaError
 from meshrun.launcher.export import run as export
 from meshrun.launcher.train.model import GPT
 from tests.helpers.ranks import finish, make_run, metrics, start, tiny_train

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from meshrun.launcher.contract.spec import Data, Train
+from meshrun.launcher.contract.spec.job import Data, Train
 from meshrun.launcher.data.dataset import Layout, TrainStream, open_dataset
 from meshrun.launcher.train.model import GPT, loss_fn
 from meshrun.launcher.train.optim import lr_at

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from meshrun.launcher.contract.exitcodes import EXIT_NO_PROGRESS
-from meshrun.launcher.contract.rundir import RunDir, node_name
-from meshrun.launcher.contract.spec import read_run_spec
+from meshrun.launcher.contract.records.rundir import RunDir, node_name
+from meshrun.launcher.contract.spec.job import read_run_spec
 from tests.helpers.cli import (
     FAST_WATCH,
     SLOW_RANK_1,

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from meshrun.launcher.contract.exitcodes import EXIT_UNHEALTHY
-from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.records.rundir import RunDir
 from tests.helpers.cli import SMALL_MODEL, TWO_NODES, meshrun, metrics, slurm_job_fields, submitted, wait_for_state
 
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.launcher.contract.modelshape import StageBytes as PlannedBytes
-from meshrun.launcher.contract.schema import SchemaError, to_plain
-from meshrun.launcher.contract.spec import JobSpec, Model, Parallel, Resources, Train
+from meshrun.launcher.contract.spec.job import JobSpec, Model, Parallel, Resources, Train
+from meshrun.launcher.contract.spec.modelshape import StageBytes as PlannedBytes
+from meshrun.launcher.contract.spec.schema import SchemaError, to_plain
 from meshrun.launcher.probes import meshcount
 from meshrun.launcher.probes.meshcount import Held, StageBytes
 from meshrun.submit.errors import InputError

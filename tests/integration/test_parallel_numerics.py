@@ -36,8 +36,8 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from meshrun.launcher.contract import ckptdir
-from meshrun.launcher.contract.spec import Checkpoint, Model, Parallel, Train
+from meshrun.launcher.contract.records import ckptdir
+from meshrun.launcher.contract.spec.job import Checkpoint, Model, Parallel, Train
 from meshrun.launcher.export import run as export
 from meshrun.launcher.train.model import GPT
 from tests.helpers.ranks import finish, make_run, metrics, start, start_script, tiny_train

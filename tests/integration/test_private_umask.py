@@ -19,7 +19,7 @@ from typing import Callable, Iterator, Sequence
 
 import pytest
 
-from meshrun.launcher.contract.rundir import RunDir, node_name
+from meshrun.launcher.contract.records.rundir import RunDir, node_name
 from meshrun.submit.executor import executor
 from tests.helpers import sshbed
 from tests.helpers.cli import TINY, meshrun, submitted

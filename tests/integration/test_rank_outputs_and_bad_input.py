@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshrun.launcher.contract import ckptdir
-from meshrun.launcher.contract.rundir import ATTEMPTS_FILE, RunDir
-from meshrun.launcher.contract.spec import Checkpoint
+from meshrun.launcher.contract.records import ckptdir
+from meshrun.launcher.contract.records.rundir import ATTEMPTS_FILE, RunDir
+from meshrun.launcher.contract.spec.job import Checkpoint
 from tests.helpers.ranks import REPO, TIMEOUT_S, finish, make_run, metrics, start, tiny_train
 from tests.integration.test_train_processes import own_environ  # noqa: F401  (a fixture)
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import yaml
 
-from meshrun.launcher.contract import ckptdir
+from meshrun.launcher.contract.records import ckptdir
 from meshrun.launcher.export.consolidate import consolidated_state
 from meshrun.submit.schedulers import slurm_cli as slurm
 from tests.helpers.cli import meshrun, submitted, wait_for_state, wait_for_step

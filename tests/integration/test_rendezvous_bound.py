@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from meshrun.launcher.contract.exitcodes import EXIT_NO_PROGRESS
-from meshrun.launcher.contract.rundir import RunDir
-from meshrun.launcher.contract.spec import (
+from meshrun.launcher.contract.records.rundir import RunDir
+from meshrun.launcher.contract.spec.job import (
     Data,
     JobSpec,
     Parallel,

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from meshrun.launcher.contract.secrets import secrets_dir_for
+from meshrun.launcher.contract.spec.secrets import secrets_dir_for
 from meshrun.submit.config.cluster import load_profile
 from tests.helpers import sshbed
 from tests.helpers.cli import meshrun, submitted

@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from meshrun.launcher.contract import alerts
 from meshrun.launcher.contract.exitcodes import EXIT_NO_PROGRESS
-from meshrun.launcher.contract.rundir import RunDir, node_name
+from meshrun.launcher.contract.records import alerts
+from meshrun.launcher.contract.records.rundir import RunDir, node_name
 from tests.helpers.cli import (
     FAST_WATCH,
     SLOW_RANK_1,

@@ -13,8 +13,8 @@ from typing import Callable
 
 import psutil
 
-from meshrun.launcher.contract import ckptdir, lost
-from meshrun.launcher.contract.rundir import RunDir, node_name
+from meshrun.launcher.contract.records import ckptdir, lost
+from meshrun.launcher.contract.records.rundir import RunDir, node_name
 from tests.helpers.cli import TINY, TWO_NODES, meshrun, metrics, status, submitted, trials, wait_for_state
 
 SHORT = ["--set", "sidecar.interval_s=0.3", "--set", "resources.tasks_per_node=1"]

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 
 from meshrun.launcher.contract.exitcodes import EXIT_NO_PROGRESS
-from meshrun.launcher.contract.rundir import RunDir, read_state
+from meshrun.launcher.contract.records.rundir import RunDir, read_state
 from meshrun.launcher.rank.hostlist import expand_hostlist
 from tests.helpers.cli import (
     FAST_WATCH,

@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from meshrun.launcher.contract.spec import Code
+from meshrun.launcher.contract.spec.job import Code
 from meshrun.submit import errors
 from meshrun.submit.config.cluster import Ssh
 from meshrun.submit.transport import snapshot, trust

@@ -7,7 +7,7 @@ import re
 import time
 from pathlib import Path
 
-from meshrun.launcher.contract.rundir import node_name
+from meshrun.launcher.contract.records.rundir import node_name
 from tests.helpers.cli import TINY, meshrun, metrics, status, submitted
 
 

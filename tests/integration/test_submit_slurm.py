@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.launcher.contract.parallel_dims import ParallelDims
+from meshrun.launcher.contract.spec.parallel_dims import ParallelDims
 from meshrun.submit.config.cluster import load_profile
 from meshrun.submit.errors import InputError
 from meshrun.submit.planning.plan import plan_file

@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from meshrun.launcher.contract.rundir import RunDir, node_name
+from meshrun.launcher.contract.records.rundir import RunDir, node_name
 from meshrun.submit.core.registry import JobRecord, Registry
 from tests.helpers import sshbed, tbhelp
 from tests.helpers.cli import TINY as CLI_TINY

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.records.rundir import RunDir
 from tests.helpers.cli import meshrun, status, submitted
 from tests.testbed.testbed import profile_file
 

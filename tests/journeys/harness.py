@@ -47,8 +47,8 @@ from typing import Any, Callable, Mapping, Optional
 
 import psutil
 
-from meshrun.launcher.contract import ckptdir
-from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.records import ckptdir
+from meshrun.launcher.contract.records.rundir import RunDir
 from meshrun.submit.views import tbserve
 from tests.helpers import sshbed, tbhelp
 from tests.helpers.cli import FINAL_STATES, REPO, SMALL_MODEL, TINY, TWO_NODES, env_for, meshrun, poll_pauses, submitted

@@ -39,7 +39,7 @@ def test_progress_line_shows_a_null_loss_as_nan() -> None:
 
 
 def _alert(rule: str, step: int, when: float = 0.0, **kw: Any) -> dict[str, Any]:
-    from meshrun.launcher.contract.alerts import Alert
+    from meshrun.launcher.contract.records.alerts import Alert
 
     return Alert(
         rule, 9.0, 3.0, f"{rule} at {step}", step=step, rank=0, node="n1", time=when or time.time(), **kw
@@ -47,8 +47,8 @@ def _alert(rule: str, step: int, when: float = 0.0, **kw: Any) -> dict[str, Any]
 
 
 def test_the_remote_command_brings_each_jobs_newest_alerts_and_gpu_lines_capped(tmp_path: Path) -> None:
-    from meshrun.launcher.contract import alerts
-    from meshrun.launcher.contract.alerts import Alert
+    from meshrun.launcher.contract.records import alerts
+    from meshrun.launcher.contract.records.alerts import Alert
     from meshrun.submit.core import findings
     from meshrun.submit.transport.base import LocalTransport
 

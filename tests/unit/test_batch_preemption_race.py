@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.launcher.contract.secrets import secrets_dir_for
+from meshrun.launcher.contract.spec.secrets import secrets_dir_for
 from meshrun.submit.config.cluster import load_profile
 from meshrun.submit.core.status import parse_metrics_tail
 from meshrun.submit.planning.plan import plan_file

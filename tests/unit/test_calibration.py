@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import pytest
 
-from meshrun.launcher.contract.modelshape import layer_elements
+from meshrun.launcher.contract.spec.modelshape import layer_elements
 from meshrun.submit.cli.plan import build, render
 from meshrun.submit.config.cluster import SHIPPED_DIR, load_profile
 from meshrun.submit.planning import calibration, steptime
@@ -225,8 +225,8 @@ def test_a_bad_price_is_refused_naming_the_key(tmp_path: Path, cost: dict[str, A
 
 def _block_s(shape: tuple[int, int, int, int], gemm_tflops: float, overhead_s: float, element_s: float) -> float:
     """What the planner's CPU block model says one block of `shape` costs a micro-batch."""
-    from meshrun.launcher.contract.modelshape import layer_elements, layer_flops_per_token
-    from meshrun.launcher.contract.spec import Model
+    from meshrun.launcher.contract.spec.job import Model
+    from meshrun.launcher.contract.spec.modelshape import layer_elements, layer_flops_per_token
 
     d_model, n_heads, seq_len, micro = shape
     cfg = Model(n_layers=1, d_model=d_model, n_heads=n_heads, vocab_size=256, seq_len=seq_len)

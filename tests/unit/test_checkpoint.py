@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from meshrun.launcher.checkpoint import commit as ckpt
-from meshrun.launcher.contract import ckptdir
+from meshrun.launcher.contract.records import ckptdir
 from meshrun.launcher.rank.preempt import StopFlag
 from meshrun.launcher.train.divergence import Sentinel
 from meshrun.launcher.train.divergence import agree as agree_and_check

@@ -38,7 +38,7 @@ def test_help_and_render_work_without_torch(tmp_path: Path) -> None:
 def test_submit_side_modules_never_import_torch() -> None:
     code = (
         "import sys; import meshrun.submit.cli.main, meshrun.submit.api, meshrun.submit.schedulers.render, meshrun.submit.planning.plan, meshrun.submit.schedulers.local, meshrun.submit.schedulers.slurm, "
-        "meshrun.submit.core.registry, meshrun.submit.schedulers.slurm_cli, meshrun.submit.transport.base, meshrun.launcher.contract.spec, meshrun.launcher.rank.entry; "
+        "meshrun.submit.core.registry, meshrun.submit.schedulers.slurm_cli, meshrun.submit.transport.base, meshrun.launcher.contract.spec.job, meshrun.launcher.rank.entry; "
         "bad = [m for m in ('torch', 'numpy', 'paramiko') if m in sys.modules]; "
         "assert not bad, bad"
     )

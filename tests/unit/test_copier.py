@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from meshrun.launcher.checkpoint import commit as ckpt
-from meshrun.launcher.contract import ckptdir
+from meshrun.launcher.contract.records import ckptdir
 from meshrun.launcher.sidecar import copier
 
 ATTEMPT = "1234.0"

@@ -14,9 +14,9 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models
 
-from meshrun.launcher.contract import tokens
-from meshrun.launcher.contract.schema import SchemaError
-from meshrun.launcher.contract.spec import BlendSource, Data, JobSpec, Model, Train
+from meshrun.launcher.contract.spec import tokens
+from meshrun.launcher.contract.spec.job import BlendSource, Data, JobSpec, Model, Train
+from meshrun.launcher.contract.spec.schema import SchemaError
 from meshrun.launcher.data import corpus
 from meshrun.launcher.data.dataset import (
     BLEND_PERIOD,
@@ -418,7 +418,7 @@ def test_the_default_corpus_keeps_its_cap_in_whole_documents(tmp_path: Path) -> 
 
 def test_data_help_names_the_path_a_spec_reads_by_default(capsys: pytest.CaptureFixture[str]) -> None:
     """`--out`'s help states its default; the one definition is the spec's (checked here, not copied)."""
-    from meshrun.launcher.contract.spec import DEFAULT_DATA_PATH
+    from meshrun.launcher.contract.spec.job import DEFAULT_DATA_PATH
     from meshrun.submit.cli import main as cli
 
     with pytest.raises(SystemExit):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.launcher.contract.spec import JobSpec
+from meshrun.launcher.contract.spec.job import JobSpec
 from meshrun.submit.config.cluster import load_profile
 from meshrun.submit.errors import InputError
 from meshrun.submit.planning import sweep
@@ -131,7 +131,7 @@ def test_slug_is_file_name_safe_and_bounded() -> None:
 def test_an_error_shows_a_long_path_whole_and_a_pasted_blob_shortened() -> None:
     """A 2-worker run found error lines cutting paths at 80 characters ('/tmp/.../miss...'): a user with a
     deep project folder saw no file name."""
-    from meshrun.launcher.contract.schema import SchemaError
+    from meshrun.launcher.contract.spec.schema import SchemaError
 
     path = "/home/someone/projects/" + "deep/" * 30 + "tokens.u16"
     assert f"'{path}'" in str(SchemaError("data.path", path, "no token file there"))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.records.rundir import RunDir
 from meshrun.launcher.train import divergence
 
 

@@ -37,7 +37,7 @@ def test_the_generated_reference_is_what_the_code_says(page: str) -> None:
 
 
 def test_the_job_spec_reference_names_every_key_with_its_default() -> None:
-    from meshrun.launcher.contract.spec import Resources
+    from meshrun.launcher.contract.spec.job import Resources
 
     page = (ROOT / "docs" / "reference" / "job-spec.md").read_text()
     assert '| `resources.time` | string | `"01:00:00"` |' in page
@@ -63,7 +63,7 @@ def named_in_map() -> tuple[set[str], set[str]]:
 
     A folder's entry opens it; a line indented deeper than an entry belongs to it (the description's
     continuation lines and its children's entries alike), so `jobs.py` under `cli/` is submit/cli/jobs.py.
-    A name with a slash (`contract/ckptdir.py`) is looked up from the entry outwards.
+    A name with a slash (`contract/records/ckptdir.py`) is looked up from the entry outwards.
     """
     folders: set[str] = set()
     files: set[str] = set()
@@ -128,7 +128,7 @@ def test_the_map_reader_sees_nesting_and_continuation_lines() -> None:
     folders, files = named_in_map()
     assert {"submit/cli", "submit/schedulers", "launcher/train/engines"} <= folders
     assert {"submit/cli/jobs.py", "submit/schedulers/slurm_cli.py", "launcher/train/engines/native.py"} <= files
-    assert "launcher/contract/ckptdir.py" in files  # named as contract/ckptdir.py under checkpoint/
+    assert "launcher/contract/records/ckptdir.py" in files  # named as contract/records/ckptdir.py under checkpoint/
 
 
 def _fence_after(page: Path, marker: str) -> str:

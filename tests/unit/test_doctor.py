@@ -9,8 +9,8 @@ from typing import Any, Optional
 
 import pytest
 
-from meshrun.launcher.contract import schema
-from meshrun.launcher.contract.spec import JobSpec
+from meshrun.launcher.contract.spec import schema
+from meshrun.launcher.contract.spec.job import JobSpec
 from meshrun.submit.cli.main import main
 from meshrun.submit.config.cluster import load_profile
 from meshrun.submit.errors import InputError
@@ -246,7 +246,7 @@ def test_busbw_is_nccl_tests_formula_and_slow_storage_is_slower_by_its_factor(
 
 
 def test_results_are_read_per_rank_and_a_missing_or_torn_file_is_none(tmp_path: Any) -> None:
-    from meshrun.launcher.contract.rundir import RunDir
+    from meshrun.launcher.contract.records.rundir import RunDir
     from meshrun.submit.cli.doctor import read_results
     from meshrun.submit.transport.base import LocalTransport
 

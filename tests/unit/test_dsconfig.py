@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from meshrun.launcher.contract import dsconfig, dskeys
-from meshrun.launcher.contract.rundir import RunDir
-from meshrun.launcher.contract.schema import SchemaError, load
-from meshrun.launcher.contract.spec import JobSpec
+from meshrun.launcher.contract.records.rundir import RunDir
+from meshrun.launcher.contract.spec import dsconfig, dskeys
+from meshrun.launcher.contract.spec.job import JobSpec
+from meshrun.launcher.contract.spec.schema import SchemaError, load
 from meshrun.submit.config.cluster import load_profile
 from meshrun.submit.core import findings
 from meshrun.submit.planning.plan import describe

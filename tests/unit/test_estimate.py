@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from meshrun.launcher.contract.modelshape import flops_per_token, param_count
-from meshrun.launcher.contract.spec import JobSpec, Model, Parallel, Resources, Train
+from meshrun.launcher.contract.spec.job import JobSpec, Model, Parallel, Resources, Train
+from meshrun.launcher.contract.spec.modelshape import flops_per_token, param_count
 from meshrun.submit.planning import estimate, steptime
 from meshrun.submit.planning.estimate import megatron_layer_activations, memory_per_gpu, model_state_bytes
 from meshrun.submit.planning.steptime import Hardware, step_time

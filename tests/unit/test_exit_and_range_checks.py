@@ -214,7 +214,7 @@ def test_export_of_a_step_that_is_not_complete_names_those_that_are() -> None:
 @pytest.mark.parametrize("steps, refused", [("100", True), ("60", True), ("101", False)])
 def test_a_completed_job_resumes_only_to_train_further(steps: str, refused: bool) -> None:
     """README: resume of a COMPLETED job refuses train.steps not larger than done (it trained nothing)."""
-    from meshrun.launcher.contract.spec import JobSpec, RunInfo, RunSpec, Train
+    from meshrun.launcher.contract.spec.job import JobSpec, RunInfo, RunSpec, Train
     from meshrun.submit.errors import InputError
     from meshrun.submit.jobs.checkpoints import check_trains_further, with_overrides
 
@@ -233,8 +233,8 @@ def test_a_stopped_job_whose_newest_checkpoint_is_its_last_step_is_not_resumed(
 ) -> None:
     """Found by a journey: orphaned ranks trained to the end and saved, the job was cancelled, and its resume
     ended COMPLETED having trained nothing."""
-    from meshrun.launcher.contract import ckptdir
-    from meshrun.launcher.contract.spec import JobSpec, RunInfo, RunSpec, Train
+    from meshrun.launcher.contract.records import ckptdir
+    from meshrun.launcher.contract.spec.job import JobSpec, RunInfo, RunSpec, Train
     from meshrun.submit.errors import InputError
     from meshrun.submit.jobs.checkpoints import check_steps_left
     from meshrun.submit.transport.base import LocalTransport
@@ -346,8 +346,8 @@ UNBOUNDED = {
 def test_every_number_of_a_spec_has_its_range_declared_once_beside_it_and_its_default_within() -> None:
     """A bound is declared once, next to its field (`schema.bounded`), and the schema checks it as the spec is
     read, with the one-line error the planner gave before: no second list of ranges ~400 lines away."""
-    from meshrun.launcher.contract.schema import BOUND
-    from meshrun.launcher.contract.spec import JobSpec
+    from meshrun.launcher.contract.spec.job import JobSpec
+    from meshrun.launcher.contract.spec.schema import BOUND
 
     fields = _numeric_fields(JobSpec)
     unbounded = {key for key, f in fields if BOUND not in f.metadata}

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from meshrun.launcher.contract.envcheck import newest_run
+from meshrun.launcher.contract.records.envcheck import newest_run
 from meshrun.submit.core import findings
 from meshrun.submit.core.registry import JobRecord
 from meshrun.submit.schedulers.local import BACKEND as LOCAL
@@ -287,7 +287,7 @@ def test_ckpt_is_the_newest_checkpoint_on_shared_storage_however_far_back_its_me
 ) -> None:
     """CKPT showed '-' once more step lines than the metrics tail holds followed the last
     checkpoint event (a long interval, a requeue's new steps), and for command jobs saving through meshrun.launcher.job."""
-    from meshrun.launcher.contract.rundir import note_checkpoint
+    from meshrun.launcher.contract.records.rundir import note_checkpoint
 
     run_dir = tmp_path / "run"
     note_checkpoint(str(run_dir), 40, {"MESHRUN_JOB_ID": "local-a"})
@@ -316,8 +316,8 @@ def test_an_ended_job_keeps_its_step_and_checkpoint_after_a_resume_fills_the_met
     run. Its status read the metrics tail, which the resume's lines fill, and RunDir.last_checkpoint, which the
     resume's copies rewrite; a copier's backlog committing an older step last made the newest line say 30.
     What an ended job shows comes from its own record, written at its end, and never goes back."""
-    from meshrun.launcher.contract import goodput
-    from meshrun.launcher.contract.rundir import local_state_path, merge_state, note_checkpoint
+    from meshrun.launcher.contract.records import goodput
+    from meshrun.launcher.contract.records.rundir import local_state_path, merge_state, note_checkpoint
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -29,7 +29,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshrun.launcher.contract.spec import JobSpec
+from meshrun.launcher.contract.spec.job import JobSpec
 from meshrun.launcher.rank.env import expand_hostlist
 from meshrun.submit.cli.main import main
 from meshrun.submit.config.cluster import ClusterProfile

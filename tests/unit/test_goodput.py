@@ -1,4 +1,4 @@
-"""Goodput accounting (launcher/contract/goodput.py) on recorded lines: the parts of every allocation add up
+"""Goodput accounting (launcher/contract/records/goodput.py) on recorded lines: the parts of every allocation add up
 to it, lost work is exactly the steps a later start computed again, and the records stay private."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshrun.launcher.batch import attempt as attempt_cli
-from meshrun.launcher.contract import goodput
-from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.records import goodput
+from meshrun.launcher.contract.records.rundir import RunDir
 
 SUBMITTED, START0 = 1000.0, 1010.0
 

@@ -16,12 +16,11 @@ import pytest
 
 from meshrun.launcher.batch import gate
 from meshrun.launcher.batch.requeue import decide
-from meshrun.launcher.contract import modelshape, suspects
 from meshrun.launcher.contract.exitcodes import EXIT_NO_PROGRESS, EXIT_UNHEALTHY
-from meshrun.launcher.contract.modelshape import param_count
-from meshrun.launcher.contract.presets import PRESETS
-from meshrun.launcher.contract.rundir import RunDir, attempt_id
-from meshrun.launcher.contract.spec import (
+from meshrun.launcher.contract.records import suspects
+from meshrun.launcher.contract.records.rundir import RunDir, attempt_id
+from meshrun.launcher.contract.spec import modelshape
+from meshrun.launcher.contract.spec.job import (
     JobSpec,
     Model,
     Resilience,
@@ -32,6 +31,8 @@ from meshrun.launcher.contract.spec import (
     read_run_spec,
     write_run_spec,
 )
+from meshrun.launcher.contract.spec.modelshape import param_count
+from meshrun.launcher.contract.spec.presets import PRESETS
 from meshrun.launcher.probes import health
 from tests.unit import fake_nvml
 from tests.unit.fake_nvml import FakeGpu

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from meshrun.launcher.batch.requeue import crash_loop, decide, main
-from meshrun.launcher.contract import ckptdir
 from meshrun.launcher.contract.exitcodes import EXIT_DIVERGED, EXIT_GAVE_UP, EXIT_INPUT, EXIT_NO_PROGRESS, EXIT_REQUEUE
-from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.records import ckptdir
+from meshrun.launcher.contract.records.rundir import RunDir
 from meshrun.launcher.report import ProgressMark, reported_step
 
 REPO = Path(__file__).resolve().parents[2]
@@ -275,7 +275,7 @@ def test_an_exit_0_after_a_stop_is_a_stop_unless_the_program_said_it_finished(
     """Lightning leaves its loop on the preemption's SIGTERM and exits 0; the job ended COMPLETED
     with 2 of 2,000 epochs done. Now it is requeued as a stop, and status says where it stopped."""
     from meshrun.launcher import job
-    from meshrun.launcher.contract import finish
+    from meshrun.launcher.contract.records import finish
     from meshrun.submit.core.status import parse_metrics_tail
 
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
@@ -353,8 +353,8 @@ def test_the_declared_last_step_and_the_built_in_trainer_make_an_exit_0_a_finish
 
 
 def test_command_steps_belongs_to_command_jobs() -> None:
-    from meshrun.launcher.contract.schema import SchemaError, load
-    from meshrun.launcher.contract.spec import JobSpec
+    from meshrun.launcher.contract.spec.job import JobSpec
+    from meshrun.launcher.contract.spec.schema import SchemaError, load
 
     with pytest.raises(SchemaError, match="command_steps.*train.steps"):
         JobSpec(name="x", command_steps=5)

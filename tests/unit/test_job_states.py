@@ -186,8 +186,8 @@ def test_each_job_in_a_run_dir_reads_its_own_progress_checkpoint_and_alerts() ->
 
 
 def test_records_name_the_job_that_wrote_them() -> None:
-    from meshrun.launcher.contract import alerts
-    from meshrun.launcher.contract.rundir import job_field, job_of
+    from meshrun.launcher.contract.records import alerts
+    from meshrun.launcher.contract.records.rundir import job_field, job_of
 
     assert job_of({"SLURM_JOB_ID": "125", "SLURM_ARRAY_JOB_ID": "123", "SLURM_ARRAY_TASK_ID": "4"}) == "123_4"
     assert job_of({"SLURM_JOB_ID": "125"}) == "125" and job_of({"MESHRUN_JOB_ID": "local-ab"}) == "local-ab"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.launcher.contract.rundir import local_state_path, merge_state
+from meshrun.launcher.contract.records.rundir import local_state_path, merge_state
 from meshrun.submit.api import Status, poll_interval
 from meshrun.submit.core.registry import JobRecord, Registry
 from meshrun.submit.errors import ClusterError

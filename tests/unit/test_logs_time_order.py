@@ -6,8 +6,8 @@ import io
 import os
 from pathlib import Path
 
-from meshrun.launcher.contract import logtimes
-from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.records import logtimes
+from meshrun.launcher.contract.records.rundir import RunDir
 from meshrun.submit.transport.base import LocalTransport
 from meshrun.submit.views.logs import Printer, Source, print_in_time_order, print_once
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from meshrun.launcher.contract import ckptdir
-from meshrun.launcher.contract.schema import SchemaError
-from meshrun.launcher.contract.spec import Alerts
+from meshrun.launcher.contract.records import ckptdir
+from meshrun.launcher.contract.spec.job import Alerts
+from meshrun.launcher.contract.spec.schema import SchemaError
 from meshrun.launcher.testing.faults import faults_for
 from meshrun.launcher.train.lossrules import LossRules
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshrun.launcher.contract.modelshape import ffn_hidden, flops_per_token, param_count, part_param_count
-from meshrun.launcher.contract.parallel_dims import ParallelDims
-from meshrun.launcher.contract.spec import Model
+from meshrun.launcher.contract.spec.job import Model
+from meshrun.launcher.contract.spec.modelshape import ffn_hidden, flops_per_token, param_count, part_param_count
+from meshrun.launcher.contract.spec.parallel_dims import ParallelDims
 from meshrun.launcher.data.corpus import build_corpus
 from meshrun.launcher.data.dataset import Layout, Prefetcher, TokenDataset, TrainStream, val_steps
 from meshrun.launcher.data.textsources import Inputs, iter_files

@@ -1,5 +1,5 @@
 """The model options (grouped-query attention, a tied head, the RoPE base) in one process: the
-model computes what they mean, and the planner's shapes (launcher/contract/modelshape.py, the presets) are the built
+model computes what they mean, and the planner's shapes (launcher/contract/spec/modelshape.py, the presets) are the built
 model's."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import torch
 
-from meshrun.launcher.contract.modelshape import flops_per_token, param_count, part_param_count
-from meshrun.launcher.contract.presets import PRESETS
-from meshrun.launcher.contract.schema import SchemaError, load
-from meshrun.launcher.contract.spec import Model
+from meshrun.launcher.contract.spec.job import Model
+from meshrun.launcher.contract.spec.modelshape import flops_per_token, param_count, part_param_count
+from meshrun.launcher.contract.spec.presets import PRESETS
+from meshrun.launcher.contract.spec.schema import SchemaError, load
 from meshrun.launcher.train.model import GPT, ModelPart, rope_tables
 
 GQA = Model(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, vocab_size=256, seq_len=32)

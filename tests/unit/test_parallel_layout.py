@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshrun.launcher.contract.parallel_dims import MESH_DIMS, Coordinates, ParallelDims
-from meshrun.launcher.contract.schema import SchemaError
-from meshrun.launcher.contract.spec import JobSpec, Resources, Train
+from meshrun.launcher.contract.spec.job import JobSpec, Resources, Train
+from meshrun.launcher.contract.spec.parallel_dims import MESH_DIMS, Coordinates, ParallelDims
+from meshrun.launcher.contract.spec.schema import SchemaError
 from meshrun.launcher.rank.env import RankEnv
 from meshrun.launcher.train.metrics import MetricsLog, perplexity
 from meshrun.launcher.train.optim import LossScaler, clip_factor, global_grad_norm, lr_at

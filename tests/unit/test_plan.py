@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.launcher.contract.parallel_dims import ParallelDims
+from meshrun.launcher.contract.spec.parallel_dims import ParallelDims
 from meshrun.submit.config.cluster import load_profile
 from meshrun.submit.core.plan import format_time, parse_time
 from meshrun.submit.errors import InputError
@@ -386,8 +386,8 @@ def test_an_error_in_the_file_still_names_its_line(tmp_path: Path) -> None:
 )
 def test_a_preset_off_by_its_size_gets_the_nearest_size_not_the_nearest_spelling(given: str, meant: str) -> None:
     """'llama-80b' suggested 'llama3-8b'."""
-    from meshrun.launcher.contract.presets import PRESETS
-    from meshrun.launcher.contract.schema import closest
+    from meshrun.launcher.contract.spec.presets import PRESETS
+    from meshrun.launcher.contract.spec.schema import closest
 
     assert closest(given, PRESETS) == f" (did you mean {meant!r}?)"
 
@@ -413,7 +413,7 @@ def test_a_run_dir_written_before_the_rename_still_runs(tmp_path: Path) -> None:
     person's input is refused with the pointer."""
     import json
 
-    from meshrun.launcher.contract.spec import dumps_run_spec, loads_run_spec
+    from meshrun.launcher.contract.spec.job import dumps_run_spec, loads_run_spec
     from meshrun.submit.config.cluster import load_profile
 
     run_spec = builders.plan("tiny.yaml", load_profile("local")).run_spec

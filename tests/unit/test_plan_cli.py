@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import yaml
 
-from meshrun.launcher.contract.modelshape import param_count
-from meshrun.launcher.contract.presets import PRESETS
-from meshrun.launcher.contract.spec import Model
+from meshrun.launcher.contract.spec.job import Model
+from meshrun.launcher.contract.spec.modelshape import param_count
+from meshrun.launcher.contract.spec.presets import PRESETS
 from meshrun.submit.cli import main as cli
 from meshrun.submit.planning.plan import load_job
 

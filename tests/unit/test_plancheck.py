@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 import pytest
 
-from meshrun.launcher.contract.spec import Prediction
+from meshrun.launcher.contract.spec.job import Prediction
 from meshrun.launcher.train.plancheck import WARMUP_STEPS, PlanCheck
 
 PLAN = Prediction(
@@ -147,7 +147,7 @@ def test_on_gpus_compute_and_communication_are_one_term_and_memory_is_checked() 
 def test_a_job_carries_its_plans_prediction_where_the_planner_can_time_it(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from meshrun.launcher.contract.spec import loads_run_spec
+    from meshrun.launcher.contract.spec.job import loads_run_spec
     from meshrun.submit import api
     from meshrun.submit.config.cluster import SHIPPED_DIR, load_profile
     from meshrun.submit.planning.plan import plan_file

@@ -66,7 +66,7 @@ def test_a_missing_data_file_and_init_weights_are_named_with_the_key(tmp_path: P
 )
 def test_a_data_file_on_the_cluster_that_is_not_token_ids_is_refused(tmp_path: Path, content: bytes, said: str) -> None:
     """The data file as the cluster sees it (sh, od and awk on the login node: the laptop may not see it), judged
-    as the submit judges one it sees (meshrun.launcher.contract.tokens.sample_problem); not read again where it did."""
+    as the submit judges one it sees (meshrun.launcher.contract.spec.tokens.sample_problem); not read again where it did."""
     plan = _plan(tmp_path)
     Path(plan.spec.data.path).write_bytes(content)
     (check,) = _run(plan).failures

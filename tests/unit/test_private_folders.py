@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from meshrun.launcher.contract import private
-from meshrun.launcher.contract.spec import Code
+from meshrun.launcher.contract.spec.job import Code
 from meshrun.submit.transport import snapshot
 from meshrun.submit.transport.base import PUT_SCRIPT, LocalTransport, Upload
 

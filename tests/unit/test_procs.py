@@ -17,8 +17,8 @@ from typing import Iterator
 import pytest
 
 from meshrun.launcher.contract import procs
-from meshrun.launcher.contract.rundir import RunDir
-from meshrun.launcher.contract.spec import Watchdog as Settings
+from meshrun.launcher.contract.records.rundir import RunDir
+from meshrun.launcher.contract.spec.job import Watchdog as Settings
 from meshrun.launcher.sidecar import watchdog as wd
 
 FAST = Settings(step_factor=2, step_floor_s=1, setup_timeout_s=1, eval_timeout_s=1, checkpoint_timeout_s=1)
@@ -168,7 +168,7 @@ def test_a_local_cancel_never_signals_the_group_a_stale_state_file_names(tmp_pat
     """`meshrun cancel` of a local job whose state file's supervisor pid (and process group) is now another
     session leader of this user: with the start time recorded, or without (an older state file) where the
     group does not carry the job's id, nothing is signalled."""
-    from meshrun.launcher.contract.rundir import local_state_path, merge_state
+    from meshrun.launcher.contract.records.rundir import local_state_path, merge_state
     from meshrun.submit.schedulers import local
     from tests.helpers import builders
 

@@ -128,8 +128,8 @@ def test_resume_set_changes_only_what_may_change() -> None:
 
 def test_validators_refuse_a_trailing_newline_and_non_ascii_digits() -> None:
     """Why: a `$`-anchored regex accepts "X\\n", and `\\d` accepts full-width digits."""
-    from meshrun.launcher.contract import schema
-    from meshrun.launcher.contract.spec import JobSpec
+    from meshrun.launcher.contract.spec import schema
+    from meshrun.launcher.contract.spec.job import JobSpec
     from meshrun.submit.core.plan import parse_time
 
     with pytest.raises(schema.SchemaError, match="env"):

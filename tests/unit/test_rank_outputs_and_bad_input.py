@@ -19,10 +19,9 @@ from torch import nn
 from meshrun.launcher.checkpoint import commit as ckpt
 from meshrun.launcher.checkpoint import resume
 from meshrun.launcher.checkpoint.manager import marker_job
-from meshrun.launcher.contract import ckptdir
-from meshrun.launcher.contract.rundir import RunDir
-from meshrun.launcher.contract.schema import SchemaError
-from meshrun.launcher.contract.spec import (
+from meshrun.launcher.contract.records import ckptdir
+from meshrun.launcher.contract.records.rundir import RunDir
+from meshrun.launcher.contract.spec.job import (
     JobSpec,
     Model,
     RunInfo,
@@ -32,6 +31,7 @@ from meshrun.launcher.contract.spec import (
     dumps_run_spec,
     read_run_spec,
 )
+from meshrun.launcher.contract.spec.schema import SchemaError
 from meshrun.launcher.data.dataset import (
     Layout,
     TokenDataset,
@@ -100,7 +100,7 @@ def test_the_marker_keeps_no_env_and_export_can_still_rebuild_the_job() -> None:
     job = JobSpec(name="j", train=Train(model=Model(n_layers=2)), env={"WANDB_API_KEY": "s3cret"})
     stored = marker_job(RunSpec(job, RunInfo(cluster="c", scheduler="local", run_dir="/r")))
     assert "env" not in stored and "s3cret" not in json.dumps(stored)
-    from meshrun.launcher.contract import schema
+    from meshrun.launcher.contract.spec import schema
 
     assert schema.load(JobSpec, stored).trainer.model.n_layers == 2
 

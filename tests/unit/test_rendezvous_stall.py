@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from meshrun.launcher.contract import suspects
-from meshrun.launcher.contract.rundir import RunDir
-from meshrun.launcher.contract.schema import SchemaError, load
-from meshrun.launcher.contract.spec import Watchdog as Settings
+from meshrun.launcher.contract.records import suspects
+from meshrun.launcher.contract.records.rundir import RunDir
+from meshrun.launcher.contract.spec.job import Watchdog as Settings
+from meshrun.launcher.contract.spec.schema import SchemaError, load
 from meshrun.launcher.sidecar import rendezvous
 from meshrun.launcher.sidecar.rendezvous import NodeView, RendezvousTrack, judge
 from tests.unit.test_watchdog import Clock, Kill, beat, claim, make

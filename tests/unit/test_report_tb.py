@@ -12,7 +12,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from meshrun.launcher.contract.gpus import mfu, peak_tflops
-from meshrun.launcher.contract.rundir import NodeDir, RunDir, node_name
+from meshrun.launcher.contract.records.rundir import NodeDir, RunDir, node_name
 from meshrun.launcher.train import tbwriter
 from meshrun.launcher.train.tbwriter import ScalarWriter
 
@@ -182,7 +182,7 @@ def test_mfu_peak_says_why_there_is_none() -> None:
 
 
 def test_the_plan_carries_the_partitions_gpu_type_and_old_spec_files_still_load(tmp_path: Path) -> None:
-    from meshrun.launcher.contract.spec import dumps_run_spec, read_run_spec
+    from meshrun.launcher.contract.spec.job import dumps_run_spec, read_run_spec
     from meshrun.submit.config.cluster import load_profile
     from meshrun.submit.planning.plan import plan_file
 

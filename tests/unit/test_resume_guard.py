@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from meshrun.launcher.checkpoint import resume
-from meshrun.launcher.contract import ckptdir
+from meshrun.launcher.contract.records import ckptdir
 
 
 def _complete(root: Path, *steps: int) -> None:

@@ -15,9 +15,9 @@ from typing import Any, Mapping, Optional, Sequence
 import pytest
 
 from meshrun.launcher.batch import requeue
-from meshrun.launcher.contract import secrets as ls
-from meshrun.launcher.contract.schema import SchemaError, load
-from meshrun.launcher.contract.spec import JobSpec, RunInfo, RunSpec, dumps_run_spec, loads_run_spec, write_run_spec
+from meshrun.launcher.contract.spec import secrets as ls
+from meshrun.launcher.contract.spec.job import JobSpec, RunInfo, RunSpec, dumps_run_spec, loads_run_spec, write_run_spec
+from meshrun.launcher.contract.spec.schema import SchemaError, load
 from meshrun.submit.config.cluster import load_profile
 from meshrun.submit.core import secrets as job_secrets
 from meshrun.submit.errors import InputError

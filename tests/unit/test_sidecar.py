@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from meshrun.launcher.contract import goodput
-from meshrun.launcher.contract.envcheck import env_mismatches
-from meshrun.launcher.contract.rundir import RunDir, node_name
-from meshrun.launcher.contract.schema import SchemaError, load
-from meshrun.launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, Sidecar, write_run_spec
+from meshrun.launcher.contract.records import goodput
+from meshrun.launcher.contract.records.envcheck import env_mismatches
+from meshrun.launcher.contract.records.rundir import RunDir, node_name
+from meshrun.launcher.contract.spec.job import JobSpec, Resources, RunInfo, RunSpec, Sidecar, write_run_spec
+from meshrun.launcher.contract.spec.schema import SchemaError, load
 from meshrun.launcher.sidecar import keeper, loop, nvml, sidelog
 from meshrun.launcher.sidecar.host import Host
 from tests.unit import fake_nvml

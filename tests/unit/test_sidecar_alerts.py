@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from meshrun.launcher.contract import alerts
-from meshrun.launcher.contract.rundir import RunDir
-from meshrun.launcher.contract.spec import Alerts, JobSpec, Resources, RunInfo, RunSpec, write_run_spec
+from meshrun.launcher.contract.records import alerts
+from meshrun.launcher.contract.records.rundir import RunDir
+from meshrun.launcher.contract.spec.job import Alerts, JobSpec, Resources, RunInfo, RunSpec, write_run_spec
 from meshrun.launcher.sidecar import loop, nvml
 from meshrun.launcher.sidecar import watchdog as wd
 from meshrun.launcher.sidecar.alerting import Alerting, Forwarder, GpuRules

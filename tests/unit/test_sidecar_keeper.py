@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 
 from meshrun.launcher.batch import requeue
-from meshrun.launcher.contract import ckptdir, lost
-from meshrun.launcher.contract.alerts import read as read_alerts
-from meshrun.launcher.contract.rundir import RunDir
-from meshrun.launcher.contract.spec import JobSpec, Resources, RunInfo, RunSpec, write_run_spec
+from meshrun.launcher.contract.records import ckptdir, lost
+from meshrun.launcher.contract.records.alerts import read as read_alerts
+from meshrun.launcher.contract.records.rundir import RunDir
+from meshrun.launcher.contract.spec.job import JobSpec, Resources, RunInfo, RunSpec, write_run_spec
 from meshrun.launcher.sidecar import keeper
 from meshrun.submit.core.status import parse_metrics_tail
 

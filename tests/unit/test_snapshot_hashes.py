@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.launcher.contract.spec import Code
+from meshrun.launcher.contract.spec.job import Code
 from meshrun.submit.transport import snapshot
 from meshrun.submit.transport.snapshot import FileHashes, collect, work_tree
 

@@ -10,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from meshrun.launcher.contract.rundir import RunDir
-from meshrun.launcher.contract.spec import Code
+from meshrun.launcher.contract.records.rundir import RunDir
+from meshrun.launcher.contract.spec.job import Code
 from meshrun.submit.config.cluster import load_profile
 from meshrun.submit.planning.plan import plan_file
 from meshrun.submit.schedulers.render import render

@@ -11,10 +11,10 @@ from typing import Sequence
 import pytest
 
 from meshrun.launcher.batch.requeue import main, restart_in_allocation
-from meshrun.launcher.contract import suspects
 from meshrun.launcher.contract.exitcodes import EXIT_NO_PROGRESS, EXIT_REQUEUE
-from meshrun.launcher.contract.rundir import RunDir, attempt_id
-from meshrun.launcher.contract.spec import JobSpec, Resilience, Resources, RunInfo, RunSpec, write_run_spec
+from meshrun.launcher.contract.records import suspects
+from meshrun.launcher.contract.records.rundir import RunDir, attempt_id
+from meshrun.launcher.contract.spec.job import JobSpec, Resilience, Resources, RunInfo, RunSpec, write_run_spec
 
 ENV = {"SLURM_JOB_ID": "41", "SLURM_RESTART_COUNT": "0", "SLURM_JOB_NODELIST": "n[1-2]"}
 KILLED = "[meshrun] job 41 restart 0 on n[1-2] at 2026-12-03T15:15:09Z\nsrun: error: n1: task 0: Killed\n"

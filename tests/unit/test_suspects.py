@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.launcher.contract import suspects
-from meshrun.launcher.contract.rundir import RunDir
-from meshrun.launcher.contract.spec import Alerts
+from meshrun.launcher.contract.records import suspects
+from meshrun.launcher.contract.records.rundir import RunDir
+from meshrun.launcher.contract.spec.job import Alerts
 from meshrun.launcher.sidecar.alerting import Alerting
 from meshrun.submit.config.cluster import load_profile
 from meshrun.submit.planning.plan import avoid_suspects, plan_file

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.launcher.contract.spec import Code
+from meshrun.launcher.contract.spec.job import Code
 from meshrun.submit.config.cluster import load_profile
 from meshrun.submit.errors import InputError
 from meshrun.submit.planning.plan import plan_file

@@ -11,7 +11,7 @@ from typing import Iterator
 
 import pytest
 
-from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.records.rundir import RunDir
 from meshrun.submit.core.registry import JobRecord
 from meshrun.submit.errors import ClusterError, InputError
 from meshrun.submit.transport.base import LocalTransport

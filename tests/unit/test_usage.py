@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from meshrun.launcher.contract import energy
+from meshrun.launcher.contract.records import energy
 from meshrun.launcher.sidecar.energy import EnergyMeter, nvml_gpus, rapl_packages
 from meshrun.submit.core.findings import ENERGY_DIR, SPEC, findings_from
 from meshrun.submit.core.usage import usage, usage_line

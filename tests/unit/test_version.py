@@ -14,7 +14,7 @@ import tomllib
 
 import meshrun.launcher as launcher
 import meshrun.submit as submit
-from meshrun.launcher.contract.spec import loads_run_spec, write_run_spec
+from meshrun.launcher.contract.spec.job import loads_run_spec, write_run_spec
 from meshrun.launcher.rank.entry import version_mismatch
 from meshrun.submit.config.cluster import load_profile
 from meshrun.submit.planning.plan import plan_file

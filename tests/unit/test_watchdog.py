@@ -19,8 +19,8 @@ from typing import Any, Callable, Optional
 
 import pytest
 
-from meshrun.launcher.contract.rundir import NodeDir, RunDir
-from meshrun.launcher.contract.spec import Watchdog as Settings
+from meshrun.launcher.contract.records.rundir import NodeDir, RunDir
+from meshrun.launcher.contract.spec.job import Watchdog as Settings
 from meshrun.launcher.sidecar import watchdog as wd
 from meshrun.launcher.sidecar.beats import phase_timeout, step_timeout
 from meshrun.launcher.sidecar.stragglers import RankTime, StragglerTracker

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from meshrun.launcher.contract.parallel_dims import ParallelDims
-    from meshrun.launcher.contract.spec import JobSpec
+    from meshrun.launcher.contract.spec.job import JobSpec
+    from meshrun.launcher.contract.spec.parallel_dims import ParallelDims
     from meshrun.launcher.data.dataset import Layout
     from meshrun.launcher.rank.env import RankEnv
     from meshrun.launcher.train.engines.base import Engine

@@ -1,7 +1,7 @@
 """The deepspeed engine: ZeRO 0-3 and CPU offload, from the same spec as the native engine.
 
 DeepSpeed joins the process group meshrun already started (no `deepspeed` runner, pdsh or
-hostfile); its config is generated from the spec (launcher/contract/dsconfig.py) with the same global
+hostfile); its config is generated from the spec (launcher/contract/spec/dsconfig.py) with the same global
 batch, micro batch, accumulation, precision and clipping. meshrun builds the model (the same
 seeded GPT as the native engine: both start from the same weights) and AdamW with the same
 groups (weight decay on matrices only; DeepSpeed's CPU Adam when the optimizer is offloaded),
@@ -28,9 +28,10 @@ import torch
 from torch import nn
 
 from meshrun.launcher.checkpoint.commit import Checkpointer, Writer
-from meshrun.launcher.contract import ckptdir, dsconfig
-from meshrun.launcher.contract.parallel_dims import ParallelDims
-from meshrun.launcher.contract.spec import JobSpec, Train
+from meshrun.launcher.contract.records import ckptdir
+from meshrun.launcher.contract.spec import dsconfig
+from meshrun.launcher.contract.spec.job import JobSpec, Train
+from meshrun.launcher.contract.spec.parallel_dims import ParallelDims
 from meshrun.launcher.data.dataset import Layout, MicroBatches
 from meshrun.launcher.rank.env import RankEnv
 from meshrun.launcher.train import initweights

@@ -26,9 +26,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from meshrun.launcher.checkpoint import commit as ckpt
 from meshrun.launcher.checkpoint.commit import Checkpointer, Writer, dcp_writer
-from meshrun.launcher.contract import ckptdir
-from meshrun.launcher.contract.parallel_dims import ParallelDims
-from meshrun.launcher.contract.spec import JobSpec
+from meshrun.launcher.contract.records import ckptdir
+from meshrun.launcher.contract.spec.job import JobSpec
+from meshrun.launcher.contract.spec.parallel_dims import ParallelDims
 from meshrun.launcher.data.dataset import Layout, MicroBatches
 from meshrun.launcher.rank.env import RankEnv
 from meshrun.launcher.train.engines.base import StepResult

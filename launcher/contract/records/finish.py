@@ -20,7 +20,7 @@ import os
 import time
 from typing import Mapping, Optional
 
-from meshrun.launcher.contract.rundir import RunDir, attempt_id, read_state, write_json
+from meshrun.launcher.contract.records.rundir import RunDir, attempt_id, read_state, write_json
 
 PREEMPTION = "preemption"
 TIME_LIMIT = "time-limit"

@@ -14,7 +14,7 @@ import os
 from typing import Optional, Sequence
 
 from meshrun.launcher.contract.private import append_line
-from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.records.rundir import RunDir
 
 SAMPLE_S = 1.0
 """How often the sidecar samples: the merged view orders lines to this."""

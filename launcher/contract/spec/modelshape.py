@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from meshrun.launcher.contract.spec import JobSpec
-from meshrun.launcher.contract.spec import Model as ModelConfig
+from meshrun.launcher.contract.spec.job import JobSpec
+from meshrun.launcher.contract.spec.job import Model as ModelConfig
 
 
 def ffn_hidden(cfg: ModelConfig) -> int:

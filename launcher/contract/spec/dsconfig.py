@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
-from meshrun.launcher.contract import dskeys
-from meshrun.launcher.contract.schema import SchemaError, closest
+from meshrun.launcher.contract.spec import dskeys
+from meshrun.launcher.contract.spec.schema import SchemaError, closest
 
 if TYPE_CHECKING:
-    from meshrun.launcher.contract.spec import JobSpec
+    from meshrun.launcher.contract.spec.job import JobSpec
 
 DEFAULT_ZERO = 2
 """The ZeRO stage when parallel.zero is unset (gradients and optimizer state sharded)."""
@@ -76,7 +76,7 @@ def check(job: JobSpec) -> None:
 
 
 def check_overrides(job: JobSpec) -> None:
-    """The `deepspeed:` section against the known DeepSpeed keys (launcher/contract/dskeys.py).
+    """The `deepspeed:` section against the known DeepSpeed keys (launcher/contract/spec/dskeys.py).
 
     Refused, naming the full key (`deepspeed.zero_optimization.stage`): a key the spec owns (batch sizes,
     clipping, ZeRO stage, offload device, precision, optimizer, scheduler), even when its value equals the

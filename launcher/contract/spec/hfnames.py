@@ -12,8 +12,8 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
-from meshrun.launcher.contract.modelshape import ffn_hidden, kv_dim
-from meshrun.launcher.contract.spec import Model
+from meshrun.launcher.contract.spec.job import Model
+from meshrun.launcher.contract.spec.modelshape import ffn_hidden, kv_dim
 
 RMS_NORM_EPS = 1e-5
 """meshrun.launcher.train.model.RMSNorm's eps (config.json's rms_norm_eps)."""

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from meshrun.launcher.contract.private import make_private_dir
-from meshrun.launcher.contract.rundir import job_of
+from meshrun.launcher.contract.records.rundir import job_of
 
 RULES = (
     "nonfinite_loss",

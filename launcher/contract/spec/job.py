@@ -13,12 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Mapping, Optional
 
-from meshrun.launcher.contract.parallel_dims import ParallelDims, Problem
-from meshrun.launcher.contract.rundir import NodeDir, RunDir, expand_node_path, node_name
-from meshrun.launcher.contract.schema import SchemaError, bounded, load, to_plain, upgrade_renamed
-from meshrun.launcher.contract.secrets import ENV_KEY, parse_secrets
-
-SPEC_FILE = RunDir.SPEC
+from meshrun.launcher.contract.spec import SPEC_FILE
+from meshrun.launcher.contract.spec.parallel_dims import ParallelDims, Problem
+from meshrun.launcher.contract.spec.schema import SchemaError, bounded, load, to_plain, upgrade_renamed
+from meshrun.launcher.contract.spec.secrets import ENV_KEY, parse_secrets
 
 Precision = Literal["fp32", "bf16", "fp16"]
 
@@ -88,7 +86,7 @@ class Model:
     ffn_mult: float = 2.6667
     """SwiGLU hidden size as a multiple of d_model (rounded up to a multiple of 64)."""
     preset: Optional[str] = None
-    """A model-size preset (llama-7b, llama-70b, gpt2-small, ...: launcher/contract/presets.py) setting the keys above;
+    """A model-size preset (llama-7b, llama-70b, gpt2-small, ...: launcher/contract/spec/presets.py) setting the keys above;
     expanded when the spec is loaded, keys given explicitly win."""
 
     def __post_init__(self) -> None:
@@ -372,8 +370,8 @@ class JobSpec:
     """Extra environment variables for every rank (never put secrets here: scripts are readable)."""
     secrets: Any = field(default_factory=dict)
     """Secret environment variables for every rank, by name: where each value comes from ({file: PATH} or
-    {env: NAME}), never the value itself; set at rank start, written nowhere (launcher/contract/secrets.py). Loaded
-    as {NAME: SecretSource} by meshrun.launcher.contract.secrets.parse_secrets, not by the schema (Any here): its errors would
+    {env: NAME}), never the value itself; set at rank start, written nowhere (launcher/contract/spec/secrets.py). Loaded
+    as {NAME: SecretSource} by meshrun.launcher.contract.spec.secrets.parse_secrets, not by the schema (Any here): its errors would
     echo a value written where a source belongs."""
     code: Code = field(default_factory=Code)
     """Which project files are shipped to the cluster with the job."""
@@ -411,7 +409,7 @@ class JobSpec:
                 self.command_steps,
                 "it is a `command:` job's last step; the built-in trainer's is train.steps",
             )
-        from meshrun.launcher.contract import dsconfig  # here, not at the top: dsconfig reads JobSpec
+        from meshrun.launcher.contract.spec import dsconfig  # here, not at the top: dsconfig reads JobSpec
 
         dsconfig.check(self)
 
@@ -499,12 +497,12 @@ class RunInfo:
     ("" in a spec.json written before meshrun recorded it)."""
     scratch_dir: str = ""
     """This run's folder on each node's local scratch (the profile's paths.scratch); "" when the cluster has
-    none. Each node uses SCRATCH_DIR/NODE (meshrun.launcher.contract.rundir.RunDir.node_dir): checkpoints are staged there."""
+    none. Each node uses SCRATCH_DIR/NODE (meshrun.launcher.contract.records.rundir.RunDir.node_dir): checkpoints are staged there."""
     gpu_type: str = ""
     """The partition's GPU type from the cluster profile (h100, h200, ...): MFU is measured against its
     peak (meshrun.launcher.contract.gpus); "" when the profile names none (then the device's own name is looked up)."""
     suspects_file: str = ""
-    """The cluster's ledger of suspect nodes (WORK_DIR/.meshrun/suspect-nodes.jsonl: launcher/contract/suspects.py),
+    """The cluster's ledger of suspect nodes (WORK_DIR/.meshrun/suspect-nodes.jsonl: launcher/contract/records/suspects.py),
     where a hang verdict records the nodes it blames ("" in a spec.json written before there was one)."""
     gpu_hour_price: float = 0.0
     """What one GPU-hour costs on this cluster (the profile's cost.gpu_hour; 0: not priced), in `currency`: the
@@ -522,12 +520,6 @@ class RunSpec:
 
     job: JobSpec
     run: RunInfo
-
-    def node_dir(self, environ: Mapping[str, str]) -> NodeDir:
-        """This node's folder for the run (the ranks' heartbeats, staged saves, NCCL dumps): on the
-        profile's scratch when it has one, else under the run dir's internals."""
-        scratch = expand_node_path(self.run.scratch_dir)
-        return RunDir(self.run.run_dir).node_dir(scratch, node_name(environ))
 
 
 def dumps_run_spec(run_spec: RunSpec) -> str:

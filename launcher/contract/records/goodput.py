@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Optional
 
 from meshrun.launcher.contract.private import append_line
-from meshrun.launcher.contract.rundir import RunDir, read_state, write_json
+from meshrun.launcher.contract.records.rundir import RunDir, read_state, write_json
 
 PARTS = ("setup", "productive", "lost", "ckpt_stall", "eval", "end")
 """The parts of an allocation, in the order of a job's life; they add up to `allocated`."""

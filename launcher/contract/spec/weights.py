@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from meshrun.launcher.contract import hfnames
-from meshrun.launcher.contract.schema import SchemaError
-from meshrun.launcher.contract.spec import JobSpec, Model
-from meshrun.launcher.contract.tokens import local_path, resolve_vocab, visible_here
+from meshrun.launcher.contract.spec import hfnames
+from meshrun.launcher.contract.spec.job import JobSpec, Model
+from meshrun.launcher.contract.spec.schema import SchemaError
+from meshrun.launcher.contract.spec.tokens import local_path, resolve_vocab, visible_here
 
 HEADER_LIMIT = 100 << 20
 """The largest header accepted (safetensors' own limit): a bigger length means the file is no safetensors."""

@@ -19,7 +19,7 @@ usually lives on a cluster, not on the machine that names it.
       checkpoints/           unless the cluster has a checkpoint root
       diagnosis/             a hang's diagnosis: verdict.txt/.json, NODE/ (stacks, heartbeats, GPUs)
       stragglers.json        the sidecars: ranks persistently slower than the median (absent: none)
-      alerts.jsonl           rank 0 and node 0's sidecar: one JSON line per alert (see launcher/contract/alerts.py)
+      alerts.jsonl           rank 0 and node 0's sidecar: one JSON line per alert (see launcher/contract/records/alerts.py)
       doctor/rank-N.json     `meshrun doctor`: each rank's preflight results (launcher/probes/doctor.py)
       health/NODE.json       each node's health check before this start (launcher/probes/health.py)
       health.json            the health gate's verdict on this start: failing nodes, what was done (launcher/batch/gate.py)
@@ -33,8 +33,8 @@ usually lives on a cluster, not on the machine that names it.
         reported-step.json   rank 0's highest step given to report(): a command job's progress
         requeue.json         the requeue policy's count of failed runs without progress (meshrun.launcher.batch.requeue)
         attempts.jsonl       each start and end of the job's allocation (the batch shell, the local supervisor)
-        goodput/JOB.json     where the job's allocated time went (launcher/contract/goodput.py)
-        energy/JOB.NODE.json what NODE's sidecar measured of the job's energy (launcher/contract/energy.py)
+        goodput/JOB.json     where the job's allocated time went (launcher/contract/records/goodput.py)
+        energy/JOB.NODE.json what NODE's sidecar measured of the job's energy (launcher/contract/records/energy.py)
 
 A node's own files live in its NodeDir: on node-local scratch (`paths.scratch` in the cluster
 profile) when there is one, else under RUN_DIR/.meshrun/nodes/NODE/.
@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from meshrun.launcher.contract.private import make_private_dir
+from meshrun.launcher.contract.spec import SPEC_FILE
 
 JOB_ID_ENV = "MESHRUN_JOB_ID"
 """Set by the local backend for its supervisor: which job id's state file it writes."""
@@ -69,7 +70,7 @@ class RunDir:
     """The run dir itself (absolute, as the cluster sees it)."""
 
     JOB_YAML = "job.yaml"
-    SPEC = "spec.json"
+    SPEC = SPEC_FILE
     METRICS = "metrics.jsonl"
     TENSORBOARD = "tensorboard"
     GPU_METRICS = "gpu.jsonl"
@@ -241,7 +242,7 @@ class RunDir:
     @property
     def finished(self) -> str:
         """{"attempt", "step", "time"}: a `command:` job's program said it finished in that start
-        (meshrun.launcher.job.finished): its exit 0 after a stop signal is a finish, not a stop (launcher/contract/finish.py)."""
+        (meshrun.launcher.job.finished): its exit 0 after a stop signal is a finish, not a stop (launcher/contract/records/finish.py)."""
         return self.path(self.INTERNAL, "finished.json")
 
     @property
@@ -258,7 +259,7 @@ class RunDir:
         return self.path(self.INTERNAL, "attempts.jsonl")
 
     def energy(self, job_id: str, node: str) -> str:
-        """What node's sidecar measured of job_id's energy (launcher/contract/energy.py)."""
+        """What node's sidecar measured of job_id's energy (launcher/contract/records/energy.py)."""
         return self.path(self.INTERNAL, "energy", f"{job_id}.{node}.json")
 
     def goodput(self, job_id: str) -> str:
@@ -430,3 +431,9 @@ def record_exit(run_dir: Path, code: int) -> None:
     with os.fdopen(fd, "w") as handle:
         handle.write(f"{code}\n")
     os.replace(tmp, Path(run_dir) / RunDir.EXIT_CODE)
+
+
+def run_node_dir(run_dir: str, scratch_dir: str, environ: Mapping[str, str]) -> NodeDir:
+    """This node's folder for a run (the ranks' heartbeats, staged saves, NCCL dumps): on the profile's scratch
+    (the run spec's run.scratch_dir) when it has one, else under the run dir's internals."""
+    return RunDir(run_dir).node_dir(expand_node_path(scratch_dir), node_name(environ))

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from meshrun.launcher.contract.schema import SchemaError
-from meshrun.launcher.contract.spec import Data, JobSpec
+from meshrun.launcher.contract.spec.job import Data, JobSpec
+from meshrun.launcher.contract.spec.schema import SchemaError
 
 TOKEN_WIDTHS = {"uint16": 2, "uint32": 4}
 """The dtypes a token file may hold, and their bytes."""

@@ -15,8 +15,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from meshrun.launcher.contract import alerts, ckptdir
-from meshrun.launcher.contract.rundir import RunDir
+from meshrun.launcher.contract.records import alerts, ckptdir
+from meshrun.launcher.contract.records.rundir import RunDir
 
 
 def saved_steps(metrics_text: str, job: Optional[str] = None) -> list[int]:
@@ -66,7 +66,7 @@ def sentence(lost: list[int], newest: Optional[int]) -> str:
 
 
 def checkpoint_dir_of(run_dir: str) -> str:
-    from meshrun.launcher.contract.spec import read_run_spec  # torch-free
+    from meshrun.launcher.contract.spec.job import read_run_spec  # torch-free
 
     run = read_run_spec(Path(run_dir)).run
     return run.checkpoint_dir or RunDir(run_dir).default_checkpoints

@@ -23,7 +23,7 @@ import stat
 from dataclasses import dataclass
 from typing import Any, Mapping, MutableMapping, Optional
 
-from meshrun.launcher.contract.schema import SchemaError, check_text
+from meshrun.launcher.contract.spec.schema import SchemaError, check_text
 
 ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 """An environment variable's name (job spec `env:` and `secrets:` keys, `env:` sources)."""
