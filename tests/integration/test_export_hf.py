@@ -145,8 +145,9 @@ def test_init_from_an_hf_export_starts_another_layout_at_the_trained_loss(tmp_pa
     finish(start(trained, 2))
     out = tmp_path / "hf"
     assert export.main([str(trained / "checkpoints"), str(out), "--format", "hf"]) == 0
-    # lr 0: the weights stay the export's, so every validation is the trained model's, under tensor parallel.
-    frozen = tiny_train(model=cfg, steps=2, eval_every=1, lr=0.0, min_lr=0.0, init_from=str(out))
+    # lr 1e-12 (a spec's lr must be positive): the weights stay the export's to far below the tolerance, so every
+    # validation is the trained model's, under tensor parallel.
+    frozen = tiny_train(model=cfg, steps=2, eval_every=1, lr=1e-12, min_lr=0.0, init_from=str(out))
     tuned = make_run(tmp_path, "tuned", corpus, 2, train=frozen, parallel=Parallel(dp=1, tp=2), checkpoint=Checkpoint())
     outputs = finish(start(tuned, 2))
     assert f"initialised 20 tensors from {out} (Hugging Face Llama naming)" in outputs[0]
